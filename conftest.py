@@ -1,0 +1,9 @@
+"""Repo-wide pytest set-up, loaded before any test module imports a package."""
+
+import os
+
+import torch
+
+# Triton kernels only run on a CPU under the interpreter, and it must be on before any @triton.jit runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
