@@ -1,0 +1,127 @@
+"""Input validation shared by every op wrapper.
+
+Each check raises ValueError naming the argument and what was expected, so a caller who passes a tensor of
+the wrong shape, dtype, device or index range learns which one and why, before any kernel runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+Backend = Literal["auto", "triton", "torch", "reference"]
+BACKENDS: tuple[str, ...] = ("auto", "triton", "torch", "reference")
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "torch", "reference"]:
+    """`auto` means Triton on CUDA and the fast torch path elsewhere."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return backend  # type: ignore[return-value]
+
+
+def _fmt(shape: Sequence[int | str | None]) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    shape: Sequence[int | str | None],
+    *,
+    dtypes: Sequence[torch.dtype] | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Check rank, fixed sizes (an int), free sizes (None or a symbol name), dtype and device.
+
+    Symbol names in `shape` are only documentation; bind them with `dim()` and compare across tensors.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor of shape {_fmt(shape)}, got {type(t).__name__}")
+    if t.dim() != len(shape) or any(
+        isinstance(want, int) and got != want for got, want in zip(t.shape, shape, strict=True)
+    ):
+        raise ValueError(f"{name}: expected shape {_fmt(shape)}, got {list(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    return t
+
+
+def check_index(
+    name: str,
+    t: object,
+    shape: Sequence[int | str | None],
+    *,
+    low: int,
+    high: int,
+    device: torch.device | None = None,
+    allow_pad: bool = True,
+) -> torch.Tensor:
+    """An int32/int64 index tensor whose values lie in [low, high), or are -1 when padding is allowed."""
+    t = check_tensor(name, t, shape, dtypes=INDEX_DTYPES, device=device)
+    if t.numel() == 0:
+        return t
+    valid = (t >= low) & (t < high)
+    if allow_pad:
+        valid |= t == -1
+    if not bool(valid.all()):
+        bad = t[~valid][0].item()
+        pad = " or -1 (padding)" if allow_pad else ""
+        raise ValueError(f"{name}: expected values in [{low}, {high}){pad}, got {bad}")
+    return t
+
+
+def check_cu_seqlens(
+    name: str, t: object, num_tokens: int, *, device: torch.device | None = None
+) -> torch.Tensor:
+    """Packed-sequence offsets: [N + 1], starting at 0, non-decreasing, ending at `num_tokens`."""
+    t = check_tensor(name, t, (None,), dtypes=INDEX_DTYPES, device=device)
+    if t.numel() < 1 or int(t[0]) != 0 or int(t[-1]) != num_tokens:
+        raise ValueError(f"{name}: expected [N + 1] offsets from 0 to {num_tokens}, got {t.tolist()}")
+    if t.numel() > 1 and bool((t[1:] < t[:-1]).any()):
+        raise ValueError(f"{name}: expected non-decreasing offsets, got {t.tolist()}")
+    return t
+
+
+def dim(name: str, t: torch.Tensor, axis: int, expected: int | None = None, what: str = "") -> int:
+    """Size of `t` along `axis`, checked against `expected` when given."""
+    size = int(t.shape[axis])
+    if expected is not None and size != expected:
+        label = f" ({what})" if what else ""
+        raise ValueError(f"{name}: expected size {expected} at dim {axis}{label}, got {list(t.shape)}")
+    return size
+
+
+def check_inner_contiguous(name: str, t: torch.Tensor, lead_dims: int) -> torch.Tensor:
+    """Dims after the first `lead_dims` form one dense row-major block (the lead dims may have any stride).
+
+    Kernels that copy or read a whole entry as one flat run of memory need this; size-1 dims are ignored.
+    """
+    expected = 1
+    for axis in range(t.dim() - 1, lead_dims - 1, -1):
+        size = int(t.shape[axis])
+        if size != 1 and int(t.stride(axis)) != expected:
+            raise ValueError(
+                f"{name}: expected dims {lead_dims}.. of shape {list(t.shape)} to be contiguous, "
+                f"got strides {list(t.stride())}"
+            )
+        expected *= size
+    return t
+
+
+def check_unique_live(name: str, values: torch.Tensor, live: torch.Tensor) -> None:
+    """No two live entries of `values` are equal (two writers to one destination would race)."""
+    chosen = values[live]
+    uniq, counts = torch.unique(chosen, return_counts=True)
+    if bool((counts > 1).any()):
+        dup = int(uniq[counts > 1][0])
+        raise ValueError(f"{name}: expected unique destinations among live rows, got {dup} more than once")
