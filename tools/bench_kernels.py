@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from triton.testing import do_bench
-
 from hyspec_kernels.conv import conv_decode, conv_prefill
 from hyspec_kernels.gdn import gdn_decode, gdn_prefill, gdn_verify
+from triton.testing import do_bench
 
 HK, HV, K, V = 16, 32, 128, 128
 CONV_W = 4
@@ -87,7 +86,13 @@ def bench_decode(batches: list[int], fla: Any, bw: float) -> list[dict[str, Any]
 
             def run_fla() -> object:
                 return fla.fused_recurrent_gated_delta_rule(
-                    q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                    q,
+                    k,
+                    v,
+                    g=g,
+                    beta=beta,
+                    initial_state=h0,
+                    output_final_state=True,
                     use_qk_l2norm_in_kernel=True,
                 )
 
@@ -110,7 +115,9 @@ def bench_verify(batches: list[int], d: int, d_max: int) -> list[dict[str, Any]]
         scratch = torch.empty(b + 1, d_max, HV, K, V, device=DEV, dtype=torch.float32)
         rows_idx = torch.arange(b, device=DEV, dtype=torch.int32)
         ver = bench_ms(
-            lambda: gdn_verify(**x, state=pool, state_slots=slots, scratch=scratch, scratch_rows=rows_idx, parents=None)
+            lambda: gdn_verify(
+                **x, state=pool, state_slots=slots, scratch=scratch, scratch_rows=rows_idx, parents=None
+            )
         )
         dec = bench_ms(lambda: gdn_decode(**xd, state=pool, state_slots=slots))
         traffic = (1 + d) * b * HV * K * V * 4
@@ -172,7 +179,12 @@ def bench_conv(batches: list[int], lengths: list[int], bw: float) -> dict[str, l
             lambda: conv_decode(x, weight, None, conv_state=pool, state_slots=slots, activation="silu")
         )
         traffic = b * CONV_DIM * (2 * (CONV_W - 1) + 2) * 2
-        row = {"B": b, "us": ms * 1e3, "TBps": traffic / (ms * 1e-3) / 1e12, "frac_copy_bw": traffic / (ms * 1e-3) / bw}
+        row = {
+            "B": b,
+            "us": ms * 1e3,
+            "TBps": traffic / (ms * 1e-3) / 1e12,
+            "frac_copy_bw": traffic / (ms * 1e-3) / bw,
+        }
         dec_rows.append(row)
         print("conv_decode", row, flush=True)
     for t in lengths:
@@ -183,7 +195,13 @@ def bench_conv(batches: list[int], lengths: list[int], bw: float) -> dict[str, l
         init = torch.tensor([False], device=DEV)
         ms = bench_ms(
             lambda: conv_prefill(
-                x, weight, None, cu_seqlens=cu, conv_state=pool, state_slots=slots, has_initial_state=init,
+                x,
+                weight,
+                None,
+                cu_seqlens=cu,
+                conv_state=pool,
+                state_slots=slots,
+                has_initial_state=init,
                 activation="silu",
             ),
             rep=100,
@@ -201,21 +219,29 @@ def goals(res: dict[str, Any]) -> list[str]:
     for r in res["gdn_decode"]:
         if "fla_us" in r:
             ok = r["hyspec_us"] <= r["fla_us"]
-            out.append(f"decode B={r['B']}: {'MET' if ok else 'NOT MET'} (hyspec/fla time = "
-                       f"{r['hyspec_us'] / r['fla_us']:.2f})")
+            out.append(
+                f"decode B={r['B']}: {'MET' if ok else 'NOT MET'} (hyspec/fla time = "
+                f"{r['hyspec_us'] / r['fla_us']:.2f})"
+            )
         if r["B"] >= 32:
             ok = r["hyspec_frac_copy_bw"] >= 0.8
-            out.append(f"decode B={r['B']} state bandwidth >= 80% of copy: {'MET' if ok else 'NOT MET'} "
-                       f"({100 * r['hyspec_frac_copy_bw']:.0f}%)")
+            out.append(
+                f"decode B={r['B']} state bandwidth >= 80% of copy: {'MET' if ok else 'NOT MET'} "
+                f"({100 * r['hyspec_frac_copy_bw']:.0f}%)"
+            )
     for r in res["gdn_verify"]:
         ok = r["verify_over_decode"] < 1.5
-        out.append(f"verify D={r['D']} B={r['B']} < 1.5x decode: {'MET' if ok else 'NOT MET'} "
-                   f"({r['verify_over_decode']:.2f}x)")
+        out.append(
+            f"verify D={r['D']} B={r['B']} < 1.5x decode: {'MET' if ok else 'NOT MET'} "
+            f"({r['verify_over_decode']:.2f}x)"
+        )
     for r in res["gdn_prefill"]:
         if "fla_ms" in r:
             ok = r["ratio_vs_fla"] <= 1.25
-            out.append(f"prefill T={r['T']} within 1.25x of fla: {'MET' if ok else 'NOT MET'} "
-                       f"({r['ratio_vs_fla']:.2f}x)")
+            out.append(
+                f"prefill T={r['T']} within 1.25x of fla: {'MET' if ok else 'NOT MET'} "
+                f"({r['ratio_vs_fla']:.2f}x)"
+            )
     return out
 
 
