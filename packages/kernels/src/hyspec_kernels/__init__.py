@@ -1,3 +1,33 @@
-"""Triton ops and their PyTorch references: gated delta rule, causal conv1d, state commit, paged attention, GDN gating and gated RMSNorm."""
+"""Every numeric op of hyspec: a PyTorch reference (token by token, fp32), a fast torch path for CPU and a
+Triton kernel for GPU, behind wrappers that validate their inputs.
+
+Ops: gated delta rule (`gdn_prefill`, `gdn_decode`, `gdn_verify`), causal depthwise conv1d (`conv_prefill`,
+`conv_decode`, `conv_verify`), state commit after verify (`commit_states`), attention over a paged KV cache
+(`store_kv`, `paged_attention`), GDN gating (`gdn_gating`) and norms (`gated_rmsnorm`, `rms_norm`).
+`python -m hyspec_kernels.selfcheck` runs each against its reference.
+"""
+
+from hyspec_kernels.attention import paged_attention, store_kv
+from hyspec_kernels.commit import StatePair, commit_states
+from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
+from hyspec_kernels.gating import gated_rmsnorm, gdn_gating, rms_norm
+from hyspec_kernels.gdn import GDNPrefillOutput, gdn_decode, gdn_prefill, gdn_verify
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "GDNPrefillOutput",
+    "StatePair",
+    "commit_states",
+    "conv_decode",
+    "conv_prefill",
+    "conv_verify",
+    "gated_rmsnorm",
+    "gdn_decode",
+    "gdn_gating",
+    "gdn_prefill",
+    "gdn_verify",
+    "paged_attention",
+    "rms_norm",
+    "store_kv",
+]

@@ -56,6 +56,11 @@ def check_tensor(
     return t
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """A CUDA graph is being captured on `t`'s device: value checks (host reads) must be skipped."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def check_index(
     name: str,
     t: object,
@@ -68,7 +73,7 @@ def check_index(
 ) -> torch.Tensor:
     """An int32/int64 index tensor whose values lie in [low, high), or are -1 when padding is allowed."""
     t = check_tensor(name, t, shape, dtypes=INDEX_DTYPES, device=device)
-    if t.numel() == 0:
+    if t.numel() == 0 or capturing(t):
         return t
     valid = (t >= low) & (t < high)
     if allow_pad:
@@ -85,6 +90,8 @@ def check_cu_seqlens(
 ) -> torch.Tensor:
     """Packed-sequence offsets: [N + 1], starting at 0, non-decreasing, ending at `num_tokens`."""
     t = check_tensor(name, t, (None,), dtypes=INDEX_DTYPES, device=device)
+    if t.numel() >= 1 and capturing(t):
+        return t
     if t.numel() < 1 or int(t[0]) != 0 or int(t[-1]) != num_tokens:
         raise ValueError(f"{name}: expected [N + 1] offsets from 0 to {num_tokens}, got {t.tolist()}")
     if t.numel() > 1 and bool((t[1:] < t[:-1]).any()):

@@ -1,0 +1,185 @@
+"""`store_kv` and `paged_attention`: validated entry points over a paged KV cache.
+
+Cache layout `[P, page_size, HKV, Dh]` for both K and V; a KV slot is `page * page_size + offset`. The caller
+stores the new tokens' K/V first, then attends: query i of sequence n sits at absolute position
+`kv_lens[n] - q_len_n + i`. The same op serves extend after a cached prefix, decode (q_len 1), chain verify
+(causal) and tree verify (`tree_mask`), and sequences with q_len 0 (padding rows).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hyspec_kernels._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    Backend,
+    capturing,
+    check_cu_seqlens,
+    check_index,
+    check_tensor,
+    dim,
+    resolve_backend,
+)
+from hyspec_kernels.attention.reference import paged_attention_reference, store_kv_reference
+from hyspec_kernels.attention.torch_impl import paged_attention_torch, store_kv_torch
+from hyspec_kernels.attention.triton_kernels import paged_attention_triton, store_kv_triton
+
+
+def _check_caches(
+    k_cache: object,
+    v_cache: object,
+    device: torch.device | None,
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+    head_dim: int | str = "Dh",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = ("P", "page_size", "HKV", head_dim)
+    k_cache = check_tensor("k_cache", k_cache, shape, dtypes=dtypes, device=device)
+    v_cache = check_tensor("v_cache", v_cache, tuple(k_cache.shape), dtypes=(k_cache.dtype,), device=device)
+    if k_cache.shape[0] == 0 or k_cache.shape[1] == 0:
+        raise ValueError(
+            f"k_cache: expected at least one page of at least one slot, got {list(k_cache.shape)}"
+        )
+    return k_cache, v_cache
+
+
+def _check_unit_stride(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(
+                f"{name}: expected unit stride along the head dim, got strides {list(t.stride())}"
+            )
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_slots: torch.Tensor,
+    backend: Backend = "auto",
+) -> None:
+    """Write token t's K/V ([T, HKV, Dh] each) to flat KV slot `kv_slots[t]` of the caches; -1 is skipped.
+
+    Two live tokens with the same slot race (undefined which one lands); the caller hands out unique slots.
+    """
+    k_cache, v_cache = _check_caches(
+        k_cache, v_cache, k_cache.device if isinstance(k_cache, torch.Tensor) else None
+    )
+    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    k = check_tensor("k", k, ("T", num_kv_heads, head_dim), dtypes=(k_cache.dtype,), device=k_cache.device)
+    v = check_tensor("v", v, tuple(k.shape), dtypes=(k_cache.dtype,), device=k_cache.device)
+    kv_slots = check_index(
+        "kv_slots", kv_slots, (k.shape[0],), low=0, high=num_pages * page_size, device=k_cache.device
+    )
+    impl = resolve_backend(backend, k_cache.device)
+    if impl == "triton":
+        _check_unit_stride(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
+    run = {"reference": store_kv_reference, "torch": store_kv_torch, "triton": store_kv_triton}[impl]
+    run(k, v, k_cache=k_cache, v_cache=v_cache, kv_slots=kv_slots)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    *,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    tree_mask: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Attention of packed queries over paged K/V. Returns o [T, HQ, Dh] in q's dtype (softmax in fp32).
+
+    Args:
+        q: [T, HQ, Dh], HQ a multiple of HKV (query head h reads KV head h // (HQ // HKV)).
+        k_cache, v_cache: [P, page_size, HKV, Dh], q's dtype; the new tokens' K/V already stored.
+        page_table: [N, max_pages] int; position p of sequence n is at page `page_table[n, p // page_size]`.
+            Only the first ceil(kv_lens[n] / page_size) entries of a row are read (and range-checked).
+        cu_seqlens_q: [N + 1] int offsets of each sequence's queries in q; q_len 0 is allowed.
+        kv_lens: [N] int, tokens in the cache for each sequence including the new ones; >= q_len.
+        scale: softmax scale, usually Dh ** -0.5.
+        tree_mask: [N, D, D] bool or None. With it, each sequence's q_len <= D new tokens form a verify block:
+            query i sees the prefix and block token j iff `tree_mask[n, i, j]` (diagonal must be true).
+            Without it attention is causal.
+        backend: "auto" (Triton on CUDA, torch elsewhere), "triton", "torch" or "reference".
+    """
+    q = check_tensor("q", q, ("T", "HQ", "Dh"), dtypes=FLOAT_DTYPES)
+    device = q.device
+    num_tokens, num_q_heads, head_dim = q.shape
+    k_cache, v_cache = _check_caches(k_cache, v_cache, device, (q.dtype,), head_dim)
+    num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"q: expected HQ a multiple of HKV = {num_kv_heads}, got shape {list(q.shape)}")
+    page_table = check_tensor(
+        "page_table", page_table, ("N", "max_pages"), dtypes=INDEX_DTYPES, device=device
+    )
+    num_seqs, max_pages = page_table.shape
+    cu_seqlens_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, num_tokens, device=device)
+    dim("cu_seqlens_q", cu_seqlens_q, 0, num_seqs + 1, "N + 1, N = page_table rows")
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # [N]
+    kv_lens = check_tensor("kv_lens", kv_lens, (num_seqs,), dtypes=INDEX_DTYPES, device=device)
+    # under CUDA graph capture nothing may read device values: skip the value checks and launch for the
+    # static upper bounds (T queries, a full page-table row of keys); the kernel masks by the real lengths
+    graph = capturing(q)
+    if num_seqs and not graph and bool(((kv_lens < q_lens) | (kv_lens > max_pages * page_size)).any()):
+        raise ValueError(
+            f"kv_lens: expected q_len <= kv_len <= max_pages * page_size = {max_pages * page_size}, "
+            f"got kv_lens {kv_lens.tolist()} for q_lens {q_lens.tolist()}"
+        )
+    if not graph:
+        used = torch.arange(max_pages, device=device)[None, :] * page_size < kv_lens[:, None]  # [N, pages]
+        check_index("page_table", page_table[used], (None,), low=0, high=num_pages, allow_pad=False)
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite float, got {scale!r}")
+    if graph:
+        max_q_len, max_kv_len = (num_tokens, max_pages * page_size) if num_seqs else (0, 0)
+    else:
+        max_q_len = int(q_lens.max()) if num_seqs else 0
+        max_kv_len = int(kv_lens.max()) if num_seqs else 0
+    if tree_mask is not None:
+        tree_mask = check_tensor(
+            "tree_mask", tree_mask, (num_seqs, "D", "D"), dtypes=(torch.bool,), device=device
+        )
+        depth = dim("tree_mask", tree_mask, 1)
+        dim("tree_mask", tree_mask, 2, depth, "D, a square mask")
+        if max_q_len > depth:
+            raise ValueError(
+                f"tree_mask: expected D >= every q_len = {max_q_len}, got {list(tree_mask.shape)}"
+            )
+        diag = tree_mask.diagonal(dim1=1, dim2=2)  # [N, D]
+        live = torch.arange(depth, device=device)[None, :] < q_lens[:, None]
+        if not graph and not bool(diag[live].all()):
+            raise ValueError("tree_mask: expected tree_mask[n, i, i] true for every query i < q_len")
+
+    impl = resolve_backend(backend, device)
+    if impl == "triton":
+        _check_unit_stride(q=q, k_cache=k_cache, v_cache=v_cache)
+        return paged_attention_triton(
+            q,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            page_table=page_table,
+            cu_seqlens_q=cu_seqlens_q,
+            kv_lens=kv_lens,
+            scale=float(scale),
+            tree_mask=tree_mask,
+            max_q_len=max_q_len,
+            max_kv_len=max_kv_len,
+        )
+    run = paged_attention_reference if impl == "reference" else paged_attention_torch
+    return run(
+        q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        page_table=page_table,
+        cu_seqlens_q=cu_seqlens_q,
+        kv_lens=kv_lens,
+        scale=float(scale),
+        tree_mask=tree_mask,
+    )

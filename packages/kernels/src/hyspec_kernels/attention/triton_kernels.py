@@ -1,0 +1,461 @@
+"""Triton kernels: KV store into pages, and flash-attention style paged attention.
+
+Attention grid: (sequence, query tile, KV head). A program takes BLOCK_M query tokens of one sequence and all
+GROUP query heads that share one KV head, as BLOCK_M * GROUP_PAD rows of a single matrix, so the K/V it
+streams from the pages serve the whole group (GQA) and decode still fills a tensor-core tile. It walks the
+sequence's KV positions in blocks of BLOCK_N, looking each position's page up in the page table (any page
+size, 1 included), with an online softmax in fp32. Masked and out-of-range positions are never loaded
+(masked loads give zeros), so unused pages cannot leak into the output even when they hold NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _store_kv_kernel(  # type: ignore[no-untyped-def]
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    kc_stride_page,
+    kc_stride_off,
+    kc_stride_h,
+    vc_stride_page,
+    vc_stride_off,
+    vc_stride_h,
+    page_size,
+    num_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    live = slot >= 0
+    page = tl.where(live, slot, 0) // page_size
+    offset = tl.where(live, slot, 0) % page_size
+    h = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+    d = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
+    # A padded token (slot -1) copies zero heads; folding it into the bound keeps the mask a comparison.
+    mask = (h < tl.where(live, num_heads, 0)) & (d < head_dim)
+    k = tl.load(k_ptr + t * k_stride_t + h * k_stride_h + d, mask=mask)
+    v = tl.load(v_ptr + t * v_stride_t + h * v_stride_h + d, mask=mask)
+    tl.store(k_cache_ptr + page * kc_stride_page + offset * kc_stride_off + h * kc_stride_h + d, k, mask=mask)
+    tl.store(v_cache_ptr + page * vc_stride_page + offset * vc_stride_off + h * vc_stride_h + d, v, mask=mask)
+
+
+def store_kv_triton(
+    k: torch.Tensor, v: torch.Tensor, *, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor
+) -> None:
+    """Unvalidated launcher: last dims of k, v and the caches must have stride 1 (the wrapper checks)."""
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        kv_slots,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        k_cache.shape[1],
+        num_heads,
+        head_dim,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _attend_block(  # type: ignore[no-untyped-def]
+    q,
+    m_i,
+    l_i,
+    acc,
+    start,
+    k_cache_ptr,
+    v_cache_ptr,
+    page_table_ptr,
+    tree_ptr,
+    seq,
+    kv_head,
+    kv_len,
+    prefix,
+    m,
+    qpos,
+    row_valid,
+    d,
+    d_valid,
+    qk_scale,
+    kc_stride_page,
+    kc_stride_off,
+    kc_stride_h,
+    vc_stride_page,
+    vc_stride_off,
+    vc_stride_h,
+    pt_stride_n,
+    pt_stride_p,
+    tree_stride_n,
+    tree_stride_i,
+    page_size,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_TREE: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One online-softmax step over KV positions [start, start + BLOCK_N).
+
+    MASKED=False is the fast path for blocks every row of the tile sees in full (the cached prefix, or the
+    causal past of the tile's first query): no position, causal or tree masks.
+    """
+    pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] absolute KV positions
+    if MASKED:
+        pos_valid = pos < kv_len
+        page = tl.load(
+            page_table_ptr + seq * pt_stride_n + (pos // page_size) * pt_stride_p, mask=pos_valid, other=0
+        )
+        kv_mask = pos_valid[:, None] & d_valid[None, :]
+    else:
+        page = tl.load(page_table_ptr + seq * pt_stride_n + (pos // page_size) * pt_stride_p)
+        kv_mask = d_valid[None, :]
+    page = page.to(tl.int64)
+    offset = pos % page_size
+    k_ptrs = (
+        k_cache_ptr + page[:, None] * kc_stride_page + offset[:, None] * kc_stride_off + kv_head * kc_stride_h
+    )
+    v_ptrs = (
+        v_cache_ptr + page[:, None] * vc_stride_page + offset[:, None] * vc_stride_off + kv_head * vc_stride_h
+    )
+    if MASKED or not EVEN_D:
+        k = tl.load(k_ptrs + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    else:
+        k = tl.load(k_ptrs + d[None, :])
+    if DOT_FP32:
+        k = k.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee" if DOT_FP32 else "tf32") * qk_scale  # [R, BLOCK_N]
+
+    if MASKED:
+        allowed = row_valid[:, None] & pos_valid[None, :]
+        if HAS_TREE:
+            j = pos - prefix  # block index; negative inside the prefix, which every query sees
+            bit = tl.load(
+                tree_ptr + seq * tree_stride_n + m[:, None] * tree_stride_i + j[None, :],
+                mask=allowed & (j >= 0)[None, :],
+                other=0,
+            )
+            allowed = allowed & ((j < 0)[None, :] | (bit != 0))
+        else:
+            allowed = allowed & (pos[None, :] <= qpos[:, None])
+        scores = tl.where(allowed, scores, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    p = tl.exp2(scores - m_new[:, None])  # [R, BLOCK_N] fp32, 0 where masked
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED or not EVEN_D:
+        v = tl.load(v_ptrs + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    else:
+        v = tl.load(v_ptrs + d[None, :])
+    if DOT_FP32:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        # Half-precision tensor-core product; the softmax statistics stay fp32.
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _paged_attention_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    o_ptr,
+    lse_ptr,
+    page_table_ptr,
+    cu_seqlens_ptr,
+    kv_lens_ptr,
+    tree_ptr,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    q_stride_t,
+    q_stride_h,
+    o_stride_split,
+    o_stride_t,
+    o_stride_h,
+    lse_stride_split,
+    lse_stride_t,
+    kc_stride_page,
+    kc_stride_off,
+    kc_stride_h,
+    vc_stride_page,
+    vc_stride_off,
+    vc_stride_h,
+    pt_stride_n,
+    pt_stride_p,
+    tree_stride_n,
+    tree_stride_i,
+    page_size,
+    head_dim,
+    num_splits,
+    split_len,  # KV positions per split, a multiple of BLOCK_N
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_TREE: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    kv_head = (tl.program_id(2) // num_splits).to(tl.int64)
+    split = tl.program_id(2) % num_splits
+
+    q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64) - q_start
+    kv_len = tl.load(kv_lens_ptr + seq).to(tl.int64)
+    prefix = kv_len - q_len  # positions before this call's new tokens
+
+    # Row r of the tile matrix is query token tile * BLOCK_M + r // GROUP_PAD, query head r % GROUP_PAD.
+    rows = tl.arange(0, BLOCK_M * GROUP_PAD)
+    m = tile * BLOCK_M + rows // GROUP_PAD  # [R] index inside the sequence
+    g = rows % GROUP_PAD
+    row_valid = (m < q_len) & (g < GROUP)
+    token = q_start + m
+    head = kv_head * GROUP + g
+    qpos = prefix + m  # absolute position of each row's query
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < head_dim
+
+    q = tl.load(
+        q_ptr + token[:, None] * q_stride_t + head[:, None] * q_stride_h + d[None, :],
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )  # [R, BLOCK_D]
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # kv_end: one past the last position any row of the tile sees; full_end: positions below it are seen by
+    # every row (causal: the first query's past; tree: the cached prefix).
+    tile_live = tile * BLOCK_M < q_len
+    if HAS_TREE:
+        kv_end = tl.where(tile_live, kv_len, 0)
+        full_end = prefix
+    else:
+        kv_end = tl.where(tile_live, prefix + tl.minimum(q_len, (tile + 1) * BLOCK_M), 0)
+        full_end = prefix + tile * BLOCK_M + 1
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_end)
+    mid = tl.maximum(lo, (tl.minimum(hi, full_end) // BLOCK_N) * BLOCK_N)
+
+    # A finite floor instead of -inf keeps exp2(m_old - m_new) defined while a row has seen nothing yet.
+    m_i = tl.full([BLOCK_M * GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, mid, BLOCK_N):
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, start, k_cache_ptr, v_cache_ptr, page_table_ptr, tree_ptr, seq, kv_head, kv_len,
+            prefix, m, qpos, row_valid, d, d_valid, qk_scale, kc_stride_page, kc_stride_off, kc_stride_h,
+            vc_stride_page, vc_stride_off, vc_stride_h, pt_stride_n, pt_stride_p, tree_stride_n,
+            tree_stride_i, page_size,
+            BLOCK_N=BLOCK_N, MASKED=False, HAS_TREE=HAS_TREE, EVEN_D=EVEN_D, DOT_FP32=DOT_FP32,
+        )  # fmt: skip
+    for start in range(mid, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, start, k_cache_ptr, v_cache_ptr, page_table_ptr, tree_ptr, seq, kv_head, kv_len,
+            prefix, m, qpos, row_valid, d, d_valid, qk_scale, kc_stride_page, kc_stride_off, kc_stride_h,
+            vc_stride_page, vc_stride_off, vc_stride_h, pt_stride_n, pt_stride_p, tree_stride_n,
+            tree_stride_i, page_size,
+            BLOCK_N=BLOCK_N, MASKED=True, HAS_TREE=HAS_TREE, EVEN_D=EVEN_D, DOT_FP32=DOT_FP32,
+        )  # fmt: skip
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    store_mask = row_valid[:, None] & d_valid[None, :]
+    o_ptrs = (
+        o_ptr + split * o_stride_split + token[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :]
+    )
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=store_mask)
+    if WRITE_LSE:
+        # Base-2 log-sum-exp of this split's scores; -inf for a split that saw nothing (weight 0 when merged).
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + split * lse_stride_split + token * lse_stride_t + head, lse, mask=row_valid)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _merge_splits_kernel(  # type: ignore[no-untyped-def]
+    part_ptr,
+    lse_ptr,
+    o_ptr,
+    part_stride_split,
+    part_stride_t,
+    part_stride_h,
+    lse_stride_split,
+    lse_stride_t,
+    o_stride_t,
+    o_stride_h,
+    num_splits,
+    head_dim,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """o[t, h] = sum_s w_s * part[s, t, h] with w_s = 2^lse_s / sum 2^lse (splits' softmax masses)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_valid = s < num_splits
+    lse = tl.load(lse_ptr + s * lse_stride_split + t * lse_stride_t + h, mask=s_valid, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, axis=0))  # [BLOCK_S], 0 for empty splits
+    part = tl.load(
+        part_ptr + s[:, None] * part_stride_split + t * part_stride_t + h * part_stride_h + d[None, :],
+        mask=s_valid[:, None] & (d < head_dim)[None, :],
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_D] fp32
+    out = tl.sum(weight[:, None] * part, axis=0) / tl.sum(weight, axis=0)
+    tl.store(o_ptr + t * o_stride_t + h * o_stride_h + d, out.to(o_ptr.dtype.element_ty), mask=d < head_dim)
+
+
+def _launch_config(max_q_len: int, group_pad: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps). At least 16 rows for tl.dot; the row cap bounds the fp32 accumulator."""
+    max_rows = 64 if head_dim <= 128 else 32
+    block_m = max(1, min(triton.next_power_of_2(max_q_len), max_rows // group_pad))
+    while block_m * group_pad < 16:
+        block_m *= 2
+    block_n = 64 if head_dim <= 128 else 32
+    return block_m, block_n, 4
+
+
+def _num_splits(programs: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
+    """Split each sequence's KV so that small batches still occupy every SM (flash-decoding)."""
+    if device.type != "cuda":
+        return 1
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    by_length = max(1, max_kv_len // (4 * block_n))  # keep at least four KV blocks per split
+    return max(1, min(target // max(programs, 1), by_length, 32))
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    *,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    tree_mask: torch.Tensor | None = None,
+    max_q_len: int,
+    max_kv_len: int,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Unvalidated launcher: last dims of q and the caches must have stride 1 (the wrapper checks).
+
+    `num_kv_splits` overrides the split-KV heuristic (tests use it to cover the merge on CPU).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    num_seqs = kv_lens.shape[0]
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0 or max_q_len == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_m, block_n, num_warps = _launch_config(max_q_len, group_pad, head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    tiles = triton.cdiv(max_q_len, block_m)
+    splits = num_kv_splits or _num_splits(num_seqs * tiles * num_kv_heads, max_kv_len, block_n, q.device)
+    split_len = triton.cdiv(triton.cdiv(max(max_kv_len, 1), splits), block_n) * block_n
+    if splits > 1:
+        part = torch.empty(splits, num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
+    else:
+        part, lse = out[None], out  # lse unused (WRITE_LSE=False)
+    # The kernel reads the mask as bytes with unit stride along its last dim; the mask is tiny.
+    tree = tree_mask.contiguous().view(torch.uint8) if tree_mask is not None else kv_lens
+    grid = (num_seqs, tiles, num_kv_heads * splits)
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        part,
+        lse,
+        page_table,
+        cu_seqlens_q,
+        kv_lens,
+        tree,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        part.stride(0),
+        part.stride(1),
+        part.stride(2),
+        lse.stride(0) if splits > 1 else 0,
+        lse.stride(1) if splits > 1 else 0,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        page_table.stride(0),
+        page_table.stride(1),
+        tree.stride(0) if tree_mask is not None else 0,
+        tree.stride(1) if tree_mask is not None else 0,
+        k_cache.shape[1],
+        head_dim,
+        splits,
+        split_len,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        HAS_TREE=tree_mask is not None,
+        EVEN_D=block_d == head_dim,
+        # fp32 inputs get exact fp32 products (not tf32). On CPU the interpreter runs the kernel, and its
+        # tl.dot gives garbage for bf16 operands (triton 3.9), so it multiplies in fp32 there too.
+        DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",
+        WRITE_LSE=splits > 1,
+        num_warps=num_warps,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            part,
+            lse,
+            out,
+            part.stride(0),
+            part.stride(1),
+            part.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            splits,
+            head_dim,
+            BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            BLOCK_D=block_d,
+        )
+    return out

@@ -1,0 +1,122 @@
+"""`commit_states`: copy the accepted verify step from scratch into the recurrent-state pools, for all layers.
+
+After a verify round the scratch buffer holds the state after every block token, indexed by batch row and
+step: `scratch[L, R, Dmax, *E]`. The pools are indexed by state slot: `state[L, S, *E]`. Committing copies
+`scratch[:, batch_rows[i], steps[i]]` into `state[:, state_slots[i]]`; a second index set copies the state at
+the track step into a prefix-cache track slot. Step, slot or batch row -1 means "nothing for this row".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hyspec_kernels._checks import (
+    Backend,
+    check_index,
+    check_inner_contiguous,
+    check_tensor,
+    check_unique_live,
+    resolve_backend,
+)
+from hyspec_kernels.commit.reference import StatePair, commit_states_reference
+from hyspec_kernels.commit.torch_impl import commit_states_torch
+from hyspec_kernels.commit.triton_kernel import commit_states_triton
+
+
+def _check_pairs(pairs: object) -> list[StatePair]:
+    if isinstance(pairs, torch.Tensor) or not isinstance(pairs, Sequence):
+        raise ValueError(
+            f"pairs: expected a sequence of (state, scratch) tensor pairs, got {type(pairs).__name__}"
+        )
+    checked: list[StatePair] = []
+    for k, pair in enumerate(pairs):
+        if not isinstance(pair, Sequence) or len(pair) != 2:
+            raise ValueError(f"pairs[{k}]: expected a (state [L, S, *E], scratch [L, R, Dmax, *E]) pair")
+        state, scratch = pair
+        if not isinstance(state, torch.Tensor) or state.dim() < 2:
+            got = list(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
+            raise ValueError(f"pairs[{k}][0] (state): expected a tensor of shape [L, S, *E], got {got}")
+        entry = list(state.shape[2:])
+        scratch = check_tensor(
+            f"pairs[{k}][1] (scratch)",
+            scratch,
+            (state.shape[0], None, None, *entry),
+            dtypes=(state.dtype,),
+            device=state.device,
+        )
+        if checked and state.device != checked[0][0].device:
+            raise ValueError(
+                f"pairs[{k}][0] (state): expected device {checked[0][0].device}, got {state.device}"
+            )
+        checked.append((state, scratch))
+    return checked
+
+
+def commit_states(
+    *,
+    pairs: Sequence[StatePair],
+    batch_rows: torch.Tensor,
+    state_slots: torch.Tensor,
+    steps: torch.Tensor,
+    track_slots: torch.Tensor | None = None,
+    track_steps: torch.Tensor | None = None,
+    check_unique: bool = False,
+    backend: Backend = "auto",
+) -> None:
+    """For every pair and live row i: `state[:, state_slots[i]] = scratch[:, batch_rows[i], steps[i]]`.
+
+    Args:
+        pairs: (state [L, S, *E], scratch [L, R, Dmax, *E]) with the same dtype and device; one pair per state
+            kind (conv window, GDN recurrent state), each covering all L layers of that kind. `state` may have
+            any layer and slot strides; the Triton path needs contiguous entry dims.
+        batch_rows: [n] int, scratch row of each request, in [0, R) or -1.
+        state_slots: [n] int, destination slot, in [0, S) or -1.
+        steps: [n] int, step to commit, in [0, Dmax) or -1 (row skipped).
+        track_slots, track_steps: [n] int or both None; a second (slot, step) set, applied after the commit
+            set, for prefix-cache track copies. A track set sharing a slot with the commit set is undefined.
+        check_unique: raise ValueError if two live rows of one set target the same slot.
+        backend: "auto" (Triton on CUDA, torch elsewhere), "triton", "torch" or "reference".
+    """
+    checked = _check_pairs(pairs)
+    if (track_slots is None) != (track_steps is None):
+        raise ValueError("track_slots, track_steps: expected both tensors or both None")
+    device = checked[0][0].device if checked else None
+    # Bounds are the smallest over pairs: every pair must accept every live index.
+    num_slots = min((s.shape[1] for s, _ in checked), default=2**62)
+    num_rows = min((x.shape[1] for _, x in checked), default=2**62)
+    max_steps = min((x.shape[2] for _, x in checked), default=2**62)
+    batch_rows = check_index("batch_rows", batch_rows, ("n",), low=0, high=num_rows, device=device)
+    n = batch_rows.shape[0]
+    state_slots = check_index("state_slots", state_slots, (n,), low=0, high=num_slots, device=device)
+    steps = check_index("steps", steps, (n,), low=0, high=max_steps, device=device)
+    if track_slots is not None and track_steps is not None:
+        track_slots = check_index("track_slots", track_slots, (n,), low=0, high=num_slots, device=device)
+        track_steps = check_index("track_steps", track_steps, (n,), low=0, high=max_steps, device=device)
+    if check_unique:
+        check_unique_live("state_slots", state_slots, (steps >= 0) & (state_slots >= 0) & (batch_rows >= 0))
+        if track_slots is not None and track_steps is not None:
+            live = (track_steps >= 0) & (track_slots >= 0) & (batch_rows >= 0)
+            check_unique_live("track_slots", track_slots, live)
+    if not checked or n == 0:
+        return
+
+    impl = resolve_backend(backend, checked[0][0].device)
+    run = {
+        "reference": commit_states_reference,
+        "torch": commit_states_torch,
+        "triton": commit_states_triton,
+    }[impl]
+    if impl == "triton":
+        for k, (state, scratch) in enumerate(checked):
+            check_inner_contiguous(f"pairs[{k}][0] (state)", state, 2)
+            check_inner_contiguous(f"pairs[{k}][1] (scratch)", scratch, 3)
+    run(
+        pairs=checked,
+        batch_rows=batch_rows,
+        state_slots=state_slots,
+        steps=steps,
+        track_slots=track_slots,
+        track_steps=track_steps,
+    )

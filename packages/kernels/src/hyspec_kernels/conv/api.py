@@ -1,0 +1,243 @@
+"""Validated public wrappers of the causal depthwise conv1d ops.
+
+Layouts: tokens packed token-major (x [T, C] or [N, D, C]); weight [C, W] with W in 2..5; conv state pool
+[S, C, W-1] holding each sequence's last W - 1 inputs, oldest first. All math is fp32; outputs take x's dtype;
+state and scratch take their own dtype (fp32 or bf16 in practice). A state slot of -1 marks a padded row:
+its state is neither read (zeros instead) nor written. Slots must be distinct apart from -1, because two rows
+writing one slot would race.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from hyspec_kernels._checks import (
+    FLOAT_DTYPES,
+    Backend,
+    capturing,
+    check_cu_seqlens,
+    check_index,
+    check_tensor,
+    dim,
+    resolve_backend,
+)
+from hyspec_kernels.conv import reference, torch_impl
+from hyspec_kernels.conv.common import ACTIVATIONS, MAX_WIDTH, MIN_WIDTH, Activation
+
+
+def _check_weights(
+    weight: object, bias: object, num_ch: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    weight = check_tensor("weight", weight, ("C", "W"), dtypes=FLOAT_DTYPES, device=device)
+    dim("weight", weight, 0, num_ch, "C, channels of x")
+    width = dim("weight", weight, 1)
+    if not MIN_WIDTH <= width <= MAX_WIDTH:
+        raise ValueError(
+            f"weight: expected shape [C, W] with W in {MIN_WIDTH}..{MAX_WIDTH}, got {list(weight.shape)}"
+        )
+    if bias is not None:
+        bias = check_tensor("bias", bias, (num_ch,), dtypes=FLOAT_DTYPES, device=device)
+    return weight, bias, width
+
+
+def _check_activation(activation: object) -> Activation:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    return activation
+
+
+def _check_state(name: str, t: object, num_ch: int, width: int, device: torch.device) -> torch.Tensor:
+    return check_tensor(name, t, ("S", num_ch, width - 1), dtypes=FLOAT_DTYPES, device=device)
+
+
+def _check_distinct(name: str, t: torch.Tensor) -> None:
+    """Non-padding values must be distinct: each names memory that exactly one row writes."""
+    if capturing(t):
+        return
+    used = t[t >= 0]
+    if used.numel() != torch.unique(used).numel():
+        raise ValueError(f"{name}: expected distinct values apart from -1, got {t.tolist()}")
+
+
+def _pick(backend: str, device: torch.device) -> str:
+    chosen = resolve_backend(backend, device)
+    if chosen == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend: 'triton' expects CUDA tensors or TRITON_INTERPRET=1, got device {device}")
+    return chosen
+
+
+def _triton() -> ModuleType:
+    # Imported on first use: under TRITON_INTERPRET the variable must be set before any @triton.jit runs,
+    # and importing the package alone should not decide that.
+    from hyspec_kernels.conv import triton_kernel
+
+    return triton_kernel
+
+
+def conv_prefill(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    cu_seqlens: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: Activation,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Causal conv over packed variable-length sequences; returns y [T, C] in x's dtype.
+
+    x [T, C]; cu_seqlens [N + 1]; conv_state [S, C, W-1]; state_slots [N]; has_initial_state [N] bool.
+    Sequence n starts from `conv_state[state_slots[n]]` when that slot is >= 0 and `has_initial_state[n]`,
+    else from zeros; its last W - 1 inputs (reaching into the prior window when it is shorter) are written
+    back to the slot when the slot is >= 0.
+    """
+    x = check_tensor("x", x, ("T", "C"), dtypes=FLOAT_DTYPES)
+    num_tokens, num_ch = x.shape
+    device = x.device
+    weight, bias, width = _check_weights(weight, bias, num_ch, device)
+    cu_seqlens = check_cu_seqlens("cu_seqlens", cu_seqlens, num_tokens, device=device)
+    num_seqs = cu_seqlens.shape[0] - 1
+    conv_state = _check_state("conv_state", conv_state, num_ch, width, device)
+    state_slots = check_index(
+        "state_slots", state_slots, (num_seqs,), low=0, high=conv_state.shape[0], device=device
+    )
+    _check_distinct("state_slots", state_slots)
+    has_initial_state = check_tensor(
+        "has_initial_state", has_initial_state, (num_seqs,), dtypes=(torch.bool,)
+    )
+    dim("has_initial_state", has_initial_state, 0, num_seqs)
+    if has_initial_state.device != device:
+        raise ValueError(f"has_initial_state: expected device {device}, got {has_initial_state.device}")
+    activation = _check_activation(activation)
+
+    chosen = _pick(backend, device)
+    if chosen == "reference":
+        fn = reference.conv_prefill_reference
+    elif chosen == "torch":
+        fn = torch_impl.conv_prefill_torch
+    else:
+        fn = _triton().conv_prefill_triton
+    return fn(
+        x,
+        weight,
+        bias,
+        cu_seqlens=cu_seqlens,
+        conv_state=conv_state,
+        state_slots=state_slots,
+        has_initial_state=has_initial_state,
+        activation=activation,
+    )
+
+
+def conv_decode(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    activation: Activation,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """One token per sequence; returns y [N, C] in x's dtype and shifts x into `conv_state[slot]` in place.
+
+    x [N, C]; conv_state [S, C, W-1]; state_slots [N] (-1: padded row, zero window, nothing written).
+    """
+    x = check_tensor("x", x, ("N", "C"), dtypes=FLOAT_DTYPES)
+    num_rows, num_ch = x.shape
+    device = x.device
+    weight, bias, width = _check_weights(weight, bias, num_ch, device)
+    conv_state = _check_state("conv_state", conv_state, num_ch, width, device)
+    state_slots = check_index(
+        "state_slots", state_slots, (num_rows,), low=0, high=conv_state.shape[0], device=device
+    )
+    _check_distinct("state_slots", state_slots)
+    activation = _check_activation(activation)
+
+    chosen = _pick(backend, device)
+    if chosen == "reference":
+        fn = reference.conv_decode_reference
+    elif chosen == "torch":
+        fn = torch_impl.conv_decode_torch
+    else:
+        fn = _triton().conv_decode_triton
+    return fn(x, weight, bias, conv_state=conv_state, state_slots=state_slots, activation=activation)
+
+
+def conv_verify(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    scratch: torch.Tensor,
+    scratch_rows: torch.Tensor,
+    parents: torch.Tensor | None,
+    activation: Activation,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """D block tokens per sequence; returns y [N, D, C] in x's dtype and never writes `conv_state`.
+
+    x [N, D, C]; conv_state [S, C, W-1]; state_slots [N]; scratch [R, Dmax, C, W-1] (Dmax >= D, same dtype as
+    conv_state, as commit copies it there); scratch_rows [N] (-1: no scratch write); parents [N, D] or None
+    (a chain). `parents[n, j]` is the block index of token j's parent, -1 for a root (which continues from the
+    committed window); parents precede children. The window after step j, along j's ancestor path, goes to
+    `scratch[scratch_rows[n], j]`.
+    """
+    x = check_tensor("x", x, ("N", "D", "C"), dtypes=FLOAT_DTYPES)
+    num_rows, depth, num_ch = x.shape
+    device = x.device
+    weight, bias, width = _check_weights(weight, bias, num_ch, device)
+    conv_state = _check_state("conv_state", conv_state, num_ch, width, device)
+    state_slots = check_index(
+        "state_slots", state_slots, (num_rows,), low=0, high=conv_state.shape[0], device=device
+    )
+    _check_distinct("state_slots", state_slots)
+    scratch = check_tensor("scratch", scratch, ("R", "Dmax", num_ch, width - 1), dtypes=(conv_state.dtype,))
+    if scratch.device != device:
+        raise ValueError(f"scratch: expected device {device}, got {scratch.device}")
+    if scratch.shape[1] < depth:
+        raise ValueError(
+            f"scratch: expected shape [R, Dmax, {num_ch}, {width - 1}] with Dmax >= D = {depth}, "
+            f"got {list(scratch.shape)}"
+        )
+    scratch_rows = check_index(
+        "scratch_rows", scratch_rows, (num_rows,), low=0, high=scratch.shape[0], device=device
+    )
+    _check_distinct("scratch_rows", scratch_rows)
+    if parents is not None:
+        parents = check_tensor("parents", parents, (num_rows, depth), device=device)
+        if parents.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"parents: expected dtype int32 or int64, got {parents.dtype}")
+        steps = torch.arange(depth, device=device)
+        if bool(((parents < -1) | (parents >= steps)).any()):
+            raise ValueError(
+                "parents: expected -1 <= parents[n, j] < j (parents precede children), "
+                f"got {parents.tolist()}"
+            )
+    activation = _check_activation(activation)
+
+    chosen = _pick(backend, device)
+    if chosen == "reference":
+        fn = reference.conv_verify_reference
+    elif chosen == "torch":
+        fn = torch_impl.conv_verify_torch
+    else:
+        fn = _triton().conv_verify_triton
+    return fn(
+        x,
+        weight,
+        bias,
+        conv_state=conv_state,
+        state_slots=state_slots,
+        scratch=scratch,
+        scratch_rows=scratch_rows,
+        parents=parents,
+        activation=activation,
+    )

@@ -1,0 +1,126 @@
+"""Validated wrappers: fused GDN gating, gated RMSNorm (Qwen3-Next / Qwen3.5 `RMSNormGated`) and RMSNorm.
+
+Inputs may be fp32, bf16 or fp16 and strided (a and b are often column slices of one projection). Gating
+returns fp32; the norms return x's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from types import ModuleType
+
+import torch
+
+from hyspec_kernels._checks import FLOAT_DTYPES, Backend, check_tensor, dim, resolve_backend
+from hyspec_kernels.gating import reference, torch_impl
+
+
+def _triton() -> ModuleType:
+    # Imported on first use: under TRITON_INTERPRET the variable must be set before any @triton.jit runs.
+    from hyspec_kernels.gating import triton_kernel
+
+    return triton_kernel
+
+
+def _pick(backend: str, device: torch.device) -> str:
+    chosen = resolve_backend(backend, device)
+    if chosen == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend: 'triton' expects CUDA tensors or TRITON_INTERPRET=1, got device {device}")
+    return chosen
+
+
+def _check_scalar(name: str, value: object, *, low: float) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < low
+    ):
+        raise ValueError(f"{name}: expected a finite float >= {low}, got {value!r}")
+    return float(value)
+
+
+def gdn_gating(
+    A_log: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dt_bias: torch.Tensor,
+    *,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta), both [T, HV] fp32: g = -exp(A_log) * softplus(a + dt_bias) (the log-decay, <= 0) and
+    beta = sigmoid(b). A_log [HV], a [T, HV], b [T, HV], dt_bias [HV]; softplus is torch's (threshold 20)."""
+    a = check_tensor("a", a, ("T", "HV"), dtypes=FLOAT_DTYPES)
+    num_tokens, num_heads = a.shape
+    device = a.device
+    b = check_tensor("b", b, (num_tokens, num_heads), dtypes=FLOAT_DTYPES, device=device)
+    A_log = check_tensor("A_log", A_log, (num_heads,), dtypes=FLOAT_DTYPES, device=device)
+    dt_bias = check_tensor("dt_bias", dt_bias, (num_heads,), dtypes=FLOAT_DTYPES, device=device)
+    chosen = _pick(backend, device)
+    if chosen == "reference":
+        return reference.gdn_gating_reference(A_log, a, b, dt_bias)
+    if chosen == "torch":
+        return torch_impl.gdn_gating_torch(A_log, a, b, dt_bias)
+    return _triton().gdn_gating_triton(A_log, a, b, dt_bias)  # type: ignore[no-any-return]
+
+
+def gated_rmsnorm(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """weight * rmsnorm(x) * silu(z) over the last dim, norm before gate; [T, HV, V] in x's dtype.
+
+    x [T, HV, V]; z [T, HV, V] (any float dtype); weight [V]. Follows transformers' Qwen3NextRMSNormGated:
+    normalise in fp32, round to x's dtype, multiply by weight, multiply by silu(z) in fp32, round to x's
+    dtype.
+    """
+    x = check_tensor("x", x, ("T", "HV", "V"), dtypes=FLOAT_DTYPES)
+    device = x.device
+    z = check_tensor("z", z, tuple(x.shape), dtypes=FLOAT_DTYPES, device=device)
+    weight = check_tensor("weight", weight, (x.shape[2],), dtypes=FLOAT_DTYPES, device=device)
+    eps = _check_scalar("eps", eps, low=0.0)
+    chosen = _pick(backend, device)
+    if chosen == "reference":
+        return reference.gated_rmsnorm_reference(x, z, weight, eps)
+    if chosen == "torch":
+        return torch_impl.gated_rmsnorm_torch(x, z, weight, eps)
+    return _triton().gated_rmsnorm_triton(x, z, weight, eps)  # type: ignore[no-any-return]
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., H] with weight [H]; returns x's dtype.
+
+    offset = 0 is Llama / LFM2's norm: weight * round_to_x_dtype(x * rsqrt(mean(x^2) + eps)).
+    offset != 0 is the zero-centred norm of Qwen3-Next / Qwen3.5 (offset = 1): x_normed * (offset + weight),
+    all in fp32 with one rounding at the end. Each matches its transformers module in every dtype.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(
+            f"x: expected a tensor of shape [..., H], got {getattr(x, 'shape', type(x).__name__)}"
+        )
+    x = check_tensor("x", x, (None,) * x.dim(), dtypes=FLOAT_DTYPES)
+    device = x.device
+    weight = check_tensor("weight", weight, ("H",), dtypes=FLOAT_DTYPES, device=device)
+    dim("weight", weight, 0, x.shape[-1], "H, the last dim of x")
+    eps = _check_scalar("eps", eps, low=0.0)
+    if isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset):
+        raise ValueError(f"offset: expected a finite float, got {offset!r}")
+    offset = float(offset)
+    chosen = _pick(backend, device)
+    if chosen == "reference":
+        return reference.rms_norm_reference(x, weight, eps, offset=offset)
+    if chosen == "torch":
+        return torch_impl.rms_norm_torch(x, weight, eps, offset=offset)
+    return _triton().rms_norm_triton(x, weight, eps, offset=offset)  # type: ignore[no-any-return]

@@ -1,0 +1,202 @@
+"""Triton kernels of the gating and norm ops: one elementwise tile kernel for the GDN gates, and row kernels
+(a tile of rows x the whole normalised dimension) for the two RMSNorms.
+
+The norms mirror the torch path's roundings: the normalised value is rounded to x's dtype before the weight
+multiply, and the product is rounded to the promoted dtype of weight and x (`PROD`: 0 fp32, 1 bf16, 2 fp16),
+except in the zero-centred (offset) RMSNorm, which stays in fp32 until the store.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hyspec_kernels.gating.reference import SOFTPLUS_THRESHOLD
+
+_PROD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Elements per row tile: keeps register use flat from V = 128 heads to hidden sizes of a few thousand.
+_TILE_ELEMENTS = 4096
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _gdn_gating_kernel(  # type: ignore[no-untyped-def]
+    alog_ptr,
+    a_ptr,
+    b_ptr,
+    dtb_ptr,
+    g_ptr,
+    beta_ptr,
+    num_tokens,
+    num_heads,
+    stride_alog,
+    stride_at,
+    stride_ah,
+    stride_bt,
+    stride_bh,
+    stride_dtb,
+    THRESHOLD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.arange(0, BLOCK_H)
+    h_mask = offs_h < num_heads
+    mask = (offs_t < num_tokens)[:, None] & h_mask[None, :]
+    rows = offs_t.to(tl.int64)[:, None]
+    a = tl.load(a_ptr + rows * stride_at + offs_h[None, :] * stride_ah, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + rows * stride_bt + offs_h[None, :] * stride_bh, mask=mask, other=0.0).to(tl.float32)
+    a_log = tl.load(alog_ptr + offs_h * stride_alog, mask=h_mask, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + offs_h * stride_dtb, mask=h_mask, other=0.0).to(tl.float32)
+
+    pre = a + dt_bias[None, :]
+    # softplus(p) = max(p, 0) + log1p(exp(-|p|)), with log1p(u) = log(1 + u) * u / ((1 + u) - 1): full
+    # relative precision for tiny u, where log(1 + u) alone rounds to 0.
+    u = tl.exp(-tl.abs(pre))
+    one_plus = 1.0 + u
+    tiny = one_plus == 1.0
+    log1p_u = tl.where(tiny, u, tl.log(one_plus) * (u / tl.where(tiny, 1.0, one_plus - 1.0)))
+    softplus = tl.where(pre > THRESHOLD, pre, tl.maximum(pre, 0.0) + log1p_u)
+    g = -tl.exp(a_log)[None, :] * softplus
+    out = rows * num_heads + offs_h[None, :]
+    tl.store(g_ptr + out, g, mask=mask)
+    tl.store(beta_ptr + out, tl.sigmoid(b), mask=mask)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _round(v, PROD: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Round fp32 values to the product dtype and back, as a torch op in that dtype would."""
+    if PROD == 1:
+        v = v.to(tl.bfloat16).to(tl.float32)
+    elif PROD == 2:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _gated_rmsnorm_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    z_ptr,
+    w_ptr,
+    o_ptr,
+    num_rows,
+    num_heads,
+    dim_v,
+    eps,
+    stride_xt,
+    stride_xh,
+    stride_xv,
+    stride_zt,
+    stride_zh,
+    stride_zv,
+    stride_w,
+    PROD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # row = t * HV + h
+    offs_v = tl.arange(0, BLOCK_V)
+    v_mask = offs_v < dim_v
+    mask = (rows < num_rows)[:, None] & v_mask[None, :]
+    t = (rows // num_heads).to(tl.int64)[:, None]
+    h = (rows % num_heads).to(tl.int64)[:, None]
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + offs_v[None, :] * stride_xv, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=1) / dim_v  # [BR]
+    xn = (xf * tl.rsqrt(var + eps)[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs_v * stride_w, mask=v_mask, other=0.0).to(tl.float32)
+    scaled = _round(w[None, :] * xn, PROD)
+    z = tl.load(z_ptr + t * stride_zt + h * stride_zh + offs_v[None, :] * stride_zv, mask=mask, other=0.0)
+    zf = z.to(tl.float32)
+    out = scaled * (zf * tl.sigmoid(zf))
+    o_off = rows.to(tl.int64)[:, None] * dim_v + offs_v[None, :]
+    tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _rms_norm_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    w_ptr,
+    o_ptr,
+    num_rows,
+    dim_h,
+    eps,
+    offset,
+    stride_xr,
+    stride_xh,
+    stride_w,
+    ZERO_CENTRED: tl.constexpr,
+    PROD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_h = tl.arange(0, BLOCK_H)
+    h_mask = offs_h < dim_h
+    mask = (rows < num_rows)[:, None] & h_mask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * stride_xr + offs_h[None, :] * stride_xh, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=1) / dim_h
+    xn = xf * tl.rsqrt(var + eps)[:, None]
+    w = tl.load(w_ptr + offs_h * stride_w, mask=h_mask, other=0.0).to(tl.float32)
+    if ZERO_CENTRED:
+        out = xn * (offset + w)[None, :]
+    else:
+        out = _round(w[None, :] * xn.to(x_ptr.dtype.element_ty).to(tl.float32), PROD)
+    tl.store(o_ptr + r64 * dim_h + offs_h[None, :], out.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def gdn_gating_triton(
+    A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_heads = a.shape
+    g = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    if num_tokens == 0:
+        return g, beta
+    block_h = int(triton.next_power_of_2(num_heads))
+    block_t = max(1, min(int(triton.next_power_of_2(num_tokens)), _TILE_ELEMENTS // 4 // block_h))
+    _gdn_gating_kernel[(triton.cdiv(num_tokens, block_t),)](
+        A_log, a, b, dt_bias, g, beta, num_tokens, num_heads,
+        A_log.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), dt_bias.stride(0),
+        THRESHOLD=SOFTPLUS_THRESHOLD, BLOCK_T=block_t, BLOCK_H=block_h,
+    )  # fmt: skip
+    return g, beta
+
+
+def _row_tile(num_rows: int, width: int) -> tuple[int, int]:
+    block = int(triton.next_power_of_2(width))
+    return block, max(1, min(int(triton.next_power_of_2(max(num_rows, 1))), _TILE_ELEMENTS // block))
+
+
+def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    num_tokens, num_heads, dim_v = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [T, HV, V] contiguous
+    num_rows = num_tokens * num_heads
+    if num_rows == 0:
+        return out
+    block_v, block_r = _row_tile(num_rows, dim_v)
+    _gated_rmsnorm_kernel[(triton.cdiv(num_rows, block_r),)](
+        x, z, weight, out, num_rows, num_heads, dim_v, eps,
+        x.stride(0), x.stride(1), x.stride(2), z.stride(0), z.stride(1), z.stride(2), weight.stride(0),
+        PROD=_PROD_CODES[torch.promote_types(weight.dtype, x.dtype)], BLOCK_R=block_r, BLOCK_V=block_v,
+    )  # fmt: skip
+    return out
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0
+) -> torch.Tensor:
+    dim_h = x.shape[-1]
+    rows = x.reshape(-1, dim_h)  # a view whenever the leading dims allow one
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [R, H]
+    num_rows = rows.shape[0]
+    if num_rows > 0:
+        block_h, block_r = _row_tile(num_rows, dim_h)
+        _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
+            rows, weight, out, num_rows, dim_h, eps, offset, rows.stride(0), rows.stride(1), weight.stride(0),
+            ZERO_CENTRED=offset != 0.0, PROD=_PROD_CODES[torch.promote_types(weight.dtype, x.dtype)],
+            BLOCK_R=block_r, BLOCK_H=block_h,
+        )  # fmt: skip
+    return out.reshape(x.shape)

@@ -1,0 +1,347 @@
+"""Public, validated entry points of the gated delta rule: prefill, decode and verify.
+
+Layouts: recurrent state [HV, K, V] per slot (pool [S, HV, K, V]); tokens packed token-major. q and k are
+L2-normalised inside every op and q is scaled by K^-1/2; value head h reads key head h // (HV // HK).
+
+Every wrapper checks dtype, shape, device and (unless `check_indices=False`) index ranges, and raises a
+ValueError naming the argument. Index range checks read the index tensors on the host; on CUDA that is a
+sync, so hot paths whose indices are already known to be valid pass `check_indices=False`; they are also
+skipped while a CUDA graph is being captured.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    Backend,
+    check_cu_seqlens,
+    check_index,
+    check_tensor,
+    resolve_backend,
+)
+from . import reference, torch_ops
+
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+FP32 = (torch.float32,)
+# the Triton kernels hold a whole K row (and V row in the WY stage) in registers
+MAX_TRITON_HEAD_DIM = 256
+
+
+class GDNPrefillOutput(NamedTuple):
+    o: torch.Tensor  # [T, HV, V], q's dtype
+    chunk_states: (
+        torch.Tensor | None
+    )  # [total_chunks, HV, K, V] fp32: state at the start of each 64-token chunk
+
+
+def _check_indices_now(check_indices: bool, device: torch.device) -> bool:
+    if not check_indices:
+        return False
+    # a host read during CUDA graph capture would break the capture
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _check_distinct(name: str, t: torch.Tensor) -> None:
+    used = t[t >= 0]
+    if used.numel() != torch.unique(used).numel():
+        raise ValueError(f"{name}: expected distinct values (besides -1), got {t.tolist()}")
+
+
+def _check_qkv(
+    q: object, k: object, v: object, g: object, beta: object, lead: tuple[str, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int, int]:
+    """Shapes [*lead, HK, K] for q and k, [*lead, HV, V] for v, [*lead, HV] fp32 for g and beta."""
+    q = check_tensor("q", q, (*lead, "HK", "K"), dtypes=FLOAT_DTYPES)
+    dev = q.device
+    lead_sizes = tuple(q.shape[: len(lead)])
+    num_k_heads, head_k = q.shape[-2], q.shape[-1]
+    k = check_tensor("k", k, (*lead_sizes, num_k_heads, head_k), dtypes=(q.dtype,), device=dev)
+    v = check_tensor("v", v, (*lead_sizes, None, None), dtypes=(q.dtype,), device=dev)
+    num_v_heads, head_v = v.shape[-2], v.shape[-1]
+    if num_k_heads == 0 or num_v_heads % num_k_heads != 0:
+        raise ValueError(f"v: expected HV a multiple of HK = {num_k_heads}, got shape {list(v.shape)}")
+    g = check_tensor("g", g, (*lead_sizes, num_v_heads), dtypes=FP32, device=dev)
+    beta = check_tensor("beta", beta, (*lead_sizes, num_v_heads), dtypes=FP32, device=dev)
+    return q, k, v, g, beta, num_k_heads, head_k, num_v_heads, head_v
+
+
+def _check_state(state: object, hv: int, hk: int, vv: int, device: torch.device) -> torch.Tensor:
+    return check_tensor("state", state, (None, hv, hk, vv), dtypes=STATE_DTYPES, device=device)
+
+
+def _check_triton_dims(head_k: int, head_v: int) -> None:
+    if head_k > MAX_TRITON_HEAD_DIM or head_v > MAX_TRITON_HEAD_DIM:
+        raise ValueError(
+            f"q, v: the Triton backend supports K, V <= {MAX_TRITON_HEAD_DIM}, got K={head_k}, V={head_v}"
+        )
+
+
+def _check_blocks_contiguous(name: str, t: torch.Tensor, inner: int) -> None:
+    """The recurrent kernel addresses each trailing [HV, K, V] block as one contiguous piece."""
+    want, size = [], 1
+    for n in reversed(t.shape[-inner:]):
+        want.append(size)
+        size *= n
+    got = t.stride()[-inner:]
+    if any(n > 1 and s != w for n, s, w in zip(t.shape[-inner:], got, reversed(want), strict=True)):
+        raise ValueError(
+            f"{name}: the Triton backend needs each trailing {list(t.shape[-inner:])} block contiguous, "
+            f"got strides {list(t.stride())}"
+        )
+
+
+def gdn_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    return_chunk_states: bool = False,
+    backend: Backend = "auto",
+    check_indices: bool = True,
+) -> GDNPrefillOutput:
+    """Chunked prefill over packed variable-length sequences.
+
+    Args:
+        q, k: [T, HK, K] fp32/bf16/fp16. v: [T, HV, V], same dtype. g (log-decay), beta: [T, HV] fp32.
+        cu_seqlens: [N + 1] int32/int64 offsets of the N sequences in the packed tokens.
+        state: [S, HV, K, V] fp32/bf16 pool. The initial state of sequence n is state[state_slots[n]] when
+            state_slots[n] >= 0 and has_initial_state[n], else zero; its final state is written to
+            state[state_slots[n]] when state_slots[n] >= 0 (slot -1 is a padded row: no read, no write).
+        state_slots: [N] int32/int64 in [0, S) or -1, distinct. has_initial_state: [N] bool.
+        return_chunk_states: also return the fp32 state at the start of every 64-token chunk, chunks numbered
+            sequence by sequence.
+
+    Returns:
+        GDNPrefillOutput(o [T, HV, V] in q's dtype, chunk_states [total_chunks, HV, K, V] fp32 or None).
+    """
+    q, k, v, g, beta, _hk, head_k, hv, head_v = _check_qkv(q, k, v, g, beta, ("T",))
+    dev, num_tokens = q.device, q.shape[0]
+    state = _check_state(state, hv, head_k, head_v, dev)
+    cu_seqlens = check_cu_seqlens("cu_seqlens", cu_seqlens, num_tokens, device=dev)
+    num_seqs = cu_seqlens.numel() - 1
+    check = _check_indices_now(check_indices, dev)
+    if check:
+        state_slots = check_index(
+            "state_slots", state_slots, (num_seqs,), low=0, high=state.shape[0], device=dev
+        )
+        _check_distinct("state_slots", state_slots)
+    else:
+        state_slots = check_tensor("state_slots", state_slots, (num_seqs,), dtypes=INDEX_DTYPES, device=dev)
+    has_initial_state = check_tensor(
+        "has_initial_state", has_initial_state, (num_seqs,), dtypes=(torch.bool,), device=dev
+    )
+    impl = resolve_backend(backend, dev)
+    if impl == "triton":
+        from .triton_chunk import launch_chunk_prefill
+
+        _check_triton_dims(head_k, head_v)
+        o, cs = launch_chunk_prefill(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            g.contiguous(),
+            beta.contiguous(),
+            cu_seqlens=cu_seqlens,
+            state=state,
+            state_slots=state_slots,
+            has_initial_state=has_initial_state.to(torch.int8),
+            return_chunk_states=return_chunk_states,
+        )
+        return GDNPrefillOutput(o, cs)
+    fn = torch_ops.torch_prefill if impl == "torch" else reference.reference_prefill
+    o, cs = fn(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        cu_seqlens=cu_seqlens,
+        state=state,
+        state_slots=state_slots,
+        has_initial_state=has_initial_state,
+        return_chunk_states=return_chunk_states,
+    )
+    return GDNPrefillOutput(o.to(q.dtype), cs)
+
+
+def gdn_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    backend: Backend = "auto",
+    check_indices: bool = True,
+) -> torch.Tensor:
+    """One token per sequence; the state is read from and written back to its slot in place.
+
+    Args:
+        q, k: [N, HK, K] fp32/bf16/fp16. v: [N, HV, V], same dtype. g, beta: [N, HV] fp32.
+        state: [S, HV, K, V] fp32/bf16 pool. state_slots: [N] in [0, S) or -1 (padded row: computed from a
+            zero state, nothing read or written), distinct.
+
+    Returns:
+        o: [N, HV, V] in q's dtype.
+    """
+    q, k, v, g, beta, _hk, head_k, hv, head_v = _check_qkv(q, k, v, g, beta, ("N",))
+    dev, num_seqs = q.device, q.shape[0]
+    state = _check_state(state, hv, head_k, head_v, dev)
+    if _check_indices_now(check_indices, dev):
+        state_slots = check_index(
+            "state_slots", state_slots, (num_seqs,), low=0, high=state.shape[0], device=dev
+        )
+        _check_distinct("state_slots", state_slots)
+    else:
+        state_slots = check_tensor("state_slots", state_slots, (num_seqs,), dtypes=INDEX_DTYPES, device=dev)
+    impl = resolve_backend(backend, dev)
+    if impl == "triton":
+        from .triton_recurrent import launch_recurrent
+
+        _check_triton_dims(head_k, head_v)
+        _check_blocks_contiguous("state", state, 3)
+        o = launch_recurrent(
+            q.contiguous().unsqueeze(1),
+            k.contiguous().unsqueeze(1),
+            v.contiguous().unsqueeze(1),
+            g.contiguous().unsqueeze(1),
+            beta.contiguous().unsqueeze(1),
+            state=state,
+            state_slots=state_slots,
+            scratch=None,
+            scratch_rows=None,
+            parents=None,
+            out_dtype=q.dtype,
+        )
+        return o.squeeze(1)
+    fn = torch_ops.torch_decode if impl == "torch" else reference.reference_decode
+    return fn(q, k, v, g, beta, state=state, state_slots=state_slots).to(q.dtype)
+
+
+def _check_parents(
+    parents: object, num_seqs: int, block: int, device: torch.device, check: bool
+) -> torch.Tensor:
+    t = check_tensor("parents", parents, (num_seqs, block), dtypes=INDEX_DTYPES, device=device)
+    if check and t.numel() > 0:
+        step = torch.arange(block, device=device)
+        bad = (t < -1) | (t >= step)
+        if bool(bad.any()):
+            n, j = (int(x) for x in torch.nonzero(bad)[0])
+            raise ValueError(
+                f"parents: expected parents[n, j] in [-1, j) (parents precede children), "
+                f"got parents[{n}, {j}] = {int(t[n, j])}"
+            )
+    return t
+
+
+def gdn_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    scratch: torch.Tensor,
+    scratch_rows: torch.Tensor,
+    parents: torch.Tensor | None = None,
+    backend: Backend = "auto",
+    check_indices: bool = True,
+) -> torch.Tensor:
+    """Verify blocks of D tokens per sequence (chain or tree). Never writes `state`.
+
+    Args:
+        q, k: [N, D, HK, K] fp32/bf16/fp16. v: [N, D, HV, V], same dtype. g, beta: [N, D, HV] fp32.
+        state: [S, HV, K, V] committed states, read only. state_slots: [N] in [0, S) or -1 (padded row:
+            starts from a zero state).
+        scratch: [R, Dmax, HV, K, V] fp32/bf16 with Dmax >= D; the state after step j of sequence n is written
+            to scratch[scratch_rows[n], j] (row strides from the allocated Dmax). scratch_rows: [N] in
+            [0, R) or -1 (no scratch write), distinct.
+        parents: [N, D] in [-1, j) for token j: the block index of token j's parent, -1 for a root, which
+            continues from the committed state. None means a chain. In tree mode a token's start state is
+            re-read from scratch, so every row with a state slot needs a scratch row; rows with neither get
+            unspecified output.
+
+    Returns:
+        o: [N, D, HV, V] in q's dtype.
+    """
+    q, k, v, g, beta, _hk, head_k, hv, head_v = _check_qkv(q, k, v, g, beta, ("N", "D"))
+    dev, num_seqs, block = q.device, q.shape[0], q.shape[1]
+    state = _check_state(state, hv, head_k, head_v, dev)
+    scratch = check_tensor(
+        "scratch", scratch, (None, None, hv, head_k, head_v), dtypes=STATE_DTYPES, device=dev
+    )
+    if scratch.shape[1] < block:
+        raise ValueError(
+            f"scratch: expected shape [R, Dmax, {hv}, {head_k}, {head_v}] with Dmax >= D = {block}, "
+            f"got {list(scratch.shape)}"
+        )
+    check = _check_indices_now(check_indices, dev)
+    if check:
+        state_slots = check_index(
+            "state_slots", state_slots, (num_seqs,), low=0, high=state.shape[0], device=dev
+        )
+        scratch_rows = check_index(
+            "scratch_rows", scratch_rows, (num_seqs,), low=0, high=scratch.shape[0], device=dev
+        )
+        _check_distinct("scratch_rows", scratch_rows)
+    else:
+        state_slots = check_tensor("state_slots", state_slots, (num_seqs,), dtypes=INDEX_DTYPES, device=dev)
+        scratch_rows = check_tensor(
+            "scratch_rows", scratch_rows, (num_seqs,), dtypes=INDEX_DTYPES, device=dev
+        )
+    if parents is not None:
+        parents = _check_parents(parents, num_seqs, block, dev, check)
+        if check and bool(((state_slots >= 0) & (scratch_rows < 0)).any()):
+            raise ValueError(
+                f"scratch_rows: tree verify needs a scratch row (>= 0) for every row with a state slot, "
+                f"got scratch_rows={scratch_rows.tolist()} for state_slots={state_slots.tolist()}"
+            )
+    impl = resolve_backend(backend, dev)
+    if impl == "triton":
+        from .triton_recurrent import launch_recurrent
+
+        _check_triton_dims(head_k, head_v)
+        _check_blocks_contiguous("state", state, 3)
+        _check_blocks_contiguous("scratch", scratch, 3)
+        return launch_recurrent(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            g.contiguous(),
+            beta.contiguous(),
+            state=state,
+            state_slots=state_slots,
+            scratch=scratch,
+            scratch_rows=scratch_rows,
+            parents=None if parents is None else parents.contiguous(),
+            out_dtype=q.dtype,
+        )
+    fn = torch_ops.torch_verify if impl == "torch" else reference.reference_verify
+    o = fn(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state=state,
+        state_slots=state_slots,
+        scratch=scratch,
+        scratch_rows=scratch_rows,
+        parents=parents,
+    )
+    return o.to(q.dtype)

@@ -1,0 +1,471 @@
+"""Chunked prefill of the gated delta rule in Triton, over packed variable-length sequences.
+
+Same math as torch_ops.torch_prefill (64-token chunks, WY / UT form), in three launches:
+
+1. `gdn_chunk_wy_kernel`, one program per (chunk, value head), all in parallel: gamma = cumsum(g) inside the
+   chunk, A = strict_lower(beta K K^T ⊙ decay) in 16-row blocks, (I + A)^-1 by forward substitution on the
+   four diagonal 16x16 blocks and block back-substitution for the rest, then W = (I + A)^-1 (beta K e^gamma)
+   and U = (I + A)^-1 (beta V).
+2. `gdn_chunk_state_kernel`, one program per (sequence, value head, V tile): the only sequential part. It
+   walks the sequence's chunks, storing the state at the start of each chunk, v_new = U - W S and the next
+   state; the initial state comes from state[slot] and the final one goes back there.
+3. `gdn_chunk_out_kernel`, one program per (chunk, value head, V tile), all in parallel:
+   o = (Q e^gamma) S_chunk + ((Q K^T) ⊙ decay) v_new.
+
+With bf16/fp16 inputs the matrix products take bf16 operands with fp32 accumulation (tensor cores); with fp32
+inputs they are exact fp32. The recurrent state itself is always carried in fp32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import CHUNK_SIZE
+
+SUB = 16  # rows of one diagonal block of the (I + A)^-1 solve; CHUNK_SIZE == 4 * SUB
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _mm(a, b, LOWP: tl.constexpr):  # type: ignore[no-untyped-def]
+    if LOWP:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _load_rows_normed(ptr, rows, m_rows, s_t, o_k, m_k):  # type: ignore[no-untyped-def]
+    # [R, BK] rows of q or k, L2-normalised in fp32; masked rows come back as zeros
+    x = tl.load(ptr + rows[:, None] * s_t + o_k[None, :], mask=m_rows[:, None] & m_k[None, :], other=0.0)
+    x = x.to(tl.float32)
+    return x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _inv_unit_lower4(a0, a1, a2, a3, BC: tl.constexpr):  # type: ignore[no-untyped-def]
+    # (I + a)^-1 for four strictly lower [BC, BC] blocks at once (one [4, BC, BC] tensor, so the row loop
+    # runs once), by forward substitution: row r of the strict part of the inverse is
+    # -a[r] - sum_m a[r, m] * x[m] over the rows m < r already done
+    o_b = tl.arange(0, 4)[:, None, None]
+    x = -tl.where(o_b == 0, a0[None, :, :], tl.where(o_b == 1, a1[None, :, :], tl.where(o_b == 2, a2, a3)))
+    o_r = tl.arange(0, BC)
+    for r in range(1, BC):
+        sel = (o_r == r)[None, :, None]
+        row = tl.sum(tl.where(sel, x, 0.0), 1)  # [4, BC] = -a[r]
+        row = row + tl.sum(row[:, :, None] * x, 1)
+        x = tl.where(sel, row[:, None, :], x)
+    x = x + (o_r[:, None] == o_r[None, :]).to(tl.float32)[None, :, :]
+    x0 = tl.sum(tl.where(o_b == 0, x, 0.0), 0)
+    x1 = tl.sum(tl.where(o_b == 1, x, 0.0), 0)
+    x2 = tl.sum(tl.where(o_b == 2, x, 0.0), 0)
+    x3 = tl.sum(tl.where(o_b == 3, x, 0.0), 0)
+    return x0, x1, x2, x3
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _wy_block(  # type: ignore[no-untyped-def]
+    k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv,
+    s_kt, s_vt, s_gt, s_gammat,
+    I_BLK: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr,
+):  # fmt: skip
+    # one 16-row block of the chunk: normalised k, beta, gamma (stored), beta k e^gamma and beta v
+    o_c = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    rows = bos + I_BLK * BC + o_c
+    m = rows < end
+    m_rk = m[:, None] & (o_k < K)[None, :]
+    b_k = tl.load(k_ptr + rows[:, None] * s_kt + i_hk * K + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+    b_rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)  # [BC]
+    # the sequential stage scales raw k rows by this instead of re-normalising them
+    tl.store(rk_ptr + rows * s_gammat + i_hv, b_rk, mask=m)
+    b_k = b_k * b_rk[:, None]  # [BC, BK]
+    b_beta = tl.load(beta_ptr + rows * s_gt + i_hv, mask=m, other=0.0).to(tl.float32)
+    b_g = tl.load(g_ptr + rows * s_gt + i_hv, mask=m, other=0.0).to(tl.float32)
+    before = tl.sum(tl.where(tl.arange(0, BT) < I_BLK * BC, g64, 0.0))
+    b_gamma = before + tl.cumsum(b_g, 0)  # [BC]
+    tl.store(gamma_ptr + rows * s_gammat + i_hv, b_gamma, mask=m)
+    b_v = tl.load(
+        v_ptr + rows[:, None] * s_vt + i_hv * V + o_v[None, :],
+        mask=m[:, None] & (o_v < V)[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    b_kb = b_k * b_beta[:, None]
+    return b_k, b_kb, b_gamma, b_kb * tl.exp(b_gamma)[:, None], b_v * b_beta[:, None]
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _a_block(b_kb_i, b_k_j, gamma_i, gamma_j, LOWP: tl.constexpr):  # type: ignore[no-untyped-def]
+    # off-diagonal block of A: every row of block i is after every row of block j
+    return _mm(b_kb_i, tl.trans(b_k_j), LOWP) * tl.exp(gamma_i[:, None] - gamma_j[None, :])
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _a_diag(b_kb, b_k, gamma, LOWP: tl.constexpr, BC: tl.constexpr):  # type: ignore[no-untyped-def]
+    o_c = tl.arange(0, BC)
+    strict = o_c[:, None] > o_c[None, :]
+    decay = tl.exp(tl.where(strict, gamma[:, None] - gamma[None, :], float("-inf")))
+    return tl.where(strict, _mm(b_kb, tl.trans(b_k), LOWP) * decay, 0.0)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _store_rows(  # type: ignore[no-untyped-def]
+    ptr, x, bos, end, s_t, col0, I_BLK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, D: tl.constexpr
+):
+    rows = bos + I_BLK * BC + tl.arange(0, BC)
+    o_d = tl.arange(0, BD)
+    mask = (rows < end)[:, None] & (o_d < D)[None, :]
+    tl.store(ptr + rows[:, None] * s_t + col0 + o_d[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def gdn_chunk_wy_kernel(  # type: ignore[no-untyped-def]
+    k_ptr,  # [T, HK, K]
+    v_ptr,  # [T, HV, V]
+    g_ptr,  # [T, HV] fp32
+    beta_ptr,  # [T, HV] fp32
+    chunk_start_ptr,  # [NC]
+    chunk_end_ptr,  # [NC]
+    w_ptr,  # [T, HV, K] out
+    u_ptr,  # [T, HV, V] out
+    gamma_ptr,  # [T, HV] fp32 out
+    rk_ptr,  # [T, HV] fp32 out: 1 / |k| of each token's key head
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    LOWP: tl.constexpr,
+):
+    # inputs are contiguous, so token strides are HK * K, HV * V and HV
+    i_ch = tl.program_id(0)
+    i_c = i_ch // HV
+    i_hv = i_ch % HV
+    i_hk = i_hv // (HV // HK)
+    bos = tl.load(chunk_start_ptr + i_c).to(tl.int64)
+    end = tl.load(chunk_end_ptr + i_c).to(tl.int64)
+    s_kt = HK * K
+    s_vt = HV * V
+    s_gt = HV
+    o_t = bos + tl.arange(0, BT)
+    g64 = tl.load(g_ptr + o_t * s_gt + i_hv, mask=o_t < end, other=0.0).to(tl.float32)  # [BT]
+
+    k0, kb0, gm0, kg0, vb0 = _wy_block(
+        k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv, s_kt, s_vt, s_gt, s_gt,
+        0, BC, BT, BK, BV, K, V)  # fmt: skip
+    k1, kb1, gm1, kg1, vb1 = _wy_block(
+        k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv, s_kt, s_vt, s_gt, s_gt,
+        1, BC, BT, BK, BV, K, V)  # fmt: skip
+    k2, kb2, gm2, kg2, vb2 = _wy_block(
+        k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv, s_kt, s_vt, s_gt, s_gt,
+        2, BC, BT, BK, BV, K, V)  # fmt: skip
+    k3, kb3, gm3, kg3, vb3 = _wy_block(
+        k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv, s_kt, s_vt, s_gt, s_gt,
+        3, BC, BT, BK, BV, K, V)  # fmt: skip
+
+    # diagonal blocks of (I + A)^-1
+    x00, x11, x22, x33 = _inv_unit_lower4(
+        _a_diag(kb0, k0, gm0, LOWP, BC),
+        _a_diag(kb1, k1, gm1, LOWP, BC),
+        _a_diag(kb2, k2, gm2, LOWP, BC),
+        _a_diag(kb3, k3, gm3, LOWP, BC),
+        BC,
+    )
+    # off-diagonal blocks: X_ij = -X_ii sum_{m=j}^{i-1} A_im X_mj
+    a10 = _a_block(kb1, k0, gm1, gm0, LOWP)
+    a20 = _a_block(kb2, k0, gm2, gm0, LOWP)
+    a21 = _a_block(kb2, k1, gm2, gm1, LOWP)
+    a30 = _a_block(kb3, k0, gm3, gm0, LOWP)
+    a31 = _a_block(kb3, k1, gm3, gm1, LOWP)
+    a32 = _a_block(kb3, k2, gm3, gm2, LOWP)
+    x10 = -tl.dot(x11, tl.dot(a10, x00, input_precision="ieee"), input_precision="ieee")
+    x21 = -tl.dot(x22, tl.dot(a21, x11, input_precision="ieee"), input_precision="ieee")
+    x32 = -tl.dot(x33, tl.dot(a32, x22, input_precision="ieee"), input_precision="ieee")
+    x20 = -tl.dot(
+        x22,
+        tl.dot(a20, x00, input_precision="ieee") + tl.dot(a21, x10, input_precision="ieee"),
+        input_precision="ieee",
+    )
+    x31 = -tl.dot(
+        x33,
+        tl.dot(a31, x11, input_precision="ieee") + tl.dot(a32, x21, input_precision="ieee"),
+        input_precision="ieee",
+    )
+    x30 = -tl.dot(
+        x33,
+        tl.dot(a30, x00, input_precision="ieee")
+        + tl.dot(a31, x10, input_precision="ieee")
+        + tl.dot(a32, x20, input_precision="ieee"),
+        input_precision="ieee",
+    )
+
+    # W = X (beta k e^gamma), U = X (beta v), block row by block row
+    col_w = i_hv * K
+    col_u = i_hv * V
+    _store_rows(w_ptr, _mm(x00, kg0, LOWP), bos, end, HV * K, col_w, 0, BC, BK, K)
+    _store_rows(u_ptr, _mm(x00, vb0, LOWP), bos, end, HV * V, col_u, 0, BC, BV, V)
+    _store_rows(w_ptr, _mm(x10, kg0, LOWP) + _mm(x11, kg1, LOWP), bos, end, HV * K, col_w, 1, BC, BK, K)
+    _store_rows(u_ptr, _mm(x10, vb0, LOWP) + _mm(x11, vb1, LOWP), bos, end, HV * V, col_u, 1, BC, BV, V)
+    _store_rows(
+        w_ptr,
+        _mm(x20, kg0, LOWP) + _mm(x21, kg1, LOWP) + _mm(x22, kg2, LOWP),
+        bos,
+        end,
+        HV * K,
+        col_w,
+        2,
+        BC,
+        BK,
+        K,
+    )
+    _store_rows(
+        u_ptr,
+        _mm(x20, vb0, LOWP) + _mm(x21, vb1, LOWP) + _mm(x22, vb2, LOWP),
+        bos,
+        end,
+        HV * V,
+        col_u,
+        2,
+        BC,
+        BV,
+        V,
+    )
+    _store_rows(
+        w_ptr,
+        _mm(x30, kg0, LOWP) + _mm(x31, kg1, LOWP) + _mm(x32, kg2, LOWP) + _mm(x33, kg3, LOWP),
+        bos, end, HV * K, col_w, 3, BC, BK, K,
+    )  # fmt: skip
+    _store_rows(
+        u_ptr,
+        _mm(x30, vb0, LOWP) + _mm(x31, vb1, LOWP) + _mm(x32, vb2, LOWP) + _mm(x33, vb3, LOWP),
+        bos, end, HV * V, col_u, 3, BC, BV, V,
+    )  # fmt: skip
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def gdn_chunk_state_kernel(  # type: ignore[no-untyped-def]
+    k_ptr,  # [T, HK, K]
+    w_ptr,  # [T, HV, K]
+    u_ptr,  # [T, HV, V]
+    gamma_ptr,  # [T, HV] fp32
+    rk_ptr,  # [T, HV] fp32
+    v_new_ptr,  # [T, HV, V] out
+    h_ptr,  # [NC, HV, K, V] out: state at the start of each chunk
+    state_ptr,  # [S, HV, K, V]
+    cu_seqlens_ptr,  # [N + 1]
+    chunk_off_ptr,  # [N + 1]
+    slots_ptr,  # [N]
+    has_init_ptr,  # [N] bool
+    s_sn,
+    s_sh,
+    s_sk,
+    s_sv,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,
+    LOWP: tl.constexpr,
+):
+    i_nh = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_hk = i_hv // (HV // HK)
+    bos = tl.load(cu_seqlens_ptr + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens_ptr + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_off_ptr + i_n).to(tl.int64)
+    num_chunks = tl.cdiv(eos - bos, BT)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+
+    slot = tl.load(slots_ptr + i_n).to(tl.int64)
+    has_init = tl.load(has_init_ptr + i_n).to(tl.int32)
+    p_state = state_ptr + tl.maximum(slot, 0) * s_sn + i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv
+    # validity as a [BK] block: the interpreter rejects a mask built from a scalar bool
+    ok_slot = (tl.zeros_like(o_k) + slot) >= 0
+    ok_read = ok_slot & ((tl.zeros_like(o_k) + has_init) != 0)
+    b_s = tl.load(p_state, mask=m_kv & ok_read[:, None], other=0.0).to(tl.float32)  # [BK, BV]
+
+    # h is [NC, HV, K, V] contiguous
+    p_h = h_ptr + (c0 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+    for c in range(num_chunks):
+        rows = bos + c * BT + o_t
+        m_t = rows < eos
+        tl.store(p_h + c * HV * K * V, b_s.to(h_ptr.dtype.element_ty), mask=m_kv)
+        b_w = tl.load(
+            w_ptr + rows[:, None] * (HV * K) + i_hv * K + o_k[None, :],
+            mask=m_t[:, None] & m_k[None, :],
+            other=0.0,
+        )
+        b_u = tl.load(
+            u_ptr + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :],
+            mask=m_t[:, None] & m_v[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        b_vn = b_u - _mm(b_w, b_s, LOWP)  # [BT, BV]
+        tl.store(
+            v_new_ptr + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :],
+            b_vn.to(v_new_ptr.dtype.element_ty),
+            mask=m_t[:, None] & m_v[None, :],
+        )
+        b_gamma = tl.load(gamma_ptr + rows * HV + i_hv, mask=m_t, other=0.0)  # [BT]
+        last = tl.minimum(bos + c * BT + BT, eos) - 1
+        b_glast = tl.load(gamma_ptr + last * HV + i_hv)
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_k = tl.load(k_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_tk, other=0.0)  # raw
+        b_rk = tl.load(rk_ptr + rows * HV + i_hv, mask=m_t, other=0.0)
+        # k normalisation and the decay to the chunk end, applied to the [BT, BV] side
+        b_vs = b_vn * (b_rk * tl.where(m_t, tl.exp(b_glast - b_gamma), 0.0))[:, None]
+        b_s = b_s * tl.exp(b_glast) + _mm(tl.trans(b_k), b_vs, LOWP)
+
+    tl.store(p_state, b_s.to(state_ptr.dtype.element_ty), mask=m_kv & ok_slot[:, None])
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def gdn_chunk_out_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,  # [T, HK, K]
+    k_ptr,  # [T, HK, K]
+    v_new_ptr,  # [T, HV, V]
+    gamma_ptr,  # [T, HV] fp32
+    h_ptr,  # [NC, HV, K, V]
+    chunk_start_ptr,  # [NC]
+    chunk_end_ptr,  # [NC]
+    o_ptr,  # [T, HV, V] out
+    scale,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,
+    LOWP: tl.constexpr,
+):
+    i_ch = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_c = (i_ch // HV).to(tl.int64)
+    i_hv = i_ch % HV
+    i_hk = i_hv // (HV // HK)
+    bos = tl.load(chunk_start_ptr + i_c).to(tl.int64)
+    end = tl.load(chunk_end_ptr + i_c).to(tl.int64)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    m_k = o_k < K
+    m_v = o_v < V
+    rows = bos + o_t
+    m_t = rows < end
+
+    b_q = _load_rows_normed(q_ptr + i_hk * K, rows, m_t, HK * K, o_k, m_k) * scale  # [BT, BK]
+    b_k = _load_rows_normed(k_ptr + i_hk * K, rows, m_t, HK * K, o_k, m_k)  # [BT, BK]
+    b_gamma = tl.load(gamma_ptr + rows * HV + i_hv, mask=m_t, other=0.0)  # [BT]
+    b_h = tl.load(
+        h_ptr + (i_c * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
+        mask=m_k[:, None] & m_v[None, :],
+        other=0.0,
+    )  # [BK, BV]
+    b_vn = tl.load(
+        v_new_ptr + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :],
+        mask=m_t[:, None] & m_v[None, :],
+        other=0.0,
+    )  # [BT, BV]
+    causal = o_t[:, None] >= o_t[None, :]
+    decay = tl.exp(tl.where(causal, b_gamma[:, None] - b_gamma[None, :], float("-inf")))
+    b_a = tl.where(causal, _mm(b_q, tl.trans(b_k), LOWP) * decay, 0.0)  # [BT, BT]
+    b_o = _mm(b_q * tl.exp(b_gamma)[:, None], b_h, LOWP) + _mm(b_a, b_vn, LOWP)
+    tl.store(
+        o_ptr + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :],
+        b_o.to(o_ptr.dtype.element_ty),
+        mask=m_t[:, None] & m_v[None, :],
+    )
+
+
+def launch_chunk_prefill(
+    q: torch.Tensor,  # [T, HK, K] contiguous
+    k: torch.Tensor,  # [T, HK, K] contiguous
+    v: torch.Tensor,  # [T, HV, V] contiguous
+    g: torch.Tensor,  # [T, HV] fp32 contiguous
+    beta: torch.Tensor,  # [T, HV] fp32 contiguous
+    *,
+    cu_seqlens: torch.Tensor,  # [N + 1]
+    state: torch.Tensor,  # [S, HV, K, V]
+    state_slots: torch.Tensor,  # [N]
+    has_initial_state: torch.Tensor,  # [N] bool
+    return_chunk_states: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Runs the three stages.
+
+    Returns (o [T, HV, V] in q's dtype, chunk_states [NC, HV, K, V] fp32 or None).
+    """
+    num_tokens, num_k_heads, head_k = q.shape
+    num_v_heads, head_v = v.shape[1], v.shape[2]
+    dev = q.device
+    num_seqs = cu_seqlens.numel() - 1
+    bt = CHUNK_SIZE
+
+    cu = cu_seqlens.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    num_chunks = (lens + bt - 1) // bt  # [N]
+    chunk_off = torch.zeros(num_seqs + 1, dtype=torch.int64, device=dev)
+    chunk_off[1:] = torch.cumsum(num_chunks, 0)
+    # the one host sync: the launch grids need the chunk count
+    total_chunks = int(chunk_off[-1])
+    seq_of_chunk = torch.repeat_interleave(
+        torch.arange(num_seqs, device=dev), num_chunks, output_size=total_chunks
+    )
+    chunk_start = cu[seq_of_chunk] + bt * (torch.arange(total_chunks, device=dev) - chunk_off[seq_of_chunk])
+    chunk_end = torch.minimum(chunk_start + bt, cu[seq_of_chunk + 1])
+
+    lowp = q.dtype != torch.float32
+    # the interpreter multiplies bf16 blocks as raw bits, so on CPU the products stay fp32
+    dot_lowp = lowp and os.environ.get("TRITON_INTERPRET") != "1"
+    work_dtype = torch.bfloat16 if lowp else torch.float32
+    o = torch.empty(num_tokens, num_v_heads, head_v, dtype=q.dtype, device=dev)
+    h_dtype = torch.float32 if return_chunk_states or not lowp else work_dtype
+    h = torch.empty(total_chunks, num_v_heads, head_k, head_v, dtype=h_dtype, device=dev)
+    w = torch.empty(num_tokens, num_v_heads, head_k, dtype=work_dtype, device=dev)
+    u = torch.empty(num_tokens, num_v_heads, head_v, dtype=work_dtype, device=dev)
+    v_new = torch.empty_like(u)
+    gamma = torch.empty(num_tokens, num_v_heads, dtype=torch.float32, device=dev)
+    rk = torch.empty_like(gamma)
+
+    bk = max(triton.next_power_of_2(head_k), 16)
+    bv_full = max(triton.next_power_of_2(head_v), 16)
+    common = {"HK": num_k_heads, "HV": num_v_heads, "K": head_k, "V": head_v, "BK": bk, "LOWP": dot_lowp}
+    if total_chunks > 0:
+        gdn_chunk_wy_kernel[(total_chunks * num_v_heads,)](
+            k, v, g, beta, chunk_start, chunk_end, w, u, gamma, rk,
+            BV=bv_full, BT=bt, BC=SUB, num_warps=4, **common,
+        )  # fmt: skip
+    # the sequential stage has only N * HV * NV programs: narrower V tiles when there are few sequences
+    bv_state = min(bv_full, 32 if num_seqs * num_v_heads < 256 else 64)
+    if num_seqs > 0:
+        gdn_chunk_state_kernel[(num_seqs * num_v_heads, triton.cdiv(head_v, bv_state))](
+            k, w, u, gamma, rk, v_new, h, state, cu_seqlens, chunk_off, state_slots, has_initial_state,
+            state.stride(0), state.stride(1), state.stride(2), state.stride(3),
+            BV=bv_state, BT=bt, num_warps=4, **common,
+        )  # fmt: skip
+    bv_out = min(bv_full, 64)
+    if total_chunks > 0:
+        gdn_chunk_out_kernel[(total_chunks * num_v_heads, triton.cdiv(head_v, bv_out))](
+            q, k, v_new, gamma, h, chunk_start, chunk_end, o, head_k**-0.5,
+            BV=bv_out, BT=bt, num_warps=4, **common,
+        )  # fmt: skip
+    return o, (h if return_chunk_states else None)

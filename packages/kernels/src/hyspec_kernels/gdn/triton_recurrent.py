@@ -1,0 +1,169 @@
+"""Fused recurrent Triton kernel of the gated delta rule: decode and verify (chain and tree).
+
+One program per (sequence x value head, V tile). It holds the [K, BV] fp32 state tile in
+registers and loops over the block's tokens. V is the contiguous axis of the state, so every row of the tile
+is one coalesced load; V tiles of 8-64 columns give enough programs at small batch.
+
+- decode: reads state[slot] (zeros for slot -1), writes it back in place when slot >= 0.
+- verify: never writes `state`; stores the state after step j at scratch[row, j] using the scratch tensor's
+  own strides (so its allocated Dmax, not the runtime D); in tree mode, when parents[n, j] != j - 1, it
+  reloads the parent's post-state from scratch (or the committed state for parent -1) before step j.
+
+Token inputs and outputs are contiguous; each state slot and each scratch (row, step) entry is a contiguous
+[HV, K, V] block, so only the slot, row and step strides are passed (few arguments keep the launch cheap).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,  # [N, D, HK, K]
+    k_ptr,  # [N, D, HK, K]
+    v_ptr,  # [N, D, HV, V]
+    g_ptr,  # [N, D, HV] fp32
+    beta_ptr,  # [N, D, HV] fp32
+    o_ptr,  # [N, D, HV, V]
+    state_ptr,  # [S, HV, K, V]
+    slots_ptr,  # [N]
+    scratch_ptr,  # [R, Dmax, HV, K, V] (verify only)
+    rows_ptr,  # [N] (verify only)
+    parents_ptr,  # [N, D] (tree only)
+    num_steps,
+    scale,
+    s_sn,
+    s_xr,
+    s_xd,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    IS_VERIFY: tl.constexpr,
+    IS_TREE: tl.constexpr,
+):
+    i_nh = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_n = (i_nh // HV).to(tl.int64)
+    i_hv = i_nh % HV
+    i_hk = i_hv // (HV // HK)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    # offset inside one [HV, K, V] block; slot, row and step parts are added in int64 below
+    off_hkv = i_hv * K * V + o_k[:, None] * V + o_v[None, :]
+
+    slot = tl.load(slots_ptr + i_n).to(tl.int64)
+    # validity as a [BK, BV] block: the interpreter rejects a mask built from a scalar bool
+    m_slot = m_kv & ((tl.zeros_like(o_k) + slot) >= 0)[:, None]
+    p_state = state_ptr + tl.maximum(slot, 0) * s_sn + off_hkv
+    b_s0 = tl.load(p_state, mask=m_slot, other=0.0).to(tl.float32)  # [BK, BV]
+    b_s = b_s0
+
+    # decode passes the slots here too; the row is only used when IS_VERIFY
+    row = tl.load(rows_ptr + i_n).to(tl.int64)
+    m_row = m_kv & ((tl.zeros_like(o_k) + row) >= 0)[:, None]
+    p_scratch = scratch_ptr + tl.maximum(row, 0) * s_xr + off_hkv
+
+    tok = i_n * num_steps  # token index of step 0 in the [N * D] flattening
+    for j in range(num_steps):
+        if IS_TREE:
+            parent = tl.load(parents_ptr + tok + j).to(tl.int64)
+            if parent != j - 1:
+                if parent < 0:
+                    b_s = b_s0
+                else:
+                    # the parent's post-state was stored by this program; make it visible to all its threads
+                    tl.debug_barrier()
+                    b_s = tl.load(p_scratch + parent * s_xd, mask=m_row, other=0.0).to(tl.float32)
+        b_q = tl.load(q_ptr + ((tok + j) * HK + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + ((tok + j) * HK + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v_ptr + ((tok + j) * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_g = tl.load(g_ptr + (tok + j) * HV + i_hv).to(tl.float32)
+        b_beta = tl.load(beta_ptr + (tok + j) * HV + i_hv).to(tl.float32)
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+
+        b_s = b_s * tl.exp(b_g)
+        b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))  # [BV]
+        b_s = b_s + b_k[:, None] * b_u[None, :]
+        b_o = tl.sum(b_s * b_q[:, None], 0)  # [BV]
+        tl.store(o_ptr + ((tok + j) * HV + i_hv) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
+        if IS_VERIFY:
+            tl.store(p_scratch + j * s_xd, b_s.to(scratch_ptr.dtype.element_ty), mask=m_row)
+    if not IS_VERIFY:
+        tl.store(p_state, b_s.to(state_ptr.dtype.element_ty), mask=m_slot)
+
+
+def default_tiles(num_seq_heads: int, head_v: int) -> tuple[int, int]:
+    """(BV, num_warps): narrow V tiles while there are few (sequence, head) pairs, for enough programs."""
+    if num_seq_heads >= 2048:
+        bv, warps = 32, 2
+    elif num_seq_heads >= 256:
+        bv, warps = 16, 1
+    else:
+        bv, warps = 8, 1
+    return min(bv, triton.next_power_of_2(head_v)), warps
+
+
+def launch_recurrent(
+    q: torch.Tensor,  # [N, D, HK, K] contiguous
+    k: torch.Tensor,  # [N, D, HK, K] contiguous
+    v: torch.Tensor,  # [N, D, HV, V] contiguous
+    g: torch.Tensor,  # [N, D, HV] fp32 contiguous
+    beta: torch.Tensor,  # [N, D, HV] fp32 contiguous
+    *,
+    state: torch.Tensor,  # [S, HV, K, V], each slot contiguous
+    state_slots: torch.Tensor,  # [N]
+    scratch: torch.Tensor | None,  # [R, Dmax, HV, K, V], each entry contiguous; None = decode
+    scratch_rows: torch.Tensor | None,  # [N]
+    parents: torch.Tensor | None,  # [N, D] contiguous
+    out_dtype: torch.dtype,
+    tiles: tuple[int, int] | None = None,  # (BV, num_warps) override, for tuning
+) -> torch.Tensor:
+    """Runs decode (scratch None) or verify. Returns o [N, D, HV, V] in out_dtype."""
+    num_seqs, steps, num_k_heads, head_k = q.shape
+    num_v_heads, head_v = v.shape[2], v.shape[3]
+    o = torch.empty(num_seqs, steps, num_v_heads, head_v, dtype=out_dtype, device=q.device)
+    if num_seqs == 0 or steps == 0:
+        return o
+    is_verify = scratch is not None
+    xs = scratch if scratch is not None else state  # an unused pointer for decode
+    bv, num_warps = tiles if tiles is not None else default_tiles(num_seqs * num_v_heads, head_v)
+    grid = (num_seqs * num_v_heads, triton.cdiv(head_v, bv))
+    gdn_recurrent_fwd_kernel[grid](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        o,
+        state,
+        state_slots,
+        xs,
+        scratch_rows if scratch_rows is not None else state_slots,
+        parents if parents is not None else state_slots,
+        steps,
+        head_k**-0.5,
+        state.stride(0),
+        xs.stride(0),
+        xs.stride(1) if is_verify else 0,
+        HK=num_k_heads,
+        HV=num_v_heads,
+        K=head_k,
+        V=head_v,
+        BK=triton.next_power_of_2(head_k),
+        BV=bv,
+        IS_VERIFY=is_verify,
+        IS_TREE=parents is not None,
+        num_warps=num_warps,
+    )
+    return o

@@ -1,0 +1,283 @@
+"""Run every op on every backend against its PyTorch reference and print a table.
+
+    python -m hyspec_kernels.selfcheck [--device cpu|cuda]
+
+Inputs are small and adversarial on purpose: state slots differ from batch rows, one row is padded (slot -1),
+unused slots and scratch rows hold NaN, verify scratch is allocated for more steps than are used, and the
+tree has branches. On a CPU the Triton kernels run under `TRITON_INTERPRET=1`, which this module sets before
+any kernel is defined when no GPU is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hyspec_kernels._checks import Backend
+
+Result = dict[str, torch.Tensor]
+Case = Callable[[Backend], Result]
+
+
+@dataclass(frozen=True)
+class Row:
+    op: str
+    backend: str
+    max_abs_err: float
+    seconds: float
+    ok: bool
+    note: str = ""
+
+
+def _nan_pool(shape: tuple[int, ...], used: list[int], gen: torch.Generator, device: str) -> torch.Tensor:
+    """A pool whose used rows are random and every other row is NaN, so a wrong read shows up."""
+    pool = torch.full(shape, float("nan"), device=device)
+    for i in used:
+        pool[i] = torch.randn(shape[1:], generator=gen).to(device)
+    return pool
+
+
+def build_cases(device: str) -> dict[str, Case]:
+    from hyspec_kernels.attention import paged_attention, store_kv
+    from hyspec_kernels.commit import commit_states
+    from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
+    from hyspec_kernels.gating import gated_rmsnorm, gdn_gating, rms_norm
+    from hyspec_kernels.gdn import gdn_decode, gdn_prefill, gdn_verify
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(device)
+
+    def idx(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    hk, hv, kd, vd = 2, 4, 16, 16
+    slots, num_slots = [3, -1, 1], 5  # row 1 is padded; slots differ from rows
+    cu = idx([0, 5, 8, 15])
+    t = 15
+    has_init = torch.tensor([True, False, False], device=device)
+    d, d_max = 4, 6
+    parents = idx([-1, 0, 0, 1] * 3).view(3, 4)
+    rows = idx([2, -1, 0])
+    cases: dict[str, Case] = {}
+
+    a_log, dt_bias = rnd(hv), rnd(hv)
+    a, b = rnd(t, hv), rnd(t, hv)
+    cases["gdn_gating"] = lambda be: dict(zip(("g", "beta"), gdn_gating(a_log, a, b, dt_bias, backend=be)))
+    x3, z3, w_v = rnd(t, hv, vd), rnd(t, hv, vd), rnd(vd)
+    cases["gated_rmsnorm"] = lambda be: {"y": gated_rmsnorm(x3, z3, w_v, 1e-6, backend=be)}
+    x2, w_h = rnd(t, 32), rnd(32)
+    cases["rms_norm(offset=1)"] = lambda be: {"y": rms_norm(x2, w_h, 1e-6, offset=1.0, backend=be)}
+
+    q, k, v = rnd(t, hk, kd), rnd(t, hk, kd), rnd(t, hv, vd)
+    g, beta = -torch.rand(t, hv, generator=gen).to(device), torch.rand(t, hv, generator=gen).to(device)
+    gdn_pool = _nan_pool((num_slots, hv, kd, vd), [1, 3], gen, device)
+
+    def gdn_prefill_case(be: Backend) -> Result:
+        state = gdn_pool.clone()
+        out = gdn_prefill(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            cu_seqlens=cu,
+            state=state,
+            state_slots=idx(slots),
+            has_initial_state=has_init,
+            backend=be,
+        )
+        return {"o": out.o[:5], "o_tail": out.o[8:], "state": state[[1, 3]]}
+
+    cases["gdn_prefill (varlen, slots, padded row)"] = gdn_prefill_case
+
+    def gdn_decode_case(be: Backend) -> Result:
+        state = gdn_pool.clone()
+        o = gdn_decode(q[:3], k[:3], v[:3], g[:3], beta[:3], state=state, state_slots=idx(slots), backend=be)
+        return {"o": o[[0, 2]], "state": state[[1, 3]]}
+
+    cases["gdn_decode"] = gdn_decode_case
+    qv, kv_, vv = rnd(3, d, hk, kd), rnd(3, d, hk, kd), rnd(3, d, hv, vd)
+    gv, bv = -torch.rand(3, d, hv, generator=gen).to(device), torch.rand(3, d, hv, generator=gen).to(device)
+    for name, par in (("chain", None), ("tree", parents)):
+
+        def gdn_verify_case(be: Backend, par: torch.Tensor | None = par) -> Result:
+            state = gdn_pool.clone()
+            scratch = torch.full((4, d_max, hv, kd, vd), float("nan"), device=device)
+            o = gdn_verify(
+                qv,
+                kv_,
+                vv,
+                gv,
+                bv,
+                state=state,
+                state_slots=idx(slots),
+                scratch=scratch,
+                scratch_rows=rows,
+                parents=par,
+                backend=be,
+            )
+            return {"o": o[[0, 2]], "scratch": scratch[[0, 2], :d], "state": state[[1, 3]]}
+
+        cases[f"gdn_verify ({name}, Dmax > D)"] = gdn_verify_case
+
+    ch, width = 12, 4
+    xc, wc, bc = rnd(t, ch), rnd(ch, width), rnd(ch)
+    conv_pool = _nan_pool((num_slots, ch, width - 1), [1, 3], gen, device)
+
+    def conv_prefill_case(be: Backend) -> Result:
+        state = conv_pool.clone()
+        y = conv_prefill(
+            xc,
+            wc,
+            bc,
+            cu_seqlens=cu,
+            conv_state=state,
+            state_slots=idx(slots),
+            has_initial_state=has_init,
+            activation="silu",
+            backend=be,
+        )
+        return {"y": y[:5], "y_tail": y[8:], "state": state[[1, 3]]}
+
+    cases["conv_prefill (varlen, slots, padded row)"] = conv_prefill_case
+
+    def conv_decode_case(be: Backend) -> Result:
+        state = conv_pool.clone()
+        y = conv_decode(
+            xc[:3], wc, None, conv_state=state, state_slots=idx(slots), activation=None, backend=be
+        )
+        return {"y": y[[0, 2]], "state": state[[1, 3]]}
+
+    cases["conv_decode (no activation)"] = conv_decode_case
+    xcv = rnd(3, d, ch)
+    for name, par in (("chain", None), ("tree", parents)):
+
+        def conv_verify_case(be: Backend, par: torch.Tensor | None = par) -> Result:
+            state = conv_pool.clone()
+            scratch = torch.full((4, d_max, ch, width - 1), float("nan"), device=device)
+            y = conv_verify(
+                xcv,
+                wc,
+                bc,
+                conv_state=state,
+                state_slots=idx(slots),
+                scratch=scratch,
+                scratch_rows=rows,
+                parents=par,
+                activation="silu",
+                backend=be,
+            )
+            return {"y": y[[0, 2]], "scratch": scratch[[0, 2], :d], "state": state[[1, 3]]}
+
+        cases[f"conv_verify ({name}, Dmax > D)"] = conv_verify_case
+
+    layers, n_rows = 2, 4
+    cstate = _nan_pool((num_slots, layers, 3, 2), [0, 1, 2, 3, 4], gen, device).transpose(0, 1).contiguous()
+    cscratch = rnd(layers, n_rows, d_max, 3, 2)
+
+    def commit_case(be: Backend) -> Result:
+        state = cstate.clone()
+        commit_states(
+            pairs=[(state, cscratch)],
+            batch_rows=idx([2, 0, 3]),
+            state_slots=idx([4, 1, 2]),
+            steps=idx([3, -1, 0]),
+            track_slots=idx([3, -1, -1]),
+            track_steps=idx([1, -1, -1]),
+            check_unique=True,
+            backend=be,
+        )
+        return {"state": state}
+
+    cases["commit_states (commit + track)"] = commit_case
+
+    hq, hkv, dh, page = 4, 2, 16, 4
+    kv_len = [9, 4, 6]
+    q_len = [3, 1, 4]
+    pages = torch.tensor([[5, 2, 7], [0, 6, 1], [3, 4, 8]], dtype=torch.int32, device=device)
+    kcache0 = torch.full((9, page, hkv, dh), float("nan"), device=device)
+    vcache0 = kcache0.clone()
+    flat = [int(pages[n, p // page]) * page + p % page for n in range(3) for p in range(kv_len[n])]
+    kk, vv2 = rnd(len(flat), hkv, dh), rnd(len(flat), hkv, dh)
+    qa = rnd(sum(q_len), hq, dh)
+    cu_q = idx([0, 3, 4, 8])
+
+    qt = rnd(12, hq, dh)
+
+    def attention_case(be: Backend, tree: bool) -> Result:
+        kc, vc = kcache0.clone(), vcache0.clone()
+        store_kv(kk, vv2, k_cache=kc, v_cache=vc, kv_slots=idx(flat), backend=be)
+        mask = None
+        if tree:
+            mask = torch.tril(torch.ones(3, 4, 4, dtype=torch.bool, device=device))
+            mask[:, 2, 1] = False  # token 2 is a sibling of token 1, not its child
+        o = paged_attention(
+            qt if tree else qa,
+            k_cache=kc,
+            v_cache=vc,
+            page_table=pages,
+            cu_seqlens_q=idx([0, 4, 8, 12]) if tree else cu_q,
+            kv_lens=idx(kv_len),
+            scale=dh**-0.5,
+            tree_mask=mask,
+            backend=be,
+        )
+        return {"o": o}
+
+    cases["store_kv + paged_attention (extend, decode, causal)"] = lambda be: attention_case(be, False)
+    cases["store_kv + paged_attention (tree verify, D=4)"] = lambda be: attention_case(be, True)
+    return cases
+
+
+def run(device: str) -> list[Row]:
+    cases = build_cases(device)
+    backends: list[Backend] = ["torch", "triton"]
+    out: list[Row] = []
+    for name, case in cases.items():
+        ref = case("reference")
+        for be in backends:
+            start = time.perf_counter()
+            try:
+                got = case(be)
+            except Exception as e:  # a failure is a row of the table, not a crash of the check
+                out.append(Row(name, be, float("nan"), time.perf_counter() - start, False, repr(e)[:80]))
+                continue
+            err = 0.0
+            for key, want in ref.items():
+                diff = (got[key].float() - want.float()).abs()
+                if bool(torch.isnan(got[key]).any()) and not bool(torch.isnan(want).any()):
+                    err = float("inf")
+                else:
+                    err = max(err, float(torch.nan_to_num(diff, nan=0.0).max()) if diff.numel() else 0.0)
+            out.append(Row(name, be, err, time.perf_counter() - start, err <= 2e-4))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Run every hyspec kernel against its PyTorch reference.")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    rows = run(args.device)
+    width = max(len(r.op) for r in rows)
+    print(f"hyspec kernel self-check on {args.device} (fp32, max |backend - reference|, tolerance 2e-4)\n")
+    print(f"{'op':<{width}}  {'backend':<7}  {'max err':>9}  {'time':>7}  status")
+    for r in rows:
+        status = "ok" if r.ok else f"FAIL {r.note}"
+        print(f"{r.op:<{width}}  {r.backend:<7}  {r.max_abs_err:>9.2e}  {r.seconds:>6.2f}s  {status}")
+    failed = sum(not r.ok for r in rows)
+    print(f"\n{len(rows) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

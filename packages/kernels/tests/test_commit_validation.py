@@ -1,0 +1,102 @@
+"""commit_states rejects bad input with a ValueError that names the argument."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import pytest
+import torch
+from hyspec_kernels.commit import commit_states
+
+L, S, R, DMAX = 2, 6, 3, 4
+
+
+def _call(**overrides: object) -> None:
+    args: dict[str, object] = dict(
+        pairs=[(torch.zeros(L, S, 5), torch.zeros(L, R, DMAX, 5))],
+        batch_rows=torch.tensor([0, 2]),
+        state_slots=torch.tensor([1, 5]),
+        steps=torch.tensor([3, -1]),
+        track_slots=None,
+        track_steps=None,
+        backend="torch",
+    )
+    args.update(overrides)
+    commit_states(**args)  # type: ignore[arg-type]
+
+
+BAD: list[tuple[str, dict[str, object]]] = [
+    ("pairs", dict(pairs=torch.zeros(L, S, 5))),
+    ("pairs[0]", dict(pairs=[(torch.zeros(L, S, 5),)])),
+    ("pairs[0][0] (state)", dict(pairs=[(torch.zeros(L), torch.zeros(L, R, DMAX))])),
+    ("pairs[0][1] (scratch)", dict(pairs=[(torch.zeros(L, S, 5), torch.zeros(L, R, DMAX, 4))])),
+    (
+        "pairs[0][1] (scratch)",
+        dict(pairs=[(torch.zeros(L, S, 5), torch.zeros(L + 1, R, DMAX, 5))]),
+    ),
+    (
+        "pairs[0][1] (scratch)",
+        dict(pairs=[(torch.zeros(L, S, 5), torch.zeros(L, R, DMAX, 5).double())]),
+    ),
+    ("batch_rows", dict(batch_rows=torch.tensor([0, 3]))),
+    ("batch_rows", dict(batch_rows=torch.tensor([0.0, 1.0]))),
+    ("batch_rows", dict(batch_rows=torch.tensor([[0, 1]]))),
+    ("state_slots", dict(state_slots=torch.tensor([1, S]))),
+    ("state_slots", dict(state_slots=torch.tensor([1, 2, 3]))),
+    ("steps", dict(steps=torch.tensor([DMAX, 0]))),
+    ("steps", dict(steps=torch.tensor([-2, 0]))),
+    ("track_slots, track_steps", dict(track_slots=torch.tensor([1, 2]))),
+    ("track_slots", dict(track_slots=torch.tensor([1, S + 3]), track_steps=torch.tensor([0, 0]))),
+    ("track_steps", dict(track_slots=torch.tensor([1, 2]), track_steps=torch.tensor([0, DMAX]))),
+    ("state_slots", dict(state_slots=torch.tensor([4, 4]), steps=torch.tensor([0, 1]), check_unique=True)),
+    (
+        "track_slots",
+        dict(track_slots=torch.tensor([2, 2]), track_steps=torch.tensor([1, 0]), check_unique=True),
+    ),
+    ("backend", dict(backend="cuda")),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides"), BAD)
+def test_commit_rejects_bad_input(name: str, overrides: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(name)}"):
+        _call(**overrides)
+
+
+def test_duplicates_among_dead_rows_are_fine() -> None:
+    """Two rows may share a slot when at most one of them is live (a finished request's row is dead)."""
+    state = torch.zeros(L, S, 5)
+    scratch = torch.arange(L * R * DMAX * 5, dtype=torch.float32).view(L, R, DMAX, 5)
+    commit_states(
+        pairs=[(state, scratch)],
+        batch_rows=torch.tensor([0, 2]),
+        state_slots=torch.tensor([4, 4]),
+        steps=torch.tensor([-1, 2]),
+        track_slots=torch.tensor([3, 3]),
+        track_steps=torch.tensor([1, -1]),
+        check_unique=True,
+        backend="reference",
+    )
+    assert torch.equal(state[:, 4], scratch[:, 2, 2])
+    assert torch.equal(state[:, 3], scratch[:, 0, 1])
+
+
+def test_triton_path_needs_contiguous_entries() -> None:
+    state = torch.zeros(L, S, 5, 3).transpose(2, 3)  # entry dims not row-major
+    with pytest.raises(ValueError, match=re.escape("pairs[0][0] (state)")):
+        _call(pairs=[(state, torch.zeros(L, R, DMAX, 3, 5))], backend="triton")
+
+
+def test_empty_batch_and_no_pairs_are_no_ops() -> None:
+    calls: list[Callable[[], None]] = [
+        lambda: _call(
+            batch_rows=torch.zeros(0, dtype=torch.int64),
+            state_slots=torch.zeros(0, dtype=torch.int64),
+            steps=torch.zeros(0, dtype=torch.int64),
+            backend="triton",
+        ),
+        lambda: _call(pairs=[]),
+    ]
+    for call in calls:
+        call()

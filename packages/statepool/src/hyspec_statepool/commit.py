@@ -1,0 +1,104 @@
+"""Commit after verify: turn the verify result into commit and track steps, then copy state from scratch.
+
+Verify never writes the committed state; it leaves the state after every block token in scratch, indexed by
+batch row and step. This is the one place that picks which step each request keeps and calls the kernels'
+`commit_states` for all linear layers at once.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+from hyspec_kernels.commit import commit_states
+
+from hyspec_statepool.commit_math import commit_steps, track_steps
+from hyspec_statepool.indices import BatchRows, ReqRows, StateSlots
+from hyspec_statepool.pool import HybridStatePool
+
+
+class CommitIndices(NamedTuple):
+    """What was committed, so the KV commit and the token output can use the very same arrays."""
+
+    steps: torch.Tensor  # [N] int64, step copied into each request's slot, -1 where skipped
+    track_steps: torch.Tensor | None  # [N] int64, step copied into the track slot, -1 where no boundary
+
+
+def commit_accepted_states(
+    *,
+    pool: HybridStatePool,
+    req_rows: ReqRows,
+    batch_rows: BatchRows,
+    num_accepted: torch.Tensor,
+    accept_paths: torch.Tensor | None = None,
+    seq_lens_before: torch.Tensor | None = None,
+    track_slots: StateSlots | None = None,
+    track_interval: int | None = None,
+    check_unique: bool = False,
+    backend: Literal["auto", "triton", "torch", "reference"] = "auto",
+) -> CommitIndices:
+    """Copy each request's accepted verify step into its state slot (and a boundary step into its track slot).
+
+    Args:
+        pool: the pool whose scratch the verify wrote.
+        req_rows: `[N]` request rows of the verified requests; their state slots come from `pool.state_slots`.
+        batch_rows: `[N]` batch rows the verify wrote scratch at.
+        num_accepted: `[N]` int, accepted drafts, bonus excluded (tokens committed = num_accepted + 1);
+            -1 skips a row (for example a request finished or aborted while its verify was in flight).
+        accept_paths: `[N, D]` int node indices of each accepted path, root first (tree), None for a chain.
+        seq_lens_before: `[N]` int, committed tokens before this round; needed with track slots.
+        track_slots: `[N]` prefix-cache track slots (-1 where a request does not track), or None.
+        track_interval: track interval; needed with track slots, at least the verify block size.
+        check_unique: have the kernel check that no two rows target the same slot (costs a sync).
+        backend: kernel backend passed to `commit_states`.
+    Returns:
+        The commit and track steps actually used.
+    """
+    n = len(req_rows)
+    if len(batch_rows) != n:
+        raise ValueError(f"batch_rows: expected {n} rows (one per request row), got {len(batch_rows)}")
+    if batch_rows.bound != pool.plan.max_running + 1:
+        raise ValueError(
+            f"batch_rows: built for {batch_rows.bound} batch rows, this pool has {pool.plan.max_running + 1}"
+        )
+    dmax = pool.plan.max_draft_tokens
+    if accept_paths is not None and accept_paths.dim() == 2 and accept_paths.shape[1] > dmax:
+        raise ValueError(
+            f"accept_paths: expected at most Dmax = {dmax} columns, got {list(accept_paths.shape)}"
+        )
+    if isinstance(num_accepted, torch.Tensor) and bool((num_accepted >= dmax).any()):
+        raise ValueError(f"num_accepted: expected values < Dmax = {dmax}, got {num_accepted.tolist()}")
+    tracking = (track_slots is not None, seq_lens_before is not None, track_interval is not None)
+    if any(tracking) and not all(tracking):
+        raise ValueError("track_slots, seq_lens_before, track_interval: expected all three or none")
+    if track_interval is not None and track_interval < dmax:
+        raise ValueError(f"track_interval: expected >= Dmax = {dmax} so a round crosses at most one boundary")
+
+    steps = commit_steps(num_accepted=num_accepted, accept_paths=accept_paths)  # [N] int64
+    slots = pool.state_slots(req_rows)
+    t_steps: torch.Tensor | None = None
+    t_slots: torch.Tensor | None = None
+    if track_slots is not None and seq_lens_before is not None and track_interval is not None:
+        if len(track_slots) != n or track_slots.bound != pool.plan.num_state_slots + 1:
+            raise ValueError(f"track_slots: expected {n} slots of this pool, got {track_slots!r}")
+        t_steps = track_steps(
+            seq_lens_before=seq_lens_before,
+            num_accepted=num_accepted,
+            interval=track_interval,
+            accept_paths=accept_paths,
+        )
+        t_slots = track_slots.tensor
+        # a row without a track slot copies nothing, whatever its boundary
+        t_steps = torch.where(t_slots.to(t_steps.device) >= 0, t_steps, -1)
+    device = slots.tensor.device
+    commit_states(
+        pairs=pool.commit_pairs(),
+        batch_rows=batch_rows.tensor,
+        state_slots=slots.tensor,
+        steps=steps.to(device),
+        track_slots=t_slots,
+        track_steps=None if t_steps is None else t_steps.to(device),
+        check_unique=check_unique,
+        backend=backend,
+    )
+    return CommitIndices(steps, t_steps)

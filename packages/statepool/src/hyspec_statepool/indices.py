@@ -1,0 +1,139 @@
+"""The four index spaces as distinct types: request rows, KV slots, state slots and batch rows.
+
+Most hybrid-model bugs are an index from one space used in another (a request row read as a state slot). Each
+space here is its own class wrapping a 1-D int32 tensor, so mypy rejects passing one where another is
+expected, and each value is checked against the size of its space when the wrapper is built.
+
+Only this package builds them. The constructor takes a private token that only statepool modules import
+(`_mint` below); user code gets index tensors from the pool (`HybridStatePool.alloc`, `.req_rows`,
+`.state_slots`, `.batch_rows`, `.kv_slots`, `.alloc_detached_slots`). Calling `ReqRows(...)` directly raises
+TypeError. Read the raw tensor with `.tensor` when calling a kernel.
+
+| type | space | valid values |
+|---|---|---|
+| `ReqRows` | row of the request table | `[0, num_req_rows)` |
+| `KVSlots` | `page * page_size + offset` in the paged KV pool | `[0, num_pages * page_size)` or -1 (pad) |
+| `StateSlots` | row of a recurrent-state pool | `[0, num_state_slots + 1)` or -1 (pad); 0 is the dummy |
+| `BatchRows` | position in the current forward batch; indexes verify scratch | `[0, max_running + 1)` |
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Final, TypeVar, final
+
+import torch
+
+
+class _MintToken:
+    """Proof of origin: only statepool modules import `_MINT`, so only they construct index types."""
+
+    __slots__ = ()
+
+
+_MINT: Final = _MintToken()
+
+
+class _IndexTensor:
+    """Shared body of the four index types; never used as a type in signatures."""
+
+    __slots__ = ("_bound", "_tensor")
+    _allow_pad: ClassVar[bool] = False
+    _source: ClassVar[str] = "the pool"
+
+    def __init__(self, tensor: torch.Tensor, *, bound: int, token: object, check: bool = True) -> None:
+        name = type(self).__name__
+        if token is not _MINT:
+            raise TypeError(f"{name} is built only by hyspec_statepool; get one from {self._source}")
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int32 or tensor.dim() != 1:
+            got = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor)
+            raise ValueError(f"{name}: expected a 1-D int32 tensor, got {got}")
+        if bound < 0:
+            raise ValueError(f"{name}: expected bound >= 0, got {bound}")
+        if check and tensor.numel() > 0:
+            low = -1 if self._allow_pad else 0
+            bad = (tensor < low) | (tensor >= bound)
+            if bool(bad.any()):
+                pad = " or -1 (padding)" if self._allow_pad else ""
+                value = int(tensor[bad][0])
+                raise ValueError(f"{name}: expected values in [0, {bound}){pad}, got {value}")
+        self._tensor = tensor  # [n] int32
+        self._bound = bound
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The raw indices, `[n]` int32 on the pool's device."""
+        return self._tensor
+
+    @property
+    def bound(self) -> int:
+        """Size of the index space (exclusive upper bound of valid values)."""
+        return self._bound
+
+    def tolist(self) -> list[int]:
+        return [int(v) for v in self._tensor.tolist()]
+
+    def __len__(self) -> int:
+        return int(self._tensor.numel())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.tolist()}, bound={self._bound})"
+
+
+@final
+class ReqRows(_IndexTensor):
+    """Rows of the request table (one per live request); never padded."""
+
+    __slots__ = ()
+    _source = "HybridStatePool.alloc or .req_rows"
+
+
+@final
+class KVSlots(_IndexTensor):
+    """Token positions in the paged KV pool, `page * page_size + offset`; -1 marks a padded token."""
+
+    __slots__ = ()
+    _allow_pad = True
+    _source = "HybridStatePool.kv_slots"
+
+
+@final
+class StateSlots(_IndexTensor):
+    """Rows of the recurrent-state pools. 0 is the reserved dummy slot, -1 a padded row that kernels skip."""
+
+    __slots__ = ()
+    _allow_pad = True
+    _source = "HybridStatePool.state_slots or .alloc_detached_slots"
+
+    def padded(self, n: int) -> StateSlots:
+        """These slots followed by -1 up to length `n` (a CUDA-graph batch padded to a captured size)."""
+        if n < len(self):
+            raise ValueError(f"n: expected >= {len(self)} (the number of slots), got {n}")
+        pad = torch.full((n - len(self),), -1, dtype=torch.int32, device=self._tensor.device)
+        return StateSlots(torch.cat([self._tensor, pad]), bound=self._bound, token=_MINT, check=False)
+
+    def take(self, positions: list[int]) -> StateSlots:
+        """Entries at `positions` (-1 gives a padded -1), e.g. track slots lined up with a batch."""
+        if any(not -1 <= p < len(self) for p in positions):
+            raise ValueError(f"positions: expected values in [0, {len(self)}) or -1, got {positions}")
+        index = torch.tensor(positions, dtype=torch.long, device=self._tensor.device)
+        picked = torch.where(index >= 0, self._tensor[index.clamp(min=0)], -1) if len(self) else index.int()
+        return StateSlots(picked.to(torch.int32), bound=self._bound, token=_MINT, check=False)
+
+
+@final
+class BatchRows(_IndexTensor):
+    """Positions in the current forward batch; they index verify scratch, never a state pool."""
+
+    __slots__ = ()
+    _source = "HybridStatePool.batch_rows"
+
+
+_I = TypeVar("_I", ReqRows, KVSlots, StateSlots, BatchRows)
+
+
+def _mint(
+    cls: type[_I], values: torch.Tensor | list[int], *, bound: int, device: torch.device, check: bool = True
+) -> _I:
+    """Build an index type inside this package. `check=False` only for values the pool itself wrote."""
+    tensor = torch.as_tensor(values, dtype=torch.int32, device=device)
+    return cls(tensor, bound=bound, token=_MINT, check=check)

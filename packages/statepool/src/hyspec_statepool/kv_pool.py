@@ -1,0 +1,80 @@
+"""Paged KV cache for the full-attention layers only, and its page allocator.
+
+One k and one v tensor `[Lkv, P, page_size, HKV, Dh]` cover every attention layer; layer `i` of the model
+reads the slice at its compact index (a Qwen3.5 model with 8 attention layers out of 32 allocates 8). A KV
+slot is `page * page_size + offset`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyspec_statepool.errors import DoubleFreeError, PoolExhaustedError
+from hyspec_statepool.sizing import MemoryPlan
+
+
+class KVPool:
+    def __init__(self, plan: MemoryPlan, *, device: torch.device, debug: bool) -> None:
+        self.page_size = plan.page_size
+        self.num_pages = plan.num_kv_pages
+        self._debug = debug
+        self._compact = {layer_id: i for i, (layer_id, _) in enumerate(plan.specs.attention_layers)}
+        tensors = plan.kv_tensors
+        self.k: torch.Tensor | None = None  # [Lkv, P, page_size, HKV, Dh]
+        self.v: torch.Tensor | None = None  # [Lkv, P, page_size, HKV, Dh]
+        if tensors:
+            k_spec, v_spec = tensors
+            # unwritten positions are never read (attention stops at kv_lens), so empty is enough
+            self.k = torch.empty(k_spec.shape, dtype=k_spec.dtype, device=device)
+            self.v = torch.empty(v_spec.shape, dtype=v_spec.dtype, device=device)
+            if debug:
+                self.k.fill_(float("nan"))
+                self.v.fill_(float("nan"))
+        # popped from the end, so pages go out in increasing order from a fresh pool
+        self._free = list(range(self.num_pages - 1, -1, -1))
+        self._in_use = [False] * self.num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def in_use(self) -> list[int]:
+        return [p for p, used in enumerate(self._in_use) if used]
+
+    def compact_index(self, layer_id: int) -> int:
+        """Index of global attention layer `layer_id` in the leading dim of `k` and `v`."""
+        if layer_id not in self._compact:
+            raise ValueError(
+                f"layer_id: expected a full-attention layer id in {sorted(self._compact)}, got {layer_id}"
+            )
+        return self._compact[layer_id]
+
+    def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(k_cache, v_cache)` of one attention layer, each `[P, page_size, HKV, Dh]` (views)."""
+        index = self.compact_index(layer_id)
+        assert self.k is not None and self.v is not None  # an attention layer exists, so the tensors do
+        return self.k[index], self.v[index]
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise PoolExhaustedError(
+                f"KV pool exhausted: need {n} pages of {self.page_size} tokens, {len(self._free)} of "
+                f"{self.num_pages} free; free or preempt requests, or give the pool a larger budget"
+            )
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._in_use[p] = True
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            if not 0 <= p < self.num_pages or not self._in_use[p]:
+                raise DoubleFreeError(f"KV page {p} is not allocated: freed twice or never handed out")
+        for p in pages:
+            self._in_use[p] = False
+            self._free.append(p)
+        if self._debug and pages and self.k is not None and self.v is not None:
+            # a freed page read through a stale page table shows up as NaN
+            index = torch.tensor(pages, dtype=torch.long, device=self.k.device)
+            self.k[:, index] = float("nan")
+            self.v[:, index] = float("nan")

@@ -1,0 +1,102 @@
+"""Every tensor the pool allocates, as (name, shape, dtype): the one table that sizing and allocation read.
+
+Names: `kv.k`, `kv.v` `[Lkv, P, page_size, HKV, Dh]`; per group `g` of linear layers with one spec,
+`state.<g>.<name>` `[L, slots + 1, *E]` and `scratch.<g>.<name>` `[L, max_running + 1, Dmax, *E]`;
+`table.req_to_kv` `[R, width]`, `table.page_table` `[R, max_pages]`, `table.row_to_slot` `[R]` (int32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+from hyspec_statepool.specs import LayerStateSpec, ModelStateSpecs, StateDtypes
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class StateGroup:
+    """Linear layers that share one spec, stored as one tensor per state name with a leading layer dim."""
+
+    name: str  # "<kind><index>", e.g. "gdn0"
+    spec: LayerStateSpec
+    layer_ids: tuple[int, ...]
+
+
+def group_linear_layers(specs: ModelStateSpecs) -> tuple[StateGroup, ...]:
+    """Groups in order of their first layer; a real model has one group per linear kind."""
+    by_spec: dict[LayerStateSpec, list[int]] = {}
+    for layer_id, spec in specs.linear_layers:
+        by_spec.setdefault(spec, []).append(layer_id)
+    groups: list[StateGroup] = []
+    for spec, ids in by_spec.items():
+        index = sum(1 for g in groups if g.spec.kind == spec.kind)
+        groups.append(StateGroup(f"{spec.kind}{index}", spec, tuple(ids)))
+    return tuple(groups)
+
+
+def kv_token_shape(specs: ModelStateSpecs) -> tuple[int, ...] | None:
+    """The common `(HKV, Dh)` of all attention layers, None without attention layers."""
+    shapes = {spec.kv_token_shape() for _, spec in specs.attention_layers}
+    if len(shapes) > 1:
+        raise ValueError(f"specs: expected one KV shape (HKV, Dh) for all attention layers, got {shapes}")
+    return shapes.pop() if shapes else None
+
+
+def kv_tensors(
+    specs: ModelStateSpecs, *, num_pages: int, page_size: int, dtypes: StateDtypes
+) -> list[TensorSpec]:
+    token_shape = kv_token_shape(specs)
+    if token_shape is None:
+        return []
+    shape = (len(specs.attention_layers), num_pages, page_size, *token_shape)
+    return [TensorSpec("kv.k", shape, dtypes.kv), TensorSpec("kv.v", shape, dtypes.kv)]
+
+
+def state_tensors(groups: tuple[StateGroup, ...], *, num_slots: int, dtypes: StateDtypes) -> list[TensorSpec]:
+    """Committed state, `[L, num_slots + 1, *E]`: row 0 is the reserved dummy slot."""
+    return [
+        TensorSpec(
+            f"state.{g.name}.{name}", (len(g.layer_ids), num_slots + 1, *shape), dtypes.for_state(name)
+        )
+        for g in groups
+        for name, shape in g.spec.state_shapes().items()
+    ]
+
+
+def scratch_tensors(
+    groups: tuple[StateGroup, ...], *, rows: int, max_draft_tokens: int, dtypes: StateDtypes
+) -> list[TensorSpec]:
+    """Verify scratch, `[L, rows, Dmax, *E]`, indexed by batch row; none when `rows` is 0 (no speculation)."""
+    if rows == 0:
+        return []
+    return [
+        TensorSpec(
+            f"scratch.{g.name}.{name}",
+            (len(g.layer_ids), rows, max_draft_tokens, *shape),
+            dtypes.for_state(name),
+        )
+        for g in groups
+        for name, shape in g.spec.state_shapes().items()
+    ]
+
+
+def table_tensors(*, rows: int, width: int, page_size: int) -> list[TensorSpec]:
+    max_pages = -(-width // page_size)
+    return [
+        TensorSpec("table.req_to_kv", (rows, width), torch.int32),
+        TensorSpec("table.page_table", (rows, max_pages), torch.int32),
+        TensorSpec("table.row_to_slot", (rows,), torch.int32),
+    ]

@@ -1,0 +1,352 @@
+"""`HybridStatePool`: the facade the engine and the attention backends use.
+
+It owns the request lifecycle (`alloc`, `free`, KV growth and truncation), the translation between index
+spaces (`state_slots` is the only way from request rows to state slots) and the views kernels read. Requests
+are named by any hashable id the engine chooses. Checks that need a device-to-host sync (use of a freed
+request row, KV positions without a page) run on CPU always and on GPU only with `debug=True`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hyspec_statepool.errors import DoubleFreeError, PoolExhaustedError, UseAfterFreeError
+from hyspec_statepool.indices import BatchRows, KVSlots, ReqRows, StateSlots, _mint
+from hyspec_statepool.kv_pool import KVPool
+from hyspec_statepool.leak import LeakReport
+from hyspec_statepool.request_table import RequestTable
+from hyspec_statepool.sizing import MemoryPlan
+from hyspec_statepool.state_pool import LinearLayerState, RecurrentStatePool
+
+
+@dataclass(slots=True)
+class _Live:
+    row: int
+    slot: int
+    pages: list[int]
+
+
+class HybridStatePool:
+    """All per-request memory of a hybrid model, allocated once from a `MemoryPlan`.
+
+    Args:
+        plan: every count to allocate (see `plan_memory`).
+        device: where the tensors live.
+        debug: NaN-poison slot 0, free slots, free pages and verify scratch, and run every sync-costing check.
+    """
+
+    def __init__(self, plan: MemoryPlan, *, device: torch.device | str = "cpu", debug: bool = False) -> None:
+        self.plan = plan
+        self.device = torch.device(device)
+        self.debug = debug
+        self.kv = KVPool(plan, device=self.device, debug=debug)
+        self.states = RecurrentStatePool(plan, device=self.device, debug=debug)
+        self.table = RequestTable(plan, device=self.device)
+        self._live: dict[Hashable, _Live] = {}
+        # popped from the end, so rows go out as 0, 1, ... from a fresh pool
+        self._free_rows = list(range(plan.max_running - 1, -1, -1))
+        self._detached: set[int] = set()
+        self._checks = debug or self.device.type == "cpu"
+
+    # lifecycle
+
+    def alloc(self, req_ids: Sequence[Hashable]) -> ReqRows:
+        """Give each request a request row and a zeroed state slot; a live request keeps its own.
+
+        Returns the requests' rows in the order given. All or nothing: on exhaustion nothing is allocated.
+        """
+        _check_unique("req_ids", req_ids)
+        new = [r for r in req_ids if r not in self._live]
+        if len(new) > len(self._free_rows):
+            raise PoolExhaustedError(
+                f"no free request row for {len(new)} new requests: {len(self._free_rows)} of "
+                f"{self.plan.max_running} free; free requests first or raise max_running"
+            )
+        slots = self.states.alloc(len(new))
+        rows = [self._free_rows.pop() for _ in new]
+        for req_id, row, slot in zip(new, rows, slots, strict=True):
+            self._live[req_id] = _Live(row, slot, [])
+        self.table.map_slot(rows, slots)
+        return self.req_rows(req_ids)
+
+    def free(self, req_ids: Sequence[Hashable]) -> None:
+        """Return each request's pages, state slot and row, and unmap the row (finish, abort or preempt)."""
+        _check_unique("req_ids", req_ids, error=DoubleFreeError)
+        for req_id in req_ids:
+            if req_id not in self._live:
+                raise DoubleFreeError(f"request {req_id!r} is not live: freed twice or never allocated")
+        freed_rows = []
+        for req_id in req_ids:
+            live = self._live.pop(req_id)
+            self.kv.free(live.pages)
+            self.table.clear_pages(live.row, 0)
+            self.states.free([live.slot])
+            self._free_rows.append(live.row)
+            freed_rows.append(live.row)
+        # an unmapped row points at the dummy slot 0, so a stale row can never reach a reused slot
+        self.table.map_slot(freed_rows, [0] * len(freed_rows))
+
+    def is_live(self, req_id: Hashable) -> bool:
+        return req_id in self._live
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def req_rows(self, req_ids: Sequence[Hashable]) -> ReqRows:
+        """The rows of live requests, in the order given."""
+        rows = [self._get(r).row for r in req_ids]
+        return _mint(ReqRows, rows, bound=self.plan.max_running, device=self.device)
+
+    def ensure_kv_capacity(self, req_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> None:
+        """Allocate pages so request i holds positions `[0, num_tokens[i])` (a prefill chunk, a verify block).
+
+        `num_tokens` is a total length, not an increment; a request that already has the pages gets none.
+
+        All or nothing: on exhaustion no request gets pages and PoolExhaustedError says how many were short.
+        """
+        _check_unique("req_ids", req_ids)
+        if len(num_tokens) != len(req_ids):
+            raise ValueError(
+                f"num_tokens: expected {len(req_ids)} counts (one per request), got {len(num_tokens)}"
+            )
+        need: list[int] = []
+        for req_id, n in zip(req_ids, num_tokens, strict=True):
+            live = self._get(req_id)
+            if not 0 <= n <= self.table.width:
+                raise ValueError(
+                    f"num_tokens: expected 0 <= n <= {self.table.width} (max_context + Dmax), got {n} for "
+                    f"request {req_id!r}; raise max_context"
+                )
+            need.append(max(0, self._pages_for(n) - len(live.pages)))
+        pages = self.kv.alloc(sum(need))
+        for req_id, k in zip(req_ids, need, strict=True):
+            live = self._live[req_id]
+            new, pages = pages[:k], pages[k:]
+            self.table.set_pages(live.row, len(live.pages), new)
+            live.pages.extend(new)
+
+    def truncate_kv(self, req_id: Hashable, num_tokens: int) -> None:
+        """Keep only the pages that the first `num_tokens` tokens need (after rejected drafts)."""
+        live = self._get(req_id)
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens: expected >= 0, got {num_tokens}")
+        keep = self._pages_for(num_tokens)
+        if keep >= len(live.pages):
+            return
+        dropped = live.pages[keep:]
+        del live.pages[keep:]
+        self.kv.free(dropped)
+        self.table.clear_pages(live.row, keep)
+
+    def kv_capacity(self, req_id: Hashable) -> int:
+        """Tokens the request's pages can hold (never more than the table width)."""
+        return min(len(self._get(req_id).pages) * self.plan.page_size, self.table.width)
+
+    def alloc_detached_slots(self, n: int) -> StateSlots:
+        """Zeroed state slots owned by the caller, not a request (prefix-cache track copies, snapshots)."""
+        slots = self.states.alloc(n)
+        self._detached.update(slots)
+        return _mint(StateSlots, slots, bound=self.plan.num_state_slots + 1, device=self.device)
+
+    def free_detached_slots(self, slots: StateSlots) -> None:
+        values = [s for s in slots.tolist() if s != -1]
+        for s in values:
+            if s not in self._detached:
+                raise DoubleFreeError(
+                    f"state slot {s} is not a live detached slot: freed twice or owned by a request"
+                )
+        self.states.free(values)
+        self._detached.difference_update(values)
+
+    # index translation
+
+    def state_slots(self, req_rows: ReqRows) -> StateSlots:
+        """The one translation from request rows to state slots: a gather from the row -> slot map.
+
+        An unmapped row gives slot 0, the reserved dummy (NaN in debug mode); with checks on it raises.
+        """
+        self._check_bound("req_rows", req_rows.bound, self.plan.max_running)
+        slots = self.table.row_to_slot[req_rows.tensor.long()]  # [n] int32
+        if self._checks and bool((slots == 0).any()):
+            raise UseAfterFreeError(
+                f"req_rows {req_rows.tolist()}: a row is not mapped (its request was freed)"
+            )
+        return _mint(StateSlots, slots, bound=self.plan.num_state_slots + 1, device=self.device, check=False)
+
+    def batch_rows(self, n: int) -> BatchRows:
+        """Batch rows `0..n-1`: where the n requests of this forward sit, and their verify-scratch rows."""
+        bound = self.plan.max_running + 1
+        if not 0 <= n <= bound:
+            raise ValueError(f"n: expected 0 <= n <= max_running + 1 = {bound}, got {n}")
+        return _mint(BatchRows, torch.arange(n, dtype=torch.int32), bound=bound, device=self.device)
+
+    def kv_slots(
+        self, *, req_rows: ReqRows, start_positions: torch.Tensor, num_tokens: torch.Tensor
+    ) -> KVSlots:
+        """KV slots of packed tokens: request n's positions `start_positions[n] + [0, num_tokens[n])`.
+
+        Args:
+            req_rows: `[N]` rows of the requests in the batch.
+            start_positions: `[N]` int, first position written this forward (the prefix length).
+            num_tokens: `[N]` int, tokens of each request in this forward.
+        Returns:
+            `[T]` KV slots, `T = sum(num_tokens)`, requests in order.
+        """
+        self._check_bound("req_rows", req_rows.bound, self.plan.max_running)
+        n = len(req_rows)
+        for name, t in (("start_positions", start_positions), ("num_tokens", num_tokens)):
+            if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (n,):
+                raise ValueError(
+                    f"{name}: expected an int tensor of shape [{n}], got {t.dtype} {list(t.shape)}"
+                )
+        starts = start_positions.to(self.device, torch.long)
+        counts = num_tokens.to(self.device, torch.long)
+        if (
+            self._checks
+            and n
+            and bool(((starts < 0) | (counts < 0) | (starts + counts > self.table.width)).any())
+        ):
+            raise ValueError(
+                f"start_positions, num_tokens: expected 0 <= start and start + count <= "
+                f"{self.table.width}, got "
+                f"{start_positions.tolist()} and {num_tokens.tolist()}"
+            )
+        rows = req_rows.tensor.long().repeat_interleave(counts)  # [T]
+        first = (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)  # [T] packed index of each start
+        positions = starts.repeat_interleave(counts) + torch.arange(rows.numel(), device=self.device) - first
+        slots = self.table.req_to_kv[rows, positions]  # [T] int32
+        if self._checks and bool((slots < 0).any()):
+            raise ValueError("kv_slots: some positions have no KV page yet; call ensure_kv_capacity first")
+        bound = self.plan.num_kv_pages * self.plan.page_size
+        return _mint(KVSlots, slots, bound=bound, device=self.device, check=False)
+
+    def page_table(self, req_rows: ReqRows) -> torch.Tensor:
+        """`[N, max_pages]` int32 pages of each row, -1 past its last page (paged attention's input)."""
+        self._check_bound("req_rows", req_rows.bound, self.plan.max_running)
+        return self.table.page_table[req_rows.tensor.long()]
+
+    # views
+
+    def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(k_cache, v_cache)` of global attention layer `layer_id`, each `[P, page_size, HKV, Dh]`."""
+        return self.kv.layer(layer_id)
+
+    def kv_layer_index(self, layer_id: int) -> int:
+        """Compact KV index of global attention layer `layer_id`."""
+        return self.kv.compact_index(layer_id)
+
+    def layer_state(self, layer_id: int) -> LinearLayerState:
+        """Committed state and verify scratch views of global linear layer `layer_id`."""
+        return self.states.layer(layer_id)
+
+    def commit_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`(state [L, S + 1, *E], scratch [L, R, Dmax, *E])` pairs covering every linear layer."""
+        return self.states.commit_pairs()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the pool allocated, by the names of `layout.py`."""
+        out: dict[str, torch.Tensor] = {}
+        if self.kv.k is not None and self.kv.v is not None:
+            out.update({"kv.k": self.kv.k, "kv.v": self.kv.v})
+        out.update(self.states.states)
+        out.update(self.states.scratch)
+        table = self.table
+        out.update(
+            {
+                "table.req_to_kv": table.req_to_kv,
+                "table.page_table": table.page_table,
+                "table.row_to_slot": table.row_to_slot,
+            }
+        )
+        return out
+
+    def allocated_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def leak_check(self) -> LeakReport:
+        """Everything allocated that no live request (or detached owner) holds, and table disagreements.
+
+        With no live request a clean report means every row, slot and page is free. Reads the tables back to
+        the host, so call it in tests, at shutdown or when idle, not every step.
+        """
+        live = list(self._live.values())
+        problems: list[str] = []
+        rows_in_use = set(range(self.plan.max_running)) - set(self._free_rows)
+        if len(set(self._free_rows)) != len(self._free_rows):
+            problems.append("a request row is in the free list twice")
+        owned_rows = [x.row for x in live]
+        owned_slots = [x.slot for x in live] + sorted(self._detached)
+        owned_pages = [p for x in live for p in x.pages]
+        for name, owned, in_use in (
+            ("row", owned_rows, rows_in_use),
+            ("state slot", owned_slots, set(self.states.in_use())),
+            ("KV page", owned_pages, set(self.kv.in_use())),
+        ):
+            if len(set(owned)) != len(owned):
+                problems.append(f"a {name} is owned twice: {sorted(owned)}")
+            if set(owned) - in_use:
+                problems.append(f"{name}s owned but marked free: {sorted(set(owned) - in_use)}")
+        problems.extend(self._table_mismatches(live))
+        return LeakReport(
+            live_requests=len(live),
+            leaked_rows=tuple(sorted(rows_in_use - set(owned_rows))),
+            leaked_slots=tuple(sorted(set(self.states.in_use()) - set(owned_slots))),
+            leaked_pages=tuple(sorted(set(self.kv.in_use()) - set(owned_pages))),
+            detached_slots=tuple(sorted(self._detached)),
+            inconsistencies=tuple(problems),
+        )
+
+    def _table_mismatches(self, live: list[_Live]) -> list[str]:
+        ps, width = self.plan.page_size, self.table.width
+        row_to_slot = torch.zeros(self.plan.max_running, dtype=torch.int32)
+        page_table = torch.full((self.plan.max_running, self.table.max_pages), -1, dtype=torch.int32)
+        req_to_kv = torch.full((self.plan.max_running, width), -1, dtype=torch.int32)
+        for x in live:
+            row_to_slot[x.row] = x.slot
+            if x.pages:
+                pages = torch.tensor(x.pages, dtype=torch.int32)
+                page_table[x.row, : len(x.pages)] = pages
+                slots = (pages[:, None] * ps + torch.arange(ps, dtype=torch.int32)).reshape(-1)[:width]
+                req_to_kv[x.row, : slots.numel()] = slots
+        out = []
+        for name, want, got in (
+            ("row_to_slot", row_to_slot, self.table.row_to_slot),
+            ("page_table", page_table, self.table.page_table),
+            ("req_to_kv", req_to_kv, self.table.req_to_kv),
+        ):
+            bad = (want != got.cpu()).reshape(self.plan.max_running, -1).any(dim=1)
+            if bool(bad.any()):
+                out.append(f"{name} rows {bad.nonzero().flatten().tolist()} disagree with the owners")
+        return out
+
+    # helpers
+
+    def _get(self, req_id: Hashable) -> _Live:
+        live = self._live.get(req_id)
+        if live is None:
+            raise UseAfterFreeError(
+                f"request {req_id!r} is not live: it was freed or never allocated; alloc it first"
+            )
+        return live
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.plan.page_size)
+
+    @staticmethod
+    def _check_bound(name: str, got: int, want: int) -> None:
+        if got != want:
+            raise ValueError(
+                f"{name}: built for an index space of size {got}, this pool's has {want} (another pool?)"
+            )
+
+
+def _check_unique(name: str, ids: Sequence[Hashable], *, error: type[ValueError] = ValueError) -> None:
+    seen: set[Hashable] = set()
+    for req_id in ids:
+        if req_id in seen:
+            raise error(f"{name}: expected distinct request ids, got {req_id!r} twice")
+        seen.add(req_id)

@@ -1,0 +1,114 @@
+"""Recurrent-state pools of the linear layers, their verify scratch, and the state-slot allocator.
+
+Per group of linear layers with one spec (one group per kind in a real model), each named state is one tensor
+with a leading layer dim: conv `[L, slots + 1, C, W - 1]`, GDN recurrent `[L, slots + 1, HV, K, V]`. Slot 0 is
+reserved: the allocator never hands it out, unmapped request rows point at it, and in debug mode it holds NaN
+so any read shows up. Verify scratch `[L, max_running + 1, Dmax, ...]` is indexed by batch row, never by slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hyspec_statepool.errors import DoubleFreeError, PoolExhaustedError
+from hyspec_statepool.layout import group_linear_layers
+from hyspec_statepool.sizing import MemoryPlan
+
+
+@dataclass(frozen=True, slots=True)
+class LinearLayerState:
+    """Views of one linear layer's tensors (None where the kind has no such state, or without speculation)."""
+
+    conv: torch.Tensor | None  # [S + 1, C, W - 1]
+    recurrent: torch.Tensor | None  # [S + 1, HV, K, V]
+    conv_scratch: torch.Tensor | None  # [R, Dmax, C, W - 1]
+    recurrent_scratch: torch.Tensor | None  # [R, Dmax, HV, K, V]
+
+
+class RecurrentStatePool:
+    def __init__(self, plan: MemoryPlan, *, device: torch.device, debug: bool) -> None:
+        self.num_slots = plan.num_state_slots
+        self._debug = debug
+        self.groups = group_linear_layers(plan.specs)
+        self.states = {t.name: torch.zeros(t.shape, dtype=t.dtype, device=device) for t in plan.state_tensors}
+        # verify writes every step it uses before commit reads it, so scratch needs no zeroing
+        self.scratch = {
+            t.name: torch.empty(t.shape, dtype=t.dtype, device=device) for t in plan.scratch_tensors
+        }
+        self._where = {lid: (g, i) for g in self.groups for i, lid in enumerate(g.layer_ids)}
+        if debug:
+            for t in self.scratch.values():
+                t.fill_(float("nan"))
+            for t in self.states.values():
+                t.fill_(float("nan"))
+        # popped from the end, so slots go out as 1, 2, ... from a fresh pool; 0 is never in the list
+        self._free = list(range(self.num_slots, 0, -1))
+        self._in_use = [False] * (self.num_slots + 1)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def in_use(self) -> list[int]:
+        return [s for s, used in enumerate(self._in_use) if used]
+
+    def layer(self, layer_id: int) -> LinearLayerState:
+        """Views of one global linear layer's committed state and verify scratch."""
+        if layer_id not in self._where:
+            raise ValueError(f"layer_id: expected a linear layer id in {sorted(self._where)}, got {layer_id}")
+        group, i = self._where[layer_id]
+
+        def view(prefix: str, name: str) -> torch.Tensor | None:
+            tensor = (self.states if prefix == "state" else self.scratch).get(f"{prefix}.{group.name}.{name}")
+            return None if tensor is None else tensor[i]
+
+        return LinearLayerState(
+            conv=view("state", "conv"),
+            recurrent=view("state", "recurrent"),
+            conv_scratch=view("scratch", "conv"),
+            recurrent_scratch=view("scratch", "recurrent"),
+        )
+
+    def commit_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`(state [L, S + 1, *E], scratch [L, R, Dmax, *E])` for every state tensor, for `commit_states`."""
+        if not self.scratch:
+            raise ValueError(
+                "commit needs verify scratch: build the pool with a draft_shape (speculation on)"
+            )
+        return [
+            (state, self.scratch["scratch" + name[len("state") :]]) for name, state in self.states.items()
+        ]
+
+    def alloc(self, n: int) -> list[int]:
+        """Hand out `n` slots, zeroed so a new request never sees a previous one's state."""
+        if n > len(self._free):
+            raise PoolExhaustedError(
+                f"state pool exhausted: need {n} slots, {len(self._free)} of {self.num_slots} free; free "
+                f"requests or detached slots, or raise num_state_slots / max_running in the MemoryPlan"
+            )
+        slots = [self._free.pop() for _ in range(n)]
+        for s in slots:
+            self._in_use[s] = True
+        self._fill(slots, 0.0)
+        return slots
+
+    def free(self, slots: list[int]) -> None:
+        for s in slots:
+            if not 1 <= s <= self.num_slots or not self._in_use[s]:
+                raise DoubleFreeError(f"state slot {s} is not allocated: freed twice or never handed out")
+        if len(set(slots)) != len(slots):
+            raise DoubleFreeError(f"state slots {slots}: a slot appears twice in one free")
+        for s in slots:
+            self._in_use[s] = False
+            self._free.append(s)
+        if self._debug:
+            self._fill(slots, float("nan"))
+
+    def _fill(self, slots: list[int], value: float) -> None:
+        if not slots:
+            return
+        for tensor in self.states.values():
+            index = torch.tensor(slots, dtype=torch.long, device=tensor.device)
+            tensor[:, index] = value

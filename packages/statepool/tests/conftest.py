@@ -1,0 +1,75 @@
+"""Tiny pools shared by the statepool tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from hyspec_statepool import (
+    AttentionSpec,
+    DraftShape,
+    GDNSpec,
+    HybridStatePool,
+    MemoryPlan,
+    ModelStateSpecs,
+    ShortConvSpec,
+    StateDtypes,
+)
+
+# Two GDN layers, two short-conv layers and one attention layer, interleaved so compact indices differ from
+# global ids.
+TINY_SPECS = ModelStateSpecs.from_pairs(
+    [
+        (0, GDNSpec(num_k_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=3, conv_kernel=4)),
+        (1, AttentionSpec(num_kv_heads=1, head_dim=4)),
+        (2, ShortConvSpec(channels=5, conv_kernel=3)),
+        (3, GDNSpec(num_k_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=3, conv_kernel=4)),
+        (4, ShortConvSpec(channels=5, conv_kernel=3)),
+        (5, AttentionSpec(num_kv_heads=1, head_dim=4)),
+    ]
+)
+
+CHAIN_3 = DraftShape("chain", num_steps=3)
+
+
+def _make_plan(
+    *,
+    max_running: int = 4,
+    num_state_slots: int | None = None,
+    num_kv_pages: int = 16,
+    page_size: int = 2,
+    max_context: int = 16,
+    draft_shape: DraftShape | None = CHAIN_3,
+) -> MemoryPlan:
+    return MemoryPlan(
+        specs=TINY_SPECS,
+        max_context=max_context,
+        max_running=max_running,
+        draft_shape=draft_shape,
+        page_size=page_size,
+        num_state_slots=max_running if num_state_slots is None else num_state_slots,
+        num_kv_pages=num_kv_pages,
+        dtypes=StateDtypes(kv=torch.float32, conv=torch.float32),
+    )
+
+
+@pytest.fixture
+def tiny_specs() -> ModelStateSpecs:
+    return TINY_SPECS
+
+
+@pytest.fixture
+def make_plan() -> Callable[..., MemoryPlan]:
+    """Builds a MemoryPlan of TINY_SPECS (fp32 everywhere so test values stay exact)."""
+    return _make_plan
+
+
+@pytest.fixture
+def make_pool() -> Callable[..., HybridStatePool]:
+    """Builds a CPU HybridStatePool of TINY_SPECS; keyword arguments go to the plan."""
+
+    def build(*, debug: bool = False, **plan_args: object) -> HybridStatePool:
+        return HybridStatePool(_make_plan(**plan_args), debug=debug)  # type: ignore[arg-type]
+
+    return build

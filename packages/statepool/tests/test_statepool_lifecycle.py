@@ -1,0 +1,242 @@
+"""Request lifecycle: alloc, chunked prefill, KV growth and truncation, free, errors, views, leak checks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from hyspec_statepool import (
+    DoubleFreeError,
+    DraftShape,
+    HybridStatePool,
+    LeakError,
+    ModelStateSpecs,
+    PoolExhaustedError,
+    UseAfterFreeError,
+)
+
+MakePool = Callable[..., HybridStatePool]
+
+
+def _states(pool: HybridStatePool) -> list[torch.Tensor]:
+    return list(pool.states.states.values())
+
+
+def test_alloc_hands_out_distinct_rows_and_slots_never_slot_0(make_pool: MakePool) -> None:
+    pool = make_pool(max_running=4)
+    rows = pool.alloc(["a", "b", "c", "d"])
+    slots = pool.state_slots(rows)
+    assert sorted(rows.tolist()) == [0, 1, 2, 3]
+    assert sorted(slots.tolist()) == [1, 2, 3, 4]
+    assert pool.leak_check().clean
+
+
+def test_chunked_prefill_keeps_row_slot_and_state(make_pool: MakePool) -> None:
+    pool = make_pool()
+    rows = pool.alloc(["a", "b"])
+    slot_a = pool.state_slots(rows).tolist()[0]
+    for t in _states(pool):
+        t[:, slot_a] = 7.0
+    again = pool.alloc(["c", "a"])  # "a" continues its prefill in a later chunk, next to a new request
+    assert again.tolist()[1] == rows.tolist()[0]
+    assert pool.state_slots(again).tolist()[1] == slot_a
+    assert all(bool((t[:, slot_a] == 7.0).all()) for t in _states(pool))
+
+
+def test_reused_slot_is_zeroed(make_pool: MakePool) -> None:
+    pool = make_pool()
+    slot = pool.state_slots(pool.alloc(["a"])).tolist()[0]
+    for t in _states(pool):
+        t[:, slot] = 3.0
+    pool.free(["a"])
+    new_slot = pool.state_slots(pool.alloc(["b"])).tolist()[0]
+    assert new_slot == slot  # the free list is LIFO, so the dirty slot is the one reused
+    assert all(bool((t[:, slot] == 0).all()) for t in _states(pool))
+
+
+def test_double_free_and_use_after_free(make_pool: MakePool) -> None:
+    pool = make_pool()
+    rows = pool.alloc(["a", "b"])
+    pool.free(["a"])
+    with pytest.raises(DoubleFreeError, match="'a' is not live"):
+        pool.free(["a"])
+    with pytest.raises(DoubleFreeError, match="twice"):
+        pool.free(["b", "b"])
+    with pytest.raises(DoubleFreeError, match="never allocated"):
+        pool.free(["zzz"])
+    assert pool.is_live("b")  # the failed frees changed nothing
+    with pytest.raises(UseAfterFreeError, match="'a' is not live"):
+        pool.req_rows(["a"])
+    with pytest.raises(UseAfterFreeError):
+        pool.ensure_kv_capacity(["a"], [3])
+    with pytest.raises(UseAfterFreeError):
+        pool.truncate_kv("a", 0)
+    with pytest.raises(UseAfterFreeError, match="not mapped"):
+        pool.state_slots(rows)  # the stale rows still name a's row
+    with pytest.raises(ValueError, match="distinct request ids"):
+        pool.alloc(["c", "c"])
+
+
+def test_exhaustion_is_clear_and_all_or_nothing(make_pool: MakePool) -> None:
+    pool = make_pool(max_running=2, num_state_slots=3, num_kv_pages=4, page_size=2)
+    pool.alloc(["a", "b"])
+    with pytest.raises(PoolExhaustedError, match="max_running"):
+        pool.alloc(["c"])
+    pool.alloc_detached_slots(1)
+    with pytest.raises(PoolExhaustedError, match="num_state_slots"):
+        pool.alloc_detached_slots(1)
+    pool.ensure_kv_capacity(["a"], [5])  # 3 pages
+    with pytest.raises(PoolExhaustedError, match="need 2 pages"):
+        pool.ensure_kv_capacity(["a", "b"], [7, 2])  # 1 + 1 more, but only 1 is free
+    assert pool.kv_capacity("a") == 6 and pool.kv_capacity("b") == 0  # nothing was allocated
+    assert pool.leak_check().clean
+
+
+def test_kv_growth_truncation_and_slots(make_pool: MakePool) -> None:
+    pool = make_pool(page_size=4, num_kv_pages=8, max_context=10)
+    rows = pool.alloc(["a", "b"])
+    pool.ensure_kv_capacity(["a", "b"], [5, 3])
+    assert pool.kv_capacity("a") == 8 and pool.kv_capacity("b") == 4
+    table = pool.page_table(rows)
+    assert table.shape == (2, pool.plan.max_pages_per_request)
+    pages_a = [p for p in table[0].tolist() if p >= 0]
+    assert len(pages_a) == 2 and (table[1] >= 0).sum() == 1
+    # request a writes positions 3..5, request b positions 0..2: slot = page * page_size + offset
+    kv = pool.kv_slots(
+        req_rows=rows,
+        start_positions=torch.tensor([3, 0]),
+        num_tokens=torch.tensor([3, 3], dtype=torch.int32),
+    )
+    page_b = int(table[1, 0])
+    expect = [
+        pages_a[0] * 4 + 3,
+        pages_a[1] * 4 + 0,
+        pages_a[1] * 4 + 1,
+        page_b * 4,
+        page_b * 4 + 1,
+        page_b * 4 + 2,
+    ]
+    assert kv.tolist() == expect
+    with pytest.raises(ValueError, match="ensure_kv_capacity"):
+        pool.kv_slots(req_rows=rows, start_positions=torch.tensor([0, 3]), num_tokens=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="max_context"):
+        pool.ensure_kv_capacity(["a"], [pool.plan.table_width + 1])
+    pool.truncate_kv("a", 4)  # rejected drafts: only the first page is still needed
+    assert pool.kv_capacity("a") == 4
+    assert pool.page_table(rows)[0].tolist()[:2] == [pages_a[0], -1]
+    assert bool((pool.table.req_to_kv[rows.tolist()[0], 4:] == -1).all())
+    assert pool.kv.num_free == 8 - 2
+    assert pool.leak_check().clean
+
+
+def test_page_size_one(make_pool: MakePool) -> None:
+    pool = make_pool(page_size=1, num_kv_pages=40)
+    rows = pool.alloc(["a"])
+    pool.ensure_kv_capacity(["a"], [pool.plan.table_width])  # a whole row: max context plus a verify block
+    assert pool.plan.table_width == 16 + 4
+    kv = pool.kv_slots(req_rows=rows, start_positions=torch.tensor([0]), num_tokens=torch.tensor([20]))
+    assert sorted(kv.tolist()) == list(range(20))
+
+
+def test_slots_rows_and_batch_rows_are_different_spaces(make_pool: MakePool) -> None:
+    pool = make_pool(max_running=4, num_state_slots=9)
+    # churn so that, request by request, row, slot and batch position all differ
+    pool.alloc_detached_slots(3)
+    pool.alloc(["p", "x", "y"])
+    pool.free(["x"])
+    pool.alloc(["c"])
+    rows = pool.req_rows(["y", "p", "c"])  # batch order differs from row order
+    slots = pool.state_slots(rows).tolist()
+    batch = pool.batch_rows(3).tolist()
+    assert batch == [0, 1, 2]
+    for row, slot, b in zip(rows.tolist(), slots, batch, strict=True):
+        assert len({row, slot, b}) == 3, (row, slot, b)
+    assert slots == [int(pool.table.row_to_slot[r]) for r in rows.tolist()]
+
+
+def test_debug_poisons_reserved_free_slots_scratch_and_pages(make_pool: MakePool) -> None:
+    pool = make_pool(debug=True, page_size=2)
+    for t in _states(pool):
+        assert bool(t[:, 0].isnan().all())  # slot 0 is NaN from the start
+    for t in pool.states.scratch.values():
+        assert bool(t.isnan().all())
+    slot = pool.state_slots(pool.alloc(["a"])).tolist()[0]
+    assert all(bool((t[:, slot] == 0).all()) for t in _states(pool))
+    pool.ensure_kv_capacity(["a"], [2])
+    page = int(pool.page_table(pool.req_rows(["a"]))[0, 0])
+    assert pool.kv.k is not None
+    pool.kv.k[:, page] = 1.0
+    pool.free(["a"])
+    assert all(bool(t[:, slot].isnan().all()) for t in _states(pool))
+    assert bool(pool.kv.k[:, page].isnan().all())
+
+
+def test_views_alias_the_pool_tensors(make_pool: MakePool, tiny_specs: ModelStateSpecs) -> None:
+    pool = make_pool(num_state_slots=6, max_running=4, draft_shape=DraftShape("tree", 2, num_draft_tokens=5))
+    assert [pool.kv_layer_index(i) for i in (1, 5)] == [0, 1]
+    k, v = pool.kv_cache(5)
+    assert k.shape == (16, 2, 1, 4) and v.shape == k.shape
+    k.fill_(2.0)
+    assert (
+        pool.kv.k is not None and bool((pool.kv.k[1] == 2.0).all()) and not bool((pool.kv.k[0] == 2.0).any())
+    )
+    gdn = pool.layer_state(3)
+    assert gdn.conv is not None and gdn.conv.shape == (7, 2 * 4 + 2 * 3, 3)
+    assert gdn.recurrent is not None and gdn.recurrent.shape == (7, 2, 4, 3)
+    assert gdn.recurrent_scratch is not None and gdn.recurrent_scratch.shape == (5, 5, 2, 4, 3)
+    gdn.recurrent[2] = 5.0
+    assert bool((pool.states.states["state.gdn0.recurrent"][1, 2] == 5.0).all())
+    conv = pool.layer_state(2)
+    assert conv.recurrent is None and conv.conv is not None and conv.conv.shape == (7, 5, 2)
+    assert conv.conv_scratch is not None and conv.conv_scratch.shape == (5, 5, 5, 2)
+    with pytest.raises(ValueError, match="linear layer id"):
+        pool.layer_state(1)
+    with pytest.raises(ValueError, match="full-attention layer id"):
+        pool.kv_cache(0)
+    assert len(pool.commit_pairs()) == 3
+
+
+def test_no_scratch_without_speculation(make_pool: MakePool) -> None:
+    pool = make_pool(draft_shape=None)
+    assert pool.plan.max_draft_tokens == 1 and pool.states.scratch == {}
+    assert pool.layer_state(0).conv_scratch is None
+    with pytest.raises(ValueError, match="draft_shape"):
+        pool.commit_pairs()
+
+
+def test_leak_check_finds_leaks_and_table_corruption(make_pool: MakePool) -> None:
+    pool = make_pool(num_state_slots=6)
+    rows = pool.alloc(["a", "b"])
+    pool.ensure_kv_capacity(["a"], [3])
+    track = pool.alloc_detached_slots(2)
+    report = pool.leak_check()
+    assert report.clean and report.detached_slots == tuple(track.tolist())
+    with pytest.raises(LeakError, match="detached_slots"):
+        report.raise_if_leaking(allow_detached=False)
+    # a bookkeeping bug: a slot taken from the allocator that nobody owns
+    stray = pool.states.alloc(1)
+    assert pool.leak_check().leaked_slots == tuple(stray)
+    pool.states.free(stray)
+    # a table bug: a row mapped to the wrong slot
+    row = rows.tolist()[0]
+    pool.table.row_to_slot[row] += 1
+    report = pool.leak_check()
+    assert not report.clean and "row_to_slot" in report.inconsistencies[0]
+    with pytest.raises(LeakError, match="row_to_slot"):
+        report.raise_if_leaking()
+    pool.table.row_to_slot[row] -= 1
+    pool.free(["a", "b"])
+    pool.free_detached_slots(track)
+    with pytest.raises(DoubleFreeError):
+        pool.free_detached_slots(track)
+    final = pool.leak_check()
+    assert final.clean and final.live_requests == 0 and not final.detached_slots
+    final.raise_if_leaking(allow_detached=False)
+
+
+def test_index_from_another_pool_is_rejected(make_pool: MakePool) -> None:
+    small, big = make_pool(max_running=2), make_pool(max_running=4)
+    rows = big.alloc(["a"])
+    with pytest.raises(ValueError, match="another pool"):
+        small.state_slots(rows)
