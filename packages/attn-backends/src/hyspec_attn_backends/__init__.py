@@ -1,3 +1,44 @@
-"""Per-layer hybrid routing (full attention, GDN, short conv), forward-mode metadata, and the single commit after verify."""
+"""Per-layer hybrid routing (full attention, GDN, short conv), forward-mode metadata, the commit after verify.
+
+Owns: the weightless mixer cores a model places in its layers, the `ForwardBatch` metadata built once per
+batch from the statepool, kernel dispatch per layer and mode, and `commit_after_verify`. Never owns weights or
+allocates pools.
+"""
+
+from hyspec_attn_backends.backend import (
+    HybridBackend,
+    RoutingError,
+    check_routing,
+    model_state_specs,
+    state_spec_of,
+)
+from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, tree_ancestor_mask
+from hyspec_attn_backends.layers import (
+    LAYER_TYPE_KINDS,
+    AttentionLayer,
+    GDNLayer,
+    MixerKind,
+    MixerLayer,
+    ShortConvLayer,
+)
+from hyspec_attn_backends.modes import ForwardMode
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "LAYER_TYPE_KINDS",
+    "AttentionLayer",
+    "BatchBuffers",
+    "ForwardBatch",
+    "ForwardMode",
+    "GDNLayer",
+    "HybridBackend",
+    "MixerKind",
+    "MixerLayer",
+    "RoutingError",
+    "ShortConvLayer",
+    "check_routing",
+    "model_state_specs",
+    "state_spec_of",
+    "tree_ancestor_mask",
+]

@@ -1,0 +1,588 @@
+"""`HybridBackend`: routes each layer to its kernels by the layer's type, builds per-batch metadata once, and
+is the single place that commits recurrent state (and, for trees, KV) after a verify.
+
+Routing is decided at construction: every layer's mixer type must agree with the config's `layer_types` and
+with the pool's state spec for that layer, or construction fails (never a silent re-route). Linear layers get
+state slots from the pool's one translation function, never request rows; in TARGET_VERIFY they call the
+verify kernels, which read committed state and write only scratch rows (indexed by batch row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from hyspec_kernels.attention import paged_attention, store_kv
+from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
+from hyspec_kernels.gating import gdn_gating
+from hyspec_kernels.gdn import gdn_decode, gdn_prefill, gdn_verify
+from hyspec_statepool.commit import commit_accepted_states
+from hyspec_statepool.commit_math import commit_steps
+from hyspec_statepool.indices import ReqRows, StateSlots
+from hyspec_statepool.pool import HybridStatePool
+from hyspec_statepool.specs import AttentionSpec, GDNSpec, LayerStateSpec, ModelStateSpecs, ShortConvSpec
+from torch import Tensor
+
+from hyspec_attn_backends.batch import (
+    BatchBuffers,
+    ForwardBatch,
+    check_tree_parents,
+    copy_into,
+    tree_ancestor_mask,
+)
+from hyspec_attn_backends.layers import (
+    LAYER_TYPE_KINDS,
+    AttentionLayer,
+    GDNLayer,
+    MixerKind,
+    MixerLayer,
+    ShortConvLayer,
+)
+from hyspec_attn_backends.modes import ForwardMode
+
+
+class RoutingError(ValueError):
+    """A layer's mixer type disagrees with the config's layer_types or with the pool's state spec."""
+
+
+def state_spec_of(layer: MixerLayer) -> LayerStateSpec:
+    """The statepool spec a mixer layer needs."""
+    if isinstance(layer, AttentionLayer):
+        return AttentionSpec(num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim)
+    if isinstance(layer, GDNLayer):
+        return GDNSpec(
+            num_k_heads=layer.num_k_heads,
+            num_v_heads=layer.num_v_heads,
+            head_k_dim=layer.head_k_dim,
+            head_v_dim=layer.head_v_dim,
+            conv_kernel=layer.conv_width,
+        )
+    return ShortConvSpec(channels=layer.channels, conv_kernel=layer.conv_width)
+
+
+def model_state_specs(layers: Sequence[MixerLayer]) -> ModelStateSpecs:
+    """The pool specs of a model's mixer layers (layer ids must be 0..L-1 in order)."""
+    return ModelStateSpecs.from_pairs((layer.layer_id, state_spec_of(layer)) for layer in layers)
+
+
+def check_routing(
+    layers: Sequence[MixerLayer], layer_types: Sequence[str], specs: ModelStateSpecs | None = None
+) -> tuple[MixerKind, ...]:
+    """Check that mixer types, config layer_types and pool specs agree; return the kind of every layer."""
+    if len(layers) != len(layer_types):
+        raise RoutingError(
+            f"layer_types: expected {len(layers)} entries (one per layer), got {len(layer_types)}"
+        )
+    kinds = []
+    for i, (layer, layer_type) in enumerate(zip(layers, layer_types, strict=True)):
+        if layer.layer_id != i:
+            raise RoutingError(f"layers[{i}]: expected layer_id {i}, got {layer.layer_id}")
+        want = LAYER_TYPE_KINDS.get(layer_type)
+        if want is None:
+            raise RoutingError(
+                f"layer_types[{i}]: unknown type {layer_type!r}; known: {sorted(LAYER_TYPE_KINDS)}"
+            )
+        if layer.kind is not want:
+            raise RoutingError(
+                f"layer {i}: config layer_types says {layer_type!r} ({want.value}) but the model built a "
+                f"{type(layer).__name__} ({layer.kind.value})"
+            )
+        if specs is not None:
+            spec = specs.spec(i)
+            if spec != state_spec_of(layer):
+                raise RoutingError(
+                    f"layer {i}: the pool holds {spec} but the layer needs {state_spec_of(layer)}"
+                )
+        kinds.append(layer.kind)
+    return tuple(kinds)
+
+
+class HybridBackend:
+    """Per-layer routing, per-batch metadata and the commit after verify for one model and its pool.
+
+    Args:
+        pool: the statepool holding this model's KV, recurrent state and verify scratch.
+        layers: the model's mixer cores in layer order (`model.mixer_layers()`).
+        layer_types: the config's `layer_types`; checked against the cores' types and the pool's specs.
+        max_seqs, max_tokens: size of the preallocated batch buffers (default: the pool's max_running and
+            max_running · max(Dmax, 256)).
+    """
+
+    def __init__(
+        self,
+        pool: HybridStatePool,
+        *,
+        layers: Sequence[MixerLayer],
+        layer_types: Sequence[str],
+        max_seqs: int | None = None,
+        max_tokens: int | None = None,
+    ) -> None:
+        self.pool = pool
+        self.kinds = check_routing(layers, layer_types, pool.plan.specs)
+        self.num_layers = len(layers)
+        plan = pool.plan
+        self.max_verify_len = plan.max_draft_tokens if plan.draft_shape is not None else 0
+        seqs = plan.max_running if max_seqs is None else max_seqs
+        tokens = seqs * max(self.max_verify_len, 256) if max_tokens is None else max_tokens
+        self.buffers = BatchBuffers(
+            max_seqs=seqs,
+            max_tokens=tokens,
+            max_pages=plan.max_pages_per_request,
+            max_verify_len=self.max_verify_len,
+            device=pool.device,
+        )
+
+    # ---------------------------------------------------------------- batch metadata
+
+    def prepare_extend(
+        self,
+        *,
+        req_rows: ReqRows,
+        input_ids: Tensor,
+        q_lens: Sequence[int] | Tensor,
+        prefix_lens: Sequence[int] | Tensor,
+        mode: ForwardMode = ForwardMode.EXTEND,
+    ) -> ForwardBatch:
+        """New tokens after each request's cached prefix (prefill, a prefill chunk, or DRAFT_EXTEND).
+
+        Args:
+            req_rows: [N] rows of the requests (KV pages for prefix + q_len already ensured).
+            input_ids: [T] tokens, request by request, T = sum(q_lens).
+            q_lens: [N] new tokens per request (0 allowed).
+            prefix_lens: [N] tokens already committed (0 for a fresh prompt).
+        """
+        if not mode.is_extend_like:
+            raise ValueError(f"mode: expected EXTEND or DRAFT_EXTEND, got {mode}")
+        return self._build(mode, req_rows, input_ids, _ints(q_lens), _ints(prefix_lens), None, 0)
+
+    def prepare_decode(
+        self, *, req_rows: ReqRows, input_ids: Tensor, prefix_lens: Sequence[int] | Tensor
+    ) -> ForwardBatch:
+        """One new token per request; `prefix_lens` are the tokens before it (the new token's position)."""
+        n = len(req_rows)
+        return self._build(
+            ForwardMode.DECODE,
+            req_rows,
+            input_ids,
+            torch.ones(n, dtype=torch.int32),
+            _ints(prefix_lens),
+            None,
+            0,
+        )
+
+    def prepare_verify(
+        self,
+        *,
+        req_rows: ReqRows,
+        block_tokens: Tensor,
+        prefix_lens: Sequence[int] | Tensor,
+        tree_parents: Tensor | None = None,
+    ) -> ForwardBatch:
+        """A verify block of D tokens per request: the current token then D - 1 drafts.
+
+        Args:
+            req_rows: [N] rows (KV pages for prefix + D ensured).
+            block_tokens: [N, D] tokens; block token 0 sits at position prefix_len.
+            prefix_lens: [N] committed tokens (= position of block token 0).
+            tree_parents: [N, D] block index of each node's parent (-1 root, parents precede children); None
+                for a chain.
+        """
+        if self.max_verify_len == 0:
+            raise ValueError(
+                "prepare_verify: the pool has no verify scratch (build its plan with a draft_shape)"
+            )
+        if block_tokens.dim() != 2 or block_tokens.shape[0] != len(req_rows):
+            raise ValueError(
+                f"block_tokens: expected shape [{len(req_rows)}, D], got {list(block_tokens.shape)}"
+            )
+        n, d = block_tokens.shape
+        if tree_parents is not None:
+            check_tree_parents(tree_parents, num_seqs=n, verify_len=d)
+        q_lens = torch.full((n,), d, dtype=torch.int32)
+        return self._build(
+            ForwardMode.TARGET_VERIFY,
+            req_rows,
+            block_tokens.reshape(-1),
+            q_lens,
+            _ints(prefix_lens),
+            tree_parents,
+            d,
+        )
+
+    def prepare_idle(self) -> ForwardBatch:
+        """An empty batch (e.g. a data-parallel rank with no requests)."""
+        b = self.buffers
+        return ForwardBatch(
+            mode=ForwardMode.IDLE,
+            input_ids=b.input_ids[:0],
+            positions=b.positions[:0],
+            req_rows=None,
+            state_slots=None,
+            batch_rows=None,
+            kv_slots=None,
+            page_table=b.page_table[:0],
+            cu_seqlens_q=b.cu_seqlens_q[:1].zero_(),
+            q_lens=b.q_lens[:0],
+            prefix_lens=b.prefix_lens[:0],
+            kv_lens=b.kv_lens[:0],
+            has_initial_state=b.has_initial_state[:0],
+        )
+
+    def _build(
+        self,
+        mode: ForwardMode,
+        req_rows: ReqRows,
+        input_ids: Tensor,
+        q_lens: Tensor,
+        prefix_lens: Tensor,
+        tree_parents: Tensor | None,
+        verify_len: int,
+    ) -> ForwardBatch:
+        n, t = len(req_rows), int(input_ids.shape[0])
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids: expected shape [T], got {list(input_ids.shape)}")
+        for name, value in (("q_lens", q_lens), ("prefix_lens", prefix_lens)):
+            if tuple(value.shape) != (n,):
+                raise ValueError(f"{name}: expected shape [{n}] (one per request), got {list(value.shape)}")
+            if n and int(value.min()) < 0:
+                raise ValueError(f"{name}: expected values >= 0, got {value.tolist()}")
+        if int(q_lens.sum()) != t:
+            raise ValueError(f"input_ids: expected sum(q_lens) = {int(q_lens.sum())} tokens, got {t}")
+        self.buffers.check_fits(num_seqs=n, num_tokens=t, verify_len=verify_len)
+        pool, b, dev = self.pool, self.buffers, self.pool.device
+        q_lens, prefix_lens = q_lens.to(dev), prefix_lens.to(dev)
+
+        cu = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+        cu[1:] = torch.cumsum(q_lens, 0)
+        kv_lens = prefix_lens + q_lens
+        seq_of_token = torch.repeat_interleave(torch.arange(n, device=dev), q_lens.long())  # [T]
+        offset = torch.arange(t, device=dev) - cu[:-1].long()[seq_of_token]  # [T] index within its sequence
+        tree_mask = parents_view = None
+        if tree_parents is not None:
+            parents = tree_parents.to(dev, torch.int32)
+            mask, depth = tree_ancestor_mask(parents)
+            offset = depth.reshape(-1)
+            parents_view = copy_into(b.tree_parents, parents)
+            tree_mask = copy_into(b.tree_mask, mask)
+        positions = prefix_lens.long()[seq_of_token] + offset
+
+        kv_slots = pool.kv_slots(req_rows=req_rows, start_positions=prefix_lens, num_tokens=q_lens)
+        state_slots = pool.state_slots(req_rows)
+        batch_rows = pool.batch_rows(n)
+        return ForwardBatch(
+            mode=mode,
+            input_ids=copy_into(b.input_ids, input_ids.to(dev, torch.int64)),
+            positions=copy_into(b.positions, positions),
+            req_rows=req_rows,
+            state_slots=state_slots,
+            batch_rows=batch_rows,
+            kv_slots=kv_slots,
+            page_table=copy_into(b.page_table, pool.page_table(req_rows)),
+            cu_seqlens_q=copy_into(b.cu_seqlens_q, cu),
+            q_lens=copy_into(b.q_lens, q_lens.to(torch.int32)),
+            prefix_lens=copy_into(b.prefix_lens, prefix_lens.to(torch.int32)),
+            kv_lens=copy_into(b.kv_lens, kv_lens.to(torch.int32)),
+            has_initial_state=copy_into(b.has_initial_state, prefix_lens > 0),
+            verify_len=verify_len,
+            tree_parents=parents_view,
+            tree_mask=tree_mask,
+        )
+
+    # ---------------------------------------------------------------- layer calls
+
+    def _check_layer(self, layer: MixerLayer, kind: MixerKind) -> None:
+        if not 0 <= layer.layer_id < self.num_layers or self.kinds[layer.layer_id] is not kind:
+            raise RoutingError(
+                f"layer {layer.layer_id}: called as {kind.value}, routed at start-up differently"
+            )
+
+    def attention(
+        self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, batch: ForwardBatch
+    ) -> Tensor:
+        """Store the new tokens' K/V, then attend over the paged cache.
+
+        q [T, HQ, Dh], k/v [T, HKV, Dh] -> [T, HQ, Dh].
+        """
+        self._check_layer(layer, MixerKind.ATTENTION)
+        if batch.num_tokens == 0:
+            return q.new_empty((0, layer.num_heads, layer.head_dim))
+        k_cache, v_cache = self.pool.kv_cache(layer.layer_id)
+        assert batch.kv_slots is not None
+        store_kv(
+            k.to(k_cache.dtype),
+            v.to(v_cache.dtype),
+            k_cache=k_cache,
+            v_cache=v_cache,
+            kv_slots=batch.kv_slots.tensor,
+        )
+        o = paged_attention(
+            q.to(k_cache.dtype),
+            k_cache=k_cache,
+            v_cache=v_cache,
+            page_table=batch.page_table,
+            cu_seqlens_q=batch.cu_seqlens_q,
+            kv_lens=batch.kv_lens,
+            scale=layer.scale,
+            tree_mask=batch.tree_mask,
+        )
+        return o.to(q.dtype)
+
+    def _conv(
+        self,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        *,
+        conv_state: Tensor | None,
+        conv_scratch: Tensor | None,
+        activation: str | None,
+        batch: ForwardBatch,
+    ) -> Tensor:
+        """The conv of a linear layer in the batch's mode. x [T, C] -> [T, C]."""
+        if conv_state is None:
+            raise ValueError("conv_state: the pool has no conv state for this layer")
+        assert batch.state_slots is not None and batch.batch_rows is not None
+        slots = batch.state_slots.tensor
+        w = weight.reshape(weight.shape[0], weight.shape[-1]).to(x.dtype)  # [C, W]
+        bias = None if bias is None else bias.to(x.dtype)
+        state = conv_state
+        if batch.mode is ForwardMode.DECODE:
+            return conv_decode(x, w, bias, conv_state=state, state_slots=slots, activation=activation)  # type: ignore[arg-type]
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            if conv_scratch is None:
+                raise ValueError("conv_scratch: the pool has no verify scratch (plan without a draft_shape)")
+            n, d = batch.num_seqs, batch.verify_len
+            y = conv_verify(
+                x.reshape(n, d, -1),
+                w,
+                bias,
+                conv_state=state,
+                state_slots=slots,
+                scratch=conv_scratch,
+                scratch_rows=batch.batch_rows.tensor,
+                parents=batch.tree_parents,
+                activation=activation,  # type: ignore[arg-type]
+            )
+            return y.reshape(n * d, -1)
+        return conv_prefill(
+            x,
+            w,
+            bias,
+            cu_seqlens=batch.cu_seqlens_q,
+            conv_state=state,
+            state_slots=slots,
+            has_initial_state=batch.has_initial_state,
+            activation=activation,  # type: ignore[arg-type]
+        )
+
+    def gdn(
+        self,
+        layer: GDNLayer,
+        mixed_qkv: Tensor,
+        *,
+        a: Tensor,
+        b: Tensor,
+        conv_weight: Tensor,
+        A_log: Tensor,
+        dt_bias: Tensor,
+        batch: ForwardBatch,
+    ) -> Tensor:
+        """Gated DeltaNet core. mixed_qkv [T, 2·HK·K + HV·V] (pre-conv), a/b [T, HV] -> o [T, HV, V]."""
+        self._check_layer(layer, MixerKind.GDN)
+        hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+        t = batch.num_tokens
+        if t == 0:
+            return mixed_qkv.new_empty((0, hv, dv))
+        st = self.pool.layer_state(layer.layer_id)
+        x = self._conv(
+            mixed_qkv,
+            conv_weight,
+            None,
+            conv_state=st.conv,
+            conv_scratch=st.conv_scratch,
+            activation="silu",
+            batch=batch,
+        )
+        q, k, v = torch.split(x, [hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
+        g, beta = gdn_gating(A_log, a, b, dt_bias)  # [T, HV] fp32 each
+        state = st.recurrent
+        if state is None:
+            raise ValueError(f"layer {layer.layer_id}: the pool has no recurrent state")
+        assert batch.state_slots is not None and batch.batch_rows is not None
+        slots = batch.state_slots.tensor
+        if batch.mode is ForwardMode.DECODE:
+            return gdn_decode(q, k, v, g, beta, state=state, state_slots=slots)
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            if st.recurrent_scratch is None:
+                raise ValueError(
+                    "recurrent_scratch: the pool has no verify scratch (plan without a draft_shape)"
+                )
+            n, d = batch.num_seqs, batch.verify_len
+            o = gdn_verify(
+                q.reshape(n, d, hk, dk),
+                k.reshape(n, d, hk, dk),
+                v.reshape(n, d, hv, dv),
+                g.reshape(n, d, hv),
+                beta.reshape(n, d, hv),
+                state=state,
+                state_slots=slots,
+                scratch=st.recurrent_scratch,
+                scratch_rows=batch.batch_rows.tensor,
+                parents=batch.tree_parents,
+            )
+            return o.reshape(t, hv, dv)
+        out = gdn_prefill(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            cu_seqlens=batch.cu_seqlens_q,
+            state=state,
+            state_slots=slots,
+            has_initial_state=batch.has_initial_state,
+        )
+        return out.o
+
+    def short_conv(
+        self,
+        layer: ShortConvLayer,
+        x: Tensor,
+        *,
+        conv_weight: Tensor,
+        conv_bias: Tensor | None,
+        batch: ForwardBatch,
+    ) -> Tensor:
+        """LFM2 short conv (no activation). x [T, C] = B·x -> conv output [T, C]."""
+        self._check_layer(layer, MixerKind.SHORT_CONV)
+        if batch.num_tokens == 0:
+            return x.new_empty((0, layer.channels))
+        st = self.pool.layer_state(layer.layer_id)
+        return self._conv(
+            x,
+            conv_weight,
+            conv_bias,
+            conv_state=st.conv,
+            conv_scratch=st.conv_scratch,
+            activation=None,
+            batch=batch,
+        )
+
+    # ---------------------------------------------------------------- commit
+
+    def commit_after_verify(
+        self,
+        *,
+        batch: ForwardBatch,
+        num_accepted: Tensor,
+        accept_paths: Tensor | None = None,
+        track_slots: StateSlots | None = None,
+        track_interval: int | None = None,
+    ) -> Tensor:
+        """Commit the accepted part of a verify block; the only writer of committed state after a verify.
+
+        Recurrent state: slot `state_slots[i]` gets scratch step `commit_steps(...)[i]` (chain: num_accepted;
+        tree: node index of the deepest accepted node) for every linear layer. Trees: the accepted nodes' K/V
+        move from block positions `prefix + node` to contiguous positions `prefix + depth`. Prefix caching
+        (optional): `track_slots[i]` gets the step that completes a multiple of `track_interval`, if any.
+
+        Args:
+            batch: the TARGET_VERIFY batch that was just run.
+            num_accepted: [N] int accepted drafts per request (bonus excluded); -1 skips a row.
+            accept_paths: [N, D] int block indices of the accepted path, root first, -1 past its end; required
+                for a tree batch, must be None for a chain.
+            track_slots, track_interval: prefix-cache track destinations (both or neither).
+        Returns:
+            [N] int64 committed step per row (-1 where skipped).
+        """
+        if batch.mode is not ForwardMode.TARGET_VERIFY:
+            raise ValueError(f"batch: expected a TARGET_VERIFY batch, got {batch.mode}")
+        n, d = batch.num_seqs, batch.verify_len
+        if (accept_paths is None) == batch.is_tree:
+            raise ValueError(
+                "accept_paths: required for a tree verify batch and must be None for a chain "
+                f"(batch is a {'tree' if batch.is_tree else 'chain'})"
+            )
+        if (track_slots is None) != (track_interval is None):
+            raise ValueError("track_slots, track_interval: expected both or neither")
+        dev = self.pool.device
+        num_accepted = num_accepted.to(dev)
+        if tuple(num_accepted.shape) != (n,) or bool(((num_accepted < -1) | (num_accepted >= d)).any()):
+            raise ValueError(
+                f"num_accepted: expected [{n}] ints in [-1, {d - 1}], got {num_accepted.tolist()}"
+            )
+        if accept_paths is not None:
+            accept_paths = accept_paths.to(dev)
+            self._check_paths(batch, num_accepted, accept_paths)
+        assert batch.req_rows is not None and batch.batch_rows is not None
+        tracking = track_slots is not None
+        if any(kind is not MixerKind.ATTENTION for kind in self.kinds):
+            steps = commit_accepted_states(
+                pool=self.pool,
+                req_rows=batch.req_rows,
+                batch_rows=batch.batch_rows,
+                num_accepted=num_accepted,
+                accept_paths=accept_paths,
+                seq_lens_before=batch.prefix_lens if tracking else None,
+                track_slots=track_slots,
+                track_interval=track_interval,
+                check_unique=self.pool.debug,
+            ).steps
+        else:
+            steps = commit_steps(num_accepted=num_accepted, accept_paths=accept_paths)
+        if accept_paths is not None:
+            self._move_tree_kv(batch, num_accepted, accept_paths)
+        return steps
+
+    def _check_paths(self, batch: ForwardBatch, num_accepted: Tensor, paths: Tensor) -> None:
+        n, d = batch.num_seqs, batch.verify_len
+        if paths.dtype not in (torch.int32, torch.int64) or tuple(paths.shape) != (n, d):
+            raise ValueError(
+                f"accept_paths: expected an int tensor of shape [{n}, {d}], "
+                f"got {paths.dtype} {list(paths.shape)}"
+            )
+        if not (self.pool.debug or paths.device.type == "cpu"):
+            return
+        assert batch.tree_parents is not None
+        depth = torch.arange(d, device=paths.device)[None, :]
+        on_path = depth <= num_accepted[:, None]  # [N, D]
+        ok = bool(((paths >= 0) == on_path).all()) and bool((paths[num_accepted >= 0, 0] == 0).all())
+        if ok and d > 1:
+            # every accepted node's parent is the previous node on the path
+            parent = batch.tree_parents.long().gather(1, paths[:, 1:].clamp(min=0).long())
+            ok = bool(((parent == paths[:, :-1]) | ~on_path[:, 1:]).all())
+        if not ok:
+            raise ValueError(
+                "accept_paths: expected for each row the root (0) then a chain of children following "
+                f"tree_parents for num_accepted + 1 nodes, -1 after; got {paths.tolist()} with num_accepted "
+                f"{num_accepted.tolist()}"
+            )
+
+    def _move_tree_kv(self, batch: ForwardBatch, num_accepted: Tensor, paths: Tensor) -> None:
+        """Copy accepted node `paths[i, j]`'s K/V to block position j, for every attention layer."""
+        assert batch.kv_slots is not None
+        n, d = batch.num_seqs, batch.verify_len
+        block_slots = batch.kv_slots.tensor.long().reshape(n, d)  # [N, D] slot of block position j
+        src = block_slots.gather(1, paths.clamp(min=0).long())
+        depth = torch.arange(d, device=paths.device)[None, :]
+        moved = (depth <= num_accepted[:, None]) & (paths.long() != depth)
+        src, dst = src[moved], block_slots[moved]
+        if src.numel() == 0:
+            return
+        for i, kind in enumerate(self.kinds):
+            if kind is not MixerKind.ATTENTION:
+                continue
+            for cache in self.pool.kv_cache(i):
+                flat = cache.view(-1, *cache.shape[2:])  # [P * page_size, HKV, Dh]
+                # gather first: a destination may be another row's source only within one request, never
+                # before it is read
+                flat[dst] = flat[src].clone()
+
+
+def _ints(values: Sequence[int] | Tensor) -> Tensor:
+    return (
+        values.to(torch.int32)
+        if isinstance(values, Tensor)
+        else torch.tensor(list(values), dtype=torch.int32)
+    )

@@ -1,0 +1,190 @@
+"""Per-batch metadata, built once per forward (never per layer) from the statepool.
+
+Every tensor of a `ForwardBatch` is a view into `BatchBuffers`, preallocated at the largest batch and refilled
+in place, so a CUDA-graph runner can capture against the same storage and replay after a refill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hyspec_statepool.indices import BatchRows, KVSlots, ReqRows, StateSlots
+from torch import Tensor
+
+from hyspec_attn_backends.modes import ForwardMode
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """Everything a layer needs to run one forward; built by `HybridBackend.prepare_*`.
+
+    Attributes:
+        mode: what this forward does.
+        input_ids: [T] int64 tokens, packed request by request (verify: N·D block tokens).
+        positions: [T] int64 RoPE positions (tree verify: prefix_len + depth of the node).
+        req_rows: [N] request-table rows (None for IDLE).
+        state_slots: [N] recurrent-state slots, from the pool's one translation function.
+        batch_rows: [N] rows of verify scratch (0..N-1).
+        kv_slots: [T] where each new token's K/V goes (verify: block index j at position prefix_len + j).
+        page_table: [N, max_pages] int32 KV pages per request.
+        cu_seqlens_q: [N + 1] int32 packed-token offsets.
+        q_lens: [N] int32 new tokens per request.
+        prefix_lens: [N] int32 tokens already committed before this forward.
+        kv_lens: [N] int32 prefix_lens + q_lens (what attention reads).
+        has_initial_state: [N] bool, prefix_lens > 0: recurrent layers continue from the slot's state.
+        verify_len: D for TARGET_VERIFY, else 0.
+        tree_parents: [N, D] int32 block index of each node's parent (-1 root); None for a chain.
+        tree_mask: [N, D, D] bool, node i sees node j (ancestor or self); None for a chain.
+    """
+
+    mode: ForwardMode
+    input_ids: Tensor
+    positions: Tensor
+    req_rows: ReqRows | None
+    state_slots: StateSlots | None
+    batch_rows: BatchRows | None
+    kv_slots: KVSlots | None
+    page_table: Tensor
+    cu_seqlens_q: Tensor
+    q_lens: Tensor
+    prefix_lens: Tensor
+    kv_lens: Tensor
+    has_initial_state: Tensor
+    verify_len: int = 0
+    tree_parents: Tensor | None = None
+    tree_mask: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n, t = self.num_seqs, self.num_tokens
+        if self.mode is ForwardMode.IDLE:
+            if n or t:
+                raise ValueError(f"mode: IDLE expects an empty batch, got {n} sequences and {t} tokens")
+            return
+        for name, value, want in (
+            ("positions", self.positions, (t,)),
+            ("cu_seqlens_q", self.cu_seqlens_q, (n + 1,)),
+            ("prefix_lens", self.prefix_lens, (n,)),
+            ("kv_lens", self.kv_lens, (n,)),
+            ("has_initial_state", self.has_initial_state, (n,)),
+        ):
+            if tuple(value.shape) != want:
+                raise ValueError(f"{name}: expected shape {list(want)}, got {list(value.shape)}")
+        for name, idx, want_len in (
+            ("req_rows", self.req_rows, n),
+            ("state_slots", self.state_slots, n),
+            ("batch_rows", self.batch_rows, n),
+            ("kv_slots", self.kv_slots, t),
+        ):
+            if idx is None or len(idx) != want_len:
+                got = None if idx is None else len(idx)
+                raise ValueError(f"{name}: expected {want_len} indices, got {got}")
+        if self.mode is ForwardMode.TARGET_VERIFY:
+            if self.verify_len < 1 or t != n * self.verify_len:
+                raise ValueError(
+                    f"verify_len: expected D >= 1 with T = N·D, got D={self.verify_len}, N={n}, T={t}"
+                )
+        elif self.verify_len or self.tree_parents is not None or self.tree_mask is not None:
+            raise ValueError(
+                f"verify_len / tree_parents / tree_mask: only for TARGET_VERIFY, got mode {self.mode}"
+            )
+        if (self.tree_parents is None) != (self.tree_mask is None):
+            raise ValueError("tree_parents, tree_mask: expected both or neither")
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.q_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_tree(self) -> bool:
+        return self.tree_parents is not None
+
+
+class BatchBuffers:
+    """Max-size storage behind every `ForwardBatch`; filled in place by `fill`.
+
+    Args:
+        max_seqs: most sequences in one forward.
+        max_tokens: most packed tokens in one forward.
+        max_pages: page-table width (the pool's pages per request).
+        max_verify_len: `Dmax`, for the tree parents and mask.
+        device: where the buffers live (the pool's device).
+    """
+
+    def __init__(
+        self, *, max_seqs: int, max_tokens: int, max_pages: int, max_verify_len: int, device: torch.device
+    ) -> None:
+        for name, value in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("max_pages", max_pages)):
+            if value < 1:
+                raise ValueError(f"{name}: expected >= 1, got {value}")
+        d = max(1, max_verify_len)
+        self.max_seqs, self.max_tokens, self.max_verify_len = max_seqs, max_tokens, d
+
+        def ints(*shape: int, dtype: torch.dtype = torch.int32) -> Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.input_ids = ints(max_tokens, dtype=torch.int64)
+        self.positions = ints(max_tokens, dtype=torch.int64)
+        self.page_table = torch.full((max_seqs, max_pages), -1, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = ints(max_seqs + 1)
+        self.q_lens = ints(max_seqs)
+        self.prefix_lens = ints(max_seqs)
+        self.kv_lens = ints(max_seqs)
+        self.has_initial_state = ints(max_seqs, dtype=torch.bool)
+        self.tree_parents = torch.full((max_seqs, d), -1, dtype=torch.int32, device=device)
+        self.tree_mask = ints(max_seqs, d, d, dtype=torch.bool)
+
+    def check_fits(self, *, num_seqs: int, num_tokens: int, verify_len: int) -> None:
+        if num_seqs > self.max_seqs:
+            raise ValueError(f"num_seqs: expected <= max_seqs={self.max_seqs}, got {num_seqs}")
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"num_tokens: expected <= max_tokens={self.max_tokens}, got {num_tokens}")
+        if verify_len > self.max_verify_len:
+            raise ValueError(f"verify_len: expected <= Dmax={self.max_verify_len}, got {verify_len}")
+
+
+def copy_into(buffer: Tensor, value: Tensor) -> Tensor:
+    """Write `value` into the leading part of `buffer` in place and return that view."""
+    view = buffer[tuple(slice(0, s) for s in value.shape)]
+    view.copy_(value)
+    return view
+
+
+def tree_ancestor_mask(parents: Tensor) -> tuple[Tensor, Tensor]:
+    """parents [N, D] (-1 root, parents precede children) -> (mask [N, D, D] bool, depth [N, D] int64)."""
+    n, d = parents.shape
+    mask = torch.zeros(n, d, d, dtype=torch.bool, device=parents.device)
+    depth = torch.zeros(n, d, dtype=torch.long, device=parents.device)
+    rows = torch.arange(n, device=parents.device)
+    mask[:, 0, 0] = True
+    # d is the small verify block size, so a loop over nodes is cheap and keeps the ancestor rule obvious
+    for j in range(1, d):
+        p = parents[:, j].long()
+        mask[:, j] = mask[rows, p]
+        mask[:, j, j] = True
+        depth[:, j] = depth[rows, p] + 1
+    return mask, depth
+
+
+def check_tree_parents(parents: Tensor, *, num_seqs: int, verify_len: int) -> None:
+    """Parents must be [N, D] ints with a single root at node 0 and every parent before its child."""
+    if parents.dtype not in (torch.int32, torch.int64) or tuple(parents.shape) != (num_seqs, verify_len):
+        raise ValueError(
+            f"tree_parents: expected an int tensor of shape [{num_seqs}, {verify_len}], got "
+            f"{parents.dtype} {list(parents.shape)}"
+        )
+    if num_seqs == 0:
+        return
+    cols = torch.arange(verify_len, device=parents.device)
+    root_ok = bool((parents[:, 0] == -1).all())
+    rest = parents[:, 1:]
+    order_ok = bool(((rest >= 0) & (rest < cols[1:])).all())
+    if not (root_ok and order_ok):
+        raise ValueError(
+            "tree_parents: expected parents[:, 0] == -1 and 0 <= parents[:, j] < j for j >= 1 "
+            f"(parents precede children), got {parents.tolist()}"
+        )

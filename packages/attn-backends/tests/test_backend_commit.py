@@ -1,0 +1,222 @@
+"""Verify then `commit_after_verify` equals running the accepted tokens one by one, on a synthetic three-layer
+stack (GDN, short conv, attention) whose per-token inputs are a function of the token id.
+
+Checks the committed recurrent state (GDN matrix + conv window, short-conv window) slot by slot against a
+second pool that ran the accepted tokens sequentially, the K/V moved to contiguous positions for trees, and
+that a verify without commit leaves every committed state bit-identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hyspec_attn_backends import (
+    AttentionLayer,
+    ForwardBatch,
+    GDNLayer,
+    HybridBackend,
+    ShortConvLayer,
+    model_state_specs,
+)
+from hyspec_statepool import DraftShape, HybridStatePool, MemoryPlan, StateDtypes
+
+F32 = StateDtypes(kv=torch.float32, conv=torch.float32, recurrent=torch.float32)
+GDN = GDNLayer(layer_id=0, num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8, conv_width=4)
+CONV = ShortConvLayer(layer_id=1, channels=8, conv_width=3)
+ATTN = AttentionLayer(layer_id=2, num_heads=2, num_kv_heads=1, head_dim=8, scale=8**-0.5)
+LAYERS = [GDN, CONV, ATTN]
+TYPES = ["linear_attention", "conv", "full_attention"]
+VOCAB = 50
+
+
+class Toy:
+    """Random per-token inputs and weights for each layer (no model around it)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+
+        def r(*shape: int, scale: float = 1.0) -> torch.Tensor:
+            return torch.randn(*shape, generator=g) * scale
+
+        self.qkv, self.a, self.b = r(VOCAB, GDN.conv_dim), r(VOCAB, 2), r(VOCAB, 2)
+        self.x, self.q, self.k, self.v = r(VOCAB, 8), r(VOCAB, 2, 8), r(VOCAB, 1, 8), r(VOCAB, 1, 8)
+        self.w_gdn, self.w_conv, self.bias = r(GDN.conv_dim, 1, 4, scale=0.5), r(8, 1, 3, scale=0.5), r(8)
+        self.A_log, self.dt_bias = r(2, scale=0.3), r(2, scale=0.3)
+
+    def run(self, be: HybridBackend, batch: ForwardBatch) -> None:
+        ids = batch.input_ids
+        be.gdn(
+            GDN,
+            self.qkv[ids],
+            a=self.a[ids],
+            b=self.b[ids],
+            conv_weight=self.w_gdn,
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
+            batch=batch,
+        )
+        be.short_conv(CONV, self.x[ids], conv_weight=self.w_conv, conv_bias=self.bias, batch=batch)
+        be.attention(ATTN, self.q[ids], self.k[ids], self.v[ids], batch)
+
+
+def _backend(num_state_slots: int = 9) -> HybridBackend:
+    plan = MemoryPlan(
+        specs=model_state_specs(LAYERS),
+        max_context=32,
+        max_running=7,
+        draft_shape=DraftShape(kind="chain", num_steps=6),  # Dmax 7: more than any block used here
+        page_size=2,
+        num_state_slots=num_state_slots,
+        num_kv_pages=7 * 20,
+        dtypes=F32,
+    )
+    return HybridBackend(HybridStatePool(plan, debug=True), layers=LAYERS, layer_types=TYPES)
+
+
+def _extend(toy: Toy, be: HybridBackend, seqs: dict[str, list[int]], lens: dict[str, int]) -> None:
+    ids = list(seqs)
+    pool = be.pool
+    pool.alloc([r for r in ids if not pool.is_live(r)])
+    prefix = [lens.get(r, 0) for r in ids]
+    pool.ensure_kv_capacity(ids, [p + len(seqs[r]) for p, r in zip(prefix, ids, strict=True)])
+    batch = be.prepare_extend(
+        req_rows=pool.req_rows(ids),
+        input_ids=torch.tensor([t for r in ids for t in seqs[r]]),
+        q_lens=[len(seqs[r]) for r in ids],
+        prefix_lens=prefix,
+    )
+    toy.run(be, batch)
+    for r in ids:
+        lens[r] = lens.get(r, 0) + len(seqs[r])
+
+
+def _states(be: HybridBackend, req: str) -> list[torch.Tensor]:
+    slot = be.pool.state_slots(be.pool.req_rows([req])).tolist()[0]
+    gdn, conv = be.pool.layer_state(0), be.pool.layer_state(1)
+    assert gdn.conv is not None and gdn.recurrent is not None and conv.conv is not None
+    return [gdn.conv[slot], gdn.recurrent[slot], conv.conv[slot]]
+
+
+def _kv(be: HybridBackend, req: str, n: int) -> torch.Tensor:
+    slots = be.pool.kv_slots(
+        req_rows=be.pool.req_rows([req]), start_positions=torch.tensor([0]), num_tokens=torch.tensor([n])
+    )
+    k_cache, _ = be.pool.kv_cache(2)
+    return k_cache.view(-1, 1, 8)[slots.tensor.long()]
+
+
+def _sequential(toy: Toy, prompt: list[int], accepted: list[int]) -> HybridBackend:
+    """A fresh pool that prefills `prompt` then decodes `accepted` one token at a time."""
+    be = _backend()
+    lens: dict[str, int] = {}
+    _extend(toy, be, {"s": prompt}, lens)
+    for t in accepted:
+        pool = be.pool
+        pool.ensure_kv_capacity(["s"], [lens["s"] + 1])
+        batch = be.prepare_decode(
+            req_rows=pool.req_rows(["s"]), input_ids=torch.tensor([t]), prefix_lens=[lens["s"]]
+        )
+        toy.run(be, batch)
+        lens["s"] += 1
+    return be
+
+
+def _setup(n: int) -> tuple[Toy, HybridBackend, list[str], dict[str, list[int]], dict[str, int]]:
+    toy, be = Toy(), _backend()
+    be.pool.alloc_detached_slots(2)  # so state slots and request rows differ
+    g = torch.Generator().manual_seed(1)
+    ids = [f"r{i}" for i in range(n)]
+    prompts = {r: torch.randint(0, VOCAB, (5 + i,), generator=g).tolist() for i, r in enumerate(ids)}
+    lens: dict[str, int] = {}
+    _extend(toy, be, prompts, lens)
+    return toy, be, ids, prompts, lens
+
+
+def test_chain_commit_every_k_equals_sequential() -> None:
+    d = 5
+    toy, be, ids, prompts, lens = _setup(d)
+    g = torch.Generator().manual_seed(2)
+    blocks = torch.randint(0, VOCAB, (d, d), generator=g)
+    ids_rev = ids[::-1]  # batch rows differ from request rows
+    be.pool.ensure_kv_capacity(ids_rev, [lens[r] + d for r in ids_rev])
+    batch = be.prepare_verify(
+        req_rows=be.pool.req_rows(ids_rev), block_tokens=blocks, prefix_lens=[lens[r] for r in ids_rev]
+    )
+    toy.run(be, batch)
+    ks = torch.arange(d)  # request ids_rev[i] accepts i drafts: every k in 0..D-1
+    steps = be.commit_after_verify(batch=batch, num_accepted=ks)
+    assert steps.tolist() == ks.tolist()
+    for i, r in enumerate(ids_rev):
+        ref = _sequential(toy, prompts[r], blocks[i, : i + 1].tolist())
+        for got, want in zip(_states(be, r), _states(ref, "s"), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        n = lens[r] + i + 1
+        torch.testing.assert_close(_kv(be, r, n), _kv(ref, "s", n))
+
+
+TREE = [-1, 0, 0, 1, 2, 4]
+PATHS = ([0], [0, 2], [0, 1, 3], [0, 2, 4], [0, 2, 4, 5], [0, 1])
+
+
+def test_tree_commit_follows_the_accepted_path() -> None:
+    d, n = len(TREE), len(PATHS)
+    toy, be, ids, prompts, lens = _setup(n)
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, VOCAB, (n, d), generator=g)
+    be.pool.ensure_kv_capacity(ids, [lens[r] + d for r in ids])
+    batch = be.prepare_verify(
+        req_rows=be.pool.req_rows(ids),
+        block_tokens=blocks,
+        prefix_lens=[lens[r] for r in ids],
+        tree_parents=torch.tensor([TREE] * n),
+    )
+    toy.run(be, batch)
+    paths = torch.full((n, d), -1)
+    for i, p in enumerate(PATHS):
+        paths[i, : len(p)] = torch.tensor(p)
+    num_accepted = torch.tensor([len(p) - 1 for p in PATHS])
+    steps = be.commit_after_verify(batch=batch, num_accepted=num_accepted, accept_paths=paths)
+    assert steps.tolist() == [p[-1] for p in PATHS]  # node index, not depth
+    for i, r in enumerate(ids):
+        tokens = blocks[i, PATHS[i]].tolist()
+        ref = _sequential(toy, prompts[r], tokens)
+        for got, want in zip(_states(be, r), _states(ref, "s"), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        m = lens[r] + len(tokens)
+        torch.testing.assert_close(_kv(be, r, m), _kv(ref, "s", m))
+
+
+def test_verify_without_commit_leaves_committed_state_untouched() -> None:
+    toy, be, ids, _, lens = _setup(3)
+    before = {name: t.clone() for name, t in be.pool.tensors().items() if name.startswith("state.")}
+    be.pool.ensure_kv_capacity(ids, [lens[r] + 4 for r in ids])
+    batch = be.prepare_verify(
+        req_rows=be.pool.req_rows(ids),
+        block_tokens=torch.randint(0, VOCAB, (3, 4)),
+        prefix_lens=[lens[r] for r in ids],
+        tree_parents=torch.tensor([[-1, 0, 0, 2]] * 3),
+    )
+    toy.run(be, batch)
+    for name, t in be.pool.tensors().items():
+        if name.startswith("state."):
+            assert torch.equal(t.nan_to_num(7.0), before[name].nan_to_num(7.0)), name
+
+
+def test_commit_rejects_bad_accept_paths() -> None:
+    toy, be, ids, _, lens = _setup(1)
+    be.pool.ensure_kv_capacity(ids, [lens["r0"] + 4])
+    batch = be.prepare_verify(
+        req_rows=be.pool.req_rows(ids),
+        block_tokens=torch.randint(0, VOCAB, (1, 4)),
+        prefix_lens=[lens["r0"]],
+        tree_parents=torch.tensor([[-1, 0, 0, 1]]),
+    )
+    toy.run(be, batch)
+    with pytest.raises(ValueError, match="accept_paths"):
+        be.commit_after_verify(batch=batch, num_accepted=torch.tensor([1]))  # a tree needs its path
+    with pytest.raises(ValueError, match="accept_paths"):  # node 3's parent is 1, not 2
+        be.commit_after_verify(
+            batch=batch, num_accepted=torch.tensor([2]), accept_paths=torch.tensor([[0, 2, 3, -1]])
+        )
+    with pytest.raises(TypeError):
+        be.commit_after_verify(batch, torch.tensor([0]))  # type: ignore[misc]

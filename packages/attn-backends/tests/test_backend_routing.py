@@ -1,0 +1,150 @@
+"""Start-up routing check, per-call routing check and batch metadata."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hyspec_attn_backends import (
+    AttentionLayer,
+    ForwardMode,
+    GDNLayer,
+    HybridBackend,
+    RoutingError,
+    ShortConvLayer,
+    check_routing,
+    model_state_specs,
+)
+from hyspec_statepool import DraftShape, HybridStatePool, MemoryPlan, StateDtypes
+
+F32 = StateDtypes(kv=torch.float32, conv=torch.float32, recurrent=torch.float32)
+
+
+def _layers() -> list[GDNLayer | ShortConvLayer | AttentionLayer]:
+    return [
+        GDNLayer(layer_id=0, num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8, conv_width=4),
+        ShortConvLayer(layer_id=1, channels=8, conv_width=3),
+        AttentionLayer(layer_id=2, num_heads=2, num_kv_heads=1, head_dim=8, scale=8**-0.5),
+    ]
+
+
+TYPES = ["linear_attention", "conv", "full_attention"]
+
+
+def _pool(layers: list[GDNLayer | ShortConvLayer | AttentionLayer]) -> HybridStatePool:
+    plan = MemoryPlan(
+        specs=model_state_specs(layers),
+        max_context=32,
+        max_running=4,
+        draft_shape=DraftShape(kind="chain", num_steps=3),
+        page_size=2,
+        num_state_slots=6,
+        num_kv_pages=80,
+        dtypes=F32,
+    )
+    return HybridStatePool(plan, debug=True)
+
+
+def test_routing_agrees_with_layer_types() -> None:
+    layers = _layers()
+    assert [k.value for k in check_routing(layers, TYPES)] == ["gdn", "short_conv", "attention"]
+
+
+@pytest.mark.parametrize(
+    ("types", "match"),
+    [
+        (["full_attention", "conv", "full_attention"], "layer 0"),
+        (["linear_attention", "linear_attention", "full_attention"], "layer 1"),
+        (["linear_attention", "conv"], "3 entries"),
+        (["linear_attention", "conv", "sliding_window"], "unknown type"),
+    ],
+)
+def test_routing_mismatch_is_an_error(types: list[str], match: str) -> None:
+    with pytest.raises(RoutingError, match=match):
+        HybridBackend(_pool(_layers()), layers=_layers(), layer_types=types)
+
+
+def test_pool_spec_mismatch_is_an_error() -> None:
+    other = _layers()
+    other[1] = ShortConvLayer(layer_id=1, channels=8, conv_width=4)  # the pool holds width 3
+    with pytest.raises(RoutingError, match="layer 1"):
+        HybridBackend(_pool(_layers()), layers=other, layer_types=TYPES)
+
+
+def test_call_with_a_layer_routed_elsewhere_is_an_error() -> None:
+    layers = _layers()
+    be = HybridBackend(_pool(layers), layers=layers, layer_types=TYPES)
+    impostor = AttentionLayer(layer_id=0, num_heads=2, num_kv_heads=1, head_dim=8, scale=1.0)
+    batch = be.prepare_idle()
+    q = torch.zeros(0, 2, 8)
+    with pytest.raises(RoutingError, match="layer 0"):
+        be.attention(impostor, q, q[:, :1], q[:, :1], batch)
+
+
+def test_idle_batch_gives_empty_outputs_of_the_right_shape() -> None:
+    layers = _layers()
+    be = HybridBackend(_pool(layers), layers=layers, layer_types=TYPES)
+    batch = be.prepare_idle()
+    assert batch.mode is ForwardMode.IDLE and batch.num_tokens == 0
+    gdn, conv, attn = layers
+    assert isinstance(gdn, GDNLayer) and isinstance(conv, ShortConvLayer) and isinstance(attn, AttentionLayer)
+    o = be.gdn(
+        gdn,
+        torch.zeros(0, gdn.conv_dim),
+        a=torch.zeros(0, 2),
+        b=torch.zeros(0, 2),
+        conv_weight=torch.zeros(gdn.conv_dim, 1, 4),
+        A_log=torch.zeros(2),
+        dt_bias=torch.zeros(2),
+        batch=batch,
+    )
+    assert o.shape == (0, 2, 8)
+    assert be.short_conv(
+        conv, torch.zeros(0, 8), conv_weight=torch.zeros(8, 1, 3), conv_bias=None, batch=batch
+    ).shape == (0, 8)
+    assert be.attention(
+        attn, torch.zeros(0, 2, 8), torch.zeros(0, 1, 8), torch.zeros(0, 1, 8), batch
+    ).shape == (0, 2, 8)
+
+
+def test_extend_metadata_and_in_place_buffers() -> None:
+    layers = _layers()
+    pool = _pool(layers)
+    be = HybridBackend(pool, layers=layers, layer_types=TYPES)
+    pool.alloc_detached_slots(1)
+    rows = pool.alloc(["a", "b"])
+    pool.ensure_kv_capacity(["a", "b"], [7, 3])
+    batch = be.prepare_extend(req_rows=rows, input_ids=torch.arange(6), q_lens=[4, 2], prefix_lens=[3, 1])
+    assert batch.positions.tolist() == [3, 4, 5, 6, 1, 2]
+    assert batch.cu_seqlens_q.tolist() == [0, 4, 6]
+    assert batch.kv_lens.tolist() == [7, 3]
+    assert batch.has_initial_state.tolist() == [True, True]
+    assert batch.state_slots is not None and batch.state_slots.tolist() == pool.state_slots(rows).tolist()
+    assert batch.state_slots.tolist() != rows.tolist()
+    want = pool.kv_slots(req_rows=rows, start_positions=torch.tensor([3, 1]), num_tokens=torch.tensor([4, 2]))
+    assert batch.kv_slots is not None and batch.kv_slots.tolist() == want.tolist()
+    # a second batch reuses the same storage (what a CUDA-graph runner replays against)
+    again = be.prepare_extend(req_rows=rows, input_ids=torch.arange(2), q_lens=[1, 1], prefix_lens=[0, 2])
+    assert again.positions.data_ptr() == batch.positions.data_ptr()
+    assert again.has_initial_state.tolist() == [False, True]
+    with pytest.raises(ValueError, match="input_ids"):
+        be.prepare_extend(req_rows=rows, input_ids=torch.arange(5), q_lens=[4, 2], prefix_lens=[3, 1])
+
+
+def test_tree_verify_metadata() -> None:
+    layers = _layers()
+    pool = _pool(layers)
+    be = HybridBackend(pool, layers=layers, layer_types=TYPES)
+    rows = pool.alloc(["a"])
+    pool.ensure_kv_capacity(["a"], [9])
+    parents = torch.tensor([[-1, 0, 0, 1]], dtype=torch.int32)
+    batch = be.prepare_verify(
+        req_rows=rows, block_tokens=torch.arange(4)[None], prefix_lens=[5], tree_parents=parents
+    )
+    assert batch.positions.tolist() == [5, 6, 6, 7]  # prefix + depth
+    assert batch.tree_mask is not None
+    assert batch.tree_mask[0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    bad = torch.tensor([[-1, 0, 3, 1]], dtype=torch.int32)  # node 2's parent comes after it
+    with pytest.raises(ValueError, match="tree_parents"):
+        be.prepare_verify(
+            req_rows=rows, block_tokens=torch.arange(4)[None], prefix_lens=[5], tree_parents=bad
+        )

@@ -1,0 +1,121 @@
+"""A model-level generation loop with and without speculation: the harness of the lossless tests.
+
+It drives a target model, its `HybridBackend` and pool directly (no scheduler): one batched prefill of all
+prompts (mixed lengths), then plain decode steps or speculative rounds (`Drafter.propose` then
+`verify_and_commit`) until every row has hit its stop token or budget. Finished rows are freed at once, so the
+batch shrinks and request rows, state slots and batch rows stop lining up, as in a real engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from hyspec_attn_backends import HybridBackend
+from hyspec_models.protocol import HybridCausalLM
+from hyspec_statepool.pool import HybridStatePool
+
+from hyspec_spec_workers.adaptive import AdaptiveDraftLength
+from hyspec_spec_workers.drafter import DraftBatch, Drafter
+from hyspec_spec_workers.step import verify_and_commit
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    """Per-round accepted-draft counts and the number of target forwards after prefill."""
+
+    num_accepted: list[int] = field(default_factory=list)
+    num_forwards: int = 0
+
+
+def generate(
+    model: HybridCausalLM,
+    backend: HybridBackend,
+    pool: HybridStatePool,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    drafter: Drafter | None = None,
+    num_steps: int = 0,
+    adaptive: Sequence[AdaptiveDraftLength] | None = None,
+    stats: GenerationStats | None = None,
+) -> list[list[int]]:
+    """Greedy generation; with a drafter, speculative rounds of `num_steps` drafts (or adaptive lengths)."""
+    stats = GenerationStats() if stats is None else stats
+    ids = [f"gen-{i}" for i in range(len(prompts))]
+    pool.alloc(ids)
+    out: list[list[int]] = [[] for _ in prompts]
+    prefix = [len(p) for p in prompts]
+    pool.ensure_kv_capacity(ids, prefix)
+    flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
+    batch = backend.prepare_extend(
+        req_rows=pool.req_rows(ids), input_ids=flat, q_lens=prefix, prefix_lens=[0] * len(ids)
+    )
+    hidden = model(batch, backend).hidden_states
+    last = torch.cumsum(torch.tensor(prefix), 0) - 1
+    first = model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+    # each row's last generated token is the next round's root: not in KV or state yet
+    live: list[int] = []
+    for i, t in enumerate(first):
+        out[i].append(int(t))
+        live.append(i)
+    live = _retire(pool, ids, out, live, max_new_tokens, eos_token_id)
+    while live:
+        stats.num_forwards += 1
+        rows = pool.req_rows([ids[i] for i in live])
+        roots = torch.tensor([out[i][-1] for i in live], dtype=torch.int64)
+        if drafter is None:
+            pool.ensure_kv_capacity([ids[i] for i in live], [prefix[i] + 1 for i in live])
+            b = backend.prepare_decode(req_rows=rows, input_ids=roots, prefix_lens=[prefix[i] for i in live])
+            toks = model.compute_logits(model(b, backend).hidden_states).argmax(dim=-1).tolist()
+            for i, t in zip(live, toks, strict=True):
+                out[i].append(int(t))
+                prefix[i] += 1
+        else:
+            steps = [num_steps if adaptive is None else adaptive[i].steps for i in live]
+            draft = drafter.propose(
+                DraftBatch(
+                    root_tokens=roots,
+                    num_steps=steps,
+                    histories=[torch.tensor(list(prompts[i]) + out[i]) for i in live],
+                )
+            )
+            d = draft.tree.block_size
+            pool.ensure_kv_capacity([ids[i] for i in live], [prefix[i] + d for i in live])
+            stop = torch.full((len(live), 1), -1 if eos_token_id is None else eos_token_id, dtype=torch.int64)
+            budget = torch.tensor([max_new_tokens - len(out[i]) for i in live])
+            res = verify_and_commit(
+                model=model,
+                backend=backend,
+                req_rows=rows,
+                prefix_lens=torch.tensor([prefix[i] for i in live]),
+                draft=draft,
+                stop_token_ids=stop,
+                max_new_tokens=budget,
+            ).result
+            for j, (i, toks_i) in enumerate(zip(live, res.tolist(), strict=True)):
+                k = int(res.num_accepted[j])
+                stats.num_accepted.append(k)
+                if adaptive is not None:
+                    adaptive[i].observe(min(k, adaptive[i].steps))
+                out[i].extend(toks_i)
+                prefix[i] += k + 1
+                pool.truncate_kv(ids[i], prefix[i])
+        live = _retire(pool, ids, out, live, max_new_tokens, eos_token_id)
+    return out
+
+
+def _retire(
+    pool: HybridStatePool,
+    ids: list[str],
+    out: list[list[int]],
+    live: list[int],
+    max_new: int,
+    eos: int | None,
+) -> list[int]:
+    done = [i for i in live if len(out[i]) >= max_new or (eos is not None and out[i][-1] == eos)]
+    if done:
+        pool.free([ids[i] for i in done])
+    return [i for i in live if i not in done]

@@ -1,0 +1,242 @@
+"""Verify blocks: the D tokens a target checks in one forward, as a batched tree.
+
+Node 0 of every row is the root (the current token, last round's bonus); nodes 1.. are drafts; every
+node's parent has a smaller index, so kernels can process a block in index order. A chain is the tree whose
+node j has parent j - 1. Rows with fewer than D real nodes are padded: padded nodes continue the chain
+from the previous node (a well-formed tree for kernels) but are absent from `first_child`/`next_sibling`,
+so verification never reaches them.
+
+`TreeDraftBuilder` turns per-step top-k draft outputs into such a block: the best D - 1 candidates by
+cumulative path probability, sorted by candidate order so that parents precede children.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _check(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+        got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {got}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    return t
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyTree:
+    """A batch of verify blocks, N rows of D nodes (int64 on one device).
+
+    Attributes:
+        tokens: [N, D] token ids; column 0 is the current token.
+        parents: [N, D] parent node index, -1 for the root; parents[n, j] < j.
+        num_nodes: [N] real nodes per row (1..D); nodes >= num_nodes[n] are padding.
+        depth: [N, D] root = 0.
+        tree_mask: [N, D, D] bool, tree_mask[n, i, j] = node j is node i or an ancestor of it.
+        first_child: [N, D] first real child of a node, -1 if none.
+        next_sibling: [N, D] next real sibling (increasing index), -1 if none.
+        is_chain: every row is a chain (kernels may pass `parents=None`).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    num_nodes: torch.Tensor
+    depth: torch.Tensor
+    tree_mask: torch.Tensor
+    first_child: torch.Tensor
+    next_sibling: torch.Tensor
+    is_chain: bool
+
+    def __post_init__(self) -> None:
+        n, d = (self.tokens.shape[0], self.tokens.shape[1]) if self.tokens.dim() == 2 else (-1, -1)
+        _check("tokens", self.tokens, (n, d), torch.int64)
+        for name in ("parents", "depth", "first_child", "next_sibling"):
+            _check(name, getattr(self, name), (n, d), torch.int64)
+        _check("num_nodes", self.num_nodes, (n,), torch.int64)
+        _check("tree_mask", self.tree_mask, (n, d, d), torch.bool)
+
+    def to(self, device: torch.device | str) -> VerifyTree:
+        """The same tree on `device` (self when already there)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        return VerifyTree(
+            tokens=self.tokens.to(device),
+            parents=self.parents.to(device),
+            num_nodes=self.num_nodes.to(device),
+            depth=self.depth.to(device),
+            tree_mask=self.tree_mask.to(device),
+            first_child=self.first_child.to(device),
+            next_sibling=self.next_sibling.to(device),
+            is_chain=self.is_chain,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @staticmethod
+    def from_parents(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor) -> VerifyTree:
+        """Derive depth, mask and child/sibling arrays; padded nodes are re-parented as a chain.
+
+        Args:
+            tokens: [N, D] int64.
+            parents: [N, D] int; parents[n, 0] = -1 and 0 <= parents[n, j] < j for real nodes j >= 1.
+            num_nodes: [N] int in [1, D].
+        """
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens: expected shape [N, D], got {list(tokens.shape)}")
+        n, d = tokens.shape
+        dev = tokens.device
+        tokens = _check("tokens", tokens, (n, d)).to(torch.int64)
+        parents = _check("parents", parents, (n, d)).to(torch.int64).clone()
+        num_nodes = _check("num_nodes", num_nodes, (n,)).to(torch.int64)
+        if n and (int(num_nodes.min()) < 1 or int(num_nodes.max()) > d):
+            raise ValueError(f"num_nodes: expected values in [1, {d}], got {num_nodes.tolist()}")
+        col = torch.arange(d, device=dev).expand(n, d)
+        real = col < num_nodes[:, None]
+        parents = torch.where(real, parents, col - 1)
+        if n and not bool((parents[:, 0] == -1).all()):
+            raise ValueError("parents: expected -1 for the root (column 0) of every row")
+        if d > 1 and n and not bool(((parents[:, 1:] >= 0) & (parents[:, 1:] < col[:, 1:])).all()):
+            raise ValueError("parents: expected 0 <= parents[n, j] < j for every node j >= 1")
+        rows = torch.arange(n, device=dev)
+        depth = torch.zeros(n, d, dtype=torch.int64, device=dev)
+        mask = torch.zeros(n, d, d, dtype=torch.bool, device=dev)
+        first_child = torch.full((n, d), -1, dtype=torch.int64, device=dev)
+        next_sibling = torch.full((n, d), -1, dtype=torch.int64, device=dev)
+        # last child seen so far per parent, to link siblings in increasing index order
+        last_child = torch.full((n, d), -1, dtype=torch.int64, device=dev)
+        mask[:, 0, 0] = True
+        for j in range(1, d):
+            p = parents[:, j]  # [N]
+            depth[:, j] = depth[rows, p] + 1
+            mask[:, j] = mask[rows, p]
+            mask[:, j, j] = True
+            r = real[:, j]
+            prev = last_child[rows, p]
+            no_prev = r & (prev < 0)
+            first_child[rows[no_prev], p[no_prev]] = j
+            has_prev = r & (prev >= 0)
+            next_sibling[rows[has_prev], prev[has_prev]] = j
+            last_child[rows[r], p[r]] = j
+        is_chain = bool((parents == col - 1).all())
+        return VerifyTree(tokens, parents, num_nodes, depth, mask, first_child, next_sibling, is_chain)
+
+    @staticmethod
+    def chain(root: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor | None = None) -> VerifyTree:
+        """A chain block: [root, drafts...]; `num_drafts` [N] (default all) limits the real drafts per row.
+
+        Args:
+            root: [N] current tokens.
+            drafts: [N, D - 1] draft tokens (padding values are ignored).
+            num_drafts: [N] in [0, D - 1] or None.
+        """
+        if root.dim() != 1:
+            raise ValueError(f"root: expected shape [N], got {list(root.shape)}")
+        n = root.shape[0]
+        if drafts.dim() != 2 or drafts.shape[0] != n:
+            raise ValueError(f"drafts: expected shape [{n}, D - 1], got {list(drafts.shape)}")
+        d = drafts.shape[1] + 1
+        tokens = torch.cat([root[:, None], drafts], dim=1).to(torch.int64)
+        parents = (torch.arange(d, device=root.device) - 1).expand(n, d)
+        if num_drafts is None:
+            num_nodes = torch.full((n,), d, dtype=torch.int64, device=root.device)
+        else:
+            num_nodes = _check("num_drafts", num_drafts, (n,)).to(torch.int64) + 1
+        return VerifyTree.from_parents(tokens, parents, num_nodes)
+
+
+class TreeDraftBuilder:
+    """Accumulates top-k draft steps and selects the best D - 1 nodes by cumulative path probability.
+
+    Step 0 expands the root: `add_step(tokens [N, 1, K], probs [N, 1, K])`. Every later step expands the K
+    nodes `add_step` returned last (`expand` [N, K] candidate indices, in that order):
+    `add_step(tokens [N, K, K], probs [N, K, K])`. Every child of an expanded node becomes a candidate with
+    score = parent score * prob; the K best candidates of a step are the next step's expanded nodes
+    (ties go to the lower candidate index). A chain is topk = 1.
+    """
+
+    def __init__(self, root: torch.Tensor, topk: int) -> None:
+        if root.dim() != 1:
+            raise ValueError(f"root: expected shape [N], got {list(root.shape)}")
+        if topk < 1:
+            raise ValueError(f"topk: expected >= 1, got {topk}")
+        self.root = root.to(torch.int64)  # [N]
+        self.topk = topk
+        n, dev = root.shape[0], root.device
+        self._tokens: list[torch.Tensor] = []  # each [N, M_step] int64
+        self._scores: list[torch.Tensor] = []  # each [N, M_step] fp32
+        self._parents: list[torch.Tensor] = []  # each [N, M_step] int64, candidate index (-1 = root)
+        self._num_candidates = 0
+        # expanded nodes of the last step as candidate indices (root = -1) and their path scores
+        self._expand = torch.full((n, 1), -1, dtype=torch.int64, device=dev)
+        self._expand_scores = torch.ones(n, 1, dtype=torch.float32, device=dev)
+
+    @property
+    def num_candidates(self) -> int:
+        return self._num_candidates
+
+    def add_step(self, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """Add one draft step's top-k children; returns `expand` [N, K], the nodes to expand next.
+
+        Args:
+            tokens: [N, E, K] child tokens of the E nodes expanded now (E = 1 at step 0, else K).
+            probs: [N, E, K] their draft probabilities (conditional on the parent).
+        """
+        n, e = self._expand.shape
+        k = self.topk
+        _check("tokens", tokens, (n, e, k))
+        _check("probs", probs, (n, e, k))
+        scores = (self._expand_scores[:, :, None] * probs.float()).reshape(n, e * k)  # [N, E*K]
+        parents = self._expand[:, :, None].expand(n, e, k).reshape(n, e * k)
+        base = self._num_candidates
+        self._tokens.append(tokens.reshape(n, e * k).to(torch.int64))
+        self._scores.append(scores)
+        self._parents.append(parents)
+        self._num_candidates += e * k
+        # stable sort keeps the lower index first on equal scores
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]  # [N, K]
+        self._expand = order + base
+        self._expand_scores = torch.gather(scores, 1, order)
+        return self._expand
+
+    def build(self, num_draft_tokens: int) -> VerifyTree:
+        """Select the best `num_draft_tokens - 1` candidates and lay them out as a verify block.
+
+        Candidates are numbered step by step, so a parent's index is below its children's; a child's score
+        never exceeds its parent's, and ties prefer the lower index, so every selected node's parent is
+        selected too. Sorting the selection by candidate index then puts parents before children.
+        """
+        d = num_draft_tokens
+        if d < 1 or d - 1 > self._num_candidates:
+            raise ValueError(f"num_draft_tokens: expected in [1, {self._num_candidates + 1}], got {d}")
+        n, dev = self.root.shape[0], self.root.device
+        if d == 1:
+            return VerifyTree.chain(self.root, torch.zeros(n, 0, dtype=torch.int64, device=dev))
+        tokens = torch.cat(self._tokens, dim=1)  # [N, M]
+        scores = torch.cat(self._scores, dim=1)  # [N, M]
+        parents = torch.cat(self._parents, dim=1)  # [N, M]
+        top = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : d - 1]
+        sel = torch.sort(top, dim=1).values  # [N, D-1] candidate indices, increasing
+        # block position of every candidate: root 0, selected candidates 1.., others unused
+        m = tokens.shape[1]
+        pos = torch.full((n, m + 1), -1, dtype=torch.int64, device=dev)
+        pos[:, 0] = 0
+        pos.scatter_(1, sel + 1, torch.arange(1, d, device=dev).expand(n, d - 1).contiguous())
+        sel_parents = torch.gather(parents, 1, sel)  # [N, D-1], candidate index or -1
+        block_parents = torch.gather(pos, 1, sel_parents + 1)
+        if bool((block_parents < 0).any()):
+            raise AssertionError("tree selection lost a parent; scores must not grow along a path")
+        tree_tokens = torch.cat([self.root[:, None], torch.gather(tokens, 1, sel)], dim=1)
+        tree_parents = torch.cat(
+            [torch.full((n, 1), -1, dtype=torch.int64, device=dev), block_parents], dim=1
+        )
+        num_nodes = torch.full((n,), d, dtype=torch.int64, device=dev)
+        return VerifyTree.from_parents(tree_tokens, tree_parents, num_nodes)

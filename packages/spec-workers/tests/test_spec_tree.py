@@ -1,0 +1,146 @@
+import pytest
+import torch
+from hyspec_spec_workers import TreeDraftBuilder, VerifyTree
+
+
+def _reference_tree(
+    root: int, steps_tok: list[torch.Tensor], steps_prob: list[torch.Tensor], k: int, d: int
+) -> tuple[list[int], list[int]]:
+    """Plain-Python expansion and selection for one row; returns block tokens and parents."""
+    cands: list[tuple[int, float, int]] = []  # token, score, parent candidate (-1 root)
+    expand: list[tuple[int, float]] = [(-1, 1.0)]
+    for tok, prob in zip(steps_tok, steps_prob):
+        base = len(cands)
+        for e, (pc, ps) in enumerate(expand):
+            for c in range(k):
+                cands.append((int(tok[e, c]), ps * float(prob[e, c]), pc))
+        step = list(range(base, len(cands)))
+        step.sort(key=lambda i: (-cands[i][1], i))
+        expand = [(i, cands[i][1]) for i in step[:k]]
+    chosen = sorted(sorted(range(len(cands)), key=lambda i: (-cands[i][1], i))[: d - 1])
+    pos = {-1: 0, **{c: j + 1 for j, c in enumerate(chosen)}}
+    return [root] + [cands[c][0] for c in chosen], [-1] + [pos[cands[c][2]] for c in chosen]
+
+
+def _ancestors(parents: list[int], j: int) -> set[int]:
+    out = {j}
+    while parents[j] >= 0:
+        j = parents[j]
+        out.add(j)
+    return out
+
+
+def _check_invariants(tree: VerifyTree) -> None:
+    for n in range(tree.batch_size):
+        par = tree.parents[n].tolist()
+        real = int(tree.num_nodes[n])
+        assert par[0] == -1
+        for j in range(1, tree.block_size):
+            assert 0 <= par[j] < j
+            assert int(tree.depth[n, j]) == int(tree.depth[n, par[j]]) + 1
+        for i in range(tree.block_size):
+            anc = _ancestors(par, i)
+            assert tree.tree_mask[n, i].nonzero()[:, 0].tolist() == sorted(anc)
+        # child/sibling lists reproduce the real children of every node, in index order
+        for j in range(tree.block_size):
+            kids, c = [], int(tree.first_child[n, j])
+            while c >= 0:
+                kids.append(c)
+                c = int(tree.next_sibling[n, c])
+            want = [i for i in range(1, real) if par[i] == j] if j < real else []
+            assert kids == want
+
+
+@pytest.mark.parametrize(("k", "steps", "d"), [(2, 3, 6), (3, 3, 8), (4, 2, 12), (2, 4, 9), (3, 1, 3)])
+def test_builder_matches_reference_selection(k: int, steps: int, d: int) -> None:
+    g = torch.Generator().manual_seed(k * 100 + steps * 10 + d)
+    n = 5
+    root = torch.randint(0, 50, (n,), generator=g)
+    b = TreeDraftBuilder(root, k)
+    toks, probs = [], []
+    for s in range(steps):
+        e = 1 if s == 0 else k
+        t = torch.randint(0, 50, (n, e, k), generator=g)
+        p = torch.softmax(torch.randn(n, e, k + 2, generator=g) * 2, dim=-1)[:, :, :k]
+        toks.append(t)
+        probs.append(p)
+        expand = b.add_step(t, p)
+        assert expand.shape == (n, k)
+    tree = b.build(d)
+    assert tree.block_size == d
+    _check_invariants(tree)
+    for row in range(n):
+        want_tok, want_par = _reference_tree(
+            int(root[row]), [t[row] for t in toks], [p[row] for p in probs], k, d
+        )
+        assert tree.tokens[row].tolist() == want_tok
+        assert tree.parents[row].tolist() == want_par
+
+
+def test_selection_is_best_cumulative_probability() -> None:
+    # root -> a (0.6), b (0.4); a -> c (0.5), d (0.5); b -> e (0.9), f (0.1)
+    root = torch.tensor([100])
+    b = TreeDraftBuilder(root, 2)
+    expand = b.add_step(torch.tensor([[[1, 2]]]), torch.tensor([[[0.6, 0.4]]]))
+    assert expand.tolist() == [[0, 1]]
+    b.add_step(torch.tensor([[[3, 4], [5, 6]]]), torch.tensor([[[0.5, 0.5], [0.9, 0.1]]]))
+    # scores: a .6, b .4, c .3, d .3, e .36, f .04 -> best four: a, b, e, c
+    tree = b.build(5)
+    assert tree.tokens.tolist() == [[100, 1, 2, 3, 5]]
+    assert tree.parents.tolist() == [[-1, 0, 0, 1, 2]]
+    assert tree.depth.tolist() == [[0, 1, 1, 2, 2]]
+    assert not tree.is_chain
+
+
+def test_ties_with_probability_one_keep_parents_first() -> None:
+    root = torch.tensor([7, 8])
+    b = TreeDraftBuilder(root, 2)
+    b.add_step(torch.tensor([[[1, 2]], [[1, 2]]]), torch.tensor([[[1.0, 0.0]], [[0.5, 0.5]]]))
+    b.add_step(torch.full((2, 2, 2), 9), torch.tensor([[[1.0, 0.0], [1.0, 0.0]], [[1.0, 0.0], [1.0, 0.0]]]))
+    tree = b.build(3)
+    _check_invariants(tree)
+    # a (1.0) and its child (1.0 * 1.0) tie; the parent must win the tie and precede the child
+    assert tree.parents[0].tolist() == [-1, 0, 1]
+    assert tree.tokens[0].tolist() == [7, 1, 9]
+    # with room for one draft only, the tie must still pick the parent
+    assert b.build(2).tokens[0].tolist() == [7, 1]
+
+
+def test_topk_one_is_a_chain() -> None:
+    g = torch.Generator().manual_seed(0)
+    root = torch.tensor([3, 4, 5])
+    b = TreeDraftBuilder(root, 1)
+    drafts = []
+    for _ in range(4):
+        t = torch.randint(0, 9, (3, 1, 1), generator=g)
+        drafts.append(t[:, 0, 0])
+        b.add_step(t, torch.rand(3, 1, 1, generator=g))
+    tree = b.build(5)
+    assert tree.is_chain
+    assert torch.equal(tree.tokens, torch.cat([root[:, None], torch.stack(drafts, 1)], 1))
+    assert torch.equal(tree.tree_mask[0], torch.tril(torch.ones(5, 5, dtype=torch.bool)))
+    assert tree.first_child[0].tolist() == [1, 2, 3, 4, -1]
+    assert tree.next_sibling[0].tolist() == [-1] * 5
+
+
+def test_chain_padding_hides_unreal_nodes() -> None:
+    tree = VerifyTree.chain(torch.tensor([1, 2, 3]), torch.tensor([[4, 5, 6]] * 3), torch.tensor([3, 1, 0]))
+    _check_invariants(tree)
+    assert tree.num_nodes.tolist() == [4, 2, 1]
+    assert tree.first_child[1].tolist() == [1, -1, -1, -1]
+    assert tree.first_child[2].tolist() == [-1, -1, -1, -1]
+    assert tree.is_chain
+
+
+def test_from_parents_rejects_bad_trees() -> None:
+    tok = torch.zeros(1, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="parents"):
+        VerifyTree.from_parents(tok, torch.tensor([[-1, 0, 2]]), torch.tensor([3]))
+    with pytest.raises(ValueError, match="parents"):
+        VerifyTree.from_parents(tok, torch.tensor([[0, 0, 1]]), torch.tensor([3]))
+    with pytest.raises(ValueError, match="num_nodes"):
+        VerifyTree.from_parents(tok, torch.tensor([[-1, 0, 1]]), torch.tensor([4]))
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        TreeDraftBuilder(torch.tensor([1]), 2).build(2)
+    with pytest.raises(ValueError, match="probs"):
+        TreeDraftBuilder(torch.tensor([1]), 2).add_step(torch.zeros(1, 1, 2), torch.zeros(1, 2, 2))
