@@ -203,3 +203,38 @@ def test_commit_gpu_large_slot_offset() -> None:
     )
     assert torch.equal(buf[stride * 4 : stride * 4 + entry], scratch[0, 1, 2])
     assert int(buf[: 4 * entry].sum()) == 0
+
+
+@pytest.mark.gpu
+@cuda
+def test_commit_gpu_cuda_graph_capture_and_replay() -> None:
+    """commit_states (with check_unique) captures without host reads; replays follow new step indices."""
+    L, S, R, dmax = 3, 10, 4, 5
+    state = torch.zeros(L, S, 64, device="cuda")
+    scratch = torch.randn(L, R, dmax, 64, device="cuda")
+    rows = torch.tensor([2, 0, 3], device="cuda")
+    slots = torch.tensor([7, 1, 4], device="cuda")
+    steps = torch.tensor([1, -1, 4], device="cuda")
+
+    def call() -> None:
+        commit_states(
+            pairs=[(state, scratch)], batch_rows=rows, state_slots=slots, steps=steps, check_unique=True
+        )
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for new_steps in ([0, 2, -1], [3, 0, 2]):
+        state.zero_()
+        steps.copy_(torch.tensor(new_steps))
+        graph.replay()
+        want = torch.zeros_like(state)
+        for row, slot, step in zip(rows.tolist(), slots.tolist(), new_steps):
+            if step >= 0:
+                want[:, slot] = scratch[:, row, step]
+        assert torch.equal(state, want)

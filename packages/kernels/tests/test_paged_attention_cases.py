@@ -67,8 +67,9 @@ class Paged:
             else:
                 mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=self.q.device)
                 mask[:, prefix:] = self.tree_mask[n, :q_len, :q_len]
-            k = self.keys[n].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [HQ, kv_len, Dh]
-            v = self.values[n].float().repeat_interleave(group, dim=1).transpose(0, 1)
+            # [HQ, kv_len, Dh]
+            k = self.keys[n][:kv_len].float().repeat_interleave(group, dim=1).transpose(0, 1)
+            v = self.values[n][:kv_len].float().repeat_interleave(group, dim=1).transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 self.q[cu[n] : cu[n + 1]].float().transpose(0, 1), k, v, attn_mask=mask, scale=scale
             )
@@ -258,23 +259,22 @@ def test_no_sequences_or_no_queries() -> None:
         assert case.run(backend, 0.5).shape == (0, 1, 16)
 
 
-@pytest.mark.parametrize("scenario", ["extend", "tree_verify"])
-def test_triton_split_kv_merge(scenario: str) -> None:
+@pytest.mark.parametrize("tree", [False, True])
+def test_triton_split_kv_merge(tree: bool) -> None:
     """Split-KV (flash-decoding) partial results merged by log-sum-exp equal the unsplit answer.
 
-    The heuristic only splits on GPU, so the split count is forced here; 3 and 5 splits give splits that
-    end mid-block, splits past a short sequence's end (empty), and a causal tail inside one split.
+    The heuristic only splits on GPU, so the split count is forced here; 3 and 5 splits give splits past a
+    short sequence's end (empty), a causal or tree tail inside one split, and prefix-only splits.
     """
-    seqs = SCENARIOS[scenario]
-    tree = _tree_masks(len(seqs)) if scenario == "tree_verify" else None
+    seqs = [(45, 3), (5, 2), (2, 0), (0, 1)] if not tree else [(41, 6), (2, 0), (9, 6), (17, 4)]
     case = build(
         seqs,
         page_size=4,
-        kv_heads=2,
+        kv_heads=1,
         group=4,
         head_dim=16,
         seed=9,
-        tree_mask=tree,
+        tree_mask=_tree_masks(len(seqs)) if tree else None,
         device=device_for("triton"),
     )
     max_kv = int(case.kv_lens.max())
@@ -342,3 +342,46 @@ def test_gpu_real_shapes(scenario: str, heads: int, kv_heads: int, head_dim: int
         assert not torch.isnan(got).any()
         torch.testing.assert_close(got.float(), case.expected(scale), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(got, case.run("torch", scale), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("tree", [False, True])
+def test_gpu_cuda_graph_capture_and_replay(tree: bool) -> None:
+    """Captured once (no host reads while capturing), replayed on new queries and shorter kv_lens."""
+    depth = 8 if tree else 1
+    seqs = [(700, depth), (33, depth), (1500, depth)]
+    masks = tree_mask_from_parents([-1, 0, 0, 1, 1, 2, 5, 3]).repeat(3, 1, 1) if tree else None
+    case = build(
+        seqs, page_size=16, kv_heads=2, group=8, head_dim=128, seed=1, tree_mask=masks, dtype=torch.bfloat16,
+        device="cuda", store_backend="triton",
+    )  # fmt: skip
+    scale = 128**-0.5
+
+    def call() -> torch.Tensor:
+        return paged_attention(
+            case.q,
+            k_cache=case.k_cache,
+            v_cache=case.v_cache,
+            page_table=case.page_table,
+            cu_seqlens_q=case.cu_seqlens_q,
+            kv_lens=case.kv_lens,
+            scale=scale,
+            tree_mask=case.tree_mask,
+            max_q_len=depth,
+        )
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for step in range(2):
+        if step:
+            case.q.copy_(torch.randn_like(case.q))
+            case.kv_lens.sub_(torch.tensor([5, 1, 300], device="cuda"))  # drop a few trailing tokens
+        graph.replay()
+        torch.testing.assert_close(out.float(), case.expected(scale), atol=2e-2, rtol=2e-2)

@@ -54,6 +54,9 @@ BAD_ATTENTION: list[tuple[str, dict[str, object]]] = [
     ("tree_mask", dict(tree_mask=EYE.float())),
     ("tree_mask", dict(tree_mask=EYE[:, :, :3])),
     ("tree_mask", dict(tree_mask=~EYE)),  # diagonal false
+    ("max_q_len", dict(max_q_len=3)),  # sequence 0 has 4 queries
+    ("max_q_len", dict(max_q_len=-1)),
+    ("max_q_len", dict(max_q_len=2.0)),
     ("backend", dict(backend="gpu")),
 ]
 

@@ -92,6 +92,7 @@ def paged_attention(
     kv_lens: torch.Tensor,
     scale: float,
     tree_mask: torch.Tensor | None = None,
+    max_q_len: int | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Attention of packed queries over paged K/V. Returns o [T, HQ, Dh] in q's dtype (softmax in fp32).
@@ -107,6 +108,9 @@ def paged_attention(
         tree_mask: [N, D, D] bool or None. With it, each sequence's q_len <= D new tokens form a verify block:
             query i sees the prefix and block token j iff `tree_mask[n, i, j]` (diagonal must be true).
             Without it attention is causal.
+        max_q_len: optional static bound on every q_len (1 for decode, D for verify). Only the launch grid
+            uses it: under CUDA graph capture, where q_lens cannot be read, it keeps the grid tight instead of
+            assuming one sequence may hold all T tokens. Checked against the real q_lens otherwise.
         backend: "auto" (Triton on CUDA, torch elsewhere), "triton", "torch" or "reference".
     """
     q = check_tensor("q", q, ("T", "HQ", "Dh"), dtypes=FLOAT_DTYPES)
@@ -137,25 +141,37 @@ def paged_attention(
         check_index("page_table", page_table[used], (None,), low=0, high=num_pages, allow_pad=False)
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite float, got {scale!r}")
-    if graph:
-        max_q_len, max_kv_len = (num_tokens, max_pages * page_size) if num_seqs else (0, 0)
-    else:
-        max_q_len = int(q_lens.max()) if num_seqs else 0
-        max_kv_len = int(kv_lens.max()) if num_seqs else 0
+    if max_q_len is not None and (
+        isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 0
+    ):
+        raise ValueError(f"max_q_len: expected None or an int >= 0, got {max_q_len!r}")
+    depth = num_tokens  # bound on q_len: a tree verify block holds at most D queries
     if tree_mask is not None:
         tree_mask = check_tensor(
             "tree_mask", tree_mask, (num_seqs, "D", "D"), dtypes=(torch.bool,), device=device
         )
         depth = dim("tree_mask", tree_mask, 1)
         dim("tree_mask", tree_mask, 2, depth, "D, a square mask")
-        if max_q_len > depth:
+    if graph:
+        bound = min(num_tokens, depth, num_tokens if max_q_len is None else max_q_len)
+        max_q_len, max_kv_len = (bound, max_pages * page_size) if num_seqs else (0, 0)
+    else:
+        real_max_q = int(q_lens.max()) if num_seqs else 0
+        if max_q_len is not None and real_max_q > max_q_len:
             raise ValueError(
-                f"tree_mask: expected D >= every q_len = {max_q_len}, got {list(tree_mask.shape)}"
+                f"max_q_len: expected >= every q_len, got {max_q_len} for a q_len of {real_max_q}"
             )
-        diag = tree_mask.diagonal(dim1=1, dim2=2)  # [N, D]
-        live = torch.arange(depth, device=device)[None, :] < q_lens[:, None]
-        if not graph and not bool(diag[live].all()):
-            raise ValueError("tree_mask: expected tree_mask[n, i, i] true for every query i < q_len")
+        if tree_mask is not None and real_max_q > depth:
+            raise ValueError(
+                f"tree_mask: expected D >= every q_len = {real_max_q}, got {list(tree_mask.shape)}"
+            )
+        if tree_mask is not None:
+            diag = tree_mask.diagonal(dim1=1, dim2=2)  # [N, D]
+            live = torch.arange(depth, device=device)[None, :] < q_lens[:, None]
+            if not bool(diag[live].all()):
+                raise ValueError("tree_mask: expected tree_mask[n, i, i] true for every query i < q_len")
+        max_q_len = real_max_q
+        max_kv_len = int(kv_lens.max()) if num_seqs else 0
 
     impl = resolve_backend(backend, device)
     if impl == "triton":

@@ -14,6 +14,7 @@ import torch
 
 from hyspec_kernels._checks import (
     Backend,
+    capturing,
     check_index,
     check_inner_contiguous,
     check_tensor,
@@ -76,7 +77,8 @@ def commit_states(
         steps: [n] int, step to commit, in [0, Dmax) or -1 (row skipped).
         track_slots, track_steps: [n] int or both None; a second (slot, step) set, applied after the commit
             set, for prefix-cache track copies. A track set sharing a slot with the commit set is undefined.
-        check_unique: raise ValueError if two live rows of one set target the same slot.
+        check_unique: raise ValueError if two live rows of one set target the same slot (skipped while a CUDA
+            graph is being captured, like every value check).
         backend: "auto" (Triton on CUDA, torch elsewhere), "triton", "torch" or "reference".
     """
     checked = _check_pairs(pairs)
@@ -94,7 +96,9 @@ def commit_states(
     if track_slots is not None and track_steps is not None:
         track_slots = check_index("track_slots", track_slots, (n,), low=0, high=num_slots, device=device)
         track_steps = check_index("track_steps", track_steps, (n,), low=0, high=max_steps, device=device)
-    if check_unique:
+    # Under CUDA graph capture nothing may read device values: the uniqueness check is skipped (check_index
+    # skips its range checks too); the Triton kernel still masks out-of-range rows.
+    if check_unique and not capturing(batch_rows):
         check_unique_live("state_slots", state_slots, (steps >= 0) & (state_slots >= 0) & (batch_rows >= 0))
         if track_slots is not None and track_steps is not None:
             live = (track_steps >= 0) & (track_slots >= 0) & (batch_rows >= 0)

@@ -108,11 +108,8 @@ def conv_prefill(
     )
     _check_distinct("state_slots", state_slots)
     has_initial_state = check_tensor(
-        "has_initial_state", has_initial_state, (num_seqs,), dtypes=(torch.bool,)
+        "has_initial_state", has_initial_state, (num_seqs,), dtypes=(torch.bool,), device=device
     )
-    dim("has_initial_state", has_initial_state, 0, num_seqs)
-    if has_initial_state.device != device:
-        raise ValueError(f"has_initial_state: expected device {device}, got {has_initial_state.device}")
     activation = _check_activation(activation)
 
     chosen = _pick(backend, device)
@@ -199,9 +196,9 @@ def conv_verify(
         "state_slots", state_slots, (num_rows,), low=0, high=conv_state.shape[0], device=device
     )
     _check_distinct("state_slots", state_slots)
-    scratch = check_tensor("scratch", scratch, ("R", "Dmax", num_ch, width - 1), dtypes=(conv_state.dtype,))
-    if scratch.device != device:
-        raise ValueError(f"scratch: expected device {device}, got {scratch.device}")
+    scratch = check_tensor(
+        "scratch", scratch, ("R", "Dmax", num_ch, width - 1), dtypes=(conv_state.dtype,), device=device
+    )
     if scratch.shape[1] < depth:
         raise ValueError(
             f"scratch: expected shape [R, Dmax, {num_ch}, {width - 1}] with Dmax >= D = {depth}, "

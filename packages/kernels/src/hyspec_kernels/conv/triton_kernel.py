@@ -23,10 +23,11 @@ import triton.language as tl
 
 from hyspec_kernels.conv.common import Activation
 
-# Channel tile: 256 channels keeps a 16-64 row grid per token on GPU at C = 8192; token tile for prefill.
+# Channel tile of decode / verify: 32 programs per row at C = 8192. Prefill tile 16 tokens x 256 channels: the
+# fastest of the tiles measured on an H100 (0.64 ms at T = 16384, C = 8192, bf16; 64 x 128 took 1.38 ms).
 _MAX_BLOCK_C = 256
-_MAX_BLOCK_C_PREFILL = 128
-_MAX_BLOCK_T = 64
+_MAX_BLOCK_C_PREFILL = 256
+_MAX_BLOCK_T = 16
 
 
 @triton.jit
