@@ -1,3 +1,24 @@
-"""Engine with continuous batching, OpenAI-compatible HTTP server, CLI and Python API."""
+"""Engine with continuous batching, OpenAI-compatible HTTP server, CLI and Python API.
+
+Owns: the engine (scheduler + model runner), the `LLM` Python API, the OpenAI HTTP server and the `hyspec`
+CLI. Never implements numerics: every op comes from the packages below.
+"""
+
+from hyspec_server.config import EngineArgs
+from hyspec_server.engine import LLMEngine
+from hyspec_server.llm import LLM
+from hyspec_server.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats
+from hyspec_server.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "LLMEngine",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "SpecDecodeStats",
+]

@@ -1,0 +1,40 @@
+"""`build_engine`: checkpoint directory + `EngineArgs` -> a ready `LLMEngine` (runner, tokenizer, queue)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hyspec_server.config import EngineArgs
+from hyspec_server.engine import LLMEngine
+from hyspec_server.scheduler import SchedulerConfig
+from hyspec_server.speculative import parse_speculative_config
+from hyspec_server.tokenizer import HFTokenizer
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    if model is None:
+        from hyspec_server.default_model import default_model_dir
+
+        return default_model_dir()
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model: {model!r} is not a checkpoint directory (no config.json); downloads are not supported"
+        )
+    return path
+
+
+def build_engine(args: EngineArgs) -> LLMEngine:
+    # speculative decoding plugs in here: the parsed config will pick a drafter for the runner
+    parse_speculative_config(args.speculative_config)
+    from hyspec_server.model_runner import HyspecModelRunner
+
+    model_dir = resolve_model_dir(args.model)
+    runner = HyspecModelRunner(args, model_dir)
+    tokenizer = HFTokenizer(model_dir)
+    config = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting=args.max_waiting,
+    )
+    return LLMEngine(runner, tokenizer, config)

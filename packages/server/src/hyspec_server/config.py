@@ -1,0 +1,58 @@
+"""Engine arguments shared by `LLM`, the HTTP server and the CLI (only the CLI parses argv)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hyspec_server.speculative import parse_speculative_config
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """Args:
+    model: checkpoint directory (HF layout); None is the embedded default (see `default_model.py`).
+    device: "cpu" or "cuda".
+    dtype: weights and activations; "auto" is float32 on CPU and bfloat16 on CUDA.
+    max_model_len: context length (prompt + output); None is the checkpoint's, capped at 4096.
+    max_num_seqs: most running requests.
+    max_num_batched_tokens: per-step token budget (prefill chunks + decodes).
+    max_waiting: bound of the waiting queue (HTTP answers 429 beyond it).
+    enforce_eager: no CUDA graphs.
+    speculative_config: None only, for now (`speculative.py`).
+    kv_cache_bytes: memory budget of the state pool; None sizes it for max_num_seqs requests at max_model_len.
+    page_size: tokens per KV page.
+    seed: seed of the shared sampling generator (requests without their own seed).
+    """
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: DType = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 1024
+    enforce_eager: bool = False
+    speculative_config: dict[str, Any] | str | None = None
+    kv_cache_bytes: int | None = None
+    page_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "page_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise ValueError(f"max_model_len must be None or an int >= 2, got {self.max_model_len!r}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be None or > 0, got {self.kv_cache_bytes!r}")
+        parse_speculative_config(self.speculative_config)

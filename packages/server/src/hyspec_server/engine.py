@@ -1,0 +1,173 @@
+"""The engine core: requests in, one scheduled model step at a time, outputs out. Single-threaded.
+
+`LLM` drives it in a loop; the HTTP server drives it from a background thread (`async_engine.py`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hyspec_server.outputs import RequestOutput
+from hyspec_server.request import Request
+from hyspec_server.runner import ModelRunner
+from hyspec_server.sampling_params import SamplingParams
+from hyspec_server.scheduler import Scheduler, SchedulerConfig
+from hyspec_server.tokenizer import Tokenizer
+
+
+class EngineStepError(RuntimeError):
+    """The model step failed; the requests of that step were aborted and freed."""
+
+    def __init__(self, request_ids: list[str], outputs: list[RequestOutput]) -> None:
+        super().__init__(f"model step failed; aborted requests {request_ids}")
+        self.request_ids = request_ids
+        self.outputs = outputs
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since start, read by /metrics."""
+
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_preemptions: int = 0
+    # time to first token and time per output token of finished requests, seconds; drained by the reader
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    # tokens committed per verify round (accepted drafts + bonus); appended by the speculative path
+    accept_lengths: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: SchedulerConfig) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = runner.max_model_len
+        if runner.memory.max_num_tokens_per_request < self.max_model_len:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} does not fit in the KV pool, which holds "
+                f"{runner.memory.max_num_tokens_per_request} tokens per request; lower max_model_len"
+            )
+        self.scheduler = Scheduler(config, runner.memory)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+    ) -> str:
+        """Tokenizes and queues a request. Raises ValueError if it cannot fit, QueueFullError if full."""
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt must have at least one token")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) is over the model's "
+                f"context length max_model_len={self.max_model_len}"
+            )
+        rid = request_id if request_id is not None else self.new_request_id()
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        req = Request.create(
+            request_id=rid,
+            prompt=text,
+            prompt_token_ids=ids,
+            params=params,
+            tokenizer=self.tokenizer,
+            arrival_time=time.monotonic(),
+            device=self.runner.device,
+        )
+        self.scheduler.add(req)
+        self.requests[rid] = req
+        self.stats.num_prompt_tokens += len(ids)
+        return rid
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Aborts a live request and frees its memory; None when it is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        req.abort()
+        self.scheduler.finish([req])
+        self.stats.num_aborted += 1
+        return req.make_output()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules and runs one model step; returns an output for every request that made progress."""
+        sched = self.scheduler.schedule()
+        self.stats.num_preemptions += len(sched.preempted)
+        if not sched.chunks:
+            return []
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:
+            reqs = list(dict.fromkeys(c.request for c in sched.chunks))
+            outs = [out for r in reqs if (out := self.abort(r.request_id)) is not None]
+            raise EngineStepError([r.request_id for r in reqs], outs) from e
+        self.stats.num_steps += 1
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        done: list[Request] = []
+        for chunk, tok in zip(sched.chunks, result.tokens, strict=True):
+            req = chunk.request
+            req.num_computed_tokens = chunk.end
+            if tok is None:
+                continue
+            self.stats.num_generated_tokens += 1
+            if req.append_token(
+                tok.token_id, logprob=tok.logprob, top=tok.top, max_model_len=self.max_model_len, now=now
+            ):
+                done.append(req)
+                self._record_finished(req, now)
+            outputs.append(req.make_output())
+        self.scheduler.finish(done)
+        for req in done:
+            self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _record_finished(self, req: Request, now: float) -> None:
+        m = req.metrics
+        m.finished_time = now
+        self.stats.num_finished += 1
+        if m.first_token_time is not None:
+            self.stats.ttft.append(m.first_token_time - m.arrival_time)
+            n = len(req.output_token_ids)
+            if n > 1:
+                self.stats.tpot.append((now - m.first_token_time) / (n - 1))
+
+    def leak_check(self) -> None:
+        """Raises when the pool holds memory while no request is live, or the engine lost track of one."""
+        if self.has_unfinished() or self.requests:
+            raise RuntimeError(
+                f"leak_check needs an idle engine; {len(self.requests)} requests are live "
+                f"({self.num_waiting} waiting, {self.num_running} running)"
+            )
+        self.runner.memory.leak_check()

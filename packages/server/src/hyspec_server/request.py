@@ -1,0 +1,193 @@
+"""A request inside the engine: its tokens, progress, memory handle and stop state.
+
+There is no prefill or decode phase: a request has `num_computed_tokens` (tokens whose KV and recurrent
+state are in memory) and `num_tokens` (prompt + generated). The scheduler gives it up to
+`num_tokens - num_computed_tokens` tokens of work per step; when a step covers all of them, the model
+samples the next token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from hyspec_server.detokenizer import IncrementalDetokenizer, find_stop
+from hyspec_server.outputs import (
+    CompletionOutput,
+    FinishReason,
+    RequestMetrics,
+    RequestOutput,
+    SpecDecodeStats,
+)
+from hyspec_server.sampling_params import SamplingParams
+from hyspec_server.tokenizer import Tokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    detok: IncrementalDetokenizer
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    text: str = ""
+    # text and tokens already handed out in a RequestOutput (streaming deltas start here)
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    spec_stats: SpecDecodeStats | None = None
+
+    @staticmethod
+    def create(
+        *,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        arrival_time: float,
+        device: torch.device,
+    ) -> Request:
+        gen: torch.Generator | None = None
+        if params.seed is not None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(params.seed)
+        want_lp = params.logprobs is not None
+        return Request(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            metrics=RequestMetrics(arrival_time=arrival_time),
+            detok=IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens),
+            eos_token_ids=frozenset() if params.ignore_eos else tokenizer.eos_token_ids,
+            generator=gen,
+            logprobs=[] if want_lp else None,
+            cumulative_logprob=0.0 if want_lp else None,
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """All tokens (prompt then output) in [start, end)."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def append_token(
+        self,
+        token_id: int,
+        *,
+        logprob: float | None,
+        top: dict[int, float] | None,
+        max_model_len: int,
+        now: float,
+    ) -> bool:
+        """Records one generated token and checks every stop condition; returns True when finished."""
+        if self.finished:
+            raise ValueError(f"request {self.request_id} is finished; cannot append token {token_id}")
+        self.output_token_ids.append(token_id)
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        if self.logprobs is not None and logprob is not None:
+            entry = dict(top or {})
+            entry[token_id] = logprob
+            self.logprobs.append(entry)
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprob
+        p = self.params
+        # stop tokens and EOS end generation without entering the text
+        if token_id in self.eos_token_ids:
+            self._finish("stop", None)
+            return True
+        if token_id in p.stop_token_set:
+            self._finish("stop", token_id)
+            return True
+        old_len = len(self.text)
+        self.text += self.detok.push(token_id)
+        stops = p.stop_strings
+        if stops:
+            hit = find_stop(self.text, old_len, stops)
+            if hit is not None:
+                pos, s = hit
+                self.text = self.text[: pos + len(s)] if p.include_stop_str_in_output else self.text[:pos]
+                self._finish("stop", s)
+                return True
+        if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+            self.text += self.detok.flush()
+            self._finish("length", None)
+            return True
+        return False
+
+    def abort(self) -> None:
+        if not self.finished:
+            self._finish("abort", None)
+
+    def _finish(self, reason: FinishReason, stop_reason: int | str | None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def make_output(self) -> RequestOutput:
+        """A snapshot of this request, with the text and tokens not yet handed out as the delta.
+
+        While stop strings are set, the last `max(len(stop)) - 1` characters are held back from the delta:
+        they could be the start of a stop string that the next token completes.
+        """
+        visible = len(self.text)
+        stops = self.params.stop_strings
+        if stops and not self.finished:
+            visible = max(self.num_sent_chars, len(self.text) - (max(len(s) for s in stops) - 1))
+        delta_text = self.text[self.num_sent_chars : visible]
+        delta_ids = self.output_token_ids[self.num_sent_tokens :]
+        self.num_sent_chars = visible
+        self.num_sent_tokens = len(self.output_token_ids)
+        completion = CompletionOutput(
+            index=0,
+            text=self.text,
+            token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            outputs=[completion],
+            finished=self.finished,
+            metrics=self.metrics,
+            spec_stats=self.spec_stats,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+        )

@@ -1,0 +1,83 @@
+"""The model-runner seam between the engine and a model.
+
+Per step the engine hands the runner the scheduled chunks; the runner builds the batch tensors and backend
+metadata once, runs the model, samples on device for every chunk whose `sample` is set, and returns the
+chosen tokens as Python values (one host sync per step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from hyspec_server.memory import RequestMemory
+from hyspec_server.sampler import SamplerOutput, SamplingTensors
+from hyspec_server.scheduler import ScheduledChunk, SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None
+    top: dict[int, float] | None
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    """One entry per chunk of the step, in order; None for chunks that did not sample."""
+
+    tokens: tuple[SampledToken | None, ...]
+
+
+class ModelRunner(Protocol):
+    @property
+    def memory(self) -> RequestMemory:
+        """The pool the runner's model reads and writes; the scheduler admits requests against it."""
+        ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def execute(self, step: SchedulerOutput) -> RunnerOutput: ...
+
+
+def sampling_tensors(chunks: list[ScheduledChunk], device: torch.device) -> SamplingTensors:
+    """Sampling knobs of the sampling chunks, in order."""
+    ps = [c.request.params for c in chunks]
+    want = [p.logprobs for p in ps if p.logprobs is not None]
+    return SamplingTensors.build(
+        temperature=[p.temperature for p in ps],
+        top_k=[p.top_k for p in ps],
+        top_p=[p.top_p for p in ps],
+        min_p=[p.min_p for p in ps],
+        generators=[c.request.generator for c in chunks],
+        num_logprobs=max(want) if want else -1,
+        device=device,
+    )
+
+
+def to_runner_output(step: SchedulerOutput, out: SamplerOutput) -> RunnerOutput:
+    """Spreads the sampler's rows (sampling chunks only, in order) back over all chunks of the step."""
+    ids = out.token_ids.tolist()
+    lps = out.logprobs.tolist() if out.logprobs is not None else None
+    top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+    top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    tokens: list[SampledToken | None] = []
+    row = 0
+    for c in step.chunks:
+        if not c.sample:
+            tokens.append(None)
+            continue
+        k = c.request.params.logprobs
+        top: dict[int, float] | None = None
+        if k and top_ids is not None and top_lps is not None:
+            top = dict(zip(top_ids[row][:k], top_lps[row][:k]))
+        lp = lps[row] if (lps is not None and k is not None) else None
+        tokens.append(SampledToken(int(ids[row]), lp, top))
+        row += 1
+    return RunnerOutput(tuple(tokens))

@@ -1,0 +1,144 @@
+"""Batched token sampling on the logits' device: greedy, temperature, top-k, top-p and min-p per row.
+
+Each row draws its randomness from its own `torch.Generator` when the request has a seed, so the same seed
+gives the same tokens whatever else shares the batch. Sampling uses the exponential-race trick
+(argmax of p / E with E ~ Exp(1)), which draws exactly one [V] noise vector per row and step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingTensors:
+    """Per-row sampling knobs for one batch, on the logits' device.
+
+    Rows with `temperature == 0` are greedy; `top_k <= 0`, `top_p == 1` and `min_p == 0` turn a filter off.
+    """
+
+    temperature: torch.Tensor  # [N] fp32
+    top_k: torch.Tensor  # [N] int64
+    top_p: torch.Tensor  # [N] fp32
+    min_p: torch.Tensor  # [N] fp32
+    generators: tuple[torch.Generator | None, ...]  # per row; None uses the sampler's shared generator
+    num_logprobs: int  # most top alternatives asked for by any row (-1: no row wants logprobs)
+
+    def __post_init__(self) -> None:
+        n = self.temperature.shape[0]
+        for name in ("temperature", "top_k", "top_p", "min_p"):
+            t = getattr(self, name)
+            if t.dim() != 1 or t.shape[0] != n:
+                raise ValueError(f"{name} must have shape [{n}], got {tuple(t.shape)}")
+        if len(self.generators) != n:
+            raise ValueError(f"generators must have {n} entries, got {len(self.generators)}")
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+    @staticmethod
+    def build(
+        *,
+        temperature: Sequence[float],
+        top_k: Sequence[int],
+        top_p: Sequence[float],
+        min_p: Sequence[float],
+        generators: Sequence[torch.Generator | None],
+        num_logprobs: int,
+        device: torch.device,
+    ) -> SamplingTensors:
+        return SamplingTensors(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+            generators=tuple(generators),
+            num_logprobs=num_logprobs,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor | None  # [N] fp32, logprob of the chosen token under the raw distribution
+    top_ids: torch.Tensor | None  # [N, k] int64
+    top_logprobs: torch.Tensor | None  # [N, k] fp32
+
+
+def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p, renormalised (greedy rows: temperature 1).
+
+    Args:
+        logits: [N, V] any float dtype.
+    Returns:
+        [N, V] fp32; masked tokens have probability 0.
+    """
+    x = logits.float()
+    temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
+    x = x / temp[:, None]
+    v = x.shape[1]
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)  # [N, V]
+    rank = torch.arange(v, device=x.device)[None, :]
+    # top-k: rank >= k is masked; k <= 0 keeps everything
+    k = torch.where(st.top_k > 0, st.top_k, torch.full_like(st.top_k, v))
+    sorted_x = sorted_x.masked_fill(rank >= k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_x, dim=-1)
+    # top-p on the top-k distribution: drop a token once the mass before it reaches p (the first stays)
+    before = torch.cumsum(probs, dim=-1) - probs
+    drop = before >= st.top_p[:, None]
+    # min-p relative to the most likely token (ratios do not change under renormalisation)
+    drop |= probs < st.min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False
+    probs = probs.masked_fill(drop, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, order, probs)
+
+
+class Sampler:
+    """Chooses one token per row. Unseeded rows share `generator` (seeded once, for reproducible runs)."""
+
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
+        """Args:
+        logits: [N, V] on `self.device`.
+        """
+        if logits.dim() != 2 or logits.shape[0] != st.temperature.shape[0]:
+            raise ValueError(
+                f"logits must have shape [{st.temperature.shape[0]}, V], got {tuple(logits.shape)}"
+            )
+        greedy_ids = torch.argmax(logits, dim=-1)  # [N]
+        if st.all_greedy:
+            token_ids = greedy_ids
+        else:
+            probs = filtered_probs(logits, st)
+            noise = self._exponential(probs.shape, st.generators)
+            sampled = torch.argmax(probs / noise, dim=-1)
+            token_ids = torch.where(st.temperature == 0, greedy_ids, sampled)
+        if st.num_logprobs < 0:
+            return SamplerOutput(token_ids=token_ids, logprobs=None, top_ids=None, top_logprobs=None)
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = lp.gather(1, token_ids[:, None])[:, 0]
+        top_ids: torch.Tensor | None = None
+        top_lp: torch.Tensor | None = None
+        if st.num_logprobs > 0:
+            top_lp, top_ids = torch.topk(lp, min(st.num_logprobs, lp.shape[1]), dim=-1)
+        return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp)
+
+    def _exponential(
+        self, shape: torch.Size, generators: tuple[torch.Generator | None, ...]
+    ) -> torch.Tensor:  # [N, V] fp32
+        noise = torch.empty(shape, dtype=torch.float32, device=self.device)
+        noise.exponential_(generator=self.generator)
+        for row, gen in enumerate(generators):
+            if gen is not None:
+                noise[row].exponential_(generator=gen)
+        # exponential_ may return exact zeros in fp32; a zero would make p / E infinite for a masked token
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)

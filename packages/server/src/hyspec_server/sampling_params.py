@@ -1,0 +1,98 @@
+"""Per-request sampling parameters, with vLLM's names and defaults."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def _is_int(x: object) -> bool:
+    # bool is an int subclass; `max_tokens=True` is a type error, not 1
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return (isinstance(x, int | float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to choose tokens and when to stop, for one request.
+
+    Args:
+        max_tokens: most tokens to generate (>= 1).
+        temperature: 0 is greedy; otherwise logits are divided by it before sampling.
+        top_p: nucleus mass in (0, 1]; 1 is off.
+        top_k: keep the k most likely tokens; -1 or 0 is off.
+        min_p: drop tokens whose probability is below `min_p` times the top token's; 0 is off.
+        seed: per-request seed; the same seed gives the same tokens whatever else is in the batch.
+        stop: string(s) that end generation; the text is cut before the match.
+        stop_token_ids: token ids that end generation (kept in `token_ids`, not in the text).
+        ignore_eos: keep generating past the EOS token.
+        logprobs: None, or the number of top alternatives to report besides the chosen token's logprob.
+        n: completions per prompt; only 1 for now.
+        include_stop_str_in_output: keep the matched stop string in the text.
+        skip_special_tokens: drop special tokens when detokenizing.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | tuple[str, ...] | None = None
+    stop_token_ids: list[int] | tuple[int, ...] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or an int >= 1, got {self.top_k!r}")
+        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        if self.stop is not None:
+            items = [self.stop] if isinstance(self.stop, str) else self.stop
+            if not isinstance(items, list | tuple) or not all(isinstance(s, str) and s for s in items):
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if self.stop_token_ids is not None:
+            ids = self.stop_token_ids
+            if not isinstance(ids, list | tuple) or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        if not _is_int(self.n) or self.n != 1:
+            raise ValueError(
+                f"n must be 1 (several completions per prompt are not supported yet), got {self.n!r}"
+            )
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError("include_stop_str_in_output must be a bool")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError("skip_special_tokens must be a bool")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def stop_token_set(self) -> frozenset[int]:
+        return frozenset(self.stop_token_ids or ())

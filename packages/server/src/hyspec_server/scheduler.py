@@ -1,0 +1,143 @@
+"""Continuous batching with a per-step token budget (vLLM v1 style).
+
+There is no prefill or decode phase. Each step, running requests (oldest first) get up to
+`num_tokens - num_computed_tokens` tokens each, then waiting requests are admitted while the budget, the
+sequence limit and free memory allow. A long prompt is chunked across steps. When a running request cannot
+grow its KV, the youngest running request is preempted: its memory is freed and it goes back to the front of
+the waiting queue, to be recomputed from its prompt and generated tokens. No other request is touched.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from hyspec_server.memory import RequestMemory
+from hyspec_server.request import Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting`; retry later."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Args:
+    max_num_seqs: most running requests.
+    max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+    max_waiting: bound of the waiting queue; beyond it `add` raises QueueFullError.
+    """
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 256
+    max_waiting: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """`num_new` tokens of `request` starting at absolute position `start`, computed in this step."""
+
+    request: Request
+    start: int
+    num_new: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new
+
+    @property
+    def sample(self) -> bool:
+        # the chunk reaches the last known token, so its logits give the next one
+        return self.end == self.request.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[Request, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, memory: RequestMemory) -> None:
+        self.config = config
+        self.memory = memory
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is the youngest
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.memory.grow(req.request_id, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                budget -= n
+                i += 1
+        # admitting right after a preemption would just take the memory back
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and self.memory.can_alloc()
+        ):
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            self.memory.alloc(req.request_id)
+            if not self.memory.grow(req.request_id, n):
+                self.memory.free(req.request_id)
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append(ScheduledChunk(req, 0, n))
+            budget -= n
+        return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def _preempt(self, req: Request) -> None:
+        self.memory.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, requests: Iterable[Request]) -> None:
+        """Frees finished or aborted requests wherever they are (running or waiting)."""
+        done = {id(r) for r in requests}
+        if not done:
+            return
+        for req in self.running:
+            if id(req) in done:
+                self.memory.free(req.request_id)
+        self.running = [r for r in self.running if id(r) not in done]
+        self.waiting = deque(r for r in self.waiting if id(r) not in done)

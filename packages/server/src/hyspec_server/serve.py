@@ -1,0 +1,88 @@
+"""Starting the HTTP server: engine, background thread, FastAPI app, uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from hyspec_server.api_server import build_app
+from hyspec_server.async_engine import AsyncEngine
+from hyspec_server.config import EngineArgs
+from hyspec_server.engine import LLMEngine
+
+
+def model_name_of(args: EngineArgs) -> str:
+    return Path(args.model).name if args.model else "hyspec-default"
+
+
+def serve(
+    args: EngineArgs,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+) -> None:
+    """Blocks until interrupted."""
+    from hyspec_server.builder import build_engine
+
+    engine = AsyncEngine(build_engine(args))
+    app = build_app(engine, model_name=served_model_name or model_name_of(args), api_key=api_key)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        engine.shutdown()
+
+
+class ServerThread:
+    """uvicorn on a background thread, bound to a free port of `host` (tests, notebooks)."""
+
+    def __init__(
+        self, engine: LLMEngine, *, model_name: str, api_key: str | None = None, host: str = "127.0.0.1"
+    ) -> None:
+        self.async_engine = AsyncEngine(engine)
+        self.app = build_app(self.async_engine, model_name=model_name, api_key=api_key)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, 0))
+        self.host, self.port = host, int(self.sock.getsockname()[1])
+        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 20.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def wait_idle_and_leak_check(self, timeout_s: float = 30.0) -> None:
+        """Waits until the engine has no live request, then runs `leak_check` on the engine thread."""
+
+        async def run() -> None:
+            deadline = time.monotonic() + timeout_s
+            while await self.async_engine.call(lambda e: e.has_unfinished() or bool(e.requests)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the engine did not go idle")
+                await asyncio.sleep(0.05)
+            await self.async_engine.call(lambda e: e.leak_check())
+
+        asyncio.run(run())
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.async_engine.shutdown()
+        self.sock.close()

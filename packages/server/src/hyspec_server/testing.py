@@ -1,0 +1,178 @@
+"""A deterministic toy model on the real state pool, and a byte tokenizer: the engine's test double.
+
+The toy's next token is a function of the whole token history, computed through the pool's memory: every
+token's embedding goes into the paged KV cache (one attention layer) and a rolling hash lives in a conv-state
+slot (one short-conv layer). A wrong KV slot, page, state slot or chunk boundary changes the output, and
+`toy_greedy` computes the same function from the token list alone, so engine outputs can be checked exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from hyspec_statepool.pool import HybridStatePool
+from hyspec_statepool.sizing import MemoryPlan
+from hyspec_statepool.specs import AttentionSpec, ModelStateSpecs, ShortConvSpec, StateDtypes
+
+from hyspec_server.engine import LLMEngine
+from hyspec_server.pool_memory import StatePoolMemory
+from hyspec_server.runner import RunnerOutput, sampling_tensors, to_runner_output
+from hyspec_server.sampler import Sampler
+from hyspec_server.scheduler import SchedulerConfig, SchedulerOutput
+
+TOY_VOCAB = 257
+TOY_EOS = 256
+_HASH_MOD = 1009
+
+
+def _target(total: int, h: int, length: int) -> int:
+    x = 3 * total + 7 * h + length
+    return TOY_EOS if x % 41 == 0 else 32 + x % 95
+
+
+def toy_next_token(tokens: Sequence[int]) -> int:
+    """The toy's greedy next token after `tokens`, from the token list alone."""
+    h = 0
+    for t in tokens:
+        h = (h * 3 + t) % _HASH_MOD
+    return _target(sum(tokens), h, len(tokens))
+
+
+def toy_greedy(prompt: Sequence[int], max_tokens: int, *, ignore_eos: bool = False) -> list[int]:
+    seq = list(prompt)
+    out: list[int] = []
+    for _ in range(max_tokens):
+        t = toy_next_token(seq)
+        out.append(t)
+        seq.append(t)
+        if t == TOY_EOS and not ignore_eos:
+            break
+    return out
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are tokens 0..255; 256 is EOS. Chat template: "role: content" lines then "assistant:"."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset({TOY_EOS})
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return self.encode(text)
+
+
+def toy_pool(
+    *,
+    max_running: int,
+    max_context: int,
+    num_kv_pages: int,
+    page_size: int,
+    device: torch.device | str = "cpu",
+) -> HybridStatePool:
+    specs = ModelStateSpecs.from_pairs([(0, AttentionSpec(1, 1)), (1, ShortConvSpec(1, 2))])
+    plan = MemoryPlan(
+        specs=specs,
+        max_context=max_context,
+        max_running=max_running,
+        draft_shape=None,
+        page_size=page_size,
+        num_state_slots=max_running,
+        num_kv_pages=num_kv_pages,
+        dtypes=StateDtypes(kv=torch.float32, conv=torch.float32),
+    )
+    return HybridStatePool(plan, device=device, debug=True)
+
+
+class ToyModelRunner:
+    """`ModelRunner` for tests: same seam as the real runner, toy numerics (exact in fp32)."""
+
+    def __init__(self, pool: HybridStatePool, *, max_model_len: int, seed: int = 0) -> None:
+        self.pool = pool
+        self._memory = StatePoolMemory(pool)
+        self._device = pool.device
+        self._max_model_len = max_model_len
+        self.sampler = Sampler(pool.device, seed=seed)
+        self.num_steps = 0
+        # hooks for tests: raise inside a step
+        self.fail_next_step = False
+
+    @property
+    def memory(self) -> StatePoolMemory:
+        return self._memory
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("toy runner: injected failure")
+        self.num_steps += 1
+        pool, dev = self.pool, self._device
+        chunks = list(step.chunks)
+        rows = pool.req_rows([c.request.request_id for c in chunks])
+        slots = pool.state_slots(rows).tensor.long()  # [N]
+        starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
+        counts = torch.tensor([c.num_new for c in chunks], dtype=torch.int64)
+        kv = pool.kv_slots(req_rows=rows, start_positions=starts, num_tokens=counts).tensor.long()  # [T]
+        tokens = [t for c in chunks for t in c.request.token_slice(c.start, c.end)]
+        k_cache, _ = pool.kv_cache(0)  # [P, page_size, 1, 1] fp32
+        k_flat = k_cache.view(-1)
+        k_flat[kv] = torch.tensor(tokens, dtype=torch.float32, device=dev)
+        conv = pool.layer_state(1).conv  # [S + 1, 1, 1] fp32: the rolling hash
+        assert conv is not None
+        targets: list[int] = []
+        pos = 0
+        for i, c in enumerate(chunks):
+            h = int(conv[slots[i], 0, 0].item())
+            for t in tokens[pos : pos + c.num_new]:
+                h = (h * 3 + t) % _HASH_MOD
+            conv[slots[i], 0, 0] = float(h)
+            pos += c.num_new
+            if c.sample:
+                # the whole history comes back out of the paged cache, through this request's pages
+                hist = pool.kv_slots(
+                    req_rows=pool.req_rows([c.request.request_id]),
+                    start_positions=torch.zeros(1, dtype=torch.int64),
+                    num_tokens=torch.tensor([c.end], dtype=torch.int64),
+                ).tensor.long()
+                total = int(k_flat[hist].sum().item())
+                targets.append(_target(total, h, c.end))
+        sample_chunks = [c for c in chunks if c.sample]
+        if not sample_chunks:
+            return RunnerOutput(tuple(None for _ in chunks))
+        vocab = torch.arange(TOY_VOCAB, dtype=torch.float32, device=dev)
+        tgt = torch.tensor(targets, dtype=torch.float32, device=dev)
+        logits = -0.5 * (vocab[None, :] - tgt[:, None]).abs()  # [N, V]
+        out = self.sampler(logits, sampling_tensors(sample_chunks, dev))
+        return to_runner_output(step, out)
+
+
+def toy_engine(
+    *,
+    seqs: int = 32,
+    pages: int = 2048,
+    max_len: int = 256,
+    max_waiting: int = 1024,
+    page_size: int = 4,
+    budget: int = 256,
+    runner_cls: type[ToyModelRunner] = ToyModelRunner,
+) -> LLMEngine:
+    """An engine over the toy runner and the byte tokenizer."""
+    pool = toy_pool(max_running=seqs, max_context=max_len, num_kv_pages=pages, page_size=page_size)
+    runner = runner_cls(pool, max_model_len=max_len)
+    cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_waiting=max_waiting)
+    return LLMEngine(runner, ByteTokenizer(), cfg)

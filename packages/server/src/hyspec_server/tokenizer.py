@@ -1,0 +1,67 @@
+"""The tokenizer seam: what the engine and the HTTP server need from a tokenizer, and the HF adapter."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Tokenizer(Protocol):
+    """Text <-> token ids. `eos_token_ids` end generation unless `ignore_eos`."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+
+
+def _eos_ids(value: object) -> set[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {value}
+    if isinstance(value, list):
+        return {v for v in value if isinstance(v, int)}
+    return set()
+
+
+class HFTokenizer:
+    """Wraps `transformers.AutoTokenizer` loaded offline from a checkpoint directory.
+
+    EOS ids are the union of the tokenizer's `eos_token_id` and `eos_token_id` in `generation_config.json` and
+    `config.json`, as transformers' `generate` would stop on any of them.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.model_dir = Path(model_dir)
+        self._tok: Any = AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
+        eos = _eos_ids(self._tok.eos_token_id)
+        for name in ("generation_config.json", "config.json"):
+            path = self.model_dir / name
+            if path.is_file():
+                cfg = json.loads(path.read_text())
+                eos |= _eos_ids(cfg.get("eos_token_id"))
+                eos |= _eos_ids(cfg.get("text_config", {}).get("eos_token_id"))
+        self._eos = frozenset(eos)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if getattr(self._tok, "chat_template", None) is None:
+            raise ValueError(f"the tokenizer in {self.model_dir} has no chat template")
+        text = self._tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return self.encode(str(text))

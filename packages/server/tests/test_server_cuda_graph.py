@@ -1,0 +1,56 @@
+"""The CUDA path (Triton kernels, bf16) and decode CUDA graphs; GPU only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hyspec_server import LLM, SamplingParams
+from hyspec_server.cuda_graph import capture_sizes
+
+PROMPTS = ["Hello, my name is", "The capital of France is Paris and", "a", "x" * 17, "graph", "b" * 40]
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_capture_sizes() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("arch_fixture", ["tiny_lfm2", "tiny_qwen3_5"])
+def test_cuda_graph_decode_equals_eager(arch_fixture: str, request: pytest.FixtureRequest) -> None:
+    ckpt: Path = request.getfixturevalue(arch_fixture)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    eager = LLM(model=str(ckpt), device="cuda", dtype="bfloat16", enforce_eager=True, max_num_seqs=8)
+    graph = LLM(model=str(ckpt), device="cuda", dtype="bfloat16", enforce_eager=False, max_num_seqs=8)
+    assert eager.engine.runner.graphs is None  # type: ignore[attr-defined]
+    graphs = graph.engine.runner.graphs  # type: ignore[attr-defined]
+    assert graphs is not None
+    a = eager.generate(PROMPTS, params)
+    b = graph.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert graphs.num_replays > 0
+    # seeded sampling goes through the same graphs
+    sp = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in eager.generate(PROMPTS[:3], sp)] == [
+        o.outputs[0].token_ids for o in graph.generate(PROMPTS[:3], sp)
+    ]
+    graph.leak_check()
+    eager.leak_check()
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_fp32_matches_transformers(tiny_lfm2: Path) -> None:
+    from hyspec_models.hf_reference import hf_greedy
+
+    llm = LLM(model=str(tiny_lfm2), device="cuda", dtype="float32", max_num_seqs=4)
+    tok = llm.engine.tokenizer
+    outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [
+        hf_greedy(tiny_lfm2, tok.encode(p), 12) for p in PROMPTS[:3]
+    ]

@@ -1,0 +1,116 @@
+from collections.abc import Sequence
+
+import torch
+from hyspec_server.detokenizer import IncrementalDetokenizer, find_stop
+from hyspec_server.request import Request
+from hyspec_server.sampling_params import SamplingParams
+from hyspec_server.testing import ByteTokenizer
+
+
+class WordTokenizer:
+    """Tokens are multi-character pieces, so stop strings can straddle token boundaries."""
+
+    pieces = ("ab", "cd", "e", "xyz", " ", "<eos>")
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset({5})
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return "".join(self.pieces[t] for t in token_ids if not (skip_special_tokens and t == 5))
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        raise NotImplementedError
+
+
+def _req(params: SamplingParams, tok: object) -> Request:
+    return Request.create(
+        request_id="r",
+        prompt=None,
+        prompt_token_ids=[0],
+        params=params,
+        tokenizer=tok,
+        arrival_time=0.0,
+        device=torch.device("cpu"),
+    )  # type: ignore[arg-type]
+
+
+def test_incremental_decode_holds_back_partial_utf8() -> None:
+    text = "aé€🙂z"
+    ids = list(text.encode("utf-8"))
+    d = IncrementalDetokenizer(ByteTokenizer())
+    pieces = [d.push(t) for t in ids]
+    assert "".join(pieces) + d.flush() == text
+    assert all("\ufffd" not in p for p in pieces)
+    # the 4-byte emoji appears only when its last byte arrives
+    start = len("aé€".encode())
+    assert pieces[start : start + 3] == ["", "", ""] and pieces[start + 3] == "🙂"
+
+
+def test_flush_emits_an_unfinished_character() -> None:
+    d = IncrementalDetokenizer(ByteTokenizer())
+    assert d.push(ord("a")) == "a" and d.push(0xE2) == ""
+    assert d.flush() == "\ufffd"
+
+
+def test_find_stop_only_reports_matches_completed_by_new_text() -> None:
+    assert find_stop("hello world", 0, ("lo w",)) == (3, "lo w")
+    assert find_stop("hello world", 7, ("lo w",)) is None  # ended before the new text
+    assert find_stop("hello world", 6, ("lo w", "o")) == (3, "lo w")
+    assert find_stop("hello world", 7, ("lo w", "o")) == (7, "o")
+    assert find_stop("abcabc", 4, ("bc", "ca")) == (4, "bc")
+
+
+def test_stop_string_across_tokens_cuts_text() -> None:
+    r = _req(SamplingParams(max_tokens=10, stop=["bc"]), WordTokenizer())
+    assert not r.append_token(0, logprob=None, top=None, max_model_len=100, now=0.0)  # "ab"
+    assert r.append_token(1, logprob=None, top=None, max_model_len=100, now=0.0)  # "abcd": "bc" straddles
+    assert r.text == "a" and r.finish_reason == "stop" and r.stop_reason == "bc"
+    assert r.output_token_ids == [0, 1]
+    r2 = _req(SamplingParams(max_tokens=10, stop="bc", include_stop_str_in_output=True), WordTokenizer())
+    r2.append_token(0, logprob=None, top=None, max_model_len=100, now=0.0)
+    r2.append_token(1, logprob=None, top=None, max_model_len=100, now=0.0)
+    assert r2.text == "abc"
+
+
+def test_streaming_holds_back_possible_stop_prefix() -> None:
+    r = _req(SamplingParams(max_tokens=10, stop=["ezz", "q"]), WordTokenizer())
+    r.append_token(0, logprob=None, top=None, max_model_len=100, now=0.0)  # "ab"
+    r.append_token(2, logprob=None, top=None, max_model_len=100, now=0.0)  # "abe": "e" may start "ezz"
+    out = r.make_output()
+    assert out.delta_text == "a" and not out.finished  # longest stop is 3 chars: hold back 2
+    r.append_token(3, logprob=None, top=None, max_model_len=100, now=0.0)  # "abexyz": no stop
+    assert r.make_output().delta_text == "bex"
+    r.append_token(4, logprob=None, top=None, max_model_len=100, now=0.0)
+    r.append_token(1, logprob=None, top=None, max_model_len=100, now=0.0)
+    assert r.make_output().delta_text == "yz "
+    r.append_token(0, logprob=None, top=None, max_model_len=100, now=0.0)
+    for _ in range(5):
+        if r.append_token(0, logprob=None, top=None, max_model_len=100, now=0.0):
+            break
+    out = r.make_output()
+    assert out.finished and out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].text == "abexyz cd" + "ab" * 5  # max_tokens=10 tokens: ab e xyz ' ' cd ab*5
+    assert r.num_sent_chars == len(out.outputs[0].text)
+
+
+def test_eos_and_stop_tokens_stay_out_of_text_but_in_ids() -> None:
+    r = _req(SamplingParams(max_tokens=10), WordTokenizer())
+    r.append_token(0, logprob=None, top=None, max_model_len=100, now=0.0)
+    assert r.append_token(5, logprob=None, top=None, max_model_len=100, now=0.0)
+    assert r.text == "ab" and r.output_token_ids == [0, 5] and r.stop_reason is None
+    r = _req(SamplingParams(max_tokens=10, stop_token_ids=[3]), WordTokenizer())
+    assert r.append_token(3, logprob=None, top=None, max_model_len=100, now=0.0)
+    assert r.text == "" and r.finish_reason == "stop" and r.stop_reason == 3
+    r = _req(SamplingParams(max_tokens=3, ignore_eos=True), WordTokenizer())
+    assert not r.append_token(5, logprob=None, top=None, max_model_len=100, now=0.0)
+
+
+def test_max_model_len_finishes_with_length() -> None:
+    r = _req(SamplingParams(max_tokens=10), WordTokenizer())
+    assert not r.append_token(0, logprob=None, top=None, max_model_len=3, now=0.0)
+    assert r.append_token(0, logprob=None, top=None, max_model_len=3, now=0.0)  # prompt 1 + 2 outputs
+    assert r.finish_reason == "length"

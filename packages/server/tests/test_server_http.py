@@ -1,0 +1,316 @@
+"""The OpenAI-compatible server, live on 127.0.0.1, driven by the official `openai` client and httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from hyspec_server.serve import ServerThread
+from hyspec_server.testing import ByteTokenizer, ToyModelRunner, toy_engine, toy_greedy
+
+API_KEY = "test-key"
+TOK = ByteTokenizer()
+
+
+def client(srv: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def expected_text(prompt_ids: list[int], n: int) -> str:
+    return TOK.decode(toy_greedy(prompt_ids, n, ignore_eos=True))
+
+
+def test_completions_greedy_stream_and_not(toy_server: ServerThread) -> None:
+    c = client(toy_server)
+    r = c.completions.create(
+        model="toy",
+        prompt="Hello there",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    want = toy_greedy(TOK.encode("Hello there"), 20, ignore_eos=True)
+    choice = r.choices[0]
+    assert choice.model_extra is not None and choice.model_extra["token_ids"] == want
+    assert choice.text == TOK.decode(want) and choice.finish_reason == "length"
+    assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (11, 20)
+    chunks = list(
+        c.completions.create(
+            model="toy",
+            prompt="Hello there",
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == choice.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+    # token-id prompts
+    r = c.completions.create(
+        model="toy", prompt=[72, 105], max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].text == expected_text([72, 105], 5)
+
+
+def test_chat_stream_and_not(toy_server: ServerThread) -> None:
+    c = client(toy_server)
+    msgs: list[Any] = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    prompt = TOK.apply_chat_template(msgs)
+    r = c.chat.completions.create(
+        model="toy", messages=msgs, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].message.content == expected_text(prompt, 12)
+    assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
+    assert r.usage is not None and r.usage.prompt_tokens == len(prompt)
+    stream = c.chat.completions.create(
+        model="toy", messages=msgs, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    parts = [ch.choices[0].delta.content or "" for ch in stream]
+    assert "".join(parts) == r.choices[0].message.content
+    # no max_tokens: runs to EOS or the context end
+    r = c.chat.completions.create(model="toy", messages=msgs, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    lp = c.chat.completions.create(
+        model="toy",
+        messages=msgs,
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert lp.choices[0].logprobs is not None and lp.choices[0].logprobs.content is not None
+    assert len(lp.choices[0].logprobs.content) == 3
+    assert all(e.logprob <= 0 and len(e.top_logprobs) >= 2 for e in lp.choices[0].logprobs.content)
+
+
+def test_concurrent_requests_are_each_correct(toy_server: ServerThread) -> None:
+    c = client(toy_server)
+    rng = random.Random(0)
+    prompts = ["".join(chr(rng.randrange(97, 123)) for _ in range(rng.randrange(1, 30))) for _ in range(24)]
+
+    def one(p: str) -> str:
+        r = c.completions.create(
+            model="toy", prompt=p, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, prompts))
+    assert got == [expected_text(TOK.encode(p), 16) for p in prompts]
+
+
+def test_models_health_metrics(toy_server: ServerThread) -> None:
+    models = client(toy_server).models.list()
+    assert [m.id for m in models.data] == ["toy"]
+    assert httpx.get(toy_server.base_url + "/health").status_code == 200
+    client(toy_server).completions.create(model="toy", prompt="m", max_tokens=4, temperature=0)
+    text = httpx.get(toy_server.base_url + "/metrics").text
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if not line.startswith("#")
+    }
+    assert values["hyspec_generation_tokens_total"] >= 4
+    assert values["hyspec_time_to_first_token_seconds_count"] >= 1
+    assert 'hyspec_time_per_output_token_seconds_bucket{le="+Inf"}' in values
+    assert values["hyspec_num_requests_running"] == 0 and values["hyspec_num_requests_waiting"] == 0
+
+
+def _post(
+    srv: ServerThread, path: str, body: Any, *, key: str | None = API_KEY, raw: bytes | None = None
+) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    if raw is not None:
+        return httpx.post(
+            srv.base_url + path, content=raw, headers={**headers, "Content-Type": "application/json"}
+        )
+    return httpx.post(srv.base_url + path, json=body, headers=headers)
+
+
+GOOD = {"model": "toy", "prompt": "ok", "max_tokens": 3}
+CHAT = {"model": "toy", "messages": [{"role": "user", "content": "ok"}], "max_tokens": 3}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", {**GOOD, "max_tokens": "3"}, 400, "max_tokens"),
+        ("/v1/completions", {**GOOD, "prompt": 5}, 400, None),
+        ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
+        ("/v1/completions", {**GOOD, "max_tokens": -1}, 400, "max_tokens"),
+        ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {**GOOD, "max_tokens": 10**9}, 400, "max_tokens"),
+        ("/v1/completions", {**GOOD, "temperature": -0.5}, 400, "temperature"),
+        ("/v1/completions", {**GOOD, "top_p": 2}, 400, "top_p"),
+        ("/v1/completions", {**GOOD, "n": 3}, 400, "n"),
+        ("/v1/completions", {**GOOD, "prompt": "x" * 300}, 400, "max_tokens"),
+        ("/v1/completions", {**GOOD, "model": "gpt-5"}, 404, "model"),
+        ("/v1/completions", {"prompt": "no model"}, 400, "model"),
+        ("/v1/completions", [1, 2], 400, None),
+        ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 1000}, 400, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "model"),
+    ],
+)
+def test_bad_inputs_get_openai_errors_and_server_keeps_serving(
+    toy_server: ServerThread, path: str, body: Any, status: int, param: str | None
+) -> None:
+    r = _post(toy_server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] is not None and err["param"].startswith(param)
+    assert _post(toy_server, "/v1/completions", GOOD).status_code == 200
+
+
+def test_malformed_json_auth_and_unknown_route(toy_server: ServerThread) -> None:
+    r = _post(toy_server, "/v1/completions", None, raw=b'{"model": "toy", "prompt": ')
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert _post(toy_server, "/v1/completions", GOOD, key=None).status_code == 401
+    r = _post(toy_server, "/v1/completions", GOOD, key="wrong")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(toy_server.base_url + "/v1/models").status_code == 401
+    assert httpx.get(toy_server.base_url + "/health").status_code == 200  # health needs no key
+    r = httpx.get(toy_server.base_url + "/v1/nothing", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 404 and "error" in r.json()
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=toy_server.base_url + "/v1", api_key="bad", max_retries=0).models.list()
+    assert _post(toy_server, "/v1/completions", GOOD).status_code == 200
+
+
+class SlowToy(ToyModelRunner):
+    def execute(self, step: Any) -> Any:
+        time.sleep(0.02)
+        return super().execute(step)
+
+
+def test_full_queue_answers_429() -> None:
+    srv = ServerThread(toy_engine(seqs=1, max_waiting=1, runner_cls=SlowToy), model_name="toy").start()
+    try:
+
+        def one(_: int) -> int:
+            body = {"model": "toy", "prompt": "q", "max_tokens": 15, "ignore_eos": True}
+            return httpx.post(srv.base_url + "/v1/completions", json=body, timeout=30).status_code
+
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(one, range(8)))
+        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+        r = httpx.post(
+            srv.base_url + "/v1/completions", json={"model": "toy", "prompt": "q", "max_tokens": 2}
+        )
+        assert r.status_code == 200
+        srv.wait_idle_and_leak_check()
+    finally:
+        srv.stop()
+
+
+def test_200_concurrent_requests_with_random_disconnects() -> None:
+    srv = ServerThread(toy_engine(seqs=32, pages=1024), model_name="toy", api_key=API_KEY).start()
+    rng = random.Random(7)
+    plan = []
+    for i in range(200):
+        prompt = "".join(chr(rng.randrange(97, 123)) for _ in range(rng.randrange(1, 24)))
+        mode = rng.choice(["stream", "stream", "plain", "drop_stream", "drop_plain"])
+        plan.append((i, prompt, mode, rng.randrange(1, 4)))
+
+    async def one(http: httpx.AsyncClient, prompt: str, mode: str, after: int) -> str | None:
+        body = {
+            "model": "toy",
+            "prompt": prompt,
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": mode in ("stream", "drop_stream"),
+        }
+        if mode == "drop_plain":
+            # the client gives up while the request is queued or running
+            with pytest.raises(httpx.TimeoutException):
+                await http.post("/v1/completions", json=body, timeout=0.01 * after)
+            return None
+        if mode == "plain":
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return str(r.json()["choices"][0]["text"])
+        text = ""
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            n = 0
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                text += json.loads(line[6:])["choices"][0]["text"]
+                n += 1
+                if mode == "drop_stream" and n >= after:
+                    return None  # leaving the block closes the connection mid-stream
+        return text
+
+    async def run_all() -> list[str | None]:
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(
+            base_url=srv.base_url, limits=limits, headers=headers, timeout=60
+        ) as http:
+            return await asyncio.gather(*(one(http, p, m, a) for _, p, m, a in plan))
+
+    try:
+        t0 = time.monotonic()
+        results = asyncio.run(asyncio.wait_for(run_all(), timeout=120))
+        assert time.monotonic() - t0 < 120
+        completed = 0
+        for (_, prompt, mode, _), got in zip(plan, results):
+            if mode in ("stream", "plain"):
+                assert got == expected_text(TOK.encode(prompt), 24)
+                completed += 1
+        assert completed > 100
+        srv.wait_idle_and_leak_check()
+        aborted = [
+            line
+            for line in httpx.get(srv.base_url + "/metrics").text.splitlines()
+            if line.startswith("hyspec_request_aborted_total")
+        ]
+        assert float(aborted[0].split()[1]) > 0  # some disconnects reached the engine before their end
+        # and the server still serves
+        r = client(srv).completions.create(
+            model="toy", prompt="after", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert r.choices[0].text == expected_text(TOK.encode("after"), 5)
+    finally:
+        srv.stop()
+
+
+def test_engine_thread_never_blocks_the_event_loop(toy_server: ServerThread) -> None:
+    # /health answers while long generations run
+    c = client(toy_server)
+    done = threading.Event()
+
+    def long() -> None:
+        c.completions.create(
+            model="toy", prompt="long", max_tokens=200, temperature=0, extra_body={"ignore_eos": True}
+        )
+        done.set()
+
+    t = threading.Thread(target=long)
+    t.start()
+    latencies = []
+    while not done.is_set():
+        t0 = time.monotonic()
+        assert httpx.get(toy_server.base_url + "/health").status_code == 200
+        latencies.append(time.monotonic() - t0)
+    t.join()
+    assert latencies and min(latencies) < 0.5

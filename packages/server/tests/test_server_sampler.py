@@ -1,0 +1,132 @@
+import pytest
+import torch
+from hyspec_server.sampler import Sampler, SamplingTensors, filtered_probs
+
+CPU = torch.device("cpu")
+
+
+def _st(
+    n: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    gens: list[torch.Generator | None] | None = None,
+    num_logprobs: int = -1,
+) -> SamplingTensors:
+    return SamplingTensors.build(
+        temperature=[temperature] * n,
+        top_k=[top_k] * n,
+        top_p=[top_p] * n,
+        min_p=[min_p] * n,
+        generators=gens if gens is not None else [None] * n,
+        num_logprobs=num_logprobs,
+        device=CPU,
+    )
+
+
+def _gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def test_temperature_zero_is_argmax_even_with_filters() -> None:
+    logits = torch.randn(5, 50, generator=_gen(0))
+    out = Sampler(CPU)(logits, _st(5, temperature=0.0, top_k=3, top_p=0.5, min_p=0.2))
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+def test_mixed_greedy_and_sampled_rows() -> None:
+    logits = torch.randn(4, 30, generator=_gen(1))
+    st = SamplingTensors.build(
+        temperature=[0.0, 1.0, 0.0, 2.0],
+        top_k=[-1] * 4,
+        top_p=[1.0] * 4,
+        min_p=[0.0] * 4,
+        generators=[None] * 4,
+        num_logprobs=-1,
+        device=CPU,
+    )
+    out = Sampler(CPU)(logits, st)
+    assert out.token_ids[0] == logits[0].argmax() and out.token_ids[2] == logits[2].argmax()
+
+
+def test_top_k_mask() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.0, 3.0, 2.0]])
+    p = filtered_probs(logits, _st(1, top_k=3))
+    assert (p[0] > 0).tolist() == [False, True, False, True, True, False]
+    torch.testing.assert_close(p.sum(), torch.tensor(1.0))
+    # k = 0 and k = -1 keep everything
+    assert bool((filtered_probs(logits, _st(1, top_k=0)) > 0).all())
+
+
+def test_top_p_mask_keeps_smallest_prefix_reaching_p() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    assert (filtered_probs(logits, _st(1, top_p=0.8))[0] > 0).tolist() == [True, True, False, False]
+    assert (filtered_probs(logits, _st(1, top_p=0.81))[0] > 0).tolist() == [True, True, True, False]
+    # the most likely token always survives
+    assert (filtered_probs(logits, _st(1, top_p=0.01))[0] > 0).tolist() == [True, False, False, False]
+
+
+def test_min_p_mask_relative_to_top() -> None:
+    probs = torch.tensor([[0.1, 0.4, 0.3, 0.2]])
+    p = filtered_probs(probs.log(), _st(1, min_p=0.45))
+    assert (p[0] > 0).tolist() == [False, True, True, True]
+    torch.testing.assert_close(p[0, 1:], torch.tensor([0.4, 0.3, 0.2]) / 0.9)
+
+
+def test_temperature_sharpens() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    cold = filtered_probs(logits, _st(1, temperature=0.1))
+    hot = filtered_probs(logits, _st(1, temperature=10.0))
+    assert cold[0, 2] > 0.99 and hot[0, 2] < 0.4
+
+
+def test_sampled_frequencies_follow_filtered_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]]).repeat(4000, 1)
+    st = _st(4000, top_k=3, temperature=0.7)
+    out = Sampler(CPU, seed=3)(logits, st)
+    freq = torch.bincount(out.token_ids, minlength=5).float() / 4000
+    want = filtered_probs(logits[:1], _st(1, top_k=3, temperature=0.7))[0]
+    assert freq[3] == 0 and freq[4] == 0
+    torch.testing.assert_close(freq, want, atol=0.03, rtol=0)
+
+
+def test_seed_gives_same_tokens_whatever_the_batch() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 40)
+    g_solo, g_batch = _gen(42), _gen(42)
+    sampler_a, sampler_b = Sampler(CPU, seed=1), Sampler(CPU, seed=2)
+    a, b = [], []
+    for _ in range(8):
+        a.append(int(sampler_a(logits[2:3], _st(1, gens=[g_solo])).token_ids[0]))
+        gens: list[torch.Generator | None] = [None, None, g_batch, None, _gen(7), None]
+        b.append(int(sampler_b(logits, _st(6, gens=gens)).token_ids[2]))
+    assert a == b
+    assert len(set(a)) > 1  # it really samples
+    # another seed gives another sequence
+    g_other = _gen(43)
+    c = [int(Sampler(CPU)(logits[2:3], _st(1, gens=[g_other])).token_ids[0]) for _ in range(8)]
+    assert c != a
+
+
+def test_logprobs_of_chosen_and_top() -> None:
+    logits = torch.randn(3, 20, generator=_gen(5))
+    out = Sampler(CPU)(logits, _st(3, temperature=0.0, num_logprobs=2))
+    lp = torch.log_softmax(logits, -1)
+    assert out.logprobs is not None and out.top_ids is not None and out.top_logprobs is not None
+    torch.testing.assert_close(out.logprobs, lp.gather(1, out.token_ids[:, None])[:, 0])
+    assert out.top_ids.shape == (3, 2) and torch.equal(out.top_ids[:, 0], out.token_ids)
+    assert Sampler(CPU)(logits, _st(3, temperature=0.0)).logprobs is None
+
+
+def test_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="logits"):
+        Sampler(CPU)(torch.zeros(2, 5), _st(3))
+    with pytest.raises(ValueError, match="generators"):
+        SamplingTensors.build(
+            temperature=[1.0], top_k=[1], top_p=[1.0], min_p=[0.0], generators=[], num_logprobs=-1, device=CPU
+        )
