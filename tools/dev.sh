@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One entry point for set-up, the main job and the test suite. Idempotent: it creates .venv on first use and
 # reinstalls only when constraints.txt, tools/requirements-dev.txt or a package's pyproject.toml changed.
-#   bash tools/dev.sh demo   # set up, then run the main job on the embedded default
-#   bash tools/dev.sh test   # set up, then pytest (all packages) + mypy --strict + ruff
-#   bash tools/dev.sh setup  # set up only
+#   bash tools/dev.sh demo       # set up, then run the main job (hyspec generate) on the embedded default
+#   bash tools/dev.sh test       # set up, then pytest (all packages) + mypy --strict + ruff
+#   bash tools/dev.sh selfcheck  # set up, then run every kernel against its PyTorch reference
+#   bash tools/dev.sh setup      # set up only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -37,6 +38,12 @@ case "$cmd" in
   setup) setup ;;
   demo)
     setup
+    # the embedded default is a tiny checkpoint built deterministically on first use (hyspec_models.tiny)
+    if [ "$#" -eq 0 ]; then set -- --prompt "Hybrid models mix attention with" --max-tokens 32; fi
+    "$VENV/bin/hyspec" generate "$@"
+    ;;
+  selfcheck)
+    setup
     "$VENV/bin/python" -m hyspec_kernels.selfcheck "$@"
     ;;
   test)
@@ -50,5 +57,5 @@ case "$cmd" in
     "$VENV/bin/python" -m ruff check packages tools
     "$VENV/bin/python" -m ruff format --check packages tools
     ;;
-  *) echo "usage: bash tools/dev.sh {demo|test|setup} [args]" >&2; exit 2 ;;
+  *) echo "usage: bash tools/dev.sh {demo|test|selfcheck|setup} [args]" >&2; exit 2 ;;
 esac
