@@ -1,10 +1,12 @@
 """Write tiny random checkpoints of every supported hybrid architecture (thin CLI over hyspec_models.tiny).
 
-    python tools/make_tiny_checkpoints.py --out DIR [--arch ARCH ...] [--seed N] [--check]
+    python tools/make_tiny_checkpoints.py --out DIR [--arch ARCH ...] [--seed N] [--check] [--drafts]
 
 Writes DIR/<arch>/ for each architecture (default: all) and, for the architectures with a built-in MTP
 draft (the Qwen families), also DIR/<arch>-mtp3/ with three MTP layers. ``--check`` reloads every
-checkpoint with transformers (model and tokenizer) and runs a short forward pass.
+checkpoint with transformers (model and tokenizer) and runs a short forward pass. ``--drafts`` also writes
+a tiny random EAGLE-3 draft (DIR/<arch>-eagle3/) and DFlash draft (DIR/<arch>-dflash/) for each target
+(hyspec_spec_workers.tiny_drafts).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", nargs="+", choices=ARCHS, default=list(ARCHS), help="architectures")
     parser.add_argument("--seed", type=int, default=0, help="random seed (same seed -> identical files)")
     parser.add_argument("--check", action="store_true", help="reload each checkpoint with transformers")
+    parser.add_argument("--drafts", action="store_true", help="also write tiny EAGLE-3 and DFlash drafts")
     args = parser.parse_args(argv)
 
     for arch in dict.fromkeys(args.arch):  # de-duplicated, order kept
@@ -62,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
             print(_describe(path), flush=True)
             if args.check:
                 print(_check(path), flush=True)
+        if args.drafts:
+            from hyspec_spec_workers.tiny_drafts import build_tiny_dflash, build_tiny_eagle3
+
+            base = args.out / arch
+            for name, build in (("eagle3", build_tiny_eagle3), ("dflash", build_tiny_dflash)):
+                draft = build(args.out / f"{arch}-{name}", base, seed=args.seed)
+                print(f"{draft}: tiny random {name} draft for {base}", flush=True)
     return 0
 
 

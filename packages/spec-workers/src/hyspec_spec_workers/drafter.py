@@ -8,9 +8,9 @@ many block nodes are real.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -29,12 +29,14 @@ class DraftBatch:
         histories: per-row token ids so far (prompt + generated), each [L_n] ending with the root; ngram
             reads them.
         hidden_states: [N, H] target hidden state at the root position (MTP/EAGLE input), or None.
+        req_ids: per-row request ids; model drafters (`ModelDrafter`) need them to find their own KV.
     """
 
     root_tokens: torch.Tensor
     num_steps: Sequence[int]
     histories: Sequence[torch.Tensor] = ()
     hidden_states: torch.Tensor | None = None
+    req_ids: Sequence[Hashable] = ()
 
     def __post_init__(self) -> None:
         if self.root_tokens.dim() != 1:
@@ -50,6 +52,8 @@ class DraftBatch:
             raise ValueError(
                 f"hidden_states: expected shape [N, H] = [{n}, H], got {list(self.hidden_states.shape)}"
             )
+        if self.req_ids and len(self.req_ids) != n:
+            raise ValueError(f"req_ids: expected {n} ids, got {len(self.req_ids)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +62,50 @@ class DraftOutput:
 
     tree: VerifyTree
     draft_probs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CommittedTokens:
+    """Tokens that just entered the target's KV and state, with the target's features at them.
+
+    After a prefill: the prompt (start 0). After a verify: each row's accepted path, root first (the block
+    tokens at `accept_index[:num_accepted + 1]`), starting at the row's pre-verify prefix length. A model
+    drafter turns these into its own KV (draft extend) so that its next proposal continues from them.
+
+    Attributes:
+        req_ids: [N] request ids.
+        start_positions: [N] int64 position of each row's first token.
+        num_tokens: [N] int64 tokens per row (0 allowed), packed row by row in `tokens`.
+        tokens: [T] int64.
+        hidden_states: [T, H] the target's final-normed hidden state after each token.
+        aux_hidden_states: one [T, H] per `ModelDrafter.capture_layers` entry, in that order.
+    """
+
+    req_ids: Sequence[Hashable]
+    start_positions: torch.Tensor
+    num_tokens: torch.Tensor
+    tokens: torch.Tensor
+    hidden_states: torch.Tensor
+    aux_hidden_states: tuple[torch.Tensor, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        n = len(self.req_ids)
+        for name in ("start_positions", "num_tokens"):
+            t = getattr(self, name)
+            if tuple(t.shape) != (n,):
+                raise ValueError(f"{name}: expected shape [N] = [{n}], got {list(t.shape)}")
+        if n and (int(self.num_tokens.min()) < 0 or int(self.start_positions.min()) < 0):
+            raise ValueError("num_tokens, start_positions: expected values >= 0")
+        total = int(self.num_tokens.sum()) if n else 0
+        if tuple(self.tokens.shape) != (total,):
+            raise ValueError(
+                f"tokens: expected shape [sum(num_tokens)] = [{total}], got {list(self.tokens.shape)}"
+            )
+        for name, t in [("hidden_states", self.hidden_states)] + [
+            (f"aux_hidden_states[{i}]", a) for i, a in enumerate(self.aux_hidden_states)
+        ]:
+            if t.dim() != 2 or t.shape[0] != total:
+                raise ValueError(f"{name}: expected shape [{total}, H], got {list(t.shape)}")
 
 
 class Drafter(Protocol):
@@ -96,3 +144,32 @@ class NgramDrafter:
         drafts, num = self._proposer.propose(batch.histories, batch.num_steps)
         root = batch.root_tokens.to(drafts.device)
         return DraftOutput(VerifyTree.chain(root, drafts, num))
+
+
+@runtime_checkable
+class ModelDrafter(Protocol):
+    """A drafter with its own weights and KV that follows each request (MTP, EAGLE-3, DFlash).
+
+    Lifecycle per request: `add_requests`, then `commit` of the prompt (with the target's prefill features),
+    then rounds of `propose` (needs `DraftBatch.req_ids`) and `commit` of the accepted path, finally
+    `free_requests`. The target forwards must capture `capture_layers` (aux hidden states) for `commit`.
+    """
+
+    @property
+    def method(self) -> Method: ...
+
+    @property
+    def max_draft_tokens(self) -> int: ...
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """Target decoder layers whose outputs `commit` needs in `aux_hidden_states`."""
+        ...
+
+    def add_requests(self, req_ids: Sequence[Hashable]) -> None: ...
+
+    def free_requests(self, req_ids: Sequence[Hashable]) -> None: ...
+
+    def commit(self, committed: CommittedTokens) -> None: ...
+
+    def propose(self, batch: DraftBatch) -> DraftOutput: ...

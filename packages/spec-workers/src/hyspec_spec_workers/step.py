@@ -9,7 +9,8 @@ commit and to the caller's token output, so KV, state and emitted tokens always 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from hyspec_attn_backends import HybridBackend
@@ -29,11 +30,13 @@ class VerifyStepOutput:
         result: accepted tokens, counts, commit steps (after stop truncation).
         committed_steps: [N] int64 steps the backend committed (equals result.commit_steps).
         hidden_states: [N, D, H] target final-normed hidden state after each block node (drafter input).
+        aux_hidden_states: one [N, D, H] per requested capture layer (EAGLE-3 / DFlash features).
     """
 
     result: VerifyResult
     committed_steps: torch.Tensor
     hidden_states: torch.Tensor
+    aux_hidden_states: tuple[torch.Tensor, ...] = field(default=())
 
 
 def verify_and_commit(
@@ -47,6 +50,7 @@ def verify_and_commit(
     generator: torch.Generator | None = None,
     stop_token_ids: torch.Tensor | None = None,
     max_new_tokens: torch.Tensor | None = None,
+    capture_layers: Sequence[int] = (),
 ) -> VerifyStepOutput:
     """Verify N drafted blocks on the target and commit the accepted part.
 
@@ -60,6 +64,7 @@ def verify_and_commit(
         generator: random source for sampling.
         stop_token_ids: [N, M] stop tokens per row (-1 padded) or None.
         max_new_tokens: [N] tokens each row may still emit, or None.
+        capture_layers: target layers whose outputs to return (a model drafter's `capture_layers`).
     """
     tree = draft.tree
     n, d = tree.batch_size, tree.block_size
@@ -73,8 +78,9 @@ def verify_and_commit(
         prefix_lens=prefix_lens,
         tree_parents=None if tree.is_chain else tree.parents,
     )
-    out = model(batch, backend)
+    out = model(batch, backend, capture_layers=capture_layers)
     hidden = out.hidden_states.reshape(n, d, -1)  # [N, D, H]
+    aux = tuple(a.reshape(n, d, -1) for a in out.aux_hidden_states)  # each [N, D, H]
     logits = model.compute_logits(out.hidden_states).reshape(n, d, -1)  # [N, D, V]
     dev = logits.device
     local = tree.to(dev)
@@ -91,4 +97,4 @@ def verify_and_commit(
         num_accepted=result.num_accepted,
         accept_paths=None if tree.is_chain else result.accept_index,
     )
-    return VerifyStepOutput(result, steps, hidden)
+    return VerifyStepOutput(result, steps, hidden, aux)

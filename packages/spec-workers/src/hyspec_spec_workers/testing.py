@@ -4,6 +4,10 @@ It drives a target model, its `HybridBackend` and pool directly (no scheduler): 
 prompts (mixed lengths), then plain decode steps or speculative rounds (`Drafter.propose` then
 `verify_and_commit`) until every row has hit its stop token or budget. Finished rows are freed at once, so the
 batch shrinks and request rows, state slots and batch rows stop lining up, as in a real engine.
+
+A `ModelDrafter` is driven like an engine would: its requests are added at prefill, the prompt and then
+every accepted path are committed to it with the target's features (captured at its `capture_layers`), and
+its requests are freed with the target's.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ from hyspec_models.protocol import HybridCausalLM
 from hyspec_statepool.pool import HybridStatePool
 
 from hyspec_spec_workers.adaptive import AdaptiveDraftLength
-from hyspec_spec_workers.drafter import DraftBatch, Drafter
-from hyspec_spec_workers.step import verify_and_commit
+from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, ModelDrafter
+from hyspec_spec_workers.step import VerifyStepOutput, verify_and_commit
 
 
 @dataclass(slots=True)
@@ -44,6 +48,8 @@ def generate(
 ) -> list[list[int]]:
     """Greedy generation; with a drafter, speculative rounds of `num_steps` drafts (or adaptive lengths)."""
     stats = GenerationStats() if stats is None else stats
+    md = drafter if isinstance(drafter, ModelDrafter) else None
+    capture = () if md is None else md.capture_layers
     ids = [f"gen-{i}" for i in range(len(prompts))]
     pool.alloc(ids)
     out: list[list[int]] = [[] for _ in prompts]
@@ -53,7 +59,20 @@ def generate(
     batch = backend.prepare_extend(
         req_rows=pool.req_rows(ids), input_ids=flat, q_lens=prefix, prefix_lens=[0] * len(ids)
     )
-    hidden = model(batch, backend).hidden_states
+    fwd = model(batch, backend, capture_layers=capture)
+    hidden = fwd.hidden_states
+    if md is not None:
+        md.add_requests(ids)
+        md.commit(
+            CommittedTokens(
+                req_ids=ids,
+                start_positions=torch.zeros(len(ids), dtype=torch.int64),
+                num_tokens=torch.tensor(prefix, dtype=torch.int64),
+                tokens=flat,
+                hidden_states=hidden,
+                aux_hidden_states=fwd.aux_hidden_states,
+            )
+        )
     last = torch.cumsum(torch.tensor(prefix), 0) - 1
     first = model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
     # each row's last generated token is the next round's root: not in KV or state yet
@@ -61,7 +80,7 @@ def generate(
     for i, t in enumerate(first):
         out[i].append(int(t))
         live.append(i)
-    live = _retire(pool, ids, out, live, max_new_tokens, eos_token_id)
+    live = _retire(pool, md, ids, out, live, max_new_tokens, eos_token_id)
     while live:
         stats.num_forwards += 1
         rows = pool.req_rows([ids[i] for i in live])
@@ -80,13 +99,14 @@ def generate(
                     root_tokens=roots,
                     num_steps=steps,
                     histories=[torch.tensor(list(prompts[i]) + out[i]) for i in live],
+                    req_ids=[ids[i] for i in live],
                 )
             )
             d = draft.tree.block_size
             pool.ensure_kv_capacity([ids[i] for i in live], [prefix[i] + d for i in live])
             stop = torch.full((len(live), 1), -1 if eos_token_id is None else eos_token_id, dtype=torch.int64)
             budget = torch.tensor([max_new_tokens - len(out[i]) for i in live])
-            res = verify_and_commit(
+            step = verify_and_commit(
                 model=model,
                 backend=backend,
                 req_rows=rows,
@@ -94,7 +114,13 @@ def generate(
                 draft=draft,
                 stop_token_ids=stop,
                 max_new_tokens=budget,
-            ).result
+                capture_layers=capture,
+            )
+            res = step.result
+            if md is not None:
+                md.commit(
+                    _accepted_path(step, draft.tree.tokens, [ids[i] for i in live], [prefix[i] for i in live])
+                )
             for j, (i, toks_i) in enumerate(zip(live, res.tolist(), strict=True)):
                 k = int(res.num_accepted[j])
                 stats.num_accepted.append(k)
@@ -103,12 +129,35 @@ def generate(
                 out[i].extend(toks_i)
                 prefix[i] += k + 1
                 pool.truncate_kv(ids[i], prefix[i])
-        live = _retire(pool, ids, out, live, max_new_tokens, eos_token_id)
+        live = _retire(pool, md, ids, out, live, max_new_tokens, eos_token_id)
     return out
+
+
+def _accepted_path(
+    step: VerifyStepOutput, block_tokens: torch.Tensor, req_ids: list[str], prefix: list[int]
+) -> CommittedTokens:
+    """Each row's accepted path (root first) with the target's features at its nodes: what was committed."""
+    res = step.result
+    d = block_tokens.shape[1]
+    idx = res.accept_index.clamp(min=0).to(block_tokens.device)  # [N, D]
+    keep = torch.arange(d, device=idx.device)[None, :] <= res.num_accepted.to(idx.device)[:, None]
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # [N, D, H] -> [sum(accepted + 1), H]
+        return x[torch.arange(x.shape[0], device=x.device)[:, None], idx.to(x.device)][keep.to(x.device)]
+
+    return CommittedTokens(
+        req_ids=req_ids,
+        start_positions=torch.tensor(prefix, dtype=torch.int64),
+        num_tokens=(res.num_accepted + 1).cpu(),
+        tokens=block_tokens.gather(1, idx)[keep],
+        hidden_states=gather(step.hidden_states),
+        aux_hidden_states=tuple(gather(a) for a in step.aux_hidden_states),
+    )
 
 
 def _retire(
     pool: HybridStatePool,
+    md: ModelDrafter | None,
     ids: list[str],
     out: list[list[int]],
     live: list[int],
@@ -118,4 +167,6 @@ def _retire(
     done = [i for i in live if len(out[i]) >= max_new or (eos is not None and out[i][-1] == eos)]
     if done:
         pool.free([ids[i] for i in done])
+        if md is not None:
+            md.free_requests([ids[i] for i in done])
     return [i for i in live if i not in done]

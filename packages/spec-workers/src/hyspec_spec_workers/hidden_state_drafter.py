@@ -1,0 +1,311 @@
+"""Chain and tree drafting for drafters fed by the target's hidden states (MTP, multi-layer MTP, EAGLE-3).
+
+Draft KV layout (EAGLE convention): draft position p holds the draft layer's K/V for the pair
+(token x[p+1], feature f[p]), where f[p] is the target's feature at position p (MTP: the final-normed hidden
+state; EAGLE-3: fc over three captured layers). The pair's output predicts x[p+2]. With L tokens committed in
+the target, positions 0..L-2 are final (written by a draft extend in `commit`) and the pair at L-1 is the
+root pair: (current token, f[L-1]), with f[L-1] kept per request in a persistent buffer.
+
+Proposal (`propose`): step j runs one forward over the draft tree built so far, in TARGET_VERIFY mode on the
+draft's own backend at prefix L-1: node 0 is the root pair, every other node is (its token, the feature of
+its parent's computation). Chained drafters (MTP run S times, EAGLE-3, chained multi-layer MTP) take the
+parent node's output hidden state as that feature; non-chained multi-layer MTP takes the root's target
+feature. The K expanded nodes of the last step give top-k children; `TreeDraftBuilder` keeps the best D - 1
+by path probability (topk 1 is a chain). Recomputing the earlier nodes each step keeps the draft KV free of
+stale entries at no extra forwards; the node features live in a persistent buffer and every forward reads
+its features from one static input buffer (`features_in`), which is what a CUDA graph would capture.
+
+`commit` (draft extend) writes the pairs of newly committed tokens with the target's features at them, so
+the draft KV never keeps anything computed from rejected drafts or from draft features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Protocol
+
+import torch
+from hyspec_attn_backends import ForwardBatch, ForwardMode, HybridBackend, MixerLayer
+from torch import Tensor
+
+from hyspec_spec_workers.config import Method
+from hyspec_spec_workers.draft_kv import DraftKV, DraftMemory
+from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, DraftOutput
+from hyspec_spec_workers.tree import TreeDraftBuilder, VerifyTree
+
+
+class HiddenStateDraftModel(Protocol):
+    """What `HiddenStateDrafter` needs from a draft network (adapters in mtp_drafter.py and eagle3.py)."""
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """Target layers whose outputs `features` needs (empty: only the final hidden state)."""
+        ...
+
+    @property
+    def feature_dim(self) -> int: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def mixer_layers(self) -> list[MixerLayer]: ...
+
+    def features(self, hidden_states: Tensor, aux_hidden_states: tuple[Tensor, ...]) -> Tensor:
+        """Target outputs at committed tokens -> draft input features [T, F]."""
+        ...
+
+    def run(
+        self, batch: ForwardBatch, backend: HybridBackend, *, features: Tensor, step: int
+    ) -> tuple[Tensor, Tensor]:
+        """One forward of draft layer `step` over batch tokens paired with features [T, F].
+
+        Returns (normed [T, H] for `logits`, output feature [T, F] a chained step consumes).
+        """
+        ...
+
+    def logits(self, normed: Tensor) -> Tensor:
+        """[.., H] -> [.., V] logits over the target vocabulary."""
+        ...
+
+
+class HiddenStateDrafter:
+    """A `ModelDrafter` for MTP-style and EAGLE-3-style drafts (see the module docstring).
+
+    Args:
+        model: the draft network.
+        method: reported method name.
+        num_speculative_tokens: S, the most draft steps per round (adaptive: the largest candidate).
+        topk: children per expanded node; 1 drafts a chain.
+        num_draft_tokens: tree verify block size D (default 1 + S·topk); a chain uses S + 1.
+        layer_steps: the `step` passed to `model.run` at draft step j (default all 0: one layer reused).
+        chain_hidden: a node's feature is its parent's output (True) or the root's target feature (False).
+        memory: sizing of the draft's own KV pool.
+    """
+
+    def __init__(
+        self,
+        model: HiddenStateDraftModel,
+        *,
+        method: Method,
+        num_speculative_tokens: int,
+        topk: int = 1,
+        num_draft_tokens: int | None = None,
+        layer_steps: Sequence[int] | None = None,
+        chain_hidden: bool = True,
+        memory: DraftMemory,
+    ) -> None:
+        s, k = num_speculative_tokens, topk
+        if s < 1:
+            raise ValueError(f"num_speculative_tokens: expected >= 1, got {s}")
+        if k < 1:
+            raise ValueError(f"topk: expected >= 1, got {k}")
+        d = (s + 1 if k == 1 else 1 + s * k) if num_draft_tokens is None else num_draft_tokens
+        if k == 1 and d != s + 1:
+            raise ValueError(f"num_draft_tokens: a chain verifies S + 1 = {s + 1} tokens, got {d}")
+        if not s + 1 <= d <= 1 + s * k:
+            raise ValueError(f"num_draft_tokens: expected in [{s + 1}, {1 + s * k}], got {d}")
+        steps = [0] * s if layer_steps is None else list(layer_steps)
+        if len(steps) != s or any(x < 0 for x in steps):
+            raise ValueError(f"layer_steps: expected {s} values >= 0, got {steps}")
+        self.model = model
+        self._method: Method = method
+        self.num_speculative_tokens, self.topk, self.num_draft_tokens = s, k, d
+        self.layer_steps = tuple(steps)
+        self.chain_hidden = chain_hidden
+        self.max_nodes = 1 + (s - 1) * k  # nodes of the last step's forward
+        self.kv = DraftKV(
+            model.mixer_layers(),
+            memory=memory,
+            max_block=self.max_nodes,
+            dtype=model.dtype,
+            device=model.device,
+        )
+        rows, f, dev, dt = memory.max_running, model.feature_dim, model.device, model.dtype
+        # persistent per request (indexed by draft pool row): the target feature at the last committed token
+        self.root_features = torch.zeros(rows, f, dtype=dt, device=dev)  # [R, F]
+        # persistent per proposal: each tree node's input feature, then the packed static forward input
+        self.node_features = torch.zeros(rows, self.max_nodes, f, dtype=dt, device=dev)  # [R, Nmax, F]
+        self.features_in = torch.zeros(rows * self.max_nodes, f, dtype=dt, device=dev)  # [R * Nmax, F]
+
+    # ---------------------------------------------------------------- ModelDrafter
+
+    @property
+    def method(self) -> Method:
+        return self._method
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.num_draft_tokens
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.model.capture_layers
+
+    def add_requests(self, req_ids: Sequence[Hashable]) -> None:
+        self.kv.add(req_ids)
+
+    def free_requests(self, req_ids: Sequence[Hashable]) -> None:
+        self.kv.free(req_ids)
+
+    def commit(self, committed: CommittedTokens) -> None:
+        """Draft extend over newly committed tokens: their pairs enter the draft KV (see module docstring)."""
+        c = committed
+        ids = list(c.req_ids)
+        if not ids:
+            return
+        feats = self.model.features(c.hidden_states, c.aux_hidden_states)  # [T, F]
+        rows = self.kv.rows(ids).tensor.long()
+        starts, counts = c.start_positions.tolist(), c.num_tokens.tolist()
+        pair_tok: list[Tensor] = []
+        pair_feat: list[Tensor] = []
+        q_lens: list[int] = []
+        prefix: list[int] = []
+        off = 0
+        for i, (r, s, q) in enumerate(zip(ids, starts, counts, strict=True)):
+            want = max(s - 1, 0)
+            if self.kv.lengths[r] != want:
+                raise ValueError(
+                    f"committed.start_positions: request {r!r} has {self.kv.lengths[r] + 1} committed tokens "
+                    f"in the draft, got a commit starting at {s}"
+                )
+            tok, f = c.tokens[off : off + q], feats[off : off + q]
+            off += q
+            if q == 0:
+                pair_tok.append(tok)
+                pair_feat.append(f)
+            elif s == 0:
+                # the first token has no previous position: its pair does not exist
+                pair_tok.append(tok[1:])
+                pair_feat.append(f[:-1])
+            else:
+                pair_tok.append(tok)
+                pair_feat.append(torch.cat([self.root_features[rows[i]][None], f[:-1]]))
+            q_lens.append(pair_tok[-1].shape[0])
+            prefix.append(want)
+            if q:
+                self.root_features[rows[i]] = f[-1]
+        total = [p + q for p, q in zip(prefix, q_lens, strict=True)]
+        self.kv.pool.ensure_kv_capacity(ids, total)
+        batch = self.kv.backend.prepare_extend(
+            req_rows=self.kv.rows(ids),
+            input_ids=torch.cat(pair_tok),
+            q_lens=q_lens,
+            prefix_lens=prefix,
+            mode=ForwardMode.DRAFT_EXTEND,
+        )
+        x = torch.cat(pair_feat).to(self.model.dtype)
+        with torch.no_grad():
+            for step in sorted(set(self.layer_steps)):
+                _, out = self.model.run(batch, self.kv.backend, features=x, step=step)
+                # chained multi-layer drafts feed layer k the outputs of layer k - 1 at the same positions
+                x = out if self.chain_hidden and len(set(self.layer_steps)) > 1 else x
+        for r, t in zip(ids, total, strict=True):
+            self.kv.lengths[r] = t
+
+    def propose(self, batch: DraftBatch) -> DraftOutput:
+        ids = list(batch.req_ids)
+        n = batch.root_tokens.shape[0]
+        if len(ids) != n:
+            raise ValueError(f"batch.req_ids: a model drafter needs one request id per row, got {len(ids)}")
+        root = batch.root_tokens.to(torch.int64)
+        steps = list(batch.num_steps)
+        s_run = max(steps, default=0)
+        if s_run > self.num_speculative_tokens:
+            raise ValueError(
+                f"batch.num_steps: expected values <= {self.num_speculative_tokens}, got {steps}"
+            )
+        if s_run == 0:
+            return DraftOutput(
+                VerifyTree.chain(root, torch.zeros(n, 0, dtype=torch.int64, device=root.device))
+            )
+        if self.topk > 1 and any(x not in (0, s_run) for x in steps):
+            raise ValueError(f"batch.num_steps: a tree drafts all {s_run} steps or none per row, got {steps}")
+        with torch.no_grad():
+            builder = self._draft(ids, root.to(self.model.device), s_run)
+        if self.topk == 1:
+            drafts = builder.build(s_run + 1).tokens[:, 1:]
+            tree = VerifyTree.chain(builder.root, drafts, torch.tensor(steps, device=drafts.device))
+        else:
+            full = builder.build(self.num_draft_tokens)
+            num = torch.where(torch.tensor(steps, device=full.tokens.device) > 0, full.num_nodes, 1)
+            tree = VerifyTree.from_parents(full.tokens, full.parents, num)
+        return DraftOutput(tree.to(batch.root_tokens.device))
+
+    # ---------------------------------------------------------------- drafting
+
+    def draft_logits(
+        self,
+        normed: Tensor,
+        *,
+        req_ids: Sequence[Hashable],
+        node_tokens: Tensor,
+        node_parents: Tensor,
+        nodes: Tensor,
+    ) -> Tensor:
+        """Logits of the children of `nodes`; an override point (e.g. constrained drafting in tests).
+
+        Args:
+            normed: [N, E, H] draft output at the expanded nodes.
+            req_ids: the rows' requests.
+            node_tokens, node_parents: [N, B] the forward's tree (node 0 = root).
+            nodes: [N, E] block indices of the expanded nodes.
+        Returns:
+            [N, E, V] fp32 logits over the target vocabulary.
+        """
+        return self.model.logits(normed).float()
+
+    def _draft(self, ids: list[Hashable], root: Tensor, s_run: int) -> TreeDraftBuilder:
+        n, k, dev = len(ids), self.topk, self.model.device
+        kv = self.kv
+        req_rows = kv.rows(ids)
+        rows = req_rows.tensor.long()
+        prefix = kv.prefix(ids)
+        blocks = 1 + (s_run - 1) * k
+        kv.reserve(ids, blocks)
+        tok = torch.zeros(n, blocks, dtype=torch.int64, device=dev)
+        par = torch.full((n, blocks), -1, dtype=torch.int64, device=dev)
+        par[:, 1:] = 0
+        tok[:, 0] = root
+        feats = self.node_features[:n]  # [N, Nmax, F] rows 0..n-1 of the batch
+        feats[:, 0] = self.root_features[rows]
+        builder = TreeDraftBuilder(root, k)
+        ar = torch.arange(n, device=dev)
+        expanded = torch.zeros(n, 1, dtype=torch.int64, device=dev)  # block indices of the nodes to expand
+        block = 1
+        try:
+            for j in range(s_run):
+                fb = kv.backend.prepare_verify(
+                    req_rows=req_rows,
+                    block_tokens=tok[:, :block],
+                    prefix_lens=prefix,
+                    tree_parents=None if k == 1 else par[:, :block],
+                )
+                x = self.features_in[: n * block]
+                x.copy_(feats[:, :block].reshape(n * block, -1))
+                normed, out = self.model.run(fb, kv.backend, features=x, step=self.layer_steps[j])
+                normed, out = normed.view(n, block, -1), out.view(n, block, -1)
+                h = normed[ar[:, None], expanded]  # [N, E, H]
+                logits = self.draft_logits(
+                    h, req_ids=ids, node_tokens=tok[:, :block], node_parents=par[:, :block], nodes=expanded
+                )
+                p, t = torch.softmax(logits, dim=-1).topk(k, dim=-1)  # [N, E, K] each
+                base = builder.num_candidates
+                picked = builder.add_step(t, p) - base  # [N, K] candidate index within this step
+                if j + 1 == s_run:
+                    break
+                e, c = picked // k, picked % k
+                new = torch.arange(block, block + k, device=dev)
+                parent = expanded.gather(1, e)  # [N, K]
+                tok[:, new] = t[ar[:, None], e, c]
+                par[:, new] = parent
+                feats[:, new] = (
+                    out[ar[:, None], parent] if self.chain_hidden else feats[:, :1].expand(n, k, -1)
+                )
+                expanded = new.expand(n, k)
+                block += k
+        finally:
+            kv.release(ids)
+        return builder

@@ -1,0 +1,91 @@
+"""The draft extend keeps the draft's KV in sync: after several speculative rounds (rejections included), a
+drafter's proposal equals that of a fresh drafter given the same committed history in one prefill commit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hyspec_spec_workers import CommittedTokens, DraftBatch, SpeculativeConfig
+from hyspec_spec_workers.factory import build_drafter
+from hyspec_spec_workers.testing import generate
+
+S = 3
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("qwen3_5", {"method": "mtp", "topk": 2, "num_draft_tokens": 5}),
+    ("qwen3_next", {"method": "multi_layer_mtp", "chain_hidden_states": True}),
+    ("lfm2", {"method": "eagle3"}),
+    ("lfm2_moe", {"method": "dflash"}),
+]
+
+
+def _spy(drafter: Any, log: list[list[torch.Tensor]]) -> None:
+    inner_logits, inner_propose = drafter.draft_logits, drafter.propose
+
+    def draft_logits(normed: torch.Tensor, **kw: Any) -> torch.Tensor:
+        log[-1].append(normed.clone())
+        out: torch.Tensor = inner_logits(normed, **kw)
+        return out
+
+    def propose(batch: DraftBatch) -> Any:
+        log.append([])
+        drafter.last_batch = batch
+        return inner_propose(batch)
+
+    drafter.draft_logits, drafter.propose = draft_logits, propose
+
+
+@pytest.mark.parametrize(("arch", "spec"), CASES, ids=[f"{a}-{s['method']}" for a, s in CASES])
+def test_incremental_draft_extend_equals_one_shot(
+    target: Callable[[str], Any], arch: str, spec: dict[str, Any]
+) -> None:
+    t = target(arch)
+    d = {"num_speculative_tokens": S, **spec}
+    if spec["method"] == "eagle3":
+        d["model"] = str(t.eagle3())
+    if spec["method"] == "dflash":
+        d["model"] = str(t.dflash())
+    cfg = SpeculativeConfig.from_dict(d)
+    inc: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
+    log: list[list[torch.Tensor]] = []
+    _spy(inc, log)
+    backend, pool = t.stack(cfg.draft_shape())
+    generate(t.model, backend, pool, t.prompts, max_new_tokens=14, drafter=inc, num_steps=S)
+    last: DraftBatch = inc.last_batch
+    want = log[-1]
+    assert len(log) > 3
+    # replay: a fresh drafter gets each row's committed history (its last round's history minus the root)
+    fresh: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
+    fresh_log: list[list[torch.Tensor]] = []
+    _spy(fresh, fresh_log)
+    ids = [f"r{i}" for i in range(len(last.histories))]
+    hist = [h[:-1] for h in last.histories]
+    backend, pool = t.stack(None)
+    pool.alloc(ids)
+    pool.ensure_kv_capacity(ids, [len(h) for h in hist])
+    flat = torch.cat(hist)
+    batch = backend.prepare_extend(
+        req_rows=pool.req_rows(ids), input_ids=flat, q_lens=[len(h) for h in hist], prefix_lens=[0] * len(ids)
+    )
+    with torch.no_grad():
+        out = t.model(batch, backend, capture_layers=fresh.capture_layers)
+    fresh.add_requests(ids)
+    fresh.commit(
+        CommittedTokens(
+            req_ids=ids,
+            start_positions=torch.zeros(len(ids), dtype=torch.int64),
+            num_tokens=torch.tensor([len(h) for h in hist]),
+            tokens=flat,
+            hidden_states=out.hidden_states,
+            aux_hidden_states=out.aux_hidden_states,
+        )
+    )
+    fresh.propose(DraftBatch(root_tokens=last.root_tokens, num_steps=[S] * len(ids), req_ids=ids))
+    got = fresh_log[-1]
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-4, rtol=2e-4)
+    fresh.free_requests(ids)
+    pool.free(ids)
