@@ -13,6 +13,7 @@ from hyspec_attn_backends.backend import (
     state_spec_of,
 )
 from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, tree_ancestor_mask
+from hyspec_attn_backends.graphs import CudaGraphRunner, ForwardFn, GraphKey, batch_pointers
 from hyspec_attn_backends.layers import (
     LAYER_TYPE_KINDS,
     AttentionLayer,
@@ -29,14 +30,18 @@ __all__ = [
     "LAYER_TYPE_KINDS",
     "AttentionLayer",
     "BatchBuffers",
+    "CudaGraphRunner",
     "ForwardBatch",
+    "ForwardFn",
     "ForwardMode",
     "GDNLayer",
+    "GraphKey",
     "HybridBackend",
     "MixerKind",
     "MixerLayer",
     "RoutingError",
     "ShortConvLayer",
+    "batch_pointers",
     "check_routing",
     "model_state_specs",
     "state_spec_of",

@@ -131,6 +131,8 @@ class HybridBackend:
             max_verify_len=self.max_verify_len,
             device=pool.device,
         )
+        # checks that read device values back: always on CPU, on GPU only in debug mode (like the pool's)
+        self._checks = pool.debug or pool.device.type == "cpu"
 
     # ---------------------------------------------------------------- batch metadata
 
@@ -156,9 +158,19 @@ class HybridBackend:
         return self._build(mode, req_rows, input_ids, _ints(q_lens), _ints(prefix_lens), None, 0)
 
     def prepare_decode(
-        self, *, req_rows: ReqRows, input_ids: Tensor, prefix_lens: Sequence[int] | Tensor
+        self,
+        *,
+        req_rows: ReqRows,
+        input_ids: Tensor,
+        prefix_lens: Sequence[int] | Tensor,
+        pad_to: int | None = None,
     ) -> ForwardBatch:
-        """One new token per request; `prefix_lens` are the tokens before it (the new token's position)."""
+        """One new token per request; `prefix_lens` are the tokens before it (the new token's position).
+
+        `pad_to` (a CUDA-graph batch size >= N) appends padded rows: state slot -1, KV slot -1, token 0 at
+        position 0. They write no state and no KV; they read KV page 0 (never written by them) so that every
+        query has a key; their outputs are meaningless. The batch's `num_padded` says how many.
+        """
         n = len(req_rows)
         return self._build(
             ForwardMode.DECODE,
@@ -168,6 +180,7 @@ class HybridBackend:
             _ints(prefix_lens),
             None,
             0,
+            pad_to,
         )
 
     def prepare_verify(
@@ -177,6 +190,7 @@ class HybridBackend:
         block_tokens: Tensor,
         prefix_lens: Sequence[int] | Tensor,
         tree_parents: Tensor | None = None,
+        pad_to: int | None = None,
     ) -> ForwardBatch:
         """A verify block of D tokens per request: the current token then D - 1 drafts.
 
@@ -186,6 +200,8 @@ class HybridBackend:
             prefix_lens: [N] committed tokens (= position of block token 0).
             tree_parents: [N, D] block index of each node's parent (-1 root, parents precede children); None
                 for a chain.
+            pad_to: a CUDA-graph batch size >= N: padded rows (as in `prepare_decode`, with a D-token chain
+                block) follow the live ones. They write verify scratch rows N..pad_to-1, no state, no KV.
         """
         if self.max_verify_len == 0:
             raise ValueError(
@@ -196,6 +212,10 @@ class HybridBackend:
                 f"block_tokens: expected shape [{len(req_rows)}, D], got {list(block_tokens.shape)}"
             )
         n, d = block_tokens.shape
+        if d < 1:
+            raise ValueError(
+                f"block_tokens: expected D >= 1 tokens per request, got {list(block_tokens.shape)}"
+            )
         if tree_parents is not None:
             check_tree_parents(tree_parents, num_seqs=n, verify_len=d)
         q_lens = torch.full((n,), d, dtype=torch.int32)
@@ -207,6 +227,7 @@ class HybridBackend:
             _ints(prefix_lens),
             tree_parents,
             d,
+            pad_to,
         )
 
     def prepare_idle(self) -> ForwardBatch:
@@ -237,47 +258,79 @@ class HybridBackend:
         prefix_lens: Tensor,
         tree_parents: Tensor | None,
         verify_len: int,
+        pad_to: int | None = None,
     ) -> ForwardBatch:
-        n, t = len(req_rows), int(input_ids.shape[0])
+        n_live, t_live = len(req_rows), int(input_ids.shape[0])
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids: expected shape [T], got {list(input_ids.shape)}")
         for name, value in (("q_lens", q_lens), ("prefix_lens", prefix_lens)):
-            if tuple(value.shape) != (n,):
-                raise ValueError(f"{name}: expected shape [{n}] (one per request), got {list(value.shape)}")
-            if n and int(value.min()) < 0:
+            if tuple(value.shape) != (n_live,):
+                raise ValueError(
+                    f"{name}: expected shape [{n_live}] (one per request), got {list(value.shape)}"
+                )
+            if n_live and int(value.min()) < 0:
                 raise ValueError(f"{name}: expected values >= 0, got {value.tolist()}")
-        if int(q_lens.sum()) != t:
-            raise ValueError(f"input_ids: expected sum(q_lens) = {int(q_lens.sum())} tokens, got {t}")
+        if int(q_lens.sum()) != t_live:
+            raise ValueError(f"input_ids: expected sum(q_lens) = {int(q_lens.sum())} tokens, got {t_live}")
+        pad_q = verify_len if mode is ForwardMode.TARGET_VERIFY else 1  # tokens of one padded row
+        n = n_live if pad_to is None else pad_to
+        if pad_to is not None:
+            if mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+                raise ValueError(f"pad_to: padding is for DECODE and TARGET_VERIFY only, got mode {mode}")
+            if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < n_live:
+                raise ValueError(
+                    f"pad_to: expected an int >= N = {n_live} (the live requests), got {pad_to!r}"
+                )
+        num_pad = n - n_live
+        t = t_live + num_pad * pad_q
         self.buffers.check_fits(num_seqs=n, num_tokens=t, verify_len=verify_len)
+        if self._checks and n_live > 1 and torch.unique(req_rows.tensor).numel() != n_live:
+            raise ValueError(f"req_rows: expected distinct rows (one per request), got {req_rows.tolist()}")
         pool, b, dev = self.pool, self.buffers, self.pool.device
-        q_lens, prefix_lens = q_lens.to(dev), prefix_lens.to(dev)
+        live_q, live_prefix = q_lens.to(dev), prefix_lens.to(dev)
 
+        def padded(live: Tensor, fill: int, count: int) -> Tensor:
+            return torch.cat([live, torch.full((count,), fill, dtype=live.dtype, device=dev)])
+
+        q_lens = padded(live_q, pad_q, num_pad)  # [N]
+        prefix_lens = padded(live_prefix, 0, num_pad)  # [N]
         cu = torch.zeros(n + 1, dtype=torch.int32, device=dev)
         cu[1:] = torch.cumsum(q_lens, 0)
         kv_lens = prefix_lens + q_lens
-        seq_of_token = torch.repeat_interleave(torch.arange(n, device=dev), q_lens.long())  # [T]
-        offset = torch.arange(t, device=dev) - cu[:-1].long()[seq_of_token]  # [T] index within its sequence
+        rows = torch.arange(n, device=dev)
+        if mode is ForwardMode.DECODE or mode is ForwardMode.TARGET_VERIFY:
+            # fixed tokens per row: no data-dependent shapes, so no device sync here
+            seq_of_token = rows.repeat_interleave(pad_q)  # [T]
+            offset = torch.arange(pad_q, device=dev).repeat(n)  # [T] index within its sequence
+        else:
+            seq_of_token = torch.repeat_interleave(rows, q_lens.long())  # [T]
+            offset = torch.arange(t, device=dev) - cu[:-1].long()[seq_of_token]
         tree_mask = parents_view = None
         if tree_parents is not None:
-            parents = tree_parents.to(dev, torch.int32)
+            chain = torch.arange(verify_len, dtype=torch.int32, device=dev) - 1  # padded rows: a chain block
+            parents = torch.cat([tree_parents.to(dev, torch.int32), chain.expand(num_pad, verify_len)])
             mask, depth = tree_ancestor_mask(parents)
             offset = depth.reshape(-1)
             parents_view = copy_into(b.tree_parents, parents)
             tree_mask = copy_into(b.tree_mask, mask)
         positions = prefix_lens.long()[seq_of_token] + offset
 
-        kv_slots = pool.kv_slots(req_rows=req_rows, start_positions=prefix_lens, num_tokens=q_lens)
-        state_slots = pool.state_slots(req_rows)
-        batch_rows = pool.batch_rows(n)
+        kv_slots = pool.kv_slots(req_rows=req_rows, start_positions=live_prefix, num_tokens=live_q)
+        page_table = pool.page_table(req_rows)  # [N_live, max_pages]
+        if num_pad:
+            # page 0 always exists when there is KV at all; padded rows only read it
+            pad_pages = torch.zeros((num_pad, page_table.shape[1]), dtype=page_table.dtype, device=dev)
+            page_table = torch.cat([page_table, pad_pages])
+        input_ids = padded(input_ids.to(dev, torch.int64), 0, num_pad * pad_q)
         return ForwardBatch(
             mode=mode,
-            input_ids=copy_into(b.input_ids, input_ids.to(dev, torch.int64)),
+            input_ids=copy_into(b.input_ids, input_ids),
             positions=copy_into(b.positions, positions),
             req_rows=req_rows,
-            state_slots=state_slots,
-            batch_rows=batch_rows,
-            kv_slots=kv_slots,
-            page_table=copy_into(b.page_table, pool.page_table(req_rows)),
+            state_slots=pool.state_slots(req_rows).copy_into(b.state_slots, pad_to=n),
+            batch_rows=pool.batch_rows(n).copy_into(b.batch_rows),
+            kv_slots=kv_slots.copy_into(b.kv_slots, pad_to=t),
+            page_table=copy_into(b.page_table, page_table),
             cu_seqlens_q=copy_into(b.cu_seqlens_q, cu),
             q_lens=copy_into(b.q_lens, q_lens.to(torch.int32)),
             prefix_lens=copy_into(b.prefix_lens, prefix_lens.to(torch.int32)),
@@ -286,6 +339,7 @@ class HybridBackend:
             verify_len=verify_len,
             tree_parents=parents_view,
             tree_mask=tree_mask,
+            num_padded=num_pad,
         )
 
     # ---------------------------------------------------------------- layer calls
@@ -324,6 +378,8 @@ class HybridBackend:
             kv_lens=batch.kv_lens,
             scale=layer.scale,
             tree_mask=batch.tree_mask,
+            # a static bound on q_len: the same launch grid eagerly as under CUDA-graph capture
+            max_q_len=_static_max_q_len(batch),
         )
         return o.to(q.dtype)
 
@@ -412,7 +468,8 @@ class HybridBackend:
         assert batch.state_slots is not None and batch.batch_rows is not None
         slots = batch.state_slots.tensor
         if batch.mode is ForwardMode.DECODE:
-            return gdn_decode(q, k, v, g, beta, state=state, state_slots=slots)
+            # slots come from the pool (checked at prepare time): no per-layer host read of the indices
+            return gdn_decode(q, k, v, g, beta, state=state, state_slots=slots, check_indices=False)
         if batch.mode is ForwardMode.TARGET_VERIFY:
             if st.recurrent_scratch is None:
                 raise ValueError(
@@ -430,6 +487,7 @@ class HybridBackend:
                 scratch=st.recurrent_scratch,
                 scratch_rows=batch.batch_rows.tensor,
                 parents=batch.tree_parents,
+                check_indices=False,
             )
             return o.reshape(t, hv, dv)
         out = gdn_prefill(
@@ -489,7 +547,8 @@ class HybridBackend:
 
         Args:
             batch: the TARGET_VERIFY batch that was just run.
-            num_accepted: [N] int accepted drafts per request (bonus excluded); -1 skips a row.
+            num_accepted: [N] int accepted drafts per request (bonus excluded); -1 skips a row. N counts the
+                live rows only: a padded batch's padding rows commit nothing.
             accept_paths: [N, D] int block indices of the accepted path, root first, -1 past its end; required
                 for a tree batch, must be None for a chain.
             track_slots, track_interval: prefix-cache track destinations (both or neither).
@@ -498,7 +557,7 @@ class HybridBackend:
         """
         if batch.mode is not ForwardMode.TARGET_VERIFY:
             raise ValueError(f"batch: expected a TARGET_VERIFY batch, got {batch.mode}")
-        n, d = batch.num_seqs, batch.verify_len
+        n, d = batch.num_live, batch.verify_len
         if (accept_paths is None) == batch.is_tree:
             raise ValueError(
                 "accept_paths: required for a tree verify batch and must be None for a chain "
@@ -517,14 +576,16 @@ class HybridBackend:
             self._check_paths(batch, num_accepted, accept_paths)
         assert batch.req_rows is not None and batch.batch_rows is not None
         tracking = track_slots is not None
+        # live rows come first and batch rows are 0..N-1, so the live rows' batch rows are 0..n-1
+        batch_rows = batch.batch_rows if not batch.num_padded else self.pool.batch_rows(n)
         if any(kind is not MixerKind.ATTENTION for kind in self.kinds):
             steps = commit_accepted_states(
                 pool=self.pool,
                 req_rows=batch.req_rows,
-                batch_rows=batch.batch_rows,
+                batch_rows=batch_rows,
                 num_accepted=num_accepted,
                 accept_paths=accept_paths,
-                seq_lens_before=batch.prefix_lens if tracking else None,
+                seq_lens_before=batch.prefix_lens[:n] if tracking else None,
                 track_slots=track_slots,
                 track_interval=track_interval,
                 check_unique=self.pool.debug,
@@ -536,7 +597,7 @@ class HybridBackend:
         return steps
 
     def _check_paths(self, batch: ForwardBatch, num_accepted: Tensor, paths: Tensor) -> None:
-        n, d = batch.num_seqs, batch.verify_len
+        n, d = batch.num_live, batch.verify_len
         if paths.dtype not in (torch.int32, torch.int64) or tuple(paths.shape) != (n, d):
             raise ValueError(
                 f"accept_paths: expected an int tensor of shape [{n}, {d}], "
@@ -550,7 +611,7 @@ class HybridBackend:
         ok = bool(((paths >= 0) == on_path).all()) and bool((paths[num_accepted >= 0, 0] == 0).all())
         if ok and d > 1:
             # every accepted node's parent is the previous node on the path
-            parent = batch.tree_parents.long().gather(1, paths[:, 1:].clamp(min=0).long())
+            parent = batch.tree_parents[:n].long().gather(1, paths[:, 1:].clamp(min=0).long())
             ok = bool(((parent == paths[:, :-1]) | ~on_path[:, 1:]).all())
         if not ok:
             raise ValueError(
@@ -562,8 +623,8 @@ class HybridBackend:
     def _move_tree_kv(self, batch: ForwardBatch, num_accepted: Tensor, paths: Tensor) -> None:
         """Copy accepted node `paths[i, j]`'s K/V to block position j, for every attention layer."""
         assert batch.kv_slots is not None
-        n, d = batch.num_seqs, batch.verify_len
-        block_slots = batch.kv_slots.tensor.long().reshape(n, d)  # [N, D] slot of block position j
+        n, d = batch.num_live, batch.verify_len
+        block_slots = batch.kv_slots.tensor[: n * d].long().reshape(n, d)  # [N, D] slot of block position j
         src = block_slots.gather(1, paths.clamp(min=0).long())
         depth = torch.arange(d, device=paths.device)[None, :]
         moved = (depth <= num_accepted[:, None]) & (paths.long() != depth)
@@ -578,6 +639,15 @@ class HybridBackend:
                 # gather first: a destination may be another row's source only within one request, never
                 # before it is read
                 flat[dst] = flat[src].clone()
+
+
+def _static_max_q_len(batch: ForwardBatch) -> int | None:
+    """Every q_len's bound known without reading the device: 1 in DECODE, D in TARGET_VERIFY."""
+    if batch.mode is ForwardMode.DECODE:
+        return 1
+    if batch.mode is ForwardMode.TARGET_VERIFY:
+        return batch.verify_len
+    return None
 
 
 def _ints(values: Sequence[int] | Tensor) -> Tensor:

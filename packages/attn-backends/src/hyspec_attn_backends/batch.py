@@ -36,6 +36,10 @@ class ForwardBatch:
         verify_len: D for TARGET_VERIFY, else 0.
         tree_parents: [N, D] int32 block index of each node's parent (-1 root); None for a chain.
         tree_mask: [N, D, D] bool, node i sees node j (ancestor or self); None for a chain.
+        num_padded: the last `num_padded` of the N rows are padding up to a CUDA-graph batch size (DECODE and
+            TARGET_VERIFY only): state slot -1, KV slots -1, prefix 0, token 0, a chain block; they write no
+            state or KV (verify scratch rows past the live ones excepted) and their outputs are meaningless.
+            `req_rows` holds the live rows only.
     """
 
     mode: ForwardMode
@@ -54,6 +58,7 @@ class ForwardBatch:
     verify_len: int = 0
     tree_parents: Tensor | None = None
     tree_mask: Tensor | None = None
+    num_padded: int = 0
 
     def __post_init__(self) -> None:
         n, t = self.num_seqs, self.num_tokens
@@ -70,8 +75,14 @@ class ForwardBatch:
         ):
             if tuple(value.shape) != want:
                 raise ValueError(f"{name}: expected shape {list(want)}, got {list(value.shape)}")
+        if not 0 <= self.num_padded <= n:
+            raise ValueError(f"num_padded: expected 0 <= num_padded <= N = {n}, got {self.num_padded}")
+        if self.num_padded and self.mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+            raise ValueError(
+                f"num_padded: padding is for DECODE and TARGET_VERIFY only, got mode {self.mode}"
+            )
         for name, idx, want_len in (
-            ("req_rows", self.req_rows, n),
+            ("req_rows", self.req_rows, n - self.num_padded),
             ("state_slots", self.state_slots, n),
             ("batch_rows", self.batch_rows, n),
             ("kv_slots", self.kv_slots, t),
@@ -98,6 +109,11 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def num_live(self) -> int:
+        """Rows that are real requests (the first ones); the rest are padding."""
+        return self.num_seqs - self.num_padded
 
     @property
     def is_tree(self) -> bool:
@@ -137,6 +153,10 @@ class BatchBuffers:
         self.has_initial_state = ints(max_seqs, dtype=torch.bool)
         self.tree_parents = torch.full((max_seqs, d), -1, dtype=torch.int32, device=device)
         self.tree_mask = ints(max_seqs, d, d, dtype=torch.bool)
+        # index tensors the kernels read: kept here too so that their addresses are stable across batches
+        self.state_slots = torch.full((max_seqs,), -1, dtype=torch.int32, device=device)
+        self.batch_rows = ints(max_seqs)
+        self.kv_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
 
     def check_fits(self, *, num_seqs: int, num_tokens: int, verify_len: int) -> None:
         if num_seqs > self.max_seqs:

@@ -27,3 +27,9 @@ class ForwardMode(Enum):
     def is_extend_like(self) -> bool:
         """True for modes that run the varlen prefill kernels."""
         return self in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND)
+
+    @property
+    def is_graph_capturable(self) -> bool:
+        """True for modes with a fixed token count per request (DECODE, TARGET_VERIFY): what a CUDA graph
+        captures, and what must run without host syncs."""
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)

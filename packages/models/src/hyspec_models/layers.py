@@ -142,6 +142,28 @@ class StackedExperts(nn.Module):
             out[token_idx] += y.to(out.dtype)
         return out
 
+    def forward_static(self, x: Tensor, top_idx: Tensor, top_weight: Tensor) -> Tensor:
+        """The same as `forward` with no host sync and shapes fixed by x: CUDA-graph capturable.
+
+        Few (token, expert) pairs (T·k <= E, small decode batches): gather just the chosen experts' weights
+        and run one batched product per projection. Otherwise every expert runs on every token and a dense
+        [T, E] routing weight (0 where not chosen) mixes the results. Sums in another order than `forward`,
+        so equal to it up to rounding.
+        """
+        t, k = top_idx.shape
+        if t * k <= self.num_experts:
+            flat = top_idx.reshape(-1)  # [T·k]
+            xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T·k, H, 1]
+            gate, up = torch.bmm(self.gate_up_proj[flat], xs).squeeze(-1).chunk(2, dim=-1)  # [T·k, I] each
+            y = torch.bmm(self.down_proj[flat], (F.silu(gate) * up)[:, :, None]).squeeze(-1)  # [T·k, H]
+            y = y * top_weight.reshape(-1, 1).to(y.dtype)
+            return y.view(t, k, -1).sum(dim=1).to(x.dtype)
+        dense = torch.zeros(t, self.num_experts, dtype=top_weight.dtype, device=x.device)
+        dense.scatter_(1, top_idx, top_weight)  # [T, E]
+        gate, up = torch.einsum("th,eih->eti", x, self.gate_up_proj).chunk(2, dim=-1)  # [E, T, I] each
+        y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, self.down_proj)  # [E, T, H]
+        return torch.einsum("eth,te->th", y, dense.to(y.dtype)).to(x.dtype)
+
 
 def softmax_topk(logits: Tensor, k: int, *, normalize: bool) -> tuple[Tensor, Tensor]:
     """Qwen routing: softmax in fp32, top-k, optional renormalisation. -> (idx [T, k], weight [T, k])."""

@@ -75,7 +75,8 @@ class Lfm2SparseMoe(nn.Module):
         if self.use_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *, static: bool = False) -> Tensor:
+        """x [T, H] -> [T, H]. `static`: the sync-free expert path (CUDA-graph capturable)."""
         logits = self.gate(x)
         scores = logits.sigmoid()
         if self.use_expert_bias:
@@ -85,7 +86,8 @@ class Lfm2SparseMoe(nn.Module):
             weight, idx = torch.topk(scores, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-6)
-        out: Tensor = self.experts(x, idx, weight * self.routed_scaling_factor)
+        weight = weight * self.routed_scaling_factor
+        out: Tensor = self.experts.forward_static(x, idx, weight) if static else self.experts(x, idx, weight)
         return out
 
 
@@ -171,7 +173,13 @@ class Lfm2DecoderLayer(nn.Module):
             assert self.conv is not None
             x = self.conv(x, batch, backend)
         h = h + x
-        out: Tensor = h + self.feed_forward(self.ffn_norm(h))
+        x = self.ffn_norm(h)
+        if isinstance(self.feed_forward, Lfm2SparseMoe):
+            # sync-free in the modes a CUDA graph may capture (eager runs of them too: identical results)
+            x = self.feed_forward(x, static=batch.mode.is_graph_capturable)
+        else:
+            x = self.feed_forward(x)
+        out: Tensor = h + x
         return out
 
 

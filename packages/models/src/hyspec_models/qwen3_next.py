@@ -163,9 +163,10 @@ class QwenSparseMoe(nn.Module):
         self.shared_expert = SwiGLU(hidden, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *, static: bool = False) -> Tensor:
+        """x [T, H] -> [T, H]. `static`: the sync-free expert path (CUDA-graph capturable)."""
         idx, weight = softmax_topk(self.gate(x), self.top_k, normalize=self.norm_topk_prob)
-        routed = self.experts(x, idx, weight)
+        routed = self.experts.forward_static(x, idx, weight) if static else self.experts(x, idx, weight)
         out: Tensor = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
@@ -202,7 +203,14 @@ class QwenDecoderLayer(nn.Module):
         else:
             x = _not_none(self.self_attn)(x, rope, batch, backend)
         h = h + x
-        out: Tensor = h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        if isinstance(self.mlp, QwenSparseMoe):
+            # decode and verify may run under a CUDA graph: their MoE must not sync; eager runs of those
+            # modes take the same path so that graph and eager results agree bit for bit
+            x = self.mlp(x, static=batch.mode.is_graph_capturable)
+        else:
+            x = self.mlp(x)
+        out: Tensor = h + x
         return out
 
 

@@ -19,7 +19,7 @@ TypeError. Read the raw tensor with `.tensor` when calling a kernel.
 
 from __future__ import annotations
 
-from typing import ClassVar, Final, TypeVar, final
+from typing import ClassVar, Final, Self, TypeVar, final
 
 import torch
 
@@ -71,6 +71,41 @@ class _IndexTensor:
 
     def tolist(self) -> list[int]:
         return [int(v) for v in self._tensor.tolist()]
+
+    def copy_into(self, buffer: torch.Tensor, *, pad_to: int | None = None) -> Self:
+        """These indices written into the leading part of `buffer` in place, then -1 up to `pad_to`.
+
+        The result wraps a view of `buffer`, so its storage is stable across batches: a CUDA graph captured
+        against it replays after a refill. Padding (-1) only where the type allows it (`KVSlots`,
+        `StateSlots`). No host sync: the values were checked when `self` was built.
+        """
+        name = type(self).__name__
+        n = len(self)
+        total = n if pad_to is None else pad_to
+        if total < n:
+            raise ValueError(f"pad_to: expected >= {n} (the number of indices), got {pad_to}")
+        if total > n and not self._allow_pad:
+            raise ValueError(f"pad_to: {name} cannot be padded (no -1 entries), got pad_to={pad_to} > {n}")
+        if (
+            not isinstance(buffer, torch.Tensor)
+            or buffer.dtype != torch.int32
+            or buffer.dim() != 1
+            or buffer.numel() < total
+            or buffer.device != self._tensor.device
+        ):
+            got = (
+                f"{buffer.dtype} {list(buffer.shape)} on {buffer.device}"
+                if isinstance(buffer, torch.Tensor)
+                else type(buffer)
+            )
+            raise ValueError(
+                f"buffer: expected a 1-D int32 tensor of at least {total} entries on {self._tensor.device}, "
+                f"got {got}"
+            )
+        view = buffer[:total]
+        view[:n].copy_(self._tensor)
+        view[n:].fill_(-1)
+        return type(self)(view, bound=self._bound, token=_MINT, check=False)
 
     def __len__(self) -> int:
         return int(self._tensor.numel())

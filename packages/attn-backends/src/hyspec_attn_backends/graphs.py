@@ -1,0 +1,257 @@
+"""CUDA graphs for DECODE and TARGET_VERIFY forwards, captured once per padded batch size.
+
+A CUDA graph replays the kernel launches of one forward with the addresses they were captured with. Every
+tensor of a `ForwardBatch` is a view at offset 0 of the backend's `BatchBuffers`, which `prepare_*` refill in
+place, so a batch of n live requests prepared with `pad_to=b` (b a captured size) is exactly what the graph
+captured for b reads. The graph is captured on an all-padding batch (no live rows), which writes no state
+and no KV, so capturing at start-up never disturbs a request.
+
+What a replay needs from the forward: no host reads of device values (`.item()`, `bool(t)`, data-dependent
+shapes), no host-to-device copies, every per-batch tensor taken from the batch. The kernel wrappers skip their
+value checks while a graph is being captured; `prepare_*` validates instead, outside the graph.
+
+On CPU, or with `enabled=False` (the server's `--enforce-eager`), nothing is captured and `run` calls the
+forward eagerly; callers use the same code either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hyspec_statepool.indices import ReqRows
+from torch import Tensor
+
+from hyspec_attn_backends.backend import HybridBackend
+from hyspec_attn_backends.batch import ForwardBatch
+from hyspec_attn_backends.modes import ForwardMode
+
+# what a graph captures: batch -> output tensors (e.g. hidden states, logits); the outputs of a replay are
+# the graph's own static tensors, overwritten by the next replay of the same graph
+ForwardFn = Callable[[ForwardBatch], tuple[Tensor, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class GraphKey:
+    """What a captured graph is specialised to: mode, padded batch size, verify block size, tree or chain."""
+
+    mode: ForwardMode
+    batch_size: int
+    verify_len: int = 0
+    tree: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.mode.is_graph_capturable:
+            raise ValueError(f"mode: expected DECODE or TARGET_VERIFY, got {self.mode}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size: expected >= 1, got {self.batch_size}")
+        if self.mode is ForwardMode.DECODE and (self.verify_len or self.tree):
+            raise ValueError("verify_len, tree: only for TARGET_VERIFY graphs")
+        if self.mode is ForwardMode.TARGET_VERIFY and self.verify_len < 1:
+            raise ValueError(f"verify_len: expected D >= 1 for a TARGET_VERIFY graph, got {self.verify_len}")
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> GraphKey | None:
+        """The key a batch would replay under, or None for a mode that is never captured."""
+        if not batch.mode.is_graph_capturable or batch.num_seqs == 0:
+            return None
+        return cls(batch.mode, batch.num_seqs, batch.verify_len, batch.is_tree)
+
+
+def batch_pointers(batch: ForwardBatch) -> tuple[int, ...]:
+    """Addresses of every tensor a forward reads from the batch (a replay needs the captured ones)."""
+    tensors: list[Tensor | None] = [
+        batch.input_ids,
+        batch.positions,
+        batch.page_table,
+        batch.cu_seqlens_q,
+        batch.q_lens,
+        batch.prefix_lens,
+        batch.kv_lens,
+        batch.has_initial_state,
+        None if batch.state_slots is None else batch.state_slots.tensor,
+        None if batch.batch_rows is None else batch.batch_rows.tensor,
+        None if batch.kv_slots is None else batch.kv_slots.tensor,
+        batch.tree_parents,
+        batch.tree_mask,
+    ]
+    return tuple(0 if t is None else t.data_ptr() for t in tensors)
+
+
+@dataclass(slots=True)
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    outputs: tuple[Tensor, ...]
+    pointers: tuple[int, ...]
+
+
+class CudaGraphRunner:
+    """Capture `forward(batch)` for a set of padded batch sizes and replay it after a refill.
+
+    Args:
+        backend: the backend whose buffers the batches live in (and whose pool the forward uses).
+        forward: batch -> output tensors; called eagerly for warm-up and fallback, and once under capture.
+        enabled: False turns graphs off (eager everywhere). Graphs are also off on a non-CUDA pool.
+        warmup_runs: eager runs before each capture (Triton compiles and autotunes there, not in the graph).
+
+    Usage (server step): `b = runner.padded_size(ForwardMode.DECODE, n)`; `batch =
+    backend.prepare_decode(..., pad_to=b)` (or `runner.prepare_decode(...)`, which does both); `outs =
+    runner.run(batch)`; use rows `[:batch.num_live]` (verify: `[:num_live * D]`) before the next replay.
+    """
+
+    def __init__(
+        self, backend: HybridBackend, forward: ForwardFn, *, enabled: bool = True, warmup_runs: int = 2
+    ) -> None:
+        if warmup_runs < 1:
+            raise ValueError(f"warmup_runs: expected >= 1, got {warmup_runs}")
+        self.backend = backend
+        self.forward = forward
+        self.warmup_runs = warmup_runs
+        self.active = bool(enabled) and backend.pool.device.type == "cuda" and torch.cuda.is_available()
+        self.num_replays = 0
+        self.num_eager = 0
+        self._graphs: dict[GraphKey, _Captured] = {}
+        self._mempool: Any = None  # torch.cuda graph pool handle, shared by every graph of this runner
+
+    # ------------------------------------------------------------------ capture
+
+    def capture_decode(self, batch_sizes: Sequence[int]) -> None:
+        """Capture DECODE graphs for these padded batch sizes (no-op when inactive)."""
+        self._capture_all([GraphKey(ForwardMode.DECODE, b) for b in batch_sizes])
+
+    def capture_verify(self, batch_sizes: Sequence[int], *, verify_len: int, tree: bool = False) -> None:
+        """Capture TARGET_VERIFY graphs for a fixed block size D, chain or tree (no-op when inactive)."""
+        self._capture_all(
+            [GraphKey(ForwardMode.TARGET_VERIFY, b, verify_len=verify_len, tree=tree) for b in batch_sizes]
+        )
+
+    def _capture_all(self, keys: list[GraphKey]) -> None:
+        limit = self.backend.buffers.max_seqs
+        for key in keys:
+            if key.batch_size > limit:
+                raise ValueError(f"batch_sizes: expected sizes <= the backend's max_seqs {limit}, got {key}")
+        if not self.active:
+            return
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        # largest first: smaller graphs then reuse the pool memory the largest one reserved
+        for key in sorted(keys, key=lambda k: -k.batch_size):
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(key)
+
+    def _padding_batch(self, key: GraphKey) -> ForwardBatch:
+        """A batch of `key.batch_size` padded rows and no live request: it writes no state and no KV."""
+        pool, dev = self.backend.pool, self.backend.pool.device
+        none = pool.req_rows([])
+        if key.mode is ForwardMode.DECODE:
+            return self.backend.prepare_decode(
+                req_rows=none,
+                input_ids=torch.zeros(0, dtype=torch.int64, device=dev),
+                prefix_lens=[],
+                pad_to=key.batch_size,
+            )
+        parents = torch.zeros(0, key.verify_len, dtype=torch.int32, device=dev) if key.tree else None
+        return self.backend.prepare_verify(
+            req_rows=none,
+            block_tokens=torch.zeros(0, key.verify_len, dtype=torch.int64, device=dev),
+            prefix_lens=[],
+            tree_parents=parents,
+            pad_to=key.batch_size,
+        )
+
+    def _capture(self, key: GraphKey) -> _Captured:
+        batch = self._padding_batch(key)
+        with torch.no_grad():
+            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup_runs):
+                    self.forward(batch)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self._mempool):
+                    outputs = tuple(self.forward(batch))
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"CUDA graph capture of {key} failed (a host sync or host-to-device copy inside the "
+                    f"forward?): {exc}"
+                ) from exc
+        return _Captured(graph, outputs, batch_pointers(batch))
+
+    # ------------------------------------------------------------------ replay
+
+    def captured_sizes(self, mode: ForwardMode, *, verify_len: int = 0, tree: bool = False) -> list[int]:
+        """Captured padded batch sizes for this mode (and D, tree), ascending."""
+        return sorted(
+            k.batch_size
+            for k in self._graphs
+            if k.mode is mode and k.verify_len == verify_len and k.tree == tree
+        )
+
+    def padded_size(
+        self, mode: ForwardMode, n: int, *, verify_len: int = 0, tree: bool = False
+    ) -> int | None:
+        """The smallest captured size >= n, or None (run unpadded and eager)."""
+        for b in self.captured_sizes(mode, verify_len=verify_len, tree=tree):
+            if b >= n:
+                return b
+        return None
+
+    def prepare_decode(
+        self, *, req_rows: ReqRows, input_ids: Tensor, prefix_lens: Sequence[int] | Tensor
+    ) -> ForwardBatch:
+        """`backend.prepare_decode`, padded to the captured size that fits (unpadded if none does)."""
+        pad_to = self.padded_size(ForwardMode.DECODE, len(req_rows))
+        return self.backend.prepare_decode(
+            req_rows=req_rows, input_ids=input_ids, prefix_lens=prefix_lens, pad_to=pad_to
+        )
+
+    def prepare_verify(
+        self,
+        *,
+        req_rows: ReqRows,
+        block_tokens: Tensor,
+        prefix_lens: Sequence[int] | Tensor,
+        tree_parents: Tensor | None = None,
+    ) -> ForwardBatch:
+        """`backend.prepare_verify`, padded to the captured size that fits (unpadded if none does)."""
+        d = int(block_tokens.shape[-1]) if block_tokens.dim() == 2 else 0
+        pad_to = self.padded_size(
+            ForwardMode.TARGET_VERIFY, len(req_rows), verify_len=d, tree=tree_parents is not None
+        )
+        return self.backend.prepare_verify(
+            req_rows=req_rows,
+            block_tokens=block_tokens,
+            prefix_lens=prefix_lens,
+            tree_parents=tree_parents,
+            pad_to=pad_to,
+        )
+
+    def can_replay(self, batch: ForwardBatch) -> bool:
+        """A graph was captured for this batch's key, reading the very buffers this batch lives in."""
+        key = GraphKey.of(batch)
+        captured = None if key is None else self._graphs.get(key)
+        return captured is not None and captured.pointers == batch_pointers(batch)
+
+    def run(self, batch: ForwardBatch) -> tuple[Tensor, ...]:
+        """Replay the graph captured for this batch, or run the forward eagerly when there is none.
+
+        A replay returns the graph's static output tensors: read (or copy) them before the next replay.
+        """
+        key = GraphKey.of(batch)
+        captured = None if key is None else self._graphs.get(key)
+        if captured is not None and captured.pointers == batch_pointers(batch):
+            captured.graph.replay()
+            self.num_replays += 1
+            return captured.outputs
+        self.num_eager += 1
+        with torch.no_grad():
+            return tuple(self.forward(batch))
+
+    def release(self) -> None:
+        """Drop every graph (and with the last reference, the memory they hold)."""
+        self._graphs.clear()
+        self._mempool = None

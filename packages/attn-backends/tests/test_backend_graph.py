@@ -1,0 +1,339 @@
+"""Padded DECODE / TARGET_VERIFY batches (the CUDA-graph batch shapes) and the graph runner's CPU bypass.
+
+A batch of n live requests padded to b rows must give the live rows the same outputs as the unpadded batch and
+leave every other state slot (free ones, slot 0, live requests outside the batch) and every KV slot except the
+live tokens' own bit-identical (bug class 3). Runs on a synthetic GDN + short conv + attention stack with a
+debug pool (free slots, slot 0, free pages and scratch NaN-poisoned) where request rows, state slots and batch
+rows all differ.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hyspec_attn_backends import (
+    AttentionLayer,
+    CudaGraphRunner,
+    ForwardBatch,
+    ForwardMode,
+    GDNLayer,
+    GraphKey,
+    HybridBackend,
+    ShortConvLayer,
+    batch_pointers,
+    model_state_specs,
+)
+from hyspec_statepool import DraftShape, HybridStatePool, MemoryPlan, StateDtypes
+
+F32 = StateDtypes(kv=torch.float32, conv=torch.float32, recurrent=torch.float32)
+GDN = GDNLayer(layer_id=0, num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8, conv_width=4)
+CONV = ShortConvLayer(layer_id=1, channels=8, conv_width=3)
+ATTN = AttentionLayer(layer_id=2, num_heads=2, num_kv_heads=1, head_dim=8, scale=8**-0.5)
+LAYERS = [GDN, CONV, ATTN]
+TYPES = ["linear_attention", "conv", "full_attention"]
+VOCAB = 50
+SCRATCH = ("scratch",)  # pool tensor names holding verify scratch (padded rows may write their own rows)
+
+
+class Toy:
+    """Per-token inputs of each layer as a function of the token id; returns every layer's output."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+
+        def r(*shape: int, scale: float = 1.0) -> torch.Tensor:
+            return torch.randn(*shape, generator=g) * scale
+
+        self.qkv, self.a, self.b = r(VOCAB, GDN.conv_dim), r(VOCAB, 2), r(VOCAB, 2)
+        self.x, self.q, self.k, self.v = r(VOCAB, 8), r(VOCAB, 2, 8), r(VOCAB, 1, 8), r(VOCAB, 1, 8)
+        self.w_gdn, self.w_conv, self.bias = r(GDN.conv_dim, 1, 4, scale=0.5), r(8, 1, 3, scale=0.5), r(8)
+        self.A_log, self.dt_bias = r(2, scale=0.3), r(2, scale=0.3)
+
+    def run(self, be: HybridBackend, batch: ForwardBatch) -> torch.Tensor:
+        ids = batch.input_ids
+        o1 = be.gdn(
+            GDN,
+            self.qkv[ids],
+            a=self.a[ids],
+            b=self.b[ids],
+            conv_weight=self.w_gdn,
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
+            batch=batch,
+        )
+        o2 = be.short_conv(CONV, self.x[ids], conv_weight=self.w_conv, conv_bias=self.bias, batch=batch)
+        o3 = be.attention(ATTN, self.q[ids], self.k[ids], self.v[ids], batch)
+        return torch.cat([o1.flatten(1), o2, o3.flatten(1)], dim=-1)  # [T, 40]
+
+
+def _backend() -> HybridBackend:
+    plan = MemoryPlan(
+        specs=model_state_specs(LAYERS),
+        max_context=32,
+        max_running=7,
+        draft_shape=DraftShape(kind="chain", num_steps=5),  # Dmax 6
+        page_size=2,
+        num_state_slots=12,
+        num_kv_pages=7 * 20,
+        dtypes=F32,
+    )
+    return HybridBackend(HybridStatePool(plan, debug=True), layers=LAYERS, layer_types=TYPES)
+
+
+def _setup(toy: Toy) -> tuple[HybridBackend, dict[str, int]]:
+    """Four live requests with prompts (rows, slots and later batch rows all differ), some slots freed."""
+    be = _backend()
+    pool = be.pool
+    pool.alloc_detached_slots(2)
+    pool.alloc(["d0", "d1", "d2"])
+    pool.free(["d0", "d2"])
+    g = torch.Generator().manual_seed(1)
+    prompts = {
+        f"r{i}": torch.randint(0, VOCAB, (n,), generator=g).tolist() for i, n in enumerate((5, 3, 7, 4))
+    }
+    ids = list(prompts)
+    pool.alloc(ids)
+    pool.ensure_kv_capacity(ids, [len(p) for p in prompts.values()])
+    batch = be.prepare_extend(
+        req_rows=pool.req_rows(ids),
+        input_ids=torch.tensor([t for p in prompts.values() for t in p]),
+        q_lens=[len(p) for p in prompts.values()],
+        prefix_lens=[0] * len(ids),
+    )
+    toy.run(be, batch)
+    return be, {r: len(p) for r, p in prompts.items()}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor: NaN-poisoned entries compare equal to themselves."""
+    return t.detach().contiguous().view(torch.uint8)
+
+
+def _snapshot(be: HybridBackend) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in be.pool.tensors().items()}
+
+
+def _restore(be: HybridBackend, snap: dict[str, torch.Tensor]) -> None:
+    for name, t in be.pool.tensors().items():
+        t.copy_(snap[name])
+
+
+def _live_slots(be: HybridBackend, ids: list[str]) -> list[int]:
+    return be.pool.state_slots(be.pool.req_rows(ids)).tolist()
+
+
+def _assert_only_changed(
+    be: HybridBackend,
+    before: dict[str, torch.Tensor],
+    *,
+    slots: list[int],
+    kv_slots: list[int],
+    scratch_rows: int | None = None,
+) -> None:
+    """Every state slot but `slots`, every KV slot but `kv_slots` (scratch rows < scratch_rows) unchanged."""
+    for name, now in be.pool.tensors().items():
+        old = before[name]
+        if name.startswith("table."):
+            assert torch.equal(now, old), name
+            continue
+        if name.startswith("kv."):
+            keep = torch.ones(now.shape[1] * now.shape[2], dtype=torch.bool)  # [P * page_size]
+            keep[kv_slots] = False
+            flat_now, flat_old = now.flatten(1, 2), old.flatten(1, 2)  # [L, P * page_size, HKV, Dh]
+            assert torch.equal(_bits(flat_now[:, keep]), _bits(flat_old[:, keep])), name
+            continue
+        if any(s in name for s in SCRATCH):
+            if scratch_rows is not None:
+                assert torch.equal(_bits(now[:, :scratch_rows]), _bits(old[:, :scratch_rows])), name
+            continue
+        keep = torch.ones(now.shape[1], dtype=torch.bool)  # [S + 1] slots
+        keep[slots] = False
+        assert torch.equal(_bits(now[:, keep]), _bits(old[:, keep])), (
+            f"{name}: a slot outside the batch changed"
+        )
+
+
+def _new_kv_slots(batch: ForwardBatch) -> list[int]:
+    assert batch.kv_slots is not None
+    return [s for s in batch.kv_slots.tolist() if s >= 0]
+
+
+def test_padded_batch_layout_and_stable_addresses() -> None:
+    toy = Toy()
+    be, lens = _setup(toy)
+    pool = be.pool
+    ids = ["r2", "r0", "r3"]
+    rows = pool.req_rows(ids)
+    pool.ensure_kv_capacity(ids, [lens[r] + 1 for r in ids])
+    small = be.prepare_decode(req_rows=pool.req_rows(ids[:1]), input_ids=torch.tensor([1]), prefix_lens=[5])
+    small_ptrs = batch_pointers(small)
+    batch = be.prepare_decode(
+        req_rows=rows, input_ids=torch.tensor([4, 5, 6]), prefix_lens=[lens[r] for r in ids], pad_to=5
+    )
+    assert (batch.num_seqs, batch.num_live, batch.num_padded, batch.num_tokens) == (5, 3, 2, 5)
+    assert batch.state_slots is not None and batch.kv_slots is not None and batch.batch_rows is not None
+    assert batch.state_slots.tolist()[3:] == [-1, -1] and -1 not in batch.state_slots.tolist()[:3]
+    assert batch.state_slots.tolist()[:3] == _live_slots(be, ids)
+    assert batch.kv_slots.tolist()[3:] == [-1, -1] and min(batch.kv_slots.tolist()[:3]) >= 0
+    assert batch.batch_rows.tolist() == [0, 1, 2, 3, 4]
+    assert batch.input_ids.tolist() == [4, 5, 6, 0, 0] and batch.positions.tolist()[3:] == [0, 0]
+    assert batch.q_lens.tolist() == [1] * 5 and batch.kv_lens.tolist() == [lens[r] + 1 for r in ids] + [1, 1]
+    assert batch.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4, 5]
+    assert batch.page_table[3:].eq(0).all() and not batch.has_initial_state[3:].any()
+    assert len(batch.req_rows or []) == 3
+    # the same storage whatever the batch: what a captured graph reads
+    assert batch_pointers(batch) == small_ptrs
+    again = be.prepare_decode(
+        req_rows=rows, input_ids=torch.tensor([1, 2, 3]), prefix_lens=[1, 2, 3], pad_to=5
+    )
+    assert batch_pointers(again) == small_ptrs
+
+
+def test_pad_to_rejects_bad_sizes() -> None:
+    toy = Toy()
+    be, lens = _setup(toy)
+    pool = be.pool
+    rows = pool.req_rows(["r0", "r1"])
+    kw = {"req_rows": rows, "input_ids": torch.tensor([1, 2]), "prefix_lens": [lens["r0"], lens["r1"]]}
+    with pytest.raises(ValueError, match="pad_to"):
+        be.prepare_decode(**kw, pad_to=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pad_to"):
+        be.prepare_decode(**kw, pad_to=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_seqs"):
+        be.prepare_decode(**kw, pad_to=be.buffers.max_seqs + 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="req_rows"):
+        be.prepare_decode(
+            req_rows=pool.req_rows(["r0", "r0"]), input_ids=torch.tensor([1, 2]), prefix_lens=[5, 5]
+        )
+
+
+@pytest.mark.parametrize("n_live", [3, 0])
+def test_padded_decode_equals_unpadded_and_touches_only_live_state(n_live: int) -> None:
+    toy = Toy()
+    be, lens = _setup(toy)
+    pool = be.pool
+    ids = ["r2", "r0", "r3"][:n_live]  # r1 stays live outside the batch
+    pool.ensure_kv_capacity(ids, [lens[r] + 1 for r in ids])
+    kw = {
+        "req_rows": pool.req_rows(ids),
+        "input_ids": torch.tensor([7, 8, 9][:n_live], dtype=torch.long),
+        "prefix_lens": [lens[r] for r in ids],
+    }
+    before = _snapshot(be)
+    plain = be.prepare_decode(**kw)  # type: ignore[arg-type]
+    want = toy.run(be, plain)
+    after_plain = _snapshot(be)
+    _restore(be, before)
+
+    padded = be.prepare_decode(**kw, pad_to=6)  # type: ignore[arg-type]
+    got = toy.run(be, padded)
+    assert got.shape == (6, want.shape[1])
+    torch.testing.assert_close(got[:n_live], want, rtol=0, atol=1e-6)
+    assert torch.isfinite(got[:n_live]).all()
+    _assert_only_changed(be, before, slots=_live_slots(be, ids), kv_slots=_new_kv_slots(padded))
+    for name, t in be.pool.tensors().items():
+        torch.testing.assert_close(t, after_plain[name], rtol=0, atol=1e-6, equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_padded_verify_and_commit_equal_unpadded(tree: bool) -> None:
+    toy = Toy()
+    be, lens = _setup(toy)
+    pool = be.pool
+    ids = ["r3", "r1"]
+    d = 4
+    pool.ensure_kv_capacity(ids, [lens[r] + d for r in ids])
+    g = torch.Generator().manual_seed(2)
+    block = torch.randint(0, VOCAB, (len(ids), d), generator=g)
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 1]], dtype=torch.int32) if tree else None
+    kw = {"req_rows": pool.req_rows(ids), "block_tokens": block, "prefix_lens": [lens[r] for r in ids]}
+    num_accepted = torch.tensor([2, 1])
+    paths = torch.tensor([[0, 1, 3, -1], [0, 1, -1, -1]]) if tree else None
+
+    before = _snapshot(be)
+    plain = be.prepare_verify(**kw, tree_parents=parents)  # type: ignore[arg-type]
+    want = toy.run(be, plain)
+    be.commit_after_verify(batch=plain, num_accepted=num_accepted, accept_paths=paths)
+    after_plain = _snapshot(be)
+    _restore(be, before)
+
+    padded = be.prepare_verify(**kw, tree_parents=parents, pad_to=5)  # type: ignore[arg-type]
+    assert padded.num_padded == 3 and padded.num_tokens == 5 * d and padded.is_tree == tree
+    if tree:
+        assert padded.tree_parents is not None and padded.tree_parents[2:].tolist() == [[-1, 0, 1, 2]] * 3
+    got = toy.run(be, padded)
+    torch.testing.assert_close(got[: len(ids) * d], want, rtol=0, atol=1e-6)
+    # verify alone: committed state untouched everywhere, scratch of the live rows as unpadded
+    _assert_only_changed(be, before, slots=[], kv_slots=_new_kv_slots(padded))
+    with pytest.raises(ValueError, match="num_accepted"):
+        be.commit_after_verify(
+            batch=padded, num_accepted=torch.tensor([2, 1, -1, -1, -1]), accept_paths=paths
+        )
+    be.commit_after_verify(batch=padded, num_accepted=num_accepted, accept_paths=paths)
+    _assert_only_changed(be, before, slots=_live_slots(be, ids), kv_slots=_new_kv_slots(padded))
+    for name, t in be.pool.tensors().items():
+        if any(s in name for s in SCRATCH):
+            t, ref = t[:, : len(ids)], after_plain[name][:, : len(ids)]
+        else:
+            ref = after_plain[name]
+        torch.testing.assert_close(t, ref, rtol=0, atol=1e-6, equal_nan=True, msg=name)
+
+
+def test_graph_runner_is_bypassed_on_cpu() -> None:
+    toy = Toy()
+    be, lens = _setup(toy)
+    pool = be.pool
+    calls: list[ForwardBatch] = []
+
+    def forward(batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        calls.append(batch)
+        return (toy.run(be, batch),)
+
+    runner = CudaGraphRunner(be, forward)
+    assert not runner.active
+    runner.capture_decode([1, 2, 4])
+    runner.capture_verify([1, 2], verify_len=3, tree=True)
+    assert calls == [] and runner.captured_sizes(ForwardMode.DECODE) == []
+    assert runner.padded_size(ForwardMode.DECODE, 1) is None
+    ids = ["r0", "r1"]
+    pool.ensure_kv_capacity(ids, [lens[r] + 1 for r in ids])
+    batch = runner.prepare_decode(
+        req_rows=pool.req_rows(ids), input_ids=torch.tensor([3, 4]), prefix_lens=[lens[r] for r in ids]
+    )
+    assert batch.num_padded == 0 and not runner.can_replay(batch)
+    (out,) = runner.run(batch)
+    assert out.shape[0] == 2 and len(calls) == 1 and (runner.num_eager, runner.num_replays) == (1, 0)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        runner.capture_decode([be.buffers.max_seqs + 1])
+
+
+def test_graph_key_validation() -> None:
+    with pytest.raises(ValueError, match="mode"):
+        GraphKey(ForwardMode.EXTEND, 4)
+    with pytest.raises(ValueError, match="verify_len"):
+        GraphKey(ForwardMode.TARGET_VERIFY, 4)
+    with pytest.raises(ValueError, match="verify_len"):
+        GraphKey(ForwardMode.DECODE, 4, verify_len=2)
+    with pytest.raises(ValueError, match="batch_size"):
+        GraphKey(ForwardMode.DECODE, 0)
+
+
+def test_index_copy_into_buffer() -> None:
+    be = _backend()
+    pool = be.pool
+    rows = pool.alloc(["a", "b"])
+    buf = torch.full((6,), 7, dtype=torch.int32)
+    slots = pool.state_slots(rows).copy_into(buf, pad_to=4)
+    assert (
+        slots.tolist() == [*pool.state_slots(rows).tolist(), -1, -1]
+        and slots.tensor.data_ptr() == buf.data_ptr()
+    )
+    assert buf.tolist()[4:] == [7, 7]
+    with pytest.raises(ValueError, match="pad_to"):
+        rows.copy_into(buf, pad_to=3)  # request rows are never padded
+    with pytest.raises(ValueError, match="pad_to"):
+        pool.state_slots(rows).copy_into(buf, pad_to=1)
+    with pytest.raises(ValueError, match="buffer"):
+        pool.state_slots(rows).copy_into(torch.zeros(6, dtype=torch.int64))
+    with pytest.raises(ValueError, match="buffer"):
+        pool.state_slots(rows).copy_into(buf, pad_to=7)
