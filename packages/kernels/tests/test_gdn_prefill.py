@@ -58,8 +58,8 @@ def _expected(
     return torch.cat(outs), finals, chunk_states
 
 
-# triton runs in the interpreter on CPU: keep its heads few
-CASES = [("torch", 2, 4, 16, 32), ("reference", 2, 4, 16, 32), ("triton", 1, 2, 16, 16)]
+# odd head dims (24, 48) exercise the masked tails of the Triton tiles
+CASES = [("torch", 2, 4, 16, 32), ("reference", 2, 4, 16, 32), ("triton", 2, 4, 24, 48)]
 
 
 @pytest.mark.parametrize(("backend", "hk", "hv", "dk", "dv"), CASES)
@@ -218,6 +218,33 @@ def test_prefill_strong_decay_and_empty_sequence() -> None:
         torch.testing.assert_close(out.o, o_ref, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(st, torch.stack(finals), rtol=1e-4, atol=1e-4)
         assert torch.equal(st[1], before[1])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_prefill_repeated_keys_no_decay(backend: str) -> None:
+    """Hardest (I + A) solve: one key repeated, beta = 1, g = 0, so every A entry below the diagonal is 1."""
+    t, hk, hv, dk, dv = 130, 1, 2, 16, 16
+    gen = torch.Generator().manual_seed(11)
+    k = torch.randn(1, hk, dk, generator=gen).expand(t, hk, dk).contiguous()
+    q = torch.randn(t, hk, dk, generator=gen)
+    v = torch.randn(t, hv, dv, generator=gen)
+    g, beta = torch.zeros(t, hv), torch.ones(t, hv)
+    state = torch.zeros(1, hv, dk, dv)
+    out = gdn_prefill(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        cu_seqlens=torch.tensor([0, t]),
+        state=state,
+        state_slots=torch.tensor([0]),
+        has_initial_state=torch.tensor([False]),
+        backend=backend,  # type: ignore[arg-type]
+    )
+    ref = gdn_reference_sequence(q, k, v, g, beta)
+    torch.testing.assert_close(out.o, ref.o, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(state[0], ref.final_state, rtol=1e-4, atol=1e-5)
 
 
 def test_prefill_triton_bf16_inputs() -> None:

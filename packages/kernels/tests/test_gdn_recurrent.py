@@ -12,7 +12,7 @@ import torch
 from hyspec_kernels.gdn import gdn_decode, gdn_prefill, gdn_reference_sequence, gdn_reference_tree, gdn_verify
 
 NAN = float("nan")
-HK, HV, DK, DV = 2, 4, 16, 16
+HK, HV, DK, DV = 2, 4, 16, 24  # DV = 24: two V tiles of 16, the second one masked
 
 
 def _tokens(lead: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:

@@ -11,6 +11,7 @@ skipped while a CUDA graph is being captured.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -19,7 +20,6 @@ from .._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     Backend,
-    check_cu_seqlens,
     check_index,
     check_tensor,
     resolve_backend,
@@ -128,8 +128,14 @@ def gdn_prefill(
     q, k, v, g, beta, _hk, head_k, hv, head_v = _check_qkv(q, k, v, g, beta, ("T",))
     dev, num_tokens = q.device, q.shape[0]
     state = _check_state(state, hv, head_k, head_v, dev)
-    cu_seqlens = check_cu_seqlens("cu_seqlens", cu_seqlens, num_tokens, device=dev)
-    num_seqs = cu_seqlens.numel() - 1
+    cu_seqlens = check_tensor("cu_seqlens", cu_seqlens, (None,), dtypes=INDEX_DTYPES, device=dev)
+    # one host read serves both the checks and the Triton launch grids
+    cu_host = [int(x) for x in cu_seqlens.tolist()]
+    if not cu_host or cu_host[0] != 0 or cu_host[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens: expected [N + 1] offsets from 0 to {num_tokens}, got {cu_host}")
+    if any(b < a for a, b in itertools.pairwise(cu_host)):
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {cu_host}")
+    num_seqs = len(cu_host) - 1
     check = _check_indices_now(check_indices, dev)
     if check:
         state_slots = check_index(
@@ -152,7 +158,7 @@ def gdn_prefill(
             v.contiguous(),
             g.contiguous(),
             beta.contiguous(),
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=cu_host,
             state=state,
             state_slots=state_slots,
             has_initial_state=has_initial_state.to(torch.int8),

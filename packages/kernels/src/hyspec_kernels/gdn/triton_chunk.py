@@ -69,32 +69,32 @@ def _inv_unit_lower4(a0, a1, a2, a3, BC: tl.constexpr):  # type: ignore[no-untyp
 @triton.jit  # type: ignore[untyped-decorator]
 def _wy_block(  # type: ignore[no-untyped-def]
     k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv,
-    s_kt, s_vt, s_gt, s_gammat,
-    I_BLK: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    K: tl.constexpr, V: tl.constexpr,
+    I_BLK: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
 ):  # fmt: skip
-    # one 16-row block of the chunk: normalised k, beta, gamma (stored), beta k e^gamma and beta v
+    # one BC-row block of the chunk: normalised k, beta, gamma (stored), beta k e^gamma and beta v
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     rows = bos + I_BLK * BC + o_c
     m = rows < end
     m_rk = m[:, None] & (o_k < K)[None, :]
-    b_k = tl.load(k_ptr + rows[:, None] * s_kt + i_hk * K + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+    b_k = tl.load(k_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_rk, other=0.0).to(
+        tl.float32
+    )
     b_rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)  # [BC]
     # the sequential stage scales raw k rows by this instead of re-normalising them
-    tl.store(rk_ptr + rows * s_gammat + i_hv, b_rk, mask=m)
+    tl.store(rk_ptr + rows * HV + i_hv, b_rk, mask=m)
     b_k = b_k * b_rk[:, None]  # [BC, BK]
-    b_beta = tl.load(beta_ptr + rows * s_gt + i_hv, mask=m, other=0.0).to(tl.float32)
-    b_g = tl.load(g_ptr + rows * s_gt + i_hv, mask=m, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta_ptr + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
+    b_g = tl.load(g_ptr + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
     before = tl.sum(tl.where(tl.arange(0, BT) < I_BLK * BC, g64, 0.0))
     b_gamma = before + tl.cumsum(b_g, 0)  # [BC]
-    tl.store(gamma_ptr + rows * s_gammat + i_hv, b_gamma, mask=m)
-    b_v = tl.load(
-        v_ptr + rows[:, None] * s_vt + i_hv * V + o_v[None, :],
-        mask=m[:, None] & (o_v < V)[None, :],
-        other=0.0,
-    ).to(tl.float32)
+    tl.store(gamma_ptr + rows * HV + i_hv, b_gamma, mask=m)
+    m_v = m[:, None] & (o_v < V)[None, :]
+    b_v = tl.load(v_ptr + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_v, other=0.0).to(
+        tl.float32
+    )
     b_kb = b_k * b_beta[:, None]
     return b_k, b_kb, b_gamma, b_kb * tl.exp(b_gamma)[:, None], b_v * b_beta[:, None]
 
@@ -113,14 +113,28 @@ def _a_diag(b_kb, b_k, gamma, LOWP: tl.constexpr, BC: tl.constexpr):  # type: ig
     return tl.where(strict, _mm(b_kb, tl.trans(b_k), LOWP) * decay, 0.0)
 
 
+@triton.jit
+def _ieee(a, b):  # type: ignore[no-untyped-def]
+    return tl.dot(a, b, input_precision="ieee")
+
+
 @triton.jit  # type: ignore[untyped-decorator]
 def _store_rows(  # type: ignore[no-untyped-def]
-    ptr, x, bos, end, s_t, col0, I_BLK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, D: tl.constexpr
+    ptr,
+    x,
+    bos,
+    end,
+    col0,
+    I_BLK: tl.constexpr,
+    BC: tl.constexpr,
+    BD: tl.constexpr,
+    D: tl.constexpr,
+    ROW: tl.constexpr,
 ):
     rows = bos + I_BLK * BC + tl.arange(0, BC)
     o_d = tl.arange(0, BD)
     mask = (rows < end)[:, None] & (o_d < D)[None, :]
-    tl.store(ptr + rows[:, None] * s_t + col0 + o_d[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr + rows[:, None] * ROW + col0 + o_d[None, :], x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -152,24 +166,25 @@ def gdn_chunk_wy_kernel(  # type: ignore[no-untyped-def]
     i_hk = i_hv // (HV // HK)
     bos = tl.load(chunk_start_ptr + i_c).to(tl.int64)
     end = tl.load(chunk_end_ptr + i_c).to(tl.int64)
-    s_kt = HK * K
-    s_vt = HV * V
-    s_gt = HV
     o_t = bos + tl.arange(0, BT)
-    g64 = tl.load(g_ptr + o_t * s_gt + i_hv, mask=o_t < end, other=0.0).to(tl.float32)  # [BT]
+    g64 = tl.load(g_ptr + o_t * HV + i_hv, mask=o_t < end, other=0.0).to(tl.float32)  # [BT]
 
     k0, kb0, gm0, kg0, vb0 = _wy_block(
-        k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv, s_kt, s_vt, s_gt, s_gt,
-        0, BC, BT, BK, BV, K, V)  # fmt: skip
+        k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv,
+        0, HK, HV, BC, BT, BK, BV, K, V,
+    )  # fmt: skip
     k1, kb1, gm1, kg1, vb1 = _wy_block(
-        k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv, s_kt, s_vt, s_gt, s_gt,
-        1, BC, BT, BK, BV, K, V)  # fmt: skip
+        k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv,
+        1, HK, HV, BC, BT, BK, BV, K, V,
+    )  # fmt: skip
     k2, kb2, gm2, kg2, vb2 = _wy_block(
-        k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv, s_kt, s_vt, s_gt, s_gt,
-        2, BC, BT, BK, BV, K, V)  # fmt: skip
+        k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv,
+        2, HK, HV, BC, BT, BK, BV, K, V,
+    )  # fmt: skip
     k3, kb3, gm3, kg3, vb3 = _wy_block(
-        k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv, s_kt, s_vt, s_gt, s_gt,
-        3, BC, BT, BK, BV, K, V)  # fmt: skip
+        k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv,
+        3, HK, HV, BC, BT, BK, BV, K, V,
+    )  # fmt: skip
 
     # diagonal blocks of (I + A)^-1
     x00, x11, x22, x33 = _inv_unit_lower4(
@@ -186,68 +201,28 @@ def gdn_chunk_wy_kernel(  # type: ignore[no-untyped-def]
     a30 = _a_block(kb3, k0, gm3, gm0, LOWP)
     a31 = _a_block(kb3, k1, gm3, gm1, LOWP)
     a32 = _a_block(kb3, k2, gm3, gm2, LOWP)
-    x10 = -tl.dot(x11, tl.dot(a10, x00, input_precision="ieee"), input_precision="ieee")
-    x21 = -tl.dot(x22, tl.dot(a21, x11, input_precision="ieee"), input_precision="ieee")
-    x32 = -tl.dot(x33, tl.dot(a32, x22, input_precision="ieee"), input_precision="ieee")
-    x20 = -tl.dot(
-        x22,
-        tl.dot(a20, x00, input_precision="ieee") + tl.dot(a21, x10, input_precision="ieee"),
-        input_precision="ieee",
-    )
-    x31 = -tl.dot(
-        x33,
-        tl.dot(a31, x11, input_precision="ieee") + tl.dot(a32, x21, input_precision="ieee"),
-        input_precision="ieee",
-    )
-    x30 = -tl.dot(
-        x33,
-        tl.dot(a30, x00, input_precision="ieee")
-        + tl.dot(a31, x10, input_precision="ieee")
-        + tl.dot(a32, x20, input_precision="ieee"),
-        input_precision="ieee",
-    )
+    x10 = -_ieee(x11, _ieee(a10, x00))
+    x21 = -_ieee(x22, _ieee(a21, x11))
+    x32 = -_ieee(x33, _ieee(a32, x22))
+    x20 = -_ieee(x22, _ieee(a20, x00) + _ieee(a21, x10))
+    x31 = -_ieee(x33, _ieee(a31, x11) + _ieee(a32, x21))
+    x30 = -_ieee(x33, _ieee(a30, x00) + _ieee(a31, x10) + _ieee(a32, x20))
 
     # W = X (beta k e^gamma), U = X (beta v), block row by block row
-    col_w = i_hv * K
-    col_u = i_hv * V
-    _store_rows(w_ptr, _mm(x00, kg0, LOWP), bos, end, HV * K, col_w, 0, BC, BK, K)
-    _store_rows(u_ptr, _mm(x00, vb0, LOWP), bos, end, HV * V, col_u, 0, BC, BV, V)
-    _store_rows(w_ptr, _mm(x10, kg0, LOWP) + _mm(x11, kg1, LOWP), bos, end, HV * K, col_w, 1, BC, BK, K)
-    _store_rows(u_ptr, _mm(x10, vb0, LOWP) + _mm(x11, vb1, LOWP), bos, end, HV * V, col_u, 1, BC, BV, V)
-    _store_rows(
-        w_ptr,
-        _mm(x20, kg0, LOWP) + _mm(x21, kg1, LOWP) + _mm(x22, kg2, LOWP),
-        bos,
-        end,
-        HV * K,
-        col_w,
-        2,
-        BC,
-        BK,
-        K,
-    )
-    _store_rows(
-        u_ptr,
-        _mm(x20, vb0, LOWP) + _mm(x21, vb1, LOWP) + _mm(x22, vb2, LOWP),
-        bos,
-        end,
-        HV * V,
-        col_u,
-        2,
-        BC,
-        BV,
-        V,
-    )
-    _store_rows(
-        w_ptr,
-        _mm(x30, kg0, LOWP) + _mm(x31, kg1, LOWP) + _mm(x32, kg2, LOWP) + _mm(x33, kg3, LOWP),
-        bos, end, HV * K, col_w, 3, BC, BK, K,
-    )  # fmt: skip
-    _store_rows(
-        u_ptr,
-        _mm(x30, vb0, LOWP) + _mm(x31, vb1, LOWP) + _mm(x32, vb2, LOWP) + _mm(x33, vb3, LOWP),
-        bos, end, HV * V, col_u, 3, BC, BV, V,
-    )  # fmt: skip
+    cw = i_hv * K
+    cu = i_hv * V
+    _store_rows(w_ptr, _mm(x00, kg0, LOWP), bos, end, cw, 0, BC, BK, K, HV * K)
+    _store_rows(u_ptr, _mm(x00, vb0, LOWP), bos, end, cu, 0, BC, BV, V, HV * V)
+    _store_rows(w_ptr, _mm(x10, kg0, LOWP) + _mm(x11, kg1, LOWP), bos, end, cw, 1, BC, BK, K, HV * K)
+    _store_rows(u_ptr, _mm(x10, vb0, LOWP) + _mm(x11, vb1, LOWP), bos, end, cu, 1, BC, BV, V, HV * V)
+    w2 = _mm(x20, kg0, LOWP) + _mm(x21, kg1, LOWP) + _mm(x22, kg2, LOWP)
+    _store_rows(w_ptr, w2, bos, end, cw, 2, BC, BK, K, HV * K)
+    u2 = _mm(x20, vb0, LOWP) + _mm(x21, vb1, LOWP) + _mm(x22, vb2, LOWP)
+    _store_rows(u_ptr, u2, bos, end, cu, 2, BC, BV, V, HV * V)
+    w3 = _mm(x30, kg0, LOWP) + _mm(x31, kg1, LOWP) + _mm(x32, kg2, LOWP) + _mm(x33, kg3, LOWP)
+    _store_rows(w_ptr, w3, bos, end, cw, 3, BC, BK, K, HV * K)
+    u3 = _mm(x30, vb0, LOWP) + _mm(x31, vb1, LOWP) + _mm(x32, vb2, LOWP) + _mm(x33, vb3, LOWP)
+    _store_rows(u_ptr, u3, bos, end, cu, 3, BC, BV, V, HV * V)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -404,11 +379,12 @@ def launch_chunk_prefill(
     g: torch.Tensor,  # [T, HV] fp32 contiguous
     beta: torch.Tensor,  # [T, HV] fp32 contiguous
     *,
-    cu_seqlens: torch.Tensor,  # [N + 1]
+    cu_seqlens: list[int],  # [N + 1] on the host: the launch grids need the chunk layout anyway
     state: torch.Tensor,  # [S, HV, K, V]
     state_slots: torch.Tensor,  # [N]
-    has_initial_state: torch.Tensor,  # [N] bool
+    has_initial_state: torch.Tensor,  # [N] int8
     return_chunk_states: bool,
+    tiles: tuple[int, int, int, int, int] | None = None,  # launch-shape override, for tuning
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Runs the three stages.
 
@@ -417,21 +393,25 @@ def launch_chunk_prefill(
     num_tokens, num_k_heads, head_k = q.shape
     num_v_heads, head_v = v.shape[1], v.shape[2]
     dev = q.device
-    num_seqs = cu_seqlens.numel() - 1
+    num_seqs = len(cu_seqlens) - 1
     bt = CHUNK_SIZE
 
-    cu = cu_seqlens.to(torch.int64)
-    lens = cu[1:] - cu[:-1]
-    num_chunks = (lens + bt - 1) // bt  # [N]
-    chunk_off = torch.zeros(num_seqs + 1, dtype=torch.int64, device=dev)
-    chunk_off[1:] = torch.cumsum(num_chunks, 0)
-    # the one host sync: the launch grids need the chunk count
-    total_chunks = int(chunk_off[-1])
-    seq_of_chunk = torch.repeat_interleave(
-        torch.arange(num_seqs, device=dev), num_chunks, output_size=total_chunks
-    )
-    chunk_start = cu[seq_of_chunk] + bt * (torch.arange(total_chunks, device=dev) - chunk_off[seq_of_chunk])
-    chunk_end = torch.minimum(chunk_start + bt, cu[seq_of_chunk + 1])
+    # chunk layout built on the host and sent in one copy: few small launches before the kernels
+    chunk_start: list[int] = []
+    chunk_end: list[int] = []
+    chunk_off = [0]
+    for n in range(num_seqs):
+        bos, eos = cu_seqlens[n], cu_seqlens[n + 1]
+        starts = list(range(bos, eos, bt))
+        chunk_start += starts
+        chunk_end += [min(c + bt, eos) for c in starts]
+        chunk_off.append(chunk_off[-1] + len(starts))
+    total_chunks = chunk_off[-1]
+    meta = torch.tensor(chunk_start + chunk_end + chunk_off + cu_seqlens, dtype=torch.int32).to(dev)
+    starts_d = meta[:total_chunks]
+    ends_d = meta[total_chunks : 2 * total_chunks]
+    chunk_off_d = meta[2 * total_chunks : 2 * total_chunks + num_seqs + 1]
+    cu_d = meta[2 * total_chunks + num_seqs + 1 :]
 
     lowp = q.dtype != torch.float32
     # the interpreter multiplies bf16 blocks as raw bits, so on CPU the products stay fp32
@@ -449,23 +429,26 @@ def launch_chunk_prefill(
     bk = max(triton.next_power_of_2(head_k), 16)
     bv_full = max(triton.next_power_of_2(head_v), 16)
     common = {"HK": num_k_heads, "HV": num_v_heads, "K": head_k, "V": head_v, "BK": bk, "LOWP": dot_lowp}
+    # launch shapes: (wy warps, state V tile, state warps, output V tile, output warps); the sequential stage
+    # has only N * HV * NV programs, so narrower V tiles when there are few sequences
+    few = num_seqs * num_v_heads < 256
+    cfg = tiles or (4, 32 if few else 64, 4, 64, 4)
     if total_chunks > 0:
         gdn_chunk_wy_kernel[(total_chunks * num_v_heads,)](
-            k, v, g, beta, chunk_start, chunk_end, w, u, gamma, rk,
-            BV=bv_full, BT=bt, BC=SUB, num_warps=4, **common,
+            k, v, g, beta, starts_d, ends_d, w, u, gamma, rk,
+            BV=bv_full, BT=bt, BC=SUB, num_warps=cfg[0], **common,
         )  # fmt: skip
-    # the sequential stage has only N * HV * NV programs: narrower V tiles when there are few sequences
-    bv_state = min(bv_full, 32 if num_seqs * num_v_heads < 256 else 64)
+    bv_state = min(bv_full, cfg[1])
     if num_seqs > 0:
         gdn_chunk_state_kernel[(num_seqs * num_v_heads, triton.cdiv(head_v, bv_state))](
-            k, w, u, gamma, rk, v_new, h, state, cu_seqlens, chunk_off, state_slots, has_initial_state,
+            k, w, u, gamma, rk, v_new, h, state, cu_d, chunk_off_d, state_slots, has_initial_state,
             state.stride(0), state.stride(1), state.stride(2), state.stride(3),
-            BV=bv_state, BT=bt, num_warps=4, **common,
+            BV=bv_state, BT=bt, num_warps=cfg[2], **common,
         )  # fmt: skip
-    bv_out = min(bv_full, 64)
+    bv_out = min(bv_full, cfg[3])
     if total_chunks > 0:
         gdn_chunk_out_kernel[(total_chunks * num_v_heads, triton.cdiv(head_v, bv_out))](
-            q, k, v_new, gamma, h, chunk_start, chunk_end, o, head_k**-0.5,
-            BV=bv_out, BT=bt, num_warps=4, **common,
+            q, k, v_new, gamma, h, starts_d, ends_d, o, head_k**-0.5,
+            BV=bv_out, BT=bt, num_warps=cfg[4], **common,
         )  # fmt: skip
     return o, (h if return_chunk_states else None)

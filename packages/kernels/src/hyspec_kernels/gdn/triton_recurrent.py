@@ -104,13 +104,17 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
 
 
 def default_tiles(num_seq_heads: int, head_v: int) -> tuple[int, int]:
-    """(BV, num_warps): narrow V tiles while there are few (sequence, head) pairs, for enough programs."""
-    if num_seq_heads >= 2048:
-        bv, warps = 32, 2
-    elif num_seq_heads >= 256:
-        bv, warps = 16, 1
+    """(BV, num_warps) by (sequence, value head) pairs; tuned on an H100 at K = V = 128.
+
+    Wide tiles once there are enough pairs to fill the GPU (fewer, longer programs stream the state best),
+    narrow ones at small batch so more SMs share the work.
+    """
+    if num_seq_heads >= 512:
+        bv, warps = 64, 2
+    elif num_seq_heads >= 128:
+        bv, warps = 32, 1
     else:
-        bv, warps = 8, 1
+        bv, warps = 16, 1
     return min(bv, triton.next_power_of_2(head_v)), warps
 
 
