@@ -7,7 +7,7 @@ from pathlib import Path
 from hyspec_server.config import EngineArgs
 from hyspec_server.engine import LLMEngine
 from hyspec_server.scheduler import SchedulerConfig
-from hyspec_server.speculative import parse_speculative_config
+from hyspec_server.speculative import DrafterRegistry, parse_speculative_config
 from hyspec_server.tokenizer import HFTokenizer
 
 
@@ -24,17 +24,26 @@ def resolve_model_dir(model: str | None) -> Path:
     return path
 
 
-def build_engine(args: EngineArgs) -> LLMEngine:
-    # speculative decoding plugs in here: the parsed config will pick a drafter for the runner
-    parse_speculative_config(args.speculative_config)
+def build_engine(args: EngineArgs, *, drafters: DrafterRegistry | None = None) -> LLMEngine:
+    """Args:
+    args: engine arguments.
+    drafters: the drafter factory for `args.speculative_config` (None: the built-in `DrafterRegistry`).
+    """
+    spec = parse_speculative_config(args.speculative_config)
+    if spec is not None and args.max_num_batched_tokens < spec.max_draft_tokens:
+        raise ValueError(
+            f"max_num_batched_tokens={args.max_num_batched_tokens} is below the verify block size "
+            f"{spec.max_draft_tokens} of speculative_config; raise it"
+        )
     from hyspec_server.model_runner import HyspecModelRunner
 
     model_dir = resolve_model_dir(args.model)
-    runner = HyspecModelRunner(args, model_dir)
+    runner = HyspecModelRunner(args, model_dir, drafters=drafters)
     tokenizer = HFTokenizer(model_dir)
     config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting,
+        num_lookahead_tokens=runner.num_lookahead_tokens,
     )
     return LLMEngine(runner, tokenizer, config)

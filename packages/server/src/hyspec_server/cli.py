@@ -26,7 +26,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", "--max-num-seqs", dest="max_num_seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--speculative-config", default=None, help="JSON, vLLM style (not available yet)")
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON, vLLM style, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'',
+    )
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -21,7 +21,7 @@ class EngineArgs:
     max_num_batched_tokens: per-step token budget (prefill chunks + decodes).
     max_waiting: bound of the waiting queue (HTTP answers 429 beyond it).
     enforce_eager: no CUDA graphs.
-    speculative_config: None only, for now (`speculative.py`).
+    speculative_config: None, or the vLLM-style dict (or its JSON text) of `speculative.py`; validated here.
     kv_cache_bytes: memory budget of the state pool; None sizes it for max_num_seqs requests at max_model_len.
     page_size: tokens per KV page.
     seed: seed of the shared sampling generator (requests without their own seed).

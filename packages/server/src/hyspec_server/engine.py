@@ -10,9 +10,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hyspec_server.outputs import RequestOutput
+from hyspec_server.outputs import RequestOutput, SpecDecodeStats
 from hyspec_server.request import Request
-from hyspec_server.runner import ModelRunner
+from hyspec_server.runner import ModelRunner, SampledToken, VerifiedTokens
 from hyspec_server.sampling_params import SamplingParams
 from hyspec_server.scheduler import Scheduler, SchedulerConfig
 from hyspec_server.tokenizer import Tokenizer
@@ -40,8 +40,12 @@ class EngineStats:
     # time to first token and time per output token of finished requests, seconds; drained by the reader
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
-    # tokens committed per verify round (accepted drafts + bonus); appended by the speculative path
+    # tokens committed per verify round with drafts (accepted drafts + bonus); drained by the reader
     accept_lengths: list[int] = field(default_factory=list)
+    # speculative decoding since start: verify rounds with at least one draft, drafts, accepted drafts
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -94,6 +98,8 @@ class LLMEngine:
             arrival_time=time.monotonic(),
             device=self.runner.device,
         )
+        if self.speculative:
+            req.spec_stats = SpecDecodeStats()
         self.scheduler.add(req)
         self.requests[rid] = req
         self.stats.num_prompt_tokens += len(ids)
@@ -111,6 +117,11 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def speculative(self) -> bool:
+        """Decoding requests verify drafted blocks (the scheduler reserves room for them)."""
+        return self.scheduler.config.num_lookahead_tokens > 0
 
     @property
     def num_waiting(self) -> int:
@@ -136,15 +147,19 @@ class LLMEngine:
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         done: list[Request] = []
-        for chunk, tok in zip(sched.chunks, result.tokens, strict=True):
+        verified = result.verified or (None,) * len(sched.chunks)
+        for chunk, tok, ver in zip(sched.chunks, result.tokens, verified, strict=True):
             req = chunk.request
             req.num_computed_tokens = chunk.end
             if tok is None:
                 continue
-            self.stats.num_generated_tokens += 1
-            if req.append_token(
-                tok.token_id, logprob=tok.logprob, top=tok.top, max_model_len=self.max_model_len, now=now
-            ):
+            if ver is None:
+                finished = self._append(req, tok, now)
+            else:
+                # the block's root and the accepted drafts are in memory now; the bonus is the next root
+                req.num_computed_tokens = chunk.start + ver.num_accepted + 1
+                finished = self._append_verified(req, ver, now)
+            if finished:
                 done.append(req)
                 self._record_finished(req, now)
             outputs.append(req.make_output())
@@ -152,6 +167,32 @@ class LLMEngine:
         for req in done:
             self.requests.pop(req.request_id, None)
         return outputs
+
+    def _append(self, req: Request, tok: SampledToken, now: float) -> bool:
+        self.stats.num_generated_tokens += 1
+        return req.append_token(
+            tok.token_id, logprob=tok.logprob, top=tok.top, max_model_len=self.max_model_len, now=now
+        )
+
+    def _append_verified(self, req: Request, ver: VerifiedTokens, now: float) -> bool:
+        """Appends a verify round's tokens in order; a stop found by the detokenizer (a stop string) drops
+        the rest. Token-level stops (EOS, stop ids, budgets) were already cut by the runner."""
+        if ver.num_drafts > 0:
+            s = self.stats
+            s.spec_num_drafts += 1
+            s.spec_num_draft_tokens += ver.num_drafts
+            s.spec_num_accepted_tokens += ver.num_accepted
+            s.accept_lengths.append(ver.num_accepted + 1)
+            if req.spec_stats is None:
+                req.spec_stats = SpecDecodeStats()
+            st = req.spec_stats
+            st.num_drafts += 1
+            st.num_draft_tokens += ver.num_drafts
+            st.num_accepted_tokens += ver.num_accepted
+        for tok in ver.tokens:
+            if self._append(req, tok, now):
+                return True
+        return False
 
     def _record_finished(self, req: Request, now: float) -> None:
         m = req.metrics

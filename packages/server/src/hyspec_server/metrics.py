@@ -55,8 +55,12 @@ class EngineMetrics:
         self.preemptions = 0
         self.ttft = Histogram(_LATENCY_BUCKETS)
         self.tpot = Histogram(_LATENCY_BUCKETS)
-        # filled once speculative decoding lands (hyspec_spec_workers); rendered only when observed
+        # speculative decoding (rendered when the engine speculates): tokens committed per verify round
+        self.speculative = False
         self.accept_length = Histogram(tuple(float(i) for i in range(1, 17)))
+        self.spec_drafts = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
 
     def observe(self, engine: LLMEngine) -> None:
         s = engine.stats
@@ -68,6 +72,10 @@ class EngineMetrics:
             self.finished = s.num_finished
             self.aborted = s.num_aborted
             self.preemptions = s.num_preemptions
+            self.speculative = engine.speculative
+            self.spec_drafts = s.spec_num_drafts
+            self.spec_draft_tokens = s.spec_num_draft_tokens
+            self.spec_accepted_tokens = s.spec_num_accepted_tokens
             for v in s.ttft:
                 self.ttft.observe(v)
             for v in s.tpot:
@@ -107,8 +115,20 @@ class EngineMetrics:
             lines += self.tpot.render(
                 "hyspec_time_per_output_token_seconds", "Time per output token after the first."
             )
-            if self.accept_length.n:
+            if self.speculative or self.accept_length.n:
                 lines += self.accept_length.render(
-                    "hyspec_spec_decode_accept_length", "Tokens committed per verify round."
+                    "hyspec_spec_decode_accept_length",
+                    "Tokens committed per verify round with drafts (accepted drafts + bonus).",
                 )
+                lines += [
+                    "# HELP hyspec_spec_decode_num_drafts_total Verify rounds with at least one draft.",
+                    "# TYPE hyspec_spec_decode_num_drafts_total counter",
+                    f"hyspec_spec_decode_num_drafts_total {self.spec_drafts}",
+                    "# HELP hyspec_spec_decode_num_draft_tokens_total Draft tokens proposed.",
+                    "# TYPE hyspec_spec_decode_num_draft_tokens_total counter",
+                    f"hyspec_spec_decode_num_draft_tokens_total {self.spec_draft_tokens}",
+                    "# HELP hyspec_spec_decode_num_accepted_tokens_total Draft tokens accepted.",
+                    "# TYPE hyspec_spec_decode_num_accepted_tokens_total counter",
+                    f"hyspec_spec_decode_num_accepted_tokens_total {self.spec_accepted_tokens}",
+                ]
         return "\n".join(lines) + "\n"

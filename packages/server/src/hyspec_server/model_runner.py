@@ -4,11 +4,16 @@ Per step it builds one `ForwardBatch` through the hybrid backend: DECODE when ev
 token, else EXTEND (prompt chunks and decode tokens packed together). It runs the model, computes logits only
 for the last token of each sampling chunk and samples on device. A decode step replays a CUDA graph when one
 is captured for a batch size that fits (`cuda_graph.py`).
+
+With speculative decoding, the step's verify chunks (decoding requests) run a second forward after the
+prefill chunks: a speculative round (`spec_decode.py`). The pool is planned with the config's draft shape,
+so its verify scratch and request table fit the largest block (adaptive: largest candidate + 1).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +25,17 @@ from hyspec_statepool.sizing import MemoryPlan, plan_memory
 from hyspec_statepool.specs import StateDtypes
 
 from hyspec_server.config import EngineArgs
-from hyspec_server.pool_memory import StatePoolMemory
-from hyspec_server.runner import RunnerOutput, sampling_tensors, to_runner_output
+from hyspec_server.pool_memory import MemoryFollower, StatePoolMemory
+from hyspec_server.runner import (
+    RunnerOutput,
+    SampledToken,
+    VerifiedTokens,
+    sampling_tensors,
+    to_runner_output,
+)
 from hyspec_server.sampler import Sampler
-from hyspec_server.scheduler import SchedulerOutput
+from hyspec_server.scheduler import ScheduledChunk, SchedulerOutput
+from hyspec_server.speculative import DrafterContext, DrafterRegistry, parse_speculative_config
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,7 +59,11 @@ class HyspecModelRunner:
     `max_model_len`, otherwise `plan_memory` fits what the budget allows (preemption covers the rest).
     """
 
-    def __init__(self, args: EngineArgs, model_dir: Path) -> None:
+    def __init__(self, args: EngineArgs, model_dir: Path, *, drafters: DrafterRegistry | None = None) -> None:
+        from hyspec_server.spec_decode import SpecDecoder
+
+        spec_config = parse_speculative_config(args.speculative_config)
+        draft_shape = None if spec_config is None else spec_config.draft_shape()
         self._device = torch.device(args.device)
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
@@ -73,34 +89,53 @@ class HyspecModelRunner:
                 specs,
                 max_context=self._max_model_len,
                 max_running=max_running,
-                draft_shape=None,
+                draft_shape=draft_shape,
                 page_size=args.page_size,
                 dtypes=dtypes,
             )
         else:
-            per_req = -(-(self._max_model_len + 1) // args.page_size)
+            # room for a whole verify block past the context (spec), or for the one token past it
+            extra = 1 if spec_config is None else spec_config.max_draft_tokens
+            per_req = -(-(self._max_model_len + extra) // args.page_size)
             plan = MemoryPlan(
                 specs=specs,
                 max_context=self._max_model_len,
                 max_running=max_running,
-                draft_shape=None,
+                draft_shape=draft_shape,
                 page_size=args.page_size,
                 num_state_slots=max_running,
                 num_kv_pages=max_running * per_req,
                 dtypes=dtypes,
             )
         self.pool = HybridStatePool(plan, device=self._device)
-        self._memory = StatePoolMemory(self.pool)
+        self.spec: SpecDecoder | None = None
+        followers: list[MemoryFollower] = []
+        if spec_config is not None:
+            ctx = DrafterContext(
+                config=spec_config,
+                target=self.model,
+                target_path=model_dir,
+                max_running=max_running,
+                max_context=self._max_model_len,
+                page_size=args.page_size,
+                kv_dtype=self.dtype,
+                device=self._device,
+            )
+            self.spec = SpecDecoder(spec_config, (drafters or DrafterRegistry()).build(ctx))
+            followers.append(self.spec)
+        self._memory = StatePoolMemory(self.pool, followers=followers)
+        dmax = plan.max_draft_tokens if spec_config is not None else 1
         self.backend = HybridBackend(
             self.pool,
             layers=layers,
             layer_types=self.model.layer_types,
             max_seqs=max_running,
-            max_tokens=max(args.max_num_batched_tokens, max_running),
+            max_tokens=max(args.max_num_batched_tokens, max_running * dmax),
         )
         self.sampler = Sampler(self._device, seed=args.seed)
         self.graphs: Any = None
-        if self.use_graphs:
+        # graphs do not return the captured layers a model drafter reads; decode eagerly then
+        if self.use_graphs and not (self.spec is not None and self.spec.model_drafter is not None):
             from hyspec_server.cuda_graph import DecodeGraphs
 
             try:
@@ -122,32 +157,57 @@ class HyspecModelRunner:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Drafts a verify block may add after the current token (Dmax - 1); 0 without speculation."""
+        return 0 if self.spec is None else self.spec.max_draft_tokens - 1
+
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         chunks = list(step.chunks)
+        if self.spec is None or not any(c.verify for c in chunks):
+            return RunnerOutput(tuple(self.run_plain(chunks)))
+        plain = [i for i, c in enumerate(chunks) if not c.verify]
+        ver = [i for i, c in enumerate(chunks) if c.verify]
+        tokens: list[SampledToken | None] = [None] * len(chunks)
+        verified: list[VerifiedTokens | None] = [None] * len(chunks)
+        if plain:
+            for i, tok in zip(plain, self.run_plain([chunks[i] for i in plain]), strict=True):
+                tokens[i] = tok
+        for i, res in zip(ver, self.spec.run(self, [chunks[i] for i in ver]), strict=True):
+            tokens[i], verified[i] = res.tokens[0], res
+        return RunnerOutput(tuple(tokens), tuple(verified))
+
+    def run_plain(self, chunks: Sequence[ScheduledChunk]) -> list[SampledToken | None]:
+        """Prefill chunks and one-token decodes in one forward; a token for every chunk that samples."""
         rows = self.pool.req_rows([c.request.request_id for c in chunks])
-        tokens = [t for c in chunks for t in c.request.token_slice(c.start, c.end)]
+        tokens = [t for c in chunks for t in c.request.token_slice(c.start, c.start + c.num_new)]
         q_lens = [c.num_new for c in chunks]
         prefix = [c.start for c in chunks]
         input_ids = torch.tensor(tokens, dtype=torch.int64)
+        capture = () if self.spec is None else self.spec.capture_layers
+        aux: tuple[torch.Tensor, ...] = ()
         hidden: torch.Tensor
         # one token per request: recurrent decode kernels, replayed from a graph when one fits
         decode = all(q == 1 for q in q_lens)
         if decode and self.graphs is not None and self.graphs.fits(len(chunks)):
             hidden = self.graphs.run(req_rows=rows, input_ids=input_ids, prefix_lens=prefix)  # [N, H]
-        elif decode:
-            batch = self.backend.prepare_decode(req_rows=rows, input_ids=input_ids, prefix_lens=prefix)
-            hidden = self.model(batch, self.backend).hidden_states  # [N, H]
         else:
-            batch = self.backend.prepare_extend(
-                req_rows=rows, input_ids=input_ids, q_lens=q_lens, prefix_lens=prefix
-            )
-            hidden = self.model(batch, self.backend).hidden_states  # [T, H]
+            if decode:
+                batch = self.backend.prepare_decode(req_rows=rows, input_ids=input_ids, prefix_lens=prefix)
+            else:
+                batch = self.backend.prepare_extend(
+                    req_rows=rows, input_ids=input_ids, q_lens=q_lens, prefix_lens=prefix
+                )
+            out = self.model(batch, self.backend, capture_layers=capture)
+            hidden, aux = out.hidden_states, tuple(out.aux_hidden_states)  # [T, H]
+        if self.spec is not None:
+            self.spec.commit_plain(chunks=chunks, tokens=input_ids.to(hidden.device), hidden=hidden, aux=aux)
         sample = [i for i, c in enumerate(chunks) if c.sample]
         if not sample:
-            return RunnerOutput(tuple(None for _ in chunks))
+            return [None] * len(chunks)
         ends = torch.cumsum(torch.tensor(q_lens), 0) - 1  # [N] last packed token of each chunk
         last = ends[torch.tensor(sample)].to(self._device)
         logits = self.model.compute_logits(hidden[last])  # [n_sample, V]
-        out = self.sampler(logits, sampling_tensors([chunks[i] for i in sample], self._device))
-        return to_runner_output(step, out)
+        out_s = self.sampler(logits, sampling_tensors([chunks[i] for i in sample], self._device))
+        return list(to_runner_output(SchedulerOutput(tuple(chunks), ()), out_s).tokens)

@@ -2,15 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 from hyspec_statepool.errors import PoolExhaustedError
 from hyspec_statepool.pool import HybridStatePool
 
 
-class StatePoolMemory:
-    """Request ids are the engine's string ids; the pool keys its request rows by them."""
+class MemoryFollower(Protocol):
+    """Per-request memory kept outside the pool (a drafter's own KV) that lives and dies with the request."""
 
-    def __init__(self, pool: HybridStatePool) -> None:
+    def on_alloc(self, request_id: str) -> None: ...
+
+    def on_free(self, request_id: str) -> None: ...
+
+    def leak_check(self) -> None:
+        """Raises when it still holds memory of a request (called while no request is live)."""
+        ...
+
+
+class StatePoolMemory:
+    """Request ids are the engine's string ids; the pool keys its request rows by them.
+
+    `followers` are told of every alloc and free (finish, abort, preemption alike), so memory that a request
+    owns elsewhere is freed on exactly the same paths as its pool memory.
+    """
+
+    def __init__(self, pool: HybridStatePool, *, followers: Sequence[MemoryFollower] = ()) -> None:
         self.pool = pool
+        self.followers = tuple(followers)
         plan = pool.plan
         self._has_kv = bool(plan.specs.attention_layers)
         kv_tokens = plan.num_kv_pages * plan.page_size
@@ -25,6 +45,8 @@ class StatePoolMemory:
 
     def alloc(self, request_id: str) -> None:
         self.pool.alloc([request_id])
+        for f in self.followers:
+            f.on_alloc(request_id)
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
         if not self._has_kv:
@@ -37,6 +59,13 @@ class StatePoolMemory:
 
     def free(self, request_id: str) -> None:
         self.pool.free([request_id])
+        for f in self.followers:
+            f.on_free(request_id)
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Keeps KV pages for the first `num_tokens` tokens only (after a verify round rejected drafts)."""
+        if self._has_kv:
+            self.pool.truncate_kv(request_id, num_tokens)
 
     def num_live(self) -> int:
         return self.pool.num_live
@@ -46,3 +75,5 @@ class StatePoolMemory:
 
     def leak_check(self) -> None:
         self.pool.leak_check().raise_if_leaking()
+        for f in self.followers:
+            f.leak_check()

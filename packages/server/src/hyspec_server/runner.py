@@ -25,10 +25,39 @@ class SampledToken:
 
 
 @dataclass(frozen=True, slots=True)
+class VerifiedTokens:
+    """Outcome of a verify chunk (speculative decoding) for its request.
+
+    Attributes:
+        tokens: emitted tokens in order: the accepted drafts then the bonus (num_accepted + 1 of them, already
+            cut at EOS, stop token ids and the token budget).
+        num_drafts: drafts proposed for the request this round (0: a plain decode round).
+        num_accepted: accepted drafts, bonus excluded; the request's KV and state now hold its verify block's
+            root and these drafts.
+    """
+
+    tokens: tuple[SampledToken, ...]
+    num_drafts: int
+    num_accepted: int
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != self.num_accepted + 1:
+            raise ValueError(
+                f"tokens: expected num_accepted + 1 = {self.num_accepted + 1} tokens, got {len(self.tokens)}"
+            )
+        if not 0 <= self.num_accepted <= self.num_drafts:
+            raise ValueError(f"num_accepted: expected in [0, {self.num_drafts}], got {self.num_accepted}")
+
+
+@dataclass(frozen=True, slots=True)
 class RunnerOutput:
-    """One entry per chunk of the step, in order; None for chunks that did not sample."""
+    """One entry per chunk of the step, in order; None for chunks that did not sample.
+
+    `verified[i]` is set (and `tokens[i]` is its first token) for verify chunks; empty when none ran.
+    """
 
     tokens: tuple[SampledToken | None, ...]
+    verified: tuple[VerifiedTokens | None, ...] = ()
 
 
 class ModelRunner(Protocol):

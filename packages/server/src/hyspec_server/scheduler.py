@@ -27,26 +27,39 @@ class SchedulerConfig:
     max_num_seqs: most running requests.
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
     max_waiting: bound of the waiting queue; beyond it `add` raises QueueFullError.
+    num_lookahead_tokens: speculative decoding: draft tokens a verify block may add after the current
+        token (Dmax - 1); 0 without speculation. A decoding request then gets a verify chunk with KV room
+        for its whole block and costs Dmax tokens of the budget.
     """
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
     max_waiting: int = 1024
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        v = self.num_lookahead_tokens
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"num_lookahead_tokens must be an int >= 0, got {v!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
-    """`num_new` tokens of `request` starting at absolute position `start`, computed in this step."""
+    """`num_new` tokens of `request` starting at absolute position `start`, computed in this step.
+
+    A `verify` chunk (speculative decoding) is a decoding request's current token (`num_new == 1`, the last
+    token) plus up to `num_lookahead` drafts the runner proposes; KV room for all of them is reserved.
+    """
 
     request: Request
     start: int
     num_new: int
+    verify: bool = False
+    num_lookahead: int = 0
 
     @property
     def end(self) -> int:
@@ -89,18 +102,22 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         i = 0
+        look = self.config.num_lookahead_tokens
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.memory.grow(req.request_id, req.num_computed_tokens + n):
+            # a decoding request verifies a block: its current token plus up to `look` drafts
+            verify = look > 0 and self._is_decoding(req) and budget >= 1 + look
+            extra = look if verify else 0
+            while not self.memory.grow(req.request_id, req.num_computed_tokens + n + extra):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             else:
-                chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
-                budget -= n
+                chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, verify, extra))
+                budget -= n + extra
                 i += 1
         # admitting right after a preemption would just take the memory back
         while (
@@ -122,6 +139,11 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, 0, n))
             budget -= n
         return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    @staticmethod
+    def _is_decoding(req: Request) -> bool:
+        # everything but the last generated token is in memory: the next step is a decode (or a verify)
+        return bool(req.output_token_ids) and req.num_tokens - req.num_computed_tokens == 1
 
     def _preempt(self, req: Request) -> None:
         self.memory.free(req.request_id)

@@ -1,20 +1,43 @@
-"""The one place speculative decoding plugs into the server.
+"""The one place speculative decoding plugs into the server: config parsing and the drafter factory.
 
-hyspec_spec_workers will turn a vLLM-style `speculative_config` dict into a drafter and verifier here, and
-the engine builder will pass the result to the model runner. Until then only None (plain decoding) is valid.
+`parse_speculative_config` turns the vLLM-style dict (or its JSON text from the CLI) into a validated
+`hyspec_spec_workers.SpeculativeConfig`; every bad field is a ValueError starting
+`speculative_config.<field>:`.
+
+`DrafterRegistry` is the single factory from a method name to a drafter. "ngram" is built here; the model
+drafters ("mtp", "multi_layer_mtp", "eagle3", "dflash") are looked up lazily in
+`hyspec_spec_workers.factory.build_drafter`, so the server works (and says clearly what is missing) even when
+that module is absent. Tests and integrations override a method with `DrafterRegistry({method: builder})`
+and pass the registry to `build_engine(args, drafters=...)`.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import torch
+from hyspec_models.protocol import HybridCausalLM
+from hyspec_spec_workers.config import METHODS, SpeculativeConfig
+from hyspec_spec_workers.drafter import Drafter, NgramDrafter
 
-def parse_speculative_config(config: dict[str, Any] | str | None) -> None:
-    """Validates `speculative_config` (a dict, or its JSON text from the CLI). Returns the parsed config.
+# where the model drafters live; imported on first use only
+MODEL_DRAFTER_FACTORY = "hyspec_spec_workers.factory"
 
-    Raises ValueError for anything but None (or "null"/"" from the CLI) while speculation is not wired in.
+
+def parse_speculative_config(
+    config: Mapping[str, Any] | str | SpeculativeConfig | None,
+) -> SpeculativeConfig | None:
+    """Validates `speculative_config` (a dict, its JSON text, an already built config, or None).
+
+    Returns None for None and for "", "null", "none" from the command line.
     """
+    if isinstance(config, SpeculativeConfig) or config is None:
+        return config
     if isinstance(config, str):
         text = config.strip()
         if text in ("", "null", "none", "None"):
@@ -22,10 +45,112 @@ def parse_speculative_config(config: dict[str, Any] | str | None) -> None:
         try:
             config = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config: not valid JSON ({e.msg})") from e
-    if config is None:
-        return None
-    raise ValueError(
-        f"speculative_config: speculative decoding is not available in this build yet "
-        f"(hyspec_spec_workers is not wired into the server); pass None, got {config!r}"
+            raise ValueError(f"speculative_config: not valid JSON ({e.msg} at char {e.pos})") from e
+        if config is None:
+            return None
+    if not isinstance(config, Mapping):
+        raise ValueError(f"speculative_config: expected a JSON object / dict, got {type(config).__name__}")
+    return SpeculativeConfig.from_dict(config)
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterContext:
+    """Everything a drafter builder may need.
+
+    Attributes:
+        config: the validated speculative config.
+        target: the loaded target model (only read).
+        target_path: the target checkpoint directory (MTP drafters load their layers from it).
+        max_running: requests followed at once (the target pool's).
+        max_context: tokens per request (prompt plus output).
+        page_size: KV page size of the target pool (a draft pool may reuse it).
+        kv_dtype: the target's KV storage dtype.
+        device: the target's device.
+    """
+
+    config: SpeculativeConfig
+    target: HybridCausalLM
+    target_path: Path
+    max_running: int
+    max_context: int
+    page_size: int
+    kv_dtype: torch.dtype
+    device: torch.device
+
+
+DrafterBuilder = Callable[[DrafterContext], Drafter]
+
+
+def _build_ngram(ctx: DrafterContext) -> Drafter:
+    c = ctx.config
+    return NgramDrafter(
+        min_n=c.prompt_lookup_min,
+        max_n=c.prompt_lookup_max,
+        num_speculative_tokens=c.max_num_speculative_tokens,
     )
+
+
+def _build_model_drafter(ctx: DrafterContext) -> Drafter:
+    method = ctx.config.method
+    try:
+        factory = importlib.import_module(MODEL_DRAFTER_FACTORY)
+        build = factory.build_drafter
+        draft_kv = importlib.import_module("hyspec_spec_workers.draft_kv")
+        memory_cls = draft_kv.DraftMemory
+    except (ImportError, AttributeError) as e:
+        raise ValueError(
+            f"speculative_config.method: {method!r} is not available in this build "
+            f"({MODEL_DRAFTER_FACTORY}.build_drafter could not be loaded: {e}); use 'ngram'"
+        ) from e
+    memory = memory_cls(
+        max_running=ctx.max_running,
+        max_context=ctx.max_context,
+        page_size=ctx.page_size,
+        kv_dtype=ctx.kv_dtype,
+    )
+    drafter: Drafter = build(ctx.config, ctx.target, target_path=ctx.target_path, memory=memory)
+    return drafter
+
+
+class DrafterRegistry:
+    """Method name -> drafter builder. Overrides given at construction win over the built-in lookup.
+
+    Args:
+        overrides: builders by method name (each a key of `hyspec_spec_workers.config.METHODS`).
+    """
+
+    def __init__(self, overrides: Mapping[str, DrafterBuilder] | None = None) -> None:
+        self._overrides = dict(overrides or {})
+        for method in self._overrides:
+            if method not in METHODS:
+                raise ValueError(f"overrides: unknown method {method!r}; expected one of {METHODS}")
+
+    def with_builder(self, method: str, builder: DrafterBuilder) -> DrafterRegistry:
+        """A new registry with `method` built by `builder`."""
+        return DrafterRegistry({**self._overrides, method: builder})
+
+    def builder(self, method: str) -> DrafterBuilder:
+        if method in self._overrides:
+            return self._overrides[method]
+        if method == "ngram":
+            return _build_ngram
+        if method in METHODS:
+            return _build_model_drafter
+        raise ValueError(f"speculative_config.method: expected one of {METHODS}, got {method!r}")
+
+    def build(self, ctx: DrafterContext) -> Drafter:
+        """The drafter for `ctx.config.method`; checks it fits the verify scratch the pool was sized for."""
+        method = ctx.config.method
+        try:
+            drafter = self.builder(method)(ctx)
+        except ValueError as e:
+            if str(e).startswith("speculative_config"):
+                raise
+            raise ValueError(f"speculative_config.method: cannot build the {method!r} drafter: {e}") from e
+        if drafter.max_draft_tokens > ctx.config.max_draft_tokens:
+            raise ValueError(
+                f"speculative_config: the {ctx.config.method!r} drafter proposes blocks of up to "
+                f"{drafter.max_draft_tokens} tokens, more than the {ctx.config.max_draft_tokens} the config "
+                f"sizes the verify scratch for"
+            )
+        return drafter

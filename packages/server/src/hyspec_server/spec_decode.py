@@ -1,0 +1,406 @@
+"""Speculative decoding inside the model runner: draft, verify, choose tokens, truncate, commit, feed back.
+
+One round for the verify chunks of a step (decoding requests, see `ScheduledChunk.verify`):
+
+1. Draft lengths: the config's S, or each request's adaptive length (0 = no drafting), capped so that a
+   request never drafts more than it may still emit. Trees draft all S steps or none.
+2. `Drafter.propose`; the block is trimmed to the longest real row, so a round where no row proposes
+   anything is a plain decode step (CUDA graphs on GPU) and never pays for a D-token verify.
+3. TARGET_VERIFY forward over the N x D block (the scheduler reserved KV for prefix + Dmax), logits at
+   every node; greedy rows use greedy verification, sampling rows exact rejection sampling on the
+   temperature / top-k / top-p / min-p filtered target distribution, each seeded request with its own
+   generator (so the same seed gives the same output).
+4. `truncate_at_stop` cuts every row at its first EOS / stop token id and at its token budget (max_tokens,
+   max_model_len). The very same arrays go to `commit_after_verify`, to the KV truncation and to the tokens
+   returned, so KV, recurrent state and output always agree (bug class 22).
+5. A `ModelDrafter` gets the accepted path with the target's features (draft extend).
+
+Counting (architecture.md): `num_accepted` counts accepted drafts, bonus excluded; a round commits and emits
+`num_accepted + 1` tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+from hyspec_spec_workers.adaptive import AdaptiveController, AdaptiveDraftLength, CostTracker
+from hyspec_spec_workers.config import SpeculativeConfig
+from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
+from hyspec_spec_workers.tree import VerifyTree
+from hyspec_spec_workers.verify import VerifyResult, truncate_at_stop, verify_greedy, verify_sampling
+
+from hyspec_server.runner import SampledToken, VerifiedTokens, sampling_tensors
+from hyspec_server.sampler import SamplingTensors, filtered_probs
+from hyspec_server.scheduler import ScheduledChunk
+
+if TYPE_CHECKING:
+    from hyspec_server.model_runner import HyspecModelRunner
+
+
+class SpecDecoder:
+    """Drafter, adaptive lengths and measured costs of one engine; also the drafter's memory follower.
+
+    Args:
+        config: the validated speculative config.
+        drafter: built by the `DrafterRegistry`.
+    """
+
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter) -> None:
+        self.config = config
+        self.drafter = drafter
+        self.model_drafter = drafter if isinstance(drafter, ModelDrafter) else None
+        self.max_draft_tokens = config.max_draft_tokens
+        self.adaptive = (
+            None
+            if config.adaptive is None
+            else AdaptiveController(config.adaptive, config.num_speculative_tokens)
+        )
+        self.costs = CostTracker()
+        self._lengths: dict[str, AdaptiveDraftLength] = {}
+        self._followed: set[str] = set()
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return () if self.model_drafter is None else tuple(self.model_drafter.capture_layers)
+
+    # ---------------------------------------------------------------- MemoryFollower
+
+    def on_alloc(self, request_id: str) -> None:
+        if self.model_drafter is not None:
+            self.model_drafter.add_requests([request_id])
+            self._followed.add(request_id)
+
+    def on_free(self, request_id: str) -> None:
+        self._lengths.pop(request_id, None)
+        if request_id in self._followed:
+            self._followed.discard(request_id)
+            assert self.model_drafter is not None
+            self.model_drafter.free_requests([request_id])
+
+    def leak_check(self) -> None:
+        if self._followed or self._lengths:
+            raise RuntimeError(
+                f"speculative decoding still follows requests {sorted(self._followed | set(self._lengths))}"
+            )
+        kv = getattr(self.drafter, "kv", None)
+        pool = getattr(kv, "pool", None)
+        if pool is not None:
+            if pool.num_live:
+                raise RuntimeError(f"the drafter's KV pool still holds {pool.num_live} requests")
+            pool.leak_check().raise_if_leaking()
+
+    # ---------------------------------------------------------------- feeding the drafter
+
+    def commit_plain(
+        self,
+        *,
+        chunks: Sequence[ScheduledChunk],
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        aux: tuple[torch.Tensor, ...],
+    ) -> None:
+        """Draft extend over the tokens of a prefill / decode forward ([T] tokens, [T, H] features)."""
+        md = self.model_drafter
+        if md is None or not chunks:
+            return
+        md.commit(
+            CommittedTokens(
+                req_ids=[c.request.request_id for c in chunks],
+                start_positions=torch.tensor([c.start for c in chunks], dtype=torch.int64),
+                num_tokens=torch.tensor([c.num_new for c in chunks], dtype=torch.int64),
+                tokens=tokens,
+                hidden_states=hidden,
+                aux_hidden_states=aux,
+            )
+        )
+
+    # ---------------------------------------------------------------- one round
+
+    def draft_lengths(self, chunks: Sequence[ScheduledChunk], max_model_len: int) -> list[int]:
+        cfg = self.config
+        out: list[int] = []
+        for c in chunks:
+            req = c.request
+            may_emit = _budget(c, max_model_len)
+            if cfg.is_tree:
+                # a tree drafts its whole depth or nothing; the budget cut happens after verification
+                out.append(cfg.num_speculative_tokens if may_emit > 1 and c.num_lookahead > 0 else 0)
+                continue
+            want = cfg.num_speculative_tokens
+            if self.adaptive is not None:
+                st = self._lengths.get(req.request_id)
+                if st is None:
+                    st = self._lengths[req.request_id] = self.adaptive.new_request()
+                want = st.steps
+            out.append(max(0, min(want, c.num_lookahead, may_emit - 1)))
+        return out
+
+    def run(self, runner: HyspecModelRunner, chunks: Sequence[ScheduledChunk]) -> list[VerifiedTokens]:
+        """One speculative round for the verify chunks of a step."""
+        n = len(chunks)
+        reqs = [c.request for c in chunks]
+        ids = [r.request_id for r in reqs]
+        steps = self.draft_lengths(chunks, runner.max_model_len)
+        roots = torch.tensor(
+            [r.token_slice(c.start, c.end)[0] for r, c in zip(reqs, chunks)], dtype=torch.int64
+        )
+        sync = self.adaptive is not None and runner.device.type == "cuda"
+        draft: DraftOutput | None = None
+        if max(steps) > 0:
+            t0 = time.perf_counter()
+            hist = (
+                ()
+                if self.model_drafter is not None
+                else [torch.tensor(r.token_slice(0, c.end)) for r, c in zip(reqs, chunks)]
+            )
+            draft = self.drafter.propose(
+                DraftBatch(root_tokens=roots, num_steps=steps, histories=hist, req_ids=ids)
+            )
+            if sync:
+                torch.cuda.synchronize(runner.device)
+            self.costs.record_draft(max(steps), time.perf_counter() - t0)
+            draft = _trim(draft, n, self.max_draft_tokens)
+        t0 = time.perf_counter()
+        if draft is None or draft.tree.block_size == 1:
+            # nobody drafted: a plain decode step
+            results = [VerifiedTokens((_sampled(t),), 0, 0) for t in runner.run_plain(chunks)]
+            self.costs.record_decode(time.perf_counter() - t0)
+            num_acc = [0] * n
+        else:
+            results = self._verify(runner, chunks, draft)
+            self.costs.record_verify(draft.tree.block_size, time.perf_counter() - t0)
+            num_acc = [r.num_accepted for r in results]
+        for c, r in zip(chunks, results, strict=True):
+            runner.memory.truncate(c.request.request_id, c.start + r.num_accepted + 1)
+        if self.adaptive is not None:
+            cost = self.costs if self.costs.ready else None
+            for rid, k in zip(ids, num_acc, strict=True):
+                st = self._lengths[rid]
+                st.observe(min(k, st.steps), cost)
+        return results
+
+    def _verify(
+        self, runner: HyspecModelRunner, chunks: Sequence[ScheduledChunk], draft: DraftOutput
+    ) -> list[VerifiedTokens]:
+        dev, pool, backend, model = runner.device, runner.pool, runner.backend, runner.model
+        reqs = [c.request for c in chunks]
+        ids = [r.request_id for r in reqs]
+        tree = draft.tree.to(dev)
+        n, d = tree.batch_size, tree.block_size
+        prefix = [c.start for c in chunks]
+        # the scheduler reserved prefix + Dmax; this only allocates if a caller did not
+        pool.ensure_kv_capacity(ids, [p + d for p in prefix])
+        batch = backend.prepare_verify(
+            req_rows=pool.req_rows(ids),
+            block_tokens=tree.tokens,
+            prefix_lens=prefix,
+            tree_parents=None if tree.is_chain else tree.parents,
+        )
+        out = model(batch, backend, capture_layers=self.capture_layers)
+        logits = model.compute_logits(out.hidden_states).reshape(n, d, -1)  # [N, D, V]
+        dp = None if draft.draft_probs is None else draft.draft_probs[:, :d].to(dev)
+        result = self._choose(runner, tree, logits, dp, chunks)
+        stop = _stop_ids(chunks, dev)
+        budget = torch.tensor(
+            [_budget(c, runner.max_model_len) for c in chunks], dtype=torch.int64, device=dev
+        )
+        result = truncate_at_stop(result, stop_token_ids=stop, max_new_tokens=budget)
+        backend.commit_after_verify(
+            batch=batch,
+            num_accepted=result.num_accepted,
+            accept_paths=None if tree.is_chain else result.accept_index,
+        )
+        if self.model_drafter is not None:
+            self.model_drafter.commit(
+                _accepted_path(out.hidden_states, out.aux_hidden_states, tree, result, ids, prefix)
+            )
+        return _to_verified(result, tree, logits, chunks)
+
+    def _choose(
+        self,
+        runner: HyspecModelRunner,
+        tree: VerifyTree,
+        logits: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        chunks: Sequence[ScheduledChunk],
+    ) -> VerifyResult:
+        """Greedy rows by argmax walk, sampling rows by exact rejection sampling with their own generator."""
+        params = [c.request.params for c in chunks]
+        greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+        if len(greedy) == len(params):
+            return verify_greedy(tree, logits.argmax(dim=-1))
+        nodes = tree.num_nodes.tolist()
+        # a sampling row without drafts draws exactly as plain decoding does (same generator use), so its
+        # output does not depend on whether other rows of the batch drafted
+        alone = [i for i, p in enumerate(params) if p.temperature > 0 and nodes[i] == 1]
+        groups: list[tuple[list[int], torch.Generator | None]] = []
+        if greedy:
+            groups.append((greedy, None))
+        drafting = [i for i, p in enumerate(params) if p.temperature > 0 and nodes[i] > 1]
+        shared = [i for i in drafting if chunks[i].request.generator is None]
+        if shared:
+            groups.append((shared, runner.sampler.generator))
+        groups += [([i], chunks[i].request.generator) for i in drafting if chunks[i].request.generator]
+        parts: list[tuple[list[int], VerifyResult]] = []
+        if alone:
+            st = sampling_tensors([chunks[i] for i in alone], logits.device)
+            picked = runner.sampler(logits[alone, 0], replace(st, num_logprobs=-1)).token_ids  # [n]
+            pred = picked[:, None].expand(-1, tree.block_size)
+            parts.append((alone, verify_greedy(_rows(tree, alone), pred)))
+        for rows, gen in groups:
+            sub = _rows(tree, rows)
+            lg = logits[rows]  # [n, D, V]
+            if params[rows[0]].temperature == 0:
+                parts.append((rows, verify_greedy(sub, lg.argmax(dim=-1))))
+                continue
+            probs = _target_probs(lg, [chunks[i] for i in rows])
+            dp = None if draft_probs is None else draft_probs[rows]
+            parts.append((rows, verify_sampling(sub, probs, draft_probs=dp, generator=gen)))
+        return _merge(parts, tree.batch_size)
+
+
+def _sampled(tok: SampledToken | None) -> SampledToken:
+    if tok is None:
+        raise RuntimeError("a verify chunk's decode step sampled no token")
+    return tok
+
+
+def _budget(c: ScheduledChunk, max_model_len: int) -> int:
+    """Tokens the request may still emit (>= 1 for a live request)."""
+    req = c.request
+    return max(1, min(req.params.max_tokens - len(req.output_token_ids), max_model_len - req.num_tokens))
+
+
+def _trim(draft: DraftOutput, n: int, dmax: int) -> DraftOutput:
+    """Checks the drafter's block and cuts padding columns no row uses."""
+    tree = draft.tree
+    if tree.batch_size != n:
+        raise ValueError(f"drafter: expected {n} verify blocks, got {tree.batch_size}")
+    if tree.block_size > dmax:
+        raise ValueError(f"drafter: expected blocks of at most Dmax = {dmax} tokens, got {tree.block_size}")
+    d = int(tree.num_nodes.max())
+    if d == tree.block_size:
+        return draft
+    cut = VerifyTree.from_parents(tree.tokens[:, :d], tree.parents[:, :d], tree.num_nodes)
+    dp = None if draft.draft_probs is None else draft.draft_probs[:, :d]
+    return DraftOutput(cut, dp)
+
+
+def _rows(tree: VerifyTree, rows: list[int]) -> VerifyTree:
+    idx = torch.tensor(rows, dtype=torch.int64, device=tree.tokens.device)
+    return VerifyTree(
+        tokens=tree.tokens[idx],
+        parents=tree.parents[idx],
+        num_nodes=tree.num_nodes[idx],
+        depth=tree.depth[idx],
+        tree_mask=tree.tree_mask[idx],
+        first_child=tree.first_child[idx],
+        next_sibling=tree.next_sibling[idx],
+        is_chain=tree.is_chain,
+    )
+
+
+def _merge(parts: list[tuple[list[int], VerifyResult]], n: int) -> VerifyResult:
+    first = parts[0][1]
+
+    def gather(name: str) -> torch.Tensor:
+        ref: torch.Tensor = getattr(first, name)
+        full = torch.empty((n, *ref.shape[1:]), dtype=ref.dtype, device=ref.device)
+        for rows, res in parts:
+            full[torch.tensor(rows, device=ref.device)] = getattr(res, name)
+        return full
+
+    names = ("num_accepted", "accept_index", "output_tokens", "bonus", "commit_steps", "finished")
+    return replace(first, **{k: gather(k) for k in names})
+
+
+def _target_probs(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+    """[n, D, V] logits -> [n, D, V] fp32 filtered target distributions (the plain sampler's filters)."""
+    n, d, v = logits.shape
+    ps = [c.request.params for c in chunks]
+    st = SamplingTensors.build(
+        temperature=[p.temperature for p in ps for _ in range(d)],
+        top_k=[p.top_k for p in ps for _ in range(d)],
+        top_p=[p.top_p for p in ps for _ in range(d)],
+        min_p=[p.min_p for p in ps for _ in range(d)],
+        generators=[None] * (n * d),
+        num_logprobs=-1,
+        device=logits.device,
+    )
+    return filtered_probs(logits.reshape(n * d, v), st).reshape(n, d, v)
+
+
+def _stop_ids(chunks: Sequence[ScheduledChunk], device: torch.device) -> torch.Tensor:
+    """[N, M] int64 EOS and stop token ids per request, -1 padded."""
+    sets = [sorted(c.request.eos_token_ids | c.request.params.stop_token_set) for c in chunks]
+    m = max(1, max(len(s) for s in sets))
+    out = torch.full((len(sets), m), -1, dtype=torch.int64)
+    for i, s in enumerate(sets):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.int64)
+    return out.to(device)
+
+
+def _accepted_path(
+    hidden: torch.Tensor,
+    aux: tuple[torch.Tensor, ...],
+    tree: VerifyTree,
+    res: VerifyResult,
+    ids: list[str],
+    prefix: list[int],
+) -> CommittedTokens:
+    """Each row's accepted path (root first) with the target's features at its nodes: what was committed."""
+    n, d = tree.batch_size, tree.block_size
+    idx = res.accept_index.clamp(min=0)  # [N, D]
+    keep = torch.arange(d, device=idx.device)[None, :] <= res.num_accepted[:, None]
+    ar = torch.arange(n, device=idx.device)[:, None]
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # [N * D, H] -> [sum(accepted + 1), H]
+        return x.reshape(n, d, -1)[ar, idx][keep]
+
+    return CommittedTokens(
+        req_ids=ids,
+        start_positions=torch.tensor(prefix, dtype=torch.int64),
+        num_tokens=(res.num_accepted + 1).cpu(),
+        tokens=tree.tokens.gather(1, idx)[keep],
+        hidden_states=gather(hidden),
+        aux_hidden_states=tuple(gather(a) for a in aux),
+    )
+
+
+def _to_verified(
+    res: VerifyResult,
+    tree: VerifyTree,
+    logits: torch.Tensor,
+    chunks: Sequence[ScheduledChunk],
+) -> list[VerifiedTokens]:
+    """Python results, with logprobs (of the raw target distribution) for requests that asked."""
+    toks = res.tolist()
+    acc = res.num_accepted.tolist()
+    drafts = (tree.num_nodes - 1).tolist()
+    want = [i for i, c in enumerate(chunks) if c.request.params.logprobs is not None]
+    lp_rows: dict[int, tuple[list[float], list[dict[int, float] | None]]] = {}
+    if want:
+        paths = res.accept_index.tolist()
+        for i in want:
+            k = chunks[i].request.params.logprobs or 0
+            nodes = paths[i][: acc[i] + 1]  # emitted token e comes from the logits after node nodes[e]
+            lp = torch.log_softmax(logits[i, nodes].float(), dim=-1)  # [e, V]
+            chosen = lp.gather(1, torch.tensor(toks[i], device=lp.device)[:, None])[:, 0].tolist()
+            tops: list[dict[int, float] | None] = [None] * len(nodes)
+            if k > 0:
+                tv, ti = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
+                tops = [dict(zip(a, b)) for a, b in zip(ti.tolist(), tv.tolist())]
+            lp_rows[i] = (chosen, tops)
+    out: list[VerifiedTokens] = []
+    for i, row in enumerate(toks):
+        if i in lp_rows:
+            chosen, tops = lp_rows[i]
+            sampled = tuple(SampledToken(t, chosen[e], tops[e]) for e, t in enumerate(row))
+        else:
+            sampled = tuple(SampledToken(t, None, None) for t in row)
+        out.append(VerifiedTokens(sampled, drafts[i], acc[i]))
+    return out

@@ -1,0 +1,484 @@
+"""Speculative decoding through the engine: LLM, HTTP, CLI and metrics on tiny LFM2 and Qwen3.5 targets.
+
+Greedy output with speculation must equal greedy output without it, token for token. Besides the n-gram
+drafter, a forced-acceptance drafter (registered through the server's `DrafterRegistry`) proposes the
+target's own continuation with its first error at a scheduled draft index, so every accept length occurs,
+and lets stops (EOS, stop token ids, stop strings) and token budgets land inside accepted runs.
+Storage is fp32 (the runner stores KV / conv state in the model dtype), so verify and decode agree exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from hyspec_server import LLM, EngineArgs, LLMEngine, SamplingParams
+from hyspec_server.builder import build_engine
+from hyspec_server.cli import main
+from hyspec_server.metrics import EngineMetrics
+from hyspec_server.serve import ServerThread
+from hyspec_server.speculative import DrafterContext, DrafterRegistry, parse_speculative_config
+from hyspec_spec_workers.config import Method
+from hyspec_spec_workers.drafter import DraftBatch, Drafter, DraftOutput
+from hyspec_spec_workers.tree import VerifyTree
+
+S = 3
+NEW = 24
+# mixed lengths, one of a single token, and repetitive ones the n-gram drafter finds matches in
+PROMPTS: list[list[int]] = [
+    [5, 9, 17, 33, 2, 7, 5, 9, 11, 12, 13],
+    [40, 41],
+    [7, 7, 7, 8, 7, 7, 7],
+    [1],
+    [20, 30, 40, 20, 30, 40, 20],
+    [200, 201, 202, 203],
+]
+
+
+def _ids(prompts: Sequence[list[int]]) -> list[dict[str, Any]]:
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _greedy(max_tokens: int = NEW, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=kw.pop("ignore_eos", True), **kw)
+
+
+@dataclass
+class ForcedDrafter:
+    """Drafts the reference continuation; unless `perfect`, the first error sits at draft index
+    `(calls + row) % (S + 2)` (S: none, S + 1: no proposal at all), so accepted counts 0..S all occur."""
+
+    refs: list[list[int]]
+    num_steps: int
+    vocab: int
+    perfect: bool = False
+    tree: bool = False  # a decoy sibling at every level (topk 2), alternating before / after the real one
+    calls: int = 0
+    steps_seen: set[int] = field(default_factory=set)
+    mixed_zero_rounds: int = 0
+
+    @property
+    def method(self) -> Method:
+        return "ngram"
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return 1 + (2 if self.tree else 1) * self.num_steps
+
+    def propose(self, batch: DraftBatch) -> DraftOutput:
+        self.calls += 1
+        n, s = batch.root_tokens.shape[0], self.num_steps
+        drafts = torch.zeros(n, s, dtype=torch.int64)
+        num = torch.zeros(n, dtype=torch.int64)
+        for row in range(n):
+            hist = batch.histories[row].tolist()
+            cap = batch.num_steps[row]
+            self.steps_seen.add(cap)
+            full = next((r for r in self.refs if len(r) > len(hist) and r[: len(hist)] == hist), None)
+            if cap == 0:
+                continue
+            # off the reference (sampling): some proposal anyway, for the rejection sampler to judge
+            props = hist[-cap:] if full is None else full[len(hist) : len(hist) + cap]
+            if not self.perfect:
+                phase = (self.calls + row) % (s + 2)
+                if phase == s + 1:
+                    continue
+                if phase < len(props):
+                    props[phase] = (props[phase] + 1) % self.vocab
+            drafts[row, : len(props)] = torch.tensor(props, dtype=torch.int64)
+            num[row] = len(props)
+        if bool((num == 0).any()) and bool((num > 0).any()):
+            self.mixed_zero_rounds += 1
+        if not self.tree:
+            return DraftOutput(VerifyTree.chain(batch.root_tokens, drafts, num))
+        d = self.max_draft_tokens
+        tokens = torch.zeros(n, d, dtype=torch.int64)
+        tokens[:, 0] = batch.root_tokens
+        parents = (torch.arange(d) - 1).repeat(n, 1)
+        for row in range(n):
+            node, parent = 1, 0
+            for level, tok in enumerate(drafts[row, : int(num[row])].tolist()):
+                pair = [tok, (tok + 7) % self.vocab]
+                for t in pair if (level + row) % 2 else pair[::-1]:
+                    tokens[row, node], parents[row, node] = t, parent
+                    if t == tok:
+                        real = node
+                    node += 1
+                parent = real
+        return DraftOutput(VerifyTree.from_parents(tokens, parents, 1 + 2 * num))
+
+
+@dataclass
+class Arch:
+    path: Path
+    refs: list[list[int]]  # greedy continuation of PROMPTS[i], NEW tokens, ignore_eos
+    vocab: int
+
+    def forced(
+        self, *, perfect: bool = False, tree: bool = False
+    ) -> tuple[DrafterRegistry, list[ForcedDrafter]]:
+        made: list[ForcedDrafter] = []
+        full = [p + r for p, r in zip(PROMPTS, self.refs)]
+
+        def build(ctx: DrafterContext) -> Drafter:
+            d = ForcedDrafter(full, ctx.config.max_num_speculative_tokens, self.vocab, perfect, tree)
+            made.append(d)
+            return d
+
+        # trees need a tree method in the config; the override replaces that method's builder
+        return DrafterRegistry({"mtp" if tree else "ngram": build}), made
+
+    def engine(
+        self, spec: dict[str, Any] | None, drafters: DrafterRegistry | None = None, **kw: Any
+    ) -> LLMEngine:
+        args: dict[str, Any] = dict(model=str(self.path), max_num_seqs=8, page_size=4, max_model_len=64)
+        args.update(kw)
+        return build_engine(EngineArgs(speculative_config=spec, **args), drafters=drafters)
+
+
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5"])
+def arch(request: pytest.FixtureRequest) -> Arch:
+    path: Path = request.getfixturevalue(f"tiny_{request.param}")
+    eng = build_engine(EngineArgs(model=str(path), max_num_seqs=8, page_size=4, max_model_len=64))
+    outs = LLM.from_engine(eng).generate(_ids(PROMPTS), _greedy())
+    vocab = int(eng.runner.vocab_size)  # type: ignore[attr-defined]
+    return Arch(path, [o.outputs[0].token_ids for o in outs], vocab)
+
+
+def _spec(**kw: Any) -> dict[str, Any]:
+    return {"method": "ngram", "num_speculative_tokens": S, **kw}
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_ngram_greedy_equals_plain(arch: Arch, adaptive: bool) -> None:
+    ad: Any = {"candidate_steps": [1, 3], "warmup_batches": 1, "update_interval": 1} if adaptive else False
+    eng = arch.engine(_spec(adaptive=ad))
+    outs = LLM.from_engine(eng).generate(_ids(PROMPTS), _greedy())
+    assert [o.outputs[0].token_ids for o in outs] == arch.refs
+    assert all(o.spec_stats is not None for o in outs)
+    assert sum(o.spec_stats.num_draft_tokens for o in outs if o.spec_stats) > 0  # the n-gram did draft
+    eng.leak_check()
+
+
+def test_forced_acceptance_every_accept_length_and_budgets(arch: Arch) -> None:
+    reg, made = arch.forced()
+    eng = arch.engine(_spec(), reg)
+    # budgets end at different places within accepted runs; the 1-token budget never drafts
+    budgets = [NEW, 9, 13, 1, 6, 17]
+    outs = LLM.from_engine(eng).generate(_ids(PROMPTS), [_greedy(m) for m in budgets])
+    assert [o.outputs[0].token_ids for o in outs] == [r[:m] for r, m in zip(arch.refs, budgets)]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert set(eng.stats.accept_lengths) == set(range(1, S + 2))  # 0..S accepted drafts + bonus
+    assert made[0].mixed_zero_rounds > 0  # rows proposing nothing next to rows that drafted
+    st = [o.spec_stats for o in outs]
+    assert all(s is not None for s in st)
+    total_acc = sum(s.num_accepted_tokens for s in st if s)
+    assert total_acc == eng.stats.spec_num_accepted_tokens > 0
+    assert all(s.num_accepted_tokens <= s.num_draft_tokens for s in st if s)
+    eng.leak_check()
+
+
+def test_forced_tree_with_budgets_and_stops(arch: Arch) -> None:
+    reg, made = arch.forced(tree=True)
+    eng = arch.engine({"method": "mtp", "num_speculative_tokens": S, "topk": 2}, reg)
+    assert eng.scheduler.config.num_lookahead_tokens == 2 * S
+    budgets = [NEW, 9, 13, 1, 6, 17]
+    params = [_greedy(m) for m in budgets]
+    params[4] = _greedy(stop_token_ids=[arch.refs[4][7]])
+    cut = arch.refs[4].index(arch.refs[4][7]) + 1
+    outs = LLM.from_engine(eng).generate(_ids(PROMPTS), params)
+    want = [r[:m] for r, m in zip(arch.refs, budgets)]
+    want[4] = arch.refs[4][:cut]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert set(eng.stats.accept_lengths) == set(range(1, S + 2))
+    assert made[0].mixed_zero_rounds > 0
+    eng.leak_check()
+
+
+def _first_inside_run(ref: list[int], tokenizer: Any, start: int) -> int:
+    """An output index j >= start that a perfect S-draft round emits as a draft (not the bonus), whose token
+    does not occur before it and whose text piece is non-empty and new."""
+    for j in range(start, len(ref)):
+        if (j - 1) % (S + 1) == S or ref[j] in ref[:j]:
+            continue
+        prev, cur = tokenizer.decode(ref[:j]), tokenizer.decode(ref[: j + 1])
+        piece = cur[len(prev) :] if cur.startswith(prev) else ""
+        if piece.strip() and piece not in prev and "\ufffd" not in piece:
+            return j
+    raise AssertionError("no suitable position in the reference")
+
+
+class _EosShim:
+    """The engine's tokenizer with a chosen EOS set (so a tiny random model hits EOS where we want)."""
+
+    def __init__(self, inner: Any, eos: set[int]) -> None:
+        self.inner, self.eos = inner, frozenset(eos)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.eos
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_stops_inside_accepted_runs_match_plain(arch: Arch) -> None:
+    reg, made = arch.forced(perfect=True)
+    spec_eng = arch.engine(_spec(), reg)
+    plain_eng = arch.engine(None)
+    tok = spec_eng.tokenizer
+    j_eos = _first_inside_run(arch.refs[0], tok, 2)
+    j_id = _first_inside_run(arch.refs[2], tok, 5)
+    j_str = _first_inside_run(arch.refs[5], tok, 3)
+    prev = tok.decode(arch.refs[5][:j_str])
+    stop_str = tok.decode(arch.refs[5][: j_str + 1])[len(prev) :]
+    eos = {arch.refs[0][j_eos]}
+    params = [
+        _greedy(ignore_eos=False),
+        _greedy(),
+        _greedy(stop_token_ids=[arch.refs[2][j_id]]),
+        _greedy(),
+        _greedy(),
+        _greedy(stop=[stop_str]),
+    ]
+    results = []
+    for eng in (plain_eng, spec_eng):
+        eng.tokenizer = _EosShim(eng.tokenizer, eos)
+        outs = LLM.from_engine(eng).generate(_ids(PROMPTS), params)
+        results.append(
+            [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+        )
+        eng.leak_check()
+    # perfect S-draft rounds emit outputs 1..S+1, S+2..2S+2, ...; the round that hits the stop at output j
+    # accepts only the drafts before it: the verifier's counts were cut with the tokens (bug class 22)
+    for row, j in ((0, j_eos), (2, j_id)):
+        st = outs[row].spec_stats
+        assert st is not None
+        assert (st.num_drafts, st.num_accepted_tokens) == (
+            (j - 1) // (S + 1) + 1,
+            S * ((j - 1) // (S + 1)) + (j - 1) % (S + 1),
+        )
+    assert results[1] == results[0]
+    plain = results[0]
+    assert len(plain[0][0]) == j_eos + 1 and plain[0][2] == "stop"
+    assert len(plain[2][0]) == j_id + 1 and plain[2][2] == "stop"
+    assert len(plain[5][0]) == j_str + 1 and plain[5][2] == "stop"
+    assert made[0].calls > 0
+
+
+def test_preemption_under_a_tiny_kv_pool(arch: Arch) -> None:
+    reg, _ = arch.forced()
+    probe = arch.engine(_spec(), reg)
+    plan = probe.runner.memory.pool.plan  # type: ignore[attr-defined]
+    fixed = plan.total_bytes - plan.kv_bytes
+    # one request at max context plus a verify block, and a few pages more: not all six fit at once
+    pages = plan.max_pages_per_request + 6
+    reg2, _ = arch.forced()
+    eng = arch.engine(_spec(), reg2, kv_cache_bytes=fixed + pages * plan.kv_bytes_per_page)
+    outs = LLM.from_engine(eng).generate(_ids([p * 3 for p in PROMPTS[:1]] + PROMPTS[1:]), _greedy())
+    assert eng.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs][1:] == arch.refs[1:]
+    eng.leak_check()
+
+
+def test_adaptive_lengths_switch_and_stay_lossless(arch: Arch) -> None:
+    reg, made = arch.forced()
+    ad = {"candidate_steps": [1, 3], "warmup_batches": 0, "update_interval": 1, "cost_aware": False}
+    eng = arch.engine(_spec(num_speculative_tokens=1, adaptive=ad), reg)
+    assert eng.scheduler.config.num_lookahead_tokens == 3  # sized for the largest candidate
+    outs = LLM.from_engine(eng).generate(_ids(PROMPTS), _greedy())
+    assert [o.outputs[0].token_ids for o in outs] == arch.refs
+    assert {1, 3} <= made[0].steps_seen
+    eng.leak_check()
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_rows_stay_exact(arch: Arch) -> None:
+    # the n-gram drafter is a function of the history, so a seeded request's output depends on its seed only
+    eng = arch.engine(_spec(prompt_lookup_min=1, prompt_lookup_max=2))
+    llm = LLM.from_engine(eng)
+    hot = [
+        SamplingParams(max_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=s, ignore_eos=True)
+        for s in (1, 1, 2)
+    ]
+    params = [*hot, _greedy(), SamplingParams(max_tokens=16, temperature=1.0, min_p=0.01), _greedy()]
+    prompts = [PROMPTS[2], PROMPTS[2], PROMPTS[2], PROMPTS[3], PROMPTS[4], PROMPTS[5]]
+    outs = llm.generate(_ids(prompts), params)
+    a = [o.outputs[0].token_ids for o in outs]
+    assert a[0] == a[1] != a[2]  # same seed and prompt, same output; another seed differs
+    assert a[3] == arch.refs[3] and a[5] == arch.refs[5]
+    assert all(len(x) == 16 for x in a[:3])
+    # alone in the batch, the seeded request still produces the same tokens
+    alone = llm.generate(_ids(prompts[:1]), hot[0])[0]
+    assert alone.outputs[0].token_ids == a[0]
+    assert sum(o.spec_stats.num_draft_tokens for o in outs[:3] if o.spec_stats) > 0
+    eng.leak_check()
+
+
+def test_mtp_drafter_through_the_factory(tiny_qwen3_5: Path) -> None:
+    base = build_engine(EngineArgs(model=str(tiny_qwen3_5), max_num_seqs=4, page_size=4, max_model_len=64))
+    ref = [o.outputs[0].token_ids for o in LLM.from_engine(base).generate(_ids(PROMPTS[:3]), _greedy(12))]
+    eng = build_engine(
+        EngineArgs(
+            model=str(tiny_qwen3_5),
+            max_num_seqs=4,
+            page_size=4,
+            max_model_len=64,
+            max_num_batched_tokens=8,  # prompts prefill in chunks: the draft extend follows them
+            speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+        )
+    )
+    outs = LLM.from_engine(eng).generate(_ids(PROMPTS[:3]), _greedy(12))
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert sum(o.spec_stats.num_draft_tokens for o in outs if o.spec_stats) > 0
+    eng.leak_check()
+    # an abort mid-generation frees the request's draft KV too (the drafter follows the pool's frees)
+    rid = eng.add_request(PROMPTS[0], _greedy(12))
+    keep = eng.add_request(PROMPTS[1], _greedy(12))
+    for _ in range(3):
+        eng.step()
+    drafter = eng.runner.spec.drafter  # type: ignore[attr-defined]
+    assert drafter.kv.pool.num_live == 2
+    eng.abort(rid)
+    assert drafter.kv.pool.num_live == 1
+    final = {}
+    while eng.has_unfinished():
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    assert final[keep].outputs[0].token_ids == ref[1]
+    eng.leak_check()
+    # preemption under a tiny KV pool: the drafter forgets the victim and re-follows its recompute
+    plan = eng.runner.memory.pool.plan  # type: ignore[attr-defined]
+    small = build_engine(
+        EngineArgs(
+            model=str(tiny_qwen3_5),
+            max_num_seqs=4,
+            page_size=4,
+            max_model_len=64,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+            kv_cache_bytes=plan.total_bytes
+            - plan.kv_bytes
+            + (plan.max_pages_per_request + 3) * plan.kv_bytes_per_page,
+        )
+    )
+    long = [p * 3 for p in PROMPTS[:3]]
+    want = [o.outputs[0].token_ids for o in LLM.from_engine(base).generate(_ids(long), _greedy(12))]
+    outs = LLM.from_engine(small).generate(_ids(long), _greedy(12))
+    assert small.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == want
+    small.leak_check()
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_lfm2: Path) -> Iterator[tuple[ServerThread, list[list[int]]]]:
+    base = build_engine(EngineArgs(model=str(tiny_lfm2), max_num_seqs=8, page_size=4, max_model_len=64))
+    refs = [o.outputs[0].token_ids for o in LLM.from_engine(base).generate(_ids(PROMPTS), _greedy())]
+    vocab = int(base.runner.vocab_size)  # type: ignore[attr-defined]
+    reg, _ = Arch(tiny_lfm2, refs, vocab).forced()
+    eng = Arch(tiny_lfm2, refs, vocab).engine(_spec(), reg)
+    srv = ServerThread(eng, model_name="tiny").start()
+    yield srv, refs
+    srv.stop()
+
+
+def test_http_speculative_completions_equal_plain_greedy(
+    spec_server: tuple[ServerThread, list[list[int]]],
+) -> None:
+    srv, refs = spec_server
+    c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    for p, ref in zip(PROMPTS[:3], refs):
+        r = c.completions.create(model="tiny", prompt=p, max_tokens=NEW, temperature=0, extra_body=extra)
+        assert r.choices[0].model_extra is not None and r.choices[0].model_extra["token_ids"] == ref
+        got: list[int] = []
+        for ev in c.completions.create(
+            model="tiny", prompt=p, max_tokens=NEW, temperature=0, stream=True, extra_body=extra
+        ):
+            assert ev.choices[0].model_extra is not None
+            got += ev.choices[0].model_extra["token_ids"]
+        assert got == ref
+    srv.wait_idle_and_leak_check()
+    text = httpx.get(srv.base_url + "/metrics").text
+    vals = {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")}
+    assert vals["hyspec_spec_decode_accept_length_count"] > 0
+    assert (
+        vals["hyspec_spec_decode_num_draft_tokens_total"]
+        >= vals["hyspec_spec_decode_num_accepted_tokens_total"]
+    )
+    assert vals["hyspec_spec_decode_num_accepted_tokens_total"] > 0
+    assert (
+        vals['hyspec_spec_decode_accept_length_bucket{le="+Inf"}']
+        == vals["hyspec_spec_decode_num_drafts_total"]
+    )
+
+
+def test_metrics_render_spec_counters_before_any_round(tiny_lfm2: Path) -> None:
+    eng = build_engine(EngineArgs(model=str(tiny_lfm2), max_num_seqs=2, speculative_config=_spec()))
+    m = EngineMetrics()
+    m.observe(eng)
+    assert "hyspec_spec_decode_num_drafts_total 0" in m.render()
+
+
+@pytest.mark.parametrize(
+    ("config", "field_name"),
+    [
+        ({"method": "bogus"}, "speculative_config.method"),
+        ({"method": "ngram", "topk": 2}, "speculative_config.topk"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+        ({"method": "ngram", "speculative_tokens": 3}, "speculative_config.speculative_tokens"),
+        ({"num_speculative_tokens": 3}, "speculative_config.method"),
+        ({"method": "eagle3"}, "speculative_config.model"),
+        ({"method": "ngram", "adaptive": {"candidate_steps": [0]}}, "speculative_config.adaptive"),
+        ("{not json", "speculative_config: not valid JSON"),
+        ("[1, 2]", "speculative_config: expected a JSON object"),
+    ],
+)
+def test_invalid_configs_name_the_field(config: Any, field_name: str) -> None:
+    with pytest.raises(ValueError, match=field_name.replace(".", r"\.")):
+        parse_speculative_config(config)
+    with pytest.raises(ValueError, match=field_name.replace(".", r"\.")):
+        EngineArgs(speculative_config=config)
+
+
+def test_drafter_errors_surface_clearly(tiny_lfm2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # LFM2 has no MTP layers: the factory's complaint comes back naming the config field
+    with pytest.raises(ValueError, match=r"speculative_config\.method: cannot build the 'mtp' drafter"):
+        LLM(model=str(tiny_lfm2), speculative_config={"method": "mtp"})
+    monkeypatch.setattr("hyspec_server.speculative.MODEL_DRAFTER_FACTORY", "hyspec_spec_workers.not_there")
+    with pytest.raises(ValueError, match="'mtp' is not available in this build"):
+        LLM(model=str(tiny_lfm2), speculative_config={"method": "mtp"})
+    with pytest.raises(ValueError, match="max_num_batched_tokens=3 is below the verify block size 4"):
+        LLM(model=str(tiny_lfm2), max_num_batched_tokens=3, speculative_config=_spec())
+
+
+def test_cli_speculative_generate_json_and_errors(
+    tiny_lfm2: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "generate",
+        str(tiny_lfm2),
+        "--prompt",
+        "Hi Hi Hi Hi",
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--json",
+    ]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["spec_stats"] is None
+    assert main([*argv, "--speculative-config", json.dumps(_spec())]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"]
+    st = spec["spec_stats"]
+    assert st is not None and st["num_accepted_tokens"] <= st["num_draft_tokens"]
+    assert main([*argv, "--speculative-config", '{"method": "ngram", "topk": 3}']) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hyspec: error: speculative_config.topk")
+    assert main(["serve", str(tiny_lfm2), "--speculative-config", "{oops"]) == 2
+    assert "speculative_config: not valid JSON" in capsys.readouterr().err
