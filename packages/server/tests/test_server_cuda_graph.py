@@ -1,4 +1,5 @@
-"""The CUDA path (Triton kernels, bf16) and decode CUDA graphs; GPU only."""
+"""The CUDA path (Triton kernels, bf16) and decode CUDA graphs (attn-backends' `CudaGraphRunner` behind the
+server's `TargetGraphs`); GPU only, but for the capture-size policy."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from hyspec_attn_backends import ForwardMode
 from hyspec_server import LLM, SamplingParams
-from hyspec_server.cuda_graph import capture_sizes
+from hyspec_server.cuda_graph import capture_sizes, verify_shapes
+from hyspec_spec_workers.config import SpeculativeConfig
 
 PROMPTS = ["Hello, my name is", "The capital of France is Paris and", "a", "x" * 17, "graph", "b" * 40]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -19,6 +22,19 @@ def test_capture_sizes() -> None:
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
 
 
+def test_verify_shapes_cover_every_block_the_config_produces() -> None:
+    def shapes(**kw: object) -> tuple[tuple[int, bool], ...]:
+        return verify_shapes(SpeculativeConfig.from_dict({"method": "mtp", **kw}))
+
+    assert shapes(num_speculative_tokens=3) == ((4, False),)
+    assert shapes(num_speculative_tokens=3, topk=2, num_draft_tokens=5) == ((5, True),)
+    # adaptive: one chain shape per candidate (the initial S is a candidate); Dmax = largest candidate + 1
+    ad = {"candidate_steps": [1, 7]}
+    assert shapes(num_speculative_tokens=3, adaptive=ad) == ((2, False), (4, False), (8, False))
+    cfg = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "adaptive": ad})
+    assert max(d for d, _ in verify_shapes(cfg)) == cfg.max_draft_tokens
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("arch_fixture", ["tiny_lfm2", "tiny_qwen3_5"])
@@ -27,13 +43,14 @@ def test_cuda_graph_decode_equals_eager(arch_fixture: str, request: pytest.Fixtu
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     eager = LLM(model=str(ckpt), device="cuda", dtype="bfloat16", enforce_eager=True, max_num_seqs=8)
     graph = LLM(model=str(ckpt), device="cuda", dtype="bfloat16", enforce_eager=False, max_num_seqs=8)
-    assert eager.engine.runner.graphs is None  # type: ignore[attr-defined]
+    assert not eager.engine.runner.graphs.active  # type: ignore[attr-defined]
     graphs = graph.engine.runner.graphs  # type: ignore[attr-defined]
-    assert graphs is not None
+    assert graphs.active and graphs.runner.captured_sizes(ForwardMode.DECODE) == [1, 2, 4, 8]
     a = eager.generate(PROMPTS, params)
     b = graph.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
-    assert graphs.num_replays > 0
+    # every decode step replayed a graph (6 live rows pad to 8, fewer to 1, 2 or 4)
+    assert graphs.counts.decode_replays > 0 and graphs.counts.decode_eager == 0
     # seeded sampling goes through the same graphs
     sp = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in eager.generate(PROMPTS[:3], sp)] == [

@@ -19,9 +19,11 @@ import httpx
 import openai
 import pytest
 import torch
+from hyspec_attn_backends import ForwardBatch, ForwardMode
 from hyspec_server import LLM, EngineArgs, LLMEngine, SamplingParams
 from hyspec_server.builder import build_engine
 from hyspec_server.cli import main
+from hyspec_server.cuda_graph import TargetGraphs
 from hyspec_server.metrics import EngineMetrics
 from hyspec_server.serve import ServerThread
 from hyspec_server.speculative import DrafterContext, DrafterRegistry, parse_speculative_config
@@ -482,3 +484,180 @@ def test_cli_speculative_generate_json_and_errors(
     assert err.startswith("hyspec: error: speculative_config.topk")
     assert main(["serve", str(tiny_lfm2), "--speculative-config", "{oops"]) == 2
     assert "speculative_config: not valid JSON" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- CUDA-graph shapes, run eagerly on CPU
+
+
+@dataclass
+class GraphSpy:
+    """What reached `TargetGraphs.run` / `block_len` while every shape pretended to be captured."""
+
+    batches: list[tuple[ForwardMode, int, int]] = field(default_factory=list)  # mode, num_padded, D
+    blocks: list[tuple[int, int]] = field(default_factory=list)  # drafted D -> D run
+
+
+def _pretend_captured(eng: LLMEngine) -> GraphSpy:
+    """Make the runner pad exactly as if every decode and verify shape were captured (replays run eagerly).
+
+    On CPU no graph is captured, so this is how the CPU suite covers what a replay sees: batches padded to a
+    capture size (slot -1 rows) and verify blocks padded to a captured D, through the same code paths.
+    """
+    graphs: TargetGraphs = eng.runner.graphs  # type: ignore[attr-defined]
+    assert not graphs.active
+    spy = GraphSpy()
+
+    def padded_size(mode: ForwardMode, n: int, *, verify_len: int = 0, tree: bool = False) -> int | None:
+        if mode is ForwardMode.TARGET_VERIFY and (verify_len, tree) not in graphs.verify:
+            return None
+        return next((b for b in graphs.sizes if b >= n), None)
+
+    run, block_len = graphs.run, graphs.block_len
+
+    def spy_run(batch: ForwardBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        spy.batches.append((batch.mode, batch.num_padded, batch.verify_len))
+        return run(batch)
+
+    def spy_block_len(num_seqs: int, d: int, *, tree: bool) -> int:
+        out = block_len(num_seqs, d, tree=tree)
+        spy.blocks.append((d, out))
+        return out
+
+    graphs.runner.padded_size = padded_size  # type: ignore[method-assign]
+    graphs.run = spy_run  # type: ignore[method-assign]
+    graphs.block_len = spy_block_len  # type: ignore[method-assign]
+    return spy
+
+
+def _stats(outs: Sequence[Any]) -> list[tuple[int, int, int]]:
+    return [
+        (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+        for s in (o.spec_stats for o in outs)
+        if s is not None
+    ]
+
+
+@pytest.mark.parametrize("variant", ["plain", "ngram", "forced-adaptive", "tree", "eagle3"])
+def test_graph_shapes_pad_batches_and_blocks_losslessly(
+    arch: Arch, variant: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Padded batches (slot -1 rows) and blocks padded to a captured D give the tokens and stats of the
+    unpadded run: greedy rows equal plain greedy, a seeded sampling row equals the unpadded engine's."""
+    spec: dict[str, Any] | None = None
+    shapes: set[tuple[int, bool]] = set()
+    if variant == "ngram":
+        spec, shapes = _spec(), {(S + 1, False)}
+    elif variant == "forced-adaptive":
+        ad = {"candidate_steps": [1, 3], "warmup_batches": 0, "update_interval": 1, "cost_aware": False}
+        spec, shapes = _spec(num_speculative_tokens=1, adaptive=ad), {(2, False), (4, False)}
+    elif variant == "tree":
+        spec, shapes = {"method": "mtp", "num_speculative_tokens": S, "topk": 2}, {(1 + 2 * S, True)}
+    elif variant == "eagle3":
+        from hyspec_spec_workers.tiny_drafts import build_tiny_eagle3
+
+        draft = build_tiny_eagle3(tmp_path_factory.mktemp("eagle3") / "d", arch.path, seed=1)
+        spec = {"method": "eagle3", "num_speculative_tokens": S, "model": str(draft)}
+        shapes = {(S + 1, False)}
+    hot = SamplingParams(max_tokens=NEW, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
+    # budgets that end inside blocks cap the draft lengths: blocks shorter than every captured D occur
+    budgets = [NEW, 9, 13, NEW, NEW, 17]
+    params = [_greedy(m) for m in budgets]
+    params[4] = hot
+
+    def run(pad: bool) -> tuple[list[Any], GraphSpy, LLMEngine]:
+        # a fresh forced drafter per engine: both engines see the same proposals
+        reg = arch.forced(tree=variant == "tree")[0] if variant in ("forced-adaptive", "tree") else None
+        eng = arch.engine(spec, reg)
+        spy = _pretend_captured(eng) if pad else GraphSpy()
+        return LLM.from_engine(eng).generate(_ids(PROMPTS), params), spy, eng
+
+    plain, _, _ = run(False)
+    padded, spy, eng = run(True)
+    graphs: TargetGraphs = eng.runner.graphs  # type: ignore[attr-defined]
+    assert set(graphs.verify) == shapes
+    got = [o.outputs[0].token_ids for o in padded]
+    assert [got[i] for i in (0, 1, 2, 3, 5)] == [arch.refs[i][: budgets[i]] for i in (0, 1, 2, 3, 5)]
+    assert got == [o.outputs[0].token_ids for o in plain]
+    assert _stats(padded) == _stats(plain)
+    verify = [b for b in spy.batches if b[0] is ForwardMode.TARGET_VERIFY]
+    if variant == "plain":
+        assert not verify and any(p > 0 for m, p, _ in spy.batches if m is ForwardMode.DECODE)
+    else:
+        # every verify ran at a captured shape, batches were padded, some blocks padded to a larger D
+        assert verify and all((d, variant == "tree") in shapes for _, _, d in verify)
+        assert any(p > 0 for _, p, _ in verify)
+        # the n-gram's short proposals ran padded to the captured D (the others draft whole blocks)
+        assert any(out > d for d, out in spy.blocks) or variant != "ngram"
+    eng.leak_check()
+
+
+def test_padded_block_verifies_and_commits_like_the_block() -> None:
+    """`_pad_block`: extra nodes continue the chain past each row's last node and are never reached."""
+    from hyspec_server.spec_decode import _pad_block
+    from hyspec_spec_workers.verify import verify_greedy
+
+    parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3]])
+    tokens = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 4, 0]])
+    tree = VerifyTree.from_parents(tokens, parents, torch.tensor([5, 3]))
+    probs = torch.rand(2, 5, 11)
+    padded, dp = _pad_block(tree, probs, 8)
+    assert padded.block_size == 8 and dp is not None and dp.shape == (2, 8, 11)
+    assert torch.equal(dp[:, :5], probs) and not dp[:, 5:].any()
+    assert torch.equal(padded.tokens[:, :5], tree.tokens) and torch.equal(padded.num_nodes, tree.num_nodes)
+    assert padded.parents[0].tolist() == [-1, 0, 0, 1, 2, 4, 5, 6]
+    assert padded.parents[1].tolist() == [-1, 0, 1, 2, 3, 4, 5, 6]
+    assert not padded.is_chain and not padded.tree_mask[:, :5, 5:].any()
+    for name in ("first_child", "next_sibling", "depth"):
+        assert torch.equal(getattr(padded, name)[:, :5], getattr(tree, name)), name
+    assert (padded.first_child[:, 5:] == -1).all() and (padded.next_sibling[:, 5:] == -1).all()
+    # whatever the target predicts at the padding nodes, verification gives the unpadded result
+    pred = torch.tensor([[7, 0, 9, 0, 3], [2, 3, 0, 0, 0]])
+    want = verify_greedy(tree, pred)
+    got = verify_greedy(padded, torch.cat([pred, torch.tensor([[1, 2, 3], [4, 5, 6]])], dim=1))
+    assert torch.equal(got.num_accepted, want.num_accepted) and torch.equal(got.bonus, want.bonus)
+    assert torch.equal(got.commit_steps, want.commit_steps)
+    assert torch.equal(got.accept_index[:, :5], want.accept_index) and (got.accept_index[:, 5:] == -1).all()
+    chain = VerifyTree.chain(torch.tensor([3]), torch.tensor([[4, 5]]), torch.tensor([1]))
+    pc, none = _pad_block(chain, None, 4)
+    assert pc.is_chain and none is None and pc.num_nodes.tolist() == [2]
+
+
+def test_multi_layer_mtp_chained_through_the_engine(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """multi_layer_mtp with chain_hidden_states (3 MTP layers) in the engine, target shapes padded as under
+    graphs: lossless. The draft forwards run eagerly; that each chained step reads the previous step's output
+    through the drafter's static `features_in` buffer is test_drafter_chain_hidden.py (spec-workers)."""
+    from hyspec_models.tiny import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path_factory.mktemp("mtp3") / "q", "qwen3_5", seed=0, mtp_layers=3)
+    args: dict[str, Any] = dict(model=str(path), max_num_seqs=8, page_size=4, max_model_len=64)
+    ref = LLM.from_engine(build_engine(EngineArgs(**args))).generate(_ids(PROMPTS), _greedy())
+    spec = {"method": "multi_layer_mtp", "num_speculative_tokens": 3, "chain_hidden_states": True}
+    eng = build_engine(EngineArgs(speculative_config=spec, **args))
+    drafter = eng.runner.spec.drafter  # type: ignore[attr-defined]
+    assert drafter.chain_hidden and drafter.layer_steps == (0, 1, 2)
+    spy = _pretend_captured(eng)
+    outs = LLM.from_engine(eng).generate(_ids(PROMPTS), _greedy())
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert sum(s.num_draft_tokens for s in (o.spec_stats for o in outs) if s) > 0
+    assert any(m is ForwardMode.TARGET_VERIFY and p > 0 for m, p, _ in spy.batches)
+    eng.leak_check()
+
+
+def test_target_graphs_reject_shapes_the_pool_cannot_hold(arch: Arch) -> None:
+    eng = arch.engine(_spec())
+    runner: Any = eng.runner
+    kw: dict[str, Any] = {"enabled": False, "max_batch": 8}
+    dmax = runner.backend.max_verify_len
+    assert dmax == S + 1 and runner.graphs.verify == ((S + 1, False),)
+    with pytest.raises(ValueError, match="verify: expected block sizes"):
+        TargetGraphs(runner.model, runner.backend, verify=[(dmax + 1, False)], **kw)
+    with pytest.raises(ValueError, match="max_batch"):
+        TargetGraphs(runner.model, runner.backend, verify=[(dmax, False)], enabled=False, max_batch=0)
+    # padded verify rows write scratch rows: no graph may be larger than the scratch (bug class 21)
+    rows = runner.pool.plan.scratch_rows
+    with pytest.raises(ValueError, match="verify-scratch rows"):
+        TargetGraphs(runner.model, runner.backend, verify=[(dmax, False)], enabled=False, max_batch=rows + 1)
+    # on CPU nothing is captured: every block runs at its own size
+    g = TargetGraphs(runner.model, runner.backend, verify=[(dmax, False)], **kw)
+    g.capture()
+    assert not g.active and g.block_len(3, 2, tree=False) == 2

@@ -1,17 +1,20 @@
 """The OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
 Handlers parse and validate the body themselves (so malformed JSON and wrong types are 400, not FastAPI's
-422), hand the request to the `AsyncEngine` and stream its outputs as server-sent events. A client that
-disconnects (streaming or not) aborts its request, which frees its memory before the next step.
+422), hand the request to the `AsyncEngine` and stream its outputs as server-sent events. Every prompt of
+a batch and every sample of `n` / `best_of` is its own engine request, queued all or nothing and read as one
+`StreamGroup`. A client that disconnects (streaming or not) aborts all of them, which frees their memory
+before the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -19,10 +22,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from hyspec_server.async_engine import AsyncEngine, RequestStream
+from hyspec_server.async_engine import AddError, AsyncEngine, StreamGroup
 from hyspec_server.outputs import RequestOutput
-from hyspec_server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from hyspec_server.protocol import (
+    MAX_LOGPROBS,
+    MAX_N,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    derived_seed,
+)
 from hyspec_server.sampling_params import SamplingParams
 from hyspec_server.scheduler import QueueFullError
 
@@ -51,15 +62,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
             APIError(e.status_code, str(e.detail), type_=kind).body(), status_code=e.status_code
         )
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                err = APIError(
-                    401, "missing or wrong API key", type_="authentication_error", code="invalid_api_key"
-                )
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_BearerAuth, api_key=api_key)
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -71,13 +75,51 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
                 code="model_not_found",
             )
 
-    async def submit(prompt: str | list[int], params: SamplingParams, rid: str) -> RequestStream:
+    async def submit(
+        items: list[tuple[str | list[int], SamplingParams, str]], *, per_prompt: int, batch: bool
+    ) -> StreamGroup:
+        """Queues every (prompt, sample) request or none of them."""
+        bound = engine.engine.scheduler.config.max_waiting
+        if len(items) > bound:
+            # they all wait before the next step, so the bounded queue can never take them
+            raise APIError(
+                400,
+                f"this call needs {len(items)} engine requests (prompts x samples), over the server's queue "
+                f"bound {bound}",
+                param="n" if per_prompt > 1 else "prompt",
+            )
         try:
-            return await engine.add(prompt, params, rid)
-        except QueueFullError as e:
-            raise APIError(429, str(e), type_="rate_limit_error", code="queue_full") from e
-        except ValueError as e:
-            raise APIError(400, str(e), param="max_tokens" if "max_tokens" in str(e) else "prompt") from e
+            return await engine.add_many(items)
+        except AddError as e:
+            if isinstance(e.cause, QueueFullError):
+                raise APIError(429, str(e.cause), type_="rate_limit_error", code="queue_full") from e
+            if isinstance(e.cause, ValueError):
+                msg = str(e.cause)
+                if batch:
+                    msg = f"prompt[{e.index // per_prompt}]: {msg}"
+                raise APIError(400, msg, param="max_tokens" if "max_tokens" in msg else "prompt") from e
+            raise
+
+    def check_supported(params: SamplingParams) -> None:
+        if engine.engine.speculative and params.has_penalties:
+            name = next(
+                f
+                for f, off in (
+                    ("presence_penalty", 0.0),
+                    ("frequency_penalty", 0.0),
+                    ("repetition_penalty", 1.0),
+                )
+                if getattr(params, f) != off
+            )
+            raise APIError(400, f"{name} is not supported with speculative decoding", param=name)
+
+    def check_token_ids(prompts: list[str | list[int]]) -> None:
+        vocab = getattr(engine.tokenizer, "vocab_size", None)
+        for i, p in enumerate(prompts):
+            if isinstance(p, list) and any(t < 0 or (vocab is not None and t >= vocab) for t in p):
+                where = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+                bound = "an int >= 0" if vocab is None else f"in [0, {vocab}) for this model"
+                raise APIError(400, f"{where}: token ids must be {bound}", param="prompt")
 
     @app.get("/health")
     async def health() -> Response:
@@ -104,78 +146,115 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
     async def completions(raw: Request) -> Response:
         req = _parse(CompletionRequest, await _json_body(raw))
         check_model(req.model)
-        prompt = _single_prompt(req.prompt)
-        if req.max_tokens is None:
-            raise APIError(400, "max_tokens must be an int >= 1", param="max_tokens")
-        params = _params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+        req.check_common()
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        prompts = req.prompts()
+        check_token_ids(prompts)
+        n = req.num_choices
+        best_of = n if req.best_of is None else req.best_of
+        if not n <= best_of <= MAX_N:
+            raise APIError(400, f"best_of must be an int in [n={n}, {MAX_N}], got {best_of}", param="best_of")
+        if best_of > n and req.stream:
+            raise APIError(400, "best_of > n cannot be streamed", param="best_of")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be an int in [0, {MAX_LOGPROBS}]", param="logprobs")
+        echo = bool(req.echo)
+        if echo and req.logprobs is not None:
+            raise APIError(
+                400, "echo with logprobs needs prompt logprobs, which are not supported", param="echo"
+            )
+        # best_of ranks its samples by cumulative logprob, which needs the chosen tokens' logprobs
+        engine_lp = req.logprobs if best_of == n else (req.logprobs or 0)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        samples = [
+            _params(req, max_tokens=max_tokens, logprobs=engine_lp, seed=derived_seed(req.seed, j))
+            for j in range(best_of)
+        ]
+        check_supported(samples[0])
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = await submit(prompt, params, rid)
+        items = [(p, samples[j], f"{rid}-{i}-{j}") for i, p in enumerate(prompts) for j in range(best_of)]
+        group = await submit(items, per_prompt=best_of, batch=len(prompts) > 1)
         tok = engine.tokenizer
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        skip = req.skip_special_tokens
+        echoed = [
+            (p if isinstance(p, str) else tok.decode(p, skip_special_tokens=skip)) if echo else ""
+            for p in prompts
+        ]
 
-        def choice(out: RequestOutput, text: str, start: int, end: int) -> dict[str, Any]:
+        def choice(
+            index: int, out: RequestOutput, text: str, start: int, offset: int
+        ) -> tuple[dict[str, Any], int]:
+            """The choice for tokens [start:] of `out`; also the text offset after them."""
             c = out.outputs[0]
             ch: dict[str, Any] = {
-                "index": 0,
+                "index": index,
                 "text": text,
                 "logprobs": None,
                 "finish_reason": c.finish_reason if out.finished else None,
                 "stop_reason": c.stop_reason if out.finished else None,
             }
-            if c.logprobs is not None:
-                ch["logprobs"] = _completion_logprobs(tok, c.token_ids[start:end], c.logprobs[start:end])
+            if req.logprobs is not None and c.logprobs is not None:
+                ch["logprobs"], offset = _completion_logprobs(
+                    tok, c.token_ids[start:], c.logprobs[start:], offset
+                )
             if req.return_token_ids:
-                ch["token_ids"] = c.token_ids[start:end]
-            return ch
+                ch["token_ids"] = c.token_ids[start:]
+            return ch, offset
+
+        def body(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": model_name,
+                "choices": choices,
+                **extra,
+            }
 
         if req.stream:
+            # best_of == n here: item k is choice k
+            no_usage = {"usage": None} if req.include_usage else {}
 
             async def events() -> AsyncIterator[str]:
-                sent = 0
-                last: RequestOutput | None = None
-                async for out in stream.outputs():
-                    last = out
-                    n = len(out.outputs[0].token_ids)
+                sent = [0] * len(items)
+                offsets = [len(echoed[k // n]) for k in range(len(items))]
+                last: dict[int, RequestOutput] = {}
+                if echo:
+                    for k in range(len(items)):
+                        ch = {"index": k, "text": echoed[k // n], "logprobs": None, "finish_reason": None}
+                        yield _sse(body([ch], **no_usage))
+                async for k, out in group.outputs():
+                    last[k] = out
                     if out.delta_text or out.finished:
-                        body = {
-                            "id": rid,
-                            "object": "text_completion",
-                            "created": int(time.time()),
-                            "model": model_name,
-                            "choices": [choice(out, out.delta_text, sent, n)],
-                        }
-                        sent = n
-                        yield _sse(body)
-                if include_usage and last is not None:
+                        ch, offsets[k] = choice(k, out, out.delta_text, sent[k], offsets[k])
+                        sent[k] = len(out.outputs[0].token_ids)
+                        yield _sse(body([ch], **no_usage))
+                if req.include_usage:
                     yield _sse(
-                        {
-                            "id": rid,
-                            "object": "text_completion",
-                            "created": int(time.time()),
-                            "model": model_name,
-                            "choices": [],
-                            "usage": _usage(last),
-                        }
+                        body([], usage=_usage([last[k] for k in range(0, len(items), n)], last.values()))
                     )
                 yield "data: [DONE]\n\n"
 
-            return _event_stream(events(), stream)
-        out = await _collect(stream, raw)
-        text = (prompt if isinstance(prompt, str) and req.echo else "") + out.outputs[0].text
-        body = {
-            "id": rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": [choice(out, text, 0, len(out.outputs[0].token_ids))],
-            "usage": _usage(out),
-        }
-        return JSONResponse(body)
+            return _event_stream(events(), group)
+        outs = await _collect(group, raw)
+        choices: list[dict[str, Any]] = []
+        for i in range(len(prompts)):
+            mine = outs[i * best_of : (i + 1) * best_of]
+            if best_of > n:
+                mine = sorted(mine, key=lambda o: -(o.outputs[0].cumulative_logprob or 0.0))[:n]
+            for j, out in enumerate(mine):
+                text = echoed[i] + out.outputs[0].text
+                choices.append(choice(i * n + j, out, text, 0, len(echoed[i]))[0])
+        # every generated token counts, best_of's discarded samples too (as OpenAI bills them)
+        return JSONResponse(body(choices, usage=_usage(outs[::best_of], outs)))
 
     @app.post("/v1/chat/completions")
     async def chat(raw: Request) -> Response:
         req = _parse(ChatCompletionRequest, await _json_body(raw))
         check_model(req.model)
+        req.check_common()
+        req.check_chat()
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         except ValueError as e:
@@ -194,82 +273,113 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
                     f"the prompt ({len(prompt_ids)} tokens) fills the context max_model_len={max_model_len}",
                     param="messages",
                 )
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = _params(req, max_tokens=max_tokens, logprobs=logprobs)
+        if req.top_logprobs is not None:
+            if not req.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+            if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(
+                    400, f"top_logprobs must be an int in [0, {MAX_LOGPROBS}]", param="top_logprobs"
+                )
+        top_n = req.top_logprobs or 0
+        logprobs = top_n if req.logprobs else None
+        n = req.num_choices
+        samples = [
+            _params(req, max_tokens=max_tokens, logprobs=logprobs, seed=derived_seed(req.seed, j))
+            for j in range(n)
+        ]
+        check_supported(samples[0])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await submit(prompt_ids, params, rid)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        group = await submit(
+            [(prompt_ids, samples[j], f"{rid}-{j}") for j in range(n)], per_prompt=n, batch=False
+        )
 
-        def lp(out: RequestOutput, start: int, end: int) -> dict[str, Any] | None:
+        def lp(out: RequestOutput, start: int) -> dict[str, Any] | None:
             c = out.outputs[0]
             if c.logprobs is None:
                 return None
-            return {"content": _chat_logprobs(tok, c.token_ids[start:end], c.logprobs[start:end])}
+            return {"content": _chat_logprobs(tok, c.token_ids[start:], c.logprobs[start:], top_n)}
 
         if req.stream:
+            base: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "model": model_name}
+            if req.include_usage:
+                base["usage"] = None
+
+            def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+                return _sse({**base, "created": int(time.time()), "choices": choices, **extra})
 
             async def events() -> AsyncIterator[str]:
-                base = {"id": rid, "object": "chat.completion.chunk", "model": model_name}
-                yield _sse(
-                    {
-                        **base,
-                        "created": int(time.time()),
-                        "choices": [
-                            {
-                                "index": 0,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ],
-                    }
-                )
-                sent = 0
-                last: RequestOutput | None = None
-                async for out in stream.outputs():
-                    last = out
-                    n = len(out.outputs[0].token_ids)
+                for k in range(n):
+                    delta = {"role": "assistant", "content": ""}
+                    yield chunk([{"index": k, "delta": delta, "logprobs": None, "finish_reason": None}])
+                sent = [0] * n
+                last: dict[int, RequestOutput] = {}
+                async for k, out in group.outputs():
+                    last[k] = out
                     if out.delta_text or out.finished:
                         c = out.outputs[0]
                         ch: dict[str, Any] = {
-                            "index": 0,
+                            "index": k,
                             "delta": {"content": out.delta_text} if out.delta_text else {},
-                            "logprobs": lp(out, sent, n),
+                            "logprobs": lp(out, sent[k]),
                             "finish_reason": c.finish_reason if out.finished else None,
                         }
                         if req.return_token_ids:
-                            ch["token_ids"] = c.token_ids[sent:n]
-                        sent = n
-                        yield _sse({**base, "created": int(time.time()), "choices": [ch]})
-                if include_usage and last is not None:
-                    yield _sse({**base, "created": int(time.time()), "choices": [], "usage": _usage(last)})
+                            ch["token_ids"] = c.token_ids[sent[k] :]
+                        sent[k] = len(c.token_ids)
+                        yield chunk([ch])
+                if req.include_usage:
+                    yield chunk([], usage=_usage([last[0]], last.values()))
                 yield "data: [DONE]\n\n"
 
-            return _event_stream(events(), stream)
-        out = await _collect(stream, raw)
-        c = out.outputs[0]
-        ch: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": lp(out, 0, len(c.token_ids)),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        if req.return_token_ids:
-            ch["token_ids"] = c.token_ids
+            return _event_stream(events(), group)
+        outs = await _collect(group, raw)
+        choices: list[dict[str, Any]] = []
+        for k, out in enumerate(outs):
+            c = out.outputs[0]
+            ch: dict[str, Any] = {
+                "index": k,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": lp(out, 0),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if req.return_token_ids:
+                ch["token_ids"] = c.token_ids
+            choices.append(ch)
         body = {
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model_name,
-            "choices": [ch],
-            "usage": _usage(out),
+            "choices": choices,
+            "usage": _usage(outs[:1], outs),
         }
         return JSONResponse(body)
 
     return app
+
+
+class _BearerAuth:
+    """401 for /v1 requests without `Authorization: Bearer <api_key>`.
+
+    A plain ASGI middleware: Starlette's `BaseHTTPMiddleware` (`@app.middleware`) hides the client's
+    disconnect from `Request.is_disconnected()`, and a non-streamed request could then not be aborted.
+    """
+
+    def __init__(self, app: ASGIApp, *, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and str(scope["path"]).startswith("/v1"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                err = APIError(
+                    401, "missing or wrong API key", type_="authentication_error", code="invalid_api_key"
+                )
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _json_body(raw: Request) -> Any:
@@ -288,35 +398,25 @@ def _parse(model: type[_M], body: Any) -> _M:
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"]) or None
-        raise APIError(400, f"{loc}: {err['msg']}", param=loc) from e
+        # OpenAI's `param` is the request field; the full location (union branch, index) is in the message
+        param = str(err["loc"][0]) if err["loc"] else None
+        raise APIError(400, f"{loc}: {err['msg']}", param=param) from e
 
 
 def _params(
-    req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int, logprobs: int | None
+    req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int, logprobs: int | None, seed: int | None
 ) -> SamplingParams:
     try:
-        return req.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        return req.sampling_params(max_tokens=max_tokens, logprobs=logprobs, seed=seed)
     except ValueError as e:
         first = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=first if first in _SAMPLING_FIELDS else None) from e
 
 
-def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
-    if isinstance(prompt, str):
-        return prompt
-    if prompt and all(isinstance(p, int) for p in prompt):
-        return [int(p) for p in prompt]  # type: ignore[arg-type]
-    if len(prompt) == 1:
-        only = prompt[0]
-        if isinstance(only, str):
-            return only
-        if isinstance(only, list):
-            return list(only)
-    raise APIError(400, "prompt must be one string or one list of token ids", param="prompt")
-
-
-def _usage(out: RequestOutput) -> dict[str, int]:
-    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+def _usage(per_prompt: Iterable[RequestOutput], every: Iterable[RequestOutput]) -> dict[str, int]:
+    """Prompt tokens once per prompt (its samples share it), completion tokens of every sample."""
+    p = sum(len(o.prompt_token_ids) for o in per_prompt)
+    c = sum(len(o.outputs[0].token_ids) for o in every)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -324,7 +424,7 @@ def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-def _event_stream(events: AsyncIterator[str], stream: RequestStream) -> StreamingResponse:
+def _event_stream(events: AsyncIterator[str], group: StreamGroup) -> StreamingResponse:
     async def guarded() -> AsyncIterator[str]:
         try:
             async for e in events:
@@ -334,16 +434,15 @@ def _event_stream(events: AsyncIterator[str], stream: RequestStream) -> Streamin
         except RuntimeError as e:
             yield _sse(APIError(500, str(e), type_="server_error").body())
         finally:
-            # a disconnect cancels this generator; the abort frees the request's memory
-            if not stream.finished:
-                stream.abort()
+            # a disconnect cancels this generator; the aborts free the requests' memory
+            group.abort()
 
     return StreamingResponse(guarded(), media_type="text/event-stream")
 
 
-async def _collect(stream: RequestStream, raw: Request) -> RequestOutput:
-    """The final output, aborting the request if the client goes away while it runs."""
-    task = asyncio.ensure_future(stream.final())
+async def _collect(group: StreamGroup, raw: Request) -> list[RequestOutput]:
+    """The final outputs, aborting every request of the group if the client goes away while they run."""
+    task = asyncio.ensure_future(group.finals())
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
@@ -357,31 +456,55 @@ async def _collect(stream: RequestStream, raw: Request) -> RequestOutput:
     finally:
         if not task.done():
             task.cancel()
-            stream.abort()
+        group.abort()
 
 
-def _completion_logprobs(tok: Any, ids: list[int], lps: list[dict[int, float]]) -> dict[str, Any]:
-    tokens = [tok.decode([t], skip_special_tokens=False) for t in ids]
-    offsets, pos = [], 0
+def _token_str(tok: Any, t: int) -> str:
+    return str(tok.decode([t], skip_special_tokens=False))
+
+
+def _completion_logprobs(
+    tok: Any, ids: list[int], lps: list[dict[int, float]], offset: int
+) -> tuple[dict[str, Any], int]:
+    """OpenAI's completions `logprobs` for `ids`, whose text starts at `offset`; also the offset after them.
+
+    `top_logprobs[i]` has the requested alternatives plus the chosen token (as vLLM reports it); tokens that
+    decode to the same string keep the most likely one's logprob.
+    """
+    tokens = [_token_str(tok, t) for t in ids]
+    offsets = []
     for s in tokens:
-        offsets.append(pos)
-        pos += len(s)
-    return {
+        offsets.append(offset)
+        offset += len(s)
+    tops: list[dict[str, float]] = []
+    for d in lps:
+        top: dict[str, float] = {}
+        for k, v in sorted(d.items(), key=lambda kv: -kv[1]):
+            top.setdefault(_token_str(tok, k), v)
+        tops.append(top)
+    body = {
         "tokens": tokens,
         "token_logprobs": [d[t] for t, d in zip(ids, lps)],
-        "top_logprobs": [{tok.decode([k], skip_special_tokens=False): v for k, v in d.items()} for d in lps],
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
+    return body, offset
 
 
-def _chat_logprobs(tok: Any, ids: list[int], lps: list[dict[int, float]]) -> list[dict[str, Any]]:
+def _chat_logprobs(tok: Any, ids: list[int], lps: list[dict[int, float]], top_n: int) -> list[dict[str, Any]]:
+    """OpenAI's chat `logprobs.content`: each token with exactly `top_n` most likely alternatives.
+
+    The engine's entry holds the top `top_n` plus the chosen token; when the chosen token is outside the top
+    its logprob is below all of them, so the first `top_n` by logprob are the true top.
+    """
+
     def entry(t: int, v: float) -> dict[str, Any]:
-        s = tok.decode([t], skip_special_tokens=False)
+        s = _token_str(tok, t)
         return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
 
     out = []
     for t, d in zip(ids, lps):
         e = entry(t, d[t])
-        e["top_logprobs"] = [entry(k, v) for k, v in sorted(d.items(), key=lambda kv: -kv[1])]
+        e["top_logprobs"] = [entry(k, v) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top_n]]
         out.append(e)
     return out

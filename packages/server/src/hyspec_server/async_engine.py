@@ -62,6 +62,68 @@ class RequestStream:
         self.engine.abort(self.request_id)
 
 
+class StreamGroup:
+    """The requests of one HTTP call (one per prompt and sample), read together.
+
+    `outputs()` yields `(index, output)` as the engine produces them; leaving it early, or an error from any
+    request, aborts every unfinished request of the group.
+    """
+
+    def __init__(self, streams: Sequence[RequestStream]) -> None:
+        if not streams:
+            raise ValueError("streams must not be empty")
+        self.streams = list(streams)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.streams)
+
+    def abort(self) -> None:
+        for s in self.streams:
+            if not s.finished:
+                s.abort()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        pending: dict[asyncio.Future[RequestOutput | BaseException], int] = {}
+        try:
+            for i, s in enumerate(self.streams):
+                pending[asyncio.ensure_future(s.queue.get())] = i
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                # index order within one wake-up, so a step's outputs come out in choice order
+                for fut in sorted(done, key=lambda f: pending[f]):
+                    i = pending.pop(fut)
+                    item, stream = fut.result(), self.streams[i]
+                    if isinstance(item, BaseException):
+                        stream.finished = True
+                        raise item
+                    stream.finished = item.finished
+                    if not stream.finished:
+                        pending[asyncio.ensure_future(stream.queue.get())] = i
+                    yield i, item
+        finally:
+            for fut in pending:
+                fut.cancel()
+            self.abort()
+
+    async def finals(self) -> list[RequestOutput]:
+        """The final output of every request, in index order."""
+        last: dict[int, RequestOutput] = {}
+        async for i, out in self.outputs():
+            last[i] = out
+        assert len(last) == len(self.streams) and all(o.finished for o in last.values())
+        return [last[i] for i in range(len(self.streams))]
+
+
+class AddError(Exception):
+    """Adding request `index` of a batch failed with `cause`; no request of the batch was kept."""
+
+    def __init__(self, index: int, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.index = index
+        self.cause = cause
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
@@ -112,6 +174,27 @@ class AsyncEngine:
 
         await self.call(add)
         return stream
+
+    async def add_many(self, items: Sequence[tuple[str | Sequence[int], SamplingParams, str]]) -> StreamGroup:
+        """Queues `(prompt, params, request_id)` requests all or nothing, in one engine-thread call: when one
+        cannot be added (ValueError, QueueFullError) the ones before it are aborted and `AddError` says which.
+        """
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(self, rid, loop) for _, _, rid in items]
+
+        def add(engine: LLMEngine) -> None:
+            for i, (prompt, params, rid) in enumerate(items):
+                try:
+                    engine.add_request(prompt, params, request_id=rid)
+                except Exception as e:
+                    for _, _, done in items[:i]:
+                        self._streams.pop(done, None)
+                        engine.abort(done)
+                    raise AddError(i, e) from e
+                self._streams[rid] = streams[i]
+
+        await self.call(add)
+        return StreamGroup(streams)
 
     def abort(self, request_id: str) -> None:
         """Fire and forget: the engine thread aborts the request and frees its memory before the next step."""

@@ -1,23 +1,37 @@
-"""CUDA graphs for decode steps (one token per request), captured once per batch size.
+"""The target's DECODE and TARGET_VERIFY forwards under CUDA graphs: which shapes the server captures.
 
-A decode batch of n requests replays the graph of the smallest captured size >= n. The graph reads the
-backend's static batch buffers and the index tensors of the `ForwardBatch` it was captured with; a replay
-refills them in place. Padded rows use state slot -1 and KV slot -1 (the kernels skip them) and attend to one
-reserved KV page of a pad request, so they never touch a real request's memory.
+The graphs themselves are attn-backends' `CudaGraphRunner` (the one implementation in the repo: padded rows
+use state slot -1 and KV slot -1, every batch tensor lives in the backend's static buffers). This module adds
+the server's policy on top:
+
+- what a graph runs: the target forward returning the final hidden states plus the layer outputs a model
+  drafter reads (`capture_layers`), so decode stays under graphs with MTP / EAGLE-3 / DFlash drafters on;
+- which padded batch sizes are captured (`capture_sizes`), and which verify blocks (`verify_shapes`): a tree
+  config verifies D = num_draft_tokens nodes; a chain config D = 1 + s for each draft length s a request may
+  use (S, or each adaptive candidate);
+- how a verify block of d tokens meets a captured D >= d (`block_len`): the block is padded with chain
+  nodes past every row's real ones. They are invisible to the real nodes (causal, parents precede children),
+  never reached by verification (absent from first_child / next_sibling), never committed (the commit step
+  is <= num_accepted < num_nodes), and their KV lands in the room the scheduler reserved for Dmax tokens and
+  is truncated after the round. So tokens, commit and stats are those of the unpadded block.
+
+On CPU, or with `--enforce-eager`, nothing is captured: every forward runs eagerly through the same calls.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hyspec_attn_backends import ForwardBatch, HybridBackend
+from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, ForwardMode, HybridBackend
+from hyspec_spec_workers.config import SpeculativeConfig
 from hyspec_statepool.indices import ReqRows
-from hyspec_statepool.pool import HybridStatePool
+from torch import Tensor
 
-PAD_REQUEST = "__hyspec_cuda_graph_pad__"
+log = logging.getLogger(__name__)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -28,97 +42,147 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted(sizes)
 
 
+def verify_shapes(config: SpeculativeConfig) -> tuple[tuple[int, bool], ...]:
+    """(D, tree) of every verify block shape the config produces, ascending in D.
+
+    A tree verifies `num_draft_tokens` nodes. A chain verifies 1 + s tokens for its draft length s: S, or any
+    adaptive candidate; shorter blocks (budget caps, an n-gram finding fewer tokens) pad up to one of these.
+    """
+    if config.is_tree:
+        return ((config.num_draft_tokens, True),)
+    steps = (config.num_speculative_tokens,) if config.adaptive is None else config.adaptive.candidate_steps
+    return tuple((1 + s, False) for s in sorted(set(steps)))
+
+
 @dataclass(slots=True)
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    batch: ForwardBatch
-    hidden: torch.Tensor  # [bs, H], written by the graph
+class GraphCounts:
+    """Forwards of each graph-capturable mode: replayed from a graph, or run eagerly."""
+
+    decode_replays: int = 0
+    decode_eager: int = 0
+    verify_replays: int = 0
+    verify_eager: int = 0
 
 
-class DecodeGraphs:
-    def __init__(self, model: Any, backend: HybridBackend, pool: HybridStatePool, *, max_batch: int) -> None:
-        self.model, self.backend, self.pool = model, backend, pool
+class TargetGraphs:
+    """The target model's forward behind a `CudaGraphRunner`, with the server's capture policy.
+
+    Args:
+        model: the target (`model(batch, backend, capture_layers=...)`).
+        backend: the target's backend (its static batch buffers are what the graphs read).
+        capture_layers: target layers whose outputs every forward also returns (a model drafter's features).
+        enabled: False (CPU, `--enforce-eager`) runs everything eagerly.
+        max_batch: largest batch to capture (`max_num_seqs`).
+        verify: (D, tree) verify shapes to capture (`verify_shapes`), empty without speculation.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        backend: HybridBackend,
+        *,
+        capture_layers: Sequence[int] = (),
+        enabled: bool,
+        max_batch: int,
+        verify: Sequence[tuple[int, bool]] = (),
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch: expected >= 1, got {max_batch}")
+        self.model, self.backend = model, backend
+        self.capture_layers = tuple(capture_layers)
         self.sizes = capture_sizes(max_batch)
-        self.num_replays = 0
-        # the pad request owns one zeroed page that padded rows read as their only key
-        pool.alloc([PAD_REQUEST])
-        pool.ensure_kv_capacity([PAD_REQUEST], [1])
-        if pool.kv.k is not None and pool.kv.v is not None:
-            page = int(pool.page_table(pool.req_rows([PAD_REQUEST]))[0, 0])
-            pool.kv.k[:, page].zero_()
-            pool.kv.v[:, page].zero_()
-        self._pad_page_row = pool.page_table(pool.req_rows([PAD_REQUEST]))[0].clone()  # [max_pages] int32
-        self._graphs: dict[int, _Graph] = {}
-        self._mempool = torch.cuda.graph_pool_handle()
+        self.verify = tuple(sorted(set(verify)))
+        plan = backend.pool.plan
+        for d, _ in self.verify:
+            if not 1 <= d <= backend.max_verify_len:
+                raise ValueError(
+                    f"verify: expected block sizes in [1, Dmax = {backend.max_verify_len}] (the verify "
+                    f"scratch the pool was planned for), got {d}"
+                )
+        # padded verify rows write their own scratch rows: every captured size needs that many (bug class 21)
+        if self.verify and self.sizes[-1] > plan.scratch_rows:
+            raise ValueError(
+                f"max_batch: verify graphs of {self.sizes[-1]} rows need as many verify-scratch rows, the "
+                f"pool has {plan.scratch_rows}"
+            )
+        self.counts = GraphCounts()
+        self.runner = CudaGraphRunner(backend, self._forward, enabled=enabled)
+
+    def _forward(self, batch: ForwardBatch) -> tuple[Tensor, ...]:
+        out = self.model(batch, self.backend, capture_layers=self.capture_layers)
+        return (out.hidden_states, *out.aux_hidden_states)  # [T, H] each
+
+    @property
+    def active(self) -> bool:
+        return self.runner.active
+
+    def capture(self) -> None:
+        """Capture every decode and verify shape; on failure log it and run eagerly from then on."""
+        if not self.runner.active:
+            return
         try:
-            with torch.inference_mode():
-                for bs in reversed(self.sizes):
-                    self._graphs[bs] = self._capture(bs)
-        except Exception:
-            self.release()
-            raise
+            self.runner.capture_decode(self.sizes)
+            for d, tree in self.verify:
+                self.runner.capture_verify(self.sizes, verify_len=d, tree=tree)
+        except RuntimeError as e:
+            # e.g. a layer that reads device values on the host: a failed capture leaves nothing usable
+            log.warning("CUDA graph capture failed, running eagerly: %s", e)
+            torch.cuda.synchronize()
+            self.runner.release()
+            self.runner = CudaGraphRunner(self.backend, self._forward, enabled=False)
+
+    # ---------------------------------------------------------------- per step
+
+    def block_len(self, num_seqs: int, d: int, *, tree: bool) -> int:
+        """The verify block size to run d-token blocks of `num_seqs` rows at: the smallest captured D >= d
+        with a graph for that many rows, else d (eager)."""
+        for dd, tt in self.verify:
+            if tt == tree and dd >= d:
+                b = self.runner.padded_size(ForwardMode.TARGET_VERIFY, num_seqs, verify_len=dd, tree=tt)
+                if b is not None:
+                    return dd
+        return d
+
+    def prepare_decode(
+        self, *, req_rows: ReqRows, input_ids: Tensor, prefix_lens: Sequence[int]
+    ) -> ForwardBatch:
+        """A DECODE batch padded to the captured size that fits (unpadded when none does)."""
+        return self.runner.prepare_decode(req_rows=req_rows, input_ids=input_ids, prefix_lens=prefix_lens)
+
+    def prepare_verify(
+        self,
+        *,
+        req_rows: ReqRows,
+        block_tokens: Tensor,
+        prefix_lens: Sequence[int],
+        tree_parents: Tensor | None,
+    ) -> ForwardBatch:
+        """A TARGET_VERIFY batch padded to the captured size that fits (unpadded when none does)."""
+        return self.runner.prepare_verify(
+            req_rows=req_rows, block_tokens=block_tokens, prefix_lens=prefix_lens, tree_parents=tree_parents
+        )
+
+    def run(self, batch: ForwardBatch) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Replay (or run eagerly) -> (hidden [T_live, H], captured layers [T_live, H] each) of the live rows.
+
+        After a replay these are views of the graph's static outputs: use them before the next forward.
+        """
+        before = self.runner.num_replays
+        outs = self.runner.run(batch)
+        replayed = self.runner.num_replays > before
+        c = self.counts
+        if batch.mode is ForwardMode.DECODE:
+            if replayed:
+                c.decode_replays += 1
+            else:
+                c.decode_eager += 1
+        elif batch.mode is ForwardMode.TARGET_VERIFY:
+            if replayed:
+                c.verify_replays += 1
+            else:
+                c.verify_eager += 1
+        live = batch.num_tokens - batch.num_padded * max(batch.verify_len, 1)
+        return outs[0][:live], tuple(a[:live] for a in outs[1:])
 
     def release(self) -> None:
-        """Drops the graphs and returns the pad request's memory to the pool."""
-        self._graphs.clear()
-        if self.pool.is_live(PAD_REQUEST):
-            self.pool.free([PAD_REQUEST])
-
-    def fits(self, n: int) -> bool:
-        return 0 < n <= self.sizes[-1]
-
-    def _pad_batch(self, bs: int) -> ForwardBatch:
-        rows = self.pool.req_rows([PAD_REQUEST] * bs)
-        batch = self.backend.prepare_decode(
-            req_rows=rows, input_ids=torch.zeros(bs, dtype=torch.int64), prefix_lens=[0] * bs
-        )
-        self._fill_pads(batch, 0, bs)
-        return batch
-
-    def _fill_pads(self, batch: ForwardBatch, n: int, bs: int) -> None:
-        """Rows [n, bs) become padded rows: token 0 at position 0, no state, no KV write, one pad key."""
-        assert batch.state_slots is not None and batch.kv_slots is not None
-        batch.input_ids[n:bs].zero_()
-        batch.positions[n:bs].zero_()
-        batch.page_table[n:bs] = self._pad_page_row
-        batch.cu_seqlens_q[n + 1 : bs + 1] = torch.arange(
-            n + 1, bs + 1, dtype=batch.cu_seqlens_q.dtype, device=batch.cu_seqlens_q.device
-        )
-        batch.q_lens[n:bs] = 1
-        batch.prefix_lens[n:bs] = 0
-        batch.kv_lens[n:bs] = 1
-        batch.has_initial_state[n:bs] = False
-        batch.state_slots.tensor[n:bs] = -1
-        batch.kv_slots.tensor[n:bs] = -1
-
-    def _capture(self, bs: int) -> _Graph:
-        batch = self._pad_batch(bs)
-        # warm-up off the capture stream: Triton compiles and autotunes here, not inside the graph
-        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.model(batch, self.backend)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
-            hidden = self.model(batch, self.backend).hidden_states
-        return _Graph(graph, batch, hidden)
-
-    def run(self, *, req_rows: ReqRows, input_ids: torch.Tensor, prefix_lens: Sequence[int]) -> torch.Tensor:
-        """Decode one token for each of the n requests; returns hidden states [n, H]."""
-        n = len(req_rows)
-        bs = next(s for s in self.sizes if s >= n)
-        g = self._graphs[bs]
-        # fills the shared buffers [:n] in place and gives this step's index tensors
-        live = self.backend.prepare_decode(req_rows=req_rows, input_ids=input_ids, prefix_lens=prefix_lens)
-        assert live.state_slots is not None and live.kv_slots is not None and live.req_rows is not None
-        b = g.batch
-        assert b.state_slots is not None and b.kv_slots is not None and b.req_rows is not None
-        b.state_slots.tensor[:n] = live.state_slots.tensor
-        b.kv_slots.tensor[:n] = live.kv_slots.tensor
-        b.req_rows.tensor[:n] = live.req_rows.tensor
-        self._fill_pads(b, n, bs)
-        g.graph.replay()
-        self.num_replays += 1
-        return g.hidden[:n]
+        self.runner.release()

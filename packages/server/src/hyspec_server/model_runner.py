@@ -2,8 +2,9 @@
 
 Per step it builds one `ForwardBatch` through the hybrid backend: DECODE when every request brings one
 token, else EXTEND (prompt chunks and decode tokens packed together). It runs the model, computes logits only
-for the last token of each sampling chunk and samples on device. A decode step replays a CUDA graph when one
-is captured for a batch size that fits (`cuda_graph.py`).
+for the last token of each sampling chunk and samples on device. On CUDA (unless `enforce_eager`), DECODE and
+TARGET_VERIFY forwards replay CUDA graphs captured at start-up for padded batch sizes (`cuda_graph.py`); the
+graphed forward also returns the layers a model drafter reads, so decode stays graphed with drafters on.
 
 With speculative decoding, the step's verify chunks (decoding requests) run a second forward after the
 prefill chunks: a speculative round (`spec_decode.py`). The pool is planned with the config's draft shape,
@@ -12,7 +13,6 @@ so its verify scratch and request table fit the largest block (adaptive: largest
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from hyspec_statepool.sizing import MemoryPlan, plan_memory
 from hyspec_statepool.specs import StateDtypes
 
 from hyspec_server.config import EngineArgs
+from hyspec_server.cuda_graph import TargetGraphs, verify_shapes
 from hyspec_server.pool_memory import MemoryFollower, StatePoolMemory
 from hyspec_server.runner import (
     RunnerOutput,
@@ -37,7 +38,6 @@ from hyspec_server.sampler import Sampler
 from hyspec_server.scheduler import ScheduledChunk, SchedulerOutput
 from hyspec_server.speculative import DrafterContext, DrafterRegistry, parse_speculative_config
 
-log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -80,9 +80,9 @@ class HyspecModelRunner:
         layers = self.model.mixer_layers()
         specs = model_state_specs(layers)
         dtypes = StateDtypes(kv=self.dtype, conv=self.dtype)
-        # a decode graph pads its batch with rows that need one real KV page to read: a reserved request
         self.use_graphs = self._device.type == "cuda" and not args.enforce_eager
-        max_running = args.max_num_seqs + (1 if self.use_graphs else 0)
+        # padded graph rows use slot -1 and KV slot -1: they need no request of their own
+        max_running = args.max_num_seqs
         if args.kv_cache_bytes is not None:
             plan = plan_memory(
                 args.kv_cache_bytes,
@@ -133,17 +133,15 @@ class HyspecModelRunner:
             max_tokens=max(args.max_num_batched_tokens, max_running * dmax),
         )
         self.sampler = Sampler(self._device, seed=args.seed)
-        self.graphs: Any = None
-        # graphs do not return the captured layers a model drafter reads; decode eagerly then
-        if self.use_graphs and not (self.spec is not None and self.spec.model_drafter is not None):
-            from hyspec_server.cuda_graph import DecodeGraphs
-
-            try:
-                self.graphs = DecodeGraphs(self.model, self.backend, self.pool, max_batch=args.max_num_seqs)
-            except RuntimeError as e:
-                # e.g. a layer that reads device values on the host (MoE routing): run eagerly instead
-                log.warning("CUDA graph capture failed, decoding eagerly: %s", e)
-                torch.cuda.synchronize()
+        self.graphs = TargetGraphs(
+            self.model,
+            self.backend,
+            capture_layers=() if self.spec is None else self.spec.capture_layers,
+            enabled=self.use_graphs,
+            max_batch=args.max_num_seqs,
+            verify=() if spec_config is None else verify_shapes(spec_config),
+        )
+        self.graphs.capture()
 
     @property
     def memory(self) -> StatePoolMemory:
@@ -185,22 +183,14 @@ class HyspecModelRunner:
         q_lens = [c.num_new for c in chunks]
         prefix = [c.start for c in chunks]
         input_ids = torch.tensor(tokens, dtype=torch.int64)
-        capture = () if self.spec is None else self.spec.capture_layers
-        aux: tuple[torch.Tensor, ...] = ()
-        hidden: torch.Tensor
-        # one token per request: recurrent decode kernels, replayed from a graph when one fits
-        decode = all(q == 1 for q in q_lens)
-        if decode and self.graphs is not None and self.graphs.fits(len(chunks)):
-            hidden = self.graphs.run(req_rows=rows, input_ids=input_ids, prefix_lens=prefix)  # [N, H]
+        if all(q == 1 for q in q_lens):
+            # one token per request: recurrent decode kernels, replayed from a graph when one fits
+            batch = self.graphs.prepare_decode(req_rows=rows, input_ids=input_ids, prefix_lens=prefix)
         else:
-            if decode:
-                batch = self.backend.prepare_decode(req_rows=rows, input_ids=input_ids, prefix_lens=prefix)
-            else:
-                batch = self.backend.prepare_extend(
-                    req_rows=rows, input_ids=input_ids, q_lens=q_lens, prefix_lens=prefix
-                )
-            out = self.model(batch, self.backend, capture_layers=capture)
-            hidden, aux = out.hidden_states, tuple(out.aux_hidden_states)  # [T, H]
+            batch = self.backend.prepare_extend(
+                req_rows=rows, input_ids=input_ids, q_lens=q_lens, prefix_lens=prefix
+            )
+        hidden, aux = self.graphs.run(batch)  # [T, H] of the live tokens (graph outputs: read them now)
         if self.spec is not None:
             self.spec.commit_plain(chunks=chunks, tokens=input_ids.to(hidden.device), hidden=hidden, aux=aux)
         sample = [i for i, c in enumerate(chunks) if c.sample]

@@ -38,7 +38,12 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = False
+
+
+# OpenAI's caps: completions return at most this many alternatives per token, chat at most 20
+MAX_LOGPROBS = 20
+MAX_N = 128
 
 
 class _SamplingFields(_Strict):
@@ -51,39 +56,100 @@ class _SamplingFields(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = 1
-    stream: bool = False
+    n: int | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    # accepted for compatibility and not used
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # hyspec extension (as in vLLM): return the generated token ids in each choice
     return_token_ids: bool = False
 
-    def sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the field."""
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def check_common(self) -> None:
+        """Raises APIError for values the server does not support (types were checked by pydantic)."""
+        if not 1 <= self.num_choices <= MAX_N:
+            raise APIError(400, f"n must be an int in [1, {MAX_N}], got {self.n}", param="n")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, *, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+        """Raises ValueError naming the field. `seed` is this sample's (see `derived_seed`)."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
-            seed=self.seed,
+            seed=seed,
             stop=self.stop or None,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
-            n=self.n,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
         )
+
+
+def derived_seed(seed: int | None, sample: int) -> int | None:
+    """The seed of sample `sample` of a request with `seed`: the seed itself for sample 0 (so n=1 matches a
+    single request), a splitmix64 mix of (seed, sample) for the others. Deterministic across runs."""
+    if seed is None or sample == 0:
+        return seed
+    z = (seed + sample * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one string, one token-id list, or a list of either (at least one)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        out: list[str | list[int]] = []
+        ids: list[int] = []
+        for x in p:
+            if isinstance(x, int):
+                ids.append(x)
+            else:
+                out.append(x if isinstance(x, str) else list(x))
+        # pydantic's union makes the list all ints, all strings or all lists
+        return [ids] if ids else out
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -102,5 +168,13 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_chat(self) -> None:
+        if self.tools:
+            raise APIError(400, "tools (function calling) are not supported", param="tools")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from hyspec_server.memory import RequestMemory
-from hyspec_server.sampler import SamplerOutput, SamplingTensors
+from hyspec_server.sampler import PenaltyTensors, SamplerOutput, SamplingTensors
 from hyspec_server.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -79,6 +79,16 @@ def sampling_tensors(chunks: list[ScheduledChunk], device: torch.device) -> Samp
     """Sampling knobs of the sampling chunks, in order."""
     ps = [c.request.params for c in chunks]
     want = [p.logprobs for p in ps if p.logprobs is not None]
+    penalties: PenaltyTensors | None = None
+    if any(p.has_penalties for p in ps):
+        penalties = PenaltyTensors.build(
+            presence=[p.presence_penalty for p in ps],
+            frequency=[p.frequency_penalty for p in ps],
+            repetition=[p.repetition_penalty for p in ps],
+            output_tokens=[c.request.output_token_ids for c in chunks],
+            prompt_tokens=[c.request.prompt_token_ids for c in chunks],
+            device=device,
+        )
     return SamplingTensors.build(
         temperature=[p.temperature for p in ps],
         top_k=[p.top_k for p in ps],
@@ -87,6 +97,7 @@ def sampling_tensors(chunks: list[ScheduledChunk], device: torch.device) -> Samp
         generators=[c.request.generator for c in chunks],
         num_logprobs=max(want) if want else -1,
         device=device,
+        penalties=penalties,
     )
 
 

@@ -1,4 +1,4 @@
-"""Batched token sampling on the logits' device: greedy, temperature, top-k, top-p and min-p per row.
+"""Batched token sampling on the logits' device: penalties, greedy, temperature, top-k, top-p, min-p per row.
 
 Each row draws its randomness from its own `torch.Generator` when the request has a seed, so the same seed
 gives the same tokens whatever else shares the batch. Sampling uses the exponential-race trick
@@ -14,6 +14,100 @@ import torch
 
 
 @dataclass(frozen=True, slots=True)
+class PenaltyTensors:
+    """Repetition, frequency and presence penalties of a batch, with the tokens they apply to.
+
+    The token lists are ragged, flattened as (row, token id) pairs: `output_*` are the generated tokens of
+    each row (with repeats: frequency counts them), `seen_*` the prompt and generated tokens of the rows whose
+    repetition penalty is on. Rows with every penalty off contribute no pairs.
+    """
+
+    presence: torch.Tensor  # [N] fp32
+    frequency: torch.Tensor  # [N] fp32
+    repetition: torch.Tensor  # [N] fp32
+    output_rows: torch.Tensor  # [M] int64
+    output_ids: torch.Tensor  # [M] int64
+    seen_rows: torch.Tensor  # [P] int64
+    seen_ids: torch.Tensor  # [P] int64
+
+    def __post_init__(self) -> None:
+        n = self.presence.shape[0]
+        for name in ("presence", "frequency", "repetition"):
+            t = getattr(self, name)
+            if t.dim() != 1 or t.shape[0] != n:
+                raise ValueError(f"{name} must have shape [{n}], got {tuple(t.shape)}")
+        for rows, ids in (("output_rows", "output_ids"), ("seen_rows", "seen_ids")):
+            r, i = getattr(self, rows), getattr(self, ids)
+            if r.dim() != 1 or r.shape != i.shape:
+                raise ValueError(f"{rows} and {ids} must be 1-D of one length, got {r.shape} and {i.shape}")
+
+    @staticmethod
+    def build(
+        *,
+        presence: Sequence[float],
+        frequency: Sequence[float],
+        repetition: Sequence[float],
+        output_tokens: Sequence[Sequence[int]],
+        prompt_tokens: Sequence[Sequence[int]],
+        device: torch.device,
+    ) -> PenaltyTensors:
+        """Args:
+        output_tokens / prompt_tokens: per row; only rows with a penalty on are read.
+        """
+        out_rows: list[int] = []
+        out_ids: list[int] = []
+        seen_rows: list[int] = []
+        seen_ids: list[int] = []
+        for row, (p, f, r) in enumerate(zip(presence, frequency, repetition, strict=True)):
+            if p != 0 or f != 0:
+                out_rows += [row] * len(output_tokens[row])
+                out_ids += output_tokens[row]
+            if r != 1:
+                seen = [*prompt_tokens[row], *output_tokens[row]]
+                seen_rows += [row] * len(seen)
+                seen_ids += seen
+
+        def ints(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.int64).to(device, non_blocking=True)
+
+        def floats(xs: Sequence[float]) -> torch.Tensor:
+            return torch.tensor(list(xs), dtype=torch.float32).to(device, non_blocking=True)
+
+        return PenaltyTensors(
+            presence=floats(presence),
+            frequency=floats(frequency),
+            repetition=floats(repetition),
+            output_rows=ints(out_rows),
+            output_ids=ints(out_ids),
+            seen_rows=ints(seen_rows),
+            seen_ids=ints(seen_ids),
+        )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Penalised logits, fp32 (repetition first, then frequency and presence, as vLLM orders them).
+
+        Args:
+            logits: [N, V] any float dtype.
+        """
+        x = logits.float()
+        n, v = x.shape
+        if self.seen_ids.numel() > 0:
+            seen = torch.zeros(n, v, dtype=torch.bool, device=x.device)
+            seen[self.seen_rows, self.seen_ids] = True
+            r = self.repetition[:, None]
+            x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+        if self.output_ids.numel() > 0:
+            counts = torch.zeros(n, v, dtype=torch.float32, device=x.device)  # [N, V]
+            counts.index_put_(
+                (self.output_rows, self.output_ids),
+                torch.ones_like(self.output_ids, dtype=torch.float32),
+                accumulate=True,
+            )
+            x = x - self.frequency[:, None] * counts - self.presence[:, None] * (counts > 0).float()
+        return x
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingTensors:
     """Per-row sampling knobs for one batch, on the logits' device.
 
@@ -26,9 +120,12 @@ class SamplingTensors:
     min_p: torch.Tensor  # [N] fp32
     generators: tuple[torch.Generator | None, ...]  # per row; None uses the sampler's shared generator
     num_logprobs: int  # most top alternatives asked for by any row (-1: no row wants logprobs)
+    penalties: PenaltyTensors | None = None  # None: no row has a penalty on
 
     def __post_init__(self) -> None:
         n = self.temperature.shape[0]
+        if self.penalties is not None and self.penalties.presence.shape[0] != n:
+            raise ValueError(f"penalties must have {n} rows, got {self.penalties.presence.shape[0]}")
         for name in ("temperature", "top_k", "top_p", "min_p"):
             t = getattr(self, name)
             if t.dim() != 1 or t.shape[0] != n:
@@ -50,6 +147,7 @@ class SamplingTensors:
         generators: Sequence[torch.Generator | None],
         num_logprobs: int,
         device: torch.device,
+        penalties: PenaltyTensors | None = None,
     ) -> SamplingTensors:
         return SamplingTensors(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
@@ -58,6 +156,7 @@ class SamplingTensors:
             min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
             generators=tuple(generators),
             num_logprobs=num_logprobs,
+            penalties=penalties,
         )
 
 
@@ -99,7 +198,11 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 
 class Sampler:
-    """Chooses one token per row. Unseeded rows share `generator` (seeded once, for reproducible runs)."""
+    """Chooses one token per row. Unseeded rows share `generator` (seeded once, for reproducible runs).
+
+    Penalties change the logits every row chooses from (greedy rows too); logprobs stay those of the raw
+    distribution, as vLLM reports them by default.
+    """
 
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -114,6 +217,9 @@ class Sampler:
             raise ValueError(
                 f"logits must have shape [{st.temperature.shape[0]}, V], got {tuple(logits.shape)}"
             )
+        raw = logits
+        if st.penalties is not None:
+            logits = st.penalties.apply(logits)  # [N, V] fp32
         greedy_ids = torch.argmax(logits, dim=-1)  # [N]
         if st.all_greedy:
             token_ids = greedy_ids
@@ -124,7 +230,7 @@ class Sampler:
             token_ids = torch.where(st.temperature == 0, greedy_ids, sampled)
         if st.num_logprobs < 0:
             return SamplerOutput(token_ids=token_ids, logprobs=None, top_ids=None, top_logprobs=None)
-        lp = torch.log_softmax(logits.float(), dim=-1)
+        lp = torch.log_softmax(raw.float(), dim=-1)
         chosen = lp.gather(1, token_ids[:, None])[:, 0]
         top_ids: torch.Tensor | None = None
         top_lp: torch.Tensor | None = None

@@ -33,6 +33,10 @@ class SamplingParams:
         n: completions per prompt; only 1 for now.
         include_stop_str_in_output: keep the matched stop string in the text.
         skip_special_tokens: drop special tokens when detokenizing.
+        presence_penalty: in [-2, 2]; subtracted once from the logit of every token generated so far (OpenAI).
+        frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time it was generated.
+        repetition_penalty: divides positive (multiplies negative) logits of every token in the prompt or
+            the output (CTRL / transformers / vLLM); 1 is off, must be > 0.
     """
 
     max_tokens: int = 16
@@ -48,6 +52,9 @@ class SamplingParams:
     n: int = 1
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -60,8 +67,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 or 0 (off) or an int >= 1, got {self.top_k!r}")
         if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            # torch.Generator.manual_seed's range
+            raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
         if self.stop is not None:
             items = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(items, list | tuple) or not all(isinstance(s, str) and s for s in items):
@@ -82,10 +90,21 @@ class SamplingParams:
             raise ValueError("include_stop_str_in_output must be a bool")
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError("skip_special_tokens must be a bool")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not _is_real(r) or not math.isfinite(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -7,9 +7,12 @@ One round for the verify chunks of a step (decoding requests, see `ScheduledChun
 2. `Drafter.propose`; the block is trimmed to the longest real row, so a round where no row proposes
    anything is a plain decode step (CUDA graphs on GPU) and never pays for a D-token verify.
 3. TARGET_VERIFY forward over the N x D block (the scheduler reserved KV for prefix + Dmax), logits at
-   every node; greedy rows use greedy verification, sampling rows exact rejection sampling on the
-   temperature / top-k / top-p / min-p filtered target distribution, each seeded request with its own
-   generator (so the same seed gives the same output).
+   every node. On GPU it replays a CUDA graph captured for the smallest verify shape >= D
+   (`cuda_graph.TargetGraphs`): the block is padded with chain nodes that no real node sees and that
+   verification, commit and stats never reach; a batch no graph fits runs eagerly at its own D. Greedy
+   rows use greedy verification, sampling rows exact rejection sampling on the temperature / top-k / top-p
+   / min-p filtered target distribution, each seeded request with its own generator (so the same seed
+   gives the same output).
 4. `truncate_at_stop` cuts every row at its first EOS / stop token id and at its token budget (max_tokens,
    max_model_len). The very same arrays go to `commit_after_verify`, to the KV truncation and to the tokens
    returned, so KV, recurrent state and output always agree (bug class 22).
@@ -171,8 +174,8 @@ class SpecDecoder:
             self.costs.record_decode(time.perf_counter() - t0)
             num_acc = [0] * n
         else:
-            results = self._verify(runner, chunks, draft)
-            self.costs.record_verify(draft.tree.block_size, time.perf_counter() - t0)
+            results, block = self._verify(runner, chunks, draft)
+            self.costs.record_verify(block, time.perf_counter() - t0)
             num_acc = [r.num_accepted for r in results]
         for c, r in zip(chunks, results, strict=True):
             runner.memory.truncate(c.request.request_id, c.start + r.num_accepted + 1)
@@ -185,40 +188,49 @@ class SpecDecoder:
 
     def _verify(
         self, runner: HyspecModelRunner, chunks: Sequence[ScheduledChunk], draft: DraftOutput
-    ) -> list[VerifiedTokens]:
+    ) -> tuple[list[VerifiedTokens], int]:
+        """The TARGET_VERIFY forward (a CUDA-graph replay when one fits), verification, truncation, commit.
+
+        Returns the results and the block size the forward ran at (the drafter's, or a captured one >= it).
+        """
         dev, pool, backend, model = runner.device, runner.pool, runner.backend, runner.model
+        graphs = runner.graphs
         reqs = [c.request for c in chunks]
         ids = [r.request_id for r in reqs]
         tree = draft.tree.to(dev)
-        n, d = tree.batch_size, tree.block_size
+        dp = None if draft.draft_probs is None else draft.draft_probs[:, : tree.block_size].to(dev)
+        n = tree.batch_size
+        # a tree config keeps tree metadata for a chain-shaped round too, so the round meets the tree graphs
+        as_tree = not tree.is_chain or (self.config.is_tree and graphs.active)
+        d = graphs.block_len(n, tree.block_size, tree=as_tree)
+        if d > tree.block_size:
+            tree, dp = _pad_block(tree, dp, d)
         prefix = [c.start for c in chunks]
         # the scheduler reserved prefix + Dmax; this only allocates if a caller did not
         pool.ensure_kv_capacity(ids, [p + d for p in prefix])
-        batch = backend.prepare_verify(
+        batch = graphs.prepare_verify(
             req_rows=pool.req_rows(ids),
             block_tokens=tree.tokens,
             prefix_lens=prefix,
-            tree_parents=None if tree.is_chain else tree.parents,
+            tree_parents=tree.parents if as_tree else None,
         )
-        out = model(batch, backend, capture_layers=self.capture_layers)
-        logits = model.compute_logits(out.hidden_states).reshape(n, d, -1)  # [N, D, V]
-        dp = None if draft.draft_probs is None else draft.draft_probs[:, :d].to(dev)
+        hidden, aux = graphs.run(batch)  # [N * D, H] live rows (graph outputs: used before the next forward)
+        logits = model.compute_logits(hidden).reshape(n, d, -1)  # [N, D, V]
         result = self._choose(runner, tree, logits, dp, chunks)
         stop = _stop_ids(chunks, dev)
         budget = torch.tensor(
             [_budget(c, runner.max_model_len) for c in chunks], dtype=torch.int64, device=dev
         )
+        # the same (truncated) arrays go to the commit, the drafter, the KV truncation and the output
         result = truncate_at_stop(result, stop_token_ids=stop, max_new_tokens=budget)
         backend.commit_after_verify(
             batch=batch,
             num_accepted=result.num_accepted,
-            accept_paths=None if tree.is_chain else result.accept_index,
+            accept_paths=result.accept_index if batch.is_tree else None,
         )
         if self.model_drafter is not None:
-            self.model_drafter.commit(
-                _accepted_path(out.hidden_states, out.aux_hidden_states, tree, result, ids, prefix)
-            )
-        return _to_verified(result, tree, logits, chunks)
+            self.model_drafter.commit(_accepted_path(hidden, aux, tree, result, ids, prefix))
+        return _to_verified(result, tree, logits, chunks), d
 
     def _choose(
         self,
@@ -288,6 +300,23 @@ def _trim(draft: DraftOutput, n: int, dmax: int) -> DraftOutput:
     cut = VerifyTree.from_parents(tree.tokens[:, :d], tree.parents[:, :d], tree.num_nodes)
     dp = None if draft.draft_probs is None else draft.draft_probs[:, :d]
     return DraftOutput(cut, dp)
+
+
+def _pad_block(
+    tree: VerifyTree, draft_probs: torch.Tensor | None, d: int
+) -> tuple[VerifyTree, torch.Tensor | None]:
+    """The same blocks as d-node blocks (a captured graph's D): the extra nodes continue each row's chain
+    after its last node, so no real node sees them, verification never reaches them (num_nodes unchanged)
+    and no commit step points at them."""
+    n, d0 = tree.batch_size, tree.block_size
+    dev = tree.tokens.device
+    tokens = torch.cat([tree.tokens, torch.zeros(n, d - d0, dtype=torch.int64, device=dev)], dim=1)
+    tail = (torch.arange(d0, d, dtype=torch.int64, device=dev) - 1).expand(n, d - d0)
+    padded = VerifyTree.from_parents(tokens, torch.cat([tree.parents, tail], dim=1), tree.num_nodes)
+    if draft_probs is not None:
+        v = draft_probs.shape[-1]
+        draft_probs = torch.cat([draft_probs, draft_probs.new_zeros(n, d - d0, v)], dim=1)  # [N, d, V]
+    return padded, draft_probs
 
 
 def _rows(tree: VerifyTree, rows: list[int]) -> VerifyTree:

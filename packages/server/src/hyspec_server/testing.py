@@ -51,8 +51,30 @@ def toy_greedy(prompt: Sequence[int], max_tokens: int, *, ignore_eos: bool = Fal
     return out
 
 
+def toy_penalised_greedy(
+    prompt: Sequence[int], max_tokens: int, *, presence: float, frequency: float
+) -> list[int]:
+    """`toy_greedy` (ignoring EOS) with OpenAI presence / frequency penalties, token by token in Python.
+
+    The toy's logits are -0.5 * |v - target|; ties go to the lowest id, as `torch.argmax` breaks them.
+    """
+    seq = list(prompt)
+    out: list[int] = []
+    for _ in range(max_tokens):
+        target = toy_next_token(seq)
+        scores = [-0.5 * abs(v - target) for v in range(TOY_VOCAB)]
+        for t in set(out):
+            scores[t] -= frequency * out.count(t) + presence
+        best = max(range(TOY_VOCAB), key=lambda v: (scores[v], -v))
+        out.append(best)
+        seq.append(best)
+    return out
+
+
 class ByteTokenizer:
     """UTF-8 bytes are tokens 0..255; 256 is EOS. Chat template: "role: content" lines then "assistant:"."""
+
+    vocab_size = TOY_VOCAB
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -42,13 +42,19 @@ class HFTokenizer:
         self.model_dir = Path(model_dir)
         self._tok: Any = AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
         eos = _eos_ids(self._tok.eos_token_id)
+        vocab: object = None
         for name in ("generation_config.json", "config.json"):
             path = self.model_dir / name
             if path.is_file():
                 cfg = json.loads(path.read_text())
                 eos |= _eos_ids(cfg.get("eos_token_id"))
                 eos |= _eos_ids(cfg.get("text_config", {}).get("eos_token_id"))
+                if name == "config.json":
+                    vocab = cfg.get("vocab_size", cfg.get("text_config", {}).get("vocab_size"))
         self._eos = frozenset(eos)
+        # the model's embedding rows (may exceed the tokenizer's length); the HTTP server rejects token-id
+        # prompts outside [0, vocab_size) instead of failing the whole batch's step
+        self.vocab_size: int = vocab if isinstance(vocab, int) and vocab > 0 else len(self._tok)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

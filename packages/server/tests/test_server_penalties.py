@@ -1,0 +1,134 @@
+"""Presence, frequency and repetition penalties: sampler against a loop reference, engine plumbing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hyspec_server.engine import LLMEngine
+from hyspec_server.llm import LLM
+from hyspec_server.sampler import PenaltyTensors, Sampler, SamplingTensors
+from hyspec_server.sampling_params import SamplingParams
+from hyspec_server.scheduler import SchedulerConfig
+from hyspec_server.testing import ByteTokenizer, ToyModelRunner, toy_engine, toy_penalised_greedy, toy_pool
+
+CPU = torch.device("cpu")
+
+
+def _reference(
+    logits: torch.Tensor,
+    prompt: list[int],
+    output: list[int],
+    *,
+    presence: float,
+    frequency: float,
+    rep: float,
+) -> torch.Tensor:
+    """One row, token by token, in float64."""
+    x = logits.double().clone()
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+    for t in set(output):
+        x[t] -= frequency * output.count(t) + presence
+    return x
+
+
+def test_penalised_logits_match_a_loop_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    v = 40
+    logits = torch.randn(4, v, generator=g) * 3  # [4, V], both signs
+    prompts = [[1, 2, 3, 3], [5], [7, 8], [9, 9, 9]]
+    outputs = [[3, 3, 4, 10, 3], [], [8, 8, 30], [11]]
+    knobs = [(0.5, 0.25, 1.3), (1.0, 1.0, 2.0), (0.0, 0.0, 1.0), (-1.5, 0.0, 0.7)]
+    pt = PenaltyTensors.build(
+        presence=[k[0] for k in knobs],
+        frequency=[k[1] for k in knobs],
+        repetition=[k[2] for k in knobs],
+        output_tokens=outputs,
+        prompt_tokens=prompts,
+        device=CPU,
+    )
+    got = pt.apply(logits)  # [4, V] fp32
+    for row, (p, f, r) in enumerate(knobs):
+        want = _reference(logits[row], prompts[row], outputs[row], presence=p, frequency=f, rep=r)
+        torch.testing.assert_close(got[row].double(), want, atol=1e-5, rtol=0)
+    # the row with every penalty off contributed no (row, token) pairs and is untouched
+    assert not bool((pt.output_rows == 2).any()) and not bool((pt.seen_rows == 2).any())
+    assert torch.equal(got[2], logits[2])
+
+
+def test_sampler_applies_penalties_to_greedy_rows_and_reports_raw_logprobs() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.9, 1.0]])  # token 1 wins unless penalised
+    pt = PenaltyTensors.build(
+        presence=[0.5],
+        frequency=[0.0],
+        repetition=[1.0],
+        output_tokens=[[1]],
+        prompt_tokens=[[0]],
+        device=CPU,
+    )
+    st = SamplingTensors.build(
+        temperature=[0.0],
+        top_k=[-1],
+        top_p=[1.0],
+        min_p=[0.0],
+        generators=[None],
+        num_logprobs=0,
+        device=CPU,
+        penalties=pt,
+    )
+    out = Sampler(CPU)(logits, st)
+    assert int(out.token_ids[0]) == 2
+    assert out.logprobs is not None
+    torch.testing.assert_close(out.logprobs[0], torch.log_softmax(logits, -1)[0, 2])
+    with pytest.raises(ValueError, match="penalties"):
+        SamplingTensors.build(
+            temperature=[0.0, 0.0],
+            top_k=[-1, -1],
+            top_p=[1.0, 1.0],
+            min_p=[0.0, 0.0],
+            generators=[None, None],
+            num_logprobs=-1,
+            device=CPU,
+            penalties=pt,
+        )
+
+
+def test_engine_penalties_change_greedy_output_as_the_reference_says() -> None:
+    llm = LLM.from_engine(toy_engine())
+    tok = ByteTokenizer()
+    prompt = tok.encode("penalties")
+    base = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    pen = SamplingParams(
+        max_tokens=24, temperature=0, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.5
+    )
+    # penalised and plain requests share the batch; each row gets only its own penalties
+    a, b = llm.generate([{"prompt_token_ids": prompt}] * 2, [pen, base])
+    want = toy_penalised_greedy(prompt, 24, presence=1.5, frequency=0.5)
+    plain = toy_penalised_greedy(prompt, 24, presence=0.0, frequency=0.0)
+    assert a.outputs[0].token_ids == want
+    assert b.outputs[0].token_ids == plain
+    assert want != plain
+    llm.leak_check()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", "1"),
+    ],
+)
+def test_bad_penalties_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"^{field}"):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_speculative_engine_rejects_penalties() -> None:
+    pool = toy_pool(max_running=2, max_context=64, num_kv_pages=64, page_size=4)
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, num_lookahead_tokens=2)
+    eng = LLMEngine(ToyModelRunner(pool, max_model_len=64), ByteTokenizer(), cfg)
+    with pytest.raises(ValueError, match="speculative"):
+        eng.add_request([1, 2], SamplingParams(max_tokens=2, repetition_penalty=1.2))
+    eng.leak_check()
