@@ -493,22 +493,3 @@ def test_batch_requests_are_all_or_nothing_and_all_aborted_on_disconnect() -> No
         assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1]
     finally:
         srv.stop()
-
-
-def test_penalties_are_400_when_speculating() -> None:
-    from hyspec_server.engine import LLMEngine
-    from hyspec_server.scheduler import SchedulerConfig
-    from hyspec_server.testing import toy_pool
-
-    pool = toy_pool(max_running=2, max_context=64, num_kv_pages=64, page_size=4)
-    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, num_lookahead_tokens=2)
-    eng = LLMEngine(ToyModelRunner(pool, max_model_len=64), ByteTokenizer(), cfg)
-    srv = ServerThread(eng, model_name="toy").start()
-    try:
-        body = {"model": "toy", "prompt": "x", "max_tokens": 2, "frequency_penalty": 0.5}
-        r = httpx.post(srv.base_url + "/v1/completions", json=body)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "frequency_penalty"
-        assert "speculative" in r.json()["error"]["message"]
-        srv.wait_idle_and_leak_check()
-    finally:
-        srv.stop()

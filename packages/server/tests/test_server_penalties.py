@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hyspec_server.engine import LLMEngine
 from hyspec_server.llm import LLM
 from hyspec_server.sampler import PenaltyTensors, Sampler, SamplingTensors
 from hyspec_server.sampling_params import SamplingParams
-from hyspec_server.scheduler import SchedulerConfig
-from hyspec_server.testing import ByteTokenizer, ToyModelRunner, toy_engine, toy_penalised_greedy, toy_pool
+from hyspec_server.testing import ByteTokenizer, toy_engine, toy_penalised_greedy
 
 CPU = torch.device("cpu")
 
@@ -125,10 +123,39 @@ def test_bad_penalties_name_the_field(field: str, value: object) -> None:
         SamplingParams(**{field: value})  # type: ignore[arg-type]
 
 
-def test_speculative_engine_rejects_penalties() -> None:
-    pool = toy_pool(max_running=2, max_context=64, num_kv_pages=64, page_size=4)
-    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, num_lookahead_tokens=2)
-    eng = LLMEngine(ToyModelRunner(pool, max_model_len=64), ByteTokenizer(), cfg)
-    with pytest.raises(ValueError, match="speculative"):
-        eng.add_request([1, 2], SamplingParams(max_tokens=2, repetition_penalty=1.2))
-    eng.leak_check()
+def test_block_penalties_use_each_nodes_path_as_history() -> None:
+    g = torch.Generator().manual_seed(1)
+    v, d = 12, 5
+    logits = torch.randn(2, d, v, generator=g) * 3  # [N, D, V]
+    # row 0 a tree (root 0; 1, 2 children of the root; 3 child of 1; 4 child of 3), row 1 a chain
+    tokens = torch.tensor([[4, 3, 5, 3, 7], [1, 2, 2, 9, 2]])
+    parents = [[-1, 0, 0, 1, 3], [-1, 0, 1, 2, 3]]
+    prompts, outputs = [[1, 2], [6]], [[3, 4], [2, 1]]
+    knobs = [(0.5, 0.75, 1.4), (0.0, 1.25, 1.0)]
+    pt = PenaltyTensors.build(
+        presence=[k[0] for k in knobs],
+        frequency=[k[1] for k in knobs],
+        repetition=[k[2] for k in knobs],
+        output_tokens=outputs,
+        prompt_tokens=prompts,
+        device=CPU,
+    )
+    path = torch.zeros(2, d, d, dtype=torch.bool)
+    for row in range(2):
+        for j in range(d):
+            k = j
+            while k > 0:  # the root (the history's last token) is not added again
+                path[row, j, k] = True
+                k = parents[row][k]
+    got = pt.apply_block(logits, block_tokens=tokens, path_mask=path)  # [2, D, V]
+    for row, (p, f, r) in enumerate(knobs):
+        for j in range(d):
+            extra = [int(tokens[row, k]) for k in range(d) if path[row, j, k]]
+            want = _reference(
+                logits[row, j], prompts[row], outputs[row] + extra, presence=p, frequency=f, rep=r
+            )
+            torch.testing.assert_close(got[row, j].double(), want, atol=1e-5, rtol=0)
+    # node 4 of the tree counts 3 twice (output and node 3) and 7 once, node 2 neither of the drafts 3 / 7
+    assert not torch.equal(got[0, 4], got[0, 2])
+    with pytest.raises(ValueError, match="path_mask"):
+        pt.apply_block(logits, block_tokens=tokens, path_mask=path.long())

@@ -32,7 +32,8 @@ def test_defaults_mirror_vllm() -> None:
         ({"stop_token_ids": "5"}, "stop_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"logprobs": -1}, "logprobs"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
     ],
 )
 def test_bad_values_name_the_field(kwargs: dict[str, object], field: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +204,32 @@ def test_forced_tree_with_budgets_and_stops(arch: Arch) -> None:
     eng.leak_check()
 
 
+@pytest.mark.parametrize(
+    ("field", "value"), [("presence_penalty", 1.5), ("frequency_penalty", 0.9), ("repetition_penalty", 2.0)]
+)
+def test_penalised_greedy_speculation_equals_plain(arch: Arch, field: str, value: float) -> None:
+    # every row penalised but one, so each row gets only its own penalties
+    params = [_greedy(**({} if i == 1 else {field: value})) for i in range(len(PROMPTS))]
+    plain = arch.engine(None)
+    refs = [o.outputs[0].token_ids for o in LLM.from_engine(plain).generate(_ids(PROMPTS), params)]
+    plain.leak_check()
+    assert refs[1] == arch.refs[1] and refs != arch.refs  # the penalty does change greedy output
+    pen = Arch(arch.path, refs, arch.vocab)  # forced drafters propose the penalised continuation
+    tree_spec = {"method": "mtp", "num_speculative_tokens": S, "topk": 2}
+    for spec, reg in ((_spec(), None), (_spec(), pen.forced()[0]), (tree_spec, pen.forced(tree=True)[0])):
+        eng = arch.engine(spec, reg)
+        outs = LLM.from_engine(eng).generate(_ids(PROMPTS), params)
+        assert [o.outputs[0].token_ids for o in outs] == refs, spec
+        if reg is not None:
+            # rejection sampling on the penalised target: top-k 1 leaves it one-hot at the penalised argmax
+            sampled = [replace(p, temperature=1.0, top_k=1, seed=i) for i, p in enumerate(params)]
+            outs = LLM.from_engine(eng).generate(_ids(PROMPTS), sampled)
+            assert [o.outputs[0].token_ids for o in outs] == refs, spec
+        # the n-gram drafter finds few repeats to propose under penalties; the forced ones must be accepted
+        assert eng.stats.spec_num_draft_tokens > 0 and (reg is None or eng.stats.spec_num_accepted_tokens > 0)
+        eng.leak_check()
+
+
 def _first_inside_run(ref: list[int], tokenizer: Any, start: int) -> int:
     """An output index j >= start that a perfect S-draft round emits as a draft (not the bonus), whose token
     does not occur before it and whose text piece is non-empty and new."""
@@ -386,6 +412,29 @@ def spec_server(tiny_lfm2: Path) -> Iterator[tuple[ServerThread, list[list[int]]
     srv = ServerThread(eng, model_name="tiny").start()
     yield srv, refs
     srv.stop()
+
+
+def test_http_penalties_with_speculation_equal_plain_greedy(
+    spec_server: tuple[ServerThread, list[list[int]]], tiny_lfm2: Path
+) -> None:
+    srv, refs = spec_server
+    base = build_engine(EngineArgs(model=str(tiny_lfm2), max_num_seqs=8, page_size=4, max_model_len=64))
+    out = LLM.from_engine(base).generate(_ids(PROMPTS[:1]), _greedy(repetition_penalty=2.0))
+    want = out[0].outputs[0].token_ids
+    assert want != refs[0]
+    body = {
+        "model": "tiny",
+        "prompt": PROMPTS[0],
+        "max_tokens": NEW,
+        "temperature": 0,
+        "repetition_penalty": 2.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    r = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == want
+    srv.wait_idle_and_leak_check()
 
 
 def test_http_speculative_completions_equal_plain_greedy(

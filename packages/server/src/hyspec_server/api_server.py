@@ -100,19 +100,6 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
                 raise APIError(400, msg, param="max_tokens" if "max_tokens" in msg else "prompt") from e
             raise
 
-    def check_supported(params: SamplingParams) -> None:
-        if engine.engine.speculative and params.has_penalties:
-            name = next(
-                f
-                for f, off in (
-                    ("presence_penalty", 0.0),
-                    ("frequency_penalty", 0.0),
-                    ("repetition_penalty", 1.0),
-                )
-                if getattr(params, f) != off
-            )
-            raise APIError(400, f"{name} is not supported with speculative decoding", param=name)
-
     def check_token_ids(prompts: list[str | list[int]]) -> None:
         vocab = getattr(engine.tokenizer, "vocab_size", None)
         for i, p in enumerate(prompts):
@@ -171,7 +158,6 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
             _params(req, max_tokens=max_tokens, logprobs=engine_lp, seed=derived_seed(req.seed, j))
             for j in range(best_of)
         ]
-        check_supported(samples[0])
         rid = f"cmpl-{uuid.uuid4().hex}"
         items = [(p, samples[j], f"{rid}-{i}-{j}") for i, p in enumerate(prompts) for j in range(best_of)]
         group = await submit(items, per_prompt=best_of, batch=len(prompts) > 1)
@@ -287,7 +273,6 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
             _params(req, max_tokens=max_tokens, logprobs=logprobs, seed=derived_seed(req.seed, j))
             for j in range(n)
         ]
-        check_supported(samples[0])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         group = await submit(
             [(prompt_ids, samples[j], f"{rid}-{j}") for j in range(n)], per_prompt=n, batch=False

@@ -81,12 +81,6 @@ class LLMEngine:
             text, ids = None, [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt must have at least one token")
-        if self.speculative and params.has_penalties:
-            # the verify path samples drafted positions from unpenalised target probabilities
-            raise ValueError(
-                "presence_penalty, frequency_penalty and repetition_penalty are not supported with "
-                "speculative decoding"
-            )
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) is over the model's "

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from hyspec_server.config import DType, EngineArgs
 from hyspec_server.engine import LLMEngine
-from hyspec_server.outputs import RequestOutput
-from hyspec_server.sampling_params import SamplingParams
+from hyspec_server.outputs import RequestMetrics, RequestOutput, SpecDecodeStats
+from hyspec_server.sampling_params import SamplingParams, derived_seed
 
 PromptType = str | dict[str, Any]
 
@@ -71,7 +72,9 @@ class LLM:
 
         Args:
             prompts: a string, a `{"prompt_token_ids": [...]}` dict, or a list of either.
-            sampling_params: one for all prompts, one per prompt, or None for the defaults.
+            sampling_params: one for all prompts, one per prompt, or None for the defaults. With `n > 1` a
+                prompt runs as n engine requests (sample i seeded `derived_seed(seed, i)`, as the HTTP
+                server does) and its output's `outputs` holds the n completions, ordered by `index`.
         """
         items: list[PromptType] = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         if sampling_params is None:
@@ -83,10 +86,25 @@ class LLM:
             if len(params) != len(items):
                 raise ValueError(f"sampling_params: expected 1 or {len(items)} entries, got {len(params)}")
         eng = self.engine
+        # per prompt, the engine request ids of its samples 0..n-1 and the id of the merged output
+        groups: list[tuple[str, list[str]]] = []
         ids: list[str] = []
         try:
             for item, p in zip(items, params):
-                ids.append(eng.add_request(_prompt_of(item), p))
+                prompt = _prompt_of(item)
+                if p.n == 1:
+                    rid = eng.add_request(prompt, p)
+                    groups.append((rid, [rid]))
+                    ids.append(rid)
+                    continue
+                base = eng.new_request_id()
+                sample_ids: list[str] = []
+                for j in range(p.n):
+                    # n=1 requests to the engine, seeded like the HTTP server's samples
+                    one = dataclasses.replace(p, n=1, seed=derived_seed(p.seed, j))
+                    sample_ids.append(eng.add_request(prompt, one, request_id=f"{base}-{j}"))
+                    ids.append(sample_ids[-1])
+                groups.append((base, sample_ids))
             final: dict[str, RequestOutput] = {}
             while len(final) < len(ids):
                 for out in eng.step():
@@ -101,10 +119,48 @@ class LLM:
         now = time.monotonic()
         for out in final.values():
             out.metrics.finished_time = out.metrics.finished_time or now
-        return [final[rid] for rid in ids]
+        return [
+            final[sids[0]] if len(sids) == 1 and sids[0] == gid else _merge(gid, [final[r] for r in sids])
+            for gid, sids in groups
+        ]
 
     def leak_check(self) -> None:
         self.engine.leak_check()
+
+
+def _merge(request_id: str, samples: list[RequestOutput]) -> RequestOutput:
+    """One prompt's finished samples as one output: completion i is sample i's, with `index` i."""
+    first = samples[0]
+    outputs = []
+    for i, s in enumerate(samples):
+        c = s.outputs[0]
+        c.index = i
+        outputs.append(c)
+    firsts = [s.metrics.first_token_time for s in samples if s.metrics.first_token_time is not None]
+    ends = [s.metrics.finished_time for s in samples if s.metrics.finished_time is not None]
+    metrics = RequestMetrics(
+        arrival_time=min(s.metrics.arrival_time for s in samples),
+        first_token_time=min(firsts) if firsts else None,
+        finished_time=max(ends) if ends else None,
+        num_preemptions=sum(s.metrics.num_preemptions for s in samples),
+    )
+    stats = [s.spec_stats for s in samples if s.spec_stats is not None]
+    spec = None
+    if stats:
+        spec = SpecDecodeStats(
+            num_drafts=sum(st.num_drafts for st in stats),
+            num_draft_tokens=sum(st.num_draft_tokens for st in stats),
+            num_accepted_tokens=sum(st.num_accepted_tokens for st in stats),
+        )
+    return RequestOutput(
+        request_id=request_id,
+        prompt=first.prompt,
+        prompt_token_ids=list(first.prompt_token_ids),
+        outputs=outputs,
+        finished=all(s.finished for s in samples),
+        metrics=metrics,
+        spec_stats=spec,
+    )
 
 
 def _prompt_of(item: PromptType) -> str | list[int]:

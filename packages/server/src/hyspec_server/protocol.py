@@ -6,7 +6,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# re-exported: the HTTP server and `LLM.generate` share the cap and the per-sample seeds
+from hyspec_server.sampling_params import MAX_N as MAX_N
 from hyspec_server.sampling_params import SamplingParams
+from hyspec_server.sampling_params import derived_seed as derived_seed
 
 
 class APIError(Exception):
@@ -43,7 +46,6 @@ class StreamOptions(_Strict):
 
 # OpenAI's caps: completions return at most this many alternatives per token, chat at most 20
 MAX_LOGPROBS = 20
-MAX_N = 128
 
 
 class _SamplingFields(_Strict):
@@ -107,17 +109,6 @@ class _SamplingFields(_Strict):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
         )
-
-
-def derived_seed(seed: int | None, sample: int) -> int | None:
-    """The seed of sample `sample` of a request with `seed`: the seed itself for sample 0 (so n=1 matches a
-    single request), a splitmix64 mix of (seed, sample) for the others. Deterministic across runs."""
-    if seed is None or sample == 0:
-        return seed
-    z = (seed + sample * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 class CompletionRequest(_SamplingFields):

@@ -106,6 +106,61 @@ class PenaltyTensors:
             x = x - self.frequency[:, None] * counts - self.presence[:, None] * (counts > 0).float()
         return x
 
+    def apply_block(
+        self, logits: torch.Tensor, *, block_tokens: torch.Tensor, path_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Penalised logits at every node of N verify blocks, each node with its own token history.
+
+        Node j of row n is penalised as plain decoding would penalise the position after it: the row's
+        history (the tokens this was built from) plus the block tokens `k` with `path_mask[n, j, k]`.
+
+        Args:
+            logits: [N, D, V] any float dtype.
+            block_tokens: [N, D] int64 block node tokens.
+            path_mask: [N, D, D] bool; path_mask[n, j, k]: node k's token is in node j's history beyond
+                the row's own (for a tree: node k is j or an ancestor of j, root excluded when the root
+                token is already the last token of the history).
+        Returns:
+            [N, D, V] fp32.
+        """
+        if logits.dim() != 3 or logits.shape[0] != self.presence.shape[0]:
+            raise ValueError(
+                f"logits must have shape [{self.presence.shape[0]}, D, V], got {tuple(logits.shape)}"
+            )
+        n, d, v = logits.shape
+        if block_tokens.shape != (n, d):
+            raise ValueError(f"block_tokens must have shape [{n}, {d}], got {tuple(block_tokens.shape)}")
+        if path_mask.shape != (n, d, d) or path_mask.dtype != torch.bool:
+            raise ValueError(
+                f"path_mask must be bool of shape [{n}, {d}, {d}], got {path_mask.dtype} "
+                f"{tuple(path_mask.shape)}"
+            )
+        dev = logits.device
+        col = torch.arange(d, dtype=torch.int64, device=dev)
+
+        def spread(rows: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # the row's own pairs, once for each of its D nodes (flat row n * D + j)
+            return (rows[:, None] * d + col[None, :]).reshape(-1), ids[:, None].expand(-1, d).reshape(-1)
+
+        # block pairs: (flat node row, token) for every history token the block adds to a node
+        node_rows = (torch.arange(n, device=dev)[:, None] * d + col[None, :])[:, :, None].expand(n, d, d)
+        node_ids = block_tokens.to(torch.int64)[:, None, :].expand(n, d, d)
+        row_of = torch.arange(n, device=dev)[:, None, None].expand(n, d, d)
+        counted = path_mask & ((self.presence != 0) | (self.frequency != 0))[row_of]
+        seen = path_mask & (self.repetition != 1)[row_of]
+        out_rows, out_ids = spread(self.output_rows, self.output_ids)
+        seen_rows, seen_ids = spread(self.seen_rows, self.seen_ids)
+        flat = PenaltyTensors(
+            presence=self.presence.repeat_interleave(d),
+            frequency=self.frequency.repeat_interleave(d),
+            repetition=self.repetition.repeat_interleave(d),
+            output_rows=torch.cat([out_rows, node_rows[counted]]),
+            output_ids=torch.cat([out_ids, node_ids[counted]]),
+            seen_rows=torch.cat([seen_rows, node_rows[seen]]),
+            seen_ids=torch.cat([seen_ids, node_ids[seen]]),
+        )
+        return flat.apply(logits.reshape(n * d, v)).reshape(n, d, v)
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingTensors:

@@ -15,6 +15,24 @@ def _is_real(x: object) -> bool:
     return (isinstance(x, int | float)) and not isinstance(x, bool)
 
 
+# most completions per prompt (`n`), as OpenAI's API caps it; the HTTP server uses the same cap
+MAX_N = 128
+
+
+def derived_seed(seed: int | None, sample: int) -> int | None:
+    """The seed of sample `sample` of a request with `seed`: the seed itself for sample 0 (so n=1 matches a
+    single request), a splitmix64 mix of (seed, sample) for the others. Deterministic across runs.
+
+    `LLM.generate` and the HTTP server both fan `n` out with it, so they give the same samples for a seed.
+    """
+    if seed is None or sample == 0:
+        return seed
+    z = (seed + sample * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to choose tokens and when to stop, for one request.
@@ -30,7 +48,9 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (kept in `token_ids`, not in the text).
         ignore_eos: keep generating past the EOS token.
         logprobs: None, or the number of top alternatives to report besides the chosen token's logprob.
-        n: completions per prompt; only 1 for now.
+        n: completions per prompt, in [1, MAX_N]. `LLM.generate` runs n engine requests, sample i seeded with
+            `derived_seed(seed, i)` (as the HTTP server does); the engine itself runs one completion per
+            request whatever `n` says.
         include_stop_str_in_output: keep the matched stop string in the text.
         skip_special_tokens: drop special tokens when detokenizing.
         presence_penalty: in [-2, 2]; subtracted once from the logit of every token generated so far (OpenAI).
@@ -82,10 +102,8 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
-        if not _is_int(self.n) or self.n != 1:
-            raise ValueError(
-                f"n must be 1 (several completions per prompt are not supported yet), got {self.n!r}"
-            )
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError("include_stop_str_in_output must be a bool")
         if not isinstance(self.skip_special_tokens, bool):

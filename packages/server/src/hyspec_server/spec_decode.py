@@ -240,7 +240,11 @@ class SpecDecoder:
         draft_probs: torch.Tensor | None,
         chunks: Sequence[ScheduledChunk],
     ) -> VerifyResult:
-        """Greedy rows by argmax walk, sampling rows by exact rejection sampling with their own generator."""
+        """Greedy rows by argmax walk, sampling rows by exact rejection sampling with their own generator.
+
+        Every choice is made on the penalised logits (`_penalised`), as plain decoding makes it.
+        """
+        logits = _penalised(logits, tree, chunks)
         params = [c.request.params for c in chunks]
         greedy = [i for i, p in enumerate(params) if p.temperature == 0]
         if len(greedy) == len(params):
@@ -260,7 +264,9 @@ class SpecDecoder:
         parts: list[tuple[list[int], VerifyResult]] = []
         if alone:
             st = sampling_tensors([chunks[i] for i in alone], logits.device)
-            picked = runner.sampler(logits[alone, 0], replace(st, num_logprobs=-1)).token_ids  # [n]
+            # the logits are penalised already
+            st = replace(st, num_logprobs=-1, penalties=None)
+            picked = runner.sampler(logits[alone, 0], st).token_ids  # [n]
             pred = picked[:, None].expand(-1, tree.block_size)
             parts.append((alone, verify_greedy(_rows(tree, alone), pred)))
         for rows, gen in groups:
@@ -345,6 +351,27 @@ def _merge(parts: list[tuple[list[int], VerifyResult]], n: int) -> VerifyResult:
 
     names = ("num_accepted", "accept_index", "output_tokens", "bonus", "commit_steps", "finished")
     return replace(first, **{k: gather(k) for k in names})
+
+
+def _penalised(logits: torch.Tensor, tree: VerifyTree, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+    """[N, D, V] verify logits with each request's penalties applied at every node (unchanged if none).
+
+    Node j's history is the one plain decoding would have after emitting node j: prompt, generated tokens
+    (the root, the last of them, included) and the drafts on the path from the root to j (its ancestors and
+    itself). So greedy speculation with penalties emits plain greedy's tokens, and rejection sampling draws
+    from the penalised target distribution.
+    """
+    if not any(c.request.params.has_penalties for c in chunks):
+        return logits
+    rows = [i for i, c in enumerate(chunks) if c.request.params.has_penalties]
+    pen = sampling_tensors([chunks[i] for i in rows], logits.device).penalties
+    assert pen is not None
+    idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    path = tree.tree_mask[idx].clone()  # [n, D, D]
+    path[:, :, 0] = False  # the root token is already the history's last token
+    out = logits.float().clone()  # [N, D, V] fp32
+    out[idx] = pen.apply_block(logits[idx], block_tokens=tree.tokens[idx], path_mask=path)
+    return out
 
 
 def _target_probs(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
