@@ -13,7 +13,9 @@ not compared further. Independently, the speculative outputs must be as close to
 on their own tokens) as the plain outputs are: a broken commit or a stale draft feature spoils many tokens.
 
 With graphs on, every verify forward and every decode forward must have replayed a graph (the runner counts
-them), also with model drafters on; `leak_check()` passes after every run.
+them), also with model drafters on, and so must every proposal forward of a model drafter (MTP / EAGLE-3
+steps, the DFlash block; the chained multi-layer MTP case reads its chained hidden state through the draft
+graph's static input buffer); `leak_check()` passes after every run.
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ class Run:
     logprobs: list[list[dict[int, float]]]
     stats: list[Any]
     graphs: Any  # the runner's TargetGraphs
+    draft_counts: Any  # a model drafter's DraftGraphCounts, else None
 
 
 @pytest.fixture(scope="module")
@@ -151,12 +154,14 @@ def _run(path: Path, *, eager: bool, spec: dict[str, Any] | None) -> Run:
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     llm.leak_check()
-    graphs = llm.engine.runner.graphs  # type: ignore[attr-defined]
+    runner = llm.engine.runner  # type: ignore[attr-defined]
+    drafter = None if runner.spec is None else runner.spec.drafter
     return Run(
         tokens=[o.outputs[0].token_ids for o in outs],
         logprobs=[o.outputs[0].logprobs or [] for o in outs],
         stats=[o.spec_stats for o in outs],
-        graphs=graphs,
+        graphs=runner.graphs,
+        draft_counts=getattr(drafter, "graph_counts", None),
     )
 
 
@@ -244,6 +249,14 @@ def test_gpu_spec_bf16_lossless_with_and_without_graphs(
         assert g.counts.verify_replays > 0 and g.counts.verify_eager == 0, g.counts
         assert g.counts.decode_eager == 0, g.counts
         assert ref.graphs.counts.decode_replays > 0 and ref.graphs.counts.decode_eager == 0
+    dc = got.draft_counts
+    assert (dc is None) == (case.name.startswith("ngram")), "model drafters count their proposal forwards"
+    if dc is not None:
+        # every proposal forward of the drafter replayed a graph (graphs on) or ran eagerly (graphs off)
+        if eager:
+            assert dc.replays == 0 and dc.eager > 0, dc
+        else:
+            assert dc.replays > 0 and dc.eager == 0, dc
 
     # lossless up to genuine bf16 near-ties at the first divergence of a row
     plain_l32: list[torch.Tensor] | None = None

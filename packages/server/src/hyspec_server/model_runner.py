@@ -4,7 +4,8 @@ Per step it builds one `ForwardBatch` through the hybrid backend: DECODE when ev
 token, else EXTEND (prompt chunks and decode tokens packed together). It runs the model, computes logits only
 for the last token of each sampling chunk and samples on device. On CUDA (unless `enforce_eager`), DECODE and
 TARGET_VERIFY forwards replay CUDA graphs captured at start-up for padded batch sizes (`cuda_graph.py`); the
-graphed forward also returns the layers a model drafter reads, so decode stays graphed with drafters on.
+graphed forward also returns the layers a model drafter reads, so decode stays graphed with drafters on, and
+a model drafter's proposal forwards are captured at the same batch sizes (spec-workers' draft_graphs.py).
 
 With speculative decoding, the step's verify chunks (decoding requests) run a second forward after the
 prefill chunks: a speculative round (`spec_decode.py`). The pool is planned with the config's draft shape,
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from hyspec_attn_backends import HybridBackend, model_state_specs
 from hyspec_models.loader import load_model
+from hyspec_spec_workers.draft_graphs import GraphedDrafter
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.sizing import MemoryPlan, plan_memory
 from hyspec_statepool.specs import StateDtypes
@@ -142,6 +144,9 @@ class HyspecModelRunner:
             verify=() if spec_config is None else verify_shapes(spec_config),
         )
         self.graphs.capture()
+        if self.spec is not None and self.graphs.active and isinstance(self.spec.drafter, GraphedDrafter):
+            # the drafter's proposal forwards (MTP / EAGLE-3 steps, the DFlash block) at the same batch sizes
+            self.spec.drafter.capture_graphs(self.graphs.sizes)
 
     @property
     def memory(self) -> StatePoolMemory:

@@ -14,6 +14,7 @@ from hyspec_spec_workers.adaptive import (
 )
 from hyspec_spec_workers.config import METHODS, AdaptiveConfig, Method, SpeculativeConfig
 from hyspec_spec_workers.dflash import DFlashDraft, DFlashDrafter, build_dflash_drafter, load_dflash_draft
+from hyspec_spec_workers.draft_graphs import DraftGraphCounts, DraftGraphs, GraphedDrafter
 from hyspec_spec_workers.draft_kv import DraftKV, DraftMemory
 from hyspec_spec_workers.drafter import (
     CommittedTokens,
@@ -53,11 +54,14 @@ __all__ = [
     "DFlashDraft",
     "DFlashDrafter",
     "DraftBatch",
+    "DraftGraphCounts",
+    "DraftGraphs",
     "DraftKV",
     "DraftMemory",
     "DraftOutput",
     "Drafter",
     "Eagle3Draft",
+    "GraphedDrafter",
     "HiddenStateDraftModel",
     "HiddenStateDrafter",
     "MTPDraftModel",

@@ -11,12 +11,12 @@ projected by each draft layer's k_proj/v_proj (k_norm, RoPE at p) straight into 
 "context KV". Draft step: block = [current token, MASK x (B - 1)] at positions L..L+B-1, embedded with the
 target's embedding; each layer's queries attend to the whole context and the whole block (non-causal); the
 target's lm_head turns outputs 1..B-1 into greedy drafts. The block's K/V are written past the committed
-context and overwritten by the next context extend.
+context and overwritten by the next context extend. The block forward is one TARGET_VERIFY shape (B nodes,
+tree metadata with an all-true mask), captured per padded batch size by `capture_graphs`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -33,6 +33,7 @@ from hyspec_models.weights import identity_sources
 from torch import Tensor, nn
 
 from hyspec_spec_workers.config import Method, SpeculativeConfig
+from hyspec_spec_workers.draft_graphs import DraftGraphCounts, DraftGraphs
 from hyspec_spec_workers.draft_kv import DraftKV, DraftMemory
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, DraftOutput
 from hyspec_spec_workers.tree import VerifyTree
@@ -231,6 +232,7 @@ class DFlashDrafter:
         self.kv = DraftKV(
             draft.mixer_layers(), memory=memory, max_block=b, dtype=param.dtype, device=param.device
         )
+        self.graphs = DraftGraphs(self.kv.backend, self._block_forward, shapes=[(b, True)])
 
     @property
     def method(self) -> Method:
@@ -246,6 +248,16 @@ class DFlashDrafter:
 
     def add_requests(self, req_ids: Sequence[Hashable]) -> None:
         self.kv.add(req_ids)
+
+    def capture_graphs(self, batch_sizes: Sequence[int]) -> None:
+        self.graphs.capture(batch_sizes)
+
+    @property
+    def graph_counts(self) -> DraftGraphCounts:
+        return self.graphs.counts
+
+    def _block_forward(self, batch: ForwardBatch) -> tuple[Tensor]:
+        return (self.draft(batch, self.kv.backend),)  # normed [T, H]
 
     def free_requests(self, req_ids: Sequence[Hashable]) -> None:
         self.kv.free(req_ids)
@@ -321,16 +333,19 @@ class DFlashDrafter:
         parents = (torch.arange(b, device=dev) - 1).expand(n, b)
         self.kv.reserve(ids, b)
         try:
-            fb = self.kv.backend.prepare_verify(
+            fb = self.graphs.prepare_verify(
                 req_rows=self.kv.rows(ids),
                 block_tokens=tokens,
                 prefix_lens=self.kv.prefix(ids),
                 tree_parents=parents,
             )
-            # positions come from the chain parents (L + j); attention within the block is bidirectional
-            fb = dataclasses.replace(fb, tree_mask=torch.ones(n, b, b, dtype=torch.bool, device=dev))
+            # positions come from the chain parents (L + j); attention within the block is bidirectional:
+            # the mask is set in place, in the static buffer a graph replay reads
+            assert fb.tree_mask is not None
+            fb.tree_mask.fill_(True)
             with torch.no_grad():
-                normed = self.draft(fb, self.kv.backend).view(n, b, -1)
+                (normed,) = self.graphs.run(fb)
+                normed = normed.view(n, b, -1)
                 nodes = torch.arange(1, b, device=dev).expand(n, b - 1)
                 logits = self.draft_logits(
                     normed[:, 1:], req_ids=ids, node_tokens=tokens, node_parents=parents, nodes=nodes

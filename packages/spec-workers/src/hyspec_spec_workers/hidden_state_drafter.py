@@ -13,7 +13,9 @@ parent node's output hidden state as that feature; non-chained multi-layer MTP t
 feature. The K expanded nodes of the last step give top-k children; `TreeDraftBuilder` keeps the best D - 1
 by path probability (topk 1 is a chain). Recomputing the earlier nodes each step keeps the draft KV free of
 stale entries at no extra forwards; the node features live in a persistent buffer and every forward reads
-its features from one static input buffer (`features_in`), which is what a CUDA graph would capture.
+its features from one static input buffer (`features_in`), which is what its CUDA graph reads: step j's
+forward (1 + j·topk nodes) is captured per padded batch size by `capture_graphs` (draft_graphs.py), and a
+chained hidden state reaches the replay through that buffer.
 
 `commit` (draft extend) writes the pairs of newly committed tokens with the target's features at them, so
 the draft KV never keeps anything computed from rejected drafts or from draft features.
@@ -29,6 +31,7 @@ from hyspec_attn_backends import ForwardBatch, ForwardMode, HybridBackend, Mixer
 from torch import Tensor
 
 from hyspec_spec_workers.config import Method
+from hyspec_spec_workers.draft_graphs import DraftGraphCounts, DraftGraphs
 from hyspec_spec_workers.draft_kv import DraftKV, DraftMemory
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, DraftOutput
 from hyspec_spec_workers.tree import TreeDraftBuilder, VerifyTree
@@ -129,6 +132,9 @@ class HiddenStateDrafter:
         # persistent per proposal: each tree node's input feature, then the packed static forward input
         self.node_features = torch.zeros(rows, self.max_nodes, f, dtype=dt, device=dev)  # [R, Nmax, F]
         self.features_in = torch.zeros(rows * self.max_nodes, f, dtype=dt, device=dev)  # [R * Nmax, F]
+        self.graphs = DraftGraphs(
+            self.kv.backend, self._step_forward, shapes=[(1 + j * k, k > 1) for j in range(s)]
+        )
 
     # ---------------------------------------------------------------- ModelDrafter
 
@@ -146,6 +152,21 @@ class HiddenStateDrafter:
 
     def add_requests(self, req_ids: Sequence[Hashable]) -> None:
         self.kv.add(req_ids)
+
+    # ---------------------------------------------------------------- GraphedDrafter
+
+    def capture_graphs(self, batch_sizes: Sequence[int]) -> None:
+        self.graphs.capture(batch_sizes)
+
+    @property
+    def graph_counts(self) -> DraftGraphCounts:
+        return self.graphs.counts
+
+    def _step_forward(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
+        """Draft step j's forward: the block size says j; features from the static buffer at offset 0."""
+        j = (batch.verify_len - 1) // self.topk
+        x = self.features_in[: batch.num_tokens]  # [T, F] (padded rows read stale rows, write nothing)
+        return self.model.run(batch, self.kv.backend, features=x, step=self.layer_steps[j])
 
     def free_requests(self, req_ids: Sequence[Hashable]) -> None:
         self.kv.free(req_ids)
@@ -277,15 +298,15 @@ class HiddenStateDrafter:
         block = 1
         try:
             for j in range(s_run):
-                fb = kv.backend.prepare_verify(
+                fb = self.graphs.prepare_verify(
                     req_rows=req_rows,
                     block_tokens=tok[:, :block],
                     prefix_lens=prefix,
                     tree_parents=None if k == 1 else par[:, :block],
                 )
-                x = self.features_in[: n * block]
-                x.copy_(feats[:, :block].reshape(n * block, -1))
-                normed, out = self.model.run(fb, kv.backend, features=x, step=self.layer_steps[j])
+                # the live rows' node features (a chained step: its parents' outputs) into the static input
+                self.features_in[: n * block].copy_(feats[:, :block].reshape(n * block, -1))
+                normed, out = self.graphs.run(fb)  # [N * block, H], [N * block, F] (graph outputs)
                 normed, out = normed.view(n, block, -1), out.view(n, block, -1)
                 h = normed[ar[:, None], expanded]  # [N, E, H]
                 logits = self.draft_logits(
