@@ -349,6 +349,52 @@ def test_seeded_sampling_is_reproducible_and_greedy_rows_stay_exact(arch: Arch) 
     eng.leak_check()
 
 
+@pytest.mark.parametrize("max_pending", [256, 3])
+def test_lazy_draft_extend_skips_idle_rounds_and_catches_up(
+    tiny_qwen3_5: Path, max_pending: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Committed tokens reach the MTP draft KV in one extend right before the next proposal (or once
+    `MAX_PENDING` wait): rounds where nobody drafts run no draft forward, and drafting after a pause of
+    several rounds is still lossless."""
+    import hyspec_server.spec_decode as sd
+
+    monkeypatch.setattr(sd, "MAX_PENDING", max_pending)
+    args = {"model": str(tiny_qwen3_5), "max_num_seqs": 4, "page_size": 4, "max_model_len": 64}
+    base = build_engine(EngineArgs(**args))
+    ref = [o.outputs[0].token_ids for o in LLM.from_engine(base).generate(_ids(PROMPTS[:3]), _greedy(20))]
+    eng = build_engine(EngineArgs(**args, speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
+    spec = eng.runner.spec  # type: ignore[attr-defined]
+    drafter = spec.drafter
+    pattern = [0, 0, 0, 2, 0, 2, 2, 0, 0, 0, 0, 1]  # draft lengths by round
+    rounds: list[int] = []
+    commits: list[tuple[int, int]] = []  # (round, tokens)
+
+    def lengths(chunks: Any, max_model_len: int) -> list[int]:
+        want = pattern[len(rounds) % len(pattern)]
+        rounds.append(want)
+        return [min(want, c.num_lookahead) for c in chunks]
+
+    commit = drafter.commit
+
+    def counted(c: Any) -> None:
+        commits.append((len(rounds), int(c.num_tokens.sum())))
+        commit(c)
+
+    spec.draft_lengths = lengths
+    drafter.commit = counted
+    outs = LLM.from_engine(eng).generate(_ids(PROMPTS[:3]), _greedy(20))
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    drafting = {i + 1 for i, w in enumerate(rounds) if w > 0}  # commits happen inside round i + 1's call
+    if max_pending == 256:
+        # no commit in any idle round; each drafting round flushes everything that waited
+        assert commits and {r for r, _ in commits} <= drafting, (commits, rounds)
+        assert any(t > 3 for _, t in commits)  # a catch-up over several rounds' tokens in one extend
+    else:
+        # with 3 allowed to wait, idle rounds flush too, never letting more than 3 + a round's tokens wait
+        assert {r for r, _ in commits} - drafting
+    eng.leak_check()
+
+
 def test_mtp_drafter_through_the_factory(tiny_qwen3_5: Path) -> None:
     base = build_engine(EngineArgs(model=str(tiny_qwen3_5), max_num_seqs=4, page_size=4, max_model_len=64))
     ref = [o.outputs[0].token_ids for o in LLM.from_engine(base).generate(_ids(PROMPTS[:3]), _greedy(12))]

@@ -144,3 +144,34 @@ def test_from_parents_rejects_bad_trees() -> None:
         TreeDraftBuilder(torch.tensor([1]), 2).build(2)
     with pytest.raises(ValueError, match="probs"):
         TreeDraftBuilder(torch.tensor([1]), 2).add_step(torch.zeros(1, 1, 2), torch.zeros(1, 2, 2))
+
+
+@pytest.mark.parametrize("d", [1, 2, 5])
+def test_chain_closed_form_equals_from_parents(d: int) -> None:
+    """`VerifyTree.chain` lays out chains without the per-node loop; it must equal the general derivation
+    for every count of real drafts, 0 included."""
+    g = torch.Generator().manual_seed(d)
+    n = 7
+    root = torch.randint(0, 50, (n,), generator=g)
+    drafts = torch.randint(0, 50, (n, d - 1), generator=g)
+    num = torch.randint(0, d, (n,), generator=g)
+    num[0], num[-1] = 0, d - 1
+    fast = VerifyTree.chain(root, drafts, num)
+    col = torch.arange(d)
+    slow = VerifyTree.from_parents(torch.cat([root[:, None], drafts], 1), (col - 1).expand(n, d), num + 1)
+    for name in ("tokens", "parents", "num_nodes", "depth", "tree_mask", "first_child", "next_sibling"):
+        assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+    assert fast.is_chain and slow.is_chain
+    with pytest.raises(ValueError, match="num_drafts"):
+        VerifyTree.chain(root, drafts, torch.full((n,), d))
+
+
+def test_builder_chain_drafts_equal_the_built_chain() -> None:
+    g = torch.Generator().manual_seed(0)
+    root = torch.tensor([3, 4, 5])
+    b = TreeDraftBuilder(root, 1)
+    for _ in range(4):
+        b.add_step(torch.randint(0, 9, (3, 1, 1), generator=g), torch.rand(3, 1, 1, generator=g))
+    assert torch.equal(b.chain_drafts(), b.build(5).tokens[:, 1:])
+    with pytest.raises(ValueError, match="topk 1"):
+        TreeDraftBuilder(root, 2).chain_drafts()

@@ -16,7 +16,11 @@ One round for the verify chunks of a step (decoding requests, see `ScheduledChun
 4. `truncate_at_stop` cuts every row at its first EOS / stop token id and at its token budget (max_tokens,
    max_model_len). The very same arrays go to `commit_after_verify`, to the KV truncation and to the tokens
    returned, so KV, recurrent state and output always agree (bug class 22).
-5. A `ModelDrafter` gets the accepted path with the target's features (draft extend).
+5. A `ModelDrafter` gets the accepted path with the target's features (draft extend), lazily: committed
+   tokens (prefill chunks, plain decode steps, accepted paths) wait per request, copied out of the graph
+   outputs, and enter the draft KV in one draft extend right before the next proposal that includes the
+   request (or once `MAX_PENDING` tokens wait). So rounds in which nobody drafts (adaptive length 0) cost a
+   plain decode step, not a decode step plus a draft extend.
 
 Counting (architecture.md): `num_accepted` counts accepted drafts, bonus excluded; a round commits and emits
 `num_accepted + 1` tokens.
@@ -39,6 +43,9 @@ from hyspec_spec_workers.verify import VerifyResult, truncate_at_stop, verify_gr
 from hyspec_server.runner import SampledToken, VerifiedTokens, sampling_tensors
 from hyspec_server.sampler import SamplingTensors, filtered_probs
 from hyspec_server.scheduler import ScheduledChunk
+
+# waiting committed tokens per request before its draft extend runs regardless (bounds the copies kept)
+MAX_PENDING = 256
 
 if TYPE_CHECKING:
     from hyspec_server.model_runner import HyspecModelRunner
@@ -65,6 +72,8 @@ class SpecDecoder:
         self.costs = CostTracker()
         self._lengths: dict[str, AdaptiveDraftLength] = {}
         self._followed: set[str] = set()
+        # committed tokens not yet in the draft KV, per request, in position order (see module docstring)
+        self._pending: dict[str, list[CommittedTokens]] = {}
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -79,16 +88,16 @@ class SpecDecoder:
 
     def on_free(self, request_id: str) -> None:
         self._lengths.pop(request_id, None)
+        self._pending.pop(request_id, None)
         if request_id in self._followed:
             self._followed.discard(request_id)
             assert self.model_drafter is not None
             self.model_drafter.free_requests([request_id])
 
     def leak_check(self) -> None:
-        if self._followed or self._lengths:
-            raise RuntimeError(
-                f"speculative decoding still follows requests {sorted(self._followed | set(self._lengths))}"
-            )
+        if self._followed or self._lengths or self._pending:
+            held = self._followed | set(self._lengths) | set(self._pending)
+            raise RuntimeError(f"speculative decoding still follows requests {sorted(held)}")
         kv = getattr(self.drafter, "kv", None)
         pool = getattr(kv, "pool", None)
         if pool is not None:
@@ -107,10 +116,9 @@ class SpecDecoder:
         aux: tuple[torch.Tensor, ...],
     ) -> None:
         """Draft extend over the tokens of a prefill / decode forward ([T] tokens, [T, H] features)."""
-        md = self.model_drafter
-        if md is None or not chunks:
+        if self.model_drafter is None or not chunks:
             return
-        md.commit(
+        self._defer(
             CommittedTokens(
                 req_ids=[c.request.request_id for c in chunks],
                 start_positions=torch.tensor([c.start for c in chunks], dtype=torch.int64),
@@ -118,6 +126,54 @@ class SpecDecoder:
                 tokens=tokens,
                 hidden_states=hidden,
                 aux_hidden_states=aux,
+            )
+        )
+
+    def _defer(self, committed: CommittedTokens) -> None:
+        """Keep each request's committed tokens (features copied: graph outputs are overwritten by the next
+        replay) until `_flush`; a request with `MAX_PENDING` waiting tokens is flushed at once."""
+        c = committed
+        hidden = c.hidden_states.clone()  # [T, H]
+        aux = tuple(a.clone() for a in c.aux_hidden_states)
+        off = 0
+        full: list[str] = []
+        for i, (rid, q) in enumerate(zip(c.req_ids, c.num_tokens.tolist(), strict=True)):
+            piece = CommittedTokens(
+                req_ids=[rid],
+                start_positions=c.start_positions[i : i + 1],
+                num_tokens=c.num_tokens[i : i + 1],
+                tokens=c.tokens[off : off + q],
+                hidden_states=hidden[off : off + q],
+                aux_hidden_states=tuple(a[off : off + q] for a in aux),
+            )
+            off += q
+            pieces = self._pending.setdefault(str(rid), [])
+            pieces.append(piece)
+            if sum(int(p.num_tokens[0]) for p in pieces) >= MAX_PENDING:
+                full.append(str(rid))
+        if full:
+            self._flush(full)
+
+    def _flush(self, req_ids: Sequence[str]) -> None:
+        """One draft extend over every waiting token of these requests."""
+        md = self.model_drafter
+        merged = [(rid, self._pending.pop(rid)) for rid in req_ids if rid in self._pending]
+        if md is None or not merged:
+            return
+        parts = [p for _, pieces in merged for p in pieces]  # request by request, in position order
+        md.commit(
+            CommittedTokens(
+                req_ids=[rid for rid, _ in merged],
+                start_positions=torch.cat([pieces[0].start_positions for _, pieces in merged]),
+                num_tokens=torch.tensor(
+                    [sum(int(p.num_tokens[0]) for p in pieces) for _, pieces in merged], dtype=torch.int64
+                ),
+                tokens=torch.cat([p.tokens for p in parts]),
+                hidden_states=torch.cat([p.hidden_states for p in parts]),
+                aux_hidden_states=tuple(
+                    torch.cat([p.aux_hidden_states[k] for p in parts])
+                    for k in range(len(self.capture_layers))
+                ),
             )
         )
 
@@ -160,6 +216,8 @@ class SpecDecoder:
                 if self.model_drafter is not None
                 else [torch.tensor(r.token_slice(0, c.end)) for r, c in zip(reqs, chunks)]
             )
+            if self.model_drafter is not None:
+                self._flush(ids)  # the draft KV catches up on everything committed since its last proposal
             draft = self.drafter.propose(
                 DraftBatch(root_tokens=roots, num_steps=steps, histories=hist, req_ids=ids)
             )
@@ -229,7 +287,7 @@ class SpecDecoder:
             accept_paths=result.accept_index if batch.is_tree else None,
         )
         if self.model_drafter is not None:
-            self.model_drafter.commit(_accepted_path(hidden, aux, tree, result, ids, prefix))
+            self._defer(_accepted_path(hidden, aux, tree, result, ids, prefix))
         return _to_verified(result, tree, logits, chunks), d
 
     def _choose(

@@ -247,8 +247,8 @@ class HiddenStateDrafter:
         with torch.no_grad():
             builder = self._draft(ids, root.to(self.model.device), s_run)
         if self.topk == 1:
-            drafts = builder.build(s_run + 1).tokens[:, 1:]
-            tree = VerifyTree.chain(builder.root, drafts, torch.tensor(steps, device=drafts.device))
+            drafts = builder.chain_drafts().to(batch.root_tokens.device)  # [N, s_run]
+            return DraftOutput(VerifyTree.chain(root, drafts, torch.tensor(steps)))
         else:
             full = builder.build(self.num_draft_tokens)
             num = torch.where(torch.tensor(steps, device=full.tokens.device) > 0, full.num_nodes, 1)

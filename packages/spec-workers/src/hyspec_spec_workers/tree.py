@@ -93,10 +93,12 @@ class VerifyTree:
         if tokens.dim() != 2:
             raise ValueError(f"tokens: expected shape [N, D], got {list(tokens.shape)}")
         n, d = tokens.shape
-        dev = tokens.device
-        tokens = _check("tokens", tokens, (n, d)).to(torch.int64)
-        parents = _check("parents", parents, (n, d)).to(torch.int64).clone()
-        num_nodes = _check("num_nodes", num_nodes, (n,)).to(torch.int64)
+        out_dev = tokens.device
+        # N x D bookkeeping: on the host, one transfer each way, instead of ~10 tiny device ops per node
+        dev = torch.device("cpu")
+        tokens = _check("tokens", tokens, (n, d)).to(dev, torch.int64)
+        parents = _check("parents", parents, (n, d)).to(dev, torch.int64).clone()
+        num_nodes = _check("num_nodes", num_nodes, (n,)).to(dev, torch.int64)
         if n and (int(num_nodes.min()) < 1 or int(num_nodes.max()) > d):
             raise ValueError(f"num_nodes: expected values in [1, {d}], got {num_nodes.tolist()}")
         col = torch.arange(d, device=dev).expand(n, d)
@@ -127,7 +129,9 @@ class VerifyTree:
             next_sibling[rows[has_prev], prev[has_prev]] = j
             last_child[rows[r], p[r]] = j
         is_chain = bool((parents == col - 1).all())
-        return VerifyTree(tokens, parents, num_nodes, depth, mask, first_child, next_sibling, is_chain)
+        return VerifyTree(tokens, parents, num_nodes, depth, mask, first_child, next_sibling, is_chain).to(
+            out_dev
+        )
 
     @staticmethod
     def chain(root: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor | None = None) -> VerifyTree:
@@ -143,14 +147,26 @@ class VerifyTree:
         n = root.shape[0]
         if drafts.dim() != 2 or drafts.shape[0] != n:
             raise ValueError(f"drafts: expected shape [{n}, D - 1], got {list(drafts.shape)}")
-        d = drafts.shape[1] + 1
-        tokens = torch.cat([root[:, None], drafts], dim=1).to(torch.int64)
-        parents = (torch.arange(d, device=root.device) - 1).expand(n, d)
+        d, dev = drafts.shape[1] + 1, root.device
+        tokens = torch.cat([root[:, None], drafts.to(dev)], dim=1).to(torch.int64)
         if num_drafts is None:
-            num_nodes = torch.full((n,), d, dtype=torch.int64, device=root.device)
+            num_nodes = torch.full((n,), d, dtype=torch.int64, device=dev)
         else:
-            num_nodes = _check("num_drafts", num_drafts, (n,)).to(torch.int64) + 1
-        return VerifyTree.from_parents(tokens, parents, num_nodes)
+            num_nodes = _check("num_drafts", num_drafts, (n,)).to(dev, torch.int64) + 1
+            if n and (int(num_nodes.min()) < 1 or int(num_nodes.max()) > d):
+                raise ValueError(
+                    f"num_drafts: expected values in [0, {d - 1}], got {(num_nodes - 1).tolist()}"
+                )
+        # closed form of `from_parents` for a chain (no per-node loop): node j's parent is j - 1, its only
+        # child j + 1 when that node is real; padded nodes continue the chain
+        col = torch.arange(d, device=dev)
+        parents = (col - 1).expand(n, d).contiguous()
+        depth = col.expand(n, d).contiguous()
+        mask = torch.ones(d, d, dtype=torch.bool, device=dev).tril().expand(n, d, d).contiguous()
+        first_child = torch.where(col[None, 1:] < num_nodes[:, None], col[None, 1:], -1)
+        first_child = torch.cat([first_child, torch.full((n, 1), -1, dtype=torch.int64, device=dev)], dim=1)
+        next_sibling = torch.full((n, d), -1, dtype=torch.int64, device=dev)
+        return VerifyTree(tokens, parents, num_nodes, depth, mask, first_child, next_sibling, True)
 
 
 class TreeDraftBuilder:
@@ -206,6 +222,16 @@ class TreeDraftBuilder:
         self._expand = order + base
         self._expand_scores = torch.gather(scores, 1, order)
         return self._expand
+
+    def chain_drafts(self) -> torch.Tensor:
+        """topk 1: the drafts of every step so far, [N, steps] (what `build` would lay out, without the
+        tree bookkeeping)."""
+        if self.topk != 1:
+            raise ValueError(f"chain_drafts: only for topk 1, got topk {self.topk}")
+        n = self.root.shape[0]
+        if not self._tokens:
+            return torch.zeros(n, 0, dtype=torch.int64, device=self.root.device)
+        return torch.cat(self._tokens, dim=1)
 
     def build(self, num_draft_tokens: int) -> VerifyTree:
         """Select the best `num_draft_tokens - 1` candidates and lay them out as a verify block.

@@ -1,0 +1,349 @@
+"""End-to-end decode speed of hyspec next to HF transformers, in one run on one GPU, with speculation.
+
+    python tools/bench_decode.py --out benchmarks/results [--layers 32] [--prompt 512] [--new 128]
+
+The model is Qwen3.5-9B-shaped (`Qwen3_5TextConfig()` defaults: 24 GDN + 8 attention layers, hidden 4096,
+vocab 248320), random bf16 weights (decode cost does not depend on the values), built with transformers and
+saved once, plus one random MTP layer (a copy of a target attention layer's tensors) so that MTP drafting
+can run. The same checkpoint is then measured:
+
+- HF transformers `generate` (greedy; flash-linear-attention kernels when fla is importable), batch 1;
+- hyspec `LLM.generate` (bf16, CUDA graphs), batch 1 and `--batch` rows: decode tokens/s is (time for
+  `new` tokens - time for 1 token) / (new - 1), so prefill is excluded for both engines;
+- hyspec with speculation, batch 1: MTP S=3 with fixed length (random MTP weights accept ~nothing: the cost
+  of useless drafting), MTP with the cost-aware adaptive length (it should drop to plain decoding), and an
+  oracle drafter proposing the plain run's own continuation (every draft right: what verify and commit give
+  when drafts are good; the draft itself costs nothing, so this is an upper bound for a real drafter).
+
+The roofline is the bytes one decode step must read (weights except the embedding table, one embedding row,
+and the recurrent state read + written) over the copy bandwidth measured in the same run. Results go to
+`<out>/<device>-decode.json` and `.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import re
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BF16 = torch.bfloat16
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written)."""
+    x = torch.empty(1024**3, dtype=BF16, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t, n = time.perf_counter(), 20
+    for _ in range(n):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 2 / ((time.perf_counter() - t) / n)
+
+
+def build_checkpoint(out: Path, layers: int) -> tuple[Any, dict[str, Any]]:
+    """Random bf16 Qwen3.5-9B-shaped checkpoint with one MTP layer -> (config, byte counts)."""
+    from hyspec_models.tiny import write_tokenizer
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(num_hidden_layers=layers)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3_5ForCausalLM._from_config(cfg, dtype=BF16)
+    model.eval()
+    nparam = sum(p.numel() for p in model.parameters())
+    emb = model.model.embed_tokens.weight.numel()
+    model.save_pretrained(out)
+    # MTP layer 0: the tensors of the target's first full-attention layer, renamed (values do not matter)
+    attn = cfg.layer_types.index("full_attention")
+    prefix = f"model.layers.{attn}."
+    mtp = {
+        "mtp." + "layers.0." + k[len(prefix) :]: v.detach().clone().cpu()
+        for k, v in model.state_dict().items()
+        if k.startswith(prefix)
+    }
+    h = cfg.hidden_size
+    g = torch.Generator().manual_seed(1)
+    for name in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"):
+        mtp[name] = (0.2 * torch.randn(h, generator=g)).to(BF16)
+    mtp["mtp.fc.weight"] = (torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5).to(BF16)
+    save_file(mtp, str(out / "mtp.safetensors"), metadata={"format": "pt"})
+    index_path = out / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+    else:  # a single-file save: make it an index over both files
+        index = {"metadata": {}, "weight_map": {}}
+        from safetensors import safe_open
+
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            index["weight_map"] = {k: "model.safetensors" for k in f.keys()}
+    index["weight_map"].update({k: "mtp.safetensors" for k in mtp})
+    index_path.write_text(json.dumps(index))
+    cfg_json = json.loads((out / "config.json").read_text())
+    cfg_json["mtp_num_hidden_layers"] = 1
+    cfg_json["mtp_use_dedicated_embeddings"] = False
+    (out / "config.json").write_text(json.dumps(cfg_json))
+    write_tokenizer(out)
+    gdn_layers = cfg.layer_types.count("linear_attention")
+    state = gdn_layers * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    sizes = {
+        "params": nparam,
+        "weight_bytes_per_token": (nparam - emb + h) * 2,
+        "gdn_state_bytes_per_token": 2 * state,  # fp32 state read + written
+    }
+    return model, sizes
+
+
+def hf_decode(model: Any, prompt: list[int], new: int) -> dict[str, Any]:
+    ids = torch.tensor([prompt], device="cuda")
+
+    def gen(n: int) -> tuple[float, list[int]]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, out[0, len(prompt) :].tolist()
+
+    gen(4)
+    t1, _ = gen(1)
+    tn, toks = gen(new)
+    return {"decode_tok_s": (new - 1) / (tn - t1), "tokens": toks}
+
+
+def hyspec_decode(llm: Any, prompts: Sequence[list[int]], new: int) -> dict[str, Any]:
+    from hyspec_server import SamplingParams
+
+    items = [{"prompt_token_ids": p} for p in prompts]
+
+    def gen(n: int) -> tuple[float, list[Any]]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(items, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, outs
+
+    gen(4)
+    t1, _ = gen(1)
+    tn, outs = gen(new)
+    stats = [o.spec_stats for o in outs if o.spec_stats is not None]
+    res: dict[str, Any] = {
+        "decode_tok_s": len(prompts) * (new - 1) / (tn - t1),
+        "tokens": [o.outputs[0].token_ids for o in outs],
+    }
+    if stats:
+        drafts = sum(s.num_drafts for s in stats)
+        res["verify_rounds"] = drafts
+        res["mean_accept_length"] = 1 + sum(s.num_accepted_tokens for s in stats) / drafts if drafts else 0.0
+    return res
+
+
+def oracle_registry(refs: Sequence[list[int]], steps: int) -> Any:
+    """A drafter registry whose "ngram" drafter proposes the reference continuation (every draft right)."""
+    from hyspec_server.speculative import DrafterContext, DrafterRegistry
+    from hyspec_spec_workers import DraftBatch, DraftOutput, VerifyTree
+
+    class Oracle:
+        method = "ngram"
+        max_draft_tokens = steps + 1
+
+        def propose(self, batch: DraftBatch) -> DraftOutput:
+            rows = []
+            num = []
+            for h, s in zip(batch.histories, batch.num_steps, strict=True):
+                hist = h.tolist()
+                # after a bf16 near-tie parts the run from the reference, the row proposes nothing
+                ref = next((r for r in refs if r[: len(hist)] == hist), hist)
+                nxt = ref[len(hist) : len(hist) + min(s, steps)]
+                rows.append(nxt + [0] * (steps - len(nxt)))
+                num.append(len(nxt))
+            drafts = torch.tensor(rows, dtype=torch.int64)
+            return DraftOutput(VerifyTree.chain(batch.root_tokens, drafts, torch.tensor(num)))
+
+    def build(ctx: DrafterContext) -> Any:
+        return Oracle()
+
+    return DrafterRegistry().with_builder("ngram", build)
+
+
+def make_llm(
+    path: Path, *, spec: dict[str, Any] | None, drafters: Any = None, max_seqs: int, max_len: int
+) -> Any:
+    from hyspec_server import LLM
+    from hyspec_server.builder import build_engine
+    from hyspec_server.config import EngineArgs
+
+    args = EngineArgs(
+        model=str(path),
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=max_len,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=2048,
+        speculative_config=spec,
+    )
+    return LLM.from_engine(build_engine(args, drafters=drafters))
+
+
+def free(*objs: Any) -> None:
+    del objs
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def agreement(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two greedy outputs."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--skip-hf", action="store_true")
+    a = ap.parse_args()
+
+    import transformers
+    import triton
+
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "layers": a.layers,
+        "prompt_len": a.prompt,
+        "new_tokens": a.new,
+    }
+    try:
+        import fla
+
+        res["fla"] = fla.__version__
+    except ImportError:
+        res["fla"] = None
+    bw = copy_bandwidth()
+    res["copy_bw_TBps"] = bw / 1e12
+    g = torch.Generator().manual_seed(0)
+    tmp = Path(tempfile.mkdtemp(prefix="hyspec-bench-"))
+    ckpt = tmp / "qwen3_5-9b-shaped"
+    t0 = time.perf_counter()
+    hf_model, sizes = build_checkpoint(ckpt, a.layers)
+    res["build_s"] = time.perf_counter() - t0
+    res.update(sizes)
+    step_bytes = sizes["weight_bytes_per_token"] + sizes["gdn_state_bytes_per_token"]
+    res["roofline_tok_s_batch1"] = bw / step_bytes
+    vocab = hf_model.config.vocab_size
+    prompts = [torch.randint(0, vocab, (a.prompt,), generator=g).tolist() for _ in range(a.batch)]
+    if not a.skip_hf:
+        res["hf_batch1"] = hf_decode(hf_model, prompts[0], a.new)
+        print("hf", res["hf_batch1"]["decode_tok_s"], flush=True)
+    free(hf_model)
+    hf_model = None
+
+    max_len = a.prompt + a.new + 16
+    runs: dict[str, Any] = {}
+    llm = make_llm(ckpt, spec=None, max_seqs=a.batch, max_len=max_len)
+    runs["plain_batch1"] = hyspec_decode(llm, prompts[:1], a.new)
+    runs[f"plain_batch{a.batch}"] = hyspec_decode(llm, prompts, a.new)
+    print({k: v["decode_tok_s"] for k, v in runs.items()}, flush=True)
+    free(llm)
+    llm = None
+
+    s = 3
+    spec_runs: list[tuple[str, dict[str, Any] | None, Callable[[], Any] | None]] = [
+        ("mtp_fixed_s3", {"method": "mtp", "num_speculative_tokens": s}, None),
+        ("mtp_adaptive", {"method": "mtp", "num_speculative_tokens": s, "adaptive": True}, None),
+        (
+            "oracle_s3",
+            {"method": "ngram", "num_speculative_tokens": s},
+            lambda: oracle_registry([prompts[0] + runs["plain_batch1"]["tokens"][0]], s),
+        ),
+    ]
+    for name, spec, registry in spec_runs:
+        llm = make_llm(
+            ckpt,
+            spec=spec,
+            drafters=None if registry is None else registry(),
+            max_seqs=a.batch,
+            max_len=max_len,
+        )
+        runs[name + "_batch1"] = hyspec_decode(llm, prompts[:1], a.new)
+        print(
+            name,
+            runs[name + "_batch1"]["decode_tok_s"],
+            runs[name + "_batch1"].get("mean_accept_length"),
+            flush=True,
+        )
+        free(llm)
+        llm = None
+    res["hyspec"] = runs
+    plain1 = runs["plain_batch1"]["tokens"][0]
+    res["greedy_prefix_agreement"] = {
+        k: agreement(plain1, v["tokens"][0]) for k, v in runs.items() if k.endswith("_batch1")
+    }
+    if "hf_batch1" in res:
+        res["greedy_prefix_agreement"]["hf"] = agreement(plain1, res["hf_batch1"]["tokens"])
+    write(a.out, res)
+
+
+def write(out: Path, res: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = re.sub(r"[^A-Za-z0-9]+", "-", res["device"]).strip("-").lower() + "-decode"
+    slim = json.loads(json.dumps(res))
+    for r in [slim.get("hf_batch1", {}), *slim["hyspec"].values()]:
+        r.pop("tokens", None)
+    (out / f"{stem}.json").write_text(json.dumps(slim, indent=1) + "\n")
+    h = slim["hyspec"]
+    roof = slim["roofline_tok_s_batch1"]
+    b = next(k for k in h if k.startswith("plain_batch") and k != "plain_batch1")
+    lines = [
+        f"# End-to-end decode on {slim['device']}",
+        "",
+        f"torch {slim['torch']}, triton {slim['triton']}, transformers {slim['transformers']}, "
+        f"fla {slim['fla']}. Qwen3.5-9B-shaped model ({slim['layers']} layers, {slim['params'] / 1e9:.2f} B "
+        f"params, random bf16), prompt {slim['prompt_len']} tokens, {slim['new_tokens']} new tokens, greedy; "
+        f"decode tokens/s exclude prefill. Copy bandwidth {slim['copy_bw_TBps']:.2f} TB/s; one decode step "
+        f"reads {slim['weight_bytes_per_token'] / 1e9:.2f} GB of weights + "
+        f"{slim['gdn_state_bytes_per_token'] / 1e6:.0f} MB of GDN state traffic: roofline {roof:.0f} tok/s "
+        "at batch 1. Produced by `tools/bench_decode.py`.",
+        "",
+        "| engine | batch | decode tok/s | of roofline | mean accept length |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    if "hf_batch1" in slim:
+        t = slim["hf_batch1"]["decode_tok_s"]
+        lines.append(f"| HF transformers generate | 1 | {t:.1f} | {t / roof:.1%} | |")
+    for k, r in h.items():
+        batch = int(k.rsplit("batch", 1)[1])
+        t = r["decode_tok_s"]
+        frac = f"{t / roof:.1%}" if batch == 1 else ""
+        acc = f"{r['mean_accept_length']:.2f}" if "mean_accept_length" in r else ""
+        lines.append(f"| hyspec {k.rsplit('_batch', 1)[0]} | {batch} | {t:.1f} | {frac} | {acc} |")
+    lines += [
+        "",
+        f"Batch {b.removeprefix('plain_batch')} rows decode together (one CUDA graph per step).",
+        "Greedy agreement with hyspec plain (common prefix of the batch-1 outputs, tokens): "
+        + ", ".join(f"{k} {v}" for k, v in slim["greedy_prefix_agreement"].items())
+        + " (random bf16 weights have many near-ties, so engines may part early without an error).",
+        "",
+    ]
+    (out / f"{stem}.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
