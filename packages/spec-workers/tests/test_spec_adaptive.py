@@ -95,3 +95,28 @@ def test_controller_validation() -> None:
     assert ctl.max_steps == 7
     with pytest.raises(ValueError, match="num_accepted"):
         ctl.observe_batch([ctl.new_request()], [0, 1])
+
+
+def test_failed_probes_back_off_and_a_good_probe_resets_the_wait() -> None:
+    from hyspec_spec_workers.adaptive import MAX_PROBE_BACKOFF
+
+    s = AdaptiveController(_cfg(probe_interval=4), initial_steps=3).new_request()
+    assert [s.observe(1, DEAR) for _ in range(5)][-1] == 0
+
+    def wait_then_probe(accepted: int, costs: CostEstimate) -> tuple[int, list[int]]:
+        """Rounds at 0 until the probe starts, then the probe window's lengths."""
+        n = 1
+        while s.observe(0, costs) == 0:
+            n += 1
+        return n, [s.observe(accepted, costs) for _ in range(5)]
+
+    waits = []
+    for _ in range(6):
+        n, probe = wait_then_probe(1, DEAR)
+        assert probe[-1] == 0  # the probe finds drafting still too dear
+        waits.append(n)
+    assert waits == [4, 8, 16, 32, 64, 64] and 64 == 4 * MAX_PROBE_BACKOFF
+    n, probe = wait_then_probe(3, CHEAP)
+    assert n == 64 and probe[-1] > 0  # drafting pays again: it stays on
+    assert [s.observe(1, DEAR) for _ in range(5)][-1] == 0
+    assert wait_then_probe(1, DEAR)[0] == 4  # and the wait starts over

@@ -9,8 +9,10 @@ up_hysteresis`: the target is about round(ema) + 1, one draft beyond what is bei
 Cost check: with a `CostModel`, the chosen length k is kept only if the expected tokens per second of a
 k-draft round beat plain decoding; otherwise the request drops to 0 drafts. After `probe_interval` rounds
 at 0 it probes back at the length it left, measures `update_interval` rounds afresh (the EMA restarts from
-their mean) and decides again. Expected accepted drafts at length k come from a per-token acceptance rate
-a fitted to the EMA: E[accepted | k] = a + a^2 + ... + a^k.
+their mean) and decides again. A probe that drops again doubles the wait before the next one (up to
+`MAX_PROBE_BACKOFF` x `probe_interval`), so a request whose drafts never pay spends a vanishing share of
+its rounds probing; a probe that keeps drafting resets the wait. Expected accepted drafts at length k come
+from a per-token acceptance rate a fitted to the EMA: E[accepted | k] = a + a^2 + ... + a^k.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hyspec_spec_workers.config import AdaptiveConfig
+
+# the longest wait between probes, in multiples of `probe_interval`
+MAX_PROBE_BACKOFF = 16
 
 
 class CostModel(Protocol):
@@ -145,13 +150,14 @@ class AdaptiveDraftLength:
         self._zero_rounds = 0
         self._resume_steps = initial_steps
         self._probe_sum: float | None = None
+        self._probe_wait = config.probe_interval  # rounds at 0 before the next probe (backs off)
 
     def observe(self, num_accepted: int, costs: CostModel | None = None) -> int:
         """Record one verify round (accepted drafts, bonus excluded); returns the next round's length."""
         cfg = self.config
         if self.steps == 0:
             self._zero_rounds += 1
-            if self._zero_rounds >= cfg.probe_interval:
+            if self._zero_rounds >= self._probe_wait:
                 self.steps, self._zero_rounds, self._since_eval = self._resume_steps, 0, 0
                 self._probe_sum = 0.0
             return self.steps
@@ -170,12 +176,17 @@ class AdaptiveDraftLength:
             return self.steps
         self._since_eval = 0
         measured_at = self.steps
+        probed = self._probe_sum is not None
         if self._probe_sum is not None:
             self.ema = self._probe_sum / cfg.update_interval
             self._probe_sum = None
         self.steps = self._select(self.steps)
         if cfg.cost_aware and costs is not None and not self._worth_it(self.steps, measured_at, costs):
             self._resume_steps, self.steps, self._zero_rounds = self.steps, 0, 0
+            if probed:
+                self._probe_wait = min(2 * self._probe_wait, MAX_PROBE_BACKOFF * cfg.probe_interval)
+        elif probed:
+            self._probe_wait = cfg.probe_interval
         return self.steps
 
     def _select(self, steps: int) -> int:

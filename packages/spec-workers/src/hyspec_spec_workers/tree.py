@@ -162,7 +162,7 @@ class VerifyTree:
         col = torch.arange(d, device=dev)
         parents = (col - 1).expand(n, d).contiguous()
         depth = col.expand(n, d).contiguous()
-        mask = torch.ones(d, d, dtype=torch.bool, device=dev).tril().expand(n, d, d).contiguous()
+        mask = (col[None, :] <= col[:, None]).expand(n, d, d).contiguous()  # lower triangle
         first_child = torch.where(col[None, 1:] < num_nodes[:, None], col[None, 1:], -1)
         first_child = torch.cat([first_child, torch.full((n, 1), -1, dtype=torch.int64, device=dev)], dim=1)
         next_sibling = torch.full((n, d), -1, dtype=torch.int64, device=dev)
