@@ -66,7 +66,7 @@ class Toy:
         return torch.cat([o1.flatten(1), o2, o3.flatten(1)], dim=-1)  # [T, 40]
 
 
-def _backend() -> HybridBackend:
+def _backend(device: str = "cpu") -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
         max_context=32,
@@ -77,7 +77,8 @@ def _backend() -> HybridBackend:
         num_kv_pages=7 * 20,
         dtypes=F32,
     )
-    return HybridBackend(HybridStatePool(plan, debug=True), layers=LAYERS, layer_types=TYPES)
+    pool = HybridStatePool(plan, device=torch.device(device), debug=device == "cpu")
+    return HybridBackend(pool, layers=LAYERS, layer_types=TYPES)
 
 
 def _setup(toy: Toy) -> tuple[HybridBackend, dict[str, int]]:
@@ -293,6 +294,7 @@ def test_graph_runner_is_bypassed_on_cpu() -> None:
     assert not runner.active
     runner.capture_decode([1, 2, 4])
     runner.capture_verify([1, 2], verify_len=3, tree=True)
+    runner.capture_or_eager([1, 2], decode=True, verify=[(3, True)])
     assert calls == [] and runner.captured_sizes(ForwardMode.DECODE) == []
     assert runner.padded_size(ForwardMode.DECODE, 1) is None
     ids = ["r0", "r1"]
@@ -305,6 +307,30 @@ def test_graph_runner_is_bypassed_on_cpu() -> None:
     assert out.shape[0] == 2 and len(calls) == 1 and (runner.num_eager, runner.num_replays) == (1, 0)
     with pytest.raises(ValueError, match="batch_sizes"):
         runner.capture_decode([be.buffers.max_seqs + 1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_failed_capture_leaves_the_runner_eager() -> None:
+    """A forward that reads a device value on the host cannot be captured: `capture_or_eager` drops every
+    graph and the runner keeps serving eagerly (what the server's and the drafters' graphs rely on)."""
+    be = _backend("cuda")
+
+    def forward(batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        scale = float(batch.input_ids.sum().item())  # a host sync: illegal while capturing
+        return (batch.input_ids.float() * 0 + scale,)
+
+    runner = CudaGraphRunner(be, forward)
+    assert runner.active
+    runner.capture_or_eager([1, 2], decode=True, verify=[(3, False)])
+    assert not runner.active and runner.captured_sizes(ForwardMode.DECODE) == []
+    be.pool.alloc(["a"])
+    be.pool.ensure_kv_capacity(["a"], [1])
+    batch = runner.prepare_decode(
+        req_rows=be.pool.req_rows(["a"]), input_ids=torch.tensor([5]), prefix_lens=[0]
+    )
+    (out,) = runner.run(batch)
+    assert out.tolist() == [5.0] and (runner.num_eager, runner.num_replays) == (1, 0)
 
 
 def test_graph_key_validation() -> None:

@@ -116,6 +116,11 @@ class ForwardBatch:
         return self.num_seqs - self.num_padded
 
     @property
+    def num_live_tokens(self) -> int:
+        """Tokens of the live rows (packed first); padded rows hold one token each, or D when verifying."""
+        return self.num_tokens - self.num_padded * max(self.verify_len, 1)
+
+    @property
     def is_tree(self) -> bool:
         return self.tree_parents is not None
 

@@ -16,6 +16,7 @@ forward eagerly; callers use the same code either way.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,8 @@ from torch import Tensor
 from hyspec_attn_backends.backend import HybridBackend
 from hyspec_attn_backends.batch import ForwardBatch
 from hyspec_attn_backends.modes import ForwardMode
+
+log = logging.getLogger(__name__)
 
 # what a graph captures: batch -> output tensors (e.g. hidden states, logits); the outputs of a replay are
 # the graph's own static tensors, overwritten by the next replay of the same graph
@@ -126,6 +129,25 @@ class CudaGraphRunner:
         self._capture_all(
             [GraphKey(ForwardMode.TARGET_VERIFY, b, verify_len=verify_len, tree=tree) for b in batch_sizes]
         )
+
+    def capture_or_eager(
+        self, batch_sizes: Sequence[int], *, decode: bool, verify: Sequence[tuple[int, bool]] = ()
+    ) -> None:
+        """Capture DECODE (if `decode`) and every (D, tree) verify shape at these sizes; a failed capture
+        (e.g. a layer that reads device values on the host) is logged, drops every graph, and leaves the
+        runner eager from then on, since a half-captured runner is not usable."""
+        try:
+            if decode:
+                self.capture_decode(batch_sizes)
+            for d, tree in verify:
+                self.capture_verify(batch_sizes, verify_len=d, tree=tree)
+        except RuntimeError as e:
+            if not self.active:
+                raise
+            log.warning("CUDA graph capture failed, running eagerly: %s", e)
+            torch.cuda.synchronize()
+            self.release()
+            self.active = False
 
     def _capture_all(self, keys: list[GraphKey]) -> None:
         limit = self.backend.buffers.max_seqs

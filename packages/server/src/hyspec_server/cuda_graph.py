@@ -20,18 +20,14 @@ On CPU, or with `--enforce-eager`, nothing is captured: every forward runs eager
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, ForwardMode, HybridBackend
 from hyspec_spec_workers.config import SpeculativeConfig
 from hyspec_statepool.indices import ReqRows
 from torch import Tensor
-
-log = logging.getLogger(__name__)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -118,18 +114,7 @@ class TargetGraphs:
 
     def capture(self) -> None:
         """Capture every decode and verify shape; on failure log it and run eagerly from then on."""
-        if not self.runner.active:
-            return
-        try:
-            self.runner.capture_decode(self.sizes)
-            for d, tree in self.verify:
-                self.runner.capture_verify(self.sizes, verify_len=d, tree=tree)
-        except RuntimeError as e:
-            # e.g. a layer that reads device values on the host: a failed capture leaves nothing usable
-            log.warning("CUDA graph capture failed, running eagerly: %s", e)
-            torch.cuda.synchronize()
-            self.runner.release()
-            self.runner = CudaGraphRunner(self.backend, self._forward, enabled=False)
+        self.runner.capture_or_eager(self.sizes, decode=True, verify=self.verify)
 
     # ---------------------------------------------------------------- per step
 
@@ -181,7 +166,7 @@ class TargetGraphs:
                 c.verify_replays += 1
             else:
                 c.verify_eager += 1
-        live = batch.num_tokens - batch.num_padded * max(batch.verify_len, 1)
+        live = batch.num_live_tokens
         return outs[0][:live], tuple(a[:live] for a in outs[1:])
 
     def release(self) -> None:

@@ -16,18 +16,14 @@ fails, `run` calls the forward eagerly through the same code.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-import torch
 from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, HybridBackend
 from hyspec_attn_backends.graphs import ForwardFn
 from hyspec_statepool.indices import ReqRows
 from torch import Tensor
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -66,7 +62,8 @@ class DraftGraphs:
         self.backend, self.forward = backend, forward
         self.shapes = tuple(sorted(set(shapes)))
         self.counts = DraftGraphCounts()
-        self.runner = CudaGraphRunner(backend, forward, enabled=False)
+        # active on CUDA, but eager until `capture` (a batch without a captured graph runs eagerly)
+        self.runner = CudaGraphRunner(backend, forward, enabled=True)
 
     @property
     def active(self) -> bool:
@@ -74,19 +71,7 @@ class DraftGraphs:
 
     def capture(self, batch_sizes: Sequence[int]) -> None:
         """Capture every shape at these padded batch sizes; on failure log it and stay eager."""
-        runner = CudaGraphRunner(self.backend, self.forward, enabled=True)
-        if not runner.active:
-            return
-        try:
-            for d, tree in self.shapes:
-                runner.capture_verify(batch_sizes, verify_len=d, tree=tree)
-        except RuntimeError as e:
-            log.warning("CUDA graph capture of the draft failed, drafting eagerly: %s", e)
-            torch.cuda.synchronize()
-            runner.release()
-            return
-        self.runner.release()
-        self.runner = runner
+        self.runner.capture_or_eager(batch_sizes, decode=False, verify=self.shapes)
 
     def prepare_verify(
         self,
@@ -110,8 +95,7 @@ class DraftGraphs:
             self.counts.replays += 1
         else:
             self.counts.eager += 1
-        live = batch.num_tokens - batch.num_padded * max(batch.verify_len, 1)
-        return tuple(o[:live] for o in outs)
+        return tuple(o[: batch.num_live_tokens] for o in outs)
 
     def release(self) -> None:
         self.runner.release()
