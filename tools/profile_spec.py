@@ -1,9 +1,13 @@
-"""Host-side profile (cProfile) of hyspec decode with and without MTP speculation on a GPU.
+"""Host-side profile of hyspec decode with and without MTP speculation on a GPU.
 
-    python tools/profile_spec.py [--layers 4] [--new 64]
+    python tools/profile_spec.py [--layers 8] [--new 64] [--mode torch|cprofile]
 
-Builds the same random Qwen3.5-9B-wide checkpoint as bench_decode.py (fewer layers) and prints, per mode,
-tokens/s and the functions with the most cumulative and own time, to find host overhead per round.
+Builds the same random Qwen3.5-9B-wide checkpoint as bench_decode.py (fewer layers) and prints, per run,
+tokens/s and where the time goes: with `--mode torch` (default) torch.profiler's CPU-side operators and CUDA
+API calls (how many host-device syncs and copies a step makes, and the GPU's busy time against the wall);
+with `--mode cprofile` the Python functions with the most cumulative and own time; with `--mode syncs` every
+host-device synchronisation (torch's sync debug mode), counted by the hyspec source line that caused it; with
+`--mode phases` the wall time of each phase of a step (GPU work included: every phase ends with a sync).
 """
 
 from __future__ import annotations
@@ -15,18 +19,118 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import build_checkpoint, free, make_llm
 
+RUNS: list[tuple[str, dict[str, Any] | None]] = [
+    ("plain", None),
+    ("mtp", {"method": "mtp", "num_speculative_tokens": 3}),
+]
+
+
+def torch_profile(run: Any, top: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        run()
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    print(f"   wall {wall * 1e3:.1f} ms, GPU kernels busy {gpu_us / 1e3:.1f} ms")
+    api = [e for e in events if e.key.startswith("cuda")]
+    for e in sorted(api, key=lambda e: -e.self_cpu_time_total)[:8]:
+        print(f"   {e.key:40s} calls {e.count:6d}  host {e.self_cpu_time_total / 1e3:8.1f} ms")
+    ops = [e for e in events if e.device_type.name == "CPU" and not e.key.startswith("cuda")]
+    print(f"   {'top CPU ops by self time':40s}")
+    for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:top]:
+        print(f"   {e.key:40s} calls {e.count:6d}  self {e.self_cpu_time_total / 1e3:8.1f} ms")
+
+
+def sync_sites(run: Any, top: int) -> None:
+    """Count synchronising CUDA calls by the innermost hyspec frame that made them."""
+    import collections
+    import traceback
+    import warnings
+
+    sites: collections.Counter[str] = collections.Counter()
+
+    def record(*args: Any, **kwargs: Any) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if "/packages/" in f.filename]
+        site = "?" if not frames else f"{frames[-1].filename.split('/src/')[-1]}:{frames[-1].lineno}"
+        sites[site] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    print(f"   {sum(sites.values())} synchronising calls")
+    for site, n in sites.most_common(top):
+        print(f"   {n:6d}  {site}")
+
+
+def phases(llm: Any, run: Any) -> None:
+    """Per-phase wall times (ms per call), each phase closed by a device sync so its GPU work counts."""
+    import collections
+
+    totals: collections.Counter[str] = collections.Counter()
+    calls: collections.Counter[str] = collections.Counter()
+    engine = llm.engine
+    runner = engine.runner
+    targets: list[tuple[str, Any, str]] = [
+        ("engine.step", engine, "step"),
+        ("run_plain", runner, "run_plain"),
+    ]
+    spec = getattr(runner, "spec", None)
+    if spec is not None:
+        targets += [
+            ("spec.run", spec, "run"),
+            ("draft extend (flush)", spec, "_flush"),
+            ("propose", spec.drafter, "propose"),
+            ("verify+commit", spec, "_verify"),
+            ("  choose", spec, "_choose"),
+        ]
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            torch.cuda.synchronize()
+            totals[name] += time.perf_counter() - t
+            calls[name] += 1
+            return out
+
+        return wrapper
+
+    saved = [(obj, attr, getattr(obj, attr)) for _, obj, attr in targets]
+    for name, obj, attr in targets:
+        setattr(obj, attr, timed(name, getattr(obj, attr)))
+    try:
+        run()
+    finally:
+        for obj, attr, fn in saved:
+            setattr(obj, attr, fn)
+    for name, _, _ in targets:
+        if calls[name]:
+            print(f"   {name:24s} calls {calls[name]:5d}  {1e3 * totals[name] / calls[name]:8.3f} ms/call")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--mode", choices=("torch", "cprofile", "syncs", "phases"), default="torch")
+    ap.add_argument("--only", choices=[name for name, _ in RUNS], default=None)
     a = ap.parse_args()
     from hyspec_server import SamplingParams
 
@@ -34,21 +138,34 @@ def main() -> None:
     model, _ = build_checkpoint(ckpt, a.layers)
     free(model)
     prompt = {"prompt_token_ids": list(range(100, 164))}
-    for name, spec in [("plain", None), ("mtp", {"method": "mtp", "num_speculative_tokens": 3})]:
+    for name, spec in RUNS:
+        if a.only is not None and name != a.only:
+            continue
         llm = make_llm(ckpt, spec=spec, max_seqs=8, max_len=512)
         sp = SamplingParams(max_tokens=a.new, temperature=0, ignore_eos=True)
-        llm.generate([prompt], sp)
-        torch.cuda.synchronize()
-        pr = cProfile.Profile()
+
+        def run() -> None:
+            llm.generate([prompt], sp)  # noqa: B023 (called within the iteration)
+            torch.cuda.synchronize()
+
+        run()
         t = time.perf_counter()
-        pr.enable()
-        llm.generate([prompt], sp)
-        torch.cuda.synchronize()
-        pr.disable()
+        run()
         print(f"== {name}: {a.new / (time.perf_counter() - t):.1f} tok/s (prefill included)")
-        st = pstats.Stats(pr)
-        st.sort_stats("cumulative").print_stats(a.top)
-        st.sort_stats("tottime").print_stats(a.top)
+        if a.mode == "torch":
+            torch_profile(run, a.top)
+        elif a.mode == "phases":
+            phases(llm, run)
+        elif a.mode == "syncs":
+            sync_sites(run, a.top)
+        else:
+            pr = cProfile.Profile()
+            pr.enable()
+            run()
+            pr.disable()
+            st = pstats.Stats(pr)
+            st.sort_stats("cumulative").print_stats(a.top)
+            st.sort_stats("tottime").print_stats(a.top)
         free(llm)
 
 

@@ -148,3 +148,81 @@ def test_tree_verify_metadata() -> None:
         be.prepare_verify(
             req_rows=rows, block_tokens=torch.arange(4)[None], prefix_lens=[5], tree_parents=bad
         )
+
+
+def _batch_fields(batch: object) -> dict[str, list[int] | list[bool]]:
+    from hyspec_attn_backends import ForwardBatch
+
+    assert isinstance(batch, ForwardBatch)
+    assert batch.kv_slots is not None
+    return {
+        "positions": batch.positions.tolist(),
+        "prefix_lens": batch.prefix_lens.tolist(),
+        "kv_lens": batch.kv_lens.tolist(),
+        "kv_slots": batch.kv_slots.tolist(),
+        "has_initial_state": batch.has_initial_state.tolist(),
+        "cu_seqlens_q": batch.cu_seqlens_q.tolist(),
+    }
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY])
+def test_advance_one_token_equals_preparing_the_next_position(mode: ForwardMode) -> None:
+    # attention-only for verify (the draft backends' case), hybrid for decode; page size 2 so that the
+    # chain crosses page boundaries at different steps for rows at even and odd prefixes
+    layers: list[GDNLayer | ShortConvLayer | AttentionLayer] = (
+        _layers()
+        if mode is ForwardMode.DECODE
+        else [AttentionLayer(layer_id=0, num_heads=2, num_kv_heads=1, head_dim=8, scale=8**-0.5)]
+    )
+    types = TYPES if mode is ForwardMode.DECODE else ["full_attention"]
+    pool = _pool(layers)
+    be = HybridBackend(pool, layers=layers, layer_types=types)
+    ids = ["a", "b", "c"]
+    pool.alloc(["pad0", *ids])  # request rows != batch rows
+    prefix = [0, 5, 2]
+    steps = 4
+    for t in range(1, max(prefix) + steps + 1):
+        # pages granted a token at a time: each request's pages interleave with the others', so the next
+        # position's slot is not the current slot + 1 at a page boundary
+        pool.ensure_kv_capacity(ids, [min(t, p + steps) for p in prefix])
+    rows = pool.req_rows(["c", "a", "b"])
+    order = [2, 0, 1]
+    start = [prefix[i] for i in order]
+
+    def prepare(at: list[int], pad_to: int) -> object:
+        tok = torch.arange(3, dtype=torch.int64)
+        if mode is ForwardMode.DECODE:
+            return be.prepare_decode(req_rows=rows, input_ids=tok, prefix_lens=at, pad_to=pad_to)
+        return be.prepare_verify(req_rows=rows, block_tokens=tok[:, None], prefix_lens=at, pad_to=pad_to)
+
+    for j in range(1, steps):
+        want = _batch_fields(prepare([p + j for p in start], pad_to=4))
+        batch = prepare(start, pad_to=4)  # rewrites the same buffers
+        for _ in range(j):
+            be.advance_one_token(batch)  # type: ignore[arg-type]
+        assert _batch_fields(batch) == want, j
+    assert want["kv_slots"][3] == -1 and want["prefix_lens"][3] == 0  # the padded row stays padding
+
+
+def test_advance_one_token_rejects_what_it_cannot_advance() -> None:
+    layers = _layers()
+    pool = _pool(layers)
+    be = HybridBackend(pool, layers=layers, layer_types=TYPES)
+    pool.alloc(["a"])
+    pool.ensure_kv_capacity(["a"], [8])
+    rows = pool.req_rows(["a"])
+    verify = be.prepare_verify(
+        req_rows=rows, block_tokens=torch.zeros(1, 1, dtype=torch.int64), prefix_lens=[2]
+    )
+    with pytest.raises(ValueError, match="attention-only"):
+        be.advance_one_token(verify)
+    block = be.prepare_verify(
+        req_rows=rows, block_tokens=torch.zeros(1, 3, dtype=torch.int64), prefix_lens=[2]
+    )
+    with pytest.raises(ValueError, match="one token per row"):
+        be.advance_one_token(block)
+    extend = be.prepare_extend(
+        req_rows=rows, input_ids=torch.zeros(1, dtype=torch.int64), q_lens=[1], prefix_lens=[2]
+    )
+    with pytest.raises(ValueError, match="DECODE or TARGET_VERIFY"):
+        be.advance_one_token(extend)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hyspec_kernels import value_checks
 from hyspec_kernels.commit import commit_states
 
 L, S, R, DMAX = 2, 6, 3, 4
@@ -100,3 +101,14 @@ def test_empty_batch_and_no_pairs_are_no_ops() -> None:
     ]
     for call in calls:
         call()
+
+
+def test_value_checks_rule() -> None:
+    """Value checks run on the CPU by default, on CUDA only when asked (each read is a sync there)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert value_checks(cpu) and value_checks(cpu, True) and not value_checks(cpu, False)
+    assert not value_checks(cuda) and not value_checks(cuda, False)
+    # check_indices=False skips the range checks (the caller vouches for the indices), never the shapes
+    _call(check_indices=False)
+    with pytest.raises(ValueError, match=r"^steps"):
+        _call(steps=torch.tensor([0, 1, 2]), check_indices=False)

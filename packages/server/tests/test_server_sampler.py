@@ -38,6 +38,22 @@ def test_temperature_zero_is_argmax_even_with_filters() -> None:
     assert torch.equal(out.token_ids, logits.argmax(-1))
 
 
+def test_greedy_fast_path_equals_the_sampler() -> None:
+    """`Sampler.greedy` (no sampling tensors built) gives what the full path gives for all-greedy rows, and
+    `all_greedy` is known on the host (fp32 semantics) without reading the device tensor."""
+    logits = torch.randn(6, 40, generator=_gen(7))
+    st = _st(6, temperature=0.0)
+    assert st.greedy_hint is True and st.all_greedy
+    sampler = Sampler(CPU)
+    full, fast = sampler(logits, st), sampler.greedy(logits)
+    assert torch.equal(fast.token_ids, full.token_ids)
+    assert fast.logprobs is None and fast.top_ids is None and fast.top_logprobs is None
+    assert _st(2, temperature=1e-50).all_greedy  # 0 in fp32, as the device comparison would say
+    assert not _st(2, temperature=0.5).all_greedy
+    with pytest.raises(ValueError, match="logits"):
+        sampler.greedy(logits[0])
+
+
 def test_mixed_greedy_and_sampled_rows() -> None:
     logits = torch.randn(4, 30, generator=_gen(1))
     st = SamplingTensors.build(

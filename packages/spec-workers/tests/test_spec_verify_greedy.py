@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 from hyspec_spec_workers import (
@@ -96,6 +98,24 @@ def test_random_trees_match_reference_walk() -> None:
         assert int(r.bonus[i]) == int(pred[i, want[-1]])
         lengths.add(len(want) - 1)
     assert lengths >= {0, 1, 2, 3}
+
+
+def test_chain_closed_form_equals_the_walk() -> None:
+    """Chains take a closed form (no per-node loop); it must agree with the general walk field by field."""
+    g = torch.Generator().manual_seed(3)
+    n, d, vocab = 200, 6, 2
+    root = torch.randint(0, vocab, (n,), generator=g)
+    drafts = torch.randint(0, vocab, (n, d - 1), generator=g)
+    num_drafts = torch.randint(0, d, (n,), generator=g)
+    pred = torch.randint(0, vocab, (n, d), generator=g)
+    for tree in (VerifyTree.chain(root, drafts, num_drafts), VerifyTree.chain(root, drafts)):
+        assert tree.is_chain
+        fast = verify_greedy(tree, pred)
+        walked = verify_greedy(replace(tree, is_chain=False), pred)
+        for name in ("num_accepted", "accept_index", "output_tokens", "bonus", "commit_steps", "finished"):
+            assert torch.equal(getattr(fast, name), getattr(walked, name)), name
+        _check_consistent(fast, tree)
+    assert set(fast.num_accepted.tolist()) >= {0, 1, 2}
 
 
 def test_zero_draft_rows_decode_normally() -> None:

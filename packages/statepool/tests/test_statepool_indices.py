@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from hyspec_statepool import BatchRows, HybridStatePool, KVSlots, ReqRows, StateSlots
-from hyspec_statepool.indices import _MINT
+from hyspec_statepool.indices import _MINT, _mint
+from hyspec_statepool.transfer import to_device
 
 MakePool = Callable[..., HybridStatePool]
 
@@ -41,6 +42,27 @@ def test_range_is_checked_at_construction(cls: type[ReqRows], values: list[int],
     else:
         with pytest.raises(ValueError, match=r"expected values in \[0, 4\)"):
             cls(tensor, bound=4, token=_MINT)
+
+
+@pytest.mark.parametrize(("cls", "values"), [(ReqRows, [0, 4]), (ReqRows, [-1]), (KVSlots, [1, -2])])
+def test_host_values_are_checked_on_the_host_like_the_constructor(
+    cls: type[ReqRows], values: list[int]
+) -> None:
+    """Minting host values checks them as Python ints (no device read), with the constructor's error."""
+    with pytest.raises(ValueError) as from_tensor:
+        cls(torch.tensor(values, dtype=torch.int32), bound=4, token=_MINT)
+    for given in (values, torch.tensor(values)):
+        with pytest.raises(ValueError) as from_host:
+            _mint(cls, given, bound=4, device=torch.device("cpu"))
+        assert str(from_host.value) == str(from_tensor.value)
+    assert _mint(cls, [3, 0], bound=4, device=torch.device("cpu")).tolist() == [3, 0]
+
+
+def test_to_device_on_the_cpu_keeps_values_and_dtype() -> None:
+    cpu = torch.device("cpu")
+    assert to_device([1, 2], dtype=torch.int32, device=cpu).dtype == torch.int32
+    t = to_device(torch.tensor([1.5, 2.0]), dtype=torch.float32, device=cpu)
+    assert t.tolist() == [1.5, 2.0] and t.device == cpu
 
 
 def test_dtype_and_rank_are_checked() -> None:

@@ -118,6 +118,13 @@ def test_kv_growth_truncation_and_slots(make_pool: MakePool) -> None:
         page_b * 4 + 2,
     ]
     assert kv.tolist() == expect
+    # one count for every request (decode, verify): the same slots without data-dependent shapes
+    fixed = pool.kv_slots(req_rows=rows, start_positions=torch.tensor([3, 0]), num_tokens=3)
+    assert fixed.tolist() == expect
+    with pytest.raises(ValueError, match="start_positions, num_tokens"):
+        pool.kv_slots(req_rows=rows, start_positions=torch.tensor([3, 0]), num_tokens=pool.table.width)
+    with pytest.raises(ValueError, match="num_tokens: expected a tensor or an int"):
+        pool.kv_slots(req_rows=rows, start_positions=torch.tensor([3, 0]), num_tokens=-1)
     with pytest.raises(ValueError, match="ensure_kv_capacity"):
         pool.kv_slots(req_rows=rows, start_positions=torch.tensor([0, 3]), num_tokens=torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="max_context"):

@@ -21,6 +21,7 @@ from hyspec_statepool.commit_math import commit_steps
 from hyspec_statepool.indices import ReqRows, StateSlots
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.specs import AttentionSpec, GDNSpec, LayerStateSpec, ModelStateSpecs, ShortConvSpec
+from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
 from hyspec_attn_backends.batch import (
@@ -133,6 +134,8 @@ class HybridBackend:
         )
         # checks that read device values back: always on CPU, on GPU only in debug mode (like the pool's)
         self._checks = pool.debug or pool.device.type == "cpu"
+        # kernels' own value checks (hyspec_kernels.value_checks): a debug pool asks for them on CUDA too
+        self._kernel_checks: bool | None = True if pool.debug else None
 
     # ---------------------------------------------------------------- batch metadata
 
@@ -249,6 +252,46 @@ class HybridBackend:
             has_initial_state=b.has_initial_state[:0],
         )
 
+    def advance_one_token(self, batch: ForwardBatch) -> None:
+        """Move a one-token-per-row batch one position on, in place: the next token of each live row.
+
+        For a chain of forwards that each add one token per request at the next position (a chained
+        drafter's steps): positions, prefix and KV lengths grow by one and each live row's KV slot becomes
+        the slot of its new position, read from the batch's own page table (so the pages must have been
+        ensured for every position the chain reaches before the batch was prepared). Padded rows stay
+        padding. Only device ops on the batch's own buffers, no host reads: it can run inside a CUDA graph,
+        and a replay then advances the very buffers the next replay reads. Input tokens are the caller's.
+
+        DECODE batches, or TARGET_VERIFY with D = 1 on an attention-only backend (a verify forward writes
+        recurrent state to scratch, so a next position would not see it).
+        """
+        if batch.num_tokens != batch.num_seqs or batch.is_tree:
+            raise ValueError(
+                f"batch: expected one token per row, got {batch.num_tokens} tokens for {batch.num_seqs} rows"
+            )
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            if any(k is not MixerKind.ATTENTION for k in self.kinds):
+                raise ValueError(
+                    "batch: advancing a TARGET_VERIFY batch needs an attention-only backend (verify leaves "
+                    "recurrent state in scratch)"
+                )
+        elif batch.mode is not ForwardMode.DECODE:
+            raise ValueError(f"batch: expected a DECODE or TARGET_VERIFY batch, got {batch.mode}")
+        if batch.kv_slots is None:
+            raise ValueError("batch: expected KV slots")
+        page = self.pool.plan.page_size
+        slots = batch.kv_slots.tensor  # [N] int32, -1 on padded rows
+        live = slots >= 0  # [N] bool
+        step = live.to(torch.int32)  # [N]
+        batch.prefix_lens.add_(step)
+        batch.kv_lens.add_(step)
+        batch.positions.add_(step)
+        batch.has_initial_state.copy_(batch.prefix_lens > 0)
+        pos = batch.prefix_lens.long()  # [N] the new token's position
+        pages = batch.page_table.gather(1, (pos // page)[:, None])[:, 0].long()  # [N]
+        slots.copy_(torch.where(live, pages * page + pos % page, -1))
+        # cu_seqlens, q_lens, page table, state slots and batch rows are those of the next position already
+
     def _build(
         self,
         mode: ForwardMode,
@@ -263,16 +306,25 @@ class HybridBackend:
         n_live, t_live = len(req_rows), int(input_ids.shape[0])
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids: expected shape [T], got {list(input_ids.shape)}")
+        # lengths are checked as host ints (callers pass host values: reading them costs no device sync)
+        host_lens: dict[str, list[int]] = {}
         for name, value in (("q_lens", q_lens), ("prefix_lens", prefix_lens)):
             if tuple(value.shape) != (n_live,):
                 raise ValueError(
                     f"{name}: expected shape [{n_live}] (one per request), got {list(value.shape)}"
                 )
-            if n_live and int(value.min()) < 0:
-                raise ValueError(f"{name}: expected values >= 0, got {value.tolist()}")
-        if int(q_lens.sum()) != t_live:
-            raise ValueError(f"input_ids: expected sum(q_lens) = {int(q_lens.sum())} tokens, got {t_live}")
+            host_lens[name] = [int(x) for x in value.tolist()]
+            if n_live and min(host_lens[name]) < 0:
+                raise ValueError(f"{name}: expected values >= 0, got {host_lens[name]}")
+        if sum(host_lens["q_lens"]) != t_live:
+            raise ValueError(
+                f"input_ids: expected sum(q_lens) = {sum(host_lens['q_lens'])} tokens, got {t_live}"
+            )
         pad_q = verify_len if mode is ForwardMode.TARGET_VERIFY else 1  # tokens of one padded row
+        fixed = mode is ForwardMode.DECODE or mode is ForwardMode.TARGET_VERIFY
+        if fixed and any(q != pad_q for q in host_lens["q_lens"]):
+            # the slot and position math below relies on every row having pad_q tokens
+            raise ValueError(f"q_lens: expected {pad_q} per request in {mode}, got {host_lens['q_lens']}")
         n = n_live if pad_to is None else pad_to
         if pad_to is not None:
             if mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
@@ -287,41 +339,50 @@ class HybridBackend:
         if self._checks and n_live > 1 and torch.unique(req_rows.tensor).numel() != n_live:
             raise ValueError(f"req_rows: expected distinct rows (one per request), got {req_rows.tolist()}")
         pool, b, dev = self.pool, self.buffers, self.pool.device
-        live_q, live_prefix = q_lens.to(dev), prefix_lens.to(dev)
-
-        def padded(live: Tensor, fill: int, count: int) -> Tensor:
-            return torch.cat([live, torch.full((count,), fill, dtype=live.dtype, device=dev)])
-
-        q_lens = padded(live_q, pad_q, num_pad)  # [N]
-        prefix_lens = padded(live_prefix, 0, num_pad)  # [N]
+        live_q, live_prefix = q_lens, prefix_lens  # [N_live] as given (host tensors from prepare_*)
+        # host values reach the device through pinned memory (no sync); padded rows have prefix 0
+        host_prefix = host_lens["prefix_lens"] + [0] * num_pad
+        prefix_lens = to_device(host_prefix, dtype=torch.int32, device=dev)  # [N]
+        if fixed:
+            q_lens = torch.full((n,), pad_q, dtype=torch.int32, device=dev)  # [N], padded rows included
+        else:
+            q_lens = to_device(host_lens["q_lens"], dtype=torch.int32, device=dev)  # [N], never padded
         cu = torch.zeros(n + 1, dtype=torch.int32, device=dev)
         cu[1:] = torch.cumsum(q_lens, 0)
         kv_lens = prefix_lens + q_lens
         rows = torch.arange(n, device=dev)
-        if mode is ForwardMode.DECODE or mode is ForwardMode.TARGET_VERIFY:
+        if fixed:
             # fixed tokens per row: no data-dependent shapes, so no device sync here
             seq_of_token = rows.repeat_interleave(pad_q)  # [T]
             offset = torch.arange(pad_q, device=dev).repeat(n)  # [T] index within its sequence
         else:
-            seq_of_token = torch.repeat_interleave(rows, q_lens.long())  # [T]
+            # T known on the host spares repeat_interleave the sync it makes to size its output
+            seq_of_token = torch.repeat_interleave(rows, q_lens.long(), output_size=t)  # [T]
             offset = torch.arange(t, device=dev) - cu[:-1].long()[seq_of_token]
         tree_mask = parents_view = None
         if tree_parents is not None:
             chain = torch.arange(verify_len, dtype=torch.int32, device=dev) - 1  # padded rows: a chain block
-            parents = torch.cat([tree_parents.to(dev, torch.int32), chain.expand(num_pad, verify_len)])
+            live_parents = to_device(tree_parents, dtype=torch.int32, device=dev)  # [N_live, D]
+            parents = torch.cat([live_parents, chain.expand(num_pad, verify_len)])
             mask, depth = tree_ancestor_mask(parents)
             offset = depth.reshape(-1)
             parents_view = copy_into(b.tree_parents, parents)
             tree_mask = copy_into(b.tree_mask, mask)
         positions = prefix_lens.long()[seq_of_token] + offset
 
-        kv_slots = pool.kv_slots(req_rows=req_rows, start_positions=live_prefix, num_tokens=live_q)
+        # an int count for fixed modes keeps the slot computation free of data-dependent shapes
+        counts: Tensor | int = pad_q if fixed else live_q
+        kv_slots = pool.kv_slots(req_rows=req_rows, start_positions=live_prefix, num_tokens=counts)
         page_table = pool.page_table(req_rows)  # [N_live, max_pages]
         if num_pad:
             # page 0 always exists when there is KV at all; padded rows only read it
             pad_pages = torch.zeros((num_pad, page_table.shape[1]), dtype=page_table.dtype, device=dev)
             page_table = torch.cat([page_table, pad_pages])
-        input_ids = padded(input_ids.to(dev, torch.int64), 0, num_pad * pad_q)
+        input_ids = input_ids.to(torch.int64)
+        if num_pad:
+            # padded rows read token 0; padded where the tokens are (usually the host), then one copy
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(num_pad * pad_q)])
+        input_ids = to_device(input_ids, dtype=torch.int64, device=dev)  # [T]
         return ForwardBatch(
             mode=mode,
             input_ids=copy_into(b.input_ids, input_ids),
@@ -368,6 +429,7 @@ class HybridBackend:
             k_cache=k_cache,
             v_cache=v_cache,
             kv_slots=batch.kv_slots.tensor,
+            check_indices=self._kernel_checks,
         )
         o = paged_attention(
             q.to(k_cache.dtype),
@@ -380,6 +442,7 @@ class HybridBackend:
             tree_mask=batch.tree_mask,
             # a static bound on q_len: the same launch grid eagerly as under CUDA-graph capture
             max_q_len=_static_max_q_len(batch),
+            check_indices=self._kernel_checks,
         )
         return o.to(q.dtype)
 
@@ -403,7 +466,15 @@ class HybridBackend:
         bias = None if bias is None else bias.to(x.dtype)
         state = conv_state
         if batch.mode is ForwardMode.DECODE:
-            return conv_decode(x, w, bias, conv_state=state, state_slots=slots, activation=activation)  # type: ignore[arg-type]
+            return conv_decode(
+                x,
+                w,
+                bias,
+                conv_state=state,
+                state_slots=slots,
+                activation=activation,  # type: ignore[arg-type]
+                check_indices=self._kernel_checks,
+            )
         if batch.mode is ForwardMode.TARGET_VERIFY:
             if conv_scratch is None:
                 raise ValueError("conv_scratch: the pool has no verify scratch (plan without a draft_shape)")
@@ -418,6 +489,7 @@ class HybridBackend:
                 scratch_rows=batch.batch_rows.tensor,
                 parents=batch.tree_parents,
                 activation=activation,  # type: ignore[arg-type]
+                check_indices=self._kernel_checks,
             )
             return y.reshape(n * d, -1)
         return conv_prefill(
@@ -429,6 +501,7 @@ class HybridBackend:
             state_slots=slots,
             has_initial_state=batch.has_initial_state,
             activation=activation,  # type: ignore[arg-type]
+            check_indices=self._kernel_checks,
         )
 
     def gdn(
@@ -500,6 +573,7 @@ class HybridBackend:
             state=state,
             state_slots=slots,
             has_initial_state=batch.has_initial_state,
+            check_indices=self._kernel_checks,
         )
         return out.o
 

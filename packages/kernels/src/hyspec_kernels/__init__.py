@@ -7,6 +7,7 @@ Ops: gated delta rule (`gdn_prefill`, `gdn_decode`, `gdn_verify`), causal depthw
 `python -m hyspec_kernels.selfcheck` runs each against its reference.
 """
 
+from hyspec_kernels._checks import value_checks
 from hyspec_kernels.attention import paged_attention, store_kv
 from hyspec_kernels.commit import StatePair, commit_states
 from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
@@ -30,4 +31,5 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "store_kv",
+    "value_checks",
 ]

@@ -2,6 +2,11 @@
 
 Each check raises ValueError naming the argument and what was expected, so a caller who passes a tensor of
 the wrong shape, dtype, device or index range learns which one and why, before any kernel runs.
+
+Shape, dtype and device checks read only metadata and always run. Checks of values (index ranges, offsets,
+distinct slots) read the tensor on the host, a stream synchronisation on CUDA; they follow one rule,
+`value_checks`: by default on the CPU only, on CUDA when the caller asks (`check_indices=True`, debug mode),
+never while a CUDA graph is being captured.
 """
 
 from __future__ import annotations
@@ -61,6 +66,21 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def value_checks(device: torch.device, requested: bool | None = None) -> bool:
+    """Whether checks that read tensor values on the host (index ranges, offsets, lengths) run now.
+
+    The one rule of every op wrapper, whose `check_indices` argument is `requested`: None (the default) runs
+    them on the CPU, where a read is free, and not on CUDA, where each read synchronises the stream (callers
+    in debug mode pass True there, like a statepool built with `debug=True`); True runs them on any device,
+    False never. Never while a CUDA graph is being captured, where a read would break the capture.
+    """
+    if requested is False:
+        return False
+    if device.type != "cuda":
+        return True
+    return requested is True and not torch.cuda.is_current_stream_capturing()
+
+
 def check_index(
     name: str,
     t: object,
@@ -70,10 +90,14 @@ def check_index(
     high: int,
     device: torch.device | None = None,
     allow_pad: bool = True,
+    check_values: bool | None = None,
 ) -> torch.Tensor:
-    """An int32/int64 index tensor whose values lie in [low, high), or are -1 when padding is allowed."""
+    """An int32/int64 index tensor whose values lie in [low, high), or are -1 when padding is allowed.
+
+    The range check reads the values: it runs as `value_checks(t.device, check_values)` says.
+    """
     t = check_tensor(name, t, shape, dtypes=INDEX_DTYPES, device=device)
-    if t.numel() == 0 or capturing(t):
+    if t.numel() == 0 or not value_checks(t.device, check_values):
         return t
     valid = (t >= low) & (t < high)
     if allow_pad:
@@ -86,11 +110,19 @@ def check_index(
 
 
 def check_cu_seqlens(
-    name: str, t: object, num_tokens: int, *, device: torch.device | None = None
+    name: str,
+    t: object,
+    num_tokens: int,
+    *,
+    device: torch.device | None = None,
+    check_values: bool | None = None,
 ) -> torch.Tensor:
-    """Packed-sequence offsets: [N + 1], starting at 0, non-decreasing, ending at `num_tokens`."""
+    """Packed-sequence offsets: [N + 1], starting at 0, non-decreasing, ending at `num_tokens`.
+
+    The value checks run as `value_checks(t.device, check_values)` says.
+    """
     t = check_tensor(name, t, (None,), dtypes=INDEX_DTYPES, device=device)
-    if t.numel() >= 1 and capturing(t):
+    if t.numel() >= 1 and not value_checks(t.device, check_values):
         return t
     if t.numel() < 1 or int(t[0]) != 0 or int(t[-1]) != num_tokens:
         raise ValueError(f"{name}: expected [N + 1] offsets from 0 to {num_tokens}, got {t.tolist()}")

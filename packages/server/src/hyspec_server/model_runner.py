@@ -14,6 +14,7 @@ so its verify scratch and request table fit the largest block (adaptive: largest
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from hyspec_spec_workers.draft_graphs import GraphedDrafter
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.sizing import MemoryPlan, plan_memory
 from hyspec_statepool.specs import StateDtypes
+from hyspec_statepool.transfer import to_device
 
 from hyspec_server.config import EngineArgs
 from hyspec_server.cuda_graph import TargetGraphs, verify_shapes
@@ -33,7 +35,7 @@ from hyspec_server.runner import (
     RunnerOutput,
     SampledToken,
     VerifiedTokens,
-    sampling_tensors,
+    sample_chunks,
     to_runner_output,
 )
 from hyspec_server.sampler import Sampler
@@ -197,12 +199,17 @@ class HyspecModelRunner:
             )
         hidden, aux = self.graphs.run(batch)  # [T, H] of the live tokens (graph outputs: read them now)
         if self.spec is not None:
-            self.spec.commit_plain(chunks=chunks, tokens=input_ids.to(hidden.device), hidden=hidden, aux=aux)
+            tokens_dev = to_device(input_ids, dtype=torch.int64, device=hidden.device)  # [T], no sync
+            self.spec.commit_plain(chunks=chunks, tokens=tokens_dev, hidden=hidden, aux=aux)
         sample = [i for i, c in enumerate(chunks) if c.sample]
         if not sample:
             return [None] * len(chunks)
-        ends = torch.cumsum(torch.tensor(q_lens), 0) - 1  # [N] last packed token of each chunk
-        last = ends[torch.tensor(sample)].to(self._device)
-        logits = self.model.compute_logits(hidden[last])  # [n_sample, V]
-        out_s = self.sampler(logits, sampling_tensors([chunks[i] for i in sample], self._device))
+        ends = list(itertools.accumulate(q_lens))  # packed end of each chunk
+        last = [ends[i] - 1 for i in sample]  # last packed token of each sampling chunk
+        if last == list(range(len(tokens))):
+            picked = hidden  # every token samples (a decode step): the rows are already in order
+        else:
+            picked = hidden[to_device(last, dtype=torch.int64, device=hidden.device)]
+        logits = self.model.compute_logits(picked)  # [n_sample, V]
+        out_s = sample_chunks(self.sampler, logits, [chunks[i] for i in sample], self._device)
         return list(to_runner_output(SchedulerOutput(tuple(chunks), ()), out_s).tokens)

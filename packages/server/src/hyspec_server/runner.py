@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from hyspec_server.memory import RequestMemory
-from hyspec_server.sampler import PenaltyTensors, SamplerOutput, SamplingTensors
+from hyspec_server.sampler import PenaltyTensors, Sampler, SamplerOutput, SamplingTensors
 from hyspec_server.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -99,6 +99,20 @@ def sampling_tensors(chunks: list[ScheduledChunk], device: torch.device) -> Samp
         device=device,
         penalties=penalties,
     )
+
+
+def sample_chunks(
+    sampler: Sampler, logits: torch.Tensor, chunks: list[ScheduledChunk], device: torch.device
+) -> SamplerOutput:
+    """The sampler over the sampling chunks' rows (logits [N, V], chunks in order).
+
+    When every row is greedy without penalties or logprobs the result is each row's argmax: no per-row
+    sampling tensors are built and copied to the device (the common greedy decode step).
+    """
+    ps = [c.request.params for c in chunks]
+    if all(p.temperature == 0 and not p.has_penalties and p.logprobs is None for p in ps):
+        return sampler.greedy(logits)
+    return sampler(logits, sampling_tensors(chunks, device))
 
 
 def to_runner_output(step: SchedulerOutput, out: SamplerOutput) -> RunnerOutput:

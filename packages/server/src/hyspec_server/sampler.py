@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from hyspec_statepool.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +68,12 @@ class PenaltyTensors:
                 seen_rows += [row] * len(seen)
                 seen_ids += seen
 
+        # pinned, non-blocking copies: a pageable host tensor would make the copy wait for the stream
         def ints(xs: list[int]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.int64).to(device, non_blocking=True)
+            return to_device(xs, dtype=torch.int64, device=device)
 
         def floats(xs: Sequence[float]) -> torch.Tensor:
-            return torch.tensor(list(xs), dtype=torch.float32).to(device, non_blocking=True)
+            return to_device(list(xs), dtype=torch.float32, device=device)
 
         return PenaltyTensors(
             presence=floats(presence),
@@ -176,6 +178,8 @@ class SamplingTensors:
     generators: tuple[torch.Generator | None, ...]  # per row; None uses the sampler's shared generator
     num_logprobs: int  # most top alternatives asked for by any row (-1: no row wants logprobs)
     penalties: PenaltyTensors | None = None  # None: no row has a penalty on
+    # every temperature is 0, as `build` saw on the host; None: read `temperature` back (a sync on GPU)
+    greedy_hint: bool | None = None
 
     def __post_init__(self) -> None:
         n = self.temperature.shape[0]
@@ -190,6 +194,8 @@ class SamplingTensors:
 
     @property
     def all_greedy(self) -> bool:
+        if self.greedy_hint is not None:
+            return self.greedy_hint
         return bool((self.temperature == 0).all())
 
     @staticmethod
@@ -204,14 +210,18 @@ class SamplingTensors:
         device: torch.device,
         penalties: PenaltyTensors | None = None,
     ) -> SamplingTensors:
+        temp = torch.tensor(temperature, dtype=torch.float32)  # [N] on the host
+        # host values reach the device through pinned memory (no stream sync per knob)
         return SamplingTensors(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+            temperature=to_device(temp, dtype=torch.float32, device=device),
+            top_k=to_device(top_k, dtype=torch.int64, device=device),
+            top_p=to_device(top_p, dtype=torch.float32, device=device),
+            min_p=to_device(min_p, dtype=torch.float32, device=device),
             generators=tuple(generators),
             num_logprobs=num_logprobs,
             penalties=penalties,
+            # judged in fp32 on the host, exactly as the device tensor would be, without reading it back
+            greedy_hint=bool((temp == 0).all()),
         )
 
 
@@ -292,6 +302,18 @@ class Sampler:
         if st.num_logprobs > 0:
             top_lp, top_ids = torch.topk(lp, min(st.num_logprobs, lp.shape[1]), dim=-1)
         return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp)
+
+    def greedy(self, logits: torch.Tensor) -> SamplerOutput:
+        """Argmax of every row: what `__call__` returns for greedy rows without penalties or logprobs, with no
+        per-row sampling tensors to build and copy.
+
+        Args:
+            logits: [N, V] on `self.device`.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must have shape [N, V], got {tuple(logits.shape)}")
+        token_ids = torch.argmax(logits, dim=-1)  # [N]
+        return SamplerOutput(token_ids=token_ids, logprobs=None, top_ids=None, top_logprobs=None)
 
     def _exponential(
         self, shape: torch.Size, generators: tuple[torch.Generator | None, ...]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +39,7 @@ from hyspec_spec_workers.config import SpeculativeConfig
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
 from hyspec_spec_workers.tree import VerifyTree
 from hyspec_spec_workers.verify import VerifyResult, truncate_at_stop, verify_greedy, verify_sampling
+from hyspec_statepool.transfer import to_device
 
 from hyspec_server.runner import SampledToken, VerifiedTokens, sampling_tensors
 from hyspec_server.sampler import SamplingTensors, filtered_probs
@@ -179,6 +180,15 @@ class SpecDecoder:
 
     # ---------------------------------------------------------------- one round
 
+    def _timing_round(self) -> bool:
+        """The first round with cost-aware adaptive lengths times a plain decode step instead of drafting.
+
+        Every later cost decision compares against that time (without it the smallest verify block's time
+        stands in, which is too high and makes drafting look better than it is); the round costs nothing
+        against plain decoding and is not observed by the requests' length states.
+        """
+        return self.adaptive is not None and self.adaptive.config.cost_aware and not self.costs.has_decode
+
     def draft_lengths(self, chunks: Sequence[ScheduledChunk], max_model_len: int) -> list[int]:
         cfg = self.config
         out: list[int] = []
@@ -196,6 +206,8 @@ class SpecDecoder:
                     st = self._lengths[req.request_id] = self.adaptive.new_request()
                 want = st.steps
             out.append(max(0, min(want, c.num_lookahead, may_emit - 1)))
+        if self._timing_round():
+            return [0] * len(out)
         return out
 
     def run(self, runner: HyspecModelRunner, chunks: Sequence[ScheduledChunk]) -> list[VerifiedTokens]:
@@ -203,6 +215,7 @@ class SpecDecoder:
         n = len(chunks)
         reqs = [c.request for c in chunks]
         ids = [r.request_id for r in reqs]
+        timing = self._timing_round()
         steps = self.draft_lengths(chunks, runner.max_model_len)
         roots = torch.tensor(
             [r.token_slice(c.start, c.end)[0] for r, c in zip(reqs, chunks)], dtype=torch.int64
@@ -237,7 +250,7 @@ class SpecDecoder:
             num_acc = [r.num_accepted for r in results]
         for c, r in zip(chunks, results, strict=True):
             runner.memory.truncate(c.request.request_id, c.start + r.num_accepted + 1)
-        if self.adaptive is not None:
+        if self.adaptive is not None and not timing:
             cost = self.costs if self.costs.ready else None
             for rid, k in zip(ids, num_acc, strict=True):
                 st = self._lengths[rid]
@@ -255,14 +268,16 @@ class SpecDecoder:
         graphs = runner.graphs
         reqs = [c.request for c in chunks]
         ids = [r.request_id for r in reqs]
-        tree = draft.tree.to(dev)
+        tree = draft.tree  # on the drafter's device: the host for the host roots `run` passes
+        nodes = [int(k) for k in tree.num_nodes.tolist()]  # [N] real nodes per row (free on the host)
         dp = None if draft.draft_probs is None else draft.draft_probs[:, : tree.block_size].to(dev)
         n = tree.batch_size
         # a tree config keeps tree metadata for a chain-shaped round too, so the round meets the tree graphs
         as_tree = not tree.is_chain or (self.config.is_tree and graphs.active)
         d = graphs.block_len(n, tree.block_size, tree=as_tree)
         if d > tree.block_size:
-            tree, dp = _pad_block(tree, dp, d)
+            tree, dp = _pad_block(tree, dp, d)  # before the move: the host bookkeeping needs no device read
+        tree = tree.to(dev)  # from the host: one pinned, non-blocking copy
         prefix = [c.start for c in chunks]
         # the scheduler reserved prefix + Dmax; this only allocates if a caller did not
         pool.ensure_kv_capacity(ids, [p + d for p in prefix])
@@ -274,11 +289,10 @@ class SpecDecoder:
         )
         hidden, aux = graphs.run(batch)  # [N * D, H] live rows (graph outputs: used before the next forward)
         logits = model.compute_logits(hidden).reshape(n, d, -1)  # [N, D, V]
-        result = self._choose(runner, tree, logits, dp, chunks)
-        stop = _stop_ids(chunks, dev)
-        budget = torch.tensor(
-            [_budget(c, runner.max_model_len) for c in chunks], dtype=torch.int64, device=dev
-        )
+        result = self._choose(runner, tree, logits, dp, chunks, nodes=nodes)
+        # host tensors: truncate_at_stop checks them on the host and copies them without a sync
+        stop = _stop_ids(chunks)
+        budget = torch.tensor([_budget(c, runner.max_model_len) for c in chunks], dtype=torch.int64)
         # the same (truncated) arrays go to the commit, the drafter, the KV truncation and the output
         result = truncate_at_stop(result, stop_token_ids=stop, max_new_tokens=budget)
         backend.commit_after_verify(
@@ -286,9 +300,13 @@ class SpecDecoder:
             num_accepted=result.num_accepted,
             accept_paths=result.accept_index if batch.is_tree else None,
         )
+        want_paths = any(c.request.params.logprobs is not None for c in chunks)
+        host = _HostRound.read(result, with_paths=want_paths)  # the round's one read of its outcome
         if self.model_drafter is not None:
-            self._defer(_accepted_path(hidden, aux, tree, result, ids, prefix))
-        return _to_verified(result, tree, logits, chunks), d
+            self._defer(
+                _accepted_path(hidden, aux, tree, result, ids, prefix, num_accepted=host.num_accepted)
+            )
+        return _to_verified(host, logits, chunks, num_nodes=nodes), d
 
     def _choose(
         self,
@@ -297,17 +315,19 @@ class SpecDecoder:
         logits: torch.Tensor,
         draft_probs: torch.Tensor | None,
         chunks: Sequence[ScheduledChunk],
+        *,
+        nodes: list[int],
     ) -> VerifyResult:
         """Greedy rows by argmax walk, sampling rows by exact rejection sampling with their own generator.
 
-        Every choice is made on the penalised logits (`_penalised`), as plain decoding makes it.
+        Every choice is made on the penalised logits (`_penalised`), as plain decoding makes it. `nodes`:
+        the tree's real nodes per row, on the host.
         """
         logits = _penalised(logits, tree, chunks)
         params = [c.request.params for c in chunks]
         greedy = [i for i, p in enumerate(params) if p.temperature == 0]
         if len(greedy) == len(params):
             return verify_greedy(tree, logits.argmax(dim=-1))
-        nodes = tree.num_nodes.tolist()
         # a sampling row without drafts draws exactly as plain decoding does (same generator use), so its
         # output does not depend on whether other rows of the batch drafted
         alone = [i for i, p in enumerate(params) if p.temperature > 0 and nodes[i] == 1]
@@ -384,7 +404,7 @@ def _pad_block(
 
 
 def _rows(tree: VerifyTree, rows: list[int]) -> VerifyTree:
-    idx = torch.tensor(rows, dtype=torch.int64, device=tree.tokens.device)
+    idx = to_device(rows, dtype=torch.int64, device=tree.tokens.device)
     return VerifyTree(
         tokens=tree.tokens[idx],
         parents=tree.parents[idx],
@@ -404,7 +424,7 @@ def _merge(parts: list[tuple[list[int], VerifyResult]], n: int) -> VerifyResult:
         ref: torch.Tensor = getattr(first, name)
         full = torch.empty((n, *ref.shape[1:]), dtype=ref.dtype, device=ref.device)
         for rows, res in parts:
-            full[torch.tensor(rows, device=ref.device)] = getattr(res, name)
+            full[to_device(rows, dtype=torch.int64, device=ref.device)] = getattr(res, name)
         return full
 
     names = ("num_accepted", "accept_index", "output_tokens", "bonus", "commit_steps", "finished")
@@ -424,7 +444,7 @@ def _penalised(logits: torch.Tensor, tree: VerifyTree, chunks: Sequence[Schedule
     rows = [i for i, c in enumerate(chunks) if c.request.params.has_penalties]
     pen = sampling_tensors([chunks[i] for i in rows], logits.device).penalties
     assert pen is not None
-    idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    idx = to_device(rows, dtype=torch.int64, device=logits.device)
     path = tree.tree_mask[idx].clone()  # [n, D, D]
     path[:, :, 0] = False  # the root token is already the history's last token
     out = logits.float().clone()  # [N, D, V] fp32
@@ -448,14 +468,36 @@ def _target_probs(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> tor
     return filtered_probs(logits.reshape(n * d, v), st).reshape(n, d, v)
 
 
-def _stop_ids(chunks: Sequence[ScheduledChunk], device: torch.device) -> torch.Tensor:
-    """[N, M] int64 EOS and stop token ids per request, -1 padded."""
+def _stop_ids(chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+    """[N, M] int64 EOS and stop token ids per request, -1 padded, on the host."""
     sets = [sorted(c.request.eos_token_ids | c.request.params.stop_token_set) for c in chunks]
     m = max(1, max(len(s) for s in sets))
-    out = torch.full((len(sets), m), -1, dtype=torch.int64)
-    for i, s in enumerate(sets):
-        out[i, : len(s)] = torch.tensor(s, dtype=torch.int64)
-    return out.to(device)
+    return torch.tensor([s + [-1] * (m - len(s)) for s in sets], dtype=torch.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class _HostRound:
+    """A round's outcome on the host, read back in one transfer (the host needs it to emit tokens anyway).
+
+    Attributes:
+        num_accepted: per row, accepted drafts (bonus excluded).
+        tokens: per row, the emitted tokens (num_accepted + 1).
+        paths: per row, the accepted path's node indices (D entries, -1 past the path); only when read.
+    """
+
+    num_accepted: list[int]
+    tokens: list[list[int]]
+    paths: list[list[int]] | None
+
+    @staticmethod
+    def read(res: VerifyResult, *, with_paths: bool) -> _HostRound:
+        d = res.output_tokens.shape[1]
+        parts = [res.num_accepted[:, None], res.output_tokens] + ([res.accept_index] if with_paths else [])
+        rows = torch.cat(parts, dim=1).tolist()  # [N, 1 + D (+ D)], one device read
+        acc = [int(r[0]) for r in rows]
+        tokens = [r[1 : 2 + k] for r, k in zip(rows, acc, strict=True)]
+        paths = [r[1 + d :] for r in rows] if with_paths else None
+        return _HostRound(acc, tokens, paths)
 
 
 def _accepted_path(
@@ -465,45 +507,58 @@ def _accepted_path(
     res: VerifyResult,
     ids: list[str],
     prefix: list[int],
+    *,
+    num_accepted: list[int],
 ) -> CommittedTokens:
-    """Each row's accepted path (root first) with the target's features at its nodes: what was committed."""
+    """Each row's accepted path (root first) with the target's features at its nodes: what was committed.
+
+    The host's `num_accepted` sizes the selection, so no boolean mask (a sync) picks the committed nodes.
+    """
     n, d = tree.batch_size, tree.block_size
-    idx = res.accept_index.clamp(min=0)  # [N, D]
-    keep = torch.arange(d, device=idx.device)[None, :] <= res.num_accepted[:, None]
-    ar = torch.arange(n, device=idx.device)[:, None]
+    dev = res.accept_index.device
+    # [N * D] flat block position of each path entry; row i keeps its first num_accepted[i] + 1 entries
+    node = (res.accept_index.clamp(min=0) + torch.arange(n, device=dev)[:, None] * d).reshape(-1)
+    keep = [i * d + j for i, k in enumerate(num_accepted) for j in range(k + 1)]  # row by row, root first
+    flat = node[to_device(keep, dtype=torch.int64, device=dev)]  # [sum(accepted + 1)]
 
     def gather(x: torch.Tensor) -> torch.Tensor:  # [N * D, H] -> [sum(accepted + 1), H]
-        return x.reshape(n, d, -1)[ar, idx][keep]
+        return x.reshape(n * d, -1)[flat.to(x.device)]
 
     return CommittedTokens(
         req_ids=ids,
         start_positions=torch.tensor(prefix, dtype=torch.int64),
-        num_tokens=(res.num_accepted + 1).cpu(),
-        tokens=tree.tokens.gather(1, idx)[keep],
+        num_tokens=torch.tensor([k + 1 for k in num_accepted], dtype=torch.int64),
+        tokens=tree.tokens.reshape(-1)[flat],
         hidden_states=gather(hidden),
         aux_hidden_states=tuple(gather(a) for a in aux),
     )
 
 
 def _to_verified(
-    res: VerifyResult,
-    tree: VerifyTree,
+    host: _HostRound,
     logits: torch.Tensor,
     chunks: Sequence[ScheduledChunk],
+    *,
+    num_nodes: list[int],
 ) -> list[VerifiedTokens]:
-    """Python results, with logprobs (of the raw target distribution) for requests that asked."""
-    toks = res.tolist()
-    acc = res.num_accepted.tolist()
-    drafts = (tree.num_nodes - 1).tolist()
+    """Python results, with logprobs (of the raw target distribution) for requests that asked.
+
+    `num_nodes`: real verify-block nodes per row (root included), so drafts = num_nodes - 1.
+    """
+    toks = host.tokens
+    acc = host.num_accepted
+    drafts = [k - 1 for k in num_nodes]
     want = [i for i, c in enumerate(chunks) if c.request.params.logprobs is not None]
     lp_rows: dict[int, tuple[list[float], list[dict[int, float] | None]]] = {}
     if want:
-        paths = res.accept_index.tolist()
+        paths = host.paths
+        assert paths is not None, "read the round with_paths when a request wants logprobs"
         for i in want:
             k = chunks[i].request.params.logprobs or 0
             nodes = paths[i][: acc[i] + 1]  # emitted token e comes from the logits after node nodes[e]
             lp = torch.log_softmax(logits[i, nodes].float(), dim=-1)  # [e, V]
-            chosen = lp.gather(1, torch.tensor(toks[i], device=lp.device)[:, None])[:, 0].tolist()
+            emitted = to_device(toks[i], dtype=torch.int64, device=lp.device)  # [e]
+            chosen = lp.gather(1, emitted[:, None])[:, 0].tolist()
             tops: list[dict[int, float] | None] = [None] * len(nodes)
             if k > 0:
                 tv, ti = torch.topk(lp, min(k, lp.shape[1]), dim=-1)

@@ -53,8 +53,9 @@ class AdaptiveConfig:
     is inserted by `SpeculativeConfig`, then sorted and deduplicated). The EMA of accepted drafts
     (`ema_alpha`) drives moves one candidate at a time with hysteresis after `warmup_batches` rounds, every
     `update_interval` rounds. With `cost_aware`, the controller drops to 0 drafts (plain decoding) when the
-    expected tokens per second fall below plain decoding and probes back up after `probe_interval` rounds
-    (doubling the wait after each probe that drops again, see `hyspec_spec_workers.adaptive`).
+    expected tokens per second fall below plain decoding (during warm-up too, once the evidence is clear)
+    and probes back up at the smallest candidate after `probe_interval` rounds (doubling the wait after
+    each probe that drops again, see `hyspec_spec_workers.adaptive`).
     """
 
     candidate_steps: tuple[int, ...] = DEFAULT_CANDIDATE_STEPS

@@ -17,6 +17,15 @@ its features from one static input buffer (`features_in`), which is what its CUD
 forward (1 + j·topk nodes) is captured per padded batch size by `capture_graphs` (draft_graphs.py), and a
 chained hidden state reaches the replay through that buffer.
 
+Chains (topk 1) over one reused draft layer (MTP, EAGLE-3) take a shorter path (`_draft_chain`): node j
+depends only on nodes 0..j-1, whose K/V the earlier steps wrote with the same layer, so step j runs just
+node j, one token per request at position L-1+j. Every step is then the same one-token forward, and one
+captured graph does all of it: the
+forward, the logits' argmax written as the next step's input token, the output hidden state written to
+`features_in` (chained drafters), and `HybridBackend.advance_one_token` moving the batch one position on. A
+proposal is S replays with no host work between them. `draft_logits` overrides (a testing hook) take the
+general path.
+
 `commit` (draft extend) writes the pairs of newly committed tokens with the target's features at them, so
 the draft KV never keeps anything computed from rejected drafts or from draft features.
 """
@@ -24,6 +33,7 @@ the draft KV never keeps anything computed from rejected drafts or from draft fe
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -118,11 +128,16 @@ class HiddenStateDrafter:
         self.num_speculative_tokens, self.topk, self.num_draft_tokens = s, k, d
         self.layer_steps = tuple(steps)
         self.chain_hidden = chain_hidden
-        self.max_nodes = 1 + (s - 1) * k  # nodes of the last step's forward
+        one_layer_chain = k == 1 and len(set(steps)) == 1
+        # a one-layer chain's first step also writes the pairs committed since the last proposal (at most
+        # S + 1: S accepted drafts and the bonus) in one block with the root pair
+        self.block0 = s + 2 if one_layer_chain else 0
+        self.max_nodes = max(1 + (s - 1) * k, self.block0)  # the largest proposal forward block
         self.kv = DraftKV(
             model.mixer_layers(),
             memory=memory,
-            max_block=self.max_nodes,
+            # the one-layer chain writes up to 2S + 1 positions past the final length (block, then steps)
+            max_block=2 * s + 1 if one_layer_chain else self.max_nodes,
             dtype=model.dtype,
             device=model.device,
         )
@@ -135,6 +150,18 @@ class HiddenStateDrafter:
         self.graphs = DraftGraphs(
             self.kv.backend, self._step_forward, shapes=[(1 + j * k, k > 1) for j in range(s)]
         )
+        # a chain over one draft layer: its first step (root pair + pending pairs) and its one-token step
+        self.root_graphs: DraftGraphs | None = None
+        self.chain_graphs: dict[int, DraftGraphs] = {}
+        if one_layer_chain:
+            first = partial(self._root_step, layer=steps[0])
+            self.root_graphs = DraftGraphs(self.kv.backend, first, shapes=[(self.block0, False)])
+            step = partial(self._chain_step, layer=steps[0])
+            self.chain_graphs[steps[0]] = DraftGraphs(self.kv.backend, step, shapes=[(1, False)])
+        self._root_index = torch.zeros(rows, dtype=torch.int64, device=dev)  # [R] root pair's block index
+        # committed pairs not yet in the draft KV, per request: (tokens [q], features [q, F]) pieces that the
+        # next proposal's first block writes (one-layer chains only)
+        self._unwritten: dict[Hashable, list[tuple[Tensor, Tensor]]] = {}
 
     # ---------------------------------------------------------------- ModelDrafter
 
@@ -156,11 +183,30 @@ class HiddenStateDrafter:
     # ---------------------------------------------------------------- GraphedDrafter
 
     def capture_graphs(self, batch_sizes: Sequence[int]) -> None:
-        self.graphs.capture(batch_sizes)
+        if self.root_graphs is None:
+            self.graphs.capture(batch_sizes)
+        else:
+            self.root_graphs.capture(batch_sizes)
+        for g in self.chain_graphs.values():
+            g.capture(batch_sizes)
 
     @property
     def graph_counts(self) -> DraftGraphCounts:
-        return self.graphs.counts
+        roots = [] if self.root_graphs is None else [self.root_graphs]
+        every = [self.graphs, *roots, *self.chain_graphs.values()]
+        return DraftGraphCounts(
+            replays=sum(g.counts.replays for g in every), eager=sum(g.counts.eager for g in every)
+        )
+
+    @property
+    def _fast_chain(self) -> bool:
+        """A chain of one reused draft layer whose logits are the model's own.
+
+        Multi-layer MTP (layer j at step j) needs layer j's K/V at the earlier draft positions, which only
+        layer j's own forward over them writes, so it recomputes them on the general path; so does an
+        overridden `draft_logits` (a testing hook).
+        """
+        return self.root_graphs is not None and "draft_logits" not in vars(self)
 
     def _step_forward(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
         """Draft step j's forward: the block size says j; features from the static buffer at offset 0."""
@@ -168,11 +214,47 @@ class HiddenStateDrafter:
         x = self.features_in[: batch.num_tokens]  # [T, F] (padded rows read stale rows, write nothing)
         return self.model.run(batch, self.kv.backend, features=x, step=self.layer_steps[j])
 
+    def _root_step(self, batch: ForwardBatch, *, layer: int) -> tuple[Tensor, Tensor]:
+        """A chain's first step: a block per row of [pending pairs, root pair, padding] at the final length.
+
+        Writes the pending pairs' K/V (they become final) and the root pair's; the padding past the root
+        writes positions the next steps overwrite before anything reads them. Returns the first draft [N]
+        int64 and the root pair's output feature [N, F], taken at each row's `_root_index`.
+        """
+        n, e = batch.num_seqs, batch.verify_len
+        normed, out = self.model.run(batch, self.kv.backend, features=self.features_in[: n * e], step=layer)
+        rows = torch.arange(n, device=normed.device)
+        at = self._root_index[:n]  # [N]
+        tok = self.model.logits(normed.view(n, e, -1)[rows, at]).argmax(dim=-1)  # [N]
+        return tok, out.view(n, e, -1)[rows, at]
+
+    def _chain_step(self, batch: ForwardBatch, *, layer: int) -> tuple[Tensor]:
+        """One chain step on a one-token batch, leaving the next step's inputs in place (module docstring).
+
+        Reads the tokens in `batch.input_ids` and the features in `features_in`; writes the drafted tokens
+        back to `batch.input_ids`, the output hidden states to `features_in` (chained drafters) and moves
+        the batch one position on. Returns the drafted tokens [N] int64 (a graph's static output).
+        """
+        n = batch.num_seqs
+        normed, out = self.model.run(batch, self.kv.backend, features=self.features_in[:n], step=layer)
+        tok = self.model.logits(normed).argmax(dim=-1)  # [N] int64 (greedy draft: top-1 child)
+        batch.input_ids.copy_(tok)
+        if self.chain_hidden:
+            self.features_in[:n].copy_(out)
+        self.kv.backend.advance_one_token(batch)
+        return (tok,)
+
     def free_requests(self, req_ids: Sequence[Hashable]) -> None:
+        for r in req_ids:
+            self._unwritten.pop(r, None)
         self.kv.free(req_ids)
 
     def commit(self, committed: CommittedTokens) -> None:
-        """Draft extend over newly committed tokens: their pairs enter the draft KV (see module docstring)."""
+        """Draft extend over newly committed tokens: their pairs enter the draft KV (see module docstring).
+
+        A one-layer chain keeps up to S + 1 pairs per request for the next proposal's first block instead of
+        running a forward now; more than that (a prompt, a long idle stretch) are written here.
+        """
         c = committed
         ids = list(c.req_ids)
         if not ids:
@@ -180,34 +262,43 @@ class HiddenStateDrafter:
         feats = self.model.features(c.hidden_states, c.aux_hidden_states)  # [T, F]
         rows = self.kv.rows(ids).tensor.long()
         starts, counts = c.start_positions.tolist(), c.num_tokens.tolist()
-        pair_tok: list[Tensor] = []
-        pair_feat: list[Tensor] = []
-        q_lens: list[int] = []
-        prefix: list[int] = []
+        now: list[Hashable] = []
         off = 0
         for i, (r, s, q) in enumerate(zip(ids, starts, counts, strict=True)):
-            want = max(s - 1, 0)
-            if self.kv.lengths[r] != want:
+            waiting = self._unwritten.pop(r, [])
+            have = self.kv.lengths[r] + sum(int(t.shape[0]) for t, _ in waiting)
+            if have != max(s - 1, 0):
                 raise ValueError(
-                    f"committed.start_positions: request {r!r} has {self.kv.lengths[r] + 1} committed tokens "
+                    f"committed.start_positions: request {r!r} has {have + 1} committed tokens "
                     f"in the draft, got a commit starting at {s}"
                 )
             tok, f = c.tokens[off : off + q], feats[off : off + q]
             off += q
             if q == 0:
-                pair_tok.append(tok)
-                pair_feat.append(f)
+                pair = (tok, f)
             elif s == 0:
                 # the first token has no previous position: its pair does not exist
-                pair_tok.append(tok[1:])
-                pair_feat.append(f[:-1])
+                pair = (tok[1:], f[:-1])
             else:
-                pair_tok.append(tok)
-                pair_feat.append(torch.cat([self.root_features[rows[i]][None], f[:-1]]))
-            q_lens.append(pair_tok[-1].shape[0])
-            prefix.append(want)
+                pair = (tok, torch.cat([self.root_features[rows[i]][None], f[:-1]]))
             if q:
                 self.root_features[rows[i]] = f[-1]
+            waiting.append(pair)
+            self._unwritten[r] = waiting
+            if not self._fast_chain or sum(int(t.shape[0]) for t, _ in waiting) > self.block0 - 1:
+                now.append(r)
+        self._write_unwritten(now)
+
+    def _write_unwritten(self, req_ids: Sequence[Hashable]) -> None:
+        """One eager draft extend over the pending pairs of these requests."""
+        ids = [r for r in req_ids if r in self._unwritten]
+        if not ids:
+            return
+        pieces = [self._unwritten.pop(r) for r in ids]
+        pair_tok = [torch.cat([t for t, _ in p]) for p in pieces]
+        pair_feat = [torch.cat([f for _, f in p]) for p in pieces]
+        q_lens = [int(t.shape[0]) for t in pair_tok]
+        prefix = [self.kv.lengths[r] for r in ids]
         total = [p + q for p, q in zip(prefix, q_lens, strict=True)]
         self.kv.pool.ensure_kv_capacity(ids, total)
         batch = self.kv.backend.prepare_extend(
@@ -244,6 +335,11 @@ class HiddenStateDrafter:
             )
         if self.topk > 1 and any(x not in (0, s_run) for x in steps):
             raise ValueError(f"batch.num_steps: a tree drafts all {s_run} steps or none per row, got {steps}")
+        if self._fast_chain:
+            with torch.no_grad():
+                drafts = self._draft_chain(ids, root.to(self.model.device), s_run)
+            return DraftOutput(VerifyTree.chain(root, drafts.to(root.device), torch.tensor(steps)))
+        self._write_unwritten(ids)  # the general path reads only written pairs
         with torch.no_grad():
             builder = self._draft(ids, root.to(self.model.device), s_run)
         if self.topk == 1:
@@ -277,6 +373,55 @@ class HiddenStateDrafter:
             [N, E, V] fp32 logits over the target vocabulary.
         """
         return self.model.logits(normed).float()
+
+    def _draft_chain(self, ids: list[Hashable], root: Tensor, s_run: int) -> Tensor:
+        """Chain drafts [N, s_run] int64: the first block (pending pairs + root), then one-token steps."""
+        assert self.root_graphs is not None
+        n, e, kv, dev = len(ids), self.block0, self.kv, root.device
+        req_rows = kv.rows(ids)
+        rows = req_rows.tensor.long()
+        written = [kv.lengths[r] for r in ids]
+        pending = [self._unwritten.pop(r, []) for r in ids]
+        q = [sum(int(t.shape[0]) for t, _ in p) for p in pending]  # each <= S + 1 (see `commit`)
+        # pages for the block at the final length and for the steps after the root (at written + q)
+        kv.pool.ensure_kv_capacity(ids, [w + max(e, k + s_run) for w, k in zip(written, q, strict=True)])
+        # block row i: its pending pairs, its root pair at block index q[i], then padding
+        block = torch.zeros(n * e, dtype=torch.int64, device=dev)  # [N * E]
+        feats = self.features_in[: n * e]  # [N * E, F]
+        at = torch.tensor([i * e + k for i in range(n) for k in range(q[i])], dtype=torch.int64)
+        if at.numel():
+            at = at.to(dev)
+            block[at] = torch.cat([t for p in pending for t, _ in p]).to(dev)
+            feats[at] = torch.cat([f for p in pending for _, f in p]).to(feats.dtype)
+        q_dev = torch.tensor(q, dtype=torch.int64).to(dev)  # [N]
+        roots_at = torch.arange(n, device=dev) * e + q_dev  # [N]
+        block[roots_at] = root
+        feats[roots_at] = self.root_features[rows]
+        self._root_index[:n].copy_(q_dev)
+        drafts = torch.empty(n, s_run, dtype=torch.int64, device=dev)  # [N, s_run]
+        try:
+            fb = self.root_graphs.prepare_verify(
+                req_rows=req_rows, block_tokens=block.view(n, e), prefix_lens=written, tree_parents=None
+            )
+            tok, out = self.root_graphs.run(fb)  # [>= N], [>= N, F] (static outputs)
+            for r, w, k in zip(ids, written, q, strict=True):
+                kv.lengths[r] = w + k  # the pending pairs are final now
+            drafts[:, 0] = tok[:n]
+            if s_run > 1:
+                step = self.chain_graphs[self.layer_steps[0]]
+                fb = step.prepare_verify(
+                    req_rows=req_rows,
+                    block_tokens=tok[:n, None],
+                    prefix_lens=[w + k + 1 for w, k in zip(written, q, strict=True)],
+                    tree_parents=None,
+                )
+                self.features_in[:n].copy_(out[:n] if self.chain_hidden else self.root_features[rows])
+                for j in range(1, s_run):
+                    (tok,) = step.run(fb)
+                    drafts[:, j] = tok  # enqueued before the next replay overwrites the static output
+        finally:
+            kv.release(ids)
+        return drafts
 
     def _draft(self, ids: list[Hashable], root: Tensor, s_run: int) -> TreeDraftBuilder:
         n, k, dev = len(ids), self.topk, self.model.device

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from hyspec_statepool.transfer import to_device
 
 
 def _check(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -24,6 +25,16 @@ def _check(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype | No
     if dtype is not None and t.dtype != dtype:
         raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
     return t
+
+
+def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """int64 host copies of small tensors, read back in one transfer (one sync) when they are on a device."""
+    devices = {t.device for t in tensors}
+    if len(devices) > 1 or next(iter(devices)).type == "cpu":
+        return [t.to("cpu", torch.int64).clone() for t in tensors]
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).cpu()
+    parts = torch.split(flat, [t.numel() for t in tensors])
+    return [part.view(t.shape) for part, t in zip(parts, tensors, strict=True)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +71,11 @@ class VerifyTree:
 
     def to(self, device: torch.device | str) -> VerifyTree:
         """The same tree on `device` (self when already there)."""
-        if self.tokens.device == torch.device(device):
+        device = torch.device(device)
+        if self.tokens.device == device:
             return self
+        if self.tokens.device.type == "cpu" and device.type == "cuda":
+            return self._to_cuda(device)
         return VerifyTree(
             tokens=self.tokens.to(device),
             parents=self.parents.to(device),
@@ -71,6 +85,19 @@ class VerifyTree:
             first_child=self.first_child.to(device),
             next_sibling=self.next_sibling.to(device),
             is_chain=self.is_chain,
+        )
+
+    def _to_cuda(self, device: torch.device) -> VerifyTree:
+        """A host tree on CUDA in one pinned, non-blocking copy of every array packed together (no sync)."""
+        n, d = self.batch_size, self.block_size
+        grids = torch.stack([self.tokens, self.parents, self.depth, self.first_child, self.next_sibling])
+        flat = torch.cat([grids.reshape(-1), self.num_nodes, self.tree_mask.reshape(-1).long()])  # int64
+        on_device = to_device(flat, dtype=torch.int64, device=device)
+        grid, num_nodes, mask = torch.split(on_device, [5 * n * d, n, n * d * d])
+        tokens, parents, depth, first_child, next_sibling = grid.view(5, n, d).unbind(0)  # each [N, D]
+        tree_mask = mask.view(n, d, d).bool()
+        return VerifyTree(
+            tokens, parents, num_nodes, depth, tree_mask, first_child, next_sibling, self.is_chain
         )
 
     @property
@@ -96,9 +123,11 @@ class VerifyTree:
         out_dev = tokens.device
         # N x D bookkeeping: on the host, one transfer each way, instead of ~10 tiny device ops per node
         dev = torch.device("cpu")
-        tokens = _check("tokens", tokens, (n, d)).to(dev, torch.int64)
-        parents = _check("parents", parents, (n, d)).to(dev, torch.int64).clone()
-        num_nodes = _check("num_nodes", num_nodes, (n,)).to(dev, torch.int64)
+        tokens, parents, num_nodes = _to_host(
+            _check("tokens", tokens, (n, d)),
+            _check("parents", parents, (n, d)),
+            _check("num_nodes", num_nodes, (n,)),
+        )
         if n and (int(num_nodes.min()) < 1 or int(num_nodes.max()) > d):
             raise ValueError(f"num_nodes: expected values in [1, {d}], got {num_nodes.tolist()}")
         col = torch.arange(d, device=dev).expand(n, d)

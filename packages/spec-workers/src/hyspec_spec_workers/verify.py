@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+from hyspec_statepool.transfer import to_device
 
 from hyspec_spec_workers.tree import VerifyTree
 
@@ -57,9 +58,9 @@ class VerifyResult:
         return (self.accept_index + offsets)[valid]
 
     def tolist(self) -> list[list[int]]:
-        """Emitted tokens per row as Python lists."""
-        lens = self.accept_lens.tolist()
-        return [row[:k] for row, k in zip(self.output_tokens.tolist(), lens)]
+        """Emitted tokens per row as Python lists (one device read: counts and tokens packed together)."""
+        packed = torch.cat([self.accept_lens[:, None], self.output_tokens], dim=1).tolist()  # [N, 1 + D]
+        return [row[1 : 1 + row[0]] for row in packed]
 
 
 def commit_steps_from_flat(
@@ -123,24 +124,52 @@ def verify_greedy(tree: VerifyTree, target_predict: torch.Tensor) -> VerifyResul
     dev = tree.tokens.device
     rows = torch.arange(n, device=dev)
     pred = target_predict.to(torch.int64)
+    if tree.is_chain:
+        accept_index, num_acc = _greedy_chain(tree, pred)
+        return _finish(tree, accept_index, num_acc, pred[rows, num_acc])
     accept_index = torch.full((n, d), -1, dtype=torch.int64, device=dev)
     accept_index[:, 0] = 0
     cur = torch.zeros(n, dtype=torch.int64, device=dev)
     num_acc = torch.zeros(n, dtype=torch.int64, device=dev)
     cand = tree.first_child[:, 0].clone()
-    # every row visits each node at most once, so D - 1 candidate visits finish every walk
+    # every row visits each node at most once, so D - 1 candidate visits finish every walk; a visit without
+    # candidates changes nothing, so the early exit (a device read, a sync on CUDA) is taken on the CPU only
     for _ in range(d - 1):
         has = cand >= 0
-        if not bool(has.any()):
+        if dev.type == "cpu" and not bool(has.any()):
             break
         c = cand.clamp(min=0)
         match = has & (tree.tokens[rows, c] == pred[rows, cur])
         cur = torch.where(match, c, cur)
         num_acc = num_acc + match.long()
-        accept_index[rows[match], num_acc[match]] = c[match]
+        _record(accept_index, num_acc, c, match)
         nxt = torch.where(match, tree.first_child[rows, c], tree.next_sibling[rows, c])
         cand = torch.where(has, nxt, cand)
     return _finish(tree, accept_index, num_acc, pred[rows, cur])
+
+
+def _greedy_chain(tree: VerifyTree, pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy walk of a chain in closed form: (accept_index [N, D], num_accepted [N]), no loop.
+
+    In a chain node j's only child is j + 1 (when it is real: first_child[j] >= 0) and there are no
+    siblings, so the walk accepts the leading run of nodes whose token equals the target's choice after
+    their parent.
+    """
+    d = tree.block_size
+    col = torch.arange(d, device=pred.device)  # [D]
+    ok = (tree.first_child[:, :-1] >= 0) & (tree.tokens[:, 1:] == pred[:, :-1])  # [N, D - 1]
+    num_acc = torch.cumprod(ok.long(), dim=1).sum(dim=1)  # [N]
+    accept_index = torch.where(col[None, :] <= num_acc[:, None], col[None, :], -1)  # [N, D] 0..num_acc
+    return accept_index, num_acc
+
+
+def _record(accept_index: torch.Tensor, num_acc: torch.Tensor, node: torch.Tensor, hit: torch.Tensor) -> None:
+    """accept_index[n, num_acc[n]] = node[n] where hit[n], in place, without boolean-mask indexing (a sync).
+
+    Rows without a hit rewrite the entry at their unchanged count with its own value.
+    """
+    rows = torch.arange(accept_index.shape[0], device=accept_index.device)
+    accept_index[rows, num_acc] = torch.where(hit, node, accept_index[rows, num_acc])
 
 
 def verify_sampling(
@@ -202,7 +231,7 @@ def verify_sampling(
         resid = torch.where(accept[:, None], q[rows, c], resid)
         cur = torch.where(accept, c, cur)
         num_acc = num_acc + accept.long()
-        accept_index[rows[accept], num_acc[accept]] = c[accept]
+        _record(accept_index, num_acc, c, accept)
         nxt = torch.where(accept, tree.first_child[rows, c], tree.next_sibling[rows, c])
         cand = torch.where(has, nxt, cand)
     bonus = torch.multinomial(resid, 1, generator=generator)[:, 0]
@@ -249,6 +278,7 @@ def truncate_at_stop(
         result: from a verifier.
         stop_token_ids: [N, M] int, stop tokens per row (EOS included), -1 padded; or None.
         max_new_tokens: [N] int >= 1, tokens each row may still emit; or None.
+        Both may be host tensors (checked on the host, copied to the result's device without a sync).
     """
     n, d = result.output_tokens.shape
     dev = result.output_tokens.device
@@ -261,7 +291,7 @@ def truncate_at_stop(
             raise ValueError(
                 f"stop_token_ids: expected shape [N, M] = [{n}, M], got {list(stop_token_ids.shape)}"
             )
-        ids = stop_token_ids.to(dev, torch.int64)
+        ids = to_device(stop_token_ids, dtype=torch.int64, device=dev)  # host ids: copied without a sync
         hit = (result.output_tokens[:, :, None] == ids[:, None, :]) & (ids[:, None, :] >= 0)
         hit = hit.any(dim=2) & valid  # [N, D]
         first = (
@@ -270,11 +300,12 @@ def truncate_at_stop(
         finished |= first < d
         cut = torch.minimum(cut, first)
     if max_new_tokens is not None:
+        # host values (what the server passes) are checked without a device sync
         if max_new_tokens.shape != (n,) or bool((max_new_tokens < 1).any()):
             raise ValueError(
                 f"max_new_tokens: expected shape [N] = [{n}] with values >= 1, got {max_new_tokens.tolist()}"
             )
-        budget = max_new_tokens.to(dev, torch.int64) - 1
+        budget = to_device(max_new_tokens, dtype=torch.int64, device=dev) - 1
         finished |= budget <= cut
         cut = torch.minimum(cut, budget)
     keep = col <= cut[:, None]

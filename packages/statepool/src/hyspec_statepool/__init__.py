@@ -26,6 +26,7 @@ from hyspec_statepool.specs import (
     StateDtypes,
 )
 from hyspec_statepool.state_pool import LinearLayerState
+from hyspec_statepool.transfer import to_device
 
 __version__ = "0.1.0"
 
@@ -58,5 +59,6 @@ __all__ = [
     "commit_steps",
     "max_draft_tokens",
     "plan_memory",
+    "to_device",
     "track_steps",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Literal, NamedTuple
 
 import torch
+from hyspec_kernels import value_checks
 from hyspec_kernels.commit import commit_states
 
 from hyspec_statepool.commit_math import commit_steps, track_steps
@@ -66,7 +67,13 @@ def commit_accepted_states(
         raise ValueError(
             f"accept_paths: expected at most Dmax = {dmax} columns, got {list(accept_paths.shape)}"
         )
-    if isinstance(num_accepted, torch.Tensor) and bool((num_accepted >= dmax).any()):
+    # value checks read the device: on the CPU always, on CUDA only for a debug pool (each is a sync there)
+    checks: bool | None = True if pool.debug else None
+    if (
+        isinstance(num_accepted, torch.Tensor)
+        and value_checks(num_accepted.device, checks)
+        and bool((num_accepted >= dmax).any())
+    ):
         raise ValueError(f"num_accepted: expected values < Dmax = {dmax}, got {num_accepted.tolist()}")
     tracking = (track_slots is not None, seq_lens_before is not None, track_interval is not None)
     if any(tracking) and not all(tracking):
@@ -74,7 +81,7 @@ def commit_accepted_states(
     if track_interval is not None and track_interval < dmax:
         raise ValueError(f"track_interval: expected >= Dmax = {dmax} so a round crosses at most one boundary")
 
-    steps = commit_steps(num_accepted=num_accepted, accept_paths=accept_paths)  # [N] int64
+    steps = commit_steps(num_accepted=num_accepted, accept_paths=accept_paths, check_values=checks)  # [N]
     slots = pool.state_slots(req_rows)
     t_steps: torch.Tensor | None = None
     t_slots: torch.Tensor | None = None
@@ -86,6 +93,7 @@ def commit_accepted_states(
             num_accepted=num_accepted,
             interval=track_interval,
             accept_paths=accept_paths,
+            check_values=checks,
         )
         t_slots = track_slots.tensor
         # a row without a track slot copies nothing, whatever its boundary
@@ -100,5 +108,6 @@ def commit_accepted_states(
         track_steps=None if t_steps is None else t_steps.to(device),
         check_unique=check_unique,
         backend=backend,
+        check_indices=checks,
     )
     return CommitIndices(steps, t_steps)

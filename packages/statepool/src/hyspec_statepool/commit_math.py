@@ -9,11 +9,15 @@ Counting conventions (the source of many off-by-one bugs, so every argument says
 - a step is an index inside the verify block: step 0 is the root (current token), the state after block token
   `j` sits in scratch step `j`. In a chain the accepted path is `0, 1, ..., num_accepted`; in a tree it is the
   block node indices of the accepted nodes, root first (parents precede children, so they increase).
+
+Value checks read the tensors on the host: they follow the kernels' rule (`hyspec_kernels.value_checks`),
+`check_values=None` checks on the CPU only, True on any device (debug mode), as each read is a sync on CUDA.
 """
 
 from __future__ import annotations
 
 import torch
+from hyspec_kernels import value_checks
 
 
 def _check_int(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -76,7 +80,9 @@ def accept_paths_from_flat(
     return paths
 
 
-def _check_paths(num_accepted: torch.Tensor, accept_paths: torch.Tensor | None) -> None:
+def _check_paths(
+    num_accepted: torch.Tensor, accept_paths: torch.Tensor | None, check_values: bool | None
+) -> None:
     n = num_accepted.shape[0]
     if accept_paths is None:
         return
@@ -88,7 +94,9 @@ def _check_paths(num_accepted: torch.Tensor, accept_paths: torch.Tensor | None) 
         )
         raise ValueError(f"accept_paths: expected shape [{n}, D], got {got}")
     _check_int("accept_paths", accept_paths, (n, accept_paths.shape[1]))
-    if bool((num_accepted >= accept_paths.shape[1]).any()):
+    if value_checks(num_accepted.device, check_values) and bool(
+        (num_accepted >= accept_paths.shape[1]).any()
+    ):
         raise ValueError(f"num_accepted: expected < D = {accept_paths.shape[1]}, got {num_accepted.tolist()}")
 
 
@@ -102,21 +110,25 @@ def _path_at(
     return accept_paths.long().gather(1, index)[:, 0]
 
 
-def commit_steps(*, num_accepted: torch.Tensor, accept_paths: torch.Tensor | None = None) -> torch.Tensor:
+def commit_steps(
+    *, num_accepted: torch.Tensor, accept_paths: torch.Tensor | None = None, check_values: bool | None = None
+) -> torch.Tensor:
     """The step whose state becomes the committed state, per batch row.
 
     Args:
         num_accepted: `[N]` int, accepted drafts (bonus excluded); -1 marks a row with nothing to commit.
         accept_paths: `[N, D]` int node indices of the accepted path, root first, or None for a chain.
+        check_values: where the value checks run (`hyspec_kernels.value_checks`; None: on the CPU only).
     Returns:
         `[N]` int64: chain `num_accepted`; tree the node index of the deepest accepted node; -1 where skipped.
     """
     _check_vector("num_accepted", num_accepted)
-    if bool((num_accepted < -1).any()):
+    checks = value_checks(num_accepted.device, check_values)
+    if checks and bool((num_accepted < -1).any()):
         raise ValueError(f"num_accepted: expected values >= 0 or -1 (skip), got {num_accepted.tolist()}")
-    _check_paths(num_accepted, accept_paths)
+    _check_paths(num_accepted, accept_paths, check_values)
     steps = _path_at(num_accepted, accept_paths, num_accepted)
-    if accept_paths is not None and bool(((steps < 0) & (num_accepted >= 0)).any()):
+    if checks and accept_paths is not None and bool(((steps < 0) & (num_accepted >= 0)).any()):
         raise ValueError("accept_paths: the path is shorter than num_accepted + 1 nodes for some row")
     return torch.where(num_accepted >= 0, steps, -1)
 
@@ -127,6 +139,7 @@ def track_steps(
     num_accepted: torch.Tensor,
     interval: int,
     accept_paths: torch.Tensor | None = None,
+    check_values: bool | None = None,
 ) -> torch.Tensor:
     """The step whose state completes a multiple of `interval` tokens this round, or -1.
 
@@ -140,17 +153,18 @@ def track_steps(
         num_accepted: `[N]` int, accepted drafts (bonus excluded); -1 rows get -1.
         interval: prefix-cache track interval; must be >= the verify block so a round crosses at most one.
         accept_paths: `[N, D]` tree paths (see `commit_steps`), or None for a chain.
+        check_values: where the value checks run (`hyspec_kernels.value_checks`; None: on the CPU only).
     """
     if interval < 1:
         raise ValueError(f"interval: expected >= 1, got {interval}")
     n = _check_vector("num_accepted", num_accepted)
     _check_int("seq_lens_before", seq_lens_before, (n,))
-    _check_paths(num_accepted, accept_paths)
-    if bool((num_accepted + 1 > interval).any()):
+    _check_paths(num_accepted, accept_paths, check_values)
+    if value_checks(num_accepted.device, check_values) and bool((num_accepted + 1 > interval).any()):
         raise ValueError(
             f"interval: expected >= committed tokens per round, got {interval} for {num_accepted.tolist()}"
         )
-    if bool((seq_lens_before < 0).any()):
+    if value_checks(seq_lens_before.device, check_values) and bool((seq_lens_before < 0).any()):
         raise ValueError(f"seq_lens_before: expected values >= 0, got {seq_lens_before.tolist()}")
     pre = seq_lens_before.long()
     post = pre + num_accepted.long() + 1

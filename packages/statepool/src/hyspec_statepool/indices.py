@@ -19,9 +19,12 @@ TypeError. Read the raw tensor with `.tensor` when calling a kernel.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar, Final, Self, TypeVar, final
 
 import torch
+
+from hyspec_statepool.transfer import to_device
 
 
 class _MintToken:
@@ -50,14 +53,28 @@ class _IndexTensor:
         if bound < 0:
             raise ValueError(f"{name}: expected bound >= 0, got {bound}")
         if check and tensor.numel() > 0:
-            low = -1 if self._allow_pad else 0
-            bad = (tensor < low) | (tensor >= bound)
+            bad = (tensor < self._low()) | (tensor >= bound)
             if bool(bad.any()):
-                pad = " or -1 (padding)" if self._allow_pad else ""
-                value = int(tensor[bad][0])
-                raise ValueError(f"{name}: expected values in [0, {bound}){pad}, got {value}")
+                raise self._range_error(int(tensor[bad][0]), bound)
         self._tensor = tensor  # [n] int32
         self._bound = bound
+
+    @classmethod
+    def _low(cls) -> int:
+        return -1 if cls._allow_pad else 0
+
+    @classmethod
+    def _range_error(cls, value: int, bound: int) -> ValueError:
+        pad = " or -1 (padding)" if cls._allow_pad else ""
+        return ValueError(f"{cls.__name__}: expected values in [0, {bound}){pad}, got {value}")
+
+    @classmethod
+    def _check_host(cls, values: Sequence[int], bound: int) -> None:
+        """The range check of the constructor on host values, before they go to the device (no sync)."""
+        low = cls._low()
+        for v in values:
+            if not low <= v < bound:
+                raise cls._range_error(int(v), bound)
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -150,7 +167,7 @@ class StateSlots(_IndexTensor):
         """Entries at `positions` (-1 gives a padded -1), e.g. track slots lined up with a batch."""
         if any(not -1 <= p < len(self) for p in positions):
             raise ValueError(f"positions: expected values in [0, {len(self)}) or -1, got {positions}")
-        index = torch.tensor(positions, dtype=torch.long, device=self._tensor.device)
+        index = to_device(positions, dtype=torch.long, device=self._tensor.device)
         picked = torch.where(index >= 0, self._tensor[index.clamp(min=0)], -1) if len(self) else index.int()
         return StateSlots(picked.to(torch.int32), bound=self._bound, token=_MINT, check=False)
 
@@ -169,6 +186,16 @@ _I = TypeVar("_I", ReqRows, KVSlots, StateSlots, BatchRows)
 def _mint(
     cls: type[_I], values: torch.Tensor | list[int], *, bound: int, device: torch.device, check: bool = True
 ) -> _I:
-    """Build an index type inside this package. `check=False` only for values the pool itself wrote."""
-    tensor = torch.as_tensor(values, dtype=torch.int32, device=device)
-    return cls(tensor, bound=bound, token=_MINT, check=check)
+    """Build an index type inside this package. `check=False` only for values the pool itself wrote.
+
+    Host values (a list or a CPU tensor) are checked on the host and copied without a stream sync; only
+    values already on a device are checked there (a sync on CUDA).
+    """
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+        return cls(values.to(device, torch.int32), bound=bound, token=_MINT, check=check)
+    if check:
+        if bound < 0:
+            raise ValueError(f"{cls.__name__}: expected bound >= 0, got {bound}")
+        cls._check_host(values.tolist() if isinstance(values, torch.Tensor) else values, bound)
+    tensor = to_device(values, dtype=torch.int32, device=device)
+    return cls(tensor, bound=bound, token=_MINT, check=False)

@@ -20,6 +20,9 @@ from hyspec_statepool.leak import LeakReport
 from hyspec_statepool.request_table import RequestTable
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.state_pool import LinearLayerState, RecurrentStatePool
+from hyspec_statepool.transfer import to_device
+
+INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(slots=True)
@@ -182,47 +185,82 @@ class HybridStatePool:
         bound = self.plan.max_running + 1
         if not 0 <= n <= bound:
             raise ValueError(f"n: expected 0 <= n <= max_running + 1 = {bound}, got {n}")
-        return _mint(BatchRows, torch.arange(n, dtype=torch.int32), bound=bound, device=self.device)
+        # made on the device: no copy, and 0..n-1 < bound needs no value check
+        rows = torch.arange(n, dtype=torch.int32, device=self.device)
+        return _mint(BatchRows, rows, bound=bound, device=self.device, check=False)
 
     def kv_slots(
-        self, *, req_rows: ReqRows, start_positions: torch.Tensor, num_tokens: torch.Tensor
+        self, *, req_rows: ReqRows, start_positions: torch.Tensor, num_tokens: torch.Tensor | int
     ) -> KVSlots:
         """KV slots of packed tokens: request n's positions `start_positions[n] + [0, num_tokens[n])`.
 
         Args:
             req_rows: `[N]` rows of the requests in the batch.
             start_positions: `[N]` int, first position written this forward (the prefix length).
-            num_tokens: `[N]` int, tokens of each request in this forward.
+            num_tokens: `[N]` int, tokens of each request in this forward; or one int, the same count for
+                every request (decode, verify), which needs no data-dependent shape (no device sync).
         Returns:
             `[T]` KV slots, `T = sum(num_tokens)`, requests in order.
+
+        Host tensors are checked on the host and copied without a sync; device tensors are checked only
+        where reading them back is allowed (CPU, or `debug=True`).
         """
         self._check_bound("req_rows", req_rows.bound, self.plan.max_running)
         n = len(req_rows)
-        for name, t in (("start_positions", start_positions), ("num_tokens", num_tokens)):
-            if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (n,):
-                raise ValueError(
-                    f"{name}: expected an int tensor of shape [{n}], got {t.dtype} {list(t.shape)}"
-                )
-        starts = start_positions.to(self.device, torch.long)
-        counts = num_tokens.to(self.device, torch.long)
-        if (
-            self._checks
-            and n
-            and bool(((starts < 0) | (counts < 0) | (starts + counts > self.table.width)).any())
-        ):
-            raise ValueError(
-                f"start_positions, num_tokens: expected 0 <= start and start + count <= "
-                f"{self.table.width}, got "
-                f"{start_positions.tolist()} and {num_tokens.tolist()}"
-            )
-        rows = req_rows.tensor.long().repeat_interleave(counts)  # [T]
-        first = (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)  # [T] packed index of each start
-        positions = starts.repeat_interleave(counts) + torch.arange(rows.numel(), device=self.device) - first
+        fixed = not isinstance(num_tokens, torch.Tensor)
+        named: list[tuple[str, object]] = [("start_positions", start_positions)]
+        if not fixed:
+            named.append(("num_tokens", num_tokens))
+        for name, t in named:
+            if not isinstance(t, torch.Tensor) or t.dtype not in INDEX_DTYPES or t.shape != (n,):
+                got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name}: expected an int tensor of shape [{n}], got {got}")
+        if fixed and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0):
+            raise ValueError(f"num_tokens: expected a tensor or an int >= 0, got {num_tokens!r}")
+        if n:
+            self._check_positions(start_positions, num_tokens)
+        starts = to_device(start_positions, dtype=torch.long, device=self.device)  # [N]
+        if isinstance(num_tokens, torch.Tensor):
+            rows, positions = self._ragged_positions(req_rows, starts, num_tokens)
+        else:
+            # fixed count q: positions start[n] + [0, q) without data-dependent shapes
+            offsets = torch.arange(num_tokens, device=self.device)  # [q]
+            positions = (starts[:, None] + offsets).reshape(-1)  # [N * q]
+            rows = req_rows.tensor.long()[:, None].expand(n, num_tokens).reshape(-1)  # [N * q]
         slots = self.table.req_to_kv[rows, positions]  # [T] int32
         if self._checks and bool((slots < 0).any()):
             raise ValueError("kv_slots: some positions have no KV page yet; call ensure_kv_capacity first")
         bound = self.plan.num_kv_pages * self.plan.page_size
         return _mint(KVSlots, slots, bound=bound, device=self.device, check=False)
+
+    def _check_positions(self, start_positions: torch.Tensor, num_tokens: torch.Tensor | int) -> None:
+        """0 <= start and start + count <= table width; on the host when the values are there."""
+        counts = num_tokens if isinstance(num_tokens, torch.Tensor) else torch.tensor(num_tokens)
+        on_host = start_positions.device.type == "cpu" and counts.device.type == "cpu"
+        if not (on_host or self._checks):
+            return
+        starts = start_positions.long()
+        counts = counts.to(starts.device, torch.long)
+        if bool(((starts < 0) | (counts < 0) | (starts + counts > self.table.width)).any()):
+            got = num_tokens.tolist() if isinstance(num_tokens, torch.Tensor) else num_tokens
+            raise ValueError(
+                f"start_positions, num_tokens: expected 0 <= start and start + count <= "
+                f"{self.table.width}, got "
+                f"{start_positions.tolist()} and {got}"
+            )
+
+    def _ragged_positions(
+        self, req_rows: ReqRows, starts: torch.Tensor, num_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(request row, position) of every packed token when counts differ per request, each `[T]` int64."""
+        # the total sizes the outputs: known on the host it spares the sync repeat_interleave makes to find it
+        total = int(num_tokens.sum())
+        counts = to_device(num_tokens, dtype=torch.long, device=self.device)  # [N]
+        rows = req_rows.tensor.long().repeat_interleave(counts, output_size=total)  # [T]
+        first = torch.cumsum(counts, 0) - counts  # [N] packed index of each request's first token
+        packed = torch.arange(total, device=self.device)  # [T]
+        positions = (starts - first).repeat_interleave(counts, output_size=total) + packed
+        return rows, positions
 
     def page_table(self, req_rows: ReqRows) -> torch.Tensor:
         """`[N, max_pages]` int32 pages of each row, -1 past its last page (paged attention's input)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from hyspec_statepool.sizing import MemoryPlan
+from hyspec_statepool.transfer import to_device
 
 
 class RequestTable:
@@ -26,15 +27,15 @@ class RequestTable:
     def map_slot(self, rows: list[int], slots: list[int]) -> None:
         if rows:
             device = self.row_to_slot.device
-            index = torch.tensor(rows, dtype=torch.long, device=device)
-            self.row_to_slot[index] = torch.tensor(slots, dtype=torch.int32, device=device)
+            index = to_device(rows, dtype=torch.long, device=device)
+            self.row_to_slot[index] = to_device(slots, dtype=torch.int32, device=device)
 
     def set_pages(self, row: int, first: int, pages: list[int]) -> None:
         """Record `pages` as the row's pages number `first, first + 1, ...` and fill their token slots."""
         if not pages:
             return
         device = self.page_table.device
-        page_ids = torch.tensor(pages, dtype=torch.int32, device=device)  # [k]
+        page_ids = to_device(pages, dtype=torch.int32, device=device)  # [k]
         self.page_table[row, first : first + len(pages)] = page_ids
         offsets = torch.arange(self.page_size, dtype=torch.int32, device=device)  # [page_size]
         slots = (page_ids[:, None] * self.page_size + offsets).reshape(-1)  # [k * page_size]

@@ -15,6 +15,7 @@ import torch
 from hyspec_statepool.errors import DoubleFreeError, PoolExhaustedError
 from hyspec_statepool.layout import group_linear_layers
 from hyspec_statepool.sizing import MemoryPlan
+from hyspec_statepool.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +110,8 @@ class RecurrentStatePool:
     def _fill(self, slots: list[int], value: float) -> None:
         if not slots:
             return
+        index: torch.Tensor | None = None
         for tensor in self.states.values():
-            index = torch.tensor(slots, dtype=torch.long, device=tensor.device)
+            if index is None or index.device != tensor.device:
+                index = to_device(slots, dtype=torch.long, device=tensor.device)  # [k], copied once
             tensor[:, index] = value

@@ -22,6 +22,7 @@ from hyspec_kernels._checks import (
     check_tensor,
     dim,
     resolve_backend,
+    value_checks,
 )
 from hyspec_kernels.attention.reference import paged_attention_reference, store_kv_reference
 from hyspec_kernels.attention.torch_impl import paged_attention_torch, store_kv_torch
@@ -53,6 +54,14 @@ def _check_unit_stride(**tensors: torch.Tensor) -> None:
             )
 
 
+def _max_lens(q_lens: torch.Tensor, kv_lens: torch.Tensor) -> tuple[int, int]:
+    """(max q_len, max kv_len) read back in one host transfer; (0, 0) without sequences."""
+    if q_lens.numel() == 0:
+        return 0, 0
+    both = torch.stack([q_lens.max().long(), kv_lens.max().long()]).tolist()  # [2]
+    return int(both[0]), int(both[1])
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -61,10 +70,13 @@ def store_kv(
     v_cache: torch.Tensor,
     kv_slots: torch.Tensor,
     backend: Backend = "auto",
+    check_indices: bool | None = None,
 ) -> None:
     """Write token t's K/V ([T, HKV, Dh] each) to flat KV slot `kv_slots[t]` of the caches; -1 is skipped.
 
     Two live tokens with the same slot race (undefined which one lands); the caller hands out unique slots.
+    `check_indices`: the slot range check's rule (`value_checks`: None checks on the CPU only, as on CUDA it
+    is a sync; True on any device; False never).
     """
     k_cache, v_cache = _check_caches(
         k_cache, v_cache, k_cache.device if isinstance(k_cache, torch.Tensor) else None
@@ -73,7 +85,13 @@ def store_kv(
     k = check_tensor("k", k, ("T", num_kv_heads, head_dim), dtypes=(k_cache.dtype,), device=k_cache.device)
     v = check_tensor("v", v, tuple(k.shape), dtypes=(k_cache.dtype,), device=k_cache.device)
     kv_slots = check_index(
-        "kv_slots", kv_slots, (k.shape[0],), low=0, high=num_pages * page_size, device=k_cache.device
+        "kv_slots",
+        kv_slots,
+        (k.shape[0],),
+        low=0,
+        high=num_pages * page_size,
+        device=k_cache.device,
+        check_values=check_indices,
     )
     impl = resolve_backend(backend, k_cache.device)
     if impl == "triton":
@@ -94,6 +112,7 @@ def paged_attention(
     tree_mask: torch.Tensor | None = None,
     max_q_len: int | None = None,
     backend: Backend = "auto",
+    check_indices: bool | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over paged K/V. Returns o [T, HQ, Dh] in q's dtype (softmax in fp32).
 
@@ -112,6 +131,10 @@ def paged_attention(
             uses it: under CUDA graph capture, where q_lens cannot be read, it keeps the grid tight instead of
             assuming one sequence may hold all T tokens. Checked against the real q_lens otherwise.
         backend: "auto" (Triton on CUDA, torch elsewhere), "triton", "torch" or "reference".
+        check_indices: the rule of the value checks (cu_seqlens_q, kv_lens, page_table, tree_mask diagonal),
+            which read the device (`value_checks`): None checks on the CPU only, True on any device, False
+            never. The real longest q_len and kv_len are read outside graph capture whatever it says: the
+            launch needs them.
     """
     q = check_tensor("q", q, ("T", "HQ", "Dh"), dtypes=FLOAT_DTYPES)
     device = q.device
@@ -124,21 +147,27 @@ def paged_attention(
         "page_table", page_table, ("N", "max_pages"), dtypes=INDEX_DTYPES, device=device
     )
     num_seqs, max_pages = page_table.shape
-    cu_seqlens_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, num_tokens, device=device)
+    cu_seqlens_q = check_cu_seqlens(
+        "cu_seqlens_q", cu_seqlens_q, num_tokens, device=device, check_values=check_indices
+    )
     dim("cu_seqlens_q", cu_seqlens_q, 0, num_seqs + 1, "N + 1, N = page_table rows")
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # [N]
     kv_lens = check_tensor("kv_lens", kv_lens, (num_seqs,), dtypes=INDEX_DTYPES, device=device)
     # under CUDA graph capture nothing may read device values: skip the value checks and launch for the
     # static upper bounds (T queries, a full page-table row of keys); the kernel masks by the real lengths
     graph = capturing(q)
-    if num_seqs and not graph and bool(((kv_lens < q_lens) | (kv_lens > max_pages * page_size)).any()):
+    # value checks read the device: by default on the CPU only (on CUDA each is a sync)
+    checks = value_checks(device, check_indices)
+    if num_seqs and checks and bool(((kv_lens < q_lens) | (kv_lens > max_pages * page_size)).any()):
         raise ValueError(
             f"kv_lens: expected q_len <= kv_len <= max_pages * page_size = {max_pages * page_size}, "
             f"got kv_lens {kv_lens.tolist()} for q_lens {q_lens.tolist()}"
         )
-    if not graph:
+    if checks:
         used = torch.arange(max_pages, device=device)[None, :] * page_size < kv_lens[:, None]  # [N, pages]
-        check_index("page_table", page_table[used], (None,), low=0, high=num_pages, allow_pad=False)
+        check_index(
+            "page_table", page_table[used], (None,), low=0, high=num_pages, allow_pad=False, check_values=True
+        )
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite float, got {scale!r}")
     if max_q_len is not None and (
@@ -156,7 +185,9 @@ def paged_attention(
         bound = min(num_tokens, depth, num_tokens if max_q_len is None else max_q_len)
         max_q_len, max_kv_len = (bound, max_pages * page_size) if num_seqs else (0, 0)
     else:
-        real_max_q = int(q_lens.max()) if num_seqs else 0
+        # the launch grid needs the real longest q_len and kv_len (they set the tiles and the KV splits):
+        # one host read for both
+        real_max_q, max_kv_len = _max_lens(q_lens, kv_lens)
         if max_q_len is not None and real_max_q > max_q_len:
             raise ValueError(
                 f"max_q_len: expected >= every q_len, got {max_q_len} for a q_len of {real_max_q}"
@@ -165,13 +196,12 @@ def paged_attention(
             raise ValueError(
                 f"tree_mask: expected D >= every q_len = {real_max_q}, got {list(tree_mask.shape)}"
             )
-        if tree_mask is not None:
+        if tree_mask is not None and checks:
             diag = tree_mask.diagonal(dim1=1, dim2=2)  # [N, D]
             live = torch.arange(depth, device=device)[None, :] < q_lens[:, None]
             if not bool(diag[live].all()):
                 raise ValueError("tree_mask: expected tree_mask[n, i, i] true for every query i < q_len")
         max_q_len = real_max_q
-        max_kv_len = int(kv_lens.max()) if num_seqs else 0
 
     impl = resolve_backend(backend, device)
     if impl == "triton":

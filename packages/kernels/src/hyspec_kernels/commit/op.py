@@ -65,6 +65,7 @@ def commit_states(
     track_steps: torch.Tensor | None = None,
     check_unique: bool = False,
     backend: Backend = "auto",
+    check_indices: bool | None = None,
 ) -> None:
     """For every pair and live row i: `state[:, state_slots[i]] = scratch[:, batch_rows[i], steps[i]]`.
 
@@ -80,6 +81,8 @@ def commit_states(
         check_unique: raise ValueError if two live rows of one set target the same slot (skipped while a CUDA
             graph is being captured, like every value check).
         backend: "auto" (Triton on CUDA, torch elsewhere), "triton", "torch" or "reference".
+        check_indices: the rule of the range checks, which read the device (`value_checks`): None checks on
+            the CPU only, True on any device, False never. The Triton kernel skips out-of-range rows anyway.
     """
     checked = _check_pairs(pairs)
     if (track_slots is None) != (track_steps is None):
@@ -89,15 +92,25 @@ def commit_states(
     num_slots = min((s.shape[1] for s, _ in checked), default=2**62)
     num_rows = min((x.shape[1] for _, x in checked), default=2**62)
     max_steps = min((x.shape[2] for _, x in checked), default=2**62)
-    batch_rows = check_index("batch_rows", batch_rows, ("n",), low=0, high=num_rows, device=device)
+    batch_rows = check_index(
+        "batch_rows", batch_rows, ("n",), low=0, high=num_rows, device=device, check_values=check_indices
+    )
     n = batch_rows.shape[0]
-    state_slots = check_index("state_slots", state_slots, (n,), low=0, high=num_slots, device=device)
-    steps = check_index("steps", steps, (n,), low=0, high=max_steps, device=device)
+    state_slots = check_index(
+        "state_slots", state_slots, (n,), low=0, high=num_slots, device=device, check_values=check_indices
+    )
+    steps = check_index(
+        "steps", steps, (n,), low=0, high=max_steps, device=device, check_values=check_indices
+    )
     if track_slots is not None and track_steps is not None:
-        track_slots = check_index("track_slots", track_slots, (n,), low=0, high=num_slots, device=device)
-        track_steps = check_index("track_steps", track_steps, (n,), low=0, high=max_steps, device=device)
+        track_slots = check_index(
+            "track_slots", track_slots, (n,), low=0, high=num_slots, device=device, check_values=check_indices
+        )
+        track_steps = check_index(
+            "track_steps", track_steps, (n,), low=0, high=max_steps, device=device, check_values=check_indices
+        )
     # Under CUDA graph capture nothing may read device values: the uniqueness check is skipped (check_index
-    # skips its range checks too); the Triton kernel still masks out-of-range rows.
+    # skips its range checks then too); the Triton kernel still masks out-of-range rows.
     if check_unique and not capturing(batch_rows):
         check_unique_live("state_slots", state_slots, (steps >= 0) & (state_slots >= 0) & (batch_rows >= 0))
         if track_slots is not None and track_steps is not None:

@@ -5,6 +5,9 @@ Layouts: tokens packed token-major (x [T, C] or [N, D, C]); weight [C, W] with W
 state and scratch take their own dtype (fp32 or bf16 in practice). A state slot of -1 marks a padded row:
 its state is neither read (zeros instead) nor written. Slots must be distinct apart from -1, because two rows
 writing one slot would race.
+
+Value checks (index ranges, offsets, distinct slots) read the tensors on the host: `check_indices` follows the
+rule of every op (`value_checks`): None (default) checks on the CPU only, True on any device, False never.
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ import torch
 from hyspec_kernels._checks import (
     FLOAT_DTYPES,
     Backend,
-    capturing,
     check_cu_seqlens,
     check_index,
     check_tensor,
     dim,
     resolve_backend,
+    value_checks,
 )
 from hyspec_kernels.conv import reference, torch_impl
 from hyspec_kernels.conv.common import ACTIVATIONS, MAX_WIDTH, MIN_WIDTH, Activation
@@ -53,9 +56,9 @@ def _check_state(name: str, t: object, num_ch: int, width: int, device: torch.de
     return check_tensor(name, t, ("S", num_ch, width - 1), dtypes=FLOAT_DTYPES, device=device)
 
 
-def _check_distinct(name: str, t: torch.Tensor) -> None:
+def _check_distinct(name: str, t: torch.Tensor, check_values: bool | None) -> None:
     """Non-padding values must be distinct: each names memory that exactly one row writes."""
-    if capturing(t):
+    if not value_checks(t.device, check_values):
         return
     used = t[t >= 0]
     if used.numel() != torch.unique(used).numel():
@@ -77,6 +80,23 @@ def _triton() -> ModuleType:
     return triton_kernel
 
 
+def _check_slots(
+    state_slots: torch.Tensor, num_rows: int, conv_state: torch.Tensor, check_indices: bool | None
+) -> torch.Tensor:
+    """[num_rows] slots into `conv_state`, distinct; values read back only when `value_checks` says so."""
+    slots = check_index(
+        "state_slots",
+        state_slots,
+        (num_rows,),
+        low=0,
+        high=conv_state.shape[0],
+        device=conv_state.device,
+        check_values=check_indices,
+    )
+    _check_distinct("state_slots", slots, check_indices)
+    return slots
+
+
 def conv_prefill(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -88,6 +108,7 @@ def conv_prefill(
     has_initial_state: torch.Tensor,
     activation: Activation,
     backend: Backend = "auto",
+    check_indices: bool | None = None,
 ) -> torch.Tensor:
     """Causal conv over packed variable-length sequences; returns y [T, C] in x's dtype.
 
@@ -100,13 +121,12 @@ def conv_prefill(
     num_tokens, num_ch = x.shape
     device = x.device
     weight, bias, width = _check_weights(weight, bias, num_ch, device)
-    cu_seqlens = check_cu_seqlens("cu_seqlens", cu_seqlens, num_tokens, device=device)
+    cu_seqlens = check_cu_seqlens(
+        "cu_seqlens", cu_seqlens, num_tokens, device=device, check_values=check_indices
+    )
     num_seqs = cu_seqlens.shape[0] - 1
     conv_state = _check_state("conv_state", conv_state, num_ch, width, device)
-    state_slots = check_index(
-        "state_slots", state_slots, (num_seqs,), low=0, high=conv_state.shape[0], device=device
-    )
-    _check_distinct("state_slots", state_slots)
+    state_slots = _check_slots(state_slots, num_seqs, conv_state, check_indices)
     has_initial_state = check_tensor(
         "has_initial_state", has_initial_state, (num_seqs,), dtypes=(torch.bool,), device=device
     )
@@ -140,6 +160,7 @@ def conv_decode(
     state_slots: torch.Tensor,
     activation: Activation,
     backend: Backend = "auto",
+    check_indices: bool | None = None,
 ) -> torch.Tensor:
     """One token per sequence; returns y [N, C] in x's dtype and shifts x into `conv_state[slot]` in place.
 
@@ -150,10 +171,7 @@ def conv_decode(
     device = x.device
     weight, bias, width = _check_weights(weight, bias, num_ch, device)
     conv_state = _check_state("conv_state", conv_state, num_ch, width, device)
-    state_slots = check_index(
-        "state_slots", state_slots, (num_rows,), low=0, high=conv_state.shape[0], device=device
-    )
-    _check_distinct("state_slots", state_slots)
+    state_slots = _check_slots(state_slots, num_rows, conv_state, check_indices)
     activation = _check_activation(activation)
 
     chosen = _pick(backend, device)
@@ -178,6 +196,7 @@ def conv_verify(
     parents: torch.Tensor | None,
     activation: Activation,
     backend: Backend = "auto",
+    check_indices: bool | None = None,
 ) -> torch.Tensor:
     """D block tokens per sequence; returns y [N, D, C] in x's dtype and never writes `conv_state`.
 
@@ -192,10 +211,7 @@ def conv_verify(
     device = x.device
     weight, bias, width = _check_weights(weight, bias, num_ch, device)
     conv_state = _check_state("conv_state", conv_state, num_ch, width, device)
-    state_slots = check_index(
-        "state_slots", state_slots, (num_rows,), low=0, high=conv_state.shape[0], device=device
-    )
-    _check_distinct("state_slots", state_slots)
+    state_slots = _check_slots(state_slots, num_rows, conv_state, check_indices)
     scratch = check_tensor(
         "scratch", scratch, ("R", "Dmax", num_ch, width - 1), dtypes=(conv_state.dtype,), device=device
     )
@@ -205,16 +221,22 @@ def conv_verify(
             f"got {list(scratch.shape)}"
         )
     scratch_rows = check_index(
-        "scratch_rows", scratch_rows, (num_rows,), low=0, high=scratch.shape[0], device=device
+        "scratch_rows",
+        scratch_rows,
+        (num_rows,),
+        low=0,
+        high=scratch.shape[0],
+        device=device,
+        check_values=check_indices,
     )
-    _check_distinct("scratch_rows", scratch_rows)
+    _check_distinct("scratch_rows", scratch_rows, check_indices)
     if parents is not None:
         parents = check_tensor("parents", parents, (num_rows, depth), device=device)
         if parents.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"parents: expected dtype int32 or int64, got {parents.dtype}")
         steps = torch.arange(depth, device=device)
-        # a host read; skipped under CUDA graph capture like every value check (the caller validated them)
-        if not capturing(parents) and bool(((parents < -1) | (parents >= steps)).any()):
+        # a host read: runs under the rule of every value check (`value_checks`)
+        if value_checks(device, check_indices) and bool(((parents < -1) | (parents >= steps)).any()):
             raise ValueError(
                 "parents: expected -1 <= parents[n, j] < j (parents precede children), "
                 f"got {parents.tolist()}"

@@ -3,10 +3,10 @@
 Layouts: recurrent state [HV, K, V] per slot (pool [S, HV, K, V]); tokens packed token-major. q and k are
 L2-normalised inside every op and q is scaled by K^-1/2; value head h reads key head h // (HV // HK).
 
-Every wrapper checks dtype, shape, device and (unless `check_indices=False`) index ranges, and raises a
-ValueError naming the argument. Index range checks read the index tensors on the host; on CUDA that is a
-sync, so hot paths whose indices are already known to be valid pass `check_indices=False`; they are also
-skipped while a CUDA graph is being captured.
+Every wrapper checks dtype, shape, device and index ranges, and raises a ValueError naming the argument.
+Index range checks read the index tensors on the host; on CUDA that is a sync, so `check_indices` follows the
+rule of every op (`value_checks`): None (default) checks on the CPU only, True on any device (debug mode),
+False never (hot paths whose indices are known to be valid); never while a CUDA graph is being captured.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from .._checks import (
     check_index,
     check_tensor,
     resolve_backend,
+    value_checks,
 )
 from . import reference, torch_ops
 
@@ -39,11 +40,9 @@ class GDNPrefillOutput(NamedTuple):
     )  # [total_chunks, HV, K, V] fp32: state at the start of each 64-token chunk
 
 
-def _check_indices_now(check_indices: bool, device: torch.device) -> bool:
-    if not check_indices:
-        return False
-    # a host read during CUDA graph capture would break the capture
-    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+def _check_indices_now(check_indices: bool | None, device: torch.device) -> bool:
+    # the rule of every value check: by default on the CPU only (a sync on CUDA), never while capturing
+    return value_checks(device, check_indices)
 
 
 def _check_distinct(name: str, t: torch.Tensor) -> None:
@@ -108,7 +107,7 @@ def gdn_prefill(
     has_initial_state: torch.Tensor,
     return_chunk_states: bool = False,
     backend: Backend = "auto",
-    check_indices: bool = True,
+    check_indices: bool | None = None,
 ) -> GDNPrefillOutput:
     """Chunked prefill over packed variable-length sequences.
 
@@ -191,7 +190,7 @@ def gdn_decode(
     state: torch.Tensor,
     state_slots: torch.Tensor,
     backend: Backend = "auto",
-    check_indices: bool = True,
+    check_indices: bool | None = None,
 ) -> torch.Tensor:
     """One token per sequence; the state is read from and written back to its slot in place.
 
@@ -266,7 +265,7 @@ def gdn_verify(
     scratch_rows: torch.Tensor,
     parents: torch.Tensor | None = None,
     backend: Backend = "auto",
-    check_indices: bool = True,
+    check_indices: bool | None = None,
 ) -> torch.Tensor:
     """Verify blocks of D tokens per sequence (chain or tree). Never writes `state`.
 

@@ -1,0 +1,83 @@
+"""The one-token chain path of MTP / EAGLE-3 drafting equals the general path that recomputes every node.
+
+`HiddenStateDrafter` drafts a chain over one reused draft layer (`_draft_chain`) with a first block that also
+writes the pairs committed since the last proposal (the draft extend), then one token per step: each step
+reads the K/V that earlier steps wrote and advances its own batch, which is what lets a CUDA graph run the
+steps back to back. The general path recomputes the root and all earlier drafts at every step (it is what
+trees and multi-layer MTP use). Round by round over a whole batched generation, both propose the same
+drafts, on NaN-poisoned debug pools where a read of an unwritten draft KV entry would show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hyspec_spec_workers import SpeculativeConfig
+from hyspec_spec_workers.factory import build_drafter
+from hyspec_spec_workers.testing import generate
+
+S = 3
+
+
+def _proposals(
+    t: Any, spec: dict[str, Any], *, general: bool
+) -> tuple[list[torch.Tensor], list[tuple[int, int]], Any]:
+    """Every proposed block of a greedy generation, and the token counts of the draft forwards."""
+    cfg = SpeculativeConfig.from_dict(spec)
+    drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
+    if general:
+        # an instance-level draft_logits (the testing hook) sends proposals down the general path
+        drafter.draft_logits = drafter.draft_logits
+    blocks: list[torch.Tensor] = []
+    shapes: list[tuple[int, int]] = []
+    propose, run = drafter.propose, drafter.model.run
+
+    def keep(batch: Any) -> Any:
+        out = propose(batch)
+        blocks.append(out.tree.tokens.clone())
+        return out
+
+    def spy(batch: Any, backend: Any, **kw: Any) -> Any:
+        if batch.mode.value == "target_verify":
+            shapes.append((batch.num_seqs, batch.num_tokens // batch.num_seqs))
+        return run(batch, backend, **kw)
+
+    drafter.propose, drafter.model.run = keep, spy
+    backend, pool = t.stack(cfg.draft_shape())
+    out = generate(
+        t.model, backend, pool, t.prompts, max_new_tokens=t.new_tokens, drafter=drafter, num_steps=S
+    )
+    assert out == t.reference()
+    return blocks, shapes, drafter
+
+
+@pytest.mark.parametrize(("arch", "method"), [("qwen3_5", "mtp"), ("qwen3_next", "mtp"), ("lfm2", "eagle3")])
+def test_chain_path_proposes_what_the_general_path_proposes(
+    target: Callable[[str], Any], arch: str, method: str
+) -> None:
+    t = target(arch)
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": S}
+    if method == "eagle3":
+        spec["model"] = str(t.eagle3())
+    fast, fast_shapes, drafter = _proposals(t, spec, general=False)
+    slow, slow_shapes, _ = _proposals(t, spec, general=True)
+    assert drafter.chain_graphs  # the fast path exists for this drafter
+    assert len(fast) == len(slow) > 0
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
+    # the chain path ran its first block (pending pairs + root, S + 2 tokens per row), then one token per
+    # row per step; the general path recomputed the root and earlier drafts (2 .. S tokens per row)
+    per_row = [d for _, d in fast_shapes]
+    assert set(per_row) == {S + 2, 1} and per_row.count(S + 2) == len(fast)
+    assert {d for _, d in slow_shapes} == set(range(1, S + 1))
+
+
+def test_multi_layer_mtp_keeps_the_general_path(target: Callable[[str], Any]) -> None:
+    t = target("qwen3_next")
+    cfg = SpeculativeConfig.from_dict({"method": "multi_layer_mtp", "num_speculative_tokens": S})
+    drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
+    # layer j at step j needs its own K/V at the earlier draft positions: no one-token chain
+    assert not drafter.chain_graphs
