@@ -29,6 +29,7 @@ from bench_decode import build_checkpoint, free, make_llm
 RUNS: list[tuple[str, dict[str, Any] | None]] = [
     ("plain", None),
     ("mtp", {"method": "mtp", "num_speculative_tokens": 3}),
+    ("mtp_adaptive", {"method": "mtp", "num_speculative_tokens": 3, "adaptive": True}),
 ]
 
 
@@ -45,6 +46,11 @@ def torch_profile(run: Any, top: int) -> None:
     api = [e for e in events if e.key.startswith("cuda")]
     for e in sorted(api, key=lambda e: -e.self_cpu_time_total)[:8]:
         print(f"   {e.key:40s} calls {e.count:6d}  host {e.self_cpu_time_total / 1e3:8.1f} ms")
+    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    print(f"   {'top GPU kernels by device time':40s}")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        name = e.key if len(e.key) <= 60 else e.key[:57] + "..."
+        print(f"   {name:60s} calls {e.count:6d}  {e.self_device_time_total / 1e3:8.1f} ms")
     ops = [e for e in events if e.device_type.name == "CPU" and not e.key.startswith("cuda")]
     print(f"   {'top CPU ops by self time':40s}")
     for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:top]:
@@ -129,29 +135,40 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--batch", type=int, default=1, help="prompts decoded together")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (random ids, one prompt per row)")
     ap.add_argument("--mode", choices=("torch", "cprofile", "syncs", "phases"), default="torch")
     ap.add_argument("--only", choices=[name for name, _ in RUNS], default=None)
     a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="hyspec-profile-") as tmp:  # a 9B-wide checkpoint: tens of GB
+        profile(Path(tmp) / "ckpt", a)
+
+
+def profile(ckpt: Path, a: argparse.Namespace) -> None:
     from hyspec_server import SamplingParams
 
-    ckpt = Path(tempfile.mkdtemp()) / "ckpt"
     model, _ = build_checkpoint(ckpt, a.layers)
+    vocab = int(model.config.vocab_size)
     free(model)
-    prompt = {"prompt_token_ids": list(range(100, 164))}
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        {"prompt_token_ids": torch.randint(0, vocab, (a.prompt,), generator=g).tolist()}
+        for _ in range(a.batch)
+    ]
     for name, spec in RUNS:
         if a.only is not None and name != a.only:
             continue
-        llm = make_llm(ckpt, spec=spec, max_seqs=8, max_len=512)
+        llm = make_llm(ckpt, spec=spec, max_seqs=max(8, a.batch), max_len=a.prompt + a.new + 16)
         sp = SamplingParams(max_tokens=a.new, temperature=0, ignore_eos=True)
 
         def run() -> None:
-            llm.generate([prompt], sp)  # noqa: B023 (called within the iteration)
+            llm.generate(prompts, sp)  # noqa: B023 (called within the iteration)
             torch.cuda.synchronize()
 
         run()
         t = time.perf_counter()
         run()
-        print(f"== {name}: {a.new / (time.perf_counter() - t):.1f} tok/s (prefill included)")
+        print(f"== {name}: {a.batch * a.new / (time.perf_counter() - t):.1f} tok/s (prefill included)")
         if a.mode == "torch":
             torch_profile(run, a.top)
         elif a.mode == "phases":

@@ -641,7 +641,11 @@ class HybridBackend:
             raise ValueError("track_slots, track_interval: expected both or neither")
         dev = self.pool.device
         num_accepted = num_accepted.to(dev)
-        if tuple(num_accepted.shape) != (n,) or bool(((num_accepted < -1) | (num_accepted >= d)).any()):
+        # the values are read (a sync) on the host and for debug pools; a fast CUDA path trusts the verifier
+        check_values = self.pool.debug or dev.type == "cpu"
+        if tuple(num_accepted.shape) != (n,) or (
+            check_values and bool(((num_accepted < -1) | (num_accepted >= d)).any())
+        ):
             raise ValueError(
                 f"num_accepted: expected [{n}] ints in [-1, {d - 1}], got {num_accepted.tolist()}"
             )

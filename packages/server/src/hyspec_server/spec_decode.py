@@ -75,6 +75,7 @@ class SpecDecoder:
         self._followed: set[str] = set()
         # committed tokens not yet in the draft KV, per request, in position order (see module docstring)
         self._pending: dict[str, list[CommittedTokens]] = {}
+        self._pending_len: dict[str, int] = {}  # tokens in `_pending` per request (a sum kept, not redone)
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -90,6 +91,7 @@ class SpecDecoder:
     def on_free(self, request_id: str) -> None:
         self._lengths.pop(request_id, None)
         self._pending.pop(request_id, None)
+        self._pending_len.pop(request_id, None)
         if request_id in self._followed:
             self._followed.discard(request_id)
             assert self.model_drafter is not None
@@ -148,27 +150,27 @@ class SpecDecoder:
                 aux_hidden_states=tuple(a[off : off + q] for a in aux),
             )
             off += q
-            pieces = self._pending.setdefault(str(rid), [])
-            pieces.append(piece)
-            if sum(int(p.num_tokens[0]) for p in pieces) >= MAX_PENDING:
-                full.append(str(rid))
+            key = str(rid)
+            self._pending.setdefault(key, []).append(piece)
+            self._pending_len[key] = waiting = self._pending_len.get(key, 0) + q
+            if waiting >= MAX_PENDING:
+                full.append(key)
         if full:
             self._flush(full)
 
     def _flush(self, req_ids: Sequence[str]) -> None:
         """One draft extend over every waiting token of these requests."""
         md = self.model_drafter
-        merged = [(rid, self._pending.pop(rid)) for rid in req_ids if rid in self._pending]
+        waiting = [rid for rid in req_ids if rid in self._pending]
+        merged = [(rid, self._pending.pop(rid), self._pending_len.pop(rid)) for rid in waiting]
         if md is None or not merged:
             return
-        parts = [p for _, pieces in merged for p in pieces]  # request by request, in position order
+        parts = [p for _, pieces, _ in merged for p in pieces]  # request by request, in position order
         md.commit(
             CommittedTokens(
-                req_ids=[rid for rid, _ in merged],
-                start_positions=torch.cat([pieces[0].start_positions for _, pieces in merged]),
-                num_tokens=torch.tensor(
-                    [sum(int(p.num_tokens[0]) for p in pieces) for _, pieces in merged], dtype=torch.int64
-                ),
+                req_ids=[rid for rid, _, _ in merged],
+                start_positions=torch.cat([pieces[0].start_positions for _, pieces, _ in merged]),
+                num_tokens=torch.tensor([q for _, _, q in merged], dtype=torch.int64),
                 tokens=torch.cat([p.tokens for p in parts]),
                 hidden_states=torch.cat([p.hidden_states for p in parts]),
                 aux_hidden_states=tuple(
@@ -203,7 +205,10 @@ class SpecDecoder:
             if self.adaptive is not None:
                 st = self._lengths.get(req.request_id)
                 if st is None:
-                    st = self._lengths[req.request_id] = self.adaptive.new_request()
+                    # with measured costs a request may start at 0: the engine's earlier requests showed
+                    # that its drafts do not pay (`AdaptiveController.shared`)
+                    known = self.costs if self.costs.ready and self.costs.has_decode else None
+                    st = self._lengths[req.request_id] = self.adaptive.new_request(known)
                 want = st.steps
             out.append(max(0, min(want, c.num_lookahead, may_emit - 1)))
         if self._timing_round():
@@ -220,10 +225,11 @@ class SpecDecoder:
         roots = torch.tensor(
             [r.token_slice(c.start, c.end)[0] for r, c in zip(reqs, chunks)], dtype=torch.int64
         )
-        sync = self.adaptive is not None and runner.device.type == "cuda"
+        clock = _DraftClock(runner.device)
         draft: DraftOutput | None = None
+        t0 = time.perf_counter()
         if max(steps) > 0:
-            t0 = time.perf_counter()
+            clock.start()
             hist = (
                 ()
                 if self.model_drafter is not None
@@ -234,19 +240,19 @@ class SpecDecoder:
             draft = self.drafter.propose(
                 DraftBatch(root_tokens=roots, num_steps=steps, histories=hist, req_ids=ids)
             )
-            if sync:
-                torch.cuda.synchronize(runner.device)
-            self.costs.record_draft(max(steps), time.perf_counter() - t0)
+            clock.stop()
             draft = _trim(draft, n, self.max_draft_tokens)
-        t0 = time.perf_counter()
         if draft is None or draft.tree.block_size == 1:
             # nobody drafted: a plain decode step
             results = [VerifiedTokens((_sampled(t),), 0, 0) for t in runner.run_plain(chunks)]
-            self.costs.record_decode(time.perf_counter() - t0)
+            self.costs.record_decode(time.perf_counter() - t0 - (0.0 if draft is None else clock.seconds()))
             num_acc = [0] * n
         else:
             results, block = self._verify(runner, chunks, draft)
-            self.costs.record_verify(block, time.perf_counter() - t0)
+            # the round's outcome has been read: the device is done, the drafting time can be read
+            drafting = clock.seconds()
+            self.costs.record_draft(max(steps), drafting)
+            self.costs.record_verify(block, time.perf_counter() - t0 - drafting)
             num_acc = [r.num_accepted for r in results]
         for c, r in zip(chunks, results, strict=True):
             runner.memory.truncate(c.request.request_id, c.start + r.num_accepted + 1)
@@ -268,8 +274,10 @@ class SpecDecoder:
         graphs = runner.graphs
         reqs = [c.request for c in chunks]
         ids = [r.request_id for r in reqs]
-        tree = draft.tree  # on the drafter's device: the host for the host roots `run` passes
-        nodes = [int(k) for k in tree.num_nodes.tolist()]  # [N] real nodes per row (free on the host)
+        # on the host (most drafters, from the host roots `run` passes) or, for a one-layer chain drafter, on
+        # the device with node counts on the host
+        tree = draft.tree
+        nodes = tree.node_counts()  # [N] real nodes per row (known on the host: no device read)
         dp = None if draft.draft_probs is None else draft.draft_probs[:, : tree.block_size].to(dev)
         n = tree.batch_size
         # a tree config keeps tree metadata for a chain-shaped round too, so the round meets the tree graphs
@@ -359,6 +367,37 @@ class SpecDecoder:
         return _merge(parts, tree.batch_size)
 
 
+class _DraftClock:
+    """Times a round's drafting without making the host wait for it.
+
+    On CUDA two events on the stream bracket the proposal; their interval is read after the round's one host
+    read (everything queued is done by then), so the host queues the verify forward while the device still
+    drafts. The verify cost is the rest of the round's wall time. On the CPU the proposal's wall time.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._t0 = self._t1 = 0.0
+
+    def start(self) -> None:
+        if self._cuda:
+            new = torch.cuda.Event
+            self._events = (new(enable_timing=True), new(enable_timing=True))  # type: ignore[no-untyped-call]
+            self._events[0].record()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        self._t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self._events is not None:
+            return float(self._events[0].elapsed_time(self._events[1])) / 1e3
+        return self._t1 - self._t0
+
+
 def _sampled(tok: SampledToken | None) -> SampledToken:
     if tok is None:
         raise RuntimeError("a verify chunk's decode step sampled no token")
@@ -378,10 +417,14 @@ def _trim(draft: DraftOutput, n: int, dmax: int) -> DraftOutput:
         raise ValueError(f"drafter: expected {n} verify blocks, got {tree.batch_size}")
     if tree.block_size > dmax:
         raise ValueError(f"drafter: expected blocks of at most Dmax = {dmax} tokens, got {tree.block_size}")
-    d = int(tree.num_nodes.max())
+    d = max(tree.node_counts(), default=1)
     if d == tree.block_size:
         return draft
-    cut = VerifyTree.from_parents(tree.tokens[:, :d], tree.parents[:, :d], tree.num_nodes)
+    cut = (
+        _resized_chain(tree, d)
+        if tree.is_chain
+        else VerifyTree.from_parents(tree.tokens[:, :d], tree.parents[:, :d], tree.num_nodes)
+    )
     dp = None if draft.draft_probs is None else draft.draft_probs[:, :d]
     return DraftOutput(cut, dp)
 
@@ -394,13 +437,28 @@ def _pad_block(
     and no commit step points at them."""
     n, d0 = tree.batch_size, tree.block_size
     dev = tree.tokens.device
-    tokens = torch.cat([tree.tokens, torch.zeros(n, d - d0, dtype=torch.int64, device=dev)], dim=1)
-    tail = (torch.arange(d0, d, dtype=torch.int64, device=dev) - 1).expand(n, d - d0)
-    padded = VerifyTree.from_parents(tokens, torch.cat([tree.parents, tail], dim=1), tree.num_nodes)
+    if tree.is_chain:
+        padded = _resized_chain(tree, d)
+    else:
+        tokens = torch.cat([tree.tokens, torch.zeros(n, d - d0, dtype=torch.int64, device=dev)], dim=1)
+        tail = (torch.arange(d0, d, dtype=torch.int64, device=dev) - 1).expand(n, d - d0)
+        padded = VerifyTree.from_parents(tokens, torch.cat([tree.parents, tail], dim=1), tree.num_nodes)
     if draft_probs is not None:
         v = draft_probs.shape[-1]
         draft_probs = torch.cat([draft_probs, draft_probs.new_zeros(n, d - d0, v)], dim=1)  # [N, d, V]
     return padded, draft_probs
+
+
+def _resized_chain(tree: VerifyTree, d: int) -> VerifyTree:
+    """The same chains as d-node blocks (cut, or padded with nodes that continue each chain), built on the
+    tree's device from the host's node counts: no device read."""
+    n, d0 = tree.batch_size, tree.block_size
+    drafts = tree.tokens[:, 1:d]  # [N, <= d - 1]
+    if d > d0:
+        pad = torch.zeros(n, d - d0, dtype=torch.int64, device=tree.tokens.device)
+        drafts = torch.cat([drafts, pad], dim=1)  # [N, d - 1]
+    num_drafts = torch.tensor([k - 1 for k in tree.node_counts()], dtype=torch.int64)
+    return VerifyTree.chain(tree.tokens[:, 0], drafts, num_drafts)
 
 
 def _rows(tree: VerifyTree, rows: list[int]) -> VerifyTree:
@@ -414,6 +472,7 @@ def _rows(tree: VerifyTree, rows: list[int]) -> VerifyTree:
         first_child=tree.first_child[idx],
         next_sibling=tree.next_sibling[idx],
         is_chain=tree.is_chain,
+        host_num_nodes=None if tree.host_num_nodes is None else tuple(tree.host_num_nodes[i] for i in rows),
     )
 
 

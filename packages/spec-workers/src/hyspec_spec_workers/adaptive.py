@@ -36,9 +36,24 @@ Cost check (with a `CostModel` and `cost_aware`):
   so a request whose drafts never pay spends a vanishing share of its rounds probing; a probe that keeps
   drafting resets the wait. A confirming probe works the same way but leaves the wait as it is.
 
+Across requests: each request above starts knowing nothing, so on a long-running engine whose drafter
+never pays every request would pay the warm-up again. The requests of one `AdaptiveController` (one per
+engine) therefore report their drafting rounds into its `SharedEvidence`: S and F decayed to about the
+last `PRIOR_MEMORY` rounds of all of them, the wait the latest probe left, and the rounds spent at 0 since
+a probe. A new request's warm-up starts from that evidence scaled down to at most `PRIOR_DRAFTS`
+observations (same ratio), a prior that a few of its own rounds overrule. With costs
+(`new_request(costs)`), when the prior alone already fails the warm-up's test (no length pays with
+`WARMUP_MARGIN` more accepted) the request starts at 0: later requests skip the warm-up the earlier ones
+paid. It probes after the engine's wait less the rounds other requests spent at 0 since the last probe,
+so the engine probes about once per wait in all (not once per request, nor never when requests are
+shorter than the wait), and a drafter that turns good is found again. Evidence is per controller: another
+engine (model, drafter, hardware) learns its own.
+
 Simulated with those two costs, a request whose drafts are never accepted takes at most 2.5% longer than
 plain decoding over 128 tokens and 0.4% over 2048 (tests/test_spec_adaptive.py); drafting through a
 10-round warm-up at length 3 and probing at the length left took 11% and 25% longer over 128 tokens.
+Through one controller the requests after the first take at most 0.8% longer over 128 tokens (the few
+that probe; the others none), where each took the first one's 2.4% / 2.2% before.
 """
 
 from __future__ import annotations
@@ -58,6 +73,12 @@ WARMUP_MARGIN = 3.0
 PROBE_MARGIN = 1.0
 # a probe still in doubt after this many `update_interval` windows goes by the plain fit
 MAX_PROBE_WINDOWS = 4
+# a controller's pooled evidence weighs about this many of its requests' latest drafting rounds
+PRIOR_MEMORY = 64
+# and starts a new request's warm-up as at most this many observations (accepted drafts + rejections):
+# enough to skip the warm-up of a drafter that never pays, little enough for a request's own rounds
+# to overrule it within a few rounds
+PRIOR_DRAFTS = 4.0
 
 
 class _Probe(Enum):
@@ -196,10 +217,13 @@ def best_length(rate: float, candidates: tuple[int, ...], costs: CostModel) -> i
 
 @dataclass(slots=True)
 class _Evidence:
-    """One measurement's drafting rounds: accepted drafts S and rounds that ended at a rejection F."""
+    """One measurement's drafting rounds: accepted drafts S and rounds that ended at a rejection F.
 
-    accepted: int = 0
-    rejections: int = 0
+    Fractional counts come from the prior of `SharedEvidence` (pseudo-observations, not rounds).
+    """
+
+    accepted: float = 0.0
+    rejections: float = 0.0
     rounds: int = 0
 
     def add(self, num_accepted: int, num_drafts: int) -> None:
@@ -214,10 +238,50 @@ class _Evidence:
         return accepted / seen if seen > 0.0 else 1.0
 
 
+@dataclass(slots=True)
+class SharedEvidence:
+    """What one engine's requests have learnt about its drafter, for the requests that come next.
+
+    `accepted` and `rejections` are S and F (as in `_Evidence`) over every drafting round reported by any
+    request, decayed by `1 - 1 / PRIOR_MEMORY` per reported round, so they weigh roughly the last
+    `PRIOR_MEMORY` rounds. `probe_wait` is the wait left by the most recent probe that resumed drafting or
+    failed a retry (None before any did; a confirming probe that drops leaves it, as it leaves its own),
+    `idle_rounds` counts the rounds at 0 of all requests since a retry probe last started or ended.
+    """
+
+    accepted: float = 0.0
+    rejections: float = 0.0
+    probe_wait: int | None = None
+    idle_rounds: int = 0
+
+    def add(self, num_accepted: int, num_drafts: int) -> None:
+        keep = 1.0 - 1.0 / PRIOR_MEMORY
+        self.accepted = keep * self.accepted + num_accepted
+        self.rejections = keep * self.rejections + (num_accepted < num_drafts)
+
+    def prior(self) -> _Evidence:
+        """The pooled S and F scaled down to at most `PRIOR_DRAFTS` observations, same ratio."""
+        seen = self.accepted + self.rejections
+        scale = min(1.0, PRIOR_DRAFTS / seen) if seen > 0.0 else 0.0
+        return _Evidence(accepted=self.accepted * scale, rejections=self.rejections * scale)
+
+    def probe_ended(self, wait: int) -> None:
+        self.probe_wait, self.idle_rounds = wait, 0
+
+
 class AdaptiveDraftLength:
     """Draft-length state of one request; `steps` is the length for the next round (0 = no drafting)."""
 
-    def __init__(self, config: AdaptiveConfig, initial_steps: int) -> None:
+    def __init__(
+        self,
+        config: AdaptiveConfig,
+        initial_steps: int,
+        *,
+        shared: SharedEvidence | None = None,
+        costs: CostModel | None = None,
+    ) -> None:
+        """`shared`: the engine's pooled evidence, reported into and read once here as this request's
+        prior; `costs`: what the prior is weighed against to start at 0 (see the module docstring)."""
         if initial_steps not in config.candidate_steps:
             raise ValueError(f"initial_steps: expected one of {config.candidate_steps}, got {initial_steps}")
         self.config = config
@@ -227,15 +291,36 @@ class AdaptiveDraftLength:
         self._warming_up = config.warmup_batches > 0
         self._since_eval = 0
         self._zero_rounds = 0
-        self._evidence = _Evidence()  # the warm-up's rounds, later the current probe's
+        # the warm-up's rounds (after the prior, if any), later the current probe's
+        self._evidence = _Evidence() if shared is None else shared.prior()
         self._probe: _Probe | None = None
         self._probe_wait = config.probe_interval  # rounds at 0 before the next probe (backs off)
+        self._shared = shared
+        if shared is not None and costs is not None and config.cost_aware:
+            self._start_from_history(shared, costs)
+
+    def _start_from_history(self, shared: SharedEvidence, costs: CostModel) -> None:
+        ev = self._evidence
+        if ev.accepted + ev.rejections == 0.0:
+            return  # nothing pooled yet: the request warms up as if it were the first
+        if best_length(ev.rate(more_accepted=WARMUP_MARGIN), self.config.candidate_steps, costs) > 0:
+            return
+        # the earlier requests' drafts would not pay even with the warm-up's margin: skip the warm-up
+        # they paid. Probe no sooner than the engine's backoff says, counting the rounds other requests
+        # already spent at 0 since the last probe, so that short requests still probe now and then.
+        self._warming_up = False
+        self._drop(failed_probe=False)
+        cap = MAX_PROBE_BACKOFF * self.config.probe_interval
+        self._probe_wait = min(shared.probe_wait or self.config.probe_interval, cap)
+        self._zero_rounds = min(shared.idle_rounds, self._probe_wait - 1)
 
     def observe(self, num_accepted: int, costs: CostModel | None = None) -> int:
         """Record one verify round (accepted drafts, bonus excluded); returns the next round's length."""
         cfg = self.config
         if self.steps == 0:
             self._zero_rounds += 1
+            if self._shared is not None:
+                self._shared.idle_rounds += 1
             if self._zero_rounds >= self._probe_wait:
                 self._start_probe(_Probe.RETRY)
             return self.steps
@@ -243,6 +328,8 @@ class AdaptiveDraftLength:
             raise ValueError(f"num_accepted: expected in [0, {self.steps}], got {num_accepted}")
         self.rounds += 1
         self._evidence.add(num_accepted, self.steps)
+        if self._shared is not None:
+            self._shared.add(num_accepted, self.steps)
         judge = costs if cfg.cost_aware else None  # what drafting is weighed against, if anything
         if self._probe is not None:
             self._probe_round(judge)
@@ -285,6 +372,8 @@ class AdaptiveDraftLength:
     def _start_probe(self, kind: _Probe) -> None:
         self.steps, self._zero_rounds = self.config.candidate_steps[0], 0
         self._probe, self._evidence = kind, _Evidence()
+        if self._shared is not None and kind is _Probe.RETRY:
+            self._shared.idle_rounds = 0  # one probe per engine-wide wait (see `_start_from_history`)
 
     def _probe_round(self, costs: CostModel | None) -> None:
         cfg, ev = self.config, self._evidence
@@ -314,12 +403,16 @@ class AdaptiveDraftLength:
         # the EMA restarts from the model's expectation at the new length, not from the probe's mean
         self.steps, self.ema = steps, expected_accepted(rate, steps)
         self._probe, self._since_eval, self._probe_wait = None, 0, self.config.probe_interval
+        if self._shared is not None:
+            self._shared.probe_ended(self._probe_wait)
 
     def _drop(self, *, failed_probe: bool) -> None:
         self.steps, self._zero_rounds, self._probe = 0, 0, None
         if failed_probe:
             cap = MAX_PROBE_BACKOFF * self.config.probe_interval
             self._probe_wait = min(2 * self._probe_wait, cap)
+            if self._shared is not None:
+                self._shared.probe_ended(self._probe_wait)
 
     def _select(self, steps: int) -> int:
         cands, cfg = self.config.candidate_steps, self.config
@@ -341,14 +434,18 @@ class AdaptiveController:
             raise ValueError(f"initial_steps: expected one of {config.candidate_steps}, got {initial_steps}")
         self.config = config
         self.initial_steps = initial_steps
+        # this engine's requests only: another engine (model, drafter, hardware) learns on its own
+        self.shared = SharedEvidence()
 
     @property
     def max_steps(self) -> int:
         """Buffers are sized for the largest candidate (Dmax = max_steps + 1)."""
         return self.config.candidate_steps[-1]
 
-    def new_request(self) -> AdaptiveDraftLength:
-        return AdaptiveDraftLength(self.config, self.initial_steps)
+    def new_request(self, costs: CostModel | None = None) -> AdaptiveDraftLength:
+        """A request's state, starting from what this controller's earlier requests measured; with
+        `costs` (and `cost_aware`) it starts at 0 when that alone says drafting does not pay."""
+        return AdaptiveDraftLength(self.config, self.initial_steps, shared=self.shared, costs=costs)
 
     def observe_batch(
         self, states: list[AdaptiveDraftLength], num_accepted: list[int], costs: CostModel | None = None

@@ -38,6 +38,7 @@ from typing import Protocol
 
 import torch
 from hyspec_attn_backends import ForwardBatch, ForwardMode, HybridBackend, MixerLayer
+from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
 from hyspec_spec_workers.config import Method
@@ -261,8 +262,10 @@ class HiddenStateDrafter:
             return
         feats = self.model.features(c.hidden_states, c.aux_hidden_states)  # [T, F]
         rows = self.kv.rows(ids).tensor.long()
+        prev = self.root_features[rows]  # [N, F] each row's feature before this commit (a gather: no sync)
         starts, counts = c.start_positions.tolist(), c.num_tokens.tolist()
         now: list[Hashable] = []
+        last: list[int] = []  # per row with tokens: its last token's index in `feats`
         off = 0
         for i, (r, s, q) in enumerate(zip(ids, starts, counts, strict=True)):
             waiting = self._unwritten.pop(r, [])
@@ -280,13 +283,18 @@ class HiddenStateDrafter:
                 # the first token has no previous position: its pair does not exist
                 pair = (tok[1:], f[:-1])
             else:
-                pair = (tok, torch.cat([self.root_features[rows[i]][None], f[:-1]]))
-            if q:
-                self.root_features[rows[i]] = f[-1]
+                pair = (tok, torch.cat([prev[i : i + 1], f[:-1]]))
+            last.append(off - 1 if q else -1)
             waiting.append(pair)
             self._unwritten[r] = waiting
             if not self._fast_chain or sum(int(t.shape[0]) for t, _ in waiting) > self.block0 - 1:
                 now.append(r)
+        upd = [i for i, at in enumerate(last) if at >= 0]
+        if upd:
+            dev = self.root_features.device
+            self.root_features[rows[to_device(upd, dtype=torch.int64, device=dev)]] = feats[
+                to_device([last[i] for i in upd], dtype=torch.int64, device=feats.device)
+            ].to(self.root_features.dtype)
         self._write_unwritten(now)
 
     def _write_unwritten(self, req_ids: Sequence[Hashable]) -> None:
@@ -336,9 +344,11 @@ class HiddenStateDrafter:
         if self.topk > 1 and any(x not in (0, s_run) for x in steps):
             raise ValueError(f"batch.num_steps: a tree drafts all {s_run} steps or none per row, got {steps}")
         if self._fast_chain:
+            root_dev = to_device(root, dtype=torch.int64, device=self.model.device)
             with torch.no_grad():
-                drafts = self._draft_chain(ids, root.to(self.model.device), s_run)
-            return DraftOutput(VerifyTree.chain(root, drafts.to(root.device), torch.tensor(steps)))
+                drafts = self._draft_chain(ids, root_dev, s_run)
+            # the block stays on the device (node counts from the host's `steps`): no wait for the drafts
+            return DraftOutput(VerifyTree.chain(root_dev, drafts, torch.tensor(steps)))
         self._write_unwritten(ids)  # the general path reads only written pairs
         with torch.no_grad():
             builder = self._draft(ids, root.to(self.model.device), s_run)
@@ -390,10 +400,10 @@ class HiddenStateDrafter:
         feats = self.features_in[: n * e]  # [N * E, F]
         at = torch.tensor([i * e + k for i in range(n) for k in range(q[i])], dtype=torch.int64)
         if at.numel():
-            at = at.to(dev)
+            at = to_device(at, dtype=torch.int64, device=dev)
             block[at] = torch.cat([t for p in pending for t, _ in p]).to(dev)
             feats[at] = torch.cat([f for p in pending for _, f in p]).to(feats.dtype)
-        q_dev = torch.tensor(q, dtype=torch.int64).to(dev)  # [N]
+        q_dev = to_device(q, dtype=torch.int64, device=dev)  # [N]
         roots_at = torch.arange(n, device=dev) * e + q_dev  # [N]
         block[roots_at] = root
         feats[roots_at] = self.root_features[rows]

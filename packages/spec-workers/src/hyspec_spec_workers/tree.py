@@ -12,7 +12,7 @@ cumulative path probability, sorted by candidate order so that parents precede c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from hyspec_statepool.transfer import to_device
@@ -50,6 +50,8 @@ class VerifyTree:
         first_child: [N, D] first real child of a node, -1 if none.
         next_sibling: [N, D] next real sibling (increasing index), -1 if none.
         is_chain: every row is a chain (kernels may pass `parents=None`).
+        host_num_nodes: `num_nodes` on the host, when known there at construction (a device tree built from
+            host counts), so that the engine's bookkeeping reads it without waiting for the device.
     """
 
     tokens: torch.Tensor
@@ -60,6 +62,7 @@ class VerifyTree:
     first_child: torch.Tensor
     next_sibling: torch.Tensor
     is_chain: bool
+    host_num_nodes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         n, d = (self.tokens.shape[0], self.tokens.shape[1]) if self.tokens.dim() == 2 else (-1, -1)
@@ -68,6 +71,14 @@ class VerifyTree:
             _check(name, getattr(self, name), (n, d), torch.int64)
         _check("num_nodes", self.num_nodes, (n,), torch.int64)
         _check("tree_mask", self.tree_mask, (n, d, d), torch.bool)
+        if self.host_num_nodes is not None and len(self.host_num_nodes) != n:
+            raise ValueError(f"host_num_nodes: expected {n} counts, got {len(self.host_num_nodes)}")
+
+    def node_counts(self) -> list[int]:
+        """Real nodes per row as Python ints: free when known on the host, else one device read."""
+        if self.host_num_nodes is not None:
+            return list(self.host_num_nodes)
+        return [int(k) for k in self.num_nodes.tolist()]
 
     def to(self, device: torch.device | str) -> VerifyTree:
         """The same tree on `device` (self when already there)."""
@@ -85,6 +96,7 @@ class VerifyTree:
             first_child=self.first_child.to(device),
             next_sibling=self.next_sibling.to(device),
             is_chain=self.is_chain,
+            host_num_nodes=self.host_num_nodes,
         )
 
     def _to_cuda(self, device: torch.device) -> VerifyTree:
@@ -97,7 +109,15 @@ class VerifyTree:
         tokens, parents, depth, first_child, next_sibling = grid.view(5, n, d).unbind(0)  # each [N, D]
         tree_mask = mask.view(n, d, d).bool()
         return VerifyTree(
-            tokens, parents, num_nodes, depth, tree_mask, first_child, next_sibling, self.is_chain
+            tokens,
+            parents,
+            num_nodes,
+            depth,
+            tree_mask,
+            first_child,
+            next_sibling,
+            self.is_chain,
+            host_num_nodes=tuple(int(k) for k in self.num_nodes.tolist()),
         )
 
     @property
@@ -158,13 +178,16 @@ class VerifyTree:
             next_sibling[rows[has_prev], prev[has_prev]] = j
             last_child[rows[r], p[r]] = j
         is_chain = bool((parents == col - 1).all())
-        return VerifyTree(tokens, parents, num_nodes, depth, mask, first_child, next_sibling, is_chain).to(
-            out_dev
-        )
+        counts = tuple(int(k) for k in num_nodes.tolist())
+        tree = VerifyTree(tokens, parents, num_nodes, depth, mask, first_child, next_sibling, is_chain)
+        return replace(tree, host_num_nodes=counts).to(out_dev)
 
     @staticmethod
     def chain(root: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor | None = None) -> VerifyTree:
         """A chain block: [root, drafts...]; `num_drafts` [N] (default all) limits the real drafts per row.
+
+        Built on `root`'s device without a device read when `num_drafts` is on the host or None (checked
+        there), so a drafter's device output becomes a verify block while the device still drafts.
 
         Args:
             root: [N] current tokens.
@@ -178,14 +201,17 @@ class VerifyTree:
             raise ValueError(f"drafts: expected shape [{n}, D - 1], got {list(drafts.shape)}")
         d, dev = drafts.shape[1] + 1, root.device
         tokens = torch.cat([root[:, None], drafts.to(dev)], dim=1).to(torch.int64)
+        counts: tuple[int, ...] | None = (d,) * n
         if num_drafts is None:
             num_nodes = torch.full((n,), d, dtype=torch.int64, device=dev)
         else:
-            num_nodes = _check("num_drafts", num_drafts, (n,)).to(dev, torch.int64) + 1
-            if n and (int(num_nodes.min()) < 1 or int(num_nodes.max()) > d):
-                raise ValueError(
-                    f"num_drafts: expected values in [0, {d - 1}], got {(num_nodes - 1).tolist()}"
-                )
+            _check("num_drafts", num_drafts, (n,))
+            on_host = num_drafts.device.type == "cpu"
+            k = num_drafts.to(torch.int64) + 1  # [N] on its own device: checked there
+            if n and (int(k.min()) < 1 or int(k.max()) > d):
+                raise ValueError(f"num_drafts: expected values in [0, {d - 1}], got {(k - 1).tolist()}")
+            counts = tuple(int(x) for x in k.tolist()) if on_host else None
+            num_nodes = to_device(k, dtype=torch.int64, device=dev)
         # closed form of `from_parents` for a chain (no per-node loop): node j's parent is j - 1, its only
         # child j + 1 when that node is real; padded nodes continue the chain
         col = torch.arange(d, device=dev)
@@ -195,7 +221,7 @@ class VerifyTree:
         first_child = torch.where(col[None, 1:] < num_nodes[:, None], col[None, 1:], -1)
         first_child = torch.cat([first_child, torch.full((n, 1), -1, dtype=torch.int64, device=dev)], dim=1)
         next_sibling = torch.full((n, d), -1, dtype=torch.int64, device=dev)
-        return VerifyTree(tokens, parents, num_nodes, depth, mask, first_child, next_sibling, True)
+        return VerifyTree(tokens, parents, num_nodes, depth, mask, first_child, next_sibling, True, counts)
 
 
 class TreeDraftBuilder:
