@@ -756,3 +756,35 @@ def test_target_graphs_reject_shapes_the_pool_cannot_hold(arch: Arch) -> None:
     g = TargetGraphs(runner.model, runner.backend, verify=[(dmax, False)], **kw)
     g.capture()
     assert not g.active and g.block_len(3, 2, tree=False) == 2
+
+
+@pytest.mark.parametrize("idle_rounds", [0, 4])
+def test_one_off_draft_extends_are_not_timed(tiny_qwen3_5: Path, idle_rounds: int) -> None:
+    """A drafting round whose draft extend catches up on more than a verify block of tokens (the prompt, a
+    stretch without drafting) is a one-off cost: it must not enter the adaptive length's per-round costs."""
+    args = {"model": str(tiny_qwen3_5), "max_num_seqs": 4, "page_size": 4, "max_model_len": 64}
+    eng = build_engine(EngineArgs(**args, speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
+    spec = eng.runner.spec  # type: ignore[attr-defined]
+    pattern = [2] + [0] * idle_rounds
+    rounds: list[int] = []
+    timed: list[int] = []  # the round each recorded draft time belongs to
+
+    def lengths(chunks: Any, max_model_len: int) -> list[int]:
+        rounds.append(pattern[len(rounds) % len(pattern)])
+        return [min(rounds[-1], c.num_lookahead) for c in chunks]
+
+    record = spec.costs.record_draft
+
+    def counted(num_steps: int, seconds: float) -> None:
+        timed.append(len(rounds) - 1)
+        record(num_steps, seconds)
+
+    spec.draft_lengths = lengths
+    spec.costs.record_draft = counted
+    LLM.from_engine(eng).generate(_ids(PROMPTS[:1]), _greedy(16))
+    drafting = [i for i, w in enumerate(rounds) if w > 0]
+    assert len(PROMPTS[0]) > 3 and len(drafting) >= 3
+    # the first drafting round writes the prompt; after idle rounds at least 1 + idle_rounds > 3 tokens
+    # wait; right after a drafting round at most its accepted drafts + 1 <= 3 do
+    assert timed == ([] if idle_rounds else drafting[1:]), (rounds, timed)
+    eng.leak_check()

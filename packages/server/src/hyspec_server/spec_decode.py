@@ -158,13 +158,13 @@ class SpecDecoder:
         if full:
             self._flush(full)
 
-    def _flush(self, req_ids: Sequence[str]) -> None:
-        """One draft extend over every waiting token of these requests."""
+    def _flush(self, req_ids: Sequence[str]) -> int:
+        """One draft extend over every waiting token of these requests; returns the most tokens one had."""
         md = self.model_drafter
         waiting = [rid for rid in req_ids if rid in self._pending]
         merged = [(rid, self._pending.pop(rid), self._pending_len.pop(rid)) for rid in waiting]
         if md is None or not merged:
-            return
+            return 0
         parts = [p for _, pieces, _ in merged for p in pieces]  # request by request, in position order
         md.commit(
             CommittedTokens(
@@ -179,6 +179,7 @@ class SpecDecoder:
                 ),
             )
         )
+        return max(q for _, _, q in merged)
 
     # ---------------------------------------------------------------- one round
 
@@ -227,6 +228,7 @@ class SpecDecoder:
         )
         clock = _DraftClock(runner.device)
         draft: DraftOutput | None = None
+        timed = True
         t0 = time.perf_counter()
         if max(steps) > 0:
             clock.start()
@@ -236,7 +238,10 @@ class SpecDecoder:
                 else [torch.tensor(r.token_slice(0, c.end)) for r, c in zip(reqs, chunks)]
             )
             if self.model_drafter is not None:
-                self._flush(ids)  # the draft KV catches up on everything committed since its last proposal
+                # the draft KV catches up on everything committed since its last proposal; more than a
+                # round's block (a prompt, a long stretch without drafting) is a one-off forward that
+                # would inflate the per-round costs: such a round is not timed
+                timed = self._flush(ids) <= self.max_draft_tokens
             draft = self.drafter.propose(
                 DraftBatch(root_tokens=roots, num_steps=steps, histories=hist, req_ids=ids)
             )
@@ -245,14 +250,17 @@ class SpecDecoder:
         if draft is None or draft.tree.block_size == 1:
             # nobody drafted: a plain decode step
             results = [VerifiedTokens((_sampled(t),), 0, 0) for t in runner.run_plain(chunks)]
-            self.costs.record_decode(time.perf_counter() - t0 - (0.0 if draft is None else clock.seconds()))
+            if timed:
+                drafting = 0.0 if draft is None else clock.seconds()
+                self.costs.record_decode(time.perf_counter() - t0 - drafting)
             num_acc = [0] * n
         else:
             results, block = self._verify(runner, chunks, draft)
-            # the round's outcome has been read: the device is done, the drafting time can be read
-            drafting = clock.seconds()
-            self.costs.record_draft(max(steps), drafting)
-            self.costs.record_verify(block, time.perf_counter() - t0 - drafting)
+            if timed:
+                # the round's outcome has been read: the device is done, the drafting time can be read
+                drafting = clock.seconds()
+                self.costs.record_draft(max(steps), drafting)
+                self.costs.record_verify(block, time.perf_counter() - t0 - drafting)
             num_acc = [r.num_accepted for r in results]
         for c, r in zip(chunks, results, strict=True):
             runner.memory.truncate(c.request.request_id, c.start + r.num_accepted + 1)
