@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from hyspec_kernels import value_checks
 from hyspec_kernels.attention import paged_attention, store_kv
 from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
 from hyspec_kernels.gating import gdn_gating
@@ -641,10 +642,9 @@ class HybridBackend:
             raise ValueError("track_slots, track_interval: expected both or neither")
         dev = self.pool.device
         num_accepted = num_accepted.to(dev)
-        # the values are read (a sync) on the host and for debug pools; a fast CUDA path trusts the verifier
-        check_values = self.pool.debug or dev.type == "cpu"
+        # reading the values syncs CUDA: the kernels' rule (on the host, and for debug pools)
         if tuple(num_accepted.shape) != (n,) or (
-            check_values and bool(((num_accepted < -1) | (num_accepted >= d)).any())
+            value_checks(dev, self._kernel_checks) and bool(((num_accepted < -1) | (num_accepted >= d)).any())
         ):
             raise ValueError(
                 f"num_accepted: expected [{n}] ints in [-1, {d - 1}], got {num_accepted.tolist()}"
@@ -681,7 +681,7 @@ class HybridBackend:
                 f"accept_paths: expected an int tensor of shape [{n}, {d}], "
                 f"got {paths.dtype} {list(paths.shape)}"
             )
-        if not (self.pool.debug or paths.device.type == "cpu"):
+        if not value_checks(paths.device, self._kernel_checks):
             return
         assert batch.tree_parents is not None
         depth = torch.arange(d, device=paths.device)[None, :]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,8 +74,7 @@ class SpecDecoder:
         self._lengths: dict[str, AdaptiveDraftLength] = {}
         self._followed: set[str] = set()
         # committed tokens not yet in the draft KV, per request, in position order (see module docstring)
-        self._pending: dict[str, list[CommittedTokens]] = {}
-        self._pending_len: dict[str, int] = {}  # tokens in `_pending` per request (a sum kept, not redone)
+        self._pending: dict[str, _Waiting] = {}
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -91,7 +90,6 @@ class SpecDecoder:
     def on_free(self, request_id: str) -> None:
         self._lengths.pop(request_id, None)
         self._pending.pop(request_id, None)
-        self._pending_len.pop(request_id, None)
         if request_id in self._followed:
             self._followed.discard(request_id)
             assert self.model_drafter is not None
@@ -151,9 +149,10 @@ class SpecDecoder:
             )
             off += q
             key = str(rid)
-            self._pending.setdefault(key, []).append(piece)
-            self._pending_len[key] = waiting = self._pending_len.get(key, 0) + q
-            if waiting >= MAX_PENDING:
+            waiting = self._pending.setdefault(key, _Waiting())
+            waiting.pieces.append(piece)
+            waiting.num_tokens += q
+            if waiting.num_tokens >= MAX_PENDING:
                 full.append(key)
         if full:
             self._flush(full)
@@ -161,16 +160,15 @@ class SpecDecoder:
     def _flush(self, req_ids: Sequence[str]) -> int:
         """One draft extend over every waiting token of these requests; returns the most tokens one had."""
         md = self.model_drafter
-        waiting = [rid for rid in req_ids if rid in self._pending]
-        merged = [(rid, self._pending.pop(rid), self._pending_len.pop(rid)) for rid in waiting]
+        merged = [(rid, self._pending.pop(rid)) for rid in req_ids if rid in self._pending]
         if md is None or not merged:
             return 0
-        parts = [p for _, pieces, _ in merged for p in pieces]  # request by request, in position order
+        parts = [p for _, w in merged for p in w.pieces]  # request by request, in position order
         md.commit(
             CommittedTokens(
-                req_ids=[rid for rid, _, _ in merged],
-                start_positions=torch.cat([pieces[0].start_positions for _, pieces, _ in merged]),
-                num_tokens=torch.tensor([q for _, _, q in merged], dtype=torch.int64),
+                req_ids=[rid for rid, _ in merged],
+                start_positions=torch.cat([w.pieces[0].start_positions for _, w in merged]),
+                num_tokens=torch.tensor([w.num_tokens for _, w in merged], dtype=torch.int64),
                 tokens=torch.cat([p.tokens for p in parts]),
                 hidden_states=torch.cat([p.hidden_states for p in parts]),
                 aux_hidden_states=tuple(
@@ -179,7 +177,7 @@ class SpecDecoder:
                 ),
             )
         )
-        return max(q for _, _, q in merged)
+        return max(w.num_tokens for _, w in merged)
 
     # ---------------------------------------------------------------- one round
 
@@ -373,6 +371,15 @@ class SpecDecoder:
             dp = None if draft_probs is None else draft_probs[rows]
             parts.append((rows, verify_sampling(sub, probs, draft_probs=dp, generator=gen)))
         return _merge(parts, tree.batch_size)
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """One request's committed tokens not yet in the draft KV, in position order, and how many they are
+    (kept as they arrive: summing the pieces every step would grow with the wait)."""
+
+    pieces: list[CommittedTokens] = field(default_factory=list)
+    num_tokens: int = 0
 
 
 class _DraftClock:
