@@ -7,7 +7,10 @@ tokens/s and where the time goes: with `--mode torch` (default) torch.profiler's
 API calls (how many host-device syncs and copies a step makes, and the GPU's busy time against the wall);
 with `--mode cprofile` the Python functions with the most cumulative and own time; with `--mode syncs` every
 host-device synchronisation (torch's sync debug mode), counted by the hyspec source line that caused it; with
-`--mode phases` the wall time of each phase of a step (GPU work included: every phase ends with a sync).
+`--mode phases` the wall time of each phase of a step (GPU work included: every phase ends with a sync), with
+`--mode walls` the same without the syncs (what the host spends in each phase, its waits included); with
+`--mode steps` the wall time of every engine step (no added syncs), split into steps that drafted, that ran
+a draft extend, and plain ones, plus the host time between steps. Several modes: `--mode steps,torch`.
 """
 
 from __future__ import annotations
@@ -83,22 +86,35 @@ def sync_sites(run: Any, top: int) -> None:
         print(f"   {n:6d}  {site}")
 
 
-def phases(llm: Any, run: Any) -> None:
-    """Per-phase wall times (ms per call), each phase closed by a device sync so its GPU work counts."""
+def phases(llm: Any, run: Any, *, sync: bool) -> None:
+    """Per-phase wall times (ms per call); with `sync` each phase is closed by a device sync so its GPU work
+    counts, without it the times are what the host spends in each phase (waits for the device included)."""
     import collections
 
     totals: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()
+    each: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
     engine = llm.engine
     runner = engine.runner
     targets: list[tuple[str, Any, str]] = [
         ("engine.step", engine, "step"),
+        ("  schedule", engine.scheduler, "schedule"),
+        ("  execute", runner, "execute"),
+        ("  finish", engine.scheduler, "finish"),
         ("run_plain", runner, "run_plain"),
+        ("  prepare_decode", runner.graphs, "prepare_decode"),
+        ("  graphs.run", runner.graphs, "run"),
+        ("  compute_logits", runner.model, "compute_logits"),
+        ("  ahead.build", runner.ahead, "build"),
+        ("  ahead.take", runner.ahead, "take"),
+        ("engine._append", engine, "_append"),
     ]
     spec = getattr(runner, "spec", None)
     if spec is not None:
         targets += [
             ("spec.run", spec, "run"),
+            ("  draft_lengths", spec, "draft_lengths"),
+            ("  commit_plain", spec, "commit_plain"),
             ("draft extend (flush)", spec, "_flush"),
             ("propose", spec.drafter, "propose"),
             ("verify+commit", spec, "_verify"),
@@ -107,12 +123,16 @@ def phases(llm: Any, run: Any) -> None:
 
     def timed(name: str, fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            torch.cuda.synchronize()
+            if sync:
+                torch.cuda.synchronize()
             t = time.perf_counter()
             out = fn(*args, **kwargs)
-            torch.cuda.synchronize()
-            totals[name] += time.perf_counter() - t
+            if sync:
+                torch.cuda.synchronize()
+            took = time.perf_counter() - t
+            totals[name] += took
             calls[name] += 1
+            each[name].append(took)
             return out
 
         return wrapper
@@ -127,7 +147,71 @@ def phases(llm: Any, run: Any) -> None:
             setattr(obj, attr, fn)
     for name, _, _ in targets:
         if calls[name]:
-            print(f"   {name:24s} calls {calls[name]:5d}  {1e3 * totals[name] / calls[name]:8.3f} ms/call")
+            med = sorted(each[name])[len(each[name]) // 2]
+            print(
+                f"   {name:24s} calls {calls[name]:5d}  {1e3 * totals[name] / calls[name]:8.3f} ms/call"
+                f"  median {1e3 * med:8.3f} ms"
+            )
+
+
+def step_times(llm: Any, run: Any) -> None:
+    """Wall time of every engine step as the user sees it (no syncs added), by what the step did."""
+    import statistics
+
+    engine = llm.engine
+    spec = getattr(engine.runner, "spec", None)
+    rows: list[tuple[str, float]] = []
+    gaps: list[float] = []
+    last_end = [0.0]
+    step = engine.step
+    flush = None if spec is None else spec._flush
+    flushed = [0]
+
+    def counted_flush(req_ids: Any) -> int:
+        assert flush is not None
+        out: int = flush(req_ids)
+        flushed[0] += 1
+        return out
+
+    def timed_step() -> Any:
+        drafts0, flushes0 = engine.stats.spec_num_drafts, flushed[0]
+        t = time.perf_counter()
+        if last_end[0]:
+            gaps.append(t - last_end[0])
+        out = step()
+        last_end[0] = time.perf_counter()
+        kind = "drafted" if engine.stats.spec_num_drafts > drafts0 else "plain"
+        if flushed[0] > flushes0:
+            kind += "+extend"
+        rows.append((kind, last_end[0] - t))
+        return out
+
+    engine.step = timed_step
+    if spec is not None:
+        spec._flush = counted_flush
+    try:
+        run()
+    finally:
+        del engine.step
+        if spec is not None:
+            del spec._flush
+    total = sum(t for _, t in rows) + sum(gaps)
+    print(f"   {len(rows)} steps, {1e3 * total:.1f} ms in steps and between them")
+    for kind in sorted({k for k, _ in rows}):
+        ts = sorted(t for k, t in rows if k == kind)
+        med, mean, p90 = statistics.median(ts), statistics.mean(ts), ts[int(0.9 * (len(ts) - 1))]
+        print(
+            f"   {kind:16s} n {len(ts):4d}  sum {1e3 * sum(ts):8.1f} ms"
+            f"  median {1e3 * med:7.3f}  mean {1e3 * mean:7.3f}  p90 {1e3 * p90:7.3f} ms"
+        )
+    if gaps:
+        print(
+            f"   between steps    n {len(gaps):4d}  sum {1e3 * sum(gaps):8.1f} ms  median "
+            f"{1e3 * statistics.median(gaps):7.3f} ms"
+        )
+
+
+MODES = ("torch", "cprofile", "syncs", "phases", "walls", "steps")
 
 
 def main() -> None:
@@ -137,9 +221,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--batch", type=int, default=1, help="prompts decoded together")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (random ids, one prompt per row)")
-    ap.add_argument("--mode", choices=("torch", "cprofile", "syncs", "phases"), default="torch")
-    ap.add_argument("--only", choices=[name for name, _ in RUNS], default=None)
+    ap.add_argument("--mode", default="torch", help=f"one or more of {', '.join(MODES)}, comma-separated")
+    ap.add_argument("--only", default=None, help="runs to make in this order, comma-separated (default: all)")
     a = ap.parse_args()
+    a.modes = a.mode.split(",")
+    if not set(a.modes) <= set(MODES):
+        ap.error(f"--mode: expected some of {MODES}, got {a.mode!r}")
     with tempfile.TemporaryDirectory(prefix="hyspec-profile-") as tmp:  # a 9B-wide checkpoint: tens of GB
         profile(Path(tmp) / "ckpt", a)
 
@@ -155,9 +242,12 @@ def profile(ckpt: Path, a: argparse.Namespace) -> None:
         {"prompt_token_ids": torch.randint(0, vocab, (a.prompt,), generator=g).tolist()}
         for _ in range(a.batch)
     ]
-    for name, spec in RUNS:
-        if a.only is not None and name != a.only:
-            continue
+    known = dict(RUNS)
+    names = [name for name, _ in RUNS] if a.only is None else a.only.split(",")
+    for name in names:
+        if name not in known:
+            raise SystemExit(f"--only: expected names from {sorted(known)}, got {name!r}")
+        spec = known[name]
         llm = make_llm(ckpt, spec=spec, max_seqs=max(8, a.batch), max_len=a.prompt + a.new + 16)
         sp = SamplingParams(max_tokens=a.new, temperature=0, ignore_eos=True)
 
@@ -169,20 +259,24 @@ def profile(ckpt: Path, a: argparse.Namespace) -> None:
         t = time.perf_counter()
         run()
         print(f"== {name}: {a.batch * a.new / (time.perf_counter() - t):.1f} tok/s (prefill included)")
-        if a.mode == "torch":
-            torch_profile(run, a.top)
-        elif a.mode == "phases":
-            phases(llm, run)
-        elif a.mode == "syncs":
-            sync_sites(run, a.top)
-        else:
-            pr = cProfile.Profile()
-            pr.enable()
-            run()
-            pr.disable()
-            st = pstats.Stats(pr)
-            st.sort_stats("cumulative").print_stats(a.top)
-            st.sort_stats("tottime").print_stats(a.top)
+        for mode in a.modes:
+            print(f"-- {name}, {mode}")
+            if mode == "torch":
+                torch_profile(run, a.top)
+            elif mode in ("phases", "walls"):
+                phases(llm, run, sync=mode == "phases")
+            elif mode == "syncs":
+                sync_sites(run, a.top)
+            elif mode == "steps":
+                step_times(llm, run)
+            else:
+                pr = cProfile.Profile()
+                pr.enable()
+                run()
+                pr.disable()
+                st = pstats.Stats(pr)
+                st.sort_stats("cumulative").print_stats(a.top)
+                st.sort_stats("tottime").print_stats(a.top)
         free(llm)
 
 

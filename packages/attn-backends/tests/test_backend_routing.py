@@ -130,6 +130,34 @@ def test_extend_metadata_and_in_place_buffers() -> None:
         be.prepare_extend(req_rows=rows, input_ids=torch.arange(5), q_lens=[4, 2], prefix_lens=[3, 1])
 
 
+def test_num_builds_counts_every_write_to_the_shared_buffers() -> None:
+    """A batch prepared ahead is stale once anything else was written into the buffers it lives in."""
+    layers = _layers()
+    pool = _pool(layers)
+    be = HybridBackend(pool, layers=layers, layer_types=TYPES)
+    rows = pool.alloc(["a", "b"])
+    pool.ensure_kv_capacity(["a", "b"], [8, 8])
+    seen = [be.num_builds]
+
+    def wrote() -> bool:
+        seen.append(be.num_builds)
+        return seen[-1] == seen[-2] + 1
+
+    decode = be.prepare_decode(req_rows=rows, input_ids=torch.tensor([1, 2]), prefix_lens=[3, 1])
+    assert wrote()
+    be.advance_one_token(decode)
+    assert wrote()
+    be.prepare_verify(req_rows=rows, block_tokens=torch.ones(2, 3, dtype=torch.int64), prefix_lens=[4, 2])
+    assert wrote()
+    be.prepare_extend(req_rows=rows, input_ids=torch.arange(3), q_lens=[2, 1], prefix_lens=[0, 0])
+    assert wrote()
+    be.prepare_idle()
+    assert wrote()
+    with pytest.raises(ValueError, match="input_ids"):  # rejected before any write
+        be.prepare_extend(req_rows=rows, input_ids=torch.arange(5), q_lens=[2, 1], prefix_lens=[0, 0])
+    assert not wrote()
+
+
 def test_tree_verify_metadata() -> None:
     layers = _layers()
     pool = _pool(layers)

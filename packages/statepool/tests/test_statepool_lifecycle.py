@@ -137,6 +137,37 @@ def test_kv_growth_truncation_and_slots(make_pool: MakePool) -> None:
     assert pool.leak_check().clean
 
 
+def test_layout_version_moves_exactly_when_a_mapping_changes(make_pool: MakePool) -> None:
+    """A batch prepared ahead is reused only while `layout_version` holds: every change of a row's slot or
+    pages must move it, and calls that change nothing must not (or nothing prepared ahead would survive)."""
+    pool = make_pool(page_size=4, num_kv_pages=8, max_context=10)
+    seen = [pool.layout_version]
+
+    def moved() -> bool:
+        seen.append(pool.layout_version)
+        return seen[-1] != seen[-2]
+
+    pool.alloc(["a", "b"])
+    assert moved()
+    pool.alloc(["a"])  # already live: nothing changes
+    assert not moved()
+    pool.ensure_kv_capacity(["a", "b"], [5, 3])
+    assert moved()
+    pool.ensure_kv_capacity(["a", "b"], [8, 4])  # the pages are there already
+    assert not moved()
+    pool.truncate_kv("a", 5)  # still needs both pages
+    assert not moved()
+    pool.truncate_kv("a", 4)
+    assert moved()
+    slots = pool.alloc_detached_slots(1)  # owned by no row: the table is unchanged
+    assert not moved()
+    pool.free_detached_slots(slots)
+    pool.free(["b"])
+    assert moved()
+    pool.alloc(["c"])  # b's row, a new slot
+    assert moved()
+
+
 def test_page_size_one(make_pool: MakePool) -> None:
     pool = make_pool(page_size=1, num_kv_pages=40)
     rows = pool.alloc(["a"])

@@ -108,6 +108,10 @@ class HybridBackend:
         layer_types: the config's `layer_types`; checked against the cores' types and the pool's specs.
         max_seqs, max_tokens: size of the preallocated batch buffers (default: the pool's max_running and
             max_running · max(Dmax, 256)).
+
+    Every batch lives in the same preallocated buffers (so CUDA graphs can read them): preparing a batch, or
+    advancing one in place, overwrites the previous one. `num_builds` counts those writes, so a batch
+    prepared ahead of its step can tell whether it is still the one in the buffers.
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class HybridBackend:
         max_tokens: int | None = None,
     ) -> None:
         self.pool = pool
+        self.num_builds = 0
         self.kinds = check_routing(layers, layer_types, pool.plan.specs)
         self.num_layers = len(layers)
         plan = pool.plan
@@ -236,6 +241,7 @@ class HybridBackend:
 
     def prepare_idle(self) -> ForwardBatch:
         """An empty batch (e.g. a data-parallel rank with no requests)."""
+        self.num_builds += 1
         b = self.buffers
         return ForwardBatch(
             mode=ForwardMode.IDLE,
@@ -280,6 +286,7 @@ class HybridBackend:
             raise ValueError(f"batch: expected a DECODE or TARGET_VERIFY batch, got {batch.mode}")
         if batch.kv_slots is None:
             raise ValueError("batch: expected KV slots")
+        self.num_builds += 1
         page = self.pool.plan.page_size
         slots = batch.kv_slots.tensor  # [N] int32, -1 on padded rows
         live = slots >= 0  # [N] bool
@@ -337,6 +344,7 @@ class HybridBackend:
         num_pad = n - n_live
         t = t_live + num_pad * pad_q
         self.buffers.check_fits(num_seqs=n, num_tokens=t, verify_len=verify_len)
+        self.num_builds += 1  # from here on the buffers change
         if self._checks and n_live > 1 and torch.unique(req_rows.tensor).numel() != n_live:
             raise ValueError(f"req_rows: expected distinct rows (one per request), got {req_rows.tolist()}")
         pool, b, dev = self.pool, self.buffers, self.pool.device

@@ -12,8 +12,9 @@ the server's policy on top:
 - how a verify block of d tokens meets a captured D >= d (`block_len`): the block is padded with chain
   nodes past every row's real ones. They are invisible to the real nodes (causal, parents precede children),
   never reached by verification (absent from first_child / next_sibling), never committed (the commit step
-  is <= num_accepted < num_nodes), and their KV lands in the room the scheduler reserved for Dmax tokens and
-  is truncated after the round. So tokens, commit and stats are those of the unpadded block.
+  is <= num_accepted < num_nodes), and their KV lands in the room the scheduler reserved for Dmax tokens,
+  past the committed length that later forwards attend to. So tokens, commit and stats are those of the
+  unpadded block.
 
 On CPU, or with `--enforce-eager`, nothing is captured: every forward runs eagerly through the same calls.
 """

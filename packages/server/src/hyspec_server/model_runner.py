@@ -30,6 +30,7 @@ from hyspec_statepool.transfer import to_device
 
 from hyspec_server.config import EngineArgs
 from hyspec_server.cuda_graph import TargetGraphs, verify_shapes
+from hyspec_server.decode_ahead import DecodeAhead
 from hyspec_server.pool_memory import MemoryFollower, StatePoolMemory
 from hyspec_server.runner import (
     RunnerOutput,
@@ -146,6 +147,9 @@ class HyspecModelRunner:
             verify=() if spec_config is None else verify_shapes(spec_config),
         )
         self.graphs.capture()
+        # the next decode batch is built while the device runs this one (decode_ahead.py); on the CPU
+        # there is nothing to overlap with, so only tests turn it on there
+        self.ahead = DecodeAhead(self.graphs, self.backend, self.pool, enabled=self._device.type == "cuda")
         if self.spec is not None and self.graphs.active and isinstance(self.spec.drafter, GraphedDrafter):
             # the drafter's proposal forwards (MTP / EAGLE-3 steps, the DFlash block) at the same batch sizes
             self.spec.drafter.capture_graphs(self.graphs.sizes)
@@ -185,15 +189,19 @@ class HyspecModelRunner:
 
     def run_plain(self, chunks: Sequence[ScheduledChunk]) -> list[SampledToken | None]:
         """Prefill chunks and one-token decodes in one forward; a token for every chunk that samples."""
-        rows = self.pool.req_rows([c.request.request_id for c in chunks])
+        ids = [c.request.request_id for c in chunks]
+        rows = self.pool.req_rows(ids)
         tokens = [t for c in chunks for t in c.request.token_slice(c.start, c.start + c.num_new)]
         q_lens = [c.num_new for c in chunks]
         prefix = [c.start for c in chunks]
         input_ids = torch.tensor(tokens, dtype=torch.int64)
-        if all(q == 1 for q in q_lens):
+        decode = all(q == 1 for q in q_lens)
+        # prepared during the previous step when it decoded these very requests (else None)
+        batch = self.ahead.take(req_ids=ids, prefix_lens=prefix, tokens=tokens)
+        if batch is None and decode:
             # one token per request: recurrent decode kernels, replayed from a graph when one fits
             batch = self.graphs.prepare_decode(req_rows=rows, input_ids=input_ids, prefix_lens=prefix)
-        else:
+        elif batch is None:
             batch = self.backend.prepare_extend(
                 req_rows=rows, input_ids=input_ids, q_lens=q_lens, prefix_lens=prefix
             )
@@ -212,4 +220,11 @@ class HyspecModelRunner:
             picked = hidden[to_device(last, dtype=torch.int64, device=hidden.device)]
         logits = self.model.compute_logits(picked)  # [n_sample, V]
         out_s = sample_chunks(self.sampler, logits, [chunks[i] for i in sample], self._device)
-        return list(to_runner_output(SchedulerOutput(tuple(chunks), ()), out_s).tokens)
+        if decode and len(sample) == len(chunks):
+            # the device is still busy with this step: build the next one's batch now (decode_ahead.py)
+            self.ahead.build(
+                req_ids=ids, req_rows=rows, prefix_lens=[p + 1 for p in prefix], next_tokens=out_s.token_ids
+            )
+        out = list(to_runner_output(SchedulerOutput(tuple(chunks), ()), out_s).tokens)  # reads the tokens
+        self.ahead.sampled([0 if t is None else t.token_id for t in out])
+        return out

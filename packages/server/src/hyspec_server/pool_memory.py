@@ -62,11 +62,6 @@ class StatePoolMemory:
         for f in self.followers:
             f.on_free(request_id)
 
-    def truncate(self, request_id: str, num_tokens: int) -> None:
-        """Keeps KV pages for the first `num_tokens` tokens only (after a verify round rejected drafts)."""
-        if self._has_kv:
-            self.pool.truncate_kv(request_id, num_tokens)
-
     def num_live(self) -> int:
         return self.pool.num_live
 

@@ -14,8 +14,9 @@ One round for the verify chunks of a step (decoding requests, see `ScheduledChun
    / min-p filtered target distribution, each seeded request with its own generator (so the same seed
    gives the same output).
 4. `truncate_at_stop` cuts every row at its first EOS / stop token id and at its token budget (max_tokens,
-   max_model_len). The very same arrays go to `commit_after_verify`, to the KV truncation and to the tokens
-   returned, so KV, recurrent state and output always agree (bug class 22).
+   max_model_len). The very same arrays go to `commit_after_verify`, to the engine's count of computed
+   tokens (the KV length later forwards attend over) and to the tokens returned, so KV, recurrent state and
+   output always agree (bug class 22).
 5. A `ModelDrafter` gets the accepted path with the target's features (draft extend), lazily: committed
    tokens (prefill chunks, plain decode steps, accepted paths) wait per request, copied out of the graph
    outputs, and enter the draft KV in one draft extend right before the next proposal that includes the
@@ -260,8 +261,10 @@ class SpecDecoder:
                 self.costs.record_draft(max(steps), drafting)
                 self.costs.record_verify(block, time.perf_counter() - t0 - drafting)
             num_acc = [r.num_accepted for r in results]
-        for c, r in zip(chunks, results, strict=True):
-            runner.memory.truncate(c.request.request_id, c.start + r.num_accepted + 1)
+        # no KV truncation: attention reads a request's KV up to its committed length only (the engine sets
+        # it from these results), and the pages past it are the ones the request's next round reserves
+        # again (bonus token plus lookahead); freeing and re-adding them every few rounds cost host work and
+        # changed the request table under the decode batch prepared ahead (decode_ahead.py)
         if self.adaptive is not None and not timing:
             cost = self.costs if self.costs.ready else None
             for rid, k in zip(ids, num_acc, strict=True):
@@ -307,7 +310,7 @@ class SpecDecoder:
         # host tensors: truncate_at_stop checks them on the host and copies them without a sync
         stop = _stop_ids(chunks)
         budget = torch.tensor([_budget(c, runner.max_model_len) for c in chunks], dtype=torch.int64)
-        # the same (truncated) arrays go to the commit, the drafter, the KV truncation and the output
+        # the same (truncated) arrays go to the commit, the drafter, the computed-token count and the output
         result = truncate_at_stop(result, stop_token_ids=stop, max_new_tokens=budget)
         backend.commit_after_verify(
             batch=batch,

@@ -92,6 +92,12 @@ class HybridStatePool:
         # an unmapped row points at the dummy slot 0, so a stale row can never reach a reused slot
         self.table.map_slot(freed_rows, [0] * len(freed_rows))
 
+    @property
+    def layout_version(self) -> int:
+        """Grows whenever a request row, state slot mapping or KV page mapping changes (alloc, free, new
+        pages, truncation): a batch prepared at one version may be reused while the version holds."""
+        return self.table.version
+
     def is_live(self, req_id: Hashable) -> bool:
         return req_id in self._live
 

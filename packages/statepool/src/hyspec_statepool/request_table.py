@@ -4,6 +4,9 @@
 `max_context + Dmax` columns so a verify block at max context still fits. `page_table[row, j]` is the page
 holding positions `[j * page_size, (j + 1) * page_size)`, the layout paged attention reads. `row_to_slot[row]`
 is the row's state slot, 0 (the reserved dummy) while the row is unmapped.
+
+`version` counts the changes to any of the three: a forward batch prepared from the table (its KV slots,
+page table rows and state slots are copies) is still valid only while the version it was built at holds.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ class RequestTable:
         self.req_to_kv = torch.full((self.num_rows, self.width), -1, dtype=torch.int32, device=device)
         self.page_table = torch.full((self.num_rows, self.max_pages), -1, dtype=torch.int32, device=device)
         self.row_to_slot = torch.zeros(self.num_rows, dtype=torch.int32, device=device)
+        self.version = 0
 
     def map_slot(self, rows: list[int], slots: list[int]) -> None:
         if rows:
+            self.version += 1
             device = self.row_to_slot.device
             index = to_device(rows, dtype=torch.long, device=device)
             self.row_to_slot[index] = to_device(slots, dtype=torch.int32, device=device)
@@ -34,6 +39,7 @@ class RequestTable:
         """Record `pages` as the row's pages number `first, first + 1, ...` and fill their token slots."""
         if not pages:
             return
+        self.version += 1
         device = self.page_table.device
         page_ids = to_device(pages, dtype=torch.int32, device=device)  # [k]
         self.page_table[row, first : first + len(pages)] = page_ids
@@ -46,5 +52,6 @@ class RequestTable:
 
     def clear_pages(self, row: int, first: int) -> None:
         """Forget the row's pages from number `first` on."""
+        self.version += 1
         self.page_table[row, first:] = -1
         self.req_to_kv[row, first * self.page_size :] = -1

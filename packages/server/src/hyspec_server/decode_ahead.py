@@ -1,0 +1,124 @@
+"""The next decode step's batch, prepared while the device still runs this one.
+
+A decode step's host work between reading its sampled tokens and launching the next forward is idle time
+for the device. The largest part is the next batch's metadata (`prepare_decode`: positions, KV slots, state
+slots, page-table rows, about 0.9 ms of host time per step on an H100 machine against a 7.4 ms forward of a
+9B model at batch 1). When every chunk of a step decodes one token, the runner therefore builds the batch of
+the same requests one position on right after queueing the sampler and before reading its tokens: the
+build's copies queue behind the running forward, so its host time overlaps the device's work, and the next
+step's input tokens are copied from the sampler's output on the device.
+
+The next step takes the prepared batch only if nothing it was built from has changed since:
+
+- the same requests in the same order, each at the predicted position, each fed the token that was sampled;
+- the pool's request table unchanged (`HybridStatePool.layout_version`: no row, state slot or KV page mapped
+  or unmapped since: the batch holds copies of those indices);
+- nothing else written into the backend's batch buffers since (`HybridBackend.num_builds`: every batch,
+  graphed or not, lives in the same buffers).
+
+Anything else (a request finished, joined or was preempted, a verify or prefill forward ran) drops it, and
+the step prepares its batch as before. A prepared batch is used once. A request whose next position starts
+a new KV page gets that page when its batch is prepared, one step before the scheduler would add it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from hyspec_attn_backends import ForwardBatch, HybridBackend
+from hyspec_statepool.errors import PoolExhaustedError
+from hyspec_statepool.indices import ReqRows
+from hyspec_statepool.pool import HybridStatePool
+
+from hyspec_server.cuda_graph import TargetGraphs
+
+
+@dataclass(slots=True)
+class _Prepared:
+    req_ids: tuple[str, ...]
+    prefix_lens: tuple[int, ...]
+    batch: ForwardBatch
+    layout_version: int
+    num_builds: int
+    tokens: tuple[int, ...] | None = None  # the sampled tokens it was built for, once the host read them
+
+
+class DecodeAhead:
+    """Builds at most one decode batch ahead and hands it to the next step if it still matches.
+
+    Args:
+        graphs: prepares decode batches (padded to a captured graph size when one fits).
+        backend, pool: whose buffer writes and table changes invalidate a prepared batch.
+        enabled: off, `build` does nothing and `take` finds nothing (the runner enables it on CUDA).
+    """
+
+    def __init__(
+        self, graphs: TargetGraphs, backend: HybridBackend, pool: HybridStatePool, *, enabled: bool
+    ) -> None:
+        self.graphs = graphs
+        self.backend = backend
+        self.pool = pool
+        self.enabled = enabled
+        self.num_used = 0  # steps that took a prepared batch
+        self.num_dropped = 0  # prepared batches no step could take
+        self._prepared: _Prepared | None = None
+
+    def build(
+        self,
+        *,
+        req_ids: Sequence[str],
+        req_rows: ReqRows,
+        prefix_lens: Sequence[int],
+        next_tokens: torch.Tensor,
+    ) -> None:
+        """Queue the batch that decodes `next_tokens` ([N] on the device, not yet read) at `prefix_lens`
+        (this step's positions + 1); skipped when the pool has no page left for a next position."""
+        self._drop()
+        if not self.enabled:
+            return
+        try:
+            # a request at a page boundary gets its next page one step early (the scheduler would add it
+            # before the next step anyway; finishing or preemption frees it with the rest)
+            self.pool.ensure_kv_capacity(req_ids, [p + 1 for p in prefix_lens])
+        except PoolExhaustedError:
+            return  # the scheduler decides who gets the last pages (and whom to preempt)
+        n = len(req_ids)
+        batch = self.graphs.prepare_decode(
+            req_rows=req_rows, input_ids=torch.zeros(n, dtype=torch.int64), prefix_lens=list(prefix_lens)
+        )
+        batch.input_ids[:n].copy_(next_tokens)  # queued after the sampler that writes them
+        self._prepared = _Prepared(
+            tuple(req_ids), tuple(prefix_lens), batch, self.pool.layout_version, self.backend.num_builds
+        )
+
+    def sampled(self, tokens: Sequence[int]) -> None:
+        """The host has read the tokens the prepared batch feeds (the step's outcome)."""
+        if self._prepared is not None:
+            self._prepared.tokens = tuple(tokens)
+
+    def take(
+        self, *, req_ids: Sequence[str], prefix_lens: Sequence[int], tokens: Sequence[int]
+    ) -> ForwardBatch | None:
+        """The prepared batch if it is exactly this decode step's (see the module docstring), else None."""
+        p, self._prepared = self._prepared, None
+        if p is None:
+            return None
+        ok = (
+            p.req_ids == tuple(req_ids)
+            and p.prefix_lens == tuple(prefix_lens)
+            and p.tokens == tuple(tokens)
+            and p.layout_version == self.pool.layout_version
+            and p.num_builds == self.backend.num_builds
+        )
+        if not ok:
+            self.num_dropped += 1
+            return None
+        self.num_used += 1
+        return p.batch
+
+    def _drop(self) -> None:
+        if self._prepared is not None:
+            self.num_dropped += 1
+            self._prepared = None

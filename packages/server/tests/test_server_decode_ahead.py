@@ -1,0 +1,194 @@
+"""The next decode batch prepared during the current step (decode_ahead.py), on tiny real checkpoints.
+
+On the CPU the runner leaves it off (nothing to overlap); these tests turn it on. A prepared batch that is
+used when it should not be feeds a wrong position, KV slot or state slot, which changes the greedy tokens;
+one that is never used would make the feature a no-op, so the tests also count uses and drops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hyspec_server import LLM, EngineArgs, LLMEngine, SamplingParams
+from hyspec_server.builder import build_engine
+from hyspec_server.decode_ahead import DecodeAhead
+
+# mixed lengths (prefills of different sizes join decodes), and budgets that end requests at different
+# steps, so batches change under prepared ones
+PROMPTS: list[list[int]] = [[5, 9, 17, 33, 2, 7, 5, 9, 11], [40, 41], [7, 7, 7, 8, 7], [1], [20, 30, 40, 20]]
+BUDGETS = [21, 9, 30, 14, 25]
+
+
+def _engine(path: Path, *, ahead: bool, spec: dict[str, Any] | None = None, **kw: Any) -> LLMEngine:
+    args: dict[str, Any] = dict(model=str(path), max_num_seqs=8, page_size=4, max_model_len=64)
+    args.update(kw)
+    eng = build_engine(EngineArgs(speculative_config=spec, **args))
+    eng.runner.ahead.enabled = ahead  # type: ignore[attr-defined]
+    return eng
+
+
+def _run(eng: LLMEngine, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in BUDGETS[: len(prompts)]]
+    outs = LLM.from_engine(eng).generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _ahead(eng: LLMEngine) -> DecodeAhead:
+    ahead = eng.runner.ahead  # type: ignore[attr-defined]
+    assert isinstance(ahead, DecodeAhead)
+    return ahead
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_5"])
+def test_plain_decode_with_batches_prepared_ahead_equals_without(
+    arch: str, request: pytest.FixtureRequest
+) -> None:
+    path: Path = request.getfixturevalue(f"tiny_{arch}")
+    ref = _run(_engine(path, ahead=False))
+    eng = _engine(path, ahead=True)
+    assert _run(eng) == ref
+    ahead = _ahead(eng)
+    # one prefill step, then 29 decode steps: the first has nothing prepared (a prefill is no decode), the
+    # 4 right after a request finished drop theirs, the other 24 take theirs
+    assert (ahead.num_used, ahead.num_dropped) == (24, 4)
+    eng.leak_check()
+
+
+@pytest.mark.parametrize(
+    ("arch", "spec"),
+    [
+        ("lfm2", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
+        (
+            "qwen3_5",
+            {
+                "method": "mtp",
+                "num_speculative_tokens": 1,
+                "adaptive": {"candidate_steps": [1, 3], "warmup_batches": 0, "update_interval": 1},
+            },
+        ),
+    ],
+    ids=["ngram", "mtp-adaptive"],
+)
+def test_speculative_rounds_with_batches_prepared_ahead_equal_plain(
+    arch: str, spec: dict[str, Any], request: pytest.FixtureRequest
+) -> None:
+    """Rounds without drafts decode through run_plain and prepare ahead; a drafting round (verify forward,
+    draft extend) in between must drop what was prepared."""
+    path: Path = request.getfixturevalue(f"tiny_{arch}")
+    ref = _run(_engine(path, ahead=False))
+    eng = _engine(path, ahead=True, spec=spec)
+    assert _run(eng) == ref
+    ahead = _ahead(eng)
+    assert ahead.num_used > 0 and ahead.num_dropped > 0, (ahead.num_used, ahead.num_dropped)
+    assert eng.stats.spec_num_drafts > 0  # some rounds did draft
+    eng.leak_check()
+
+
+def test_preemption_drops_prepared_batches(tiny_lfm2: Path) -> None:
+    probe = _engine(tiny_lfm2, ahead=False)
+    plan = probe.runner.memory.pool.plan  # type: ignore[attr-defined]
+    fixed = plan.total_bytes - plan.kv_bytes
+    budget = fixed + (plan.max_pages_per_request + 4) * plan.kv_bytes_per_page  # not all fit at once
+    prompts = [PROMPTS[0] * 3, *PROMPTS[1:]]
+    ref = _run(_engine(tiny_lfm2, ahead=False, kv_cache_bytes=budget), prompts)
+    eng = _engine(tiny_lfm2, ahead=True, kv_cache_bytes=budget)
+    assert _run(eng, prompts) == ref
+    assert eng.scheduler.num_preemptions > 0 and _ahead(eng).num_used > 0
+    eng.leak_check()
+
+
+def _decoding(path: Path) -> tuple[LLMEngine, DecodeAhead, Any]:
+    """An engine whose pool holds requests "a" and "b" with KV for 8 tokens each, and its ahead."""
+    eng = _engine(path, ahead=True)
+    runner: Any = eng.runner
+    pool = runner.pool
+    pool.alloc(["a", "b"])
+    pool.ensure_kv_capacity(["a", "b"], [8, 8])
+    return eng, _ahead(eng), runner
+
+
+def _build(ahead: DecodeAhead, runner: Any, prefix: list[int], tokens: list[int]) -> None:
+    rows = runner.pool.req_rows(["a", "b"])
+    ahead.build(req_ids=["a", "b"], req_rows=rows, prefix_lens=prefix, next_tokens=torch.tensor(tokens))
+    ahead.sampled(tokens)
+
+
+def _tensors(batch: Any) -> dict[str, torch.Tensor]:
+    """Every tensor of a ForwardBatch (typed index tensors unwrapped), copied."""
+    out: dict[str, torch.Tensor] = {}
+    for f in dataclasses.fields(batch):
+        v = getattr(batch, f.name)
+        t = v if isinstance(v, torch.Tensor) else getattr(v, "tensor", None)
+        if isinstance(t, torch.Tensor):
+            out[f.name] = t.clone()
+    return out
+
+
+def test_a_prepared_batch_is_the_batch_the_step_would_prepare(tiny_lfm2: Path) -> None:
+    _, ahead, runner = _decoding(tiny_lfm2)
+    _build(ahead, runner, [5, 3], [11, 12])
+    got = ahead.take(req_ids=["a", "b"], prefix_lens=[5, 3], tokens=[11, 12])
+    assert got is not None
+    kept = _tensors(got)  # copies: the fresh batch below is written into the same buffers
+    assert {"input_ids", "positions", "kv_slots", "state_slots", "page_table"} <= set(kept)
+    rows = runner.pool.req_rows(["a", "b"])
+    fresh = runner.graphs.prepare_decode(req_rows=rows, input_ids=torch.tensor([11, 12]), prefix_lens=[5, 3])
+    assert kept.keys() == _tensors(fresh).keys()
+    for name, value in _tensors(fresh).items():
+        assert torch.equal(kept[name], value), name
+    # used once
+    assert ahead.take(req_ids=["a", "b"], prefix_lens=[5, 3], tokens=[11, 12]) is None
+
+
+@pytest.mark.parametrize("change", ["pages", "slot", "buffers", "tokens", "positions", "requests"])
+def test_a_prepared_batch_is_dropped_when_anything_it_was_built_from_changed(
+    tiny_lfm2: Path, change: str
+) -> None:
+    _, ahead, runner = _decoding(tiny_lfm2)
+    pool = runner.pool
+    _build(ahead, runner, [5, 3], [11, 12])
+    ids, prefix, tokens = ["a", "b"], [5, 3], [11, 12]
+    if change == "pages":
+        # a's second page (positions 4..7) goes back and a different one comes: position 5's KV slot moves
+        pool.alloc(["c"])
+        pool.truncate_kv("a", 4)
+        pool.ensure_kv_capacity(["c"], [4])  # takes the page a just returned
+        pool.ensure_kv_capacity(["a"], [8])
+    elif change == "slot":
+        pool.free(["b"])
+        pool.alloc(["b"])  # same request id, a new row and state slot
+    elif change == "buffers":
+        rows = pool.req_rows(["a"])
+        runner.backend.prepare_extend(
+            req_rows=rows, input_ids=torch.tensor([1, 2]), q_lens=[2], prefix_lens=[0]
+        )
+    elif change == "tokens":
+        tokens = [11, 13]  # what the host read is not what the batch feeds
+    elif change == "positions":
+        prefix = [5, 4]
+    else:
+        ids = ["b", "a"]
+    assert ahead.take(req_ids=ids, prefix_lens=prefix, tokens=tokens) is None
+    assert ahead.num_dropped == 1 and ahead.num_used == 0
+
+
+def test_a_page_boundary_gets_its_page_unless_the_pool_has_none(tiny_lfm2: Path) -> None:
+    _, ahead, runner = _decoding(tiny_lfm2)
+    pool = runner.pool
+    _build(ahead, runner, [8, 3], [11, 12])  # a has pages for positions 0..7: position 8 needs a new one
+    assert pool.kv_capacity("a") == 12
+    got = ahead.take(req_ids=["a", "b"], prefix_lens=[8, 3], tokens=[11, 12])
+    assert got is not None and got.kv_slots is not None
+    assert got.kv_slots.tolist()[0] == int(pool.table.req_to_kv[pool.req_rows(["a"]).tolist()[0], 8])
+    # no page left: nothing is prepared, and the pool is as it was
+    pool.kv.alloc(pool.kv.num_free)  # held by nobody: this pool is thrown away
+    assert pool.kv.num_free == 0
+    version = pool.layout_version
+    _build(ahead, runner, [12, 3], [11, 12])
+    assert pool.layout_version == version and pool.kv_capacity("a") == 12
+    assert ahead.take(req_ids=["a", "b"], prefix_lens=[12, 3], tokens=[11, 12]) is None
+    assert ahead.num_used == 1
