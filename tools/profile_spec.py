@@ -222,6 +222,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="prompts decoded together")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (random ids, one prompt per row)")
     ap.add_argument("--mode", default="torch", help=f"one or more of {', '.join(MODES)}, comma-separated")
+    ap.add_argument(
+        "--no-ahead", action="store_true", help="prepare each decode batch in its own step (decode_ahead.py)"
+    )
+    ap.add_argument(
+        "--probe-every",
+        type=int,
+        default=0,
+        help="speculative runs: draft 1 token every K-th round and none in the others (probe rounds)",
+    )
     ap.add_argument("--only", default=None, help="runs to make in this order, comma-separated (default: all)")
     a = ap.parse_args()
     a.modes = a.mode.split(",")
@@ -229,6 +238,17 @@ def main() -> None:
         ap.error(f"--mode: expected some of {MODES}, got {a.mode!r}")
     with tempfile.TemporaryDirectory(prefix="hyspec-profile-") as tmp:  # a 9B-wide checkpoint: tens of GB
         profile(Path(tmp) / "ckpt", a)
+
+
+def _every(k: int) -> Any:
+    """Draft lengths that draft one token in every k-th round and none in the others."""
+    rounds = [0]
+
+    def lengths(chunks: Any, max_model_len: int) -> list[int]:
+        rounds[0] += 1
+        return [1 if rounds[0] % k == 0 else 0 for _ in chunks]
+
+    return lengths
 
 
 def profile(ckpt: Path, a: argparse.Namespace) -> None:
@@ -250,6 +270,10 @@ def profile(ckpt: Path, a: argparse.Namespace) -> None:
         spec = known[name]
         llm = make_llm(ckpt, spec=spec, max_seqs=max(8, a.batch), max_len=a.prompt + a.new + 16)
         sp = SamplingParams(max_tokens=a.new, temperature=0, ignore_eos=True)
+        llm.engine.runner.ahead.enabled = not a.no_ahead
+        spec_decoder = getattr(llm.engine.runner, "spec", None)
+        if a.probe_every and spec_decoder is not None:
+            spec_decoder.draft_lengths = _every(a.probe_every)
 
         def run() -> None:
             llm.generate(prompts, sp)  # noqa: B023 (called within the iteration)
