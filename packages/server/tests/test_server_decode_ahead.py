@@ -191,4 +191,8 @@ def test_a_page_boundary_gets_its_page_unless_the_pool_has_none(tiny_lfm2: Path)
     _build(ahead, runner, [12, 3], [11, 12])
     assert pool.layout_version == version and pool.kv_capacity("a") == 12
     assert ahead.take(req_ids=["a", "b"], prefix_lens=[12, 3], tokens=[11, 12]) is None
+    # a position past the request table (a step that can never come) is not prepared, and raises nothing
+    width = pool.plan.table_width
+    _build(ahead, runner, [width, 3], [11, 12])
+    assert ahead.take(req_ids=["a", "b"], prefix_lens=[width, 3], tokens=[11, 12]) is None
     assert ahead.num_used == 1

@@ -78,6 +78,8 @@ class DecodeAhead:
         self._drop()
         if not self.enabled:
             return
+        if max(prefix_lens, default=0) + 1 > self.pool.plan.table_width:
+            return  # past the longest request: that step never comes
         try:
             # a request at a page boundary gets its next page one step early (the scheduler would add it
             # before the next step anyway; finishing or preemption frees it with the rest)
