@@ -773,18 +773,56 @@ def test_one_off_draft_extends_are_not_timed(tiny_qwen3_5: Path, idle_rounds: in
         rounds.append(pattern[len(rounds) % len(pattern)])
         return [min(rounds[-1], c.num_lookahead) for c in chunks]
 
-    record = spec.costs.record_draft
+    record, record_catch_up = spec.costs.record_draft, spec.costs.record_catch_up
+    caught_up: list[tuple[int, int]] = []  # (round, drafts) of each recorded catch-up
 
     def counted(num_steps: int, seconds: float) -> None:
         timed.append(len(rounds) - 1)
         record(num_steps, seconds)
 
+    def counted_catch_up(seconds: float, num_drafts: int = 0) -> None:
+        caught_up.append((len(rounds) - 1, num_drafts))
+        record_catch_up(seconds, num_drafts)
+
     spec.draft_lengths = lengths
     spec.costs.record_draft = counted
+    spec.costs.record_catch_up = counted_catch_up
     LLM.from_engine(eng).generate(_ids(PROMPTS[:1]), _greedy(16))
     drafting = [i for i, w in enumerate(rounds) if w > 0]
     assert len(PROMPTS[0]) > 3 and len(drafting) >= 3
     # the first drafting round writes the prompt; after idle rounds at least 1 + idle_rounds > 3 tokens
     # wait; right after a drafting round at most its accepted drafts + 1 <= 3 do
     assert timed == ([] if idle_rounds else drafting[1:]), (rounds, timed)
+    # the others are timed as catch-ups, with their draft count (what the adaptive probe wait weighs)
+    assert caught_up == [(i, 2) for i in drafting if i not in timed]
+    assert spec.costs.catch_up_s() >= 0.0
+    eng.leak_check()
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "dflash"])
+def test_warm_up_times_a_draft_extend_and_leaves_no_trace(
+    arch: Arch, method: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The start-up draft extend (run on CUDA by the model runner) on a throwaway request: it records a
+    catch-up cost, frees what it took, and the drafter then drafts as if it had never run."""
+    from hyspec_spec_workers.tiny_drafts import build_tiny_dflash, build_tiny_eagle3
+
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": 2}
+    if method == "mtp":
+        if arch.path.name != "qwen3_5":
+            pytest.skip("MTP needs a checkpoint with an MTP layer (tiny Qwen3.5)")
+    else:
+        build = build_tiny_eagle3 if method == "eagle3" else build_tiny_dflash
+        spec["model"] = str(build(tmp_path_factory.mktemp(method) / "d", arch.path, seed=1))
+    eng = arch.engine(spec)
+    runner: Any = eng.runner
+    sd = runner.spec
+    assert sd.costs.catch_up_s() == 0.0
+    hidden = int(runner.model.config.hidden_size)
+    sd.warm_up(hidden_size=hidden, dtype=runner.dtype, device=runner.device, max_model_len=64)
+    assert sd.costs.catch_up_s() > 0.0
+    eng.leak_check()  # the throwaway request's draft KV rows and pages are back
+    outs = LLM.from_engine(eng).generate(_ids(PROMPTS), _greedy())
+    assert [o.outputs[0].token_ids for o in outs] == arch.refs
+    assert sum(o.spec_stats.num_draft_tokens for o in outs if o.spec_stats) > 0
     eng.leak_check()

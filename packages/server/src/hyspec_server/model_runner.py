@@ -153,6 +153,15 @@ class HyspecModelRunner:
         if self.spec is not None and self.graphs.active and isinstance(self.spec.drafter, GraphedDrafter):
             # the drafter's proposal forwards (MTP / EAGLE-3 steps, the DFlash block) at the same batch sizes
             self.spec.drafter.capture_graphs(self.graphs.sizes)
+        if self.spec is not None and self._device.type == "cuda":
+            # the eager draft extend's kernels load now, not in a request's first catch-up, and its time is
+            # the first estimate of what a probe costs (`SpecDecoder.warm_up`)
+            self.spec.warm_up(
+                hidden_size=int(config.hidden_size),
+                dtype=self.dtype,
+                device=self._device,
+                max_model_len=self._max_model_len,
+            )
 
     @property
     def memory(self) -> StatePoolMemory:

@@ -48,6 +48,8 @@ from hyspec_server.scheduler import ScheduledChunk
 
 # waiting committed tokens per request before its draft extend runs regardless (bounds the copies kept)
 MAX_PENDING = 256
+# tokens of the start-up draft extend (`SpecDecoder.warm_up`): about what a probe catches up on
+WARM_UP_TOKENS = MAX_PENDING // 2
 
 if TYPE_CHECKING:
     from hyspec_server.model_runner import HyspecModelRunner
@@ -180,6 +182,43 @@ class SpecDecoder:
         )
         return max(w.num_tokens for _, w in merged)
 
+    def warm_up(
+        self, *, hidden_size: int, dtype: torch.dtype, device: torch.device, max_model_len: int
+    ) -> None:
+        """Two draft extends over `WARM_UP_TOKENS` zero tokens (at most `max_model_len`) of a throwaway
+        request, before any request.
+
+        The first loads the extend's kernels (on CUDA the first use of a kernel costs milliseconds), which
+        a request's first catch-up would otherwise pay; the second, timed with the device synchronised, is
+        the first estimate of a catch-up's cost, so that the first probe waits for what it will cost.
+        """
+        md = self.model_drafter
+        if md is None:
+            return
+        rid = _WarmUp()
+        t = min(WARM_UP_TOKENS, max_model_len)
+        feats = torch.zeros(t, hidden_size, dtype=dtype, device=device)  # [T, H]
+        committed = CommittedTokens(
+            req_ids=[rid],
+            start_positions=torch.zeros(1, dtype=torch.int64),
+            num_tokens=torch.tensor([t], dtype=torch.int64),
+            tokens=torch.zeros(t, dtype=torch.int64, device=device),
+            hidden_states=feats,
+            aux_hidden_states=tuple(feats for _ in self.capture_layers),
+        )
+        seconds = 0.0
+        for _ in range(2):
+            md.add_requests([rid])
+            try:
+                _synchronize(device)
+                t0 = time.perf_counter()
+                md.commit(committed)
+                _synchronize(device)
+                seconds = time.perf_counter() - t0
+            finally:
+                md.free_requests([rid])
+        self.costs.record_catch_up(seconds)
+
     # ---------------------------------------------------------------- one round
 
     def _timing_round(self) -> bool:
@@ -239,7 +278,8 @@ class SpecDecoder:
             if self.model_drafter is not None:
                 # the draft KV catches up on everything committed since its last proposal; more than a
                 # round's block (a prompt, a long stretch without drafting) is a one-off forward that
-                # would inflate the per-round costs: such a round is not timed
+                # would inflate the per-round costs: such a round is timed as a catch-up instead (what a
+                # probe after rounds at 0 costs, see `AdaptiveConfig.probe_budget`)
                 timed = self._flush(ids) <= self.max_draft_tokens
             draft = self.drafter.propose(
                 DraftBatch(root_tokens=roots, num_steps=steps, histories=hist, req_ids=ids)
@@ -251,7 +291,7 @@ class SpecDecoder:
             results = [VerifiedTokens((_sampled(t),), 0, 0) for t in runner.run_plain(chunks)]
             if timed:
                 drafting = 0.0 if draft is None else clock.seconds()
-                self.costs.record_decode(time.perf_counter() - t0 - drafting)
+                self.costs.record_decode(time.perf_counter() - t0 - drafting, rows=n)
             num_acc = [0] * n
         else:
             results, block = self._verify(runner, chunks, draft)
@@ -261,6 +301,8 @@ class SpecDecoder:
                 self.costs.record_draft(max(steps), drafting)
                 self.costs.record_verify(block, time.perf_counter() - t0 - drafting)
             num_acc = [r.num_accepted for r in results]
+        if not timed:
+            self.costs.record_catch_up(time.perf_counter() - t0, max(steps))
         # no KV truncation: attention reads a request's KV up to its committed length only (the engine sets
         # it from these results), and the pages past it are the ones the request's next round reserves
         # again (bonus token plus lookahead); freeing and re-adding them every few rounds cost host work and
@@ -383,6 +425,18 @@ class _Waiting:
 
     pieces: list[CommittedTokens] = field(default_factory=list)
     num_tokens: int = 0
+
+
+class _WarmUp:
+    """The throwaway request id of `SpecDecoder.warm_up`: equal to no engine request id."""
+
+    def __repr__(self) -> str:
+        return "<warm-up>"
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class _DraftClock:

@@ -35,6 +35,14 @@ Cost check (with a `CostModel` and `cost_aware`):
   that drops again doubles the wait before the next one (up to `MAX_PROBE_BACKOFF` x `probe_interval`),
   so a request whose drafts never pay spends a vanishing share of its rounds probing; a probe that keeps
   drafting resets the wait. A confirming probe works the same way but leaves the wait as it is.
+- Probe budget. Whenever the evidence says drafting does not pay (a warm-up or a retry that drops, a
+  request that starts at 0), the wait is also at least `probe_wait_floor`: the rounds at 0 whose plain
+  decoding time the probe's cost is `probe_budget` (0.5%) of. A probe costs its first round's catch-up
+  (the draft KV writes the tokens committed while the request did not draft: an eager forward, tens of
+  ms on a GPU, measured by the engine, first at start-up) plus its rounds at the probe length instead of
+  plain steps. So a drafter that never pays costs at most the budget on a long-running engine, however
+  dear its probes are, and the wait is as short as that allows. A confirming probe that drops is not held
+  to it: the drafter paid until lately, so probing it again soon is likely to pay for itself.
 
 Across requests: each request above starts knowing nothing, so on a long-running engine whose drafter
 never pays every request would pay the warm-up again. The requests of one `AdaptiveController` (one per
@@ -42,22 +50,25 @@ engine) therefore report their drafting rounds into its `SharedEvidence`: S and 
 last `PRIOR_MEMORY` rounds of all of them, the wait the latest probe left, and the rounds spent at 0 since
 a probe. A new request's warm-up starts from that evidence scaled down to at most `PRIOR_DRAFTS`
 observations (same ratio), a prior that a few of its own rounds overrule. With costs
-(`new_request(costs)`), when the prior alone already fails the warm-up's test (no length pays with
-`WARMUP_MARGIN` more accepted) the request starts at 0: later requests skip the warm-up the earlier ones
-paid. It probes after the engine's wait less the rounds other requests spent at 0 since the last probe,
-so the engine probes about once per wait in all (not once per request, nor never when requests are
-shorter than the wait), and a drafter that turns good is found again. Evidence is per controller: another
-engine (model, drafter, hardware) learns its own.
+(`new_request(costs)`), when the pooled evidence at full weight already fails the warm-up's test (no
+length pays with `WARMUP_MARGIN` more accepted) the request starts at 0: later requests skip the warm-up
+the earlier ones paid. It probes after the engine's wait less the rounds other requests spent at 0 since
+the last probe, so the engine probes about once per wait in all (not once per request, nor never when
+requests are shorter than the wait), and a drafter that turns good is found again. Evidence is per
+controller: another engine (model, drafter, hardware) learns its own.
 
 Simulated with those two costs, a request whose drafts are never accepted takes at most 2.5% longer than
-plain decoding over 128 tokens and 0.4% over 2048 (tests/test_spec_adaptive.py); drafting through a
+plain decoding over 128 tokens and 0.3% over 2048 (tests/test_spec_adaptive.py); drafting through a
 10-round warm-up at length 3 and probing at the length left took 11% and 25% longer over 128 tokens.
 Through one controller the requests after the first take at most 0.8% longer over 128 tokens (the few
-that probe; the others none), where each took the first one's 2.4% / 2.2% before.
+that probe; the others none), where each took the first one's 2.4% / 1.4% before. With the costs the
+engine measured on an H100 (9B-shaped target: 8.1 ms a plain step, a 25 ms catch-up per probe) the
+requests after the first take 0.46% longer in all, within the 0.5% budget.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
@@ -95,6 +106,15 @@ class CostModel(Protocol):
 
     def round_s(self, num_drafts: int) -> float: ...
 
+    def catch_up_s(self) -> float:
+        """Extra seconds of a round whose draft extend first catches up on the tokens committed while the
+        request did not draft (a probe's first round), beyond an ordinary round; 0 when unknown."""
+        ...
+
+    def rows_per_step(self) -> float:
+        """Requests per decode step: a step's seconds over this many request-rounds."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class CostEstimate:
@@ -105,17 +125,27 @@ class CostEstimate:
     verify_base: float
     verify_per_token: float = 0.0
     draft_base: float = 0.0
+    catch_up: float = 0.0
+    rows: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("decode", "draft_step", "verify_base", "verify_per_token", "draft_base"):
+        for name in ("decode", "draft_step", "verify_base", "verify_per_token", "draft_base", "catch_up"):
             v = getattr(self, name)
             if not v >= 0.0:
                 raise ValueError(f"{name}: expected seconds >= 0, got {v!r}")
         if self.decode <= 0.0:
             raise ValueError(f"decode: expected seconds > 0, got {self.decode!r}")
+        if not self.rows >= 1.0:
+            raise ValueError(f"rows: expected >= 1 requests per step, got {self.rows!r}")
 
     def decode_s(self) -> float:
         return self.decode
+
+    def catch_up_s(self) -> float:
+        return self.catch_up
+
+    def rows_per_step(self) -> float:
+        return self.rows
 
     def round_s(self, num_drafts: int) -> float:
         if num_drafts == 0:
@@ -133,21 +163,46 @@ class CostTracker:
 
     Before a plain decode step has been timed, decode cost is taken as the verify time of the smallest block
     seen (a D = 1 verify is a decode step); unmeasured block sizes are extrapolated linearly.
+
+    Catch-up rounds (`record_catch_up`) are rare and their cost moves with the load, so their EMA weighs
+    each new one by `CATCH_UP_ALPHA`; they are kept as (seconds, drafts) and weighed against the round costs
+    known when asked, since the first ones often come before any ordinary round was timed.
     """
+
+    CATCH_UP_ALPHA = 0.5
 
     def __init__(self, alpha: float = 0.1) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha: expected in (0, 1], got {alpha}")
         self.alpha = alpha
         self._decode: float | None = None
+        self._rows: float | None = None
         self._draft_step: float | None = None
         self._verify: dict[int, float] = {}
+        self._catch_up: list[tuple[float, int]] = []  # the latest few (seconds, drafts), oldest first
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1.0 - self.alpha) * old + self.alpha * new
 
-    def record_decode(self, seconds: float) -> None:
+    def record_decode(self, seconds: float, rows: int = 1) -> None:
+        """A plain decode step of `rows` requests took `seconds`."""
         self._decode = self._ema(self._decode, seconds)
+        self._rows = self._ema(self._rows, float(max(rows, 1)))
+
+    def record_catch_up(self, seconds: float, num_drafts: int = 0) -> None:
+        """A round (or a bare draft extend, `num_drafts` 0) that caught the draft KV up took `seconds`."""
+        self._catch_up = [*self._catch_up[-7:], (seconds, num_drafts)]
+
+    def catch_up_s(self) -> float:
+        excess: float | None = None
+        a = self.CATCH_UP_ALPHA
+        for seconds, k in self._catch_up:
+            extra = max(0.0, seconds - (self.round_s(k) if k and self.ready else 0.0))
+            excess = extra if excess is None else (1.0 - a) * excess + a * extra
+        return excess or 0.0
+
+    def rows_per_step(self) -> float:
+        return self._rows or 1.0
 
     def record_draft(self, num_steps: int, seconds: float) -> None:
         if num_steps >= 1:
@@ -206,6 +261,19 @@ def expected_accepted(rate: float, num_drafts: int) -> float:
 def _pays(rate: float, num_drafts: int, costs: CostModel) -> bool:
     """Expected tokens per second of a `num_drafts` round at least those of plain decoding."""
     return (expected_accepted(rate, num_drafts) + 1.0) / costs.round_s(num_drafts) >= 1.0 / costs.decode_s()
+
+
+def probe_wait_floor(costs: CostModel, *, budget: float, length: int, probe_rounds: int) -> int:
+    """The fewest rounds at 0 (per request) before a probe that keep the probe's cost within `budget` of the
+    plain decoding time those rounds take.
+
+    A probe of a drafter that still does not pay costs its first round's catch-up (`catch_up_s`) and
+    `probe_rounds` rounds at `length` drafts instead of plain steps. Rounds at 0 are counted per request,
+    and a step decodes `rows_per_step` of them, so the wait grows with the batch.
+    """
+    decode = costs.decode_s()
+    extra = costs.catch_up_s() + probe_rounds * max(0.0, costs.round_s(length) - decode)
+    return math.ceil(extra * costs.rows_per_step() / (budget * decode))
 
 
 def best_length(rate: float, candidates: tuple[int, ...], costs: CostModel) -> int:
@@ -300,18 +368,19 @@ class AdaptiveDraftLength:
             self._start_from_history(shared, costs)
 
     def _start_from_history(self, shared: SharedEvidence, costs: CostModel) -> None:
-        ev = self._evidence
-        if ev.accepted + ev.rejections == 0.0:
+        pooled = _Evidence(accepted=shared.accepted, rejections=shared.rejections)
+        if pooled.accepted + pooled.rejections == 0.0:
             return  # nothing pooled yet: the request warms up as if it were the first
-        if best_length(ev.rate(more_accepted=WARMUP_MARGIN), self.config.candidate_steps, costs) > 0:
+        # the pooled rounds at full weight (the prior is scaled down only so that a warming-up request's
+        # own rounds can overrule it): many requests' rounds say more than the few the margin guards
+        if best_length(pooled.rate(more_accepted=WARMUP_MARGIN), self.config.candidate_steps, costs) > 0:
             return
         # the earlier requests' drafts would not pay even with the warm-up's margin: skip the warm-up
         # they paid. Probe no sooner than the engine's backoff says, counting the rounds other requests
         # already spent at 0 since the last probe, so that short requests still probe now and then.
         self._warming_up = False
-        self._drop(failed_probe=False)
-        cap = MAX_PROBE_BACKOFF * self.config.probe_interval
-        self._probe_wait = min(shared.probe_wait or self.config.probe_interval, cap)
+        self._drop(failed_probe=False, costs=None)
+        self._probe_wait = max(shared.probe_wait or self.config.probe_interval, self._floor(costs, 1))
         self._zero_rounds = min(shared.idle_rounds, self._probe_wait - 1)
 
     def observe(self, num_accepted: int, costs: CostModel | None = None) -> int:
@@ -361,7 +430,7 @@ class AdaptiveDraftLength:
         cands, ev = self.config.candidate_steps, self._evidence
         if best_length(ev.rate(more_accepted=WARMUP_MARGIN), cands, costs) == 0:
             self._warming_up = False
-            self._drop(failed_probe=False)
+            self._drop(failed_probe=False, costs=costs)
         elif best_length(ev.rate(), cands, costs) == 0:
             # in doubt: go on measuring at the smallest length, which costs less and tells as much (a
             # round's first draft decides whether it accepts anything)
@@ -386,18 +455,22 @@ class AdaptiveDraftLength:
         cands = cfg.candidate_steps
         shown = best_length(ev.rate(more_rejected=PROBE_MARGIN), cands, costs) if measured else 0
         if best_length(ev.rate(more_accepted=PROBE_MARGIN), cands, costs) == 0:
-            self._settle(0)
+            self._settle(0, costs)
         elif shown > 0:
-            self._settle(shown)
+            self._settle(shown, costs)
         elif ev.rounds >= MAX_PROBE_WINDOWS * cfg.update_interval:
-            self._settle(best_length(ev.rate(), cands, costs))  # still in doubt: the plain fit decides
+            self._settle(best_length(ev.rate(), cands, costs), costs)  # still in doubt: the plain fit decides
 
-    def _settle(self, steps: int) -> None:
+    def _settle(self, steps: int, costs: CostModel) -> None:
         """Ends a probe: drafting at `steps`, or back to 0 (a failed retry doubles the wait)."""
         if steps > 0:
             self._resume(steps, self._evidence.rate())
+        elif self._probe is _Probe.RETRY:
+            self._drop(failed_probe=True, costs=costs)
         else:
-            self._drop(failed_probe=self._probe is _Probe.RETRY)
+            # a confirming probe drops a drafter that paid until lately: probing it again soon is likely
+            # to pay for itself, so the wait is not held to the probes' budget (`_floor`)
+            self._drop(failed_probe=False, costs=None)
 
     def _resume(self, steps: int, rate: float) -> None:
         # the EMA restarts from the model's expectation at the new length, not from the probe's mean
@@ -406,13 +479,25 @@ class AdaptiveDraftLength:
         if self._shared is not None:
             self._shared.probe_ended(self._probe_wait)
 
-    def _drop(self, *, failed_probe: bool) -> None:
+    def _drop(self, *, failed_probe: bool, costs: CostModel | None) -> None:
+        probe_rounds = self._evidence.rounds if self._probe is not None else 1
         self.steps, self._zero_rounds, self._probe = 0, 0, None
         if failed_probe:
             cap = MAX_PROBE_BACKOFF * self.config.probe_interval
             self._probe_wait = min(2 * self._probe_wait, cap)
-            if self._shared is not None:
-                self._shared.probe_ended(self._probe_wait)
+        # never sooner than the probes' measured cost allows, whatever the backoff says
+        self._probe_wait = max(self._probe_wait, self._floor(costs, probe_rounds))
+        if failed_probe and self._shared is not None:
+            self._shared.probe_ended(self._probe_wait)
+
+    def _floor(self, costs: CostModel | None, probe_rounds: int) -> int:
+        """`probe_wait_floor` at this config's budget and probe length (0 without costs)."""
+        cfg = self.config
+        if costs is None or not cfg.cost_aware:
+            return 0
+        return probe_wait_floor(
+            costs, budget=cfg.probe_budget, length=cfg.candidate_steps[0], probe_rounds=probe_rounds
+        )
 
     def _select(self, steps: int) -> int:
         cands, cfg = self.config.candidate_steps, self.config

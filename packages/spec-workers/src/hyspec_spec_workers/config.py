@@ -55,7 +55,8 @@ class AdaptiveConfig:
     `update_interval` rounds. With `cost_aware`, the controller drops to 0 drafts (plain decoding) when the
     expected tokens per second fall below plain decoding (during warm-up too, once the evidence is clear)
     and probes back up at the smallest candidate after `probe_interval` rounds (doubling the wait after
-    each probe that drops again, see `hyspec_spec_workers.adaptive`).
+    each probe that drops again, see `hyspec_spec_workers.adaptive`), and never sooner than lets the probes
+    cost at most `probe_budget` of the plain decoding time between them (by measured costs).
     """
 
     candidate_steps: tuple[int, ...] = DEFAULT_CANDIDATE_STEPS
@@ -66,6 +67,7 @@ class AdaptiveConfig:
     up_hysteresis: float = 0.0
     cost_aware: bool = True
     probe_interval: int = 50
+    probe_budget: float = 0.005
 
     def __post_init__(self) -> None:
         steps = self.candidate_steps
@@ -91,6 +93,9 @@ class AdaptiveConfig:
                 raise _err(f"adaptive.{name}", f"expected a finite number, got {v!r}")
         if not isinstance(self.cost_aware, bool):
             raise _err("adaptive.cost_aware", f"expected a bool, got {self.cost_aware!r}")
+        b = self.probe_budget
+        if isinstance(b, bool) or not isinstance(b, int | float) or not 0.0 < float(b) <= 1.0:
+            raise _err("adaptive.probe_budget", f"expected a number in (0, 1], got {b!r}")
 
     @staticmethod
     def from_value(value: object, *, initial_steps: int) -> AdaptiveConfig | None:
