@@ -126,3 +126,13 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Target]:
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(params=[True, False], ids=["stop-early", "full-walk"])
+def walk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Tree walks as on the CPU (stop once no row has a candidate) or as on CUDA (all D - 1 visits)."""
+    from hyspec_spec_workers import verify
+
+    stops: bool = request.param
+    monkeypatch.setattr(verify, "_stops_early", lambda device: stops)
+    return stops

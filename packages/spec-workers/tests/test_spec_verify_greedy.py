@@ -77,7 +77,7 @@ def test_chain_every_accept_length(d: int) -> None:
     assert torch.equal(dflash_correct_drafts(tree.tokens, pred)[1], r.bonus)
 
 
-def test_random_trees_match_reference_walk() -> None:
+def test_random_trees_match_reference_walk(walk: bool) -> None:
     g = torch.Generator().manual_seed(1)
     n, d, vocab = 300, 7, 3
     parents = torch.full((n, d), -1)

@@ -48,7 +48,7 @@ def test_chain_with_draft_distribution_preserves_target() -> None:
 
 
 @pytest.mark.parametrize("deep", [False, True])
-def test_tree_target_only_preserves_target(deep: bool) -> None:
+def test_tree_target_only_preserves_target(deep: bool, walk: bool) -> None:
     g = torch.Generator().manual_seed(1)
     v, n = 8, DRAWS
     # root -> {1: tok 2, 2: tok 0, 3: tok 5}; node 1 -> {4: tok 1, 5: tok 3}; node 3 -> {6: tok 2}
@@ -68,7 +68,7 @@ def test_tree_target_only_preserves_target(deep: bool) -> None:
     assert {0, 1, 2}.issubset(set(r.num_accepted.tolist()))
 
 
-def test_tree_with_iid_sampled_siblings_preserves_target() -> None:
+def test_tree_with_iid_sampled_siblings_preserves_target(walk: bool) -> None:
     g = torch.Generator().manual_seed(2)
     v, n = 6, DRAWS
     q0, p = _dist(g, v), _dist(g, v)
@@ -81,7 +81,7 @@ def test_tree_with_iid_sampled_siblings_preserves_target() -> None:
     assert _chi2(r.output_tokens[:, 0], q0) < CHI2_CRIT[v - 1]
 
 
-def test_greedy_rows_in_sampling_path_equal_greedy_verify() -> None:
+def test_greedy_rows_in_sampling_path_equal_greedy_verify(walk: bool) -> None:
     g = torch.Generator().manual_seed(3)
     n, d, v = 64, 6, 4
     parents = torch.full((n, d), -1)

@@ -132,11 +132,9 @@ def verify_greedy(tree: VerifyTree, target_predict: torch.Tensor) -> VerifyResul
     cur = torch.zeros(n, dtype=torch.int64, device=dev)
     num_acc = torch.zeros(n, dtype=torch.int64, device=dev)
     cand = tree.first_child[:, 0].clone()
-    # every row visits each node at most once, so D - 1 candidate visits finish every walk; a visit without
-    # candidates changes nothing, so the early exit (a device read, a sync on CUDA) is taken on the CPU only
     for _ in range(d - 1):
         has = cand >= 0
-        if dev.type == "cpu" and not bool(has.any()):
+        if _stops_early(dev) and not bool(has.any()):
             break
         c = cand.clamp(min=0)
         match = has & (tree.tokens[rows, c] == pred[rows, cur])
@@ -146,6 +144,16 @@ def verify_greedy(tree: VerifyTree, target_predict: torch.Tensor) -> VerifyResul
         nxt = torch.where(match, tree.first_child[rows, c], tree.next_sibling[rows, c])
         cand = torch.where(has, nxt, cand)
     return _finish(tree, accept_index, num_acc, pred[rows, cur])
+
+
+def _stops_early(device: torch.device) -> bool:
+    """Whether a tree walk may stop once no row has a candidate left.
+
+    Every row visits each node at most once, so D - 1 candidate visits finish every walk, and a visit
+    without candidates changes nothing (but the coins a sampling walk draws for it). Finding out reads the
+    device (a sync on CUDA), so only the CPU stops early.
+    """
+    return device.type == "cpu"
 
 
 def _greedy_chain(tree: VerifyTree, pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,7 +214,7 @@ def verify_sampling(
     resid = q[:, 0].clone()  # [N, V] distribution at the current node, minus rejected siblings
     for _ in range(d - 1):
         has = cand >= 0
-        if not bool(has.any()):
+        if _stops_early(dev) and not bool(has.any()):
             break
         c = cand.clamp(min=0)
         tok = tree.tokens[rows, c]  # [N]
