@@ -28,53 +28,24 @@ from typing import Any
 import pytest
 import torch
 from hyspec_attn_backends import ForwardMode
+from hyspec_spec_workers.testing import DRAFTER_CASES, LOSSLESS_NEW_TOKENS, LOSSLESS_PROMPTS, DrafterCase
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-PROMPTS: list[list[int]] = [
-    [5, 9, 17, 33, 2, 7, 5, 9, 11, 12, 13],
-    [40, 41],
-    [7, 7, 7, 8, 7, 7, 7],
-    [100, 3, 250, 12, 64],
-    [1],
-    [20, 30, 40, 50, 60, 70, 80, 90, 15],
-    [8, 9, 10],
-    [200, 201, 202, 203],
-]
-NEW = 48
+PROMPTS: list[list[int]] = [list(p) for p in LOSSLESS_PROMPTS]
+NEW = LOSSLESS_NEW_TOKENS
 S = 3
 TIE = 0.25  # logits: 4 bf16 ulps at |logit| in [8, 16), well below the tiny models' median top-2 gap (~0.8)
 NOISE_FACTOR = 3.0
 AGREE_SLACK = 0.1  # speculative rows may match fp32 greedy on at most this fraction fewer positions
 
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    arch: str
-    spec: Callable[[Any], dict[str, Any]]  # checkpoints -> speculative_config
-
-
 CASES = [
-    Case("mtp", "qwen3_5", lambda ck: {"method": "mtp", "num_speculative_tokens": S}),
-    Case(
-        "mtp-tree",
-        "qwen3_5",
-        lambda ck: {"method": "mtp", "num_speculative_tokens": S, "topk": 2, "num_draft_tokens": 6},
-    ),
-    Case(
-        "multi_layer_mtp-chained",
-        "qwen3_next",
-        lambda ck: {"method": "multi_layer_mtp", "num_speculative_tokens": 3, "chain_hidden_states": True},
-    ),
-    Case("eagle3", "lfm2", lambda ck: {"method": "eagle3", "num_speculative_tokens": S, "model": ck.eagle3}),
-    Case(
-        "dflash", "lfm2_moe", lambda ck: {"method": "dflash", "num_speculative_tokens": S, "model": ck.dflash}
-    ),
-    Case(
+    *DRAFTER_CASES,
+    DrafterCase(
         "ngram-adaptive",
         "lfm2",
-        lambda ck: {
+        {
             "method": "ngram",
             "num_speculative_tokens": S,
             "adaptive": {
@@ -226,13 +197,13 @@ def _greedy_agreement(outputs: list[list[int]], logits: list[torch.Tensor]) -> f
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_gpu_spec_bf16_lossless_with_and_without_graphs(
-    case: Case,
+    case: DrafterCase,
     eager: bool,
     ckpts: Checkpoints,
     plain: Callable[[str, bool], Run],
     fp32_logits: Callable[[str, list[list[int]]], list[torch.Tensor]],
 ) -> None:
-    spec_cfg = case.spec(ckpts)
+    spec_cfg = case.speculative_config(None if case.draft is None else getattr(ckpts, case.draft))
     ref = plain(case.arch, eager)
     got = _run(ckpts.target(case.arch), eager=eager, spec=spec_cfg)
     assert all(len(t) == NEW for t in got.tokens)

@@ -14,25 +14,15 @@ from hyspec_attn_backends import HybridBackend, model_state_specs
 from hyspec_models.loader import load_model
 from hyspec_models.tiny import MTP_ARCHS, build_tiny_checkpoint
 from hyspec_spec_workers.draft_kv import DraftMemory
-from hyspec_spec_workers.testing import generate
+from hyspec_spec_workers.testing import LOSSLESS_NEW_TOKENS, LOSSLESS_PROMPTS, generate
 from hyspec_spec_workers.tiny_drafts import build_tiny_dflash, build_tiny_eagle3
 from hyspec_statepool.draft_shape import DraftShape
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.specs import StateDtypes
 
-# 8 prompts of mixed lengths (one of a single token), generated together
-PROMPTS: list[list[int]] = [
-    [5, 9, 17, 33, 2, 7, 5, 9, 11, 12, 13],
-    [40, 41],
-    [7, 7, 7, 8, 7, 7, 7],
-    [100, 3, 250, 12, 64],
-    [1],
-    [20, 30, 40, 50, 60, 70, 80, 90, 15],
-    [8, 9, 10],
-    [200, 201, 202, 203],
-]
-NEW_TOKENS = 48
+PROMPTS: list[list[int]] = [list(p) for p in LOSSLESS_PROMPTS]
+NEW_TOKENS = LOSSLESS_NEW_TOKENS
 MAX_CONTEXT = 80
 
 

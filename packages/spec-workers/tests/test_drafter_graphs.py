@@ -11,7 +11,6 @@ changes the proposals of steps >= 2, and the control run shows that those steps 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -20,7 +19,7 @@ from hyspec_attn_backends import HybridBackend, model_state_specs
 from hyspec_models.loader import load_model
 from hyspec_spec_workers import SpeculativeConfig
 from hyspec_spec_workers.factory import build_drafter
-from hyspec_spec_workers.testing import generate
+from hyspec_spec_workers.testing import DRAFTER_CASES, DrafterCase, generate
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.specs import StateDtypes
@@ -31,36 +30,7 @@ S = 3
 NEW = 24
 
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    arch: str
-    spec: Callable[[Any], dict[str, Any]]  # Target -> speculative_config
-
-
-CASES = [
-    Case("mtp", "qwen3_5", lambda t: {"method": "mtp", "num_speculative_tokens": S}),
-    Case(
-        "mtp-tree",
-        "qwen3_5",
-        lambda t: {"method": "mtp", "num_speculative_tokens": S, "topk": 2, "num_draft_tokens": 6},
-    ),
-    Case(
-        "multi_layer_mtp-chained",
-        "qwen3_next",
-        lambda t: {"method": "multi_layer_mtp", "num_speculative_tokens": S, "chain_hidden_states": True},
-    ),
-    Case(
-        "eagle3",
-        "lfm2",
-        lambda t: {"method": "eagle3", "num_speculative_tokens": S, "model": str(t.eagle3())},
-    ),
-    Case(
-        "dflash",
-        "lfm2_moe",
-        lambda t: {"method": "dflash", "num_speculative_tokens": S, "model": str(t.dflash())},
-    ),
-]
+CASES = DRAFTER_CASES
 
 
 def _stack(t: Any, model: Any, cfg: SpeculativeConfig | None) -> tuple[HybridBackend, HybridStatePool]:
@@ -114,10 +84,10 @@ def _generate(
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_graphed_proposals_equal_eager(case: Case, target: Callable[[str], Any]) -> None:
+def test_graphed_proposals_equal_eager(case: DrafterCase, target: Callable[[str], Any]) -> None:
     t = target(case.arch)
     model = load_model(t.path, device="cuda", dtype=torch.float32, progress=False)
-    spec = case.spec(t)
+    spec = case.speculative_config(None if case.draft is None else str(getattr(t, case.draft)()))
     eager_out, eager_blocks, eager_drafter = _generate(t, model, spec, graphs=False)
     out, blocks, drafter = _generate(t, model, spec, graphs=True)
     assert eager_drafter.graph_counts.replays == 0 and eager_drafter.graph_counts.eager > 0

@@ -40,6 +40,9 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"method": "mtp", "adaptive": {"warmup_batches": -1}}, "adaptive.warmup_batches"),
     ({"method": "mtp", "adaptive": {"update_interval": 0}}, "adaptive.update_interval"),
     ({"method": "mtp", "adaptive": {"up_hysteresis": float("nan")}}, "adaptive.up_hysteresis"),
+    ({"method": "mtp", "adaptive": {"probe_budget": 0.0}}, "adaptive.probe_budget"),
+    ({"method": "mtp", "adaptive": {"probe_budget": 1.5}}, "adaptive.probe_budget"),
+    ({"method": "mtp", "adaptive": {"probe_budget": True}}, "adaptive.probe_budget"),
 ]
 
 
@@ -103,3 +106,17 @@ def test_config_is_frozen() -> None:
     c = SpeculativeConfig.from_dict({"method": "mtp"})
     with pytest.raises(AttributeError):
         c.topk = 2  # type: ignore[misc]
+
+
+def test_shared_drafter_cases_are_valid_configs() -> None:
+    from hyspec_spec_workers.testing import DRAFTER_CASES
+
+    methods = set()
+    for case in DRAFTER_CASES:
+        draft = None if case.draft is None else f"/drafts/{case.draft}"
+        cfg = SpeculativeConfig.from_dict(case.speculative_config(draft))
+        assert cfg.model == draft
+        methods.add(cfg.method)
+        with pytest.raises(ValueError, match="draft_dir"):
+            case.speculative_config("/elsewhere" if case.draft is None else None)
+    assert methods == {"mtp", "multi_layer_mtp", "eagle3", "dflash"}

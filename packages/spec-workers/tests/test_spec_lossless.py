@@ -17,25 +17,15 @@ from hyspec_spec_workers import (
     VerifyTree,
 )
 from hyspec_spec_workers.config import Method
-from hyspec_spec_workers.testing import GenerationStats, generate
+from hyspec_spec_workers.testing import LOSSLESS_NEW_TOKENS, LOSSLESS_PROMPTS, GenerationStats, generate
 from hyspec_statepool.draft_shape import DraftShape
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.specs import StateDtypes
 
 S = 3
-NEW = 48
-# 8 prompts of mixed lengths, one of a single token, generated together
-PROMPTS = [
-    [5, 9, 17, 33, 2, 7, 5, 9],
-    [40, 41],
-    [7, 7, 7, 8, 7, 7, 7],
-    [100, 3, 250, 12, 64],
-    [1],
-    [20, 30, 40, 50, 60, 70, 80, 90, 15],
-    [8, 9, 10],
-    [200, 201, 202, 203, 9],
-]
+NEW = LOSSLESS_NEW_TOKENS
+PROMPTS = [list(p) for p in LOSSLESS_PROMPTS]
 
 
 class OracleDrafter:

@@ -8,12 +8,17 @@ batch shrinks and request rows, state slots and batch rows stop lining up, as in
 A `ModelDrafter` is driven like an engine would: its requests are added at prefill, the prompt and then
 every accepted path are committed to it with the target's features (captured at its `capture_layers`), and
 its requests are freed with the target's.
+
+Also the lossless tests' shared inputs, for this package's tests and those of packages built on it (the
+server's): `LOSSLESS_PROMPTS` x `LOSSLESS_NEW_TOKENS`, and `DRAFTER_CASES`, each model drafter on the tiny
+target architecture it runs on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from hyspec_attn_backends import HybridBackend
@@ -23,6 +28,62 @@ from hyspec_statepool.pool import HybridStatePool
 from hyspec_spec_workers.adaptive import AdaptiveDraftLength
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, ModelDrafter
 from hyspec_spec_workers.step import VerifyStepOutput, verify_and_commit
+
+# 8 prompts of mixed lengths (one of a single token, repetitive ones an n-gram drafter matches), generated
+# together: rows finish at different times, so request rows, state slots and batch rows part ways
+LOSSLESS_PROMPTS: tuple[tuple[int, ...], ...] = (
+    (5, 9, 17, 33, 2, 7, 5, 9, 11, 12, 13),
+    (40, 41),
+    (7, 7, 7, 8, 7, 7, 7),
+    (100, 3, 250, 12, 64),
+    (1,),
+    (20, 30, 40, 50, 60, 70, 80, 90, 15),
+    (8, 9, 10),
+    (200, 201, 202, 203),
+)
+LOSSLESS_NEW_TOKENS = 48
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterCase:
+    """A model drafter, the tiny target architecture (`hyspec_models.tiny`) it runs on, and its config.
+
+    Attributes:
+        name: test id.
+        arch: target architecture (MTP drafters need one with MTP layers).
+        config: the speculative config without its draft checkpoint.
+        draft: which tiny draft checkpoint it needs (`tiny_drafts.build_tiny_eagle3` / `build_tiny_dflash`).
+    """
+
+    name: str
+    arch: str
+    config: Mapping[str, Any]
+    draft: Literal["eagle3", "dflash"] | None = None
+
+    def speculative_config(self, draft_dir: str | None = None) -> dict[str, Any]:
+        """The config with `draft_dir` as its "model" (required exactly when `draft` is set)."""
+        if (draft_dir is None) != (self.draft is None):
+            want = "None" if self.draft is None else f"the {self.draft} draft's directory"
+            raise ValueError(f"draft_dir: expected {want} for case {self.name!r}, got {draft_dir!r}")
+        return {**self.config} if draft_dir is None else {**self.config, "model": draft_dir}
+
+
+# every model drafter (MTP chain and tree, chained multi-layer MTP, EAGLE-3, DFlash), 3 draft steps
+DRAFTER_CASES: tuple[DrafterCase, ...] = (
+    DrafterCase("mtp", "qwen3_5", {"method": "mtp", "num_speculative_tokens": 3}),
+    DrafterCase(
+        "mtp-tree",
+        "qwen3_5",
+        {"method": "mtp", "num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 6},
+    ),
+    DrafterCase(
+        "multi_layer_mtp-chained",
+        "qwen3_next",
+        {"method": "multi_layer_mtp", "num_speculative_tokens": 3, "chain_hidden_states": True},
+    ),
+    DrafterCase("eagle3", "lfm2", {"method": "eagle3", "num_speculative_tokens": 3}, draft="eagle3"),
+    DrafterCase("dflash", "lfm2_moe", {"method": "dflash", "num_speculative_tokens": 3}, draft="dflash"),
+)
 
 
 @dataclass(slots=True)
