@@ -20,6 +20,7 @@ from hyspec_statepool import (
     StateSlots,
     UseAfterFreeError,
 )
+from hyspec_statepool import pool as pool_module
 
 SPECS = ModelStateSpecs.from_pairs(
     [(0, ShortConvSpec(3, 3)), (1, AttentionSpec(1, 2)), (2, ShortConvSpec(3, 3))]
@@ -157,6 +158,36 @@ class PoolMachine(RuleBasedStateMachine):
         assert len(set(live_kv.tolist())) == live_kv.numel()
         for t in self.pool.states.states.values():
             assert bool(t[:, 0].isnan().all())  # the reserved slot was never written
+
+    @invariant()
+    def host_translations_match_the_device(self) -> None:
+        """The table's host mirrors, and every host translation made from them, equal the device side."""
+        if not hasattr(self, "pool"):
+            return
+        pool = self.pool
+        assert pool.table.mirror_mismatches() == []
+        ids = list(self.slot_of)
+        rows = pool.req_rows(ids)
+        n = len(ids)
+        assert pool.host_state_slots(rows, pad_to=n + 1).tolist() == [*pool.state_slots(rows).tolist(), -1]
+        table = pool.host_page_table(rows, pad_to=n + 1)
+        assert torch.equal(table[:n], pool.page_table(rows)) and not table[n:].any()
+        # every position each request holds, packed (a request may hold none), both ways of computing it
+        held = [pool.kv_capacity(i) for i in ids]
+        want = pool.kv_slots(
+            req_rows=rows,
+            start_positions=torch.zeros(n, dtype=torch.long),
+            num_tokens=torch.tensor(held, dtype=torch.long),
+        ).tolist()
+        for loop_max in (pool_module.LOOP_MAX_TOKENS, 0):
+            saved, pool_module.LOOP_MAX_TOKENS = pool_module.LOOP_MAX_TOKENS, loop_max
+            try:
+                got = pool.host_kv_slots(
+                    req_rows=rows, start_positions=[0] * n, num_tokens=held, pad_to=len(want) + 1
+                )
+            finally:
+                pool_module.LOOP_MAX_TOKENS = saved
+            assert got.tolist() == [*want, -1]
 
     def teardown(self) -> None:
         if not hasattr(self, "pool"):

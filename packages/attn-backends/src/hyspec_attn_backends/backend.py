@@ -1,5 +1,6 @@
-"""`HybridBackend`: routes each layer to its kernels by the layer's type, builds per-batch metadata once, and
-is the single place that commits recurrent state (and, for trees, KV) after a verify.
+"""`HybridBackend`: routes each layer to its kernels by the layer's type, builds per-batch metadata once (on
+the host, then a few copies), and is the single place that commits recurrent state (and, for trees, KV) after
+a verify.
 
 Routing is decided at construction: every layer's mixer type must agree with the config's `layer_types` and
 with the pool's state spec for that layer, or construction fails (never a silent re-route). Linear layers get
@@ -20,18 +21,12 @@ from hyspec_kernels.gdn import gdn_decode, gdn_prefill, gdn_verify
 from hyspec_statepool.commit import commit_accepted_states
 from hyspec_statepool.commit_math import commit_steps
 from hyspec_statepool.indices import ReqRows, StateSlots
-from hyspec_statepool.pool import HybridStatePool
+from hyspec_statepool.pool import HybridStatePool, packed_positions
 from hyspec_statepool.specs import AttentionSpec, GDNSpec, LayerStateSpec, ModelStateSpecs, ShortConvSpec
-from hyspec_statepool.transfer import to_device
+from hyspec_statepool.transfer import host_staging, upload, write_into
 from torch import Tensor
 
-from hyspec_attn_backends.batch import (
-    BatchBuffers,
-    ForwardBatch,
-    check_tree_parents,
-    copy_into,
-    tree_ancestor_mask,
-)
+from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, check_tree_parents, tree_ancestor_mask
 from hyspec_attn_backends.layers import (
     LAYER_TYPE_KINDS,
     AttentionLayer,
@@ -111,7 +106,9 @@ class HybridBackend:
 
     Every batch lives in the same preallocated buffers (so CUDA graphs can read them): preparing a batch, or
     advancing one in place, overwrites the previous one. `num_builds` counts those writes, so a batch
-    prepared ahead of its step can tell whether it is still the one in the buffers.
+    prepared ahead of its step can tell whether it is still the one in the buffers. `prepare_*` compute a
+    batch on the host (index translations from the pool's host mirrors) and write each buffer with one
+    non-blocking copy, without reading the device.
     """
 
     def __init__(
@@ -138,8 +135,8 @@ class HybridBackend:
             max_verify_len=self.max_verify_len,
             device=pool.device,
         )
-        # checks that read device values back: always on CPU, on GPU only in debug mode (like the pool's)
-        self._checks = pool.debug or pool.device.type == "cpu"
+        # batch rows are 0..n-1 in every batch: written once here, each batch takes the first n (no copy)
+        self._batch_rows = pool.batch_rows(min(seqs, plan.max_running + 1)).copy_into(self.buffers.batch_rows)
         # kernels' own value checks (hyspec_kernels.value_checks): a debug pool asks for them on CUDA too
         self._kernel_checks: bool | None = True if pool.debug else None
 
@@ -164,7 +161,7 @@ class HybridBackend:
         """
         if not mode.is_extend_like:
             raise ValueError(f"mode: expected EXTEND or DRAFT_EXTEND, got {mode}")
-        return self._build(mode, req_rows, input_ids, _ints(q_lens), _ints(prefix_lens), None, 0)
+        return self._build(mode, req_rows, input_ids, q_lens, prefix_lens, None, 0)
 
     def prepare_decode(
         self,
@@ -185,8 +182,8 @@ class HybridBackend:
             ForwardMode.DECODE,
             req_rows,
             input_ids,
-            torch.ones(n, dtype=torch.int32),
-            _ints(prefix_lens),
+            [1] * n,
+            prefix_lens,
             None,
             0,
             pad_to,
@@ -227,13 +224,12 @@ class HybridBackend:
             )
         if tree_parents is not None:
             check_tree_parents(tree_parents, num_seqs=n, verify_len=d)
-        q_lens = torch.full((n,), d, dtype=torch.int32)
         return self._build(
             ForwardMode.TARGET_VERIFY,
             req_rows,
             block_tokens.reshape(-1),
-            q_lens,
-            _ints(prefix_lens),
+            [d] * n,
+            prefix_lens,
             tree_parents,
             d,
             pad_to,
@@ -305,34 +301,32 @@ class HybridBackend:
         mode: ForwardMode,
         req_rows: ReqRows,
         input_ids: Tensor,
-        q_lens: Tensor,
-        prefix_lens: Tensor,
+        q_lens: Sequence[int] | Tensor,
+        prefix_lens: Sequence[int] | Tensor,
         tree_parents: Tensor | None,
         verify_len: int,
         pad_to: int | None = None,
     ) -> ForwardBatch:
+        """Check the batch and compute its metadata on the host, then write it into the buffers.
+
+        Everything that can reject the batch runs before the first write (so a rejected call leaves the
+        buffers and `num_builds` as they were). On CUDA the writes are non-blocking copies from pinned
+        memory, one per buffer, and no device value is read: host tokens and host (or no) tree parents
+        give 7 device ops for DECODE and chain TARGET_VERIFY (tokens on the device: one more when padded).
+        """
         n_live, t_live = len(req_rows), int(input_ids.shape[0])
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids: expected shape [T], got {list(input_ids.shape)}")
         # lengths are checked as host ints (callers pass host values: reading them costs no device sync)
-        host_lens: dict[str, list[int]] = {}
-        for name, value in (("q_lens", q_lens), ("prefix_lens", prefix_lens)):
-            if tuple(value.shape) != (n_live,):
-                raise ValueError(
-                    f"{name}: expected shape [{n_live}] (one per request), got {list(value.shape)}"
-                )
-            host_lens[name] = [int(x) for x in value.tolist()]
-            if n_live and min(host_lens[name]) < 0:
-                raise ValueError(f"{name}: expected values >= 0, got {host_lens[name]}")
-        if sum(host_lens["q_lens"]) != t_live:
-            raise ValueError(
-                f"input_ids: expected sum(q_lens) = {sum(host_lens['q_lens'])} tokens, got {t_live}"
-            )
+        live_q = _host_lens("q_lens", q_lens, n_live)
+        live_prefix = _host_lens("prefix_lens", prefix_lens, n_live)
+        if sum(live_q) != t_live:
+            raise ValueError(f"input_ids: expected sum(q_lens) = {sum(live_q)} tokens, got {t_live}")
         pad_q = verify_len if mode is ForwardMode.TARGET_VERIFY else 1  # tokens of one padded row
         fixed = mode is ForwardMode.DECODE or mode is ForwardMode.TARGET_VERIFY
-        if fixed and any(q != pad_q for q in host_lens["q_lens"]):
+        if fixed and any(q != pad_q for q in live_q):
             # the slot and position math below relies on every row having pad_q tokens
-            raise ValueError(f"q_lens: expected {pad_q} per request in {mode}, got {host_lens['q_lens']}")
+            raise ValueError(f"q_lens: expected {pad_q} per request in {mode}, got {live_q}")
         n = n_live if pad_to is None else pad_to
         if pad_to is not None:
             if mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
@@ -343,74 +337,83 @@ class HybridBackend:
                 )
         num_pad = n - n_live
         t = t_live + num_pad * pad_q
-        self.buffers.check_fits(num_seqs=n, num_tokens=t, verify_len=verify_len)
-        self.num_builds += 1  # from here on the buffers change
-        if self._checks and n_live > 1 and torch.unique(req_rows.tensor).numel() != n_live:
-            raise ValueError(f"req_rows: expected distinct rows (one per request), got {req_rows.tolist()}")
-        pool, b, dev = self.pool, self.buffers, self.pool.device
-        live_q, live_prefix = q_lens, prefix_lens  # [N_live] as given (host tensors from prepare_*)
-        # host values reach the device through pinned memory (no sync); padded rows have prefix 0
-        host_prefix = host_lens["prefix_lens"] + [0] * num_pad
-        prefix_lens = to_device(host_prefix, dtype=torch.int32, device=dev)  # [N]
-        if fixed:
-            q_lens = torch.full((n,), pad_q, dtype=torch.int32, device=dev)  # [N], padded rows included
-        else:
-            q_lens = to_device(host_lens["q_lens"], dtype=torch.int32, device=dev)  # [N], never padded
-        cu = torch.zeros(n + 1, dtype=torch.int32, device=dev)
-        cu[1:] = torch.cumsum(q_lens, 0)
-        kv_lens = prefix_lens + q_lens
-        rows = torch.arange(n, device=dev)
-        if fixed:
-            # fixed tokens per row: no data-dependent shapes, so no device sync here
-            seq_of_token = rows.repeat_interleave(pad_q)  # [T]
-            offset = torch.arange(pad_q, device=dev).repeat(n)  # [T] index within its sequence
-        else:
-            # T known on the host spares repeat_interleave the sync it makes to size its output
-            seq_of_token = torch.repeat_interleave(rows, q_lens.long(), output_size=t)  # [T]
-            offset = torch.arange(t, device=dev) - cu[:-1].long()[seq_of_token]
-        tree_mask = parents_view = None
-        if tree_parents is not None:
-            chain = torch.arange(verify_len, dtype=torch.int32, device=dev) - 1  # padded rows: a chain block
-            live_parents = to_device(tree_parents, dtype=torch.int32, device=dev)  # [N_live, D]
-            parents = torch.cat([live_parents, chain.expand(num_pad, verify_len)])
-            mask, depth = tree_ancestor_mask(parents)
-            offset = depth.reshape(-1)
-            parents_view = copy_into(b.tree_parents, parents)
-            tree_mask = copy_into(b.tree_mask, mask)
-        positions = prefix_lens.long()[seq_of_token] + offset
+        b, pool = self.buffers, self.pool
+        b.check_fits(num_seqs=n, num_tokens=t, verify_len=verify_len)
+        host_rows = req_rows.host_values  # None for rows made on the device: read back then (a CUDA sync)
+        rows = list(host_rows) if host_rows is not None else req_rows.tolist()
+        if len(set(rows)) != n_live:
+            raise ValueError(f"req_rows: expected distinct rows (one per request), got {rows}")
 
-        # an int count for fixed modes keeps the slot computation free of data-dependent shapes
-        counts: Tensor | int = pad_q if fixed else live_q
-        kv_slots = pool.kv_slots(req_rows=req_rows, start_positions=live_prefix, num_tokens=counts)
-        page_table = pool.page_table(req_rows)  # [N_live, max_pages]
-        if num_pad:
-            # page 0 always exists when there is KV at all; padded rows only read it
-            pad_pages = torch.zeros((num_pad, page_table.shape[1]), dtype=page_table.dtype, device=dev)
-            page_table = torch.cat([page_table, pad_pages])
-        input_ids = input_ids.to(torch.int64)
-        if num_pad:
-            # padded rows read token 0; padded where the tokens are (usually the host), then one copy
-            input_ids = torch.cat([input_ids, input_ids.new_zeros(num_pad * pad_q)])
-        input_ids = to_device(input_ids, dtype=torch.int64, device=dev)  # [T]
+        # the pool translates the indices on the host, checks them there and stages them, padding included
+        # (state slots first: a freed request's row is reported as such, not as missing KV pages)
+        state_slots = pool.host_state_slots(req_rows, pad_to=n)
+        kv_slots = pool.host_kv_slots(
+            req_rows=req_rows, start_positions=live_prefix, num_tokens=pad_q if fixed else live_q, pad_to=t
+        )
+        page_table = pool.host_page_table(req_rows, pad_to=n)
+        batch_rows = self._batch_rows.head(n)  # 0..n-1, written once in __init__
+        host_q = [pad_q] * n if fixed else live_q  # [N] padded rows included
+        host_prefix = live_prefix + [0] * num_pad  # [N] padded rows: prefix 0
+        tree = None if tree_parents is None else _tree(tree_parents, num_pad, verify_len, pool.device)
+
+        self.num_builds += 1  # from here on the buffers change
+        cu, q_view, prefix_view, kv_lens = b.write_lens(q_lens=host_q, prefix_lens=host_prefix)
+        parents_view = mask_view = None
+        if tree is None:
+            pin = pool.device.type == "cuda"
+            positions = upload(
+                packed_positions(host_prefix, pad_q if fixed else live_q, pin_memory=pin), b.positions
+            )
+        else:
+            parents, mask, depth = tree  # [N, D], [N, D, D], [N, D] where the parents were
+            parents_view = write_into(b.tree_parents, parents)
+            mask_view = write_into(b.tree_mask, mask)
+            positions = self._tree_positions(host_prefix, depth)
         return ForwardBatch(
             mode=mode,
-            input_ids=copy_into(b.input_ids, input_ids),
-            positions=copy_into(b.positions, positions),
+            input_ids=self._write_tokens(input_ids, t),
+            positions=positions,
             req_rows=req_rows,
-            state_slots=pool.state_slots(req_rows).copy_into(b.state_slots, pad_to=n),
-            batch_rows=pool.batch_rows(n).copy_into(b.batch_rows),
-            kv_slots=kv_slots.copy_into(b.kv_slots, pad_to=t),
-            page_table=copy_into(b.page_table, page_table),
-            cu_seqlens_q=copy_into(b.cu_seqlens_q, cu),
-            q_lens=copy_into(b.q_lens, q_lens.to(torch.int32)),
-            prefix_lens=copy_into(b.prefix_lens, prefix_lens.to(torch.int32)),
-            kv_lens=copy_into(b.kv_lens, kv_lens.to(torch.int32)),
-            has_initial_state=copy_into(b.has_initial_state, prefix_lens > 0),
+            state_slots=state_slots.copy_into(b.state_slots),
+            batch_rows=batch_rows,
+            kv_slots=kv_slots.copy_into(b.kv_slots),
+            page_table=upload(page_table, b.page_table),
+            cu_seqlens_q=cu,
+            q_lens=q_view,
+            prefix_lens=prefix_view,
+            kv_lens=kv_lens,
+            has_initial_state=write_into(b.has_initial_state, [p > 0 for p in host_prefix]),
             verify_len=verify_len,
             tree_parents=parents_view,
-            tree_mask=tree_mask,
+            tree_mask=mask_view,
             num_padded=num_pad,
         )
+
+    def _write_tokens(self, input_ids: Tensor, total: int) -> Tensor:
+        """The tokens, then token 0 up to `total` (padded rows), into the input buffer: `[total]` int64."""
+        t_live = int(input_ids.shape[0])
+        if input_ids.device.type != "cpu":
+            # tokens already on the device (drafts, sampled tokens): device copies
+            view = self.buffers.input_ids[:total]
+            view[:t_live].copy_(input_ids)
+            if total > t_live:
+                view[t_live:].zero_()
+            return view
+        if total == t_live:
+            return write_into(self.buffers.input_ids, input_ids)
+        staged = host_staging((total,), dtype=torch.int64, device=self.pool.device)
+        staged[:t_live] = input_ids
+        staged[t_live:] = 0
+        return upload(staged, self.buffers.input_ids)
+
+    def _tree_positions(self, prefix: list[int], depth: Tensor) -> Tensor:
+        """Node positions `prefix + depth`, flattened `[N * D]` int64, into the positions buffer."""
+        prefix_t = torch.tensor(prefix, dtype=torch.long)  # [N]
+        if depth.device.type == "cpu":
+            return write_into(self.buffers.positions, (prefix_t[:, None] + depth).reshape(-1))
+        # depth computed on the device from device parents: the prefixes go up, then one add there
+        per_node = prefix_t[:, None].expand(-1, depth.shape[1]).reshape(-1)  # [N * D]
+        return write_into(self.buffers.positions, per_node).add_(depth.reshape(-1))
 
     # ---------------------------------------------------------------- layer calls
 
@@ -663,7 +666,7 @@ class HybridBackend:
         assert batch.req_rows is not None and batch.batch_rows is not None
         tracking = track_slots is not None
         # live rows come first and batch rows are 0..N-1, so the live rows' batch rows are 0..n-1
-        batch_rows = batch.batch_rows if not batch.num_padded else self.pool.batch_rows(n)
+        batch_rows = batch.batch_rows.head(n)
         if any(kind is not MixerKind.ATTENTION for kind in self.kinds):
             steps = commit_accepted_states(
                 pool=self.pool,
@@ -736,9 +739,35 @@ def _static_max_q_len(batch: ForwardBatch) -> int | None:
     return None
 
 
-def _ints(values: Sequence[int] | Tensor) -> Tensor:
-    return (
-        values.to(torch.int32)
-        if isinstance(values, Tensor)
-        else torch.tensor(list(values), dtype=torch.int32)
-    )
+def _host_lens(name: str, values: Sequence[int] | Tensor, n: int) -> list[int]:
+    """Per-request lengths as checked host ints: `[n]`, each >= 0. A tensor on a device is read back (a sync
+    on CUDA): callers pass host values."""
+    if isinstance(values, Tensor) or not all(type(v) is int for v in values):
+        t = (
+            values.to(torch.int32)
+            if isinstance(values, Tensor)
+            else torch.tensor(list(values), dtype=torch.int32)
+        )
+        shape = list(t.shape)
+        ints = [int(x) for x in t.tolist()] if shape == [n] else []
+    else:
+        ints = list(values)
+        shape = [len(ints)]
+    if shape != [n]:
+        raise ValueError(f"{name}: expected shape [{n}] (one per request), got {shape}")
+    if n and min(ints) < 0:
+        raise ValueError(f"{name}: expected values >= 0, got {ints}")
+    return ints
+
+
+def _tree(
+    parents: Tensor, num_pad: int, verify_len: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Parents of the live rows, then a chain block per padded row -> (parents [N, D] int32, ancestor mask
+    [N, D, D] bool, depth [N, D] int64). On the host for host parents (D is small: a few ops per node);
+    parents on a device stay there, and so does the work."""
+    where = parents.device if parents.device.type == "cpu" else device
+    chain = torch.arange(verify_len, dtype=torch.int32, device=where) - 1  # [D] padded rows: a chain
+    full = torch.cat([parents.to(where, torch.int32), chain.expand(num_pad, verify_len)])  # [N, D]
+    mask, depth = tree_ancestor_mask(full)
+    return full, mask, depth

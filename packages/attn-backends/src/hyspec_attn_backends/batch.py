@@ -1,15 +1,19 @@
 """Per-batch metadata, built once per forward (never per layer) from the statepool.
 
 Every tensor of a `ForwardBatch` is a view into `BatchBuffers`, preallocated at the largest batch and refilled
-in place, so a CUDA-graph runner can capture against the same storage and replay after a refill.
+in place, so a CUDA-graph runner can capture against the same storage and replay after a refill. The values
+are computed on the host and written with a few non-blocking copies (`hyspec_statepool.transfer`).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from hyspec_statepool.indices import BatchRows, KVSlots, ReqRows, StateSlots
+from hyspec_statepool.transfer import upload
 from torch import Tensor
 
 from hyspec_attn_backends.modes import ForwardMode
@@ -126,7 +130,7 @@ class ForwardBatch:
 
 
 class BatchBuffers:
-    """Max-size storage behind every `ForwardBatch`; filled in place by `fill`.
+    """Max-size storage behind every `ForwardBatch`, refilled in place by `HybridBackend.prepare_*`.
 
     Args:
         max_seqs: most sequences in one forward.
@@ -151,10 +155,13 @@ class BatchBuffers:
         self.input_ids = ints(max_tokens, dtype=torch.int64)
         self.positions = ints(max_tokens, dtype=torch.int64)
         self.page_table = torch.full((max_seqs, max_pages), -1, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = ints(max_seqs + 1)
-        self.q_lens = ints(max_seqs)
-        self.prefix_lens = ints(max_seqs)
-        self.kv_lens = ints(max_seqs)
+        # cu_seqlens_q, q_lens, prefix_lens and kv_lens are rows of one tensor, so one copy writes all four
+        # (`write_lens`); rows start 128-byte aligned
+        self.lens = ints(4, -(-(max_seqs + 1) // 32) * 32)
+        self.cu_seqlens_q = self.lens[0, : max_seqs + 1]
+        self.q_lens = self.lens[1, :max_seqs]
+        self.prefix_lens = self.lens[2, :max_seqs]
+        self.kv_lens = self.lens[3, :max_seqs]
         self.has_initial_state = ints(max_seqs, dtype=torch.bool)
         self.tree_parents = torch.full((max_seqs, d), -1, dtype=torch.int32, device=device)
         self.tree_mask = ints(max_seqs, d, d, dtype=torch.bool)
@@ -171,12 +178,21 @@ class BatchBuffers:
         if verify_len > self.max_verify_len:
             raise ValueError(f"verify_len: expected <= Dmax={self.max_verify_len}, got {verify_len}")
 
-
-def copy_into(buffer: Tensor, value: Tensor) -> Tensor:
-    """Write `value` into the leading part of `buffer` in place and return that view."""
-    view = buffer[tuple(slice(0, s) for s in value.shape)]
-    view.copy_(value)
-    return view
+    def write_lens(
+        self, *, q_lens: Sequence[int], prefix_lens: Sequence[int]
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Host ints -> views `(cu_seqlens_q [N + 1], q_lens [N], prefix_lens [N], kv_lens [N])`, int32,
+        written with one non-blocking copy of the whole (small) `lens` tensor; entries past N become 0."""
+        n, width = len(q_lens), self.lens.shape[1]
+        cu = [0, *itertools.accumulate(q_lens)]
+        kv = [p + q for p, q in zip(prefix_lens, q_lens, strict=True)]
+        flat: list[int] = []
+        for row in (cu, q_lens, prefix_lens, kv):
+            flat += row
+            flat += [0] * (width - len(row))
+        pin = self.lens.device.type == "cuda"
+        upload(torch.tensor(flat, dtype=torch.int32, pin_memory=pin).view(self.lens.shape), self.lens)
+        return self.cu_seqlens_q[: n + 1], self.q_lens[:n], self.prefix_lens[:n], self.kv_lens[:n]
 
 
 def tree_ancestor_mask(parents: Tensor) -> tuple[Tensor, Tensor]:

@@ -11,6 +11,7 @@ never while a CUDA graph is being captured.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Literal
 
@@ -24,11 +25,17 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "torch", "reference"]:
-    """`auto` means Triton on CUDA and the fast torch path elsewhere."""
+    """`auto` means Triton on CUDA and the fast torch path elsewhere.
+
+    Triton off CUDA runs only in its interpreter (`TRITON_INTERPRET=1`, set before the kernels are defined);
+    otherwise it would hand host pointers to a GPU launch.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend: 'triton' expects CUDA tensors or TRITON_INTERPRET=1, got device {device}")
     return backend  # type: ignore[return-value]
 
 

@@ -15,7 +15,7 @@ from hyspec_statepool.errors import DoubleFreeError, LeakError, PoolExhaustedErr
 from hyspec_statepool.indices import BatchRows, KVSlots, ReqRows, StateSlots
 from hyspec_statepool.layout import TensorSpec
 from hyspec_statepool.leak import LeakReport
-from hyspec_statepool.pool import HybridStatePool
+from hyspec_statepool.pool import HybridStatePool, packed_positions
 from hyspec_statepool.sizing import MemoryPlan, plan_memory
 from hyspec_statepool.specs import (
     AttentionSpec,
@@ -26,7 +26,7 @@ from hyspec_statepool.specs import (
     StateDtypes,
 )
 from hyspec_statepool.state_pool import LinearLayerState
-from hyspec_statepool.transfer import to_device
+from hyspec_statepool.transfer import host_staging, to_device, upload, write_into
 
 __version__ = "0.1.0"
 
@@ -57,8 +57,12 @@ __all__ = [
     "accept_paths_from_flat",
     "commit_accepted_states",
     "commit_steps",
+    "host_staging",
     "max_draft_tokens",
+    "packed_positions",
     "plan_memory",
     "to_device",
     "track_steps",
+    "upload",
+    "write_into",
 ]

@@ -9,6 +9,11 @@ Only this package builds them. The constructor takes a private token that only s
 `.state_slots`, `.batch_rows`, `.kv_slots`, `.alloc_detached_slots`). Calling `ReqRows(...)` directly raises
 TypeError. Read the raw tensor with `.tensor` when calling a kernel.
 
+An index minted from host values remembers them (`host_values`: e.g. the rows `pool.req_rows` looked up), so
+the pool can translate it on the host without reading the device. The pool's host translations
+(`HybridStatePool.host_state_slots`, `.host_kv_slots`) give indices that live on the host, staged for one
+non-blocking `copy_into` a device buffer.
+
 | type | space | valid values |
 |---|---|---|
 | `ReqRows` | row of the request table | `[0, num_req_rows)` |
@@ -24,7 +29,7 @@ from typing import ClassVar, Final, Self, TypeVar, final
 
 import torch
 
-from hyspec_statepool.transfer import to_device
+from hyspec_statepool.transfer import host_staging, to_device, upload
 
 
 class _MintToken:
@@ -39,11 +44,19 @@ _MINT: Final = _MintToken()
 class _IndexTensor:
     """Shared body of the four index types; never used as a type in signatures."""
 
-    __slots__ = ("_bound", "_tensor")
+    __slots__ = ("_bound", "_host", "_tensor")
     _allow_pad: ClassVar[bool] = False
     _source: ClassVar[str] = "the pool"
 
-    def __init__(self, tensor: torch.Tensor, *, bound: int, token: object, check: bool = True) -> None:
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        *,
+        bound: int,
+        token: object,
+        check: bool = True,
+        host: tuple[int, ...] | None = None,
+    ) -> None:
         name = type(self).__name__
         if token is not _MINT:
             raise TypeError(f"{name} is built only by hyspec_statepool; get one from {self._source}")
@@ -58,6 +71,7 @@ class _IndexTensor:
                 raise self._range_error(int(tensor[bad][0]), bound)
         self._tensor = tensor  # [n] int32
         self._bound = bound
+        self._host = host  # the same values as host ints, when minted from them
 
     @classmethod
     def _low(cls) -> int:
@@ -86,8 +100,21 @@ class _IndexTensor:
         """Size of the index space (exclusive upper bound of valid values)."""
         return self._bound
 
+    @property
+    def host_values(self) -> tuple[int, ...] | None:
+        """The values as host ints if this index was minted from host values (reading them costs no device
+        sync), else None (made on the device, or a view of a buffer that may change in place)."""
+        return self._host
+
     def tolist(self) -> list[int]:
         return [int(v) for v in self._tensor.tolist()]
+
+    def head(self, n: int) -> Self:
+        """The first `n` indices: a view of the same storage, no copy (e.g. a batch's rows `0..n-1` out of a
+        buffer holding `0..max-1`)."""
+        if not 0 <= n <= len(self):
+            raise ValueError(f"n: expected 0 <= n <= {len(self)} (the indices there are), got {n}")
+        return type(self)(self._tensor[:n], bound=self._bound, token=_MINT, check=False)
 
     def copy_into(self, buffer: torch.Tensor, *, pad_to: int | None = None) -> Self:
         """These indices written into the leading part of `buffer` in place, then -1 up to `pad_to`.
@@ -95,6 +122,9 @@ class _IndexTensor:
         The result wraps a view of `buffer`, so its storage is stable across batches: a CUDA graph captured
         against it replays after a refill. Padding (-1) only where the type allows it (`KVSlots`,
         `StateSlots`). No host sync: the values were checked when `self` was built.
+
+        Indices on the host (the pool's `host_*` translations) may go into a buffer on the pool's device: one
+        non-blocking copy from pinned memory (padding included), queued on the stream like a kernel.
         """
         name = type(self).__name__
         n = len(self)
@@ -108,7 +138,7 @@ class _IndexTensor:
             or buffer.dtype != torch.int32
             or buffer.dim() != 1
             or buffer.numel() < total
-            or buffer.device != self._tensor.device
+            or not (buffer.device == self._tensor.device or self._tensor.device.type == "cpu")
         ):
             got = (
                 f"{buffer.dtype} {list(buffer.shape)} on {buffer.device}"
@@ -120,8 +150,18 @@ class _IndexTensor:
                 f"got {got}"
             )
         view = buffer[:total]
-        view[:n].copy_(self._tensor)
-        view[n:].fill_(-1)
+        if total == n:
+            # one copy; non-blocking matters from the host (a staged, pinned index), where it avoids a sync
+            view.copy_(self._tensor, non_blocking=True)
+        elif buffer.device == self._tensor.device:
+            view[:n].copy_(self._tensor)
+            view[n:].fill_(-1)
+        else:
+            # host values to the device: padded on the host, so that one copy writes everything
+            staged = host_staging((total,), dtype=torch.int32, device=buffer.device)
+            staged[:n] = self._tensor
+            staged[n:] = -1
+            upload(staged, view)
         return type(self)(view, bound=self._bound, token=_MINT, check=False)
 
     def __len__(self) -> int:
@@ -198,4 +238,14 @@ def _mint(
             raise ValueError(f"{cls.__name__}: expected bound >= 0, got {bound}")
         cls._check_host(values.tolist() if isinstance(values, torch.Tensor) else values, bound)
     tensor = to_device(values, dtype=torch.int32, device=device)
-    return cls(tensor, bound=bound, token=_MINT, check=False)
+    # a list is kept as host ints (a CPU tensor is not: it may change after the call)
+    host = None if isinstance(values, torch.Tensor) else tuple(int(v) for v in values)
+    return cls(tensor, bound=bound, token=_MINT, check=False, host=host)
+
+
+def _mint_staged(cls: type[_I], staged: torch.Tensor, *, bound: int) -> _I:
+    """An index over host values the pool computed from its own tables (valid, so not checked again), in a
+    fresh `host_staging` tensor that nothing writes afterwards: what `copy_into` uploads without a sync."""
+    if staged.device.type != "cpu":
+        raise ValueError(f"staged: expected a host tensor, got one on {staged.device}")
+    return cls(staged, bound=bound, token=_MINT, check=False)

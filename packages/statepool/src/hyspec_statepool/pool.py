@@ -4,6 +4,12 @@ It owns the request lifecycle (`alloc`, `free`, KV growth and truncation), the t
 spaces (`state_slots` is the only way from request rows to state slots) and the views kernels read. Requests
 are named by any hashable id the engine chooses. Checks that need a device-to-host sync (use of a freed
 request row, KV positions without a page) run on CPU always and on GPU only with `debug=True`.
+
+Each translation comes in two forms: on the device (`state_slots`, `kv_slots`, `page_table`: gathers from the
+request table on the device) and on the host (`host_state_slots`, `host_kv_slots`, `host_page_table`: from the
+table's host mirrors, checked on the host, padded for a CUDA-graph batch, staged for one non-blocking copy
+each into the caller's device buffers). A batch built from the host forms queues a handful of copies and
+never waits for the device.
 """
 
 from __future__ import annotations
@@ -14,15 +20,18 @@ from dataclasses import dataclass
 import torch
 
 from hyspec_statepool.errors import DoubleFreeError, PoolExhaustedError, UseAfterFreeError
-from hyspec_statepool.indices import BatchRows, KVSlots, ReqRows, StateSlots, _mint
+from hyspec_statepool.indices import BatchRows, KVSlots, ReqRows, StateSlots, _mint, _mint_staged
 from hyspec_statepool.kv_pool import KVPool
 from hyspec_statepool.leak import LeakReport
 from hyspec_statepool.request_table import RequestTable
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.state_pool import LinearLayerState, RecurrentStatePool
-from hyspec_statepool.transfer import to_device
+from hyspec_statepool.transfer import host_staging, to_device
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+# host translations loop in Python up to this many tokens and use vectorised CPU tensor ops beyond: a torch
+# call costs a few microseconds whatever its size, a Python step a fraction of one
+LOOP_MAX_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -273,6 +282,103 @@ class HybridStatePool:
         self._check_bound("req_rows", req_rows.bound, self.plan.max_running)
         return self.table.page_table[req_rows.tensor.long()]
 
+    # index translation on the host (from the request table's host mirrors; no device op, no device read)
+
+    def host_state_slots(self, req_rows: ReqRows, *, pad_to: int | None = None) -> StateSlots:
+        """`state_slots(req_rows)` on the host, then -1 up to `pad_to` (a CUDA-graph batch's padded rows).
+
+        The result lives on the host (pinned on CUDA): `copy_into` a device buffer uploads it in one
+        non-blocking copy. An unmapped row (a freed request) always raises, as no device read is needed.
+        """
+        rows = self._host_rows(req_rows)
+        slots = [self.table.host_row_to_slot[r] for r in rows]
+        if 0 in slots:
+            raise UseAfterFreeError(f"req_rows {rows}: a row is not mapped (its request was freed)")
+        pad = _pad_count("pad_to", len(rows), pad_to)
+        staged = torch.tensor(slots + [-1] * pad, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        return _mint_staged(StateSlots, staged, bound=self.plan.num_state_slots + 1)
+
+    def host_kv_slots(
+        self,
+        *,
+        req_rows: ReqRows,
+        start_positions: Sequence[int],
+        num_tokens: Sequence[int] | int,
+        pad_to: int | None = None,
+    ) -> KVSlots:
+        """`kv_slots(...)` on the host from host ints, then -1 up to `pad_to` tokens (padded rows' tokens).
+
+        Args:
+            req_rows: `[N]` rows of the requests in the batch.
+            start_positions: `[N]` first position written this forward (the prefix length).
+            num_tokens: `[N]` tokens of each request, or one int for every request (decode, verify).
+            pad_to: total length with the padding (default: `T = sum(num_tokens)`, no padding).
+        Returns:
+            `[pad_to or T]` KV slots on the host (pinned on CUDA), for one non-blocking `copy_into`.
+
+        Positions past the table width and positions without a page always raise (host checks).
+        """
+        rows = self._host_rows(req_rows)
+        n = len(rows)
+        if isinstance(num_tokens, bool) or (isinstance(num_tokens, int) and num_tokens < 0):
+            raise ValueError(f"num_tokens: expected a sequence or an int >= 0, got {num_tokens!r}")
+        counts = [num_tokens] * n if isinstance(num_tokens, int) else list(num_tokens)
+        for name, given in (("start_positions", start_positions), ("num_tokens", counts)):
+            if len(given) != n:
+                raise ValueError(f"{name}: expected {n} ints (one per request), got {len(given)}")
+        width = self.table.width
+        if any(s < 0 or c < 0 or s + c > width for s, c in zip(start_positions, counts, strict=True)):
+            raise ValueError(
+                f"start_positions, num_tokens: expected 0 <= start and start + count <= {width}, got "
+                f"{list(start_positions)} and {num_tokens if isinstance(num_tokens, int) else counts}"
+            )
+        total = sum(counts)
+        pad = _pad_count("pad_to", total, pad_to)
+        if total <= LOOP_MAX_TOKENS:
+            # a few tokens (decode, verify): Python ints, then one tensor with the padding
+            runs = [
+                self.table.host_kv_run(r, p, c) for r, p, c in zip(rows, start_positions, counts, strict=True)
+            ]
+            slots = [s for run in runs for s in run]
+            missing = -1 in slots
+            pin = self.device.type == "cuda"
+            staged = torch.tensor(slots + [-1] * pad, dtype=torch.int32, pin_memory=pin)
+        else:
+            # many tokens (a long prefill): vectorised over them
+            seq, positions = _packed(start_positions, num_tokens)  # [T] each
+            token_rows = torch.tensor(rows, dtype=torch.long)[seq]  # [T]
+            found = self.table.host_kv_slots(token_rows, positions)  # [T] int32
+            missing = bool((found < 0).any())
+            staged = host_staging((total + pad,), dtype=torch.int32, device=self.device)
+            staged[:total] = found
+            staged[total:] = -1
+        if missing:
+            raise ValueError("kv_slots: some positions have no KV page yet; call ensure_kv_capacity first")
+        return _mint_staged(KVSlots, staged, bound=self.plan.num_kv_pages * self.plan.page_size)
+
+    def host_page_table(self, req_rows: ReqRows, *, pad_to: int | None = None) -> torch.Tensor:
+        """`page_table(req_rows)` on the host, then rows of zeros up to `pad_to`: `[pad_to or N, max_pages]`
+        int32 (pinned on CUDA), for one non-blocking copy (`transfer.upload`) into a device buffer.
+
+        Padded rows point at page 0, which exists whenever there is KV at all: a CUDA-graph batch's padded
+        rows read it (and write nothing).
+        """
+        rows = self._host_rows(req_rows)
+        n = len(rows)
+        pad = _pad_count("pad_to", n, pad_to)
+        staged = host_staging((n + pad, self.table.max_pages), dtype=torch.int32, device=self.device)
+        index = torch.tensor(rows, dtype=torch.long)  # [N]
+        torch.index_select(self.table.host_page_table, 0, index, out=staged[:n] if pad else staged)
+        if pad:
+            staged[n:] = 0
+        return staged
+
+    def _host_rows(self, req_rows: ReqRows) -> list[int]:
+        """The rows as host ints: those `req_rows` was minted from, else read back (a sync on CUDA)."""
+        self._check_bound("req_rows", req_rows.bound, self.plan.max_running)
+        host = req_rows.host_values
+        return list(host) if host is not None else req_rows.tolist()
+
     # views
 
     def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,6 +471,8 @@ class HybridStatePool:
             bad = (want != got.cpu()).reshape(self.plan.max_running, -1).any(dim=1)
             if bool(bad.any()):
                 out.append(f"{name} rows {bad.nonzero().flatten().tolist()} disagree with the owners")
+        # batch metadata is translated from the host mirrors: they must equal the device tables
+        out.extend(self.table.mirror_mismatches())
         return out
 
     # helpers
@@ -386,6 +494,50 @@ class HybridStatePool:
             raise ValueError(
                 f"{name}: built for an index space of size {got}, this pool's has {want} (another pool?)"
             )
+
+
+def packed_positions(
+    start_positions: Sequence[int], num_tokens: Sequence[int] | int, *, pin_memory: bool = False
+) -> torch.Tensor:
+    """Positions of packed tokens on the host: request n's `start_positions[n] + [0, num_tokens[n])`, in
+    order (`num_tokens` one int: the same count for every request). `[T]` int64 CPU tensor, a fresh one in
+    pinned memory with `pin_memory` (ready for a non-blocking `transfer.upload`)."""
+    counts = [num_tokens] * len(start_positions) if isinstance(num_tokens, int) else list(num_tokens)
+    if sum(counts) <= LOOP_MAX_TOKENS:
+        positions = [p + j for p, c in zip(start_positions, counts, strict=True) for j in range(c)]
+        return torch.tensor(positions, dtype=torch.long, pin_memory=pin_memory)
+    packed = _packed(start_positions, num_tokens)[1]
+    return packed.pin_memory() if pin_memory else packed
+
+
+def _packed(
+    start_positions: Sequence[int], num_tokens: Sequence[int] | int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request index, position) of every packed token, each `[T]` int64 on the host, in a few ops whatever
+    T is (no `repeat_interleave`: on the CPU it can cost a thread-pool round trip even for a few values)."""
+    starts = torch.tensor(list(start_positions), dtype=torch.long)  # [N]
+    n = int(starts.shape[0])
+    if isinstance(num_tokens, int):
+        # the same count q for every request (decode, verify): plain broadcasting over [N, q]
+        offsets = torch.arange(num_tokens)  # [q]
+        seq = torch.arange(n)[:, None].expand(n, num_tokens).reshape(-1)  # [N * q]
+        return seq, (starts[:, None] + offsets).reshape(-1)
+    counts = torch.tensor(list(num_tokens), dtype=torch.long)  # [N]
+    total = sum(num_tokens)
+    first = torch.cumsum(counts, 0) - counts  # [N] packed index of each request's first token
+    # +1 at the first token of requests 1..N-1 (an empty request adds to the next one's), then a running sum
+    marks = torch.zeros(total + 1, dtype=torch.long).index_add_(0, first[1:], torch.ones_like(first[1:]))
+    seq = marks[:total].cumsum(0)  # [T]
+    return seq, (starts - first)[seq] + torch.arange(total)
+
+
+def _pad_count(name: str, n: int, pad_to: int | None) -> int:
+    """How many padding entries make `n` entries `pad_to` long (0 without `pad_to`)."""
+    if pad_to is None:
+        return 0
+    if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < n:
+        raise ValueError(f"{name}: expected an int >= {n} (the entries before padding), got {pad_to!r}")
+    return pad_to - n
 
 
 def _check_unique(name: str, ids: Sequence[Hashable], *, error: type[ValueError] = ValueError) -> None:

@@ -7,6 +7,13 @@ is the row's state slot, 0 (the reserved dummy) while the row is unmapped.
 
 `version` counts the changes to any of the three: a forward batch prepared from the table (its KV slots,
 page table rows and state slots are copies) is still valid only while the version it was built at holds.
+
+Host mirrors: every write starts from host values, so the table keeps the same values on the host, written in
+the same methods: `host_row_to_slot` (a list), `host_page_table` (a CPU tensor, for vectorised gathers) and
+`host_pages` (per row, the page-table entries up to its last page as a list, for per-token lookups in
+Python). `req_to_kv` needs none: each entry is a function of the page-table entry of its page
+(`host_kv_run`, `host_kv_slots`). Batch metadata is then translated on the host and reaches the device in a
+few copies, with no gather on the device tables and no device read for a check.
 """
 
 from __future__ import annotations
@@ -26,6 +33,11 @@ class RequestTable:
         self.req_to_kv = torch.full((self.num_rows, self.width), -1, dtype=torch.int32, device=device)
         self.page_table = torch.full((self.num_rows, self.max_pages), -1, dtype=torch.int32, device=device)
         self.row_to_slot = torch.zeros(self.num_rows, dtype=torch.int32, device=device)
+        # host mirrors, kept equal to the device tables by every method below
+        self.host_row_to_slot = [0] * self.num_rows
+        self.host_page_table = torch.full((self.num_rows, self.max_pages), -1, dtype=torch.int32)  # CPU
+        # host_pages[row] == page_table[row, :k] as a list, and page_table[row, k:] is -1
+        self.host_pages: list[list[int]] = [[] for _ in range(self.num_rows)]
         self.version = 0
 
     def map_slot(self, rows: list[int], slots: list[int]) -> None:
@@ -34,6 +46,8 @@ class RequestTable:
             device = self.row_to_slot.device
             index = to_device(rows, dtype=torch.long, device=device)
             self.row_to_slot[index] = to_device(slots, dtype=torch.int32, device=device)
+            for row, slot in zip(rows, slots, strict=True):
+                self.host_row_to_slot[row] = slot
 
     def set_pages(self, row: int, first: int, pages: list[int]) -> None:
         """Record `pages` as the row's pages number `first, first + 1, ...` and fill their token slots."""
@@ -43,6 +57,10 @@ class RequestTable:
         device = self.page_table.device
         page_ids = to_device(pages, dtype=torch.int32, device=device)  # [k]
         self.page_table[row, first : first + len(pages)] = page_ids
+        self.host_page_table[row, first : first + len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        listed = self.host_pages[row]
+        listed.extend([-1] * (first - len(listed)))  # a gap before `first` stays unmapped
+        listed[first : first + len(pages)] = pages
         offsets = torch.arange(self.page_size, dtype=torch.int32, device=device)  # [page_size]
         slots = (page_ids[:, None] * self.page_size + offsets).reshape(-1)  # [k * page_size]
         start = first * self.page_size
@@ -54,4 +72,46 @@ class RequestTable:
         """Forget the row's pages from number `first` on."""
         self.version += 1
         self.page_table[row, first:] = -1
+        self.host_page_table[row, first:] = -1
+        del self.host_pages[row][first:]
         self.req_to_kv[row, first * self.page_size :] = -1
+
+    def host_kv_run(self, row: int, start: int, count: int) -> list[int]:
+        """`req_to_kv[row, start : start + count]` from the host mirror, as a list (-1 where no page); the
+        positions must lie below the table width."""
+        pages, size = self.host_pages[row], self.page_size
+        out = []
+        for pos in range(start, start + count):
+            j = pos // size
+            page = pages[j] if j < len(pages) else -1
+            out.append(page * size + pos % size if page >= 0 else -1)
+        return out
+
+    def host_kv_slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`req_to_kv[rows, positions]` from the host page table, vectorised: `[T]` int32, -1 where no page.
+
+        rows, positions: `[T]` int64 CPU tensors, `0 <= positions < width` (the caller checks).
+        """
+        pages = self.host_page_table[rows, positions // self.page_size]  # [T] int32
+        slots = pages * self.page_size + (positions % self.page_size).to(torch.int32)  # [T] int32
+        return torch.where(pages >= 0, slots, -1)
+
+    def mirror_mismatches(self) -> list[str]:
+        """Where a host mirror disagrees with its device table; reads the tables back (tests, leak checks)."""
+        listed = torch.full_like(self.host_page_table, -1)  # host_pages as a page table
+        for row, pages in enumerate(self.host_pages):
+            listed[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        rows = torch.arange(self.num_rows)[:, None].expand(self.num_rows, self.width).reshape(-1)
+        positions = torch.arange(self.width).repeat(self.num_rows)
+        derived = self.host_kv_slots(rows, positions).reshape(self.num_rows, self.width)
+        out = []
+        for name, host, device in (
+            ("host_row_to_slot", torch.tensor(self.host_row_to_slot, dtype=torch.int32), self.row_to_slot),
+            ("host_page_table", self.host_page_table, self.page_table),
+            ("host_pages", listed, self.page_table),
+            ("host_kv_slots", derived, self.req_to_kv),
+        ):
+            bad = (host != device.cpu()).reshape(self.num_rows, -1).any(dim=1)
+            if bool(bad.any()):
+                out.append(f"{name} rows {bad.nonzero().flatten().tolist()} disagree with the device table")
+        return out

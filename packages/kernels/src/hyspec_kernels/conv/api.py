@@ -12,7 +12,6 @@ rule of every op (`value_checks`): None (default) checks on the CPU only, True o
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
@@ -63,13 +62,6 @@ def _check_distinct(name: str, t: torch.Tensor, check_values: bool | None) -> No
     used = t[t >= 0]
     if used.numel() != torch.unique(used).numel():
         raise ValueError(f"{name}: expected distinct values apart from -1, got {t.tolist()}")
-
-
-def _pick(backend: str, device: torch.device) -> str:
-    chosen = resolve_backend(backend, device)
-    if chosen == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"backend: 'triton' expects CUDA tensors or TRITON_INTERPRET=1, got device {device}")
-    return chosen
 
 
 def _triton() -> ModuleType:
@@ -132,7 +124,7 @@ def conv_prefill(
     )
     activation = _check_activation(activation)
 
-    chosen = _pick(backend, device)
+    chosen = resolve_backend(backend, device)
     if chosen == "reference":
         fn = reference.conv_prefill_reference
     elif chosen == "torch":
@@ -174,7 +166,7 @@ def conv_decode(
     state_slots = _check_slots(state_slots, num_rows, conv_state, check_indices)
     activation = _check_activation(activation)
 
-    chosen = _pick(backend, device)
+    chosen = resolve_backend(backend, device)
     if chosen == "reference":
         fn = reference.conv_decode_reference
     elif chosen == "torch":
@@ -243,7 +235,7 @@ def conv_verify(
             )
     activation = _check_activation(activation)
 
-    chosen = _pick(backend, device)
+    chosen = resolve_backend(backend, device)
     if chosen == "reference":
         fn = reference.conv_verify_reference
     elif chosen == "torch":

@@ -7,7 +7,6 @@ returns fp32; the norms return x's dtype.
 from __future__ import annotations
 
 import math
-import os
 from types import ModuleType
 
 import torch
@@ -21,13 +20,6 @@ def _triton() -> ModuleType:
     from hyspec_kernels.gating import triton_kernel
 
     return triton_kernel
-
-
-def _pick(backend: str, device: torch.device) -> str:
-    chosen = resolve_backend(backend, device)
-    if chosen == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"backend: 'triton' expects CUDA tensors or TRITON_INTERPRET=1, got device {device}")
-    return chosen
 
 
 def _check_scalar(name: str, value: object, *, low: float) -> float:
@@ -57,7 +49,7 @@ def gdn_gating(
     b = check_tensor("b", b, (num_tokens, num_heads), dtypes=FLOAT_DTYPES, device=device)
     A_log = check_tensor("A_log", A_log, (num_heads,), dtypes=FLOAT_DTYPES, device=device)
     dt_bias = check_tensor("dt_bias", dt_bias, (num_heads,), dtypes=FLOAT_DTYPES, device=device)
-    chosen = _pick(backend, device)
+    chosen = resolve_backend(backend, device)
     if chosen == "reference":
         return reference.gdn_gating_reference(A_log, a, b, dt_bias)
     if chosen == "torch":
@@ -84,7 +76,7 @@ def gated_rmsnorm(
     z = check_tensor("z", z, tuple(x.shape), dtypes=FLOAT_DTYPES, device=device)
     weight = check_tensor("weight", weight, (x.shape[2],), dtypes=FLOAT_DTYPES, device=device)
     eps = _check_scalar("eps", eps, low=0.0)
-    chosen = _pick(backend, device)
+    chosen = resolve_backend(backend, device)
     if chosen == "reference":
         return reference.gated_rmsnorm_reference(x, z, weight, eps)
     if chosen == "torch":
@@ -118,7 +110,7 @@ def rms_norm(
     if isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset):
         raise ValueError(f"offset: expected a finite float, got {offset!r}")
     offset = float(offset)
-    chosen = _pick(backend, device)
+    chosen = resolve_backend(backend, device)
     if chosen == "reference":
         return reference.rms_norm_reference(x, weight, eps, offset=offset)
     if chosen == "torch":

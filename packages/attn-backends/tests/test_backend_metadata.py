@@ -1,0 +1,434 @@
+"""Batch metadata built on the host equals a plain reference computed from the pool's device tables.
+
+The reference below is the straightforward algorithm (gathers from `req_to_kv`, `row_to_slot` and
+`page_table`, positions from prefix + offset or tree depth, the ancestor mask by walking parents), written
+independently of the backend's host path. Every build is compared field by field in every mode, after the
+buffers were poisoned (an entry the build forgets to write shows up), and the build's writes are counted
+structurally: one op per buffer, no read of a device table.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from hyspec_attn_backends import (
+    AttentionLayer,
+    ForwardBatch,
+    ForwardMode,
+    GDNLayer,
+    HybridBackend,
+    ShortConvLayer,
+    batch_pointers,
+    model_state_specs,
+)
+from hyspec_statepool import DraftShape, HybridStatePool, MemoryPlan, StateDtypes, UseAfterFreeError
+from hyspec_statepool import pool as pool_module
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+LAYERS = [
+    GDNLayer(layer_id=0, num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8, conv_width=4),
+    ShortConvLayer(layer_id=1, channels=8, conv_width=3),
+    AttentionLayer(layer_id=2, num_heads=2, num_kv_heads=1, head_dim=8, scale=8**-0.5),
+]
+TYPES = ["linear_attention", "conv", "full_attention"]
+D = 4  # verify block size (the plan's Dmax)
+IDS = ["r0", "r1", "r2", "r3"]
+
+
+def _backend(device: str = "cpu") -> HybridBackend:
+    plan = MemoryPlan(
+        specs=model_state_specs(LAYERS),
+        max_context=320,
+        max_running=6,
+        draft_shape=DraftShape(kind="chain", num_steps=D - 1),
+        page_size=4,
+        num_state_slots=9,
+        num_kv_pages=6 * 81,
+        dtypes=StateDtypes(kv=torch.float32, conv=torch.float32, recurrent=torch.float32),
+    )
+    pool = HybridStatePool(plan, device=torch.device(device), debug=device == "cpu")
+    backend = HybridBackend(pool, layers=LAYERS, layer_types=TYPES)
+    # request rows, state slots and batch rows all differ: detached slots first, then freed requests
+    pool.alloc_detached_slots(2)
+    pool.alloc(["gone0", "r3", "gone1", "r1"])
+    pool.free(["gone0", "gone1"])
+    pool.alloc(["r0", "r2"])
+    for t in range(1, 320, 7):  # pages granted a few tokens at a time: they interleave between requests
+        pool.ensure_kv_capacity(IDS, [min(t, 300 + 5 * i) for i in range(4)])
+    return backend
+
+
+@dataclass(frozen=True)
+class Case:
+    """One prepare_* call: the live requests (by id, in batch order) and their lengths."""
+
+    mode: ForwardMode
+    ids: tuple[str, ...]
+    prefix: tuple[int, ...]
+    q_lens: tuple[int, ...] = ()  # extend only
+    pad_to: int | None = None
+    tree: tuple[tuple[int, ...], ...] | None = None  # [N, D] parents, verify only
+
+    def call(self, be: HybridBackend, device: str = "cpu") -> ForwardBatch:
+        rows = be.pool.req_rows(list(self.ids))
+        prefix = list(self.prefix)
+        if self.mode.is_extend_like:
+            ids = _tokens(sum(self.q_lens), device)
+            return be.prepare_extend(
+                req_rows=rows, input_ids=ids, q_lens=list(self.q_lens), prefix_lens=prefix, mode=self.mode
+            )
+        if self.mode is ForwardMode.DECODE:
+            tokens = _tokens(len(self.ids), device)
+            return be.prepare_decode(req_rows=rows, input_ids=tokens, prefix_lens=prefix, pad_to=self.pad_to)
+        parents = None if self.tree is None else torch.tensor(self.tree, dtype=torch.int32)
+        return be.prepare_verify(
+            req_rows=rows,
+            block_tokens=_tokens(len(self.ids) * D, device).view(-1, D),
+            prefix_lens=prefix,
+            tree_parents=parents,
+            pad_to=self.pad_to,
+        )
+
+
+def _tokens(n: int, device: str) -> torch.Tensor:
+    """Distinct tokens, made where asked (on CUDA by a kernel: no host-to-device copy)."""
+    return torch.arange(n, dtype=torch.int64, device=device) * 7 + 3
+
+
+CASES = {
+    # ragged, a request with no new token, prefixes of every kind, rows out of allocation order
+    "extend": Case(ForwardMode.EXTEND, ("r2", "r0", "r3", "r1"), (5, 9, 0, 17), q_lens=(3, 0, 6, 1)),
+    "draft_extend": Case(ForwardMode.DRAFT_EXTEND, ("r1", "r2"), (0, 33), q_lens=(4, 2)),
+    # more tokens than the Python loop handles: the vectorised host path
+    "extend_long": Case(ForwardMode.EXTEND, ("r3", "r0", "r1"), (10, 3, 0), q_lens=(200, 0, 90)),
+    "decode": Case(ForwardMode.DECODE, ("r3", "r0", "r2", "r1"), (0, 12, 299, 7)),
+    "decode_padded": Case(ForwardMode.DECODE, ("r1", "r3", "r0"), (8, 1, 40), pad_to=5),
+    "decode_all_padding": Case(ForwardMode.DECODE, (), (), pad_to=3),
+    "verify_chain_padded": Case(ForwardMode.TARGET_VERIFY, ("r0", "r2"), (6, 0), pad_to=4),
+    "verify_tree": Case(
+        ForwardMode.TARGET_VERIFY, ("r2", "r1"), (11, 4), tree=((-1, 0, 0, 1), (-1, 0, 1, 1))
+    ),
+    "verify_tree_padded": Case(ForwardMode.TARGET_VERIFY, ("r3",), (30,), pad_to=3, tree=((-1, 0, 1, 0),)),
+}
+
+
+def _reference(pool: HybridStatePool, case: Case) -> dict[str, Any]:
+    """Every field straight from the device tables, in plain torch and Python."""
+    table = pool.table
+    rows = torch.tensor(pool.req_rows(list(case.ids)).tolist(), dtype=torch.long)  # [N_live]
+    n_live = len(case.ids)
+    n = n_live if case.pad_to is None else case.pad_to
+    pad = n - n_live
+    pad_q = D if case.mode is ForwardMode.TARGET_VERIFY else 1
+    q = list(case.q_lens) if case.mode.is_extend_like else [pad_q] * n
+    prefix = [*case.prefix, *[0] * pad]
+    seq = [i for i in range(n) for _ in range(q[i])]  # request of each packed token
+    offset = [j for i in range(n) for j in range(q[i])]  # its index in the request's block
+    live = [i < n_live for i in seq]
+    block_pos = torch.tensor([prefix[i] + j for i, j in zip(seq, offset, strict=True)], dtype=torch.long)
+    token_rows = rows[torch.tensor([i for i in seq if i < n_live], dtype=torch.long)]
+    kv_live = table.req_to_kv[token_rows, block_pos[torch.tensor(live, dtype=torch.bool)]].tolist()
+    out: dict[str, Any] = {
+        "input_ids": [*_tokens(len(seq) - pad * pad_q, "cpu").tolist(), *[0] * (pad * pad_q)],
+        "state_slots": [*table.row_to_slot[rows].tolist(), *[-1] * pad],
+        "batch_rows": list(range(n)),
+        "kv_slots": kv_live + [-1] * (pad * pad_q),
+        "page_table": [*table.page_table[rows].tolist(), *[[0] * table.max_pages] * pad],
+        "cu_seqlens_q": [0, *itertools.accumulate(q)],
+        "q_lens": q,
+        "prefix_lens": prefix,
+        "kv_lens": [p + x for p, x in zip(prefix, q, strict=True)],
+        "has_initial_state": [p > 0 for p in prefix],
+        "tree_parents": None,
+        "tree_mask": None,
+    }
+    if case.tree is None:
+        out["positions"] = block_pos.tolist()
+        return out
+    parents = [*map(list, case.tree), *[list(range(-1, D - 1))] * pad]  # padded rows: a chain
+
+    def ancestors(p: list[int], j: int) -> Iterator[int]:
+        while j >= 0:
+            yield j
+            j = p[j]
+
+    out["tree_parents"] = parents
+    out["tree_mask"] = [[[k in set(ancestors(p, j)) for k in range(D)] for j in range(D)] for p in parents]
+    depth = [len(list(ancestors(parents[i], j))) - 1 for i, j in zip(seq, offset, strict=True)]
+    out["positions"] = [prefix[i] + d for i, d in zip(seq, depth, strict=True)]
+    return out
+
+
+def _fields(batch: ForwardBatch) -> dict[str, Any]:
+    def index(idx: Any) -> Any:
+        return None if idx is None else idx.tolist()
+
+    def plain(t: torch.Tensor | None) -> Any:
+        return None if t is None else t.tolist()
+
+    return {
+        "input_ids": plain(batch.input_ids),
+        "positions": plain(batch.positions),
+        "state_slots": index(batch.state_slots),
+        "batch_rows": index(batch.batch_rows),
+        "kv_slots": index(batch.kv_slots),
+        "page_table": plain(batch.page_table),
+        "cu_seqlens_q": plain(batch.cu_seqlens_q),
+        "q_lens": plain(batch.q_lens),
+        "prefix_lens": plain(batch.prefix_lens),
+        "kv_lens": plain(batch.kv_lens),
+        "has_initial_state": plain(batch.has_initial_state),
+        "tree_parents": plain(batch.tree_parents),
+        "tree_mask": plain(batch.tree_mask),
+    }
+
+
+def _poison(be: HybridBackend) -> None:
+    """Junk in every buffer a build writes (batch rows excepted: written once, at construction)."""
+    b = be.buffers
+    for t in (b.input_ids, b.positions, b.page_table, b.lens, b.tree_parents, b.state_slots, b.kv_slots):
+        t.fill_(-7)
+    b.has_initial_state.fill_(True)
+    b.tree_mask.fill_(True)
+
+
+def _assert_views_of_the_buffers(be: HybridBackend, batch: ForwardBatch) -> None:
+    b = be.buffers
+    assert batch.state_slots is not None and batch.kv_slots is not None and batch.batch_rows is not None
+    pairs = [
+        (batch.input_ids, b.input_ids),
+        (batch.positions, b.positions),
+        (batch.page_table, b.page_table),
+        (batch.cu_seqlens_q, b.cu_seqlens_q),
+        (batch.q_lens, b.q_lens),
+        (batch.prefix_lens, b.prefix_lens),
+        (batch.kv_lens, b.kv_lens),
+        (batch.has_initial_state, b.has_initial_state),
+        (batch.state_slots.tensor, b.state_slots),
+        (batch.batch_rows.tensor, b.batch_rows),
+        (batch.kv_slots.tensor, b.kv_slots),
+    ]
+    if batch.tree_parents is not None and batch.tree_mask is not None:
+        pairs += [(batch.tree_parents, b.tree_parents), (batch.tree_mask, b.tree_mask)]
+    for field, buffer in pairs:
+        assert field.data_ptr() == buffer.data_ptr() and field.dtype == buffer.dtype
+        assert field.is_contiguous()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_field_equals_the_reference(name: str) -> None:
+    be = _backend()
+    case = CASES[name]
+    _poison(be)
+    batch = case.call(be)
+    assert batch.mode is case.mode
+    assert batch.num_padded == (0 if case.pad_to is None else case.pad_to - len(case.ids))
+    assert batch.req_rows is not None and batch.req_rows.tolist() == be.pool.req_rows(list(case.ids)).tolist()
+    assert _fields(batch) == _reference(be.pool, case)
+    assert batch.input_ids.dtype == torch.int64 and batch.positions.dtype == torch.int64
+    assert batch.has_initial_state.dtype == torch.bool and batch.page_table.dtype == torch.int32
+    _assert_views_of_the_buffers(be, batch)
+
+
+def test_state_slots_rows_and_batch_rows_differ_in_the_cases() -> None:
+    """The reference would not tell a row used as a slot from a slot if they were equal."""
+    be = _backend()
+    rows = be.pool.req_rows(list(CASES["extend"].ids))
+    slots = be.pool.state_slots(rows).tolist()
+    assert all(s != r for s, r in zip(slots, rows.tolist(), strict=True))
+    assert rows.tolist() != list(range(len(rows))) and slots != list(range(len(rows)))
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ("extend_long", "extend"),
+        ("extend", "draft_extend"),
+        ("decode", "decode_padded"),
+        ("decode_padded", "decode_all_padding"),
+        ("verify_tree_padded", "verify_chain_padded"),
+        ("verify_chain_padded", "verify_tree"),
+        ("extend_long", "verify_tree_padded"),
+    ],
+)
+def test_a_smaller_build_after_a_larger_one_is_exact_in_the_same_storage(first: str, second: str) -> None:
+    be = _backend()
+    big = CASES[first].call(be)
+    pointers = batch_pointers(big)
+    small = CASES[second].call(be)
+    assert _fields(small) == _reference(be.pool, CASES[second])
+    assert batch_pointers(small)[:11] == pointers[:11]  # the fields every batch has (tree ones follow)
+    _assert_views_of_the_buffers(be, small)
+    _assert_views_of_the_buffers(be, big)
+
+
+@pytest.mark.parametrize("loop_max", [pool_module.LOOP_MAX_TOKENS, 0], ids=["python", "vectorised"])
+def test_python_and_vectorised_host_paths_agree(monkeypatch: pytest.MonkeyPatch, loop_max: int) -> None:
+    monkeypatch.setattr(pool_module, "LOOP_MAX_TOKENS", loop_max)
+    be = _backend()
+    for case in CASES.values():
+        assert _fields(case.call(be)) == _reference(be.pool, case)
+
+
+def _buffers_snapshot(be: HybridBackend) -> list[torch.Tensor]:
+    b = be.buffers
+    return [
+        t.clone()
+        for t in (
+            b.input_ids,
+            b.positions,
+            b.page_table,
+            b.lens,
+            b.has_initial_state,
+            b.tree_parents,
+            b.tree_mask,
+            b.state_slots,
+            b.batch_rows,
+            b.kv_slots,
+        )
+    ]
+
+
+def test_a_rejected_build_changes_neither_buffers_nor_num_builds() -> None:
+    be = _backend()
+    pool = be.pool
+    CASES["decode"].call(be)
+    before, builds = _buffers_snapshot(be), be.num_builds
+    stale_rows = pool.req_rows(["r0"])
+    tokens = torch.tensor([1, 2])
+    block = torch.zeros(1, D, dtype=torch.long)
+
+    def decode(ids: list[str], prefix: list[int]) -> Any:
+        return lambda: be.prepare_decode(
+            req_rows=pool.req_rows(ids), input_ids=tokens[: len(ids)], prefix_lens=prefix
+        )
+
+    calls = [
+        ("distinct", decode(["r0", "r0"], [1, 1])),
+        ("no KV page", decode(["r0", "r1"], [1, 319])),
+        ("prefix_lens", decode(["r0"], [-1])),
+        (
+            "input_ids",
+            lambda: be.prepare_extend(req_rows=stale_rows, input_ids=tokens, q_lens=[3], prefix_lens=[0]),
+        ),
+        (
+            "tree_parents",
+            lambda: be.prepare_verify(
+                req_rows=stale_rows,
+                block_tokens=block,
+                prefix_lens=[0],
+                tree_parents=torch.tensor([[-1, 0, 2, 0]]),
+            ),
+        ),
+    ]
+    for match, call in calls:
+        with pytest.raises(ValueError, match=match):
+            call()
+    pool.free(["r0"])
+    with pytest.raises(UseAfterFreeError, match="not mapped"):
+        be.prepare_decode(req_rows=stale_rows, input_ids=tokens[:1], prefix_lens=[1])
+    assert be.num_builds == builds
+    for old, now in zip(before, _buffers_snapshot(be), strict=True):
+        assert torch.equal(old, now)
+
+
+class _Writes(TorchDispatchMode):
+    """Records, per op that is not a view, which watched storages it touched (read or written)."""
+
+    def __init__(self, watched: dict[int, str]) -> None:
+        super().__init__()
+        self.watched = watched
+        self.touched: list[tuple[str, ...]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            names = {self.watched.get(t.untyped_storage().data_ptr()) for t in tensors} - {None}
+            if names:
+                self.touched.append(tuple(sorted(n for n in names if n is not None)))
+        return out
+
+
+WRITTEN = ["has_initial_state", "input_ids", "kv_slots", "lens", "page_table", "positions", "state_slots"]
+
+
+@pytest.mark.parametrize(
+    ("name", "written"),
+    [
+        ("decode_padded", WRITTEN),
+        ("verify_chain_padded", WRITTEN),
+        ("extend", WRITTEN),
+        ("extend_long", WRITTEN),
+        ("verify_tree_padded", sorted([*WRITTEN, "tree_parents", "tree_mask"])),
+    ],
+)
+def test_one_write_per_buffer_and_no_device_table_read(name: str, written: list[str]) -> None:
+    """What a build does to device memory, counted structurally (on CUDA each is one queued copy): every
+    buffer it fills is written by exactly one op (cu_seqlens_q, q_lens, prefix_lens and kv_lens share
+    `lens`), batch rows are not written at all, and the pool's device tables are never read."""
+    be = _backend()
+    b, table = be.buffers, be.pool.table
+    watched = {
+        t.untyped_storage().data_ptr(): n
+        for n, t in {
+            "input_ids": b.input_ids,
+            "positions": b.positions,
+            "page_table": b.page_table,
+            "lens": b.lens,
+            "has_initial_state": b.has_initial_state,
+            "tree_parents": b.tree_parents,
+            "tree_mask": b.tree_mask,
+            "state_slots": b.state_slots,
+            "batch_rows": b.batch_rows,
+            "kv_slots": b.kv_slots,
+            "table.req_to_kv": table.req_to_kv,
+            "table.page_table": table.page_table,
+            "table.row_to_slot": table.row_to_slot,
+        }.items()
+    }
+    rec = _Writes(watched)
+    with rec:
+        batch = CASES[name].call(be)
+    assert all(len(names) == 1 for names in rec.touched), rec.touched  # no op reads one buffer into another
+    assert sorted(n for (n,) in rec.touched) == written
+    assert _fields(batch) == _reference(be.pool, CASES[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens_on", ["cpu", "cuda"])
+def test_cuda_builds_equal_the_reference_without_a_sync(tokens_on: str) -> None:
+    be = _backend("cuda")
+    for name, case in CASES.items():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            batch = case.call(be, tokens_on)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert _fields(batch) == _reference(be.pool, case), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tree_parents_on_the_device_equal_the_reference() -> None:
+    """Device parents take the device path (their check reads them back, as before)."""
+    be = _backend("cuda")
+    for name in ("verify_tree", "verify_tree_padded"):
+        case = CASES[name]
+        assert case.tree is not None
+        batch = be.prepare_verify(
+            req_rows=be.pool.req_rows(list(case.ids)),
+            block_tokens=_tokens(len(case.ids) * D, "cuda").view(-1, D),
+            prefix_lens=list(case.prefix),
+            tree_parents=torch.tensor(case.tree, dtype=torch.int64, device="cuda"),
+            pad_to=case.pad_to,
+        )
+        assert _fields(batch) == _reference(be.pool, case), name
