@@ -496,3 +496,17 @@ def test_shared_evidence_decays_and_scales_the_prior() -> None:
     prior = pool.prior()
     assert prior.accepted + prior.rejections == pytest.approx(PRIOR_DRAFTS)
     assert prior.rate() == pytest.approx(0.5) and prior.rounds == 0
+
+
+def test_a_thin_useless_history_warms_up_at_the_smallest_length() -> None:
+    thin = AdaptiveController(AdaptiveConfig(), initial_steps=3)
+    thin.shared.add(0, 3)  # one empty round: too little to skip the warm-up (3 / (3 + 1) would pay)
+    s = thin.new_request(H100)
+    # but the prior alone loses, so the warm-up measures at length 1 from its first round (a round's first
+    # draft decides whether it accepts anything), and returns to 3 once a draft is accepted
+    assert s.steps == 1
+    assert s.observe(1, H100) == 3
+    good = AdaptiveController(AdaptiveConfig(), initial_steps=3)
+    good.shared.add(3, 3)
+    assert good.new_request(H100).steps == 3
+    assert AdaptiveController(AdaptiveConfig(), initial_steps=3).new_request(H100).steps == 3

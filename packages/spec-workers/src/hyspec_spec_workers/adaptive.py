@@ -373,7 +373,12 @@ class AdaptiveDraftLength:
             return  # nothing pooled yet: the request warms up as if it were the first
         # the pooled rounds at full weight (the prior is scaled down only so that a warming-up request's
         # own rounds can overrule it): many requests' rounds say more than the few the margin guards
-        if best_length(pooled.rate(more_accepted=WARMUP_MARGIN), self.config.candidate_steps, costs) > 0:
+        cands = self.config.candidate_steps
+        if best_length(pooled.rate(more_accepted=WARMUP_MARGIN), cands, costs) > 0:
+            if best_length(self._evidence.rate(), cands, costs) == 0:
+                # the prior alone loses but the margin holds: the warm-up measures at the smallest length
+                # from its first round, as it would after a round of its own said as much
+                self.steps = cands[0]
             return
         # the earlier requests' drafts would not pay even with the warm-up's margin: skip the warm-up
         # they paid. Probe no sooner than the engine's backoff says, counting the rounds other requests
