@@ -11,7 +11,11 @@ can run. The same checkpoint is then measured:
 - hyspec `LLM.generate` (bf16, CUDA graphs), batch 1 and `--batch` rows: decode tokens/s is (new - 1) per row
   over the time from the first token to the last (the requests' own timestamps), so prefill, and with a
   model drafter its draft extend over the prompt, are excluded; HF's is (new - 1) / (time for `new` tokens -
-  time for 1 token), also without prefill;
+  time for 1 token), also without prefill. With several rows the first-to-last window still holds the other
+  rows' prefill chunks, so the steady decode tokens/s counts only the engine steps in which every row
+  decodes (from the last row's first token to the first row's finish);
+- plain and adaptive batch 1 also run 8 more requests each on the same engine (`next8`, their mean): a
+  single request's figure varies by a few percent between requests;
 - hyspec with speculation, batch 1: MTP S=3 with fixed length (random MTP weights accept ~nothing: the cost
   of useless drafting), MTP with the cost-aware adaptive length (it should drop to plain decoding), and an
   oracle drafter proposing the plain run's own continuation (every draft right: what verify and commit give
@@ -129,6 +133,15 @@ def hyspec_decode(llm: Any, prompts: Sequence[list[int]], new: int) -> dict[str,
 
     items = [{"prompt_token_ids": p} for p in prompts]
 
+    engine = llm.engine
+    steps: list[tuple[float, float]] = []  # (start, end) of every engine step, time.monotonic (as metrics)
+
+    def timed_step() -> Any:
+        t = time.monotonic()
+        out = step()
+        steps.append((t, time.monotonic()))
+        return out
+
     def gen(n: int) -> tuple[float, list[Any]]:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -138,14 +151,27 @@ def hyspec_decode(llm: Any, prompts: Sequence[list[int]], new: int) -> dict[str,
 
     gen(4)
     t1, _ = gen(1)
-    tn, outs = gen(new)
+    step = engine.step
+    engine.step = timed_step
+    try:
+        tn, outs = gen(new)
+    finally:
+        del engine.step
     stats = [o.spec_stats for o in outs if o.spec_stats is not None]
     # decode time runs from the first token (prefill done, including a drafter's extend over the prompt) to
     # the last one; the older figure, total minus a one-token request's time, is kept for comparison
     first = min(o.metrics.first_token_time or 0.0 for o in outs)
     last = max(o.metrics.finished_time or 0.0 for o in outs)
+    # every row decodes between the last first token and the first finish: no prefill in those steps
+    both = max(o.metrics.first_token_time or 0.0 for o in outs)
+    done = min(o.metrics.finished_time or 0.0 for o in outs)
+    inside = [(a, b) for a, b in steps if a >= both and b <= done]
     res: dict[str, Any] = {
         "decode_tok_s": len(prompts) * (new - 1) / (last - first),
+        # with a batch the first-to-last window holds the other rows' prefill too: this one does not
+        "steady_decode_tok_s": (
+            len(prompts) * len(inside) / (inside[-1][1] - inside[0][0]) if len(inside) > 1 else None
+        ),
         "decode_tok_s_minus_one_token_run": len(prompts) * (new - 1) / (tn - t1),
         "tokens": [o.outputs[0].token_ids for o in outs],
     }
@@ -173,6 +199,17 @@ def hyspec_decode(llm: Any, prompts: Sequence[list[int]], new: int) -> dict[str,
         res["verify_rounds"] = drafts
         res["mean_accept_length"] = 1 + sum(s.num_accepted_tokens for s in stats) / drafts if drafts else 0.0
     return res
+
+
+def repeated(llm: Any, prompts: Sequence[list[int]], new: int, times: int) -> dict[str, Any]:
+    """`hyspec_decode` run `times` times on the same engine: the mean tokens/s and each run's figures."""
+    more = [hyspec_decode(llm, prompts, new) for _ in range(times)]
+    return {
+        **more[-1],
+        "decode_tok_s": sum(m["decode_tok_s"] for m in more) / len(more),
+        "decode_tok_s_each": [m["decode_tok_s"] for m in more],
+        "verify_rounds_each": [m.get("verify_rounds", 0) for m in more],
+    }
 
 
 def oracle_registry(refs: Sequence[list[int]], steps: int) -> Any:
@@ -289,6 +326,7 @@ def run_all(ckpt: Path, a: argparse.Namespace, res: dict[str, Any]) -> None:
     runs: dict[str, Any] = {}
     llm = make_llm(ckpt, spec=None, max_seqs=a.batch, max_len=max_len)
     runs["plain_batch1"] = hyspec_decode(llm, prompts[:1], a.new)
+    runs["plain_next8_batch1"] = repeated(llm, prompts[:1], a.new, 8)
     runs[f"plain_batch{a.batch}"] = hyspec_decode(llm, prompts, a.new)
     print({k: (v["decode_tok_s"], v["graph_counts"]) for k, v in runs.items()}, flush=True)
     free(llm)
@@ -320,13 +358,7 @@ def run_all(ckpt: Path, a: argparse.Namespace, res: dict[str, Any]) -> None:
             runs[name + "_again_batch1"] = hyspec_decode(llm, prompts[:1], a.new)
             # eight more: the engine probes about once per probe wait in all, so a single request may or
             # may not pay a probe; their mean is what a long-running engine pays
-            more = [hyspec_decode(llm, prompts[:1], a.new) for _ in range(8)]
-            runs[name + "_next8_batch1"] = {
-                **more[-1],
-                "decode_tok_s": sum(m["decode_tok_s"] for m in more) / len(more),
-                "decode_tok_s_each": [m["decode_tok_s"] for m in more],
-                "verify_rounds_each": [m.get("verify_rounds", 0) for m in more],
-            }
+            runs[name + "_next8_batch1"] = repeated(llm, prompts[:1], a.new, 8)
         if name.startswith("oracle"):
             # bf16 verify blocks and decode steps round differently, so at a near-tie the run can part from
             # the plain reference (the oracle then proposes nothing): re-anchor on the run's own output, a
@@ -380,19 +412,21 @@ def write(out: Path, res: dict[str, Any]) -> None:
         f"{slim['gdn_state_bytes_per_token'] / 1e6:.0f} MB of GDN state traffic: roofline {roof:.0f} tok/s "
         "at batch 1. Produced by `tools/bench_decode.py`.",
         "",
-        "| engine | batch | decode tok/s | of roofline | mean accept length |",
-        "| --- | --- | --- | --- | --- |",
+        "| engine | batch | decode tok/s | of roofline | mean accept length | steady decode tok/s |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     if "hf_batch1" in slim:
         t = slim["hf_batch1"]["decode_tok_s"]
-        lines.append(f"| HF transformers generate | 1 | {t:.1f} | {t / roof:.1%} | |")
+        lines.append(f"| HF transformers generate | 1 | {t:.1f} | {t / roof:.1%} | | |")
     for k, r in h.items():
         batch = int(k.rsplit("batch", 1)[1])
         t = r["decode_tok_s"]
         # the roofline bounds one token per step: for plain decoding only
         frac = f"{t / roof:.1%}" if batch == 1 and k.startswith("plain") else ""
         acc = f"{r['mean_accept_length']:.2f}" if "mean_accept_length" in r else ""
-        lines.append(f"| hyspec {k.rsplit('_batch', 1)[0]} | {batch} | {t:.1f} | {frac} | {acc} |")
+        steady = r.get("steady_decode_tok_s")
+        st = f"{steady:.1f}" if steady and batch > 1 else ""
+        lines.append(f"| hyspec {k.rsplit('_batch', 1)[0]} | {batch} | {t:.1f} | {frac} | {acc} | {st} |")
     lines += [
         "",
         "Measured by the engine's cost tracker (EMAs the adaptive length decides with, ms) and graph use:",

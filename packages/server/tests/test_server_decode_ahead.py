@@ -88,6 +88,23 @@ def test_speculative_rounds_with_batches_prepared_ahead_equal_plain(
     eng.leak_check()
 
 
+def test_rounds_without_drafts_take_their_batches_like_plain_decoding(tiny_qwen3_5: Path) -> None:
+    """With speculation on, the scheduler reserves KV for the drafts a round may add, also when nobody
+    drafts; the prepared batch reserves the same, so lookahead page boundaries (every 4 steps here) do not
+    change the table under it: exactly as many batches are used and dropped as without speculation."""
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    eng = _engine(tiny_qwen3_5, ahead=True, spec=spec)
+    eng.runner.spec.draft_lengths = lambda chunks, max_model_len: [0] * len(chunks)  # type: ignore[attr-defined]
+    plain = _engine(tiny_qwen3_5, ahead=True)
+    assert _run(eng) == _run(plain)
+    assert eng.stats.spec_num_drafts == 0
+    assert (_ahead(eng).num_used, _ahead(eng).num_dropped) == (
+        _ahead(plain).num_used,
+        _ahead(plain).num_dropped,
+    )
+    eng.leak_check()
+
+
 def test_preemption_drops_prepared_batches(tiny_lfm2: Path) -> None:
     probe = _engine(tiny_lfm2, ahead=False)
     plan = probe.runner.memory.pool.plan  # type: ignore[attr-defined]

@@ -3,10 +3,11 @@
 A decode step's host work between reading its sampled tokens and launching the next forward is idle time
 for the device. The largest part is the next batch's metadata (`prepare_decode`: positions, KV slots, state
 slots, page-table rows; 0.9 ms of host time per step on an H100 machine against a 7.4 ms forward of a 9B
-model at batch 1 when it was built on the device, about 0.3 ms now that it is built on the host). When every chunk of a step decodes one token, the runner therefore builds the batch of
-the same requests one position on right after queueing the sampler and before reading its tokens: the
-build's copies queue behind the running forward, so its host time overlaps the device's work, and the next
-step's input tokens are copied from the sampler's output on the device.
+model at batch 1 when it was built on the device, about 0.35 ms now that it is built on the host). When
+every chunk of a step decodes one token, the runner therefore builds the batch of the same requests one
+position on right after queueing the sampler and before reading its tokens: the build's copies queue behind
+the running forward, so its host time overlaps the device's work, and the next step's input tokens are
+copied from the sampler's output on the device.
 
 The next step takes the prepared batch only if nothing it was built from has changed since:
 
@@ -52,15 +53,25 @@ class DecodeAhead:
         graphs: prepares decode batches (padded to a captured graph size when one fits).
         backend, pool: whose buffer writes and table changes invalidate a prepared batch.
         enabled: off, `build` does nothing and `take` finds nothing (the runner enables it on CUDA).
+        lookahead: KV positions the scheduler reserves past a decoding request's next token (speculative
+            decoding's drafts, also in rounds without drafts); reserved here too, or each page boundary of
+            the lookahead would change the table under the prepared batch.
     """
 
     def __init__(
-        self, graphs: TargetGraphs, backend: HybridBackend, pool: HybridStatePool, *, enabled: bool
+        self,
+        graphs: TargetGraphs,
+        backend: HybridBackend,
+        pool: HybridStatePool,
+        *,
+        enabled: bool,
+        lookahead: int = 0,
     ) -> None:
         self.graphs = graphs
         self.backend = backend
         self.pool = pool
         self.enabled = enabled
+        self.lookahead = lookahead
         self.num_used = 0  # steps that took a prepared batch
         self.num_dropped = 0  # prepared batches no step could take
         self._prepared: _Prepared | None = None
@@ -78,12 +89,13 @@ class DecodeAhead:
         self._drop()
         if not self.enabled:
             return
-        if max(prefix_lens, default=0) + 1 > self.pool.plan.table_width:
+        width = self.pool.plan.table_width
+        if max(prefix_lens, default=0) + 1 > width:
             return  # past the longest request: that step never comes
         try:
-            # a request at a page boundary gets its next page one step early (the scheduler would add it
-            # before the next step anyway; finishing or preemption frees it with the rest)
-            self.pool.ensure_kv_capacity(req_ids, [p + 1 for p in prefix_lens])
+            # a request at a page boundary gets its next page one step early, with its lookahead (the
+            # scheduler would add them before the next step anyway; finishing or preemption frees them)
+            self.pool.ensure_kv_capacity(req_ids, [min(p + 1 + self.lookahead, width) for p in prefix_lens])
         except PoolExhaustedError:
             return  # the scheduler decides who gets the last pages (and whom to preempt)
         n = len(req_ids)

@@ -149,7 +149,13 @@ class HyspecModelRunner:
         self.graphs.capture()
         # the next decode batch is built while the device runs this one (decode_ahead.py); on the CPU
         # there is nothing to overlap with, so only tests turn it on there
-        self.ahead = DecodeAhead(self.graphs, self.backend, self.pool, enabled=self._device.type == "cuda")
+        self.ahead = DecodeAhead(
+            self.graphs,
+            self.backend,
+            self.pool,
+            enabled=self._device.type == "cuda",
+            lookahead=self.num_lookahead_tokens,
+        )
         if self.spec is not None and self.graphs.active and isinstance(self.spec.drafter, GraphedDrafter):
             # the drafter's proposal forwards (MTP / EAGLE-3 steps, the DFlash block) at the same batch sizes
             self.spec.drafter.capture_graphs(self.graphs.sizes)

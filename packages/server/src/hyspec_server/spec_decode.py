@@ -261,15 +261,15 @@ class SpecDecoder:
         ids = [r.request_id for r in reqs]
         timing = self._timing_round()
         steps = self.draft_lengths(chunks, runner.max_model_len)
-        roots = torch.tensor(
-            [r.token_slice(c.start, c.end)[0] for r, c in zip(reqs, chunks)], dtype=torch.int64
-        )
         clock = _DraftClock(runner.device)
         draft: DraftOutput | None = None
         timed = True
         t0 = time.perf_counter()
         if max(steps) > 0:
             clock.start()
+            roots = torch.tensor(
+                [r.token_slice(c.start, c.end)[0] for r, c in zip(reqs, chunks)], dtype=torch.int64
+            )
             hist = (
                 ()
                 if self.model_drafter is not None
