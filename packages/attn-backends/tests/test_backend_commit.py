@@ -220,3 +220,15 @@ def test_commit_rejects_bad_accept_paths() -> None:
         )
     with pytest.raises(TypeError):
         be.commit_after_verify(batch, torch.tensor([0]))  # type: ignore[misc]
+
+
+def test_tree_parents_are_checked_where_reading_them_is_free() -> None:
+    from hyspec_attn_backends.batch import check_tree_parents
+
+    bad = torch.tensor([[-1, 0, 3, 1]])  # node 2's parent comes after it
+    with pytest.raises(ValueError, match="parents precede children"):
+        check_tree_parents(bad, num_seqs=1, verify_len=4)  # host values: always read
+    # what a CUDA backend outside debug mode asks for (a read there would sync): shape and dtype only
+    check_tree_parents(bad, num_seqs=1, verify_len=4, check_values=False)
+    with pytest.raises(ValueError, match="shape"):
+        check_tree_parents(bad, num_seqs=2, verify_len=4, check_values=False)

@@ -223,7 +223,7 @@ class HybridBackend:
                 f"block_tokens: expected D >= 1 tokens per request, got {list(block_tokens.shape)}"
             )
         if tree_parents is not None:
-            check_tree_parents(tree_parents, num_seqs=n, verify_len=d)
+            check_tree_parents(tree_parents, num_seqs=n, verify_len=d, check_values=self._kernel_checks)
         return self._build(
             ForwardMode.TARGET_VERIFY,
             req_rows,
@@ -710,16 +710,19 @@ class HybridBackend:
             )
 
     def _move_tree_kv(self, batch: ForwardBatch, num_accepted: Tensor, paths: Tensor) -> None:
-        """Copy accepted node `paths[i, j]`'s K/V to block position j, for every attention layer."""
+        """Copy accepted node `paths[i, j]`'s K/V to block position j, for every attention layer.
+
+        Every block position is written, the ones that keep their K/V (past the accepted path, or already in
+        place) with their own: selecting only the moved ones would need their count on the host (a sync).
+        Destinations are distinct block positions, and all sources are read before any is written.
+        """
         assert batch.kv_slots is not None
         n, d = batch.num_live, batch.verify_len
         block_slots = batch.kv_slots.tensor[: n * d].long().reshape(n, d)  # [N, D] slot of block position j
-        src = block_slots.gather(1, paths.clamp(min=0).long())
         depth = torch.arange(d, device=paths.device)[None, :]
-        moved = (depth <= num_accepted[:, None]) & (paths.long() != depth)
-        src, dst = src[moved], block_slots[moved]
-        if src.numel() == 0:
-            return
+        moved = (depth <= num_accepted[:, None]) & (paths.long() != depth)  # [N, D]
+        src = torch.where(moved, block_slots.gather(1, paths.clamp(min=0).long()), block_slots).reshape(-1)
+        dst = block_slots.reshape(-1)
         for i, kind in enumerate(self.kinds):
             if kind is not MixerKind.ATTENTION:
                 continue

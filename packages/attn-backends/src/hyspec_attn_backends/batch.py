@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from hyspec_kernels import value_checks
 from hyspec_statepool.indices import BatchRows, KVSlots, ReqRows, StateSlots
 from hyspec_statepool.transfer import upload
 from torch import Tensor
@@ -211,14 +212,20 @@ def tree_ancestor_mask(parents: Tensor) -> tuple[Tensor, Tensor]:
     return mask, depth
 
 
-def check_tree_parents(parents: Tensor, *, num_seqs: int, verify_len: int) -> None:
-    """Parents must be [N, D] ints with a single root at node 0 and every parent before its child."""
+def check_tree_parents(
+    parents: Tensor, *, num_seqs: int, verify_len: int, check_values: bool | None = None
+) -> None:
+    """Parents must be [N, D] ints with a single root at node 0 and every parent before its child.
+
+    The values are read (a sync for parents on CUDA) when `hyspec_kernels.value_checks(device, check_values)`
+    says so: always on the CPU, on CUDA only when asked (a debug pool); shape and dtype always.
+    """
     if parents.dtype not in (torch.int32, torch.int64) or tuple(parents.shape) != (num_seqs, verify_len):
         raise ValueError(
             f"tree_parents: expected an int tensor of shape [{num_seqs}, {verify_len}], got "
             f"{parents.dtype} {list(parents.shape)}"
         )
-    if num_seqs == 0:
+    if num_seqs == 0 or not value_checks(parents.device, check_values):
         return
     cols = torch.arange(verify_len, device=parents.device)
     root_ok = bool((parents[:, 0] == -1).all())
