@@ -33,6 +33,7 @@ RUNS: list[tuple[str, dict[str, Any] | None]] = [
     ("plain", None),
     ("mtp", {"method": "mtp", "num_speculative_tokens": 3}),
     ("mtp_adaptive", {"method": "mtp", "num_speculative_tokens": 3, "adaptive": True}),
+    ("mtp_tree", {"method": "mtp", "num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 6}),
 ]
 
 

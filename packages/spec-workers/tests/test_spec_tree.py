@@ -175,3 +175,18 @@ def test_builder_chain_drafts_equal_the_built_chain() -> None:
     assert torch.equal(b.chain_drafts(), b.build(5).tokens[:, 1:])
     with pytest.raises(ValueError, match="topk 1"):
         TreeDraftBuilder(root, 2).chain_drafts()
+
+
+def test_build_keeps_fewer_nodes_where_asked_and_lands_where_asked() -> None:
+    g = torch.Generator().manual_seed(5)
+    b = TreeDraftBuilder(torch.tensor([3, 4, 5]), 2)
+    for s in range(2):
+        e = 1 if s == 0 else 2
+        probs = torch.softmax(torch.randn(3, e, 4, generator=g), dim=-1)[:, :, :2]
+        b.add_step(torch.randint(0, 50, (3, e, 2), generator=g), probs)
+    full = b.build(4)
+    part = b.build(4, num_nodes=torch.tensor([4, 1, 4]), device="cpu")
+    assert part.tokens.device.type == "cpu" and part.host_num_nodes == (4, 1, 4)
+    assert torch.equal(part.tokens, full.tokens) and part.node_counts() == [4, 1, 4]
+    # the row without drafts verifies its root alone: padding nodes form a chain no walk reaches
+    assert part.first_child[1].tolist() == [-1, -1, -1, -1] and torch.equal(part.parents[0], full.parents[0])

@@ -351,15 +351,15 @@ class HiddenStateDrafter:
             return DraftOutput(VerifyTree.chain(root_dev, drafts, torch.tensor(steps)))
         self._write_unwritten(ids)  # the general path reads only written pairs
         with torch.no_grad():
-            builder = self._draft(ids, root.to(self.model.device), s_run)
+            builder = self._draft(ids, to_device(root, dtype=torch.int64, device=self.model.device), s_run)
         if self.topk == 1:
             drafts = builder.chain_drafts().to(batch.root_tokens.device)  # [N, s_run]
             return DraftOutput(VerifyTree.chain(root, drafts, torch.tensor(steps)))
-        else:
-            full = builder.build(self.num_draft_tokens)
-            num = torch.where(torch.tensor(steps, device=full.tokens.device) > 0, full.num_nodes, 1)
-            tree = VerifyTree.from_parents(full.tokens, full.parents, num)
-        return DraftOutput(tree.to(batch.root_tokens.device))
+        # rows that draft nothing keep their root only; the tree is built on the host (one device read)
+        # and stays where the roots are
+        d = self.num_draft_tokens
+        num = torch.tensor([d if k > 0 else 1 for k in steps], dtype=torch.int64)  # [N]
+        return DraftOutput(builder.build(d, num_nodes=num, device=batch.root_tokens.device))
 
     # ---------------------------------------------------------------- drafting
 

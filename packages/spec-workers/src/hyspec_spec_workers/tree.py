@@ -28,13 +28,15 @@ def _check(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype | No
 
 
 def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """int64 host copies of small tensors, read back in one transfer (one sync) when they are on a device."""
-    devices = {t.device for t in tensors}
-    if len(devices) > 1 or next(iter(devices)).type == "cpu":
-        return [t.to("cpu", torch.int64).clone() for t in tensors]
-    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).cpu()
-    parts = torch.split(flat, [t.numel() for t in tensors])
-    return [part.view(t.shape) for part, t in zip(parts, tensors, strict=True)]
+    """int64 host copies of small tensors; those on a device are read back in one transfer (one sync)."""
+    out = [t.to(torch.int64).clone() if t.device.type == "cpu" else t for t in tensors]
+    away = [i for i, t in enumerate(tensors) if t.device.type != "cpu"]
+    if away:
+        flat = torch.cat([tensors[i].reshape(-1).to(torch.int64) for i in away]).cpu()
+        parts = torch.split(flat, [tensors[i].numel() for i in away])
+        for i, part in zip(away, parts, strict=True):
+            out[i] = part.view(tensors[i].shape)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,18 +131,26 @@ class VerifyTree:
         return int(self.tokens.shape[1])
 
     @staticmethod
-    def from_parents(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor) -> VerifyTree:
+    def from_parents(
+        tokens: torch.Tensor,
+        parents: torch.Tensor,
+        num_nodes: torch.Tensor,
+        *,
+        device: torch.device | str | None = None,
+    ) -> VerifyTree:
         """Derive depth, mask and child/sibling arrays; padded nodes are re-parented as a chain.
 
         Args:
             tokens: [N, D] int64.
             parents: [N, D] int; parents[n, 0] = -1 and 0 <= parents[n, j] < j for real nodes j >= 1.
             num_nodes: [N] int in [1, D].
+            device: where the tree goes (default: `tokens`' device). It is built on the host, so "cpu"
+                spares moving it back when the caller wants it there.
         """
         if tokens.dim() != 2:
             raise ValueError(f"tokens: expected shape [N, D], got {list(tokens.shape)}")
         n, d = tokens.shape
-        out_dev = tokens.device
+        out_dev = tokens.device if device is None else torch.device(device)
         # N x D bookkeeping: on the host, one transfer each way, instead of ~10 tiny device ops per node
         dev = torch.device("cpu")
         tokens, parents, num_nodes = _to_host(
@@ -288,19 +298,28 @@ class TreeDraftBuilder:
             return torch.zeros(n, 0, dtype=torch.int64, device=self.root.device)
         return torch.cat(self._tokens, dim=1)
 
-    def build(self, num_draft_tokens: int) -> VerifyTree:
+    def build(
+        self,
+        num_draft_tokens: int,
+        *,
+        num_nodes: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
+    ) -> VerifyTree:
         """Select the best `num_draft_tokens - 1` candidates and lay them out as a verify block.
 
         Candidates are numbered step by step, so a parent's index is below its children's; a child's score
         never exceeds its parent's, and ties prefer the lower index, so every selected node's parent is
-        selected too. Sorting the selection by candidate index then puts parents before children.
+        selected too (`VerifyTree.from_parents` checks it: a lost parent would be a -1). Sorting the
+        selection by candidate index then puts parents before children. `num_nodes` [N] (default all)
+        keeps fewer real nodes per row; `device` as in `from_parents`.
         """
         d = num_draft_tokens
         if d < 1 or d - 1 > self._num_candidates:
             raise ValueError(f"num_draft_tokens: expected in [1, {self._num_candidates + 1}], got {d}")
         n, dev = self.root.shape[0], self.root.device
         if d == 1:
-            return VerifyTree.chain(self.root, torch.zeros(n, 0, dtype=torch.int64, device=dev))
+            root_only = VerifyTree.chain(self.root, torch.zeros(n, 0, dtype=torch.int64, device=dev))
+            return root_only if device is None else root_only.to(device)
         tokens = torch.cat(self._tokens, dim=1)  # [N, M]
         scores = torch.cat(self._scores, dim=1)  # [N, M]
         parents = torch.cat(self._parents, dim=1)  # [N, M]
@@ -313,11 +332,10 @@ class TreeDraftBuilder:
         pos.scatter_(1, sel + 1, torch.arange(1, d, device=dev).expand(n, d - 1).contiguous())
         sel_parents = torch.gather(parents, 1, sel)  # [N, D-1], candidate index or -1
         block_parents = torch.gather(pos, 1, sel_parents + 1)
-        if bool((block_parents < 0).any()):
-            raise AssertionError("tree selection lost a parent; scores must not grow along a path")
         tree_tokens = torch.cat([self.root[:, None], torch.gather(tokens, 1, sel)], dim=1)
         tree_parents = torch.cat(
             [torch.full((n, 1), -1, dtype=torch.int64, device=dev), block_parents], dim=1
         )
-        num_nodes = torch.full((n,), d, dtype=torch.int64, device=dev)
-        return VerifyTree.from_parents(tree_tokens, tree_parents, num_nodes)
+        if num_nodes is None:
+            num_nodes = torch.full((n,), d, dtype=torch.int64)
+        return VerifyTree.from_parents(tree_tokens, tree_parents, num_nodes, device=device)
