@@ -234,6 +234,9 @@ def test_every_field_equals_the_reference(name: str) -> None:
     assert batch.input_ids.dtype == torch.int64 and batch.positions.dtype == torch.int64
     assert batch.has_initial_state.dtype == torch.bool and batch.page_table.dtype == torch.int32
     _assert_views_of_the_buffers(be, batch)
+    # extend-like batches carry their longest lengths on the host (attention then reads none back)
+    want_max = (int(batch.q_lens.max()), int(batch.kv_lens.max())) if case.mode.is_extend_like else None
+    assert batch.host_max_lens == want_max
 
 
 def test_state_slots_rows_and_batch_rows_differ_in_the_cases() -> None:

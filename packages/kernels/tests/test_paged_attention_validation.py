@@ -58,6 +58,10 @@ BAD_ATTENTION: list[tuple[str, dict[str, object]]] = [
     ("max_q_len", dict(max_q_len=-1)),
     ("max_q_len", dict(max_q_len=2.0)),
     ("backend", dict(backend="gpu")),
+    ("host_lens", dict(host_lens=(4, 6))),  # the longest kv_len is 7: checked where value checks run
+    ("host_lens", dict(host_lens=(3, 7))),
+    ("host_lens", dict(host_lens=(4, -7))),
+    ("host_lens", dict(host_lens=[4, 7])),
 ]
 
 
@@ -74,6 +78,18 @@ def test_good_input_passes_and_unused_page_table_entries_are_not_checked() -> No
     mask = EYE.clone()
     mask[1, 1:, 1:] = False
     assert _attention(tree_mask=mask).shape == (5, 4, DH)
+
+
+def test_host_lens_replace_the_read_where_checks_are_off() -> None:
+    g = torch.Generator().manual_seed(0)
+    kw: dict[str, object] = dict(
+        q=torch.randn(5, 4, DH, generator=g),
+        k_cache=torch.randn(P, PAGE, HKV, DH, generator=g),
+        v_cache=torch.randn(P, PAGE, HKV, DH, generator=g),
+    )
+    want = _attention(**kw)
+    assert torch.equal(_attention(**kw, host_lens=(4, 7)), want)
+    assert torch.equal(_attention(**kw, host_lens=(4, 7), check_indices=False), want)
 
 
 def test_triton_needs_unit_stride_head_dim() -> None:

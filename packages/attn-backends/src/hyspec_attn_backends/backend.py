@@ -387,6 +387,7 @@ class HybridBackend:
             tree_parents=parents_view,
             tree_mask=mask_view,
             num_padded=num_pad,
+            host_max_lens=_host_max_lens(mode, live_q, live_prefix),
         )
 
     def _write_tokens(self, input_ids: Tensor, total: int) -> Tensor:
@@ -454,6 +455,7 @@ class HybridBackend:
             tree_mask=batch.tree_mask,
             # a static bound on q_len: the same launch grid eagerly as under CUDA-graph capture
             max_q_len=_static_max_q_len(batch),
+            host_lens=batch.host_max_lens,
             check_indices=self._kernel_checks,
         )
         return o.to(q.dtype)
@@ -740,6 +742,13 @@ def _static_max_q_len(batch: ForwardBatch) -> int | None:
     if batch.mode is ForwardMode.TARGET_VERIFY:
         return batch.verify_len
     return None
+
+
+def _host_max_lens(mode: ForwardMode, q_lens: list[int], prefix_lens: list[int]) -> tuple[int, int] | None:
+    """(longest q_len, longest kv_len) of an extend-like batch, from its host lengths; None otherwise."""
+    if not mode.is_extend_like:
+        return None
+    return max(q_lens, default=0), max((p + q for p, q in zip(prefix_lens, q_lens, strict=True)), default=0)
 
 
 def _host_lens(name: str, values: Sequence[int] | Tensor, n: int) -> list[int]:

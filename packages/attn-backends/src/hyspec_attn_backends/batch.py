@@ -44,6 +44,9 @@ class ForwardBatch:
         num_padded: the last `num_padded` of the N rows are padding up to a CUDA-graph batch size (DECODE and
             TARGET_VERIFY only): state slot -1, KV slots -1, prefix 0, token 0, a chain block; they write no
             state or KV (verify scratch rows past the live ones excepted) and their outputs are meaningless.
+        host_max_lens: (longest q_len, longest kv_len) on the host, for EXTEND / DRAFT_EXTEND batches (their
+            eager attention launch then reads no lengths back); None for the modes whose lengths
+            `advance_one_token` moves on the device.
             `req_rows` holds the live rows only.
     """
 
@@ -64,6 +67,7 @@ class ForwardBatch:
     tree_parents: Tensor | None = None
     tree_mask: Tensor | None = None
     num_padded: int = 0
+    host_max_lens: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         n, t = self.num_seqs, self.num_tokens

@@ -62,6 +62,29 @@ def _max_lens(q_lens: torch.Tensor, kv_lens: torch.Tensor) -> tuple[int, int]:
     return int(both[0]), int(both[1])
 
 
+def _launch_lens(
+    q_lens: torch.Tensor, kv_lens: torch.Tensor, host_lens: tuple[int, int] | None, *, checks: bool
+) -> tuple[int, int]:
+    """(longest q_len, longest kv_len): `host_lens` as given, read from the device to check them where value
+    checks run, or read when there are none."""
+    if host_lens is not None:
+        ok = (
+            isinstance(host_lens, tuple)
+            and len(host_lens) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in host_lens)
+        )
+        if not ok:
+            raise ValueError(
+                f"host_lens: expected None or (max q_len, max kv_len) ints >= 0, got {host_lens!r}"
+            )
+        if not checks:
+            return host_lens
+    real = _max_lens(q_lens, kv_lens)
+    if host_lens is not None and real != host_lens:
+        raise ValueError(f"host_lens: expected the longest (q_len, kv_len) = {real}, got {host_lens}")
+    return real
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -111,6 +134,7 @@ def paged_attention(
     scale: float,
     tree_mask: torch.Tensor | None = None,
     max_q_len: int | None = None,
+    host_lens: tuple[int, int] | None = None,
     backend: Backend = "auto",
     check_indices: bool | None = None,
 ) -> torch.Tensor:
@@ -130,11 +154,14 @@ def paged_attention(
         max_q_len: optional static bound on every q_len (1 for decode, D for verify). Only the launch grid
             uses it: under CUDA graph capture, where q_lens cannot be read, it keeps the grid tight instead of
             assuming one sequence may hold all T tokens. Checked against the real q_lens otherwise.
+        host_lens: (longest q_len, longest kv_len), when the caller has them on the host (a batch built
+            from host lengths): the eager launch then reads nothing from the device. Checked against the
+            device values where value checks run.
         backend: "auto" (Triton on CUDA, torch elsewhere), "triton", "torch" or "reference".
         check_indices: the rule of the value checks (cu_seqlens_q, kv_lens, page_table, tree_mask diagonal),
             which read the device (`value_checks`): None checks on the CPU only, True on any device, False
-            never. The real longest q_len and kv_len are read outside graph capture whatever it says: the
-            launch needs them.
+            never. The real longest q_len and kv_len are read outside graph capture whatever it says, unless
+            `host_lens` gives them: the launch needs them.
     """
     q = check_tensor("q", q, ("T", "HQ", "Dh"), dtypes=FLOAT_DTYPES)
     device = q.device
@@ -186,8 +213,8 @@ def paged_attention(
         max_q_len, max_kv_len = (bound, max_pages * page_size) if num_seqs else (0, 0)
     else:
         # the launch grid needs the real longest q_len and kv_len (they set the tiles and the KV splits):
-        # one host read for both
-        real_max_q, max_kv_len = _max_lens(q_lens, kv_lens)
+        # the caller's host values, or one host read for both
+        real_max_q, max_kv_len = _launch_lens(q_lens, kv_lens, host_lens, checks=checks)
         if max_q_len is not None and real_max_q > max_q_len:
             raise ValueError(
                 f"max_q_len: expected >= every q_len, got {max_q_len} for a q_len of {real_max_q}"
