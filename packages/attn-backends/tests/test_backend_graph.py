@@ -12,58 +12,26 @@ from __future__ import annotations
 import pytest
 import torch
 from hyspec_attn_backends import (
-    AttentionLayer,
     CudaGraphRunner,
     ForwardBatch,
     ForwardMode,
-    GDNLayer,
     GraphKey,
     HybridBackend,
-    ShortConvLayer,
     batch_pointers,
     model_state_specs,
+)
+from hyspec_attn_backends.testing import (
+    TOY_LAYER_TYPES,
+    TOY_LAYERS,
+    TOY_VOCAB,
+    ToyStack,
 )
 from hyspec_statepool import DraftShape, HybridStatePool, MemoryPlan, StateDtypes
 
 F32 = StateDtypes(kv=torch.float32, conv=torch.float32, recurrent=torch.float32)
-GDN = GDNLayer(layer_id=0, num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8, conv_width=4)
-CONV = ShortConvLayer(layer_id=1, channels=8, conv_width=3)
-ATTN = AttentionLayer(layer_id=2, num_heads=2, num_kv_heads=1, head_dim=8, scale=8**-0.5)
-LAYERS = [GDN, CONV, ATTN]
-TYPES = ["linear_attention", "conv", "full_attention"]
-VOCAB = 50
+LAYERS, TYPES, VOCAB = TOY_LAYERS, TOY_LAYER_TYPES, TOY_VOCAB
 SCRATCH = ("scratch",)  # pool tensor names holding verify scratch (padded rows may write their own rows)
-
-
-class Toy:
-    """Per-token inputs of each layer as a function of the token id; returns every layer's output."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
-
-        def r(*shape: int, scale: float = 1.0) -> torch.Tensor:
-            return torch.randn(*shape, generator=g) * scale
-
-        self.qkv, self.a, self.b = r(VOCAB, GDN.conv_dim), r(VOCAB, 2), r(VOCAB, 2)
-        self.x, self.q, self.k, self.v = r(VOCAB, 8), r(VOCAB, 2, 8), r(VOCAB, 1, 8), r(VOCAB, 1, 8)
-        self.w_gdn, self.w_conv, self.bias = r(GDN.conv_dim, 1, 4, scale=0.5), r(8, 1, 3, scale=0.5), r(8)
-        self.A_log, self.dt_bias = r(2, scale=0.3), r(2, scale=0.3)
-
-    def run(self, be: HybridBackend, batch: ForwardBatch) -> torch.Tensor:
-        ids = batch.input_ids
-        o1 = be.gdn(
-            GDN,
-            self.qkv[ids],
-            a=self.a[ids],
-            b=self.b[ids],
-            conv_weight=self.w_gdn,
-            A_log=self.A_log,
-            dt_bias=self.dt_bias,
-            batch=batch,
-        )
-        o2 = be.short_conv(CONV, self.x[ids], conv_weight=self.w_conv, conv_bias=self.bias, batch=batch)
-        o3 = be.attention(ATTN, self.q[ids], self.k[ids], self.v[ids], batch)
-        return torch.cat([o1.flatten(1), o2, o3.flatten(1)], dim=-1)  # [T, 40]
+Toy = ToyStack
 
 
 def _backend(device: str = "cpu") -> HybridBackend:
