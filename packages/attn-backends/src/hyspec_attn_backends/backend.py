@@ -730,9 +730,9 @@ class HybridBackend:
                 continue
             for cache in self.pool.kv_cache(i):
                 flat = cache.view(-1, *cache.shape[2:])  # [P * page_size, HKV, Dh]
-                # gather first: a destination may be another row's source only within one request, never
-                # before it is read
-                flat[dst] = flat[src].clone()
+                # the gather (advanced indexing: a new tensor) reads every source before the scatter writes:
+                # a destination may be another position's source within one request
+                flat[dst] = flat[src]
 
 
 def _static_max_q_len(batch: ForwardBatch) -> int | None:
