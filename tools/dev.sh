@@ -38,8 +38,12 @@ case "$cmd" in
   setup) setup ;;
   demo)
     setup
-    # the embedded default is a tiny checkpoint built deterministically on first use (hyspec_models.tiny)
-    if [ "$#" -eq 0 ]; then set -- --prompt "Hybrid models mix attention with" --max-tokens 32; fi
+    # the embedded default: the trained Qwen3.5-architecture demo model with MTP speculation. Greedy
+    # decoding of a model this small loops, so the demo samples (settings shown in the stats line).
+    if [ "$#" -eq 0 ]; then
+      set -- --prompt $'import os\n\n\ndef read_lines(path):\n    """Return the lines of a text file, without trailing newlines."""' \
+        --max-tokens 96 --temperature 0.7 --top-p 0.95 --repetition-penalty 1.1
+    fi
     "$VENV/bin/hyspec" generate "$@"
     ;;
   selfcheck)

@@ -202,4 +202,7 @@ def test_speculative_config_is_validated_in_engine_args() -> None:
     EngineArgs(speculative_config='{"method": "ngram"}')
     with pytest.raises(ValueError, match=r"speculative_config\.num_speculative_tokens"):
         EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": -1})
-    assert EngineArgs(speculative_config=None).speculative_config is None
+    assert EngineArgs(model="m", speculative_config=None).speculative_config is None
+    # the embedded default (no model) speculates with its MTP layer unless a config is given
+    assert EngineArgs().speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
+    assert EngineArgs(speculative_config={"method": "ngram"}).speculative_config == {"method": "ngram"}

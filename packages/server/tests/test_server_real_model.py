@@ -93,20 +93,18 @@ def test_preemption_with_a_tiny_kv_pool_keeps_greedy_outputs(tiny_lfm2: Path, en
     small.leak_check()
 
 
-def test_cli_generate_json_on_the_embedded_default(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("HYSPEC_HOME", str(tmp_path))
-    assert main(["generate", "--prompt", "Hi", "--max-tokens", "5", "--ignore-eos", "--json"]) == 0
+def test_cli_generate_json_on_the_embedded_default(capsys: pytest.CaptureFixture[str]) -> None:
+    from hyspec_server.default_model import default_model_dir
+
+    assert main(["generate", "--prompt", "def f(x):", "--max-tokens", "5", "--ignore-eos", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    built = next(tmp_path.glob("default-model-*"))
-    assert out["token_ids"] == hf_greedy(built, out["prompt_token_ids"], 5)
+    assert out["token_ids"] == hf_greedy(default_model_dir(), out["prompt_token_ids"], 5)
     assert out["num_tokens"] == 5 and out["tokens_per_s"] > 0 and out["finish_reason"] == "length"
-    # second use reuses the built checkpoint; plain output is the prompt plus the text
+    assert out["spec_stats"]["num_drafts"] > 0  # the default speculates with its MTP layer
+    # plain output is the prompt plus the text
     assert main(["generate", "--prompt", "Hi", "--max-tokens", "5", "--ignore-eos"]) == 0
     assert capsys.readouterr().out.startswith("Hi")
-    assert len(list(tmp_path.glob("default-model-*"))) == 1
-    assert main(["generate", "--speculative-config", '{"method": "mtp"}']) == 2
+    assert main(["generate", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}']) == 2
     assert "speculative_config" in capsys.readouterr().err
 
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 
 from hyspec_server.config import EngineArgs
-from hyspec_server.default_model import DEFAULT_ARCH
+from hyspec_server.default_model import DEFAULT_NAME, DEFAULT_SPECULATIVE_CONFIG
 from hyspec_server.sampling_params import SamplingParams
 
 
@@ -18,7 +18,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "model",
         nargs="?",
         default=None,
-        help=f"checkpoint directory (HF layout); default: a tiny {DEFAULT_ARCH} checkpoint built once",
+        help=f"checkpoint directory (HF layout); default: the shipped {DEFAULT_NAME} demo model with "
+        f"speculative config {json.dumps(dict(DEFAULT_SPECULATIVE_CONFIG))}",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object with token ids and stats")
     return parser
@@ -97,6 +99,7 @@ def _generate(ns: argparse.Namespace) -> int:
         temperature=ns.temperature,
         top_p=ns.top_p,
         top_k=ns.top_k,
+        repetition_penalty=ns.repetition_penalty,
         ignore_eos=ns.ignore_eos,
         seed=ns.seed,
     )
@@ -133,8 +136,18 @@ def _generate(ns: argparse.Namespace) -> int:
         )
     else:
         print(ns.prompt + c.text)
+        spec = ""
+        if out.spec_stats is not None and out.spec_stats.num_drafts:
+            s = out.spec_stats
+            spec = (
+                f", speculation: {s.num_accepted_tokens}/{s.num_draft_tokens} drafts accepted, "
+                f"{s.mean_accept_length:.2f} tokens per round"
+            )
         print(
-            f"[{len(c.token_ids)} tokens in {dt:.3f} s, {rate:.1f} tokens/s, finish: {c.finish_reason}]",
+            f"[{len(c.token_ids)} tokens in {dt:.3f} s, {rate:.1f} tokens/s, "
+            f"finish: {c.finish_reason}{spec}; "
+            f"temperature {ns.temperature}, top_p {ns.top_p}, top_k {ns.top_k}, "
+            f"repetition_penalty {ns.repetition_penalty}]",
             file=sys.stderr,
         )
     return 0

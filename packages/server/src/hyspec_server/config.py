@@ -13,7 +13,8 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
     """Args:
-    model: checkpoint directory (HF layout); None is the embedded default (see `default_model.py`).
+    model: checkpoint directory (HF layout); None is the embedded default (see `default_model.py`), which
+        also turns on its MTP speculation when `speculative_config` is None.
     device: "cpu" or "cuda".
     dtype: weights and activations; "auto" is float32 on CPU and bfloat16 on CUDA.
     max_model_len: context length (prompt + output); None is the checkpoint's, capped at 4096.
@@ -55,4 +56,8 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be None or an int >= 2, got {self.max_model_len!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be None or > 0, got {self.kv_cache_bytes!r}")
+        if self.model is None and self.speculative_config is None:
+            from hyspec_server.default_model import DEFAULT_SPECULATIVE_CONFIG
+
+            object.__setattr__(self, "speculative_config", dict(DEFAULT_SPECULATIVE_CONFIG))
         parse_speculative_config(self.speculative_config)

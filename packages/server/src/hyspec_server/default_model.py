@@ -1,45 +1,41 @@
-"""The embedded default model: a tiny random checkpoint built on first use, until a trained demo ships.
+"""The embedded default model: the trained Qwen3.5-architecture demo model shipped in `demo_models/`.
 
-It is built deterministically (`hyspec_models.tiny.build_tiny_checkpoint`, seed 0) into
-`$HYSPEC_HOME/default-model-<arch>` (default `~/.cache/hyspec`). The build goes to a temporary folder that is
-renamed into place, so concurrent first uses never see a half-written checkpoint.
+`demo_models/` holds small real models trained on Python source code by `tools/train_demo.py` (their
+README says how, on which device, and how well they do):
+
+- `qwen3_5`: Qwen3.5 architecture (Gated DeltaNet + gated attention) with one built-in MTP layer;
+- `qwen3_5-eagle3`, `qwen3_5-dflash`: an EAGLE-3 and a DFlash drafter trained against it;
+- `lfm2`: LFM2 architecture (short convolutions + attention), with `lfm2-eagle3`.
+
+With no model argument, `LLM()`, `hyspec generate` and `hyspec serve` load `qwen3_5` with MTP speculation
+(`DEFAULT_SPECULATIVE_CONFIG`) unless a speculative config is given. To run the demo model without
+speculation, pass its directory (`default_model_dir()`) as the model.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Final
 
-DEFAULT_ARCH = "lfm2"
-DEFAULT_SEED = 0
+DEMO_MODELS: Final = Path(__file__).resolve().parent / "demo_models"
+DEFAULT_NAME: Final = "qwen3_5"
+DEFAULT_SPECULATIVE_CONFIG: Final[Mapping[str, Any]] = MappingProxyType(
+    {"method": "mtp", "num_speculative_tokens": 3}
+)
+"""Speculation of the embedded default: its MTP layer drafting chains of 3 tokens."""
 
 
-def hyspec_home() -> Path:
-    env = os.environ.get("HYSPEC_HOME")
-    return Path(env) if env else Path.home() / ".cache" / "hyspec"
+def demo_model_dir(name: str) -> Path:
+    """The directory of the shipped demo model `name` (qwen3_5, qwen3_5-eagle3, qwen3_5-dflash, lfm2, ...)."""
+    path = DEMO_MODELS / name
+    if not (path / "config.json").is_file():
+        have = sorted(p.name for p in DEMO_MODELS.iterdir() if p.is_dir()) if DEMO_MODELS.is_dir() else []
+        raise ValueError(f"name: no demo model {name!r} (shipped: {', '.join(have) or 'none'})")
+    return path
 
 
-def default_model_dir(arch: str = DEFAULT_ARCH, *, home: Path | None = None) -> Path:
-    """The default checkpoint's directory, built on first use."""
-    root = home if home is not None else hyspec_home()
-    target = root / f"default-model-{arch}-seed{DEFAULT_SEED}"
-    if (target / "config.json").is_file():
-        return target
-    from hyspec_models.tiny import build_tiny_checkpoint
-
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
-    try:
-        build_tiny_checkpoint(tmp, arch, seed=DEFAULT_SEED)
-        try:
-            tmp.rename(target)
-        except OSError:
-            # another process won the race; its checkpoint is identical
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+def default_model_dir() -> Path:
+    """The embedded default model's directory."""
+    return demo_model_dir(DEFAULT_NAME)
