@@ -352,6 +352,9 @@ class Bench:
         a = self.a
         dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(str(self.target), dtype=dtype).to(a.device).eval()
+        # hyspec runs with ignore_eos: HF must not stop at an end-of-text token either (a held-out prompt can
+        # be a whole short file, whose greedy continuation starts with one)
+        model.generation_config.eos_token_id = None
         pad = int(model.config.pad_token_id or 0)
         lookup = {"prompt_lookup_num_tokens": 3}
         variants = [("plain", 1, {}), ("prompt_lookup_num_tokens=3", 1, lookup)]

@@ -315,3 +315,17 @@ def test_engine_thread_never_blocks_the_event_loop(toy_server: ServerThread) -> 
         latencies.append(time.monotonic() - t0)
     t.join()
     assert latencies and min(latencies) < 0.5
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("top_k", 2**63), ("stop_token_ids", [2**63]), ("repetition_penalty", 1e-300), ("top_k", -2)],
+)
+def test_out_of_range_sampling_fields_are_400_naming_the_field(
+    toy_server: ServerThread, field: str, value: Any
+) -> None:
+    # values that once reached the tensors (int64 overflow, NaN distributions) and failed the whole step
+    body = {"model": "toy", "prompt": "hi", "max_tokens": 2, "temperature": 0.7, field: value}
+    r = _post(toy_server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]

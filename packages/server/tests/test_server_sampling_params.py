@@ -48,3 +48,21 @@ def test_stop_forms_and_frozen() -> None:
     assert SamplingParams(top_k=0).top_k == 0 and SamplingParams(top_k=5).top_k == 5
     with pytest.raises(AttributeError):
         SamplingParams().max_tokens = 3  # type: ignore[misc]
+
+
+def test_ranges_that_fit_the_tensors_and_tiny_temperatures() -> None:
+    from hyspec_server.sampling_params import GREEDY_BELOW, MAX_ID
+
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=2**63)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[2**63])
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=1e-300)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=1e300)
+    assert SamplingParams(top_k=MAX_ID).top_k == MAX_ID
+    # a temperature that would overflow logits / T to inf decodes greedily instead of sampling from NaN
+    p = SamplingParams(temperature=1e-40)
+    assert p.temperature == 0.0 and p.greedy
+    assert SamplingParams(temperature=GREEDY_BELOW).temperature == GREEDY_BELOW

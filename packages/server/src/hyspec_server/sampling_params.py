@@ -17,6 +17,13 @@ def _is_real(x: object) -> bool:
 
 # most completions per prompt (`n`), as OpenAI's API caps it; the HTTP server uses the same cap
 MAX_N = 128
+GREEDY_BELOW = 1e-5
+"""Temperatures below this decode greedily (dividing logits by a tinier one overflows to NaN)."""
+MAX_ID = 2**31 - 1
+"""Largest `top_k` and stop token id accepted, so both fit the integer tensors they go into (no vocabulary
+is larger; a top_k above the vocabulary keeps every token)."""
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+"""`repetition_penalty` bounds: logits divided or multiplied by it stay finite in fp32."""
 
 
 def derived_seed(seed: int | None, sample: int) -> int | None:
@@ -39,7 +46,7 @@ class SamplingParams:
 
     Args:
         max_tokens: most tokens to generate (>= 1).
-        temperature: 0 is greedy; otherwise logits are divided by it before sampling.
+        temperature: 0 (or below GREEDY_BELOW, stored as 0) is greedy; otherwise logits are divided by it.
         top_p: nucleus mass in (0, 1]; 1 is off.
         top_k: keep the k most likely tokens; -1 or 0 is off.
         min_p: drop tokens whose probability is below `min_p` times the top token's; 0 is off.
@@ -81,10 +88,12 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or an int >= 1, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_ID:
+            raise ValueError(f"top_k must be -1 or 0 (off) or an int in [1, {MAX_ID}], got {self.top_k!r}")
         if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
@@ -96,8 +105,8 @@ class SamplingParams:
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids
-            if not isinstance(ids, list | tuple) or not all(_is_int(t) and t >= 0 for t in ids):
-                raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+            if not isinstance(ids, list | tuple) or not all(_is_int(t) and 0 <= t <= MAX_ID for t in ids):
+                raise ValueError(f"stop_token_ids must be a list of ints in [0, {MAX_ID}], got {ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
@@ -113,8 +122,9 @@ class SamplingParams:
             if not _is_real(v) or not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
         r = self.repetition_penalty
-        if not _is_real(r) or not math.isfinite(r) or r <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not _is_real(r) or not lo <= r <= hi:
+            raise ValueError(f"repetition_penalty must be a number in [{lo}, {hi}], got {r!r}")
 
     @property
     def greedy(self) -> bool:

@@ -281,23 +281,44 @@ class DFlashDrafter:
             )
         total = (c.start_positions + c.num_tokens).tolist()
         self.kv.pool.ensure_kv_capacity(ids, total)
+        cap = self.kv.backend.buffers.max_tokens
+        if int(c.tokens.shape[0]) <= cap:
+            self._write(ids, c.tokens, c.num_tokens, c.start_positions, c.aux_hidden_states)
+        else:
+            # longer than the batch buffers (a long prompt chunk): context K/V are per-token projections,
+            # so any split gives the same cache; each request in windows of at most `cap` tokens
+            off = 0
+            starts, counts = c.start_positions.tolist(), c.num_tokens.tolist()
+            for r, s, q in zip(ids, starts, counts, strict=True):
+                for w in range(0, q, cap):
+                    n = min(cap, q - w)
+                    sl = slice(off + w, off + w + n)
+                    self._write([r], c.tokens[sl], [n], [s + w], tuple(a[sl] for a in c.aux_hidden_states))
+                off += q
+        for r, t in zip(ids, total, strict=True):
+            self.kv.lengths[r] = t
+
+    def _write(
+        self,
+        ids: list[Hashable],
+        tokens: Tensor,
+        q_lens: Tensor | list[int],
+        prefix_lens: Tensor | list[int],
+        aux: Sequence[Tensor],
+    ) -> None:
+        """Context K/V of these tokens (one backend batch) into the draft's pool."""
         batch = self.kv.backend.prepare_extend(
             req_rows=self.kv.rows(ids),
-            input_ids=c.tokens,
-            q_lens=c.num_tokens,
-            prefix_lens=c.start_positions,
+            input_ids=tokens,
+            q_lens=q_lens,
+            prefix_lens=prefix_lens,
             mode=ForwardMode.DRAFT_EXTEND,
         )
         assert batch.kv_slots is not None
         with torch.no_grad():
             self.draft.write_context(
-                c.aux_hidden_states,
-                positions=batch.positions,
-                kv_slots=batch.kv_slots.tensor,
-                backend=self.kv.backend,
+                aux, positions=batch.positions, kv_slots=batch.kv_slots.tensor, backend=self.kv.backend
             )
-        for r, t in zip(ids, total, strict=True):
-            self.kv.lengths[r] = t
 
     def draft_logits(
         self,

@@ -298,13 +298,28 @@ class HiddenStateDrafter:
         self._write_unwritten(now)
 
     def _write_unwritten(self, req_ids: Sequence[Hashable]) -> None:
-        """One eager draft extend over the pending pairs of these requests."""
+        """Eager draft extend over the pending pairs of these requests.
+
+        One forward when they fit the draft backend's batch buffers; otherwise each request's pairs go in
+        windows of at most that many tokens (a prompt can be longer than any buffer), each window attending
+        to the KV the earlier ones wrote.
+        """
         ids = [r for r in req_ids if r in self._unwritten]
         if not ids:
             return
         pieces = [self._unwritten.pop(r) for r in ids]
         pair_tok = [torch.cat([t for t, _ in p]) for p in pieces]
         pair_feat = [torch.cat([f for _, f in p]) for p in pieces]
+        cap = self.kv.backend.buffers.max_tokens
+        if sum(int(t.shape[0]) for t in pair_tok) <= cap:
+            self._extend(ids, pair_tok, pair_feat)
+            return
+        for r, tok, feat in zip(ids, pair_tok, pair_feat, strict=True):
+            for s in range(0, int(tok.shape[0]), cap):
+                self._extend([r], [tok[s : s + cap]], [feat[s : s + cap]])
+
+    def _extend(self, ids: list[Hashable], pair_tok: list[Tensor], pair_feat: list[Tensor]) -> None:
+        """One DRAFT_EXTEND forward writing these pairs after each request's final draft length."""
         q_lens = [int(t.shape[0]) for t in pair_tok]
         prefix = [self.kv.lengths[r] for r in ids]
         total = [p + q for p, q in zip(prefix, q_lens, strict=True)]
@@ -477,8 +492,10 @@ class HiddenStateDrafter:
                 parent = expanded.gather(1, e)  # [N, K]
                 tok[:, new] = t[ar[:, None], e, c]
                 par[:, new] = parent
+                # the root's feature is copied out first: writing an expanded view of `feats` into `feats`
+                # overlaps itself (torch refuses it for a single row)
                 feats[:, new] = (
-                    out[ar[:, None], parent] if self.chain_hidden else feats[:, :1].expand(n, k, -1)
+                    out[ar[:, None], parent] if self.chain_hidden else feats[:, :1].expand(n, k, -1).clone()
                 )
                 expanded = new.expand(n, k)
                 block += k

@@ -68,7 +68,7 @@ class DrafterCase:
         return {**self.config} if draft_dir is None else {**self.config, "model": draft_dir}
 
 
-# every model drafter (MTP chain and tree, chained multi-layer MTP, EAGLE-3, DFlash), 3 draft steps
+# every model drafter (MTP chain and tree, multi-layer MTP chained and not, EAGLE-3, DFlash), 3 draft steps
 DRAFTER_CASES: tuple[DrafterCase, ...] = (
     DrafterCase("mtp", "qwen3_5", {"method": "mtp", "num_speculative_tokens": 3}),
     DrafterCase(
@@ -81,6 +81,8 @@ DRAFTER_CASES: tuple[DrafterCase, ...] = (
         "qwen3_next",
         {"method": "multi_layer_mtp", "num_speculative_tokens": 3, "chain_hidden_states": True},
     ),
+    # its default: every step reads the root's target feature (this path once crashed on a single request)
+    DrafterCase("multi_layer_mtp", "qwen3_next", {"method": "multi_layer_mtp", "num_speculative_tokens": 3}),
     DrafterCase("eagle3", "lfm2", {"method": "eagle3", "num_speculative_tokens": 3}, draft="eagle3"),
     DrafterCase("dflash", "lfm2_moe", {"method": "dflash", "num_speculative_tokens": 3}, draft="dflash"),
 )
