@@ -17,6 +17,7 @@ from hyspec_server.serve import ServerThread
 from hyspec_server.testing import ByteTokenizer, ToyModelRunner, toy_engine, toy_greedy
 
 API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 TOK = ByteTokenizer()
 
 
@@ -117,7 +118,8 @@ def test_models_health_metrics(toy_server: ServerThread) -> None:
     assert [m.id for m in models.data] == ["toy"]
     assert httpx.get(toy_server.base_url + "/health").status_code == 200
     client(toy_server).completions.create(model="toy", prompt="m", max_tokens=4, temperature=0)
-    text = httpx.get(toy_server.base_url + "/metrics").text
+    assert httpx.get(toy_server.base_url + "/metrics").status_code == 401  # behind the key, as /v1
+    text = httpx.get(toy_server.base_url + "/metrics", headers=AUTH).text
     values = {
         line.split(" ")[0]: float(line.split(" ")[1])
         for line in text.splitlines()
@@ -282,7 +284,7 @@ def test_200_concurrent_requests_with_random_disconnects() -> None:
         srv.wait_idle_and_leak_check()
         aborted = [
             line
-            for line in httpx.get(srv.base_url + "/metrics").text.splitlines()
+            for line in httpx.get(srv.base_url + "/metrics", headers=AUTH).text.splitlines()
             if line.startswith("hyspec_request_aborted_total")
         ]
         assert float(aborted[0].split()[1]) > 0  # some disconnects reached the engine before their end
@@ -329,3 +331,69 @@ def test_out_of_range_sampling_fields_are_400_naming_the_field(
     r = _post(toy_server, "/v1/completions", body)
     assert r.status_code == 400, r.text
     assert field in r.json()["error"]["message"]
+
+
+def test_api_key_covers_every_route_but_health(toy_server: ServerThread) -> None:
+    base = toy_server.base_url
+    for path in ("/metrics", "/openapi.json", "/v1/models", "/no-such-route"):
+        r = httpx.get(base + path)
+        assert r.status_code == 401, path
+        assert r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(base + path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
+    assert httpx.get(base + "/health").status_code == 200
+    assert httpx.get(base + "/metrics", headers=AUTH).status_code == 200
+    assert httpx.get(base + "/openapi.json", headers=AUTH).json()["info"]["title"] == "hyspec"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "toy", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # nesting
+        b'{"model": "toy", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",  # a 5000-digit integer
+        b'{"model": "toy", "prompt": "hi \\ud800 there", "max_tokens": 2}',  # a lone surrogate
+    ],
+    ids=["deep-nesting", "huge-integer", "lone-surrogate"],
+)
+def test_hostile_json_is_an_openai_400(toy_server: ServerThread, raw: bytes) -> None:
+    r = _post(toy_server, "/v1/completions", None, raw=raw)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    # and the server still serves
+    assert _post(toy_server, "/v1/completions", GOOD).status_code == 200
+
+
+def test_empty_stop_string_and_list_of_it_mean_the_same(toy_server: ServerThread) -> None:
+    texts = []
+    for stop in ("", [""], None):
+        body = {**GOOD, "temperature": 0, "max_tokens": 6, "stop": stop}
+        r = _post(toy_server, "/v1/completions", body)
+        assert r.status_code == 200, (stop, r.text)
+        texts.append(r.json()["choices"][0]["text"])
+    assert texts[0] == texts[1] == texts[2]
+
+
+def test_request_bodies_are_bounded() -> None:
+    from hyspec_server.api_server import MIN_BODY_BYTES, max_body_bytes_for
+    from hyspec_server.testing import toy_engine
+
+    assert max_body_bytes_for(16) == MIN_BODY_BYTES and max_body_bytes_for(1 << 20) == 64 << 20
+    srv = ServerThread(toy_engine(), model_name="toy", max_body_bytes=4096).start()
+    try:
+        big = {"model": "toy", "prompt": "x" * 5000, "max_tokens": 2}
+        r = httpx.post(srv.base_url + "/v1/completions", json=big)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        def chunks() -> Any:  # no Content-Length: refused while streaming in, not after
+            yield b'{"model": "toy", "prompt": "'
+            for _ in range(100):
+                yield b"y" * 100
+            yield b'", "max_tokens": 2}'
+
+        r = httpx.post(srv.base_url + "/v1/completions", content=chunks())
+        assert r.status_code == 413
+        ok = httpx.post(
+            srv.base_url + "/v1/completions", json={"model": "toy", "prompt": "hi", "max_tokens": 2}
+        )
+        assert ok.status_code == 200
+    finally:
+        srv.stop()

@@ -420,7 +420,10 @@ class SlowToy(ToyModelRunner):
 
 
 def _counter(srv: ServerThread, name: str) -> float:
-    lines = httpx.get(srv.base_url + "/metrics").text.splitlines()
+    # /metrics is behind the API key like every route but /health
+    lines = httpx.get(
+        srv.base_url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}
+    ).text.splitlines()
     return float(next(x for x in lines if x.startswith(name)).split()[1])
 
 

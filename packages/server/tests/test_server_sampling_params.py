@@ -66,3 +66,16 @@ def test_ranges_that_fit_the_tensors_and_tiny_temperatures() -> None:
     p = SamplingParams(temperature=1e-40)
     assert p.temperature == 0.0 and p.greedy
     assert SamplingParams(temperature=GREEDY_BELOW).temperature == GREEDY_BELOW
+
+
+def test_stop_lists_are_bounded() -> None:
+    from hyspec_server.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)])
+    SamplingParams(stop="x" * MAX_STOP_CHARS)
+    with pytest.raises(ValueError, match="stop: at most"):
+        SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)])
+    with pytest.raises(ValueError, match="stop: at most"):
+        SamplingParams(stop="x" * (MAX_STOP_CHARS + 1))
+    with pytest.raises(ValueError, match="stop: at most"):
+        SamplingParams(stop=["a", "y" * (MAX_STOP_CHARS + 1)])

@@ -42,10 +42,28 @@ _DISCONNECT_POLL_S = 0.05
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 
 
-def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None) -> FastAPI:
+MIN_BODY_BYTES = 1 << 20
+BODY_BYTES_PER_TOKEN = 64
+"""Request bodies are bounded (413) by the context they could fill: a token is a few characters of text, and
+JSON escapes take at most 12 bytes per character; 64 bytes per token leaves room for the other fields."""
+
+
+def max_body_bytes_for(max_model_len: int) -> int:
+    """The default request-body bound: BODY_BYTES_PER_TOKEN per context token, at least MIN_BODY_BYTES."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
+
+
+def build_app(
+    engine: AsyncEngine, *, model_name: str, api_key: str | None = None, max_body_bytes: int | None = None
+) -> FastAPI:
+    """Args:
+    max_body_bytes: larger request bodies get 413 before they are read whole (None: from max_model_len,
+        `max_body_bytes_for`).
+    """
     app = FastAPI(title="hyspec", docs_url=None, redoc_url=None)
     created = int(time.time())
     max_model_len = engine.engine.max_model_len
+    body_limit = max_body_bytes_for(max_model_len) if max_body_bytes is None else max_body_bytes
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -131,7 +149,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        req = _parse(CompletionRequest, await _json_body(raw))
+        req = _parse(CompletionRequest, await _json_body(raw, body_limit))
         check_model(req.model)
         req.check_common()
         if req.suffix:
@@ -237,7 +255,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
 
     @app.post("/v1/chat/completions")
     async def chat(raw: Request) -> Response:
-        req = _parse(ChatCompletionRequest, await _json_body(raw))
+        req = _parse(ChatCompletionRequest, await _json_body(raw, body_limit))
         check_model(req.model)
         req.check_common()
         req.check_chat()
@@ -344,8 +362,14 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
     return app
 
 
+_OPEN_PATHS = frozenset({"/health"})
+
+
 class _BearerAuth:
-    """401 for /v1 requests without `Authorization: Bearer <api_key>`.
+    """401 for every route but /health without `Authorization: Bearer <api_key>`.
+
+    /metrics and /openapi.json are covered too: they describe the deployment and its load. /health stays open
+    for load balancers and orchestrators, which carry no key.
 
     A plain ASGI middleware: Starlette's `BaseHTTPMiddleware` (`@app.middleware`) hides the client's
     disconnect from `Request.is_disconnected()`, and a non-streamed request could then not be aborted.
@@ -356,7 +380,7 @@ class _BearerAuth:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and str(scope["path"]).startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
                 err = APIError(
@@ -367,11 +391,32 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
-async def _json_body(raw: Request) -> Any:
-    data = await raw.body()
+async def _json_body(raw: Request, limit: int) -> Any:
+    """The request's JSON, read in chunks and refused (413) once it passes `limit` bytes."""
+    too_big = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    declared = raw.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in raw.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    data = b"".join(chunks)
     try:
-        return json.loads(data)
+        body = json.loads(data)
+        # a lone surrogate ("\\ud800") parses but is no text: it would fail later, deep in the engine
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        return body
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from e
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"the request body holds a string that is not valid Unicode: {e.reason}") from e
+    except RecursionError as e:
+        raise APIError(400, "the request body is nested too deeply") from e
+    except ValueError as e:  # an integer of more digits than Python converts (int_max_str_digits)
         raise APIError(400, f"the request body is not valid JSON: {e}") from e
 
 

@@ -57,8 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health (/metrics too)",
+    )
     s.add_argument("--served-model-name", default=None)
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="larger request bodies get 413 (default: 64 bytes per token of max_model_len, at least 1 MiB)",
+    )
     s.add_argument("--max-waiting", type=int, default=1024, help="bound of the queue; beyond it: 429")
     g = sub.add_parser("generate", help="generate once and print the text and tokens/s")
     _engine_flags(g)
@@ -81,7 +91,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             args = _engine_args(ns, max_waiting=ns.max_waiting)
             serve(
-                args, host=ns.host, port=ns.port, api_key=ns.api_key, served_model_name=ns.served_model_name
+                args,
+                host=ns.host,
+                port=ns.port,
+                api_key=ns.api_key,
+                served_model_name=ns.served_model_name,
+                max_body_bytes=ns.max_body_bytes,
             )
             return 0
         return _generate(ns)

@@ -99,7 +99,10 @@ class _SamplingFields(_Strict):
             top_k=-1 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
             seed=seed,
-            stop=self.stop or None,
+            # empty stop strings match nowhere: "" and [""] both mean no stop string
+            stop=([s for s in self.stop if s] or None)
+            if isinstance(self.stop, list)
+            else (self.stop or None),
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,

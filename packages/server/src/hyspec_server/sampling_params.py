@@ -22,6 +22,10 @@ GREEDY_BELOW = 1e-5
 MAX_ID = 2**31 - 1
 """Largest `top_k` and stop token id accepted, so both fit the integer tensors they go into (no vocabulary
 is larger; a top_k above the vocabulary keeps every token)."""
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+"""Bounds of `stop` (OpenAI allows 4 strings): every generated token is checked against each stop string,
+so an unbounded list slows every co-batched request."""
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 """`repetition_penalty` bounds: logits divided or multiplied by it stay finite in fp32."""
 
@@ -103,6 +107,11 @@ class SamplingParams:
             items = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(items, list | tuple) or not all(isinstance(s, str) and s for s in items):
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            if len(items) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in items):
+                raise ValueError(
+                    f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters, got "
+                    f"{len(items)} strings, the longest {max(len(s) for s in items)} characters"
+                )
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids
             if not isinstance(ids, list | tuple) or not all(_is_int(t) and 0 <= t <= MAX_ID for t in ids):

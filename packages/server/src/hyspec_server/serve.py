@@ -27,12 +27,14 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     served_model_name: str | None = None,
+    max_body_bytes: int | None = None,
 ) -> None:
-    """Blocks until interrupted."""
+    """Blocks until interrupted. `max_body_bytes`: see `api_server.build_app`."""
     from hyspec_server.builder import build_engine
 
     engine = AsyncEngine(build_engine(args))
-    app = build_app(engine, model_name=served_model_name or model_name_of(args), api_key=api_key)
+    name = served_model_name or model_name_of(args)
+    app = build_app(engine, model_name=name, api_key=api_key, max_body_bytes=max_body_bytes)
     try:
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
@@ -43,10 +45,18 @@ class ServerThread:
     """uvicorn on a background thread, bound to a free port of `host` (tests, notebooks)."""
 
     def __init__(
-        self, engine: LLMEngine, *, model_name: str, api_key: str | None = None, host: str = "127.0.0.1"
+        self,
+        engine: LLMEngine,
+        *,
+        model_name: str,
+        api_key: str | None = None,
+        host: str = "127.0.0.1",
+        max_body_bytes: int | None = None,
     ) -> None:
         self.async_engine = AsyncEngine(engine)
-        self.app = build_app(self.async_engine, model_name=model_name, api_key=api_key)
+        self.app = build_app(
+            self.async_engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes
+        )
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, 0))
