@@ -397,3 +397,33 @@ def test_request_bodies_are_bounded() -> None:
         assert ok.status_code == 200
     finally:
         srv.stop()
+
+
+def test_completion_prompts_are_tokenized_off_the_engine_thread() -> None:
+    from hyspec_server.testing import toy_engine
+
+    eng = toy_engine()
+    threads: list[str] = []
+    encode = eng.tokenizer.encode
+
+    def recording(text: str) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return encode(text)
+
+    eng.tokenizer.encode = recording  # type: ignore[method-assign]
+    srv = ServerThread(eng, model_name="toy").start()
+    try:
+        body = {
+            "model": "toy",
+            "prompt": ["a long prompt " * 10, "another"],
+            "max_tokens": 3,
+            "temperature": 0,
+        }
+        r = httpx.post(srv.base_url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert len(threads) >= 2 and "hyspec-engine" not in threads
+        # the same tokens as a request the engine tokenized itself
+        want = expected_text(TOK.encode("another"), 3)
+        assert r.json()["choices"][1]["text"] == want
+    finally:
+        srv.stop()

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hyspec_server.async_engine import AddError, AsyncEngine, StreamGroup
+from hyspec_server.engine import TokensPrompt
 from hyspec_server.outputs import RequestOutput
 from hyspec_server.protocol import (
     MAX_LOGPROBS,
@@ -94,7 +95,10 @@ def build_app(
             )
 
     async def submit(
-        items: list[tuple[str | list[int], SamplingParams, str]], *, per_prompt: int, batch: bool
+        items: list[tuple[str | list[int] | TokensPrompt, SamplingParams, str]],
+        *,
+        per_prompt: int,
+        batch: bool,
     ) -> StreamGroup:
         """Queues every (prompt, sample) request or none of them."""
         bound = engine.engine.scheduler.config.max_waiting
@@ -177,7 +181,13 @@ def build_app(
             for j in range(best_of)
         ]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        items = [(p, samples[j], f"{rid}-{i}-{j}") for i, p in enumerate(prompts) for j in range(best_of)]
+        # text prompts are tokenized here, on a worker thread: on the engine thread a long one would stall
+        # every running stream
+        ready: list[str | list[int] | TokensPrompt] = [
+            TokensPrompt(p, await asyncio.to_thread(engine.tokenizer.encode, p)) if isinstance(p, str) else p
+            for p in prompts
+        ]
+        items = [(p, samples[j], f"{rid}-{i}-{j}") for i, p in enumerate(ready) for j in range(best_of)]
         group = await submit(items, per_prompt=best_of, batch=len(prompts) > 1)
         tok = engine.tokenizer
         skip = req.skip_special_tokens

@@ -15,7 +15,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from hyspec_server.engine import EngineStepError, LLMEngine
+from hyspec_server.engine import EngineStepError, LLMEngine, TokensPrompt
 from hyspec_server.metrics import EngineMetrics
 from hyspec_server.outputs import RequestOutput
 from hyspec_server.sampling_params import SamplingParams
@@ -175,7 +175,9 @@ class AsyncEngine:
         await self.call(add)
         return stream
 
-    async def add_many(self, items: Sequence[tuple[str | Sequence[int], SamplingParams, str]]) -> StreamGroup:
+    async def add_many(
+        self, items: Sequence[tuple[str | Sequence[int] | TokensPrompt, SamplingParams, str]]
+    ) -> StreamGroup:
         """Queues `(prompt, params, request_id)` requests all or nothing, in one engine-thread call: when one
         cannot be added (ValueError, QueueFullError) the ones before it are aborted and `AddError` says which.
         """

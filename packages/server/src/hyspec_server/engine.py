@@ -18,6 +18,15 @@ from hyspec_server.scheduler import Scheduler, SchedulerConfig
 from hyspec_server.tokenizer import Tokenizer
 
 
+@dataclass(frozen=True, slots=True)
+class TokensPrompt:
+    """A prompt tokenized by the caller: its text and token ids (the HTTP server tokenizes on a worker thread,
+    so a long prompt never holds the engine thread)."""
+
+    text: str
+    token_ids: list[int]
+
+
 class EngineStepError(RuntimeError):
     """The model step failed; the requests of that step were aborted and freed."""
 
@@ -68,14 +77,17 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | TokensPrompt,
         params: SamplingParams,
         *,
         request_id: str | None = None,
     ) -> str:
         """Tokenizes and queues a request. Raises ValueError if it cannot fit, QueueFullError if full."""
-        if isinstance(prompt, str):
-            text: str | None = prompt
+        if isinstance(prompt, TokensPrompt):
+            text: str | None = prompt.text
+            ids = [int(t) for t in prompt.token_ids]
+        elif isinstance(prompt, str):
+            text = prompt
             ids = self.tokenizer.encode(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
