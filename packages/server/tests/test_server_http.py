@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -425,5 +426,34 @@ def test_completion_prompts_are_tokenized_off_the_engine_thread() -> None:
         # the same tokens as a request the engine tokenized itself
         want = expected_text(TOK.encode("another"), 3)
         assert r.json()["choices"][1]["text"] == want
+    finally:
+        srv.stop()
+
+
+def test_openapi_declares_request_bodies_and_error_answers() -> None:
+    from hyspec_server.testing import toy_engine
+
+    srv = ServerThread(toy_engine(), model_name="toy").start()
+    try:
+        doc = httpx.get(srv.base_url + "/openapi.json").json()
+        schemas = doc["components"]["schemas"]
+        for path, model in (
+            ("/v1/completions", "CompletionRequest"),
+            ("/v1/chat/completions", "ChatCompletionRequest"),
+        ):
+            op = doc["paths"][path]["post"]
+            body = op["requestBody"]["content"]["application/json"]["schema"]
+            assert body == {"$ref": f"#/components/schemas/{model}"} and op["requestBody"]["required"]
+            assert {"max_tokens", "temperature", "stop"} <= set(schemas[model]["properties"])
+            assert {"200", "400", "401", "404", "413", "429", "500"} <= set(op["responses"])
+            err = op["responses"]["400"]["content"]["application/json"]["schema"]
+            assert err == {"$ref": "#/components/schemas/ErrorResponse"}
+        # every reference in the document resolves (fuzzers and client generators follow them)
+        refs = re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(doc))
+        assert refs and all(r in schemas for r in refs)
+        # a wrong method is a 405 naming the allowed ones
+        r = httpx.get(srv.base_url + "/v1/completions")
+        assert r.status_code == 405 and r.headers["allow"] == "POST"
+        assert r.json()["error"]["type"] == "invalid_request_error"
     finally:
         srv.stop()

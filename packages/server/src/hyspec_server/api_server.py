@@ -33,6 +33,7 @@ from hyspec_server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     derived_seed,
 )
 from hyspec_server.sampling_params import SamplingParams
@@ -77,9 +78,14 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        # keep the exception's headers: a 405 names the allowed methods in `Allow`
         return JSONResponse(
-            APIError(e.status_code, str(e.detail), type_=kind).body(), status_code=e.status_code
+            APIError(e.status_code, str(e.detail), type_=kind).body(),
+            status_code=e.status_code,
+            headers=getattr(e, "headers", None),
         )
+
+    _document_bodies(app)
 
     if api_key is not None:
         app.add_middleware(_BearerAuth, api_key=api_key)
@@ -151,7 +157,7 @@ def build_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_of(CompletionRequest), responses=ERROR_RESPONSES)
     async def completions(raw: Request) -> Response:
         req = _parse(CompletionRequest, await _json_body(raw, body_limit))
         check_model(req.model)
@@ -263,7 +269,9 @@ def build_app(
         # every generated token counts, best_of's discarded samples too (as OpenAI bills them)
         return JSONResponse(body(choices, usage=_usage(outs[::best_of], outs)))
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions", openapi_extra=_body_of(ChatCompletionRequest), responses=ERROR_RESPONSES
+    )
     async def chat(raw: Request) -> Response:
         req = _parse(ChatCompletionRequest, await _json_body(raw, body_limit))
         check_model(req.model)
@@ -370,6 +378,45 @@ def build_app(
         return JSONResponse(body)
 
     return app
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": what}
+    for status, what in (
+        (400, "invalid request (the message and `param` name the field)"),
+        (401, "missing or wrong API key"),
+        (404, "unknown model"),
+        (413, "request body over --max-body-bytes"),
+        (429, "waiting queue full"),
+        (500, "the engine step failed"),
+    )
+}
+"""The OpenAI-style error answers of the generation routes, declared in /openapi.json."""
+
+
+def _body_of(model: type[BaseModel]) -> dict[str, Any]:
+    """openapi_extra declaring `model` as a route's JSON body (the routes parse it themselves, for errors
+    that name the field)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """Adds the request models (and the models they use) to /openapi.json's components."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            comps = doc.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                comps.update(schema.pop("$defs", {}))
+                comps[model.__name__] = schema
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 _OPEN_PATHS = frozenset({"/health"})

@@ -35,6 +35,19 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (`APIError.body`), as declared in /openapi.json."""
+
+    error: ErrorInfo
+
+
 class _Strict(BaseModel):
     # strict: "5" is not an int and 1 is not a bool; unknown fields are ignored like OpenAI's SDK extras
     model_config = ConfigDict(strict=True, extra="ignore")
