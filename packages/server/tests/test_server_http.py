@@ -457,3 +457,42 @@ def test_openapi_declares_request_bodies_and_error_answers() -> None:
         assert r.json()["error"]["type"] == "invalid_request_error"
     finally:
         srv.stop()
+
+
+def test_a_slow_reader_holds_one_merged_output_per_request() -> None:
+    from hyspec_server.async_engine import OutputQueue
+    from hyspec_server.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    def out(i: int, *, finished: bool = False) -> RequestOutput:
+        done = [*range(i + 1)]
+        c = CompletionOutput(index=0, text="x" * (i + 1), token_ids=done, finish_reason=None)
+        return RequestOutput(
+            request_id="r",
+            prompt="p",
+            prompt_token_ids=[1],
+            outputs=[c],
+            finished=finished,
+            metrics=RequestMetrics(arrival_time=0.0),
+            delta_text="x",
+            delta_token_ids=[i],
+        )
+
+    async def run() -> None:
+        q = OutputQueue()
+        for i in range(500):  # the engine keeps producing; nobody reads
+            q.put_nowait(out(i))
+        assert q.qsize() == 1
+        first = q.get_nowait()
+        assert isinstance(first, RequestOutput)
+        assert first.delta_text == "x" * 500 and first.delta_token_ids == list(range(500))
+        assert first.outputs[0].token_ids == list(range(500))  # the newest cumulative state
+        q.put_nowait(out(500))
+        q.put_nowait(out(501, finished=True))
+        last = q.get_nowait()
+        assert isinstance(last, RequestOutput) and last.finished and last.delta_token_ids == [500, 501]
+        err = RuntimeError("step failed")
+        q.put_nowait(out(502))
+        q.put_nowait(err)  # an error is never merged away
+        assert q.qsize() == 2 and q.get_nowait().delta_token_ids == [502] and q.get_nowait() is err  # type: ignore[union-attr]
+
+    asyncio.run(run())

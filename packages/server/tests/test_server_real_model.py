@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -138,3 +139,28 @@ def test_cli_serve_flags() -> None:
         True,
     )
     assert build_parser().parse_args(["serve"]).host == "127.0.0.1"
+
+
+def test_serve_shutdown_settings_and_second_sigterm(tiny_lfm2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import signal
+
+    import uvicorn
+    from hyspec_server import serve as serve_module
+
+    seen: list[uvicorn.Config] = []
+
+    def fake_run(self: uvicorn.Server, sockets: Any = None) -> None:
+        seen.append(self.config)
+
+    monkeypatch.setattr(serve_module._Server, "run", fake_run)
+    assert main(["serve", str(tiny_lfm2), "--graceful-shutdown-timeout", "3", "--max-num-seqs", "4"]) == 0
+    assert main(["serve", str(tiny_lfm2), "--limit-concurrency", "7"]) == 0
+    # a client that never reads cannot hold the exit past the grace period; connections are bounded
+    assert seen[0].timeout_graceful_shutdown == 3 and seen[0].limit_concurrency == 2 * (4 + 1024)
+    assert seen[1].timeout_graceful_shutdown == serve_module.GRACEFUL_SHUTDOWN_S
+    assert seen[1].limit_concurrency == 7
+    server = serve_module._Server(seen[1])
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.should_exit and not server.force_exit  # the first SIGTERM drains
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.force_exit  # the second exits at once

@@ -12,6 +12,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,31 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
+class OutputQueue(asyncio.Queue[RequestOutput | BaseException]):
+    """A request's outputs waiting for its reader, at most one per request.
+
+    An output is cumulative (full text, tokens and logprobs so far) plus the delta since the previous one, so
+    a new output merges into one the reader has not taken yet: its deltas are joined and the newer state
+    kept. A client that reads slowly (or not at all) then holds one output, not one copy of the whole
+    completion per engine step.
+    """
+
+    def _init(self, maxsize: int) -> None:
+        self._queue: deque[RequestOutput | BaseException] = deque()
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        q = self._queue
+        if isinstance(item, RequestOutput) and q and isinstance(prev := q[-1], RequestOutput):
+            item.delta_text = prev.delta_text + item.delta_text
+            item.delta_token_ids = prev.delta_token_ids + item.delta_token_ids
+            q[-1] = item
+        else:
+            q.append(item)
+
+    def _get(self) -> RequestOutput | BaseException:
+        return self._queue.popleft()
+
+
 class RequestStream:
     """Outputs of one request, in step order. Leaving `outputs()` before the end aborts the request."""
 
@@ -34,7 +60,7 @@ class RequestStream:
         self.engine = engine
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queue = OutputQueue()
         self.finished = False
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:

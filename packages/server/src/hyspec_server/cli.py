@@ -64,6 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--served-model-name", default=None)
     s.add_argument(
+        "--graceful-shutdown-timeout",
+        type=int,
+        default=None,
+        help="seconds SIGTERM waits for running requests (default 30); a second SIGTERM exits at once",
+    )
+    s.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=None,
+        help="most open connections; beyond it 503 (default 2 x (max-num-seqs + max-waiting))",
+    )
+    s.add_argument(
         "--max-body-bytes",
         type=int,
         default=None,
@@ -97,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 api_key=ns.api_key,
                 served_model_name=ns.served_model_name,
                 max_body_bytes=ns.max_body_bytes,
+                limit_concurrency=ns.limit_concurrency,
+                graceful_shutdown_s=ns.graceful_shutdown_timeout,
             )
             return 0
         return _generate(ns)

@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 
@@ -20,6 +21,19 @@ def model_name_of(args: EngineArgs) -> str:
     return Path(args.model).name if args.model else "hyspec-default"
 
 
+GRACEFUL_SHUTDOWN_S = 30
+"""How long SIGTERM / SIGINT waits for running requests before closing their connections."""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, where a second SIGTERM (not only a second SIGINT) exits at once."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            self.force_exit = True
+        super().handle_exit(sig, frame)
+
+
 def serve(
     args: EngineArgs,
     *,
@@ -28,15 +42,34 @@ def serve(
     api_key: str | None = None,
     served_model_name: str | None = None,
     max_body_bytes: int | None = None,
+    graceful_shutdown_s: int | None = None,
+    limit_concurrency: int | None = None,
 ) -> None:
-    """Blocks until interrupted. `max_body_bytes`: see `api_server.build_app`."""
+    """Blocks until SIGTERM / SIGINT: new connections are refused, running requests get `graceful_shutdown_s`
+    to finish (a client that never reads cannot hold the exit longer), a second signal exits at once.
+
+    Args:
+        graceful_shutdown_s: seconds running requests get after the first signal (None: GRACEFUL_SHUTDOWN_S).
+        max_body_bytes: see `api_server.build_app`.
+        limit_concurrency: most open connections and requests; beyond it 503 (None: 2 x
+            (max_num_seqs + max_waiting), what the engine can hold plus as many more in flight).
+    """
     from hyspec_server.builder import build_engine
 
     engine = AsyncEngine(build_engine(args))
     name = served_model_name or model_name_of(args)
     app = build_app(engine, model_name=name, api_key=api_key, max_body_bytes=max_body_bytes)
+    limit = 2 * (args.max_num_seqs + args.max_waiting) if limit_concurrency is None else limit_concurrency
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S if graceful_shutdown_s is None else graceful_shutdown_s,
+        limit_concurrency=limit,
+    )
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info")
+        _Server(config).run()
     finally:
         engine.shutdown()
 
