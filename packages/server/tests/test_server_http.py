@@ -496,3 +496,28 @@ def test_a_slow_reader_holds_one_merged_output_per_request() -> None:
         assert q.qsize() == 2 and q.get_nowait().delta_token_ids == [502] and q.get_nowait() is err  # type: ignore[union-attr]
 
     asyncio.run(run())
+
+
+def test_a_half_sent_body_times_out_with_408() -> None:
+    import socket
+
+    from hyspec_server.testing import toy_engine
+
+    srv = ServerThread(toy_engine(), model_name="toy", body_read_timeout_s=0.5).start()
+    try:
+        with socket.create_connection((srv.host, srv.port), timeout=10) as s:
+            # slowloris: headers promise 100 bytes, 10 arrive, then nothing
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n" + b'{"model": '
+            )
+            t0 = time.monotonic()
+            reply = s.recv(4096)
+            assert time.monotonic() - t0 < 8
+        assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
+        ok = httpx.post(
+            srv.base_url + "/v1/completions", json={"model": "toy", "prompt": "hi", "max_tokens": 2}
+        )
+        assert ok.status_code == 200
+    finally:
+        srv.stop()

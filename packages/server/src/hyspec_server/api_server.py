@@ -50,22 +50,35 @@ BODY_BYTES_PER_TOKEN = 64
 JSON escapes take at most 12 bytes per character; 64 bytes per token leaves room for the other fields."""
 
 
+BODY_READ_TIMEOUT_S = 30.0
+"""A client that sends no part of its body for this long gets 408 (a half-sent body held a connection
+forever)."""
+
+
 def max_body_bytes_for(max_model_len: int) -> int:
     """The default request-body bound: BODY_BYTES_PER_TOKEN per context token, at least MIN_BODY_BYTES."""
     return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
 
 
 def build_app(
-    engine: AsyncEngine, *, model_name: str, api_key: str | None = None, max_body_bytes: int | None = None
+    engine: AsyncEngine,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int | None = None,
+    body_read_timeout_s: float | None = None,
 ) -> FastAPI:
     """Args:
     max_body_bytes: larger request bodies get 413 before they are read whole (None: from max_model_len,
         `max_body_bytes_for`).
+    body_read_timeout_s: 408 when no part of a request body arrives for this long (None:
+        BODY_READ_TIMEOUT_S).
     """
     app = FastAPI(title="hyspec", docs_url=None, redoc_url=None)
     created = int(time.time())
     max_model_len = engine.engine.max_model_len
     body_limit = max_body_bytes_for(max_model_len) if max_body_bytes is None else max_body_bytes
+    read_timeout = BODY_READ_TIMEOUT_S if body_read_timeout_s is None else body_read_timeout_s
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -159,7 +172,7 @@ def build_app(
 
     @app.post("/v1/completions", openapi_extra=_body_of(CompletionRequest), responses=ERROR_RESPONSES)
     async def completions(raw: Request) -> Response:
-        req = _parse(CompletionRequest, await _json_body(raw, body_limit))
+        req = _parse(CompletionRequest, await _json_body(raw, body_limit, read_timeout_s=read_timeout))
         check_model(req.model)
         req.check_common()
         if req.suffix:
@@ -273,7 +286,7 @@ def build_app(
         "/v1/chat/completions", openapi_extra=_body_of(ChatCompletionRequest), responses=ERROR_RESPONSES
     )
     async def chat(raw: Request) -> Response:
-        req = _parse(ChatCompletionRequest, await _json_body(raw, body_limit))
+        req = _parse(ChatCompletionRequest, await _json_body(raw, body_limit, read_timeout_s=read_timeout))
         check_model(req.model)
         req.check_common()
         req.check_chat()
@@ -448,15 +461,25 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
-async def _json_body(raw: Request, limit: int) -> Any:
-    """The request's JSON, read in chunks and refused (413) once it passes `limit` bytes."""
+async def _json_body(raw: Request, limit: int, *, read_timeout_s: float = BODY_READ_TIMEOUT_S) -> Any:
+    """The request's JSON, read in chunks: 413 once it passes `limit` bytes, 408 when a chunk takes longer
+    than `read_timeout_s` to arrive."""
     too_big = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
     declared = raw.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_big
     chunks: list[bytes] = []
     size = 0
-    async for chunk in raw.stream():
+    stream = raw.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), timeout=read_timeout_s)
+        except StopAsyncIteration:
+            break
+        except TimeoutError as e:
+            raise APIError(
+                408, f"the request body did not arrive within {read_timeout_s:g} s", code="request_timeout"
+            ) from e
         size += len(chunk)
         if size > limit:
             raise too_big

@@ -85,10 +85,15 @@ class ServerThread:
         api_key: str | None = None,
         host: str = "127.0.0.1",
         max_body_bytes: int | None = None,
+        body_read_timeout_s: float | None = None,
     ) -> None:
         self.async_engine = AsyncEngine(engine)
         self.app = build_app(
-            self.async_engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes
+            self.async_engine,
+            model_name=model_name,
+            api_key=api_key,
+            max_body_bytes=max_body_bytes,
+            body_read_timeout_s=body_read_timeout_s,
         )
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
