@@ -18,6 +18,8 @@ Drafting conventions trained for (hyspec_spec_workers.hidden_state_drafter, dfla
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -167,23 +169,22 @@ class ChainCache:
 class QwenAttentionLayer(nn.Module):
     """A Qwen3.5 full-attention decoder layer (names as `model.layers.N.*` / `mtp.layers.N.*`)."""
 
-    def __init__(self, cfg: dict[str, object]) -> None:
+    def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
-        h, eps = int(cfg["hidden_size"]), float(cfg["rms_norm_eps"])  # type: ignore[arg-type]
-        hd = int(cfg["head_dim"])  # type: ignore[arg-type]
+        h, eps, hd = int(cfg["hidden_size"]), float(cfg["rms_norm_eps"]), int(cfg["head_dim"])
         self.input_layernorm = RMSNorm(h, eps, offset=1.0)
         self.self_attn = Attention(
             h,
             h,
-            int(cfg["num_attention_heads"]),  # type: ignore[arg-type]
-            int(cfg["num_key_value_heads"]),  # type: ignore[arg-type]
+            int(cfg["num_attention_heads"]),
+            int(cfg["num_key_value_heads"]),
             hd,
             qk_norm_offset=1.0,
             gated=True,
             eps=eps,
         )
         self.post_attention_layernorm = RMSNorm(h, eps, offset=1.0)
-        self.mlp = SwiGLU(h, int(cfg["intermediate_size"]))  # type: ignore[arg-type]
+        self.mlp = SwiGLU(h, int(cfg["intermediate_size"]))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: ChainCache) -> Tensor:
         x = x + cache.attend(self.self_attn, self.input_layernorm(x), cos, sin)
@@ -194,17 +195,16 @@ class QwenAttentionLayer(nn.Module):
 class MTPHead(nn.Module):
     """`mtp.*` of a Qwen3.5 checkpoint (one layer, reused for every draft step as method "mtp" does)."""
 
-    def __init__(self, cfg: dict[str, object]) -> None:
+    def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
-        h, eps = int(cfg["hidden_size"]), float(cfg["rms_norm_eps"])  # type: ignore[arg-type]
+        h, eps = int(cfg["hidden_size"]), float(cfg["rms_norm_eps"])
         self.pre_fc_norm_embedding = RMSNorm(h, eps, offset=1.0)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, offset=1.0)
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layers = nn.ModuleList([QwenAttentionLayer(cfg)])
         self.norm = RMSNorm(h, eps, offset=1.0)
-        hd = int(cfg["head_dim"])  # type: ignore[arg-type]
+        hd = int(cfg["head_dim"])
         rope = cfg["rope_parameters"]
-        assert isinstance(rope, dict)
         self.rotary_dim = int(hd * float(rope.get("partial_rotary_factor", 1.0)))
         self.theta = float(rope["rope_theta"])
 
