@@ -1,4 +1,5 @@
-"""tools/demo/corpus.py: source listing, split, tokenizer training and saving, encoding, xz baseline."""
+"""tools/demo/corpus.py: source listing, split, tokenizer training and saving, encoding, xz baseline; the
+shipped tokenizer round-trips the validation split."""
 
 from __future__ import annotations
 
@@ -249,3 +250,20 @@ def test_xz_and_validation_bytes(tmp_path: Path) -> None:
         for n in [val_names[0], train_name, val_names[1]]
     ]
     assert corpus.validation_bytes(files) == f"# {val_names[0]}\r\n\n# {val_names[1]}\r\n".encode()
+
+
+def test_shipped_tokenizer_round_trips_the_validation_files() -> None:
+    import transformers
+    from hyspec_server.default_model import demo_model_dir
+
+    _, val = corpus.split_sources(corpus.list_sources())
+    assert val, "no validation files found on this machine"
+    tok = transformers.AutoTokenizer.from_pretrained(demo_model_dir("qwen3_5"))
+    for f in val:
+        text = corpus.read_text(f)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == text, f.name
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
