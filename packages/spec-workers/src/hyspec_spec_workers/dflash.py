@@ -281,20 +281,18 @@ class DFlashDrafter:
             )
         total = (c.start_positions + c.num_tokens).tolist()
         self.kv.pool.ensure_kv_capacity(ids, total)
-        cap = self.kv.backend.buffers.max_tokens
-        if int(c.tokens.shape[0]) <= cap:
+        starts, counts = c.start_positions.tolist(), c.num_tokens.tolist()
+        windows = self.kv.extend_windows(counts)
+        if len(windows) == 1:  # all of it in one batch, straight from the commit's tensors
             self._write(ids, c.tokens, c.num_tokens, c.start_positions, c.aux_hidden_states)
         else:
-            # longer than the batch buffers (a long prompt chunk): context K/V are per-token projections,
-            # so any split gives the same cache; each request in windows of at most `cap` tokens
-            off = 0
-            starts, counts = c.start_positions.tolist(), c.num_tokens.tolist()
-            for r, s, q in zip(ids, starts, counts, strict=True):
-                for w in range(0, q, cap):
-                    n = min(cap, q - w)
-                    sl = slice(off + w, off + w + n)
-                    self._write([r], c.tokens[sl], [n], [s + w], tuple(a[sl] for a in c.aux_hidden_states))
-                off += q
+            # one request's window per batch (a prompt chunk longer than the buffers); context K/V are
+            # per-token projections, so any split writes the same cache
+            first = [sum(counts[:i]) for i in range(len(counts))]  # each request's offset in the commit
+            for [(i, s, n)] in windows:
+                sl = slice(first[i] + s, first[i] + s + n)
+                aux = tuple(a[sl] for a in c.aux_hidden_states)
+                self._write([ids[i]], c.tokens[sl], [n], [starts[i] + s], aux)
         for r, t in zip(ids, total, strict=True):
             self.kv.lengths[r] = t
 

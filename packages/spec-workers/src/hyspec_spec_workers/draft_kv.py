@@ -114,6 +114,18 @@ class DraftKV:
         """KV pages for `extra` positions past each request's final length."""
         self.pool.ensure_kv_capacity(list(req_ids), [self.lengths[r] + extra for r in req_ids])
 
+    def extend_windows(self, num_tokens: Sequence[int]) -> list[list[tuple[int, int, int]]]:
+        """Batches of an extend of `num_tokens[i]` tokens for request i that fit the backend's buffers.
+
+        Each batch is a list of (request index, first token, token count): one batch of every request when
+        they fit, otherwise each request alone in windows of at most `max_tokens` (a prompt can be longer
+        than any buffer), in order, so a window attends to the KV the earlier ones wrote.
+        """
+        cap = self.backend.buffers.max_tokens
+        if sum(num_tokens) <= cap:
+            return [[(i, 0, q) for i, q in enumerate(num_tokens)]]
+        return [[(i, s, min(cap, q - s))] for i, q in enumerate(num_tokens) for s in range(0, q, cap)]
+
     def release(self, req_ids: Sequence[Hashable]) -> None:
         """Drop pages past each request's final length (after a proposal)."""
         for r in req_ids:

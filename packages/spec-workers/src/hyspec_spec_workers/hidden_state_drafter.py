@@ -298,25 +298,20 @@ class HiddenStateDrafter:
         self._write_unwritten(now)
 
     def _write_unwritten(self, req_ids: Sequence[Hashable]) -> None:
-        """Eager draft extend over the pending pairs of these requests.
-
-        One forward when they fit the draft backend's batch buffers; otherwise each request's pairs go in
-        windows of at most that many tokens (a prompt can be longer than any buffer), each window attending
-        to the KV the earlier ones wrote.
-        """
+        """Eager draft extend over the pending pairs of these requests, in batches that fit the draft
+        backend's buffers (`DraftKV.extend_windows`)."""
         ids = [r for r in req_ids if r in self._unwritten]
         if not ids:
             return
         pieces = [self._unwritten.pop(r) for r in ids]
         pair_tok = [torch.cat([t for t, _ in p]) for p in pieces]
         pair_feat = [torch.cat([f for _, f in p]) for p in pieces]
-        cap = self.kv.backend.buffers.max_tokens
-        if sum(int(t.shape[0]) for t in pair_tok) <= cap:
-            self._extend(ids, pair_tok, pair_feat)
-            return
-        for r, tok, feat in zip(ids, pair_tok, pair_feat, strict=True):
-            for s in range(0, int(tok.shape[0]), cap):
-                self._extend([r], [tok[s : s + cap]], [feat[s : s + cap]])
+        for batch in self.kv.extend_windows([int(t.shape[0]) for t in pair_tok]):
+            self._extend(
+                [ids[i] for i, _, _ in batch],
+                [pair_tok[i][s : s + n] for i, s, n in batch],
+                [pair_feat[i][s : s + n] for i, s, n in batch],
+            )
 
     def _extend(self, ids: list[Hashable], pair_tok: list[Tensor], pair_feat: list[Tensor]) -> None:
         """One DRAFT_EXTEND forward writing these pairs after each request's final draft length."""
