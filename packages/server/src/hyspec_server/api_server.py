@@ -490,13 +490,11 @@ async def _json_body(raw: Request, limit: int, *, read_timeout_s: float = BODY_R
         # a lone surrogate ("\\ud800") parses but is no text: it would fail later, deep in the engine
         json.dumps(body, ensure_ascii=False).encode("utf-8")
         return body
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from e
     except UnicodeEncodeError as e:
         raise APIError(400, f"the request body holds a string that is not valid Unicode: {e.reason}") from e
     except RecursionError as e:
         raise APIError(400, "the request body is nested too deeply") from e
-    except ValueError as e:  # an integer of more digits than Python converts (int_max_str_digits)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer beyond int_max_str_digits
         raise APIError(400, f"the request body is not valid JSON: {e}") from e
 
 
