@@ -42,7 +42,7 @@ try:
 except ImportError:  # not installed: the packages' sources (a GPU machine without the venv)
     sys.path[1:1] = [str(p) for p in sorted((ROOT / "packages").glob("*/src"))]
 
-from tools.bench_decode import agreement, free, hyspec_decode, oracle_registry  # noqa: E402
+from tools.bench_decode import agreement, free, hf_decode, hyspec_decode, oracle_registry  # noqa: E402
 
 DRAFTERS: dict[str, list[tuple[str, str | None]]] = {
     "qwen3_5": [("mtp", None), ("eagle3", "qwen3_5-eagle3"), ("dflash", "qwen3_5-dflash"), ("ngram", None)],
@@ -363,43 +363,23 @@ class Bench:
             row: dict[str, Any] = {"variant": name, "batch": b}
             try:
                 if b == 1:
-                    outs = [hf_decode(model, [p], a, pad, **kw) for p in self.prompts[: a.hf_prompts]]
+                    outs = [
+                        hf_decode(model, [p], a.new, pad=pad, device=a.device, **kw)
+                        for p in self.prompts[: a.hf_prompts]
+                    ]
                     row["decode_tok_s"] = len(outs) / sum(1 / o["decode_tok_s"] for o in outs)
                     row["greedy_agreement"] = [agreement(o["tokens"][0], r) for o, r in zip(outs, self.ref)]
                 else:
                     rows = [self.prompts[i % len(self.prompts)] for i in range(b)]
-                    row["decode_tok_s"] = hf_decode(model, rows, a, pad)["decode_tok_s"]
+                    row["decode_tok_s"] = hf_decode(model, rows, a.new, pad=pad, device=a.device)[
+                        "decode_tok_s"
+                    ]
                 base = self.t["speed"]["plain"][str(b)]["decode_tok_s"]
                 row["vs_hyspec_plain"] = row["decode_tok_s"] / base
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"
             log(f"  hf {name} batch {b}: {row.get('decode_tok_s', row.get('error'))}")
             self.t["hf"].append(row)
-
-
-def hf_decode(
-    model: Any, rows: Sequence[list[int]], a: argparse.Namespace, pad: int, **kw: Any
-) -> dict[str, Any]:
-    """`bench_decode.hf_decode` on any device and left-padded rows: (new - 1) per row / (time for new tokens -
-    time for 1 token)."""
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=a.device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=a.device)
-
-    kw |= {"attention_mask": mask, "do_sample": False, "pad_token_id": pad}
-
-    def gen(n: int) -> tuple[float, list[list[int]]]:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t, out[:, width:].tolist()
-
-    gen(4)
-    t1, _ = gen(1)
-    tn, toks = gen(a.new)
-    return {"decode_tok_s": len(rows) * (a.new - 1) / (tn - t1), "tokens": toks}
 
 
 def f2(x: float | None) -> str:
