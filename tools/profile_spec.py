@@ -115,12 +115,12 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
         targets += [
             ("spec.run", spec, "run"),
             ("  draft_lengths", spec, "draft_lengths"),
-            ("  commit_plain", spec, "commit_plain"),
-            ("draft extend (flush)", spec, "_flush"),
+            ("  feed_forward", spec, "feed_forward"),
             ("propose", spec.drafter, "propose"),
             ("verify+commit", spec, "_verify"),
-            ("  choose", spec, "_choose"),
         ]
+        if spec.feed is not None:
+            targets.append(("draft extend (flush)", spec.feed, "flush"))
 
     def timed(name: str, fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -245,9 +245,9 @@ def _every(k: int) -> Any:
     """Draft lengths that draft one token in every k-th round and none in the others."""
     rounds = [0]
 
-    def lengths(chunks: Any, max_model_len: int) -> list[int]:
+    def lengths(rows: Any) -> list[int]:
         rounds[0] += 1
-        return [1 if rounds[0] % k == 0 else 0 for _ in chunks]
+        return [1 if rounds[0] % k == 0 else 0 for _ in rows]
 
     return lengths
 

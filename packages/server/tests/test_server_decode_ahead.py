@@ -94,7 +94,7 @@ def test_rounds_without_drafts_take_their_batches_like_plain_decoding(tiny_qwen3
     change the table under it: exactly as many batches are used and dropped as without speculation."""
     spec = {"method": "mtp", "num_speculative_tokens": 3}
     eng = _engine(tiny_qwen3_5, ahead=True, spec=spec)
-    eng.runner.spec.draft_lengths = lambda chunks, max_model_len: [0] * len(chunks)  # type: ignore[attr-defined]
+    eng.runner.spec.draft_lengths = lambda rows: [0] * len(rows)  # type: ignore[attr-defined]
     plain = _engine(tiny_qwen3_5, ahead=True)
     assert _run(eng) == _run(plain)
     assert eng.stats.spec_num_drafts == 0

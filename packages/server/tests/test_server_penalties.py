@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from hyspec_server.llm import LLM
-from hyspec_server.sampler import PenaltyTensors, Sampler, SamplingTensors
 from hyspec_server.sampling_params import SamplingParams
 from hyspec_server.testing import ByteTokenizer, toy_engine, toy_penalised_greedy
+from hyspec_spec_workers.sampling import PenaltyTensors, Sampler, SamplingTensors
 
 CPU = torch.device("cpu")
 

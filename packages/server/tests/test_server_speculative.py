@@ -356,9 +356,9 @@ def test_lazy_draft_extend_skips_idle_rounds_and_catches_up(
     """Committed tokens reach the MTP draft KV in one extend right before the next proposal (or once
     `MAX_PENDING` wait): rounds where nobody drafts run no draft forward, and drafting after a pause of
     several rounds is still lossless."""
-    import hyspec_server.spec_decode as sd
+    import hyspec_spec_workers.draft_feed as feed
 
-    monkeypatch.setattr(sd, "MAX_PENDING", max_pending)
+    monkeypatch.setattr(feed, "MAX_PENDING", max_pending)
     args = {"model": str(tiny_qwen3_5), "max_num_seqs": 4, "page_size": 4, "max_model_len": 64}
     base = build_engine(EngineArgs(**args))
     ref = [o.outputs[0].token_ids for o in LLM.from_engine(base).generate(_ids(PROMPTS[:3]), _greedy(20))]
@@ -369,10 +369,10 @@ def test_lazy_draft_extend_skips_idle_rounds_and_catches_up(
     rounds: list[int] = []
     commits: list[tuple[int, int]] = []  # (round, tokens)
 
-    def lengths(chunks: Any, max_model_len: int) -> list[int]:
+    def lengths(rows: Any) -> list[int]:
         want = pattern[len(rounds) % len(pattern)]
         rounds.append(want)
-        return [min(want, c.num_lookahead) for c in chunks]
+        return [min(want, r.max_drafts) for r in rows]
 
     commit = drafter.commit
 
@@ -687,15 +687,15 @@ def test_graph_shapes_pad_batches_and_blocks_losslessly(
 
 
 def test_padded_block_verifies_and_commits_like_the_block() -> None:
-    """`_pad_block`: extra nodes continue the chain past each row's last node and are never reached."""
-    from hyspec_server.spec_decode import _pad_block
+    """`pad_block`: extra nodes continue the chain past each row's last node and are never reached."""
+    from hyspec_spec_workers.round import pad_block
     from hyspec_spec_workers.verify import verify_greedy
 
     parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3]])
     tokens = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 4, 0]])
     tree = VerifyTree.from_parents(tokens, parents, torch.tensor([5, 3]))
     probs = torch.rand(2, 5, 11)
-    padded, dp = _pad_block(tree, probs, 8)
+    padded, dp = pad_block(tree, probs, 8)
     assert padded.block_size == 8 and dp is not None and dp.shape == (2, 8, 11)
     assert torch.equal(dp[:, :5], probs) and not dp[:, 5:].any()
     assert torch.equal(padded.tokens[:, :5], tree.tokens) and torch.equal(padded.num_nodes, tree.num_nodes)
@@ -713,7 +713,7 @@ def test_padded_block_verifies_and_commits_like_the_block() -> None:
     assert torch.equal(got.commit_steps, want.commit_steps)
     assert torch.equal(got.accept_index[:, :5], want.accept_index) and (got.accept_index[:, 5:] == -1).all()
     chain = VerifyTree.chain(torch.tensor([3]), torch.tensor([[4, 5]]), torch.tensor([1]))
-    pc, none = _pad_block(chain, None, 4)
+    pc, none = pad_block(chain, None, 4)
     assert pc.is_chain and none is None and pc.num_nodes.tolist() == [2]
 
 
@@ -769,9 +769,9 @@ def test_one_off_draft_extends_are_not_timed(tiny_qwen3_5: Path, idle_rounds: in
     rounds: list[int] = []
     timed: list[int] = []  # the round each recorded draft time belongs to
 
-    def lengths(chunks: Any, max_model_len: int) -> list[int]:
+    def lengths(rows: Any) -> list[int]:
         rounds.append(pattern[len(rounds) % len(pattern)])
-        return [min(rounds[-1], c.num_lookahead) for c in chunks]
+        return [min(rounds[-1], r.max_drafts) for r in rows]
 
     record, record_catch_up = spec.costs.record_draft, spec.costs.record_catch_up
     caught_up: list[tuple[int, int]] = []  # (round, drafts) of each recorded catch-up

@@ -51,7 +51,7 @@ def _first_round(t: Any, chain: bool) -> tuple[torch.Tensor, list[dict[str, Any]
 
     drafter.propose = keep
     backend, pool = t.stack(cfg.draft_shape())
-    generate(t.model, backend, pool, t.prompts, max_new_tokens=2, drafter=drafter, num_steps=S)
+    generate(t.model, backend, pool, t.prompts, max_new_tokens=S + 2, drafter=drafter, num_steps=S)
     verify_calls = [c for c in calls if c["mode"] == "target_verify"][:S]
     return trees[0], verify_calls, drafter
 

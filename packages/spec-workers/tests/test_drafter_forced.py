@@ -16,7 +16,7 @@ import pytest
 import torch
 from hyspec_spec_workers import DraftBatch, DraftOutput, SpeculativeConfig
 from hyspec_spec_workers.factory import build_drafter
-from hyspec_spec_workers.testing import GenerationStats
+from hyspec_spec_workers.testing import GenerationStats, track_committed
 
 S = 3
 
@@ -34,12 +34,14 @@ class Oracle:
         self.hist: dict[Hashable, list[int]] = {}
         self.calls = 0
         self.depths_seen: set[int] = set()
+        # a model drafter's history is what was committed to it (prompt, accepted paths) plus the root
+        committed = track_committed(drafter)
         inner = drafter.propose
 
         def propose(batch: DraftBatch) -> DraftOutput:
             self.calls += 1
-            for r, h in zip(batch.req_ids, batch.histories, strict=True):
-                self.hist[r] = h.tolist()
+            for r, root in zip(batch.req_ids, batch.root_tokens.tolist(), strict=True):
+                self.hist[r] = [*committed.get(r, []), root]
             out: DraftOutput = inner(batch)
             return out
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hyspec_spec_workers import CommittedTokens, DraftBatch, SpeculativeConfig
 from hyspec_spec_workers.factory import build_drafter
-from hyspec_spec_workers.testing import generate
+from hyspec_spec_workers.testing import generate, track_committed
 
 S = 3
 CASES: list[tuple[str, dict[str, Any]]] = [
@@ -23,6 +23,7 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 
 def _spy(drafter: Any, log: list[list[torch.Tensor]]) -> None:
     inner_logits, inner_propose = drafter.draft_logits, drafter.propose
+    committed = track_committed(drafter)
 
     def draft_logits(normed: torch.Tensor, **kw: Any) -> torch.Tensor:
         log[-1].append(normed.clone())
@@ -32,6 +33,8 @@ def _spy(drafter: Any, log: list[list[torch.Tensor]]) -> None:
     def propose(batch: DraftBatch) -> Any:
         log.append([])
         drafter.last_batch = batch
+        # each row's committed history: what reached the draft KV before this proposal
+        drafter.last_history = [torch.tensor(committed[r]) for r in batch.req_ids]
         return inner_propose(batch)
 
     drafter.draft_logits, drafter.propose = draft_logits, propose
@@ -56,12 +59,12 @@ def test_incremental_draft_extend_equals_one_shot(
     last: DraftBatch = inc.last_batch
     want = log[-1]
     assert len(log) > 3
-    # replay: a fresh drafter gets each row's committed history (its last round's history minus the root)
+    # replay: a fresh drafter gets each row's committed history (its last round's, the root excluded)
     fresh: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
     fresh_log: list[list[torch.Tensor]] = []
     _spy(fresh, fresh_log)
-    ids = [f"r{i}" for i in range(len(last.histories))]
-    hist = [h[:-1] for h in last.histories]
+    hist: list[torch.Tensor] = inc.last_history
+    ids = [f"r{i}" for i in range(len(hist))]
     backend, pool = t.stack(None)
     pool.alloc(ids)
     pool.ensure_kv_capacity(ids, [len(h) for h in hist])
@@ -82,7 +85,7 @@ def test_incremental_draft_extend_equals_one_shot(
             aux_hidden_states=out.aux_hidden_states,
         )
     )
-    fresh.propose(DraftBatch(root_tokens=last.root_tokens, num_steps=[S] * len(ids), req_ids=ids))
+    fresh.propose(DraftBatch(root_tokens=last.root_tokens, num_steps=list(last.num_steps), req_ids=ids))
     got = fresh_log[-1]
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):

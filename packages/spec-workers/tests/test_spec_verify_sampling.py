@@ -1,6 +1,9 @@
+from dataclasses import dataclass
+
 import pytest
 import torch
-from hyspec_spec_workers import SamplingTensors, VerifyTree, target_probs, verify_greedy, verify_sampling
+from hyspec_spec_workers import VerifyTree, verify_greedy, verify_sampling
+from hyspec_spec_workers.sampling import filtered_block_probs
 
 # chi-square critical values at significance 0.001, by degrees of freedom
 CHI2_CRIT = {3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
@@ -89,7 +92,8 @@ def test_greedy_rows_in_sampling_path_equal_greedy_verify(walk: bool) -> None:
         parents[:, j] = torch.randint(0, j, (n,), generator=g)
     tree = VerifyTree.from_parents(torch.randint(0, v, (n, d), generator=g), parents, torch.full((n,), d))
     logits = torch.randn(n, d, v, generator=g)
-    probs = target_probs(logits, SamplingTensors.greedy(n))
+    # a greedy row's target distribution is one-hot on its argmax
+    probs = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     with_draft = torch.softmax(torch.randn(n, d, v, generator=g), -1)
     want = verify_greedy(tree, logits.argmax(-1))
     for dp in (None, with_draft):
@@ -98,24 +102,28 @@ def test_greedy_rows_in_sampling_path_equal_greedy_verify(walk: bool) -> None:
         assert torch.equal(got.output_tokens, want.output_tokens)
 
 
-def test_target_probs_temperature_topk_topp() -> None:
-    logits = torch.tensor([[[2.0, 1.0, 0.5, -1.0, 0.0]]]).expand(4, 1, 5)
-    s = SamplingTensors(
-        temperature=torch.tensor([0.0, 0.5, 1.0, 1.0]),
-        top_k=torch.tensor([0, 0, 2, 0]),
-        top_p=torch.tensor([1.0, 1.0, 1.0, 0.7]),
-    )
-    p = target_probs(logits, s)[:, 0]
-    assert p[0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
-    torch.testing.assert_close(p[1], torch.softmax(logits[1, 0] / 0.5, -1))
-    torch.testing.assert_close(p[2], torch.cat([torch.softmax(torch.tensor([2.0, 1.0]), -1), torch.zeros(3)]))
-    full = torch.softmax(logits[3, 0], -1)
+@dataclass(frozen=True)
+class _Knobs:
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+
+def test_block_probs_are_the_plain_samplers_filters_at_every_node() -> None:
+    logits = torch.tensor([[[2.0, 1.0, 0.5, -1.0, 0.0]]]).expand(3, 2, 5)
+    knobs = [_Knobs(0.5), _Knobs(1.0, top_k=2), _Knobs(1.0, top_p=0.7)]
+    p = filtered_block_probs(logits, knobs)  # type: ignore[arg-type]
+    assert p.shape == (3, 2, 5)
+    torch.testing.assert_close(p[:, 0], p[:, 1])
+    p = p[:, 0]
+    torch.testing.assert_close(p[0], torch.softmax(logits[0, 0] / 0.5, -1))
+    torch.testing.assert_close(p[1], torch.cat([torch.softmax(torch.tensor([2.0, 1.0]), -1), torch.zeros(3)]))
+    full = torch.softmax(logits[2, 0], -1)
     # nucleus 0.7: full[0] ~ 0.53 < 0.7, so the second token is kept too, then renormalised
     assert full[0] < 0.7 < full[0] + full[1]
-    torch.testing.assert_close(p[3, :2], full[:2] / full[:2].sum())
-    assert p[3, 2:].sum() == 0
-    with pytest.raises(ValueError, match="top_p"):
-        SamplingTensors(torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.zeros(1))
+    torch.testing.assert_close(p[2, :2], full[:2] / full[:2].sum())
+    assert p[2, 2:].sum() == 0
 
 
 def test_sampling_bad_shapes_name_the_argument() -> None:

@@ -10,9 +10,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hyspec_spec_workers.round import VerifiedTokens
+from hyspec_spec_workers.sampling import SampledToken
+
 from hyspec_server.outputs import RequestOutput, SpecDecodeStats
 from hyspec_server.request import Request
-from hyspec_server.runner import ModelRunner, SampledToken, VerifiedTokens
+from hyspec_server.runner import ModelRunner
 from hyspec_server.sampling_params import SamplingParams
 from hyspec_server.scheduler import Scheduler, SchedulerConfig
 from hyspec_server.tokenizer import Tokenizer

@@ -8,8 +8,9 @@ graphed forward also returns the layers a model drafter reads, so decode stays g
 a model drafter's proposal forwards are captured at the same batch sizes (spec-workers' draft_graphs.py).
 
 With speculative decoding, the step's verify chunks (decoding requests) run a second forward after the
-prefill chunks: a speculative round (`spec_decode.py`). The pool is planned with the config's draft shape,
-so its verify scratch and request table fit the largest block (adaptive: largest candidate + 1).
+prefill chunks: spec-workers' `SpeculativeRound`, to which this runner is the `VerifyTarget` (verify forward,
+logits, commit, plain decode). The pool is planned with the config's draft shape, so its verify scratch and
+request table fit the largest block (adaptive: largest candidate + 1).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from hyspec_attn_backends import HybridBackend, model_state_specs
+from hyspec_attn_backends import ForwardBatch, HybridBackend, model_state_specs
 from hyspec_models.loader import load_model
 from hyspec_spec_workers.draft_graphs import GraphedDrafter
+from hyspec_spec_workers.round import RoundRow, SpeculativeRound, VerifiedTokens
+from hyspec_spec_workers.sampling import SampledToken, Sampler, sample_rows, to_sampled_tokens
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.sizing import MemoryPlan, plan_memory
 from hyspec_statepool.specs import StateDtypes
@@ -32,14 +35,8 @@ from hyspec_server.config import EngineArgs
 from hyspec_server.cuda_graph import TargetGraphs, verify_shapes
 from hyspec_server.decode_ahead import DecodeAhead
 from hyspec_server.pool_memory import MemoryFollower, StatePoolMemory
-from hyspec_server.runner import (
-    RunnerOutput,
-    SampledToken,
-    VerifiedTokens,
-    sample_chunks,
-    to_runner_output,
-)
-from hyspec_server.sampler import Sampler
+from hyspec_server.request import Request
+from hyspec_server.runner import RunnerOutput, spread_tokens
 from hyspec_server.scheduler import ScheduledChunk, SchedulerOutput
 from hyspec_server.speculative import DrafterContext, DrafterRegistry, parse_speculative_config
 
@@ -65,8 +62,6 @@ class HyspecModelRunner:
     """
 
     def __init__(self, args: EngineArgs, model_dir: Path, *, drafters: DrafterRegistry | None = None) -> None:
-        from hyspec_server.spec_decode import SpecDecoder
-
         spec_config = parse_speculative_config(args.speculative_config)
         draft_shape = None if spec_config is None else spec_config.draft_shape()
         self._device = torch.device(args.device)
@@ -113,7 +108,7 @@ class HyspecModelRunner:
                 dtypes=dtypes,
             )
         self.pool = HybridStatePool(plan, device=self._device)
-        self.spec: SpecDecoder | None = None
+        self.spec: SpeculativeRound | None = None
         followers: list[MemoryFollower] = []
         if spec_config is not None:
             ctx = DrafterContext(
@@ -126,7 +121,7 @@ class HyspecModelRunner:
                 kv_dtype=self.dtype,
                 device=self._device,
             )
-            self.spec = SpecDecoder(spec_config, (drafters or DrafterRegistry()).build(ctx))
+            self.spec = SpeculativeRound.from_config(spec_config, (drafters or DrafterRegistry()).build(ctx))
             followers.append(self.spec)
         self._memory = StatePoolMemory(self.pool, followers=followers)
         dmax = plan.max_draft_tokens if spec_config is not None else 1
@@ -137,7 +132,7 @@ class HyspecModelRunner:
             max_seqs=max_running,
             max_tokens=max(args.max_num_batched_tokens, max_running * dmax),
         )
-        self.sampler = Sampler(self._device, seed=args.seed)
+        self._sampler = Sampler(self._device, seed=args.seed)
         self.graphs = TargetGraphs(
             self.model,
             self.backend,
@@ -161,7 +156,7 @@ class HyspecModelRunner:
             self.spec.drafter.capture_graphs(self.graphs.sizes)
         if self.spec is not None and self._device.type == "cuda":
             # the eager draft extend's kernels load now, not in a request's first catch-up, and its time is
-            # the first estimate of what a probe costs (`SpecDecoder.warm_up`)
+            # the first estimate of what a probe costs (`DraftFeed.warm_up`)
             self.spec.warm_up(
                 hidden_size=int(config.hidden_size),
                 dtype=self.dtype,
@@ -186,6 +181,10 @@ class HyspecModelRunner:
         """Drafts a verify block may add after the current token (Dmax - 1); 0 without speculation."""
         return 0 if self.spec is None else self.spec.max_draft_tokens - 1
 
+    @property
+    def sampler(self) -> Sampler:
+        return self._sampler
+
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         chunks = list(step.chunks)
@@ -198,9 +197,82 @@ class HyspecModelRunner:
         if plain:
             for i, tok in zip(plain, self.run_plain([chunks[i] for i in plain]), strict=True):
                 tokens[i] = tok
-        for i, res in zip(ver, self.spec.run(self, [chunks[i] for i in ver]), strict=True):
+        rows = [self._round_row(chunks[i]) for i in ver]
+        for i, res in zip(ver, self.spec.run(self, rows), strict=True):
             tokens[i], verified[i] = res.tokens[0], res
         return RunnerOutput(tuple(tokens), tuple(verified))
+
+    def _round_row(self, c: ScheduledChunk) -> RoundRow:
+        """A verify chunk as a row of the speculative round."""
+        req = c.request
+        # tokens the request may still emit (>= 1 for a live request)
+        budget = max(
+            1, min(req.params.max_tokens - len(req.output_token_ids), self._max_model_len - req.num_tokens)
+        )
+        return RoundRow(
+            request=req,
+            prefix_len=c.start,
+            root_token=req.token_slice(c.start, c.end)[0],
+            max_drafts=c.num_lookahead,
+            max_new_tokens=budget,
+            stop_token_ids=req.eos_token_ids | req.params.stop_token_set,
+        )
+
+    # ---------------------------------------------------------------- VerifyTarget (spec-workers' round)
+
+    @property
+    def graphed(self) -> bool:
+        return self.graphs.active
+
+    def verify_block_size(self, num_rows: int, block_size: int, *, tree: bool) -> int:
+        return self.graphs.block_len(num_rows, block_size, tree=tree)
+
+    def forward_verify(
+        self,
+        *,
+        req_ids: Sequence[str],
+        block_tokens: torch.Tensor,
+        prefix_lens: Sequence[int],
+        tree_parents: torch.Tensor | None,
+    ) -> tuple[ForwardBatch, torch.Tensor, tuple[torch.Tensor, ...]]:
+        ids = list(req_ids)
+        d = block_tokens.shape[1]
+        # the scheduler reserved prefix + Dmax; this only allocates if a caller did not
+        self.pool.ensure_kv_capacity(ids, [p + d for p in prefix_lens])
+        batch = self.graphs.prepare_verify(
+            req_rows=self.pool.req_rows(ids),
+            block_tokens=block_tokens,
+            prefix_lens=list(prefix_lens),
+            tree_parents=tree_parents,
+        )
+        hidden, aux = self.graphs.run(
+            batch
+        )  # [N * D, H] live rows (graph outputs: used before the next forward)
+        return batch, hidden, aux
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.model.compute_logits(hidden)  # [T, V]
+        return logits
+
+    def commit_after_verify(
+        self, *, batch: ForwardBatch, num_accepted: torch.Tensor, accept_paths: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self.backend.commit_after_verify(
+            batch=batch, num_accepted=num_accepted, accept_paths=accept_paths
+        )
+
+    def decode(self, rows: Sequence[RoundRow]) -> list[SampledToken]:
+        # the round's rows are this runner's own requests (`_round_row`)
+        chunks = [
+            ScheduledChunk(cast(Request, r.request), r.prefix_len, 1, verify=True, num_lookahead=r.max_drafts)
+            for r in rows
+        ]
+        out = self.run_plain(chunks)
+        if any(t is None for t in out):
+            raise RuntimeError("a verify chunk's decode step sampled no token")
+        return [t for t in out if t is not None]
+
+    # ---------------------------------------------------------------- plain forwards
 
     def run_plain(self, chunks: Sequence[ScheduledChunk]) -> list[SampledToken | None]:
         """Prefill chunks and one-token decodes in one forward; a token for every chunk that samples."""
@@ -221,9 +293,16 @@ class HyspecModelRunner:
                 req_rows=rows, input_ids=input_ids, q_lens=q_lens, prefix_lens=prefix
             )
         hidden, aux = self.graphs.run(batch)  # [T, H] of the live tokens (graph outputs: read them now)
-        if self.spec is not None:
+        if self.spec is not None and self.spec.feed is not None:
             tokens_dev = to_device(input_ids, dtype=torch.int64, device=hidden.device)  # [T], no sync
-            self.spec.commit_plain(chunks=chunks, tokens=tokens_dev, hidden=hidden, aux=aux)
+            self.spec.feed_forward(
+                req_ids=ids,
+                start_positions=prefix,
+                num_tokens=q_lens,
+                tokens=tokens_dev,
+                hidden=hidden,
+                aux=aux,
+            )
         sample = [i for i, c in enumerate(chunks) if c.sample]
         if not sample:
             return [None] * len(chunks)
@@ -234,12 +313,13 @@ class HyspecModelRunner:
         else:
             picked = hidden[to_device(last, dtype=torch.int64, device=hidden.device)]
         logits = self.model.compute_logits(picked)  # [n_sample, V]
-        out_s = sample_chunks(self.sampler, logits, [chunks[i] for i in sample], self._device)
+        reqs = [chunks[i].request for i in sample]
+        out_s = sample_rows(self._sampler, logits, reqs)
         if decode and len(sample) == len(chunks):
             # the device is still busy with this step: build the next one's batch now (decode_ahead.py)
             self.ahead.build(
                 req_ids=ids, req_rows=rows, prefix_lens=[p + 1 for p in prefix], next_tokens=out_s.token_ids
             )
-        out = list(to_runner_output(SchedulerOutput(tuple(chunks), ()), out_s).tokens)  # reads the tokens
+        out = spread_tokens(chunks, to_sampled_tokens(out_s, reqs))  # reads the tokens
         self.ahead.sampled([0 if t is None else t.token_id for t in out])
         return out

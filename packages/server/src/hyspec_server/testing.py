@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from hyspec_spec_workers.sampling import Sampler, sampling_tensors, to_sampled_tokens
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.specs import AttentionSpec, ModelStateSpecs, ShortConvSpec, StateDtypes
 
 from hyspec_server.engine import LLMEngine
 from hyspec_server.pool_memory import StatePoolMemory
-from hyspec_server.runner import RunnerOutput, sampling_tensors, to_runner_output
-from hyspec_server.sampler import Sampler
+from hyspec_server.runner import RunnerOutput, spread_tokens
 from hyspec_server.scheduler import SchedulerConfig, SchedulerOutput
 
 TOY_VOCAB = 257
@@ -179,8 +179,9 @@ class ToyModelRunner:
         vocab = torch.arange(TOY_VOCAB, dtype=torch.float32, device=dev)
         tgt = torch.tensor(targets, dtype=torch.float32, device=dev)
         logits = -0.5 * (vocab[None, :] - tgt[:, None]).abs()  # [N, V]
-        out = self.sampler(logits, sampling_tensors(sample_chunks, dev))
-        return to_runner_output(step, out)
+        reqs = [c.request for c in sample_chunks]
+        out = self.sampler(logits, sampling_tensors(reqs, dev))
+        return RunnerOutput(tuple(spread_tokens(chunks, to_sampled_tokens(out, reqs))))
 
 
 def toy_engine(

@@ -1,8 +1,11 @@
-"""Speculative decoding on hybrid models: drafters, verification, adaptive draft length.
+"""Speculative decoding on hybrid models: the speculative round, drafters, verification, the sampler.
 
-Owns: the speculative config, verify blocks (chains and top-k trees), greedy and distribution-preserving
-sampling verification with consistent stop truncation, the n-gram proposer, the adaptive draft-length
-controller and the `Drafter` seam. Never does: talk HTTP, allocate pool memory or own target weights.
+Owns: the one speculative round (`SpeculativeRound`, behind the `VerifyTarget` seam a runner implements),
+the one sampler (plain decoding and verification draw from the same filtered distribution), the speculative
+config, verify blocks (chains and top-k trees), greedy and distribution-preserving sampling verification
+with consistent stop truncation, the drafters (MTP, EAGLE-3, DFlash, n-gram) and their lazy draft extend,
+and the adaptive draft-length controller. Never does: talk HTTP, schedule, allocate target pool memory or
+own target weights.
 """
 
 from hyspec_spec_workers.adaptive import (
@@ -14,6 +17,7 @@ from hyspec_spec_workers.adaptive import (
 )
 from hyspec_spec_workers.config import METHODS, AdaptiveConfig, Method, SpeculativeConfig
 from hyspec_spec_workers.dflash import DFlashDraft, DFlashDrafter, build_dflash_drafter, load_dflash_draft
+from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.draft_graphs import DraftGraphCounts, DraftGraphs, GraphedDrafter
 from hyspec_spec_workers.draft_kv import DraftKV, DraftMemory
 from hyspec_spec_workers.drafter import (
@@ -29,7 +33,18 @@ from hyspec_spec_workers.factory import build_drafter
 from hyspec_spec_workers.hidden_state_drafter import HiddenStateDrafter, HiddenStateDraftModel
 from hyspec_spec_workers.mtp_drafter import MTPDraftModel, build_mtp_drafter, mtp_drafter
 from hyspec_spec_workers.ngram import NgramProposer
-from hyspec_spec_workers.sampling import SamplingTensors, target_probs
+from hyspec_spec_workers.round import RoundRequest, RoundRow, SpeculativeRound, VerifiedTokens, VerifyTarget
+from hyspec_spec_workers.sampling import (
+    PenaltyTensors,
+    SampledToken,
+    Sampler,
+    SamplerOutput,
+    SamplingKnobs,
+    SamplingRequest,
+    SamplingTensors,
+    filtered_probs,
+    sample_rows,
+)
 from hyspec_spec_workers.tree import TreeDraftBuilder, VerifyTree
 from hyspec_spec_workers.verify import (
     VerifyResult,
@@ -54,6 +69,7 @@ __all__ = [
     "DFlashDraft",
     "DFlashDrafter",
     "DraftBatch",
+    "DraftFeed",
     "DraftGraphCounts",
     "DraftGraphs",
     "DraftKV",
@@ -69,10 +85,21 @@ __all__ = [
     "ModelDrafter",
     "NgramDrafter",
     "NgramProposer",
+    "PenaltyTensors",
+    "RoundRequest",
+    "RoundRow",
+    "SampledToken",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingKnobs",
+    "SamplingRequest",
     "SamplingTensors",
     "SpeculativeConfig",
+    "SpeculativeRound",
     "TreeDraftBuilder",
+    "VerifiedTokens",
     "VerifyResult",
+    "VerifyTarget",
     "VerifyTree",
     "__version__",
     "build_dflash_drafter",
@@ -81,10 +108,11 @@ __all__ = [
     "build_mtp_drafter",
     "commit_steps_from_flat",
     "dflash_correct_drafts",
+    "filtered_probs",
     "load_dflash_draft",
     "load_eagle3_draft",
     "mtp_drafter",
-    "target_probs",
+    "sample_rows",
     "truncate_at_stop",
     "verify_greedy",
     "verify_sampling",

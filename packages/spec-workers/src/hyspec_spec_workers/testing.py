@@ -1,12 +1,13 @@
 """A model-level generation loop with and without speculation: the harness of the lossless tests.
 
-It drives a target model, its `HybridBackend` and pool directly (no scheduler): one batched prefill of all
-prompts (mixed lengths), then plain decode steps or speculative rounds (`Drafter.propose` then
-`verify_and_commit`) until every row has hit its stop token or budget. Finished rows are freed at once, so the
-batch shrinks and request rows, state slots and batch rows stop lining up, as in a real engine.
+It drives a target model, its `HybridBackend` and pool directly (no scheduler, no CUDA graphs): one batched
+prefill of all prompts (mixed lengths), then plain decode steps or speculative rounds until every row has
+hit its stop token or budget. The rounds are the product's own (`round.SpeculativeRound`, the round a
+server's runner runs), over `EagerTarget`, the eager `VerifyTarget`. Finished rows are freed at once, so
+the batch shrinks and request rows, state slots and batch rows stop lining up, as in a real engine.
 
-A `ModelDrafter` is driven like an engine would: its requests are added at prefill, the prompt and then
-every accepted path are committed to it with the target's features (captured at its `capture_layers`), and
+A `ModelDrafter` is followed as an engine follows it: its requests are added at prefill, the prompt and then
+every accepted path reach its KV with the target's features (lazily, through the round's draft feed), and
 its requests are freed with the target's.
 
 Also the lossless tests' shared inputs, for this package's tests and those of packages built on it (the
@@ -16,18 +17,19 @@ target architecture it runs on.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from hyspec_attn_backends import HybridBackend
+from hyspec_attn_backends import ForwardBatch, HybridBackend
 from hyspec_models.protocol import HybridCausalLM
 from hyspec_statepool.pool import HybridStatePool
 
 from hyspec_spec_workers.adaptive import AdaptiveDraftLength
-from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, ModelDrafter
-from hyspec_spec_workers.step import VerifyStepOutput, verify_and_commit
+from hyspec_spec_workers.drafter import CommittedTokens, Drafter, ModelDrafter
+from hyspec_spec_workers.round import RoundRow, SpeculativeRound
+from hyspec_spec_workers.sampling import SampledToken, Sampler
 
 # 8 prompts of mixed lengths (one of a single token, repetitive ones an n-gram drafter matches), generated
 # together: rows finish at different times, so request rows, state slots and batch rows part ways
@@ -96,6 +98,109 @@ class GenerationStats:
     num_forwards: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Greedy:
+    """Sampling knobs of a greedy request without penalties or logprobs (`sampling.SamplingKnobs`)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    has_penalties: bool = False
+
+
+@dataclass(slots=True)
+class _Request:
+    """A generation row as the round sees it (`round.RoundRequest`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    params: _Greedy = field(default_factory=_Greedy)
+    generator: torch.Generator | None = None
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+
+class EagerTarget:
+    """The eager `VerifyTarget` over a model, its backend and pool (greedy plain decode steps)."""
+
+    def __init__(
+        self, model: HybridCausalLM, backend: HybridBackend, pool: HybridStatePool, spec: SpeculativeRound
+    ) -> None:
+        self.model, self.backend, self.pool, self.spec = model, backend, pool, spec
+        self._sampler = Sampler(pool.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    @property
+    def sampler(self) -> Sampler:
+        return self._sampler
+
+    @property
+    def graphed(self) -> bool:
+        return False
+
+    def verify_block_size(self, num_rows: int, block_size: int, *, tree: bool) -> int:
+        return block_size
+
+    def forward_verify(
+        self,
+        *,
+        req_ids: Sequence[str],
+        block_tokens: torch.Tensor,
+        prefix_lens: Sequence[int],
+        tree_parents: torch.Tensor | None,
+    ) -> tuple[ForwardBatch, torch.Tensor, tuple[torch.Tensor, ...]]:
+        d = block_tokens.shape[1]
+        self.pool.ensure_kv_capacity(list(req_ids), [p + d for p in prefix_lens])
+        batch = self.backend.prepare_verify(
+            req_rows=self.pool.req_rows(list(req_ids)),
+            block_tokens=block_tokens,
+            prefix_lens=list(prefix_lens),
+            tree_parents=tree_parents,
+        )
+        out = self.model(batch, self.backend, capture_layers=self.spec.capture_layers)
+        return batch, out.hidden_states, tuple(out.aux_hidden_states)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    def commit_after_verify(
+        self, *, batch: ForwardBatch, num_accepted: torch.Tensor, accept_paths: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self.backend.commit_after_verify(
+            batch=batch, num_accepted=num_accepted, accept_paths=accept_paths
+        )
+
+    def decode(self, rows: Sequence[RoundRow]) -> list[SampledToken]:
+        ids = [r.request.request_id for r in rows]
+        prefix = [r.prefix_len for r in rows]
+        roots = torch.tensor([r.root_token for r in rows], dtype=torch.int64)
+        self.pool.ensure_kv_capacity(ids, [p + 1 for p in prefix])
+        batch = self.backend.prepare_decode(
+            req_rows=self.pool.req_rows(ids), input_ids=roots, prefix_lens=prefix
+        )
+        out = self.model(batch, self.backend, capture_layers=self.spec.capture_layers)
+        self.spec.feed_forward(
+            req_ids=ids,
+            start_positions=prefix,
+            num_tokens=[1] * len(ids),
+            tokens=roots.to(out.hidden_states.device),
+            hidden=out.hidden_states,
+            aux=tuple(out.aux_hidden_states),
+        )
+        toks = self.model.compute_logits(out.hidden_states).argmax(dim=-1).tolist()
+        return [SampledToken(int(t), None, None) for t in toks]
+
+
 def generate(
     model: HybridCausalLM,
     backend: HybridBackend,
@@ -109,13 +214,22 @@ def generate(
     adaptive: Sequence[AdaptiveDraftLength] | None = None,
     stats: GenerationStats | None = None,
 ) -> list[list[int]]:
-    """Greedy generation; with a drafter, speculative rounds of `num_steps` drafts (or adaptive lengths)."""
+    """Greedy generation; with a drafter, speculative rounds of `num_steps` drafts.
+
+    `adaptive`: per-row length states whose `steps` cap each row's drafts every round (0 = none) and which
+    observe each round's accepted drafts. A drafter whose blocks are longer than a chain of `num_steps`
+    drafts proposes trees.
+    """
     stats = GenerationStats() if stats is None else stats
-    md = drafter if isinstance(drafter, ModelDrafter) else None
-    capture = () if md is None else md.capture_layers
-    ids = [f"gen-{i}" for i in range(len(prompts))]
+    spec: SpeculativeRound | None = None
+    if drafter is not None:
+        spec = SpeculativeRound(
+            drafter, num_speculative_tokens=num_steps, tree=drafter.max_draft_tokens > num_steps + 1
+        )
+    capture = () if spec is None else spec.capture_layers
+    reqs = [_Request(f"gen-{i}", list(p)) for i, p in enumerate(prompts)]
+    ids = [r.request_id for r in reqs]
     pool.alloc(ids)
-    out: list[list[int]] = [[] for _ in prompts]
     prefix = [len(p) for p in prompts]
     pool.ensure_kv_capacity(ids, prefix)
     flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
@@ -123,113 +237,98 @@ def generate(
         req_rows=pool.req_rows(ids), input_ids=flat, q_lens=prefix, prefix_lens=[0] * len(ids)
     )
     fwd = model(batch, backend, capture_layers=capture)
-    hidden = fwd.hidden_states
-    if md is not None:
-        md.add_requests(ids)
-        md.commit(
-            CommittedTokens(
-                req_ids=ids,
-                start_positions=torch.zeros(len(ids), dtype=torch.int64),
-                num_tokens=torch.tensor(prefix, dtype=torch.int64),
-                tokens=flat,
-                hidden_states=hidden,
-                aux_hidden_states=fwd.aux_hidden_states,
-            )
+    if spec is not None:
+        for rid in ids:
+            spec.on_alloc(rid)
+        spec.feed_forward(
+            req_ids=ids,
+            start_positions=[0] * len(ids),
+            num_tokens=prefix,
+            tokens=flat.to(fwd.hidden_states.device),
+            hidden=fwd.hidden_states,
+            aux=tuple(fwd.aux_hidden_states),
         )
     last = torch.cumsum(torch.tensor(prefix), 0) - 1
-    first = model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+    first = model.compute_logits(fwd.hidden_states[last]).argmax(dim=-1).tolist()
     # each row's last generated token is the next round's root: not in KV or state yet
-    live: list[int] = []
-    for i, t in enumerate(first):
-        out[i].append(int(t))
-        live.append(i)
-    live = _retire(pool, md, ids, out, live, max_new_tokens, eos_token_id)
+    for r, t in zip(reqs, first, strict=True):
+        r.output_token_ids.append(int(t))
+    live = _retire(pool, spec, reqs, list(range(len(reqs))), max_new_tokens, eos_token_id)
+    target = None if spec is None else EagerTarget(model, backend, pool, spec)
     while live:
         stats.num_forwards += 1
-        rows = pool.req_rows([ids[i] for i in live])
-        roots = torch.tensor([out[i][-1] for i in live], dtype=torch.int64)
-        if drafter is None:
-            pool.ensure_kv_capacity([ids[i] for i in live], [prefix[i] + 1 for i in live])
-            b = backend.prepare_decode(req_rows=rows, input_ids=roots, prefix_lens=[prefix[i] for i in live])
+        if spec is None or target is None:
+            lids = [ids[i] for i in live]
+            pool.ensure_kv_capacity(lids, [prefix[i] + 1 for i in live])
+            roots = torch.tensor([reqs[i].output_token_ids[-1] for i in live], dtype=torch.int64)
+            b = backend.prepare_decode(
+                req_rows=pool.req_rows(lids), input_ids=roots, prefix_lens=[prefix[i] for i in live]
+            )
             toks = model.compute_logits(model(b, backend).hidden_states).argmax(dim=-1).tolist()
             for i, t in zip(live, toks, strict=True):
-                out[i].append(int(t))
+                reqs[i].output_token_ids.append(int(t))
                 prefix[i] += 1
         else:
-            steps = [num_steps if adaptive is None else adaptive[i].steps for i in live]
-            draft = drafter.propose(
-                DraftBatch(
-                    root_tokens=roots,
-                    num_steps=steps,
-                    histories=[torch.tensor(list(prompts[i]) + out[i]) for i in live],
-                    req_ids=[ids[i] for i in live],
+            dmax = spec.max_draft_tokens - 1
+            rows = [
+                RoundRow(
+                    request=reqs[i],
+                    prefix_len=prefix[i],
+                    root_token=reqs[i].output_token_ids[-1],
+                    max_drafts=dmax if adaptive is None else min(adaptive[i].steps, dmax),
+                    max_new_tokens=max_new_tokens - len(reqs[i].output_token_ids),
+                    stop_token_ids=frozenset() if eos_token_id is None else frozenset([eos_token_id]),
                 )
-            )
-            d = draft.tree.block_size
-            pool.ensure_kv_capacity([ids[i] for i in live], [prefix[i] + d for i in live])
-            stop = torch.full((len(live), 1), -1 if eos_token_id is None else eos_token_id, dtype=torch.int64)
-            budget = torch.tensor([max_new_tokens - len(out[i]) for i in live])
-            step = verify_and_commit(
-                model=model,
-                backend=backend,
-                req_rows=rows,
-                prefix_lens=torch.tensor([prefix[i] for i in live]),
-                draft=draft,
-                stop_token_ids=stop,
-                max_new_tokens=budget,
-                capture_layers=capture,
-            )
-            res = step.result
-            if md is not None:
-                md.commit(
-                    _accepted_path(step, draft.tree.tokens, [ids[i] for i in live], [prefix[i] for i in live])
-                )
-            for j, (i, toks_i) in enumerate(zip(live, res.tolist(), strict=True)):
-                k = int(res.num_accepted[j])
+                for i in live
+            ]
+            for i, res in zip(live, spec.run(target, rows), strict=True):
+                k = res.num_accepted
                 stats.num_accepted.append(k)
                 if adaptive is not None:
                     adaptive[i].observe(min(k, adaptive[i].steps))
-                out[i].extend(toks_i)
+                reqs[i].output_token_ids.extend(t.token_id for t in res.tokens)
                 prefix[i] += k + 1
                 pool.truncate_kv(ids[i], prefix[i])
-        live = _retire(pool, md, ids, out, live, max_new_tokens, eos_token_id)
-    return out
-
-
-def _accepted_path(
-    step: VerifyStepOutput, block_tokens: torch.Tensor, req_ids: list[str], prefix: list[int]
-) -> CommittedTokens:
-    """Each row's accepted path (root first) with the target's features at its nodes: what was committed."""
-    res = step.result
-    d = block_tokens.shape[1]
-    idx = res.accept_index.clamp(min=0).to(block_tokens.device)  # [N, D]
-    keep = torch.arange(d, device=idx.device)[None, :] <= res.num_accepted.to(idx.device)[:, None]
-
-    def gather(x: torch.Tensor) -> torch.Tensor:  # [N, D, H] -> [sum(accepted + 1), H]
-        return x[torch.arange(x.shape[0], device=x.device)[:, None], idx.to(x.device)][keep.to(x.device)]
-
-    return CommittedTokens(
-        req_ids=req_ids,
-        start_positions=torch.tensor(prefix, dtype=torch.int64),
-        num_tokens=(res.num_accepted + 1).cpu(),
-        tokens=block_tokens.gather(1, idx)[keep],
-        hidden_states=gather(step.hidden_states),
-        aux_hidden_states=tuple(gather(a) for a in step.aux_hidden_states),
-    )
+        live = _retire(pool, spec, reqs, live, max_new_tokens, eos_token_id)
+    if spec is not None:
+        spec.leak_check()
+    return [r.output_token_ids for r in reqs]
 
 
 def _retire(
     pool: HybridStatePool,
-    md: ModelDrafter | None,
-    ids: list[str],
-    out: list[list[int]],
+    spec: SpeculativeRound | None,
+    reqs: list[_Request],
     live: list[int],
     max_new: int,
     eos: int | None,
 ) -> list[int]:
-    done = [i for i in live if len(out[i]) >= max_new or (eos is not None and out[i][-1] == eos)]
+    done = [
+        i
+        for i in live
+        if len(reqs[i].output_token_ids) >= max_new
+        or (eos is not None and reqs[i].output_token_ids[-1] == eos)
+    ]
     if done:
-        pool.free([ids[i] for i in done])
-        if md is not None:
-            md.free_requests([ids[i] for i in done])
+        pool.free([reqs[i].request_id for i in done])
+        if spec is not None:
+            for i in done:
+                spec.on_free(reqs[i].request_id)
     return [i for i in live if i not in done]
+
+
+def track_committed(drafter: ModelDrafter) -> dict[Hashable, list[int]]:
+    """Wraps the drafter's `commit`: the returned dict then holds each request's tokens in its draft KV (its
+    committed history), in position order (a test's view of what the lazy draft extend delivered)."""
+    seen: dict[Hashable, list[int]] = {}
+    inner = drafter.commit
+
+    def commit(c: CommittedTokens) -> None:
+        off = 0
+        for r, start, q in zip(c.req_ids, c.start_positions.tolist(), c.num_tokens.tolist(), strict=True):
+            seen[r] = seen.get(r, [])[:start] + c.tokens[off : off + q].tolist()
+            off += q
+        inner(c)
+
+    drafter.commit = commit  # type: ignore[method-assign,assignment]
+    return seen

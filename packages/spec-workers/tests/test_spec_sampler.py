@@ -1,6 +1,6 @@
 import pytest
 import torch
-from hyspec_server.sampler import Sampler, SamplingTensors, filtered_probs
+from hyspec_spec_workers.sampling import Sampler, SamplingTensors, filtered_probs
 
 CPU = torch.device("cpu")
 

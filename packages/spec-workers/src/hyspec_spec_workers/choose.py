@@ -1,0 +1,184 @@
+"""Choosing a round's tokens on the verify logits, and reading its outcome back in one transfer.
+
+Every choice is made on the penalised logits (`penalised`), as plain decoding makes it; greedy rows by
+argmax walk, sampling rows by exact rejection sampling on the plain sampler's filtered distribution
+(`sampling.filtered_block_probs`), each seeded request with its own generator (so the same seed gives the
+same output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from hyspec_statepool.transfer import to_device
+
+from hyspec_spec_workers.drafter import CommittedTokens
+from hyspec_spec_workers.sampling import Sampler, SamplingRequest, filtered_block_probs, sampling_tensors
+from hyspec_spec_workers.tree import VerifyTree
+from hyspec_spec_workers.verify import VerifyResult, verify_greedy, verify_sampling
+
+
+def choose_tokens(
+    tree: VerifyTree,
+    logits: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    requests: Sequence[SamplingRequest],
+    *,
+    nodes: list[int],
+    sampler: Sampler,
+) -> VerifyResult:
+    """Greedy rows by argmax walk, sampling rows by exact rejection sampling with their own generator.
+
+    Args:
+        tree: [N, D] verify blocks on the logits' device.
+        logits: [N, D, V] target logits after every node.
+        draft_probs: [N, D, V] draft distributions of sampled drafts, or None.
+        requests: per row, in order.
+        nodes: the tree's real nodes per row, on the host.
+        sampler: the target's sampler (its shared generator draws for unseeded rows).
+    """
+    logits = penalised(logits, tree, requests)
+    params = [r.params for r in requests]
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    if len(greedy) == len(params):
+        return verify_greedy(tree, logits.argmax(dim=-1))
+    # a sampling row without drafts draws exactly as plain decoding does (same generator use), so its
+    # output does not depend on whether other rows of the batch drafted
+    alone = [i for i, p in enumerate(params) if p.temperature > 0 and nodes[i] == 1]
+    groups: list[tuple[list[int], torch.Generator | None]] = []
+    if greedy:
+        groups.append((greedy, None))
+    drafting = [i for i, p in enumerate(params) if p.temperature > 0 and nodes[i] > 1]
+    shared = [i for i in drafting if requests[i].generator is None]
+    if shared:
+        groups.append((shared, sampler.generator))
+    groups += [([i], requests[i].generator) for i in drafting if requests[i].generator is not None]
+    parts: list[tuple[list[int], VerifyResult]] = []
+    if alone:
+        st = sampling_tensors([requests[i] for i in alone], logits.device)
+        # the logits are penalised already
+        st = replace(st, num_logprobs=-1, penalties=None)
+        picked = sampler(logits[alone, 0], st).token_ids  # [n]
+        pred = picked[:, None].expand(-1, tree.block_size)
+        parts.append((alone, verify_greedy(_rows(tree, alone), pred)))
+    for rows, gen in groups:
+        sub = _rows(tree, rows)
+        lg = logits[rows]  # [n, D, V]
+        if params[rows[0]].temperature == 0:
+            parts.append((rows, verify_greedy(sub, lg.argmax(dim=-1))))
+            continue
+        probs = filtered_block_probs(lg, [params[i] for i in rows])
+        dp = None if draft_probs is None else draft_probs[rows]
+        parts.append((rows, verify_sampling(sub, probs, draft_probs=dp, generator=gen)))
+    return _merge(parts, tree.batch_size)
+
+
+def penalised(logits: torch.Tensor, tree: VerifyTree, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+    """[N, D, V] verify logits with each request's penalties applied at every node (unchanged if none).
+
+    Node j's history is the one plain decoding would have after emitting node j: prompt, generated tokens
+    (the root, the last of them, included) and the drafts on the path from the root to j (its ancestors and
+    itself). So greedy speculation with penalties emits plain greedy's tokens, and rejection sampling draws
+    from the penalised target distribution.
+    """
+    if not any(r.params.has_penalties for r in requests):
+        return logits
+    rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
+    pen = sampling_tensors([requests[i] for i in rows], logits.device).penalties
+    assert pen is not None
+    idx = to_device(rows, dtype=torch.int64, device=logits.device)
+    path = tree.tree_mask[idx].clone()  # [n, D, D]
+    path[:, :, 0] = False  # the root token is already the history's last token
+    out = logits.float().clone()  # [N, D, V] fp32
+    out[idx] = pen.apply_block(logits[idx], block_tokens=tree.tokens[idx], path_mask=path)
+    return out
+
+
+def _rows(tree: VerifyTree, rows: list[int]) -> VerifyTree:
+    idx = to_device(rows, dtype=torch.int64, device=tree.tokens.device)
+    return VerifyTree(
+        tokens=tree.tokens[idx],
+        parents=tree.parents[idx],
+        num_nodes=tree.num_nodes[idx],
+        depth=tree.depth[idx],
+        tree_mask=tree.tree_mask[idx],
+        first_child=tree.first_child[idx],
+        next_sibling=tree.next_sibling[idx],
+        is_chain=tree.is_chain,
+        host_num_nodes=None if tree.host_num_nodes is None else tuple(tree.host_num_nodes[i] for i in rows),
+    )
+
+
+def _merge(parts: list[tuple[list[int], VerifyResult]], n: int) -> VerifyResult:
+    first = parts[0][1]
+
+    def gather(name: str) -> torch.Tensor:
+        ref: torch.Tensor = getattr(first, name)
+        full = torch.empty((n, *ref.shape[1:]), dtype=ref.dtype, device=ref.device)
+        for rows, res in parts:
+            full[to_device(rows, dtype=torch.int64, device=ref.device)] = getattr(res, name)
+        return full
+
+    names = ("num_accepted", "accept_index", "output_tokens", "bonus", "commit_steps", "finished")
+    return replace(first, **{k: gather(k) for k in names})
+
+
+@dataclass(frozen=True, slots=True)
+class HostRound:
+    """A round's outcome on the host, read back in one transfer (the host needs it to emit tokens anyway).
+
+    Attributes:
+        num_accepted: per row, accepted drafts (bonus excluded).
+        tokens: per row, the emitted tokens (num_accepted + 1).
+        paths: per row, the accepted path's node indices (D entries, -1 past the path); only when read.
+    """
+
+    num_accepted: list[int]
+    tokens: list[list[int]]
+    paths: list[list[int]] | None
+
+    @staticmethod
+    def read(res: VerifyResult, *, with_paths: bool) -> HostRound:
+        d = res.output_tokens.shape[1]
+        parts = [res.num_accepted[:, None], res.output_tokens] + ([res.accept_index] if with_paths else [])
+        rows = torch.cat(parts, dim=1).tolist()  # [N, 1 + D (+ D)], one device read
+        acc = [int(r[0]) for r in rows]
+        tokens = [r[1 : 2 + k] for r, k in zip(rows, acc, strict=True)]
+        paths = [r[1 + d :] for r in rows] if with_paths else None
+        return HostRound(acc, tokens, paths)
+
+
+def accepted_path(
+    hidden: torch.Tensor,
+    aux: tuple[torch.Tensor, ...],
+    tree: VerifyTree,
+    res: VerifyResult,
+    ids: list[str],
+    prefix: list[int],
+    *,
+    num_accepted: list[int],
+) -> CommittedTokens:
+    """Each row's accepted path (root first) with the target's features at its nodes: what was committed.
+
+    The host's `num_accepted` sizes the selection, so no boolean mask (a sync) picks the committed nodes.
+    """
+    n, d = tree.batch_size, tree.block_size
+    dev = res.accept_index.device
+    # [N * D] flat block position of each path entry; row i keeps its first num_accepted[i] + 1 entries
+    node = (res.accept_index.clamp(min=0) + torch.arange(n, device=dev)[:, None] * d).reshape(-1)
+    keep = [i * d + j for i, k in enumerate(num_accepted) for j in range(k + 1)]  # row by row, root first
+    flat = node[to_device(keep, dtype=torch.int64, device=dev)]  # [sum(accepted + 1)]
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # [N * D, H] -> [sum(accepted + 1), H]
+        return x.reshape(n * d, -1)[flat.to(x.device)]
+
+    return CommittedTokens(
+        req_ids=ids,
+        start_positions=torch.tensor(prefix, dtype=torch.int64),
+        num_tokens=torch.tensor([k + 1 for k in num_accepted], dtype=torch.int64),
+        tokens=tree.tokens.reshape(-1)[flat],
+        hidden_states=gather(hidden),
+        aux_hidden_states=tuple(gather(a) for a in aux),
+    )

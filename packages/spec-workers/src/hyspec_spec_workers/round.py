@@ -1,0 +1,522 @@
+"""The speculative round: draft, verify, choose tokens, truncate, commit, feed the drafter back.
+
+The one round every caller runs: a server's model runner and this package's own generation loop
+(`testing.generate`) alike. It talks to the target through `VerifyTarget` (owned here; a runner with CUDA
+graphs and an eager loop both satisfy it) and sees requests as `RoundRow`s.
+
+1. Draft lengths: the config's S, or each request's adaptive length (0 = no drafting), capped by the KV
+   the caller reserved (`RoundRow.max_drafts`) and so that a request never drafts more than it may still
+   emit. Trees draft all S steps or none.
+2. `Drafter.propose`; the block is trimmed to the longest real row, so a round where no row proposes
+   anything is a plain decode step (`VerifyTarget.decode`) and never pays for a D-token verify.
+3. TARGET_VERIFY forward over the N x D block, logits at every node. A graphed target runs the smallest
+   captured verify shape >= D (`VerifyTarget.verify_block_size`): the block is padded with chain nodes that
+   no real node sees and that verification, commit and stats never reach. Tokens are chosen on the
+   penalised logits, greedy rows by argmax walk, sampling rows by exact rejection sampling on the plain
+   sampler's filtered distribution (`choose.py`).
+4. `truncate_at_stop` cuts every row at its first EOS / stop token id and at its token budget. The very
+   same arrays go to `commit_after_verify`, to the drafter and to the tokens returned (which set the
+   caller's computed length), so KV, recurrent state and output always agree (bug class 22).
+5. A model drafter gets the accepted path with the target's features, lazily (`draft_feed.py`).
+
+Counting (architecture.md): `num_accepted` counts accepted drafts, bonus excluded; a round commits and emits
+`num_accepted + 1` tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from hyspec_attn_backends import ForwardBatch
+from hyspec_statepool.transfer import to_device
+
+from hyspec_spec_workers.adaptive import AdaptiveController, AdaptiveDraftLength, CostTracker
+from hyspec_spec_workers.choose import HostRound, accepted_path, choose_tokens
+from hyspec_spec_workers.config import AdaptiveConfig, SpeculativeConfig
+from hyspec_spec_workers.draft_feed import DraftFeed
+from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
+from hyspec_spec_workers.sampling import SampledToken, Sampler, SamplingRequest
+from hyspec_spec_workers.tree import VerifyTree
+from hyspec_spec_workers.verify import truncate_at_stop
+
+
+class RoundRequest(SamplingRequest, Protocol):
+    """A request as the round sees it: the sampler's view plus its id and its tokens (n-gram history)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    def token_slice(self, start: int, end: int) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRow:
+    """One decoding request in a round.
+
+    Attributes:
+        request: the request.
+        prefix_len: tokens in its KV and state; its current (root) token sits at this position.
+        root_token: the current token: the last one emitted, not yet in KV or state.
+        max_drafts: drafts the caller reserved KV room for past the root (<= Dmax - 1).
+        max_new_tokens: tokens it may still emit (>= 1): the round never emits more.
+        stop_token_ids: EOS and stop token ids; the round stops a row after the first it emits.
+    """
+
+    request: RoundRequest
+    prefix_len: int
+    root_token: int
+    max_drafts: int
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedTokens:
+    """Outcome of a round for one request.
+
+    Attributes:
+        tokens: emitted tokens in order: the accepted drafts then the bonus (num_accepted + 1 of them, already
+            cut at EOS, stop token ids and the token budget).
+        num_drafts: drafts proposed for the request this round (0: a plain decode round).
+        num_accepted: accepted drafts, bonus excluded; the request's KV and state now hold its verify block's
+            root and these drafts.
+    """
+
+    tokens: tuple[SampledToken, ...]
+    num_drafts: int
+    num_accepted: int
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != self.num_accepted + 1:
+            raise ValueError(
+                f"tokens: expected num_accepted + 1 = {self.num_accepted + 1} tokens, got {len(self.tokens)}"
+            )
+        if not 0 <= self.num_accepted <= self.num_drafts:
+            raise ValueError(f"num_accepted: expected in [0, {self.num_drafts}], got {self.num_accepted}")
+
+
+class VerifyTarget(Protocol):
+    """What a speculative round needs from the target's runner."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def sampler(self) -> Sampler:
+        """The target's one sampler (plain decoding samples with it too)."""
+        ...
+
+    @property
+    def graphed(self) -> bool:
+        """Verify forwards replay captured graphs (a tree config keeps tree metadata for chains then)."""
+        ...
+
+    def verify_block_size(self, num_rows: int, block_size: int, *, tree: bool) -> int:
+        """The block size the verify forward of `num_rows` blocks of `block_size` runs at (>= block_size)."""
+        ...
+
+    def forward_verify(
+        self,
+        *,
+        req_ids: Sequence[str],
+        block_tokens: torch.Tensor,
+        prefix_lens: Sequence[int],
+        tree_parents: torch.Tensor | None,
+    ) -> tuple[ForwardBatch, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """TARGET_VERIFY over [N, D] blocks (KV room for prefix + D ensured): the batch, the final hidden
+        states [N * D, H] and the drafter's capture layers, each [N * D, H] (read before the next forward)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def commit_after_verify(
+        self, *, batch: ForwardBatch, num_accepted: torch.Tensor, accept_paths: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
+    def decode(self, rows: Sequence[RoundRow]) -> list[SampledToken]:
+        """A plain decode step of these rows (their root tokens). Like every plain forward of the target it
+        hands its tokens and features to the round's `feed_forward`."""
+        ...
+
+
+class SpeculativeRound:
+    """Drafter, adaptive lengths and measured costs of one engine; also the drafter's memory follower.
+
+    Args:
+        drafter: proposes the blocks; its `max_draft_tokens` is the largest block (Dmax).
+        num_speculative_tokens: S, the drafts per round (the most, with adaptive lengths).
+        tree: the drafter proposes trees: a row drafts all S steps or none.
+        adaptive: per-request adaptive lengths, or None for S every round.
+        max_draft_tokens: Dmax, the largest block the round accepts (default: the drafter's).
+    """
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        *,
+        num_speculative_tokens: int,
+        tree: bool = False,
+        adaptive: AdaptiveConfig | None = None,
+        max_draft_tokens: int | None = None,
+    ) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens: expected >= 1, got {num_speculative_tokens}")
+        self.drafter = drafter
+        self.num_speculative_tokens = num_speculative_tokens
+        self.is_tree = tree
+        self.model_drafter = drafter if isinstance(drafter, ModelDrafter) else None
+        self.feed = None if self.model_drafter is None else DraftFeed(self.model_drafter)
+        self.max_draft_tokens = drafter.max_draft_tokens if max_draft_tokens is None else max_draft_tokens
+        self.adaptive = None if adaptive is None else AdaptiveController(adaptive, num_speculative_tokens)
+        self.costs = CostTracker()
+        self._lengths: dict[str, AdaptiveDraftLength] = {}
+        self._followed: set[str] = set()
+
+    @staticmethod
+    def from_config(config: SpeculativeConfig, drafter: Drafter) -> SpeculativeRound:
+        """The round of a validated config and the drafter built from it."""
+        return SpeculativeRound(
+            drafter,
+            num_speculative_tokens=config.num_speculative_tokens,
+            tree=config.is_tree,
+            adaptive=config.adaptive,
+            max_draft_tokens=config.max_draft_tokens,
+        )
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return () if self.model_drafter is None else tuple(self.model_drafter.capture_layers)
+
+    # ---------------------------------------------------------------- following requests' memory
+
+    def on_alloc(self, request_id: str) -> None:
+        if self.model_drafter is not None:
+            self.model_drafter.add_requests([request_id])
+            self._followed.add(request_id)
+
+    def on_free(self, request_id: str) -> None:
+        self._lengths.pop(request_id, None)
+        if self.feed is not None:
+            self.feed.drop(request_id)
+        if request_id in self._followed:
+            self._followed.discard(request_id)
+            assert self.model_drafter is not None
+            self.model_drafter.free_requests([request_id])
+
+    def leak_check(self) -> None:
+        waiting = set() if self.feed is None else self.feed.waiting
+        if self._followed or self._lengths or waiting:
+            held = self._followed | set(self._lengths) | waiting
+            raise RuntimeError(f"speculative decoding still follows requests {sorted(held)}")
+        kv = getattr(self.drafter, "kv", None)
+        pool = getattr(kv, "pool", None)
+        if pool is not None:
+            if pool.num_live:
+                raise RuntimeError(f"the drafter's KV pool still holds {pool.num_live} requests")
+            pool.leak_check().raise_if_leaking()
+
+    # ---------------------------------------------------------------- feeding the drafter
+
+    def feed_forward(
+        self,
+        *,
+        req_ids: Sequence[str],
+        start_positions: Sequence[int],
+        num_tokens: Sequence[int],
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        aux: tuple[torch.Tensor, ...],
+    ) -> None:
+        """The tokens of a plain (prefill / decode) forward for the drafter ([T] tokens, [T, H] features)."""
+        if self.feed is not None and req_ids:
+            self.feed.add(
+                CommittedTokens(
+                    req_ids=list(req_ids),
+                    start_positions=torch.tensor(list(start_positions), dtype=torch.int64),
+                    num_tokens=torch.tensor(list(num_tokens), dtype=torch.int64),
+                    tokens=tokens,
+                    hidden_states=hidden,
+                    aux_hidden_states=aux,
+                )
+            )
+
+    def warm_up(
+        self, *, hidden_size: int, dtype: torch.dtype, device: torch.device, max_model_len: int
+    ) -> None:
+        """Loads the draft extend's kernels and times a first catch-up (`DraftFeed.warm_up`)."""
+        if self.feed is not None:
+            seconds = self.feed.warm_up(
+                hidden_size=hidden_size, dtype=dtype, device=device, max_model_len=max_model_len
+            )
+            self.costs.record_catch_up(seconds)
+
+    # ---------------------------------------------------------------- one round
+
+    def _timing_round(self) -> bool:
+        """The first round with cost-aware adaptive lengths times a plain decode step instead of drafting.
+
+        Every later cost decision compares against that time (without it the smallest verify block's time
+        stands in, which is too high and makes drafting look better than it is); the round costs nothing
+        against plain decoding and is not observed by the requests' length states.
+        """
+        return self.adaptive is not None and self.adaptive.config.cost_aware and not self.costs.has_decode
+
+    def draft_lengths(self, rows: Sequence[RoundRow]) -> list[int]:
+        out: list[int] = []
+        for r in rows:
+            if self.is_tree:
+                # a tree drafts its whole depth or nothing; the budget cut happens after verification
+                out.append(self.num_speculative_tokens if r.max_new_tokens > 1 and r.max_drafts > 0 else 0)
+                continue
+            want = self.num_speculative_tokens
+            if self.adaptive is not None:
+                rid = r.request.request_id
+                st = self._lengths.get(rid)
+                if st is None:
+                    # with measured costs a request may start at 0: the engine's earlier requests showed
+                    # that its drafts do not pay (`AdaptiveController.shared`)
+                    known = self.costs if self.costs.ready and self.costs.has_decode else None
+                    st = self._lengths[rid] = self.adaptive.new_request(known)
+                want = st.steps
+            out.append(max(0, min(want, r.max_drafts, r.max_new_tokens - 1)))
+        if self._timing_round():
+            return [0] * len(out)
+        return out
+
+    def run(self, target: VerifyTarget, rows: Sequence[RoundRow]) -> list[VerifiedTokens]:
+        """One speculative round over these decoding rows."""
+        n = len(rows)
+        ids = [r.request.request_id for r in rows]
+        timing = self._timing_round()
+        steps = self.draft_lengths(rows)
+        clock = _DraftClock(target.device)
+        draft: DraftOutput | None = None
+        timed = True
+        t0 = time.perf_counter()
+        if max(steps) > 0:
+            clock.start()
+            roots = torch.tensor([r.root_token for r in rows], dtype=torch.int64)
+            hist = (
+                ()
+                if self.model_drafter is not None
+                else [torch.tensor(r.request.token_slice(0, r.prefix_len + 1)) for r in rows]
+            )
+            if self.feed is not None:
+                # the draft KV catches up on everything committed since its last proposal; more than a
+                # round's block (a prompt, a long stretch without drafting) is a one-off forward that
+                # would inflate the per-round costs: such a round is timed as a catch-up instead (what a
+                # probe after rounds at 0 costs, see `AdaptiveConfig.probe_budget`)
+                timed = self.feed.flush(ids) <= self.max_draft_tokens
+            draft = self.drafter.propose(
+                DraftBatch(root_tokens=roots, num_steps=steps, histories=hist, req_ids=ids)
+            )
+            clock.stop()
+            draft = trim_draft(draft, n, self.max_draft_tokens)
+        if draft is None or draft.tree.block_size == 1:
+            # nobody drafted: a plain decode step
+            results = [VerifiedTokens((t,), 0, 0) for t in target.decode(rows)]
+            if timed:
+                drafting = 0.0 if draft is None else clock.seconds()
+                self.costs.record_decode(time.perf_counter() - t0 - drafting, rows=n)
+            num_acc = [0] * n
+        else:
+            results, block = self._verify(target, rows, draft)
+            if timed:
+                # the round's outcome has been read: the device is done, the drafting time can be read
+                drafting = clock.seconds()
+                self.costs.record_draft(max(steps), drafting)
+                self.costs.record_verify(block, time.perf_counter() - t0 - drafting)
+            num_acc = [r.num_accepted for r in results]
+        if not timed:
+            self.costs.record_catch_up(time.perf_counter() - t0, max(steps))
+        if self.adaptive is not None and not timing:
+            cost = self.costs if self.costs.ready else None
+            for rid, k in zip(ids, num_acc, strict=True):
+                st = self._lengths[rid]
+                st.observe(min(k, st.steps), cost)
+        return results
+
+    def _verify(
+        self, target: VerifyTarget, rows: Sequence[RoundRow], draft: DraftOutput
+    ) -> tuple[list[VerifiedTokens], int]:
+        """The TARGET_VERIFY forward, token choice, truncation, commit and the drafter's feed.
+
+        Returns the results and the block size the forward ran at (the drafter's, or a captured one >= it).
+        """
+        dev = target.device
+        ids = [r.request.request_id for r in rows]
+        # on the host (most drafters, from the host roots `run` passes) or, for a one-layer chain drafter, on
+        # the device with node counts on the host
+        tree = draft.tree
+        nodes = tree.node_counts()  # [N] real nodes per row (known on the host: no device read)
+        dp = None if draft.draft_probs is None else draft.draft_probs[:, : tree.block_size].to(dev)
+        n = tree.batch_size
+        # a tree config keeps tree metadata for a chain-shaped round too, so the round meets the tree graphs
+        as_tree = not tree.is_chain or (self.is_tree and target.graphed)
+        d = target.verify_block_size(n, tree.block_size, tree=as_tree)
+        if d > tree.block_size:
+            tree, dp = pad_block(tree, dp, d)  # before the move: the host bookkeeping needs no device read
+        tree = tree.to(dev)  # from the host: one pinned, non-blocking copy
+        prefix = [r.prefix_len for r in rows]
+        batch, hidden, aux = target.forward_verify(
+            req_ids=ids,
+            block_tokens=tree.tokens,
+            prefix_lens=prefix,
+            tree_parents=tree.parents if as_tree else None,
+        )
+        logits = target.compute_logits(hidden).reshape(n, d, -1)  # [N, D, V]
+        result = choose_tokens(
+            tree,
+            logits,
+            dp,
+            [r.request for r in rows],
+            nodes=nodes,
+            sampler=target.sampler,
+        )
+        # host tensors: truncate_at_stop checks them on the host and copies them without a sync
+        stop = _stop_ids(rows)
+        budget = torch.tensor([r.max_new_tokens for r in rows], dtype=torch.int64)
+        # the same (truncated) arrays go to the commit, the drafter, the computed-token count and the output
+        result = truncate_at_stop(result, stop_token_ids=stop, max_new_tokens=budget)
+        target.commit_after_verify(
+            batch=batch,
+            num_accepted=result.num_accepted,
+            accept_paths=result.accept_index if batch.is_tree else None,
+        )
+        want_paths = any(r.request.params.logprobs is not None for r in rows)
+        host = HostRound.read(result, with_paths=want_paths)  # the round's one read of its outcome
+        if self.feed is not None:
+            self.feed.add(
+                accepted_path(hidden, aux, tree, result, ids, prefix, num_accepted=host.num_accepted)
+            )
+        return _to_verified(host, logits, rows, num_nodes=nodes), d
+
+
+class _DraftClock:
+    """Times a round's drafting without making the host wait for it.
+
+    On CUDA two events on the stream bracket the proposal; their interval is read after the round's one host
+    read (everything queued is done by then), so the host queues the verify forward while the device still
+    drafts. The verify cost is the rest of the round's wall time. On the CPU the proposal's wall time.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._t0 = self._t1 = 0.0
+
+    def start(self) -> None:
+        if self._cuda:
+            new = torch.cuda.Event
+            self._events = (new(enable_timing=True), new(enable_timing=True))  # type: ignore[no-untyped-call]
+            self._events[0].record()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        self._t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self._events is not None:
+            return float(self._events[0].elapsed_time(self._events[1])) / 1e3
+        return self._t1 - self._t0
+
+
+def _stop_ids(rows: Sequence[RoundRow]) -> torch.Tensor:
+    """[N, M] int64 EOS and stop token ids per row, -1 padded, on the host."""
+    sets = [sorted(r.stop_token_ids) for r in rows]
+    m = max(1, max(len(s) for s in sets))
+    return torch.tensor([s + [-1] * (m - len(s)) for s in sets], dtype=torch.int64)
+
+
+def trim_draft(draft: DraftOutput, n: int, dmax: int) -> DraftOutput:
+    """Checks the drafter's block and cuts padding columns no row uses."""
+    tree = draft.tree
+    if tree.batch_size != n:
+        raise ValueError(f"drafter: expected {n} verify blocks, got {tree.batch_size}")
+    if tree.block_size > dmax:
+        raise ValueError(f"drafter: expected blocks of at most Dmax = {dmax} tokens, got {tree.block_size}")
+    d = max(tree.node_counts(), default=1)
+    if d == tree.block_size:
+        return draft
+    cut = (
+        _resized_chain(tree, d)
+        if tree.is_chain
+        else VerifyTree.from_parents(tree.tokens[:, :d], tree.parents[:, :d], tree.num_nodes)
+    )
+    dp = None if draft.draft_probs is None else draft.draft_probs[:, :d]
+    return DraftOutput(cut, dp)
+
+
+def pad_block(
+    tree: VerifyTree, draft_probs: torch.Tensor | None, d: int
+) -> tuple[VerifyTree, torch.Tensor | None]:
+    """The same blocks as d-node blocks (a captured graph's D): the extra nodes continue each row's chain
+    after its last node, so no real node sees them, verification never reaches them (num_nodes unchanged)
+    and no commit step points at them."""
+    n, d0 = tree.batch_size, tree.block_size
+    dev = tree.tokens.device
+    if tree.is_chain:
+        padded = _resized_chain(tree, d)
+    else:
+        tokens = torch.cat([tree.tokens, torch.zeros(n, d - d0, dtype=torch.int64, device=dev)], dim=1)
+        tail = (torch.arange(d0, d, dtype=torch.int64, device=dev) - 1).expand(n, d - d0)
+        padded = VerifyTree.from_parents(tokens, torch.cat([tree.parents, tail], dim=1), tree.num_nodes)
+    if draft_probs is not None:
+        v = draft_probs.shape[-1]
+        draft_probs = torch.cat([draft_probs, draft_probs.new_zeros(n, d - d0, v)], dim=1)  # [N, d, V]
+    return padded, draft_probs
+
+
+def _resized_chain(tree: VerifyTree, d: int) -> VerifyTree:
+    """The same chains as d-node blocks (cut, or padded with nodes that continue each chain), built on the
+    tree's device from the host's node counts: no device read."""
+    n, d0 = tree.batch_size, tree.block_size
+    drafts = tree.tokens[:, 1:d]  # [N, <= d - 1]
+    if d > d0:
+        pad = torch.zeros(n, d - d0, dtype=torch.int64, device=tree.tokens.device)
+        drafts = torch.cat([drafts, pad], dim=1)  # [N, d - 1]
+    num_drafts = torch.tensor([k - 1 for k in tree.node_counts()], dtype=torch.int64)
+    return VerifyTree.chain(tree.tokens[:, 0], drafts, num_drafts)
+
+
+def _to_verified(
+    host: HostRound, logits: torch.Tensor, rows: Sequence[RoundRow], *, num_nodes: list[int]
+) -> list[VerifiedTokens]:
+    """Python results, with logprobs (of the raw target distribution) for requests that asked.
+
+    `num_nodes`: real verify-block nodes per row (root included), so drafts = num_nodes - 1.
+    """
+    toks = host.tokens
+    acc = host.num_accepted
+    drafts = [k - 1 for k in num_nodes]
+    want = [i for i, r in enumerate(rows) if r.request.params.logprobs is not None]
+    lp_rows: dict[int, tuple[list[float], list[dict[int, float] | None]]] = {}
+    if want:
+        paths = host.paths
+        assert paths is not None, "read the round with_paths when a request wants logprobs"
+        for i in want:
+            k = rows[i].request.params.logprobs or 0
+            nodes = paths[i][: acc[i] + 1]  # emitted token e comes from the logits after node nodes[e]
+            lp = torch.log_softmax(logits[i, nodes].float(), dim=-1)  # [e, V]
+            emitted = to_device(toks[i], dtype=torch.int64, device=lp.device)  # [e]
+            chosen = lp.gather(1, emitted[:, None])[:, 0].tolist()
+            tops: list[dict[int, float] | None] = [None] * len(nodes)
+            if k > 0:
+                tv, ti = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
+                tops = [dict(zip(a, b)) for a, b in zip(ti.tolist(), tv.tolist())]
+            lp_rows[i] = (chosen, tops)
+    out: list[VerifiedTokens] = []
+    for i, row in enumerate(toks):
+        if i in lp_rows:
+            chosen, tops = lp_rows[i]
+            sampled = tuple(SampledToken(t, chosen[e], tops[e]) for e, t in enumerate(row))
+        else:
+            sampled = tuple(SampledToken(t, None, None) for t in row)
+        out.append(VerifiedTokens(sampled, drafts[i], acc[i]))
+    return out
