@@ -1,0 +1,170 @@
+"""Speed of plain decoding and speculative rounds on the shipped demo Qwen3.5, at batch 1, 8 and 32.
+
+    python tools/bench_round.py --label after --out DIR        # one tree's figures -> DIR/round-<label>.json
+    python tools/bench_round.py --before DIR/round-before*.json --after DIR/round-after*.json --out RESULTS
+
+Measures, with CUDA graphs, `bench_decode.hyspec_decode` (decode tok/s from first to last token, and the
+steady figure over the steps in which every row decodes) for plain decoding, MTP S=3 (fixed length),
+adaptive MTP S=3 and the oracle drafter (`bench_decode.oracle_registry`: the plain run's own continuation,
+every draft right), plus the engine's measured costs (decode step, round with 3 drafts). Greedy agreement
+with plain is reported beside every speculative figure. Which hyspec runs is whatever `PYTHONPATH` holds,
+so two trees (before and after a change) are compared by running this in one session, alternately and
+several times each (a host-bound step of ~1 ms varies by tens of percent from one process to the next),
+then `--before ... --after ...`, which takes each figure's median over a tree's runs and writes
+`<out>/<device>-round-compare.md` and `.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tools.bench_decode import agreement, free, hyspec_decode, make_llm, oracle_registry  # noqa: E402
+
+BATCHES = (1, 8, 32)
+S = 3
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    "plain": None,
+    "mtp": {"method": "mtp", "num_speculative_tokens": S},
+    "mtp-adaptive": {"method": "mtp", "num_speculative_tokens": S, "adaptive": True},
+    "oracle": {"method": "ngram", "num_speculative_tokens": S},
+}
+
+
+def prompts(tok: Any, n: int, k: int) -> list[list[int]]:
+    from tools.bench_demo import BUILTIN, corpus_prompts, cut
+
+    try:
+        return corpus_prompts(tok, n, k)
+    except Exception:
+        return [cut(BUILTIN[i % len(BUILTIN)], tok, k) for i in range(n)]
+
+
+def measure(a: argparse.Namespace) -> dict[str, Any]:
+    import hyspec_server
+    from transformers import AutoTokenizer
+
+    # this checkout's demo model, whichever tree runs it
+    path = ROOT / "packages/server/src/hyspec_server/demo_models/qwen3_5"
+    tok = AutoTokenizer.from_pretrained(str(path))
+    ps = prompts(tok, 8, a.prompt_tokens)
+    res: dict[str, Any] = {
+        "hyspec": str(Path(hyspec_server.__file__).resolve().parent),
+        "device": torch.cuda.get_device_name(),
+        "new": a.new,
+        "runs": {},
+    }
+    max_len = a.prompt_tokens + a.new + 16
+    refs: dict[int, list[list[int]]] = {}
+    for name, spec in CONFIGS.items():
+        for b in BATCHES:
+            rows = [ps[i % len(ps)] for i in range(b)]
+            drafters = None
+            if name == "oracle":
+                # each row re-anchored on its own plain greedy continuation (bf16 near-ties may part them)
+                drafters = oracle_registry([r + o for r, o in zip(rows, refs[b], strict=True)], S)
+            llm = make_llm(path, spec=spec, drafters=drafters, max_seqs=max(b, 8), max_len=max_len)
+            r = hyspec_decode(llm, rows, a.new)
+            r["agreement"] = (
+                None
+                if name == "plain"
+                else sum(agreement(x, y) for x, y in zip(r["tokens"], refs[b], strict=True)) / (b * a.new)
+            )
+            if name == "plain":
+                refs[b] = r["tokens"]
+            del r["tokens"]
+            res["runs"][f"{name}/b{b}"] = r
+            print(name, b, {k: v for k, v in r.items() if "tok_s" in k or k in ("mean_accept_length",)})
+            free(llm)
+    return res
+
+
+def median_runs(files: list[Path]) -> dict[str, Any]:
+    """One result whose numeric figures are the medians over several runs of one tree."""
+    runs = [json.loads(p.read_text()) for p in files]
+    out: dict[str, Any] = {**runs[0], "num_runs": len(runs), "runs": {}}
+    for key, first in runs[0]["runs"].items():
+        merged: dict[str, Any] = dict(first)
+        for name, v in first.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                merged[name] = statistics.median(r["runs"][key][name] for r in runs)
+        ms = first.get("measured_ms") or {}
+        merged["measured_ms"] = {
+            k: None if v is None else statistics.median(r["runs"][key]["measured_ms"][k] for r in runs)
+            for k, v in ms.items()
+        }
+        merged["decode_tok_s_each"] = [r["runs"][key]["decode_tok_s"] for r in runs]
+        out["runs"][key] = merged
+    return out
+
+
+def compare(before: dict[str, Any], after: dict[str, Any]) -> str:
+    lines = [
+        f"# The speculative round moved into spec-workers: before / after ({after['device']})",
+        "",
+        f"Demo Qwen3.5 (shipped), greedy, {after['new']} new tokens per row, CUDA graphs, bf16; both trees "
+        f"measured in one session on one GPU (`tools/bench_round.py`), {before['num_runs']} and "
+        f"{after['num_runs']} runs alternately, medians. tok/s: first-to-last-token decode rate "
+        "(steady: steps where every row decodes); speed-up against the same tree's plain run; accept: mean "
+        "tokens per round with drafts; agree: share of tokens equal to plain greedy.",
+        "",
+        "| run | before tok/s | after tok/s | after / before | before steady | after steady | "
+        "speed-up before | speed-up after | accept before | accept after | agree after | "
+        "round(3) ms before | round(3) ms after | decode ms after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(x: Any, d: int = 1) -> str:
+        return "-" if x is None else f"{x:.{d}f}"
+
+    for key, a in after["runs"].items():
+        b = before["runs"].get(key, {})
+        batch = key.split("/")[1]
+        pa = after["runs"][f"plain/{batch}"]["decode_tok_s"]
+        pb = before["runs"].get(f"plain/{batch}", {}).get("decode_tok_s")
+        ma, mb = a.get("measured_ms", {}), b.get("measured_ms", {})
+        lines.append(
+            f"| {key} | {f(b.get('decode_tok_s'))} | {f(a['decode_tok_s'])} | "
+            f"{f(a['decode_tok_s'] / b['decode_tok_s'] if b else None, 2)}x | "
+            f"{f(b.get('steady_decode_tok_s'))} | {f(a.get('steady_decode_tok_s'))} | "
+            f"{f(b['decode_tok_s'] / pb if b and pb else None, 2)}x | {f(a['decode_tok_s'] / pa, 2)}x | "
+            f"{f(b.get('mean_accept_length'), 2)} | {f(a.get('mean_accept_length'), 2)} | "
+            f"{f(a.get('agreement'), 3)} | {f(mb.get('round_with_3_drafts'), 2)} | "
+            f"{f(ma.get('round_with_3_drafts'), 2)} | {f(ma.get('decode'), 2)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--label", default="run")
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--before", nargs="+", type=Path, help="result files of the tree before the change")
+    ap.add_argument("--after", nargs="+", type=Path, help="result files of the tree after it")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.before or a.after:
+        if not (a.before and a.after):
+            raise SystemExit("--before and --after go together")
+        before, after = median_runs(a.before), median_runs(a.after)
+        dev = after["device"].lower().replace(" ", "-")
+        (a.out / f"{dev}-round-compare.md").write_text(compare(before, after))
+        both = {"before": before, "after": after}
+        (a.out / f"{dev}-round-compare.json").write_text(json.dumps(both, indent=1))
+        return
+    (a.out / f"round-{a.label}.json").write_text(json.dumps(measure(a), indent=1))
+
+
+if __name__ == "__main__":
+    main()
