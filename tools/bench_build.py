@@ -30,15 +30,15 @@ TYPES = ["linear_attention", "full_attention"]
 DEVICE_OPS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync", "cudaMemsetAsync", "cudaMemcpy2DAsync")
 
 
-def _backend(max_running: int, page_size: int, max_context: int, d: int) -> HybridBackend:
+def _backend(max_num_seqs: int, page_size: int, max_context: int, d: int) -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
         max_context=max_context,
-        max_running=max_running,
+        max_num_seqs=max_num_seqs,
         draft_shape=DraftShape(kind="chain", num_steps=d - 1),
         page_size=page_size,
-        num_state_slots=max_running,
-        num_kv_pages=max_running * (-(-(max_context + d) // page_size)),
+        num_state_slots=max_num_seqs,
+        num_kv_pages=max_num_seqs * (-(-(max_context + d) // page_size)),
         dtypes=StateDtypes(kv=torch.bfloat16, conv=torch.bfloat16),
     )
     pool = HybridStatePool(plan, device="cuda")

@@ -248,7 +248,7 @@ def oracle_registry(refs: Sequence[list[int]], steps: int) -> Any:
 
 
 def make_llm(
-    path: Path, *, spec: dict[str, Any] | None, drafters: Any = None, max_seqs: int, max_len: int
+    path: Path, *, spec: dict[str, Any] | None, drafters: Any = None, max_num_seqs: int, max_len: int
 ) -> Any:
     from hyspec_server import LLM
     from hyspec_server.builder import build_engine
@@ -259,7 +259,7 @@ def make_llm(
         device="cuda",
         dtype="bfloat16",
         max_model_len=max_len,
-        max_num_seqs=max_seqs,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=2048,
         speculative_config=spec,
     )
@@ -331,7 +331,7 @@ def run_all(ckpt: Path, a: argparse.Namespace, res: dict[str, Any]) -> None:
 
     max_len = a.prompt + a.new + 16
     runs: dict[str, Any] = {}
-    llm = make_llm(ckpt, spec=None, max_seqs=a.batch, max_len=max_len)
+    llm = make_llm(ckpt, spec=None, max_num_seqs=a.batch, max_len=max_len)
     runs["plain_batch1"] = hyspec_decode(llm, prompts[:1], a.new)
     runs["plain_next8_batch1"] = repeated(llm, prompts[:1], a.new, 8)
     runs[f"plain_batch{a.batch}"] = hyspec_decode(llm, prompts, a.new)
@@ -355,7 +355,7 @@ def run_all(ckpt: Path, a: argparse.Namespace, res: dict[str, Any]) -> None:
             ckpt,
             spec=spec,
             drafters=None if registry is None else registry(),
-            max_seqs=a.batch,
+            max_num_seqs=a.batch,
             max_len=max_len,
         )
         runs[name + "_batch1"] = r = hyspec_decode(llm, prompts[:1], a.new)

@@ -72,7 +72,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
             if name == "oracle":
                 # each row re-anchored on its own plain greedy continuation (bf16 near-ties may part them)
                 drafters = oracle_registry([r + o for r, o in zip(rows, refs[b], strict=True)], S)
-            llm = make_llm(path, spec=spec, drafters=drafters, max_seqs=max(b, 8), max_len=max_len)
+            llm = make_llm(path, spec=spec, drafters=drafters, max_num_seqs=max(b, 8), max_len=max_len)
             r = hyspec_decode(llm, rows, a.new)
             r["agreement"] = (
                 None

@@ -269,7 +269,7 @@ def profile(ckpt: Path, a: argparse.Namespace) -> None:
         if name not in known:
             raise SystemExit(f"--only: expected names from {sorted(known)}, got {name!r}")
         spec = known[name]
-        llm = make_llm(ckpt, spec=spec, max_seqs=max(8, a.batch), max_len=a.prompt + a.new + 16)
+        llm = make_llm(ckpt, spec=spec, max_num_seqs=max(8, a.batch), max_len=a.prompt + a.new + 16)
         sp = SamplingParams(max_tokens=a.new, temperature=0, ignore_eos=True)
         llm.engine.runner.ahead.enabled = not a.no_ahead
         spec_decoder = getattr(llm.engine.runner, "spec", None)

@@ -31,7 +31,7 @@ def _backend(num_state_slots: int = 9) -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
         max_context=32,
-        max_running=7,
+        max_num_seqs=7,
         draft_shape=DraftShape(kind="chain", num_steps=6),  # Dmax 7: more than any block used here
         page_size=2,
         num_state_slots=num_state_slots,

@@ -38,7 +38,7 @@ def _backend(device: str = "cpu") -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
         max_context=32,
-        max_running=7,
+        max_num_seqs=7,
         draft_shape=DraftShape(kind="chain", num_steps=5),  # Dmax 6
         page_size=2,
         num_state_slots=12,
@@ -169,7 +169,7 @@ def test_pad_to_rejects_bad_sizes() -> None:
     with pytest.raises(ValueError, match="pad_to"):
         be.prepare_decode(**kw, pad_to=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_seqs"):
-        be.prepare_decode(**kw, pad_to=be.buffers.max_seqs + 1)  # type: ignore[arg-type]
+        be.prepare_decode(**kw, pad_to=be.buffers.max_num_seqs + 1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="req_rows"):
         be.prepare_decode(
             req_rows=pool.req_rows(["r0", "r0"]), input_ids=torch.tensor([1, 2]), prefix_lens=[5, 5]
@@ -274,7 +274,7 @@ def test_graph_runner_is_bypassed_on_cpu() -> None:
     (out,) = runner.run(batch)
     assert out.shape[0] == 2 and len(calls) == 1 and (runner.num_eager, runner.num_replays) == (1, 0)
     with pytest.raises(ValueError, match="batch_sizes"):
-        runner.capture_decode([be.buffers.max_seqs + 1])
+        runner.capture_decode([be.buffers.max_num_seqs + 1])
 
 
 @pytest.mark.gpu

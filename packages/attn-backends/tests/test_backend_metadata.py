@@ -45,7 +45,7 @@ def _backend(device: str = "cpu") -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
         max_context=320,
-        max_running=6,
+        max_num_seqs=6,
         draft_shape=DraftShape(kind="chain", num_steps=D - 1),
         page_size=4,
         num_state_slots=9,

@@ -34,7 +34,7 @@ def _pool(layers: list[GDNLayer | ShortConvLayer | AttentionLayer]) -> HybridSta
     plan = MemoryPlan(
         specs=model_state_specs(layers),
         max_context=32,
-        max_running=4,
+        max_num_seqs=4,
         draft_shape=DraftShape(kind="chain", num_steps=3),
         page_size=2,
         num_state_slots=6,

@@ -56,7 +56,7 @@ def _assert_same_pools(x: Harness, y: Harness) -> None:
 
 def _harness(model: Any, draft_shape: DraftShape | None = None) -> Harness:
     """Prefilled requests (rows, slots and batch rows differ); 'outside' stays out of the later batches."""
-    h = Harness(model, max_running=8, num_state_slots=11, draft_shape=draft_shape)
+    h = Harness(model, max_num_seqs=8, num_state_slots=11, draft_shape=draft_shape)
     h.pool.alloc_detached_slots(2)
     h.alloc(["d0", "d1"])
     h.free(["d0"])

@@ -23,7 +23,7 @@ PROMPTS = {"a": [5, 17, 200, 3], "b": [9, 8, 7, 6, 5, 4, 3], "c": [100, 2], "out
 
 def _harness(model: Any) -> Harness:
     """Requests whose rows, slots and batch rows differ; one live request stays outside the batches."""
-    h = Harness(model, max_running=7, num_state_slots=10, draft_shape=DraftShape(kind="chain", num_steps=4))
+    h = Harness(model, max_num_seqs=7, num_state_slots=10, draft_shape=DraftShape(kind="chain", num_steps=4))
     h.pool.alloc_detached_slots(2)
     h.alloc(["d0", "d1"])
     h.free(["d0"])

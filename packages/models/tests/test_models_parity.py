@@ -54,7 +54,7 @@ def test_batch_of_four_equals_solo_runs(
         f"p{i}": torch.randint(0, 256, (n,), generator=g).tolist() for i, n in enumerate((5, 19, 2, 11))
     }
     # rows, slots and batch rows all differ: slots are handed out in another order than rows
-    h = Harness(model, max_running=8, num_state_slots=11)
+    h = Harness(model, max_num_seqs=8, num_state_slots=11)
     h.pool.alloc_detached_slots(3)
     _dummy_then(h, 3, free=[0, 2])
     batch_logits = h.extend(prompts)

@@ -33,7 +33,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 def _shifted_harness(model: Any, draft_shape: DraftShape) -> Harness:
     """A harness whose next requests get rows != slots (dummies taken and partly freed first)."""
-    h = Harness(model, max_running=8, num_state_slots=12, draft_shape=draft_shape)
+    h = Harness(model, max_num_seqs=8, num_state_slots=12, draft_shape=draft_shape)
     h.pool.alloc_detached_slots(2)
     h.alloc(["d0", "d1", "d2"])
     h.free(["d0", "d2"])

@@ -5,6 +5,7 @@ from hyspec_server import LLM, EngineArgs, SamplingParams
 from hyspec_server.engine import EngineStepError, LLMEngine
 from hyspec_server.scheduler import QueueFullError, SchedulerConfig
 from hyspec_server.testing import TOY_EOS, ByteTokenizer, ToyModelRunner, toy_greedy, toy_pool
+from hyspec_spec_workers.config import SpeculativeConfig
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -18,7 +19,7 @@ def make_engine(
     max_len: int = 160,
     max_waiting: int = 1024,
 ) -> LLMEngine:
-    pool = toy_pool(max_running=seqs, max_context=max_len, num_kv_pages=pages, page_size=page_size)
+    pool = toy_pool(max_num_seqs=seqs, max_context=max_len, num_kv_pages=pages, page_size=page_size)
     runner = ToyModelRunner(pool, max_model_len=max_len)
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_waiting=max_waiting)
     return LLMEngine(runner, ByteTokenizer(), cfg)
@@ -203,6 +204,12 @@ def test_speculative_config_is_validated_in_engine_args() -> None:
     with pytest.raises(ValueError, match=r"speculative_config\.num_speculative_tokens"):
         EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": -1})
     assert EngineArgs(model="m", speculative_config=None).speculative_config is None
+    # parsed once, here: the field holds the validated config
+    parsed = EngineArgs(speculative_config={"method": "mtp", "num_speculative_tokens": 2}).speculative_config
+    assert isinstance(parsed, SpeculativeConfig) and parsed.num_speculative_tokens == 2
+    assert EngineArgs(speculative_config=parsed).speculative_config is parsed
     # the embedded default (no model) speculates with its MTP layer unless a config is given
-    assert EngineArgs().speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
-    assert EngineArgs(speculative_config={"method": "ngram"}).speculative_config == {"method": "ngram"}
+    default = EngineArgs().speculative_config
+    assert default == SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 3})
+    ngram = EngineArgs(speculative_config={"method": "ngram"}).speculative_config
+    assert ngram is not None and ngram.method == "ngram"

@@ -741,17 +741,19 @@ def test_multi_layer_mtp_chained_through_the_engine(tmp_path_factory: pytest.Tem
 def test_target_graphs_reject_shapes_the_pool_cannot_hold(arch: Arch) -> None:
     eng = arch.engine(_spec())
     runner: Any = eng.runner
-    kw: dict[str, Any] = {"enabled": False, "max_batch": 8}
+    kw: dict[str, Any] = {"enabled": False, "max_num_seqs": 8}
     dmax = runner.backend.max_verify_len
     assert dmax == S + 1 and runner.graphs.verify == ((S + 1, False),)
     with pytest.raises(ValueError, match="verify: expected block sizes"):
         TargetGraphs(runner.model, runner.backend, verify=[(dmax + 1, False)], **kw)
-    with pytest.raises(ValueError, match="max_batch"):
-        TargetGraphs(runner.model, runner.backend, verify=[(dmax, False)], enabled=False, max_batch=0)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        TargetGraphs(runner.model, runner.backend, verify=[(dmax, False)], enabled=False, max_num_seqs=0)
     # padded verify rows write scratch rows: no graph may be larger than the scratch (bug class 21)
     rows = runner.pool.plan.scratch_rows
     with pytest.raises(ValueError, match="verify-scratch rows"):
-        TargetGraphs(runner.model, runner.backend, verify=[(dmax, False)], enabled=False, max_batch=rows + 1)
+        TargetGraphs(
+            runner.model, runner.backend, verify=[(dmax, False)], enabled=False, max_num_seqs=rows + 1
+        )
     # on CPU nothing is captured: every block runs at its own size
     g = TargetGraphs(runner.model, runner.backend, verify=[(dmax, False)], **kw)
     g.capture()

@@ -65,7 +65,7 @@ class Target:
         plan = MemoryPlan(
             specs=model_state_specs(layers),
             max_context=MAX_CONTEXT,
-            max_running=len(PROMPTS) + 2,
+            max_num_seqs=len(PROMPTS) + 2,
             draft_shape=shape,
             page_size=4,
             num_state_slots=len(PROMPTS) + 3,
@@ -86,7 +86,7 @@ class Target:
     @staticmethod
     def memory() -> DraftMemory:
         """Sizing of a draft's own KV pool for these prompts."""
-        return DraftMemory(max_running=len(PROMPTS) + 2, max_context=MAX_CONTEXT, page_size=4)
+        return DraftMemory(max_num_seqs=len(PROMPTS) + 2, max_context=MAX_CONTEXT, page_size=4)
 
     @staticmethod
     def assert_no_leak(pools: Sequence[HybridStatePool]) -> None:

@@ -39,7 +39,7 @@ def _stack(t: Any, model: Any, cfg: SpeculativeConfig | None) -> tuple[HybridBac
     plan = MemoryPlan(
         specs=model_state_specs(layers),
         max_context=80,
-        max_running=len(t.prompts) + 2,
+        max_num_seqs=len(t.prompts) + 2,
         draft_shape=None if cfg is None else cfg.draft_shape(),
         page_size=4,
         num_state_slots=len(t.prompts) + 3,
@@ -65,7 +65,7 @@ def _generate(
     cfg = SpeculativeConfig.from_dict(spec)
     drafter: Any = build_drafter(cfg, model, target_path=t.path, memory=t.memory())
     if graphs:
-        drafter.capture_graphs([1, 2, 4, 8, t.memory().max_running])
+        drafter.capture_graphs([1, 2, 4, 8, t.memory().max_num_seqs])
         assert drafter.graphs.active
     blocks: list[tuple[torch.Tensor, ...]] = []
     propose = drafter.propose

@@ -95,7 +95,7 @@ def _stack(model: object, shape: DraftShape | None) -> tuple[HybridBackend, Hybr
     plan = MemoryPlan(
         specs=model_state_specs(layers),
         max_context=80,
-        max_running=len(PROMPTS) + 2,
+        max_num_seqs=len(PROMPTS) + 2,
         draft_shape=shape,
         page_size=4,
         num_state_slots=len(PROMPTS) + 3,

@@ -35,7 +35,7 @@ CHAIN_3 = DraftShape("chain", num_steps=3)
 
 def _make_plan(
     *,
-    max_running: int = 4,
+    max_num_seqs: int = 4,
     num_state_slots: int | None = None,
     num_kv_pages: int = 16,
     page_size: int = 2,
@@ -45,10 +45,10 @@ def _make_plan(
     return MemoryPlan(
         specs=TINY_SPECS,
         max_context=max_context,
-        max_running=max_running,
+        max_num_seqs=max_num_seqs,
         draft_shape=draft_shape,
         page_size=page_size,
-        num_state_slots=max_running if num_state_slots is None else num_state_slots,
+        num_state_slots=max_num_seqs if num_state_slots is None else num_state_slots,
         num_kv_pages=num_kv_pages,
         dtypes=StateDtypes(kv=torch.float32, conv=torch.float32),
     )

@@ -36,7 +36,7 @@ def _fill_distinct(pool: HybridStatePool) -> None:
 
 def _busy_pool(make_pool: MakePool) -> tuple[HybridStatePool, ReqRows]:
     """Three live requests whose rows, slots and batch rows all differ, with slots beyond the scratch rows."""
-    pool = make_pool(max_running=4, num_state_slots=9, draft_shape=DraftShape("tree", 2, num_draft_tokens=4))
+    pool = make_pool(max_num_seqs=4, num_state_slots=9, draft_shape=DraftShape("tree", 2, num_draft_tokens=4))
     pool.alloc_detached_slots(4)
     pool.alloc(["p", "x", "y"])
     pool.free(["x"])
@@ -44,7 +44,7 @@ def _busy_pool(make_pool: MakePool) -> tuple[HybridStatePool, ReqRows]:
     rows = pool.req_rows(["y", "p", "c"])
     slots, batch = pool.state_slots(rows).tolist(), pool.batch_rows(3).tolist()
     assert all(len({r, s, b}) == 3 for r, s, b in zip(rows.tolist(), slots, batch, strict=True))
-    assert max(slots) > pool.plan.max_running + 1  # a slot index no scratch row has
+    assert max(slots) > pool.plan.max_num_seqs + 1  # a slot index no scratch row has
     return pool, rows
 
 

@@ -18,7 +18,7 @@ MakePool = Callable[..., HybridStatePool]
 def _mixed_pool(make_pool: MakePool, **plan_args: object) -> tuple[HybridStatePool, list[str]]:
     """Live requests whose rows, state slots and pages all differ from their order (frees in between)."""
     pool = make_pool(
-        max_running=5, num_state_slots=7, num_kv_pages=30, page_size=3, max_context=24, **plan_args
+        max_num_seqs=5, num_state_slots=7, num_kv_pages=30, page_size=3, max_context=24, **plan_args
     )
     pool.alloc_detached_slots(2)  # state slots now run ahead of rows
     pool.alloc(["x", "a", "y", "b"])
@@ -126,7 +126,7 @@ def test_host_translations_check_on_the_host_with_the_device_errors(make_pool: M
     pool.free(["a"])
     with pytest.raises(UseAfterFreeError, match="not mapped"):
         pool.host_state_slots(rows)
-    other = make_pool(max_running=3)
+    other = make_pool(max_num_seqs=3)
     with pytest.raises(ValueError, match="another pool"):
         other.host_page_table(rows)
 

@@ -24,7 +24,7 @@ def _states(pool: HybridStatePool) -> list[torch.Tensor]:
 
 
 def test_alloc_hands_out_distinct_rows_and_slots_never_slot_0(make_pool: MakePool) -> None:
-    pool = make_pool(max_running=4)
+    pool = make_pool(max_num_seqs=4)
     rows = pool.alloc(["a", "b", "c", "d"])
     slots = pool.state_slots(rows)
     assert sorted(rows.tolist()) == [0, 1, 2, 3]
@@ -79,9 +79,9 @@ def test_double_free_and_use_after_free(make_pool: MakePool) -> None:
 
 
 def test_exhaustion_is_clear_and_all_or_nothing(make_pool: MakePool) -> None:
-    pool = make_pool(max_running=2, num_state_slots=3, num_kv_pages=4, page_size=2)
+    pool = make_pool(max_num_seqs=2, num_state_slots=3, num_kv_pages=4, page_size=2)
     pool.alloc(["a", "b"])
-    with pytest.raises(PoolExhaustedError, match="max_running"):
+    with pytest.raises(PoolExhaustedError, match="max_num_seqs"):
         pool.alloc(["c"])
     pool.alloc_detached_slots(1)
     with pytest.raises(PoolExhaustedError, match="num_state_slots"):
@@ -178,7 +178,7 @@ def test_page_size_one(make_pool: MakePool) -> None:
 
 
 def test_slots_rows_and_batch_rows_are_different_spaces(make_pool: MakePool) -> None:
-    pool = make_pool(max_running=4, num_state_slots=9)
+    pool = make_pool(max_num_seqs=4, num_state_slots=9)
     # churn so that, request by request, row, slot and batch position all differ
     pool.alloc_detached_slots(3)
     pool.alloc(["p", "x", "y"])
@@ -211,7 +211,7 @@ def test_debug_poisons_reserved_free_slots_scratch_and_pages(make_pool: MakePool
 
 
 def test_views_alias_the_pool_tensors(make_pool: MakePool, tiny_specs: ModelStateSpecs) -> None:
-    pool = make_pool(num_state_slots=6, max_running=4, draft_shape=DraftShape("tree", 2, num_draft_tokens=5))
+    pool = make_pool(num_state_slots=6, max_num_seqs=4, draft_shape=DraftShape("tree", 2, num_draft_tokens=5))
     assert [pool.kv_layer_index(i) for i in (1, 5)] == [0, 1]
     k, v = pool.kv_cache(5)
     assert k.shape == (16, 2, 1, 4) and v.shape == k.shape
@@ -274,7 +274,7 @@ def test_leak_check_finds_leaks_and_table_corruption(make_pool: MakePool) -> Non
 
 
 def test_index_from_another_pool_is_rejected(make_pool: MakePool) -> None:
-    small, big = make_pool(max_running=2), make_pool(max_running=4)
+    small, big = make_pool(max_num_seqs=2), make_pool(max_num_seqs=4)
     rows = big.alloc(["a"])
     with pytest.raises(ValueError, match="another pool"):
         small.state_slots(rows)

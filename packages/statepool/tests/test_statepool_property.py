@@ -40,7 +40,7 @@ class PoolMachine(RuleBasedStateMachine):
         plan = MemoryPlan(
             specs=SPECS,
             max_context=9,
-            max_running=MAX_RUNNING,
+            max_num_seqs=MAX_RUNNING,
             draft_shape=DraftShape("chain", 2),
             page_size=page_size,
             num_state_slots=SLOTS,

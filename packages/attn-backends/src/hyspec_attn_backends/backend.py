@@ -101,8 +101,8 @@ class HybridBackend:
         pool: the statepool holding this model's KV, recurrent state and verify scratch.
         layers: the model's mixer cores in layer order (`model.mixer_layers()`).
         layer_types: the config's `layer_types`; checked against the cores' types and the pool's specs.
-        max_seqs, max_tokens: size of the preallocated batch buffers (default: the pool's max_running and
-            max_running · max(Dmax, 256)).
+        max_num_seqs, max_tokens: size of the preallocated batch buffers (default: the pool's max_num_seqs and
+            max_num_seqs · max(Dmax, 256)).
 
     Every batch lives in the same preallocated buffers (so CUDA graphs can read them): preparing a batch, or
     advancing one in place, overwrites the previous one. `num_builds` counts those writes, so a batch
@@ -117,7 +117,7 @@ class HybridBackend:
         *,
         layers: Sequence[MixerLayer],
         layer_types: Sequence[str],
-        max_seqs: int | None = None,
+        max_num_seqs: int | None = None,
         max_tokens: int | None = None,
     ) -> None:
         self.pool = pool
@@ -126,17 +126,19 @@ class HybridBackend:
         self.num_layers = len(layers)
         plan = pool.plan
         self.max_verify_len = plan.max_draft_tokens if plan.draft_shape is not None else 0
-        seqs = plan.max_running if max_seqs is None else max_seqs
+        seqs = plan.max_num_seqs if max_num_seqs is None else max_num_seqs
         tokens = seqs * max(self.max_verify_len, 256) if max_tokens is None else max_tokens
         self.buffers = BatchBuffers(
-            max_seqs=seqs,
+            max_num_seqs=seqs,
             max_tokens=tokens,
             max_pages=plan.max_pages_per_request,
             max_verify_len=self.max_verify_len,
             device=pool.device,
         )
         # batch rows are 0..n-1 in every batch: written once here, each batch takes the first n (no copy)
-        self._batch_rows = pool.batch_rows(min(seqs, plan.max_running + 1)).copy_into(self.buffers.batch_rows)
+        self._batch_rows = pool.batch_rows(min(seqs, plan.max_num_seqs + 1)).copy_into(
+            self.buffers.batch_rows
+        )
         # kernels' own value checks (hyspec_kernels.value_checks): a debug pool asks for them on CUDA too
         self._kernel_checks: bool | None = True if pool.debug else None
 

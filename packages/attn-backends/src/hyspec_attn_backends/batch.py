@@ -138,7 +138,7 @@ class BatchBuffers:
     """Max-size storage behind every `ForwardBatch`, refilled in place by `HybridBackend.prepare_*`.
 
     Args:
-        max_seqs: most sequences in one forward.
+        max_num_seqs: most sequences in one forward.
         max_tokens: most packed tokens in one forward.
         max_pages: page-table width (the pool's pages per request).
         max_verify_len: `Dmax`, for the tree parents and mask.
@@ -146,38 +146,42 @@ class BatchBuffers:
     """
 
     def __init__(
-        self, *, max_seqs: int, max_tokens: int, max_pages: int, max_verify_len: int, device: torch.device
+        self, *, max_num_seqs: int, max_tokens: int, max_pages: int, max_verify_len: int, device: torch.device
     ) -> None:
-        for name, value in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("max_pages", max_pages)):
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_tokens", max_tokens),
+            ("max_pages", max_pages),
+        ):
             if value < 1:
                 raise ValueError(f"{name}: expected >= 1, got {value}")
         d = max(1, max_verify_len)
-        self.max_seqs, self.max_tokens, self.max_verify_len = max_seqs, max_tokens, d
+        self.max_num_seqs, self.max_tokens, self.max_verify_len = max_num_seqs, max_tokens, d
 
         def ints(*shape: int, dtype: torch.dtype = torch.int32) -> Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         self.input_ids = ints(max_tokens, dtype=torch.int64)
         self.positions = ints(max_tokens, dtype=torch.int64)
-        self.page_table = torch.full((max_seqs, max_pages), -1, dtype=torch.int32, device=device)
+        self.page_table = torch.full((max_num_seqs, max_pages), -1, dtype=torch.int32, device=device)
         # cu_seqlens_q, q_lens, prefix_lens and kv_lens are rows of one tensor, so one copy writes all four
         # (`write_lens`); rows start 128-byte aligned
-        self.lens = ints(4, -(-(max_seqs + 1) // 32) * 32)
-        self.cu_seqlens_q = self.lens[0, : max_seqs + 1]
-        self.q_lens = self.lens[1, :max_seqs]
-        self.prefix_lens = self.lens[2, :max_seqs]
-        self.kv_lens = self.lens[3, :max_seqs]
-        self.has_initial_state = ints(max_seqs, dtype=torch.bool)
-        self.tree_parents = torch.full((max_seqs, d), -1, dtype=torch.int32, device=device)
-        self.tree_mask = ints(max_seqs, d, d, dtype=torch.bool)
+        self.lens = ints(4, -(-(max_num_seqs + 1) // 32) * 32)
+        self.cu_seqlens_q = self.lens[0, : max_num_seqs + 1]
+        self.q_lens = self.lens[1, :max_num_seqs]
+        self.prefix_lens = self.lens[2, :max_num_seqs]
+        self.kv_lens = self.lens[3, :max_num_seqs]
+        self.has_initial_state = ints(max_num_seqs, dtype=torch.bool)
+        self.tree_parents = torch.full((max_num_seqs, d), -1, dtype=torch.int32, device=device)
+        self.tree_mask = ints(max_num_seqs, d, d, dtype=torch.bool)
         # index tensors the kernels read: kept here too so that their addresses are stable across batches
-        self.state_slots = torch.full((max_seqs,), -1, dtype=torch.int32, device=device)
-        self.batch_rows = ints(max_seqs)
+        self.state_slots = torch.full((max_num_seqs,), -1, dtype=torch.int32, device=device)
+        self.batch_rows = ints(max_num_seqs)
         self.kv_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
 
     def check_fits(self, *, num_seqs: int, num_tokens: int, verify_len: int) -> None:
-        if num_seqs > self.max_seqs:
-            raise ValueError(f"num_seqs: expected <= max_seqs={self.max_seqs}, got {num_seqs}")
+        if num_seqs > self.max_num_seqs:
+            raise ValueError(f"num_seqs: expected <= max_num_seqs={self.max_num_seqs}, got {num_seqs}")
         if num_tokens > self.max_tokens:
             raise ValueError(f"num_tokens: expected <= max_tokens={self.max_tokens}, got {num_tokens}")
         if verify_len > self.max_verify_len:

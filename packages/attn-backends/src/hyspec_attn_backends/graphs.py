@@ -150,10 +150,12 @@ class CudaGraphRunner:
             self.active = False
 
     def _capture_all(self, keys: list[GraphKey]) -> None:
-        limit = self.backend.buffers.max_seqs
+        limit = self.backend.buffers.max_num_seqs
         for key in keys:
             if key.batch_size > limit:
-                raise ValueError(f"batch_sizes: expected sizes <= the backend's max_seqs {limit}, got {key}")
+                raise ValueError(
+                    f"batch_sizes: expected sizes <= the backend's max_num_seqs {limit}, got {key}"
+                )
         if not self.active:
             return
         if self._mempool is None:

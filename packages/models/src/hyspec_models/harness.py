@@ -21,8 +21,8 @@ class Harness:
 
     Args:
         model: the model (target or anything with the same forward contract).
-        max_running: request rows (and verify-scratch rows - 1).
-        num_state_slots: recurrent-state slots (>= max_running).
+        max_num_seqs: request rows (and verify-scratch rows - 1).
+        num_state_slots: recurrent-state slots (>= max_num_seqs).
         max_context: tokens per request.
         page_size: KV page size.
         draft_shape: verify-block shape the scratch is sized for (None: no verify).
@@ -33,7 +33,7 @@ class Harness:
         self,
         model: Any,
         *,
-        max_running: int = 6,
+        max_num_seqs: int = 6,
         num_state_slots: int | None = None,
         max_context: int = 160,
         page_size: int = 4,
@@ -47,20 +47,20 @@ class Harness:
         probe = MemoryPlan(
             specs=specs,
             max_context=max_context,
-            max_running=max_running,
+            max_num_seqs=max_num_seqs,
             draft_shape=draft_shape,
             page_size=page_size,
-            num_state_slots=num_state_slots or max_running,
+            num_state_slots=num_state_slots or max_num_seqs,
             num_kv_pages=0,
         )
         plan = MemoryPlan(
             specs=specs,
             max_context=max_context,
-            max_running=max_running,
+            max_num_seqs=max_num_seqs,
             draft_shape=draft_shape,
             page_size=page_size,
-            num_state_slots=num_state_slots or max_running,
-            num_kv_pages=max_running * probe.max_pages_per_request,
+            num_state_slots=num_state_slots or max_num_seqs,
+            num_kv_pages=max_num_seqs * probe.max_pages_per_request,
             dtypes=StateDtypes(kv=dtype, conv=dtype, recurrent=torch.float32),
         )
         self.pool = HybridStatePool(plan, device=device, debug=debug)

@@ -7,7 +7,7 @@ from pathlib import Path
 from hyspec_server.config import EngineArgs
 from hyspec_server.engine import LLMEngine
 from hyspec_server.scheduler import SchedulerConfig
-from hyspec_server.speculative import DrafterRegistry, parse_speculative_config
+from hyspec_server.speculative import DrafterRegistry
 from hyspec_server.tokenizer import HFTokenizer
 
 
@@ -29,7 +29,7 @@ def build_engine(args: EngineArgs, *, drafters: DrafterRegistry | None = None) -
     args: engine arguments.
     drafters: the drafter factory for `args.speculative_config` (None: the built-in `DrafterRegistry`).
     """
-    spec = parse_speculative_config(args.speculative_config)
+    spec = args.speculative_config
     if spec is not None and args.max_num_batched_tokens < spec.max_draft_tokens:
         raise ValueError(
             f"max_num_batched_tokens={args.max_num_batched_tokens} is below the verify block size "
@@ -44,6 +44,7 @@ def build_engine(args: EngineArgs, *, drafters: DrafterRegistry | None = None) -
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting,
-        num_lookahead_tokens=runner.num_lookahead_tokens,
+        # a verify block adds up to Dmax - 1 drafts after the current token
+        num_lookahead_tokens=0 if spec is None else spec.max_draft_tokens - 1,
     )
     return LLMEngine(runner, tokenizer, config)

@@ -8,9 +8,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-from hyspec_server.config import EngineArgs
+from hyspec_server.config import ENGINE_DEFAULTS, EngineArgs
 from hyspec_server.default_model import DEFAULT_NAME, DEFAULT_SPECULATIVE_CONFIG
 from hyspec_server.sampling_params import SamplingParams
+from hyspec_server.speculative import parse_speculative_config
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -21,18 +22,28 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help=f"checkpoint directory (HF layout); default: the shipped {DEFAULT_NAME} demo model with "
         f"speculative config {json.dumps(dict(DEFAULT_SPECULATIVE_CONFIG))}",
     )
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
-    p.add_argument("--max-running-requests", "--max-num-seqs", dest="max_num_seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    d = ENGINE_DEFAULTS
+    p.add_argument("--device", default=d["device"], help="cpu or cuda")
+    p.add_argument("--dtype", default=d["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--max-model-len", type=int, default=d["max_model_len"], help="context length (prompt + output)"
+    )
+    p.add_argument(
+        "--max-num-seqs", "--max-running-requests", dest="max_num_seqs", type=int, default=d["max_num_seqs"]
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d["max_num_batched_tokens"],
+        help="token budget of one step",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
         "--speculative-config",
         default=None,
         help='JSON, vLLM style, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'',
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=d["seed"])
 
 
 def _engine_args(ns: argparse.Namespace, **extra: object) -> EngineArgs:
@@ -44,7 +55,7 @@ def _engine_args(ns: argparse.Namespace, **extra: object) -> EngineArgs:
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         enforce_eager=ns.enforce_eager,
-        speculative_config=ns.speculative_config,
+        speculative_config=parse_speculative_config(ns.speculative_config),
         seed=ns.seed,
         **extra,  # type: ignore[arg-type]
     )

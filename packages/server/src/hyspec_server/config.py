@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Any, Final, Literal
+
+from hyspec_spec_workers.config import SpeculativeConfig
 
 from hyspec_server.speculative import parse_speculative_config
 
@@ -22,7 +26,8 @@ class EngineArgs:
     max_num_batched_tokens: per-step token budget (prefill chunks + decodes).
     max_waiting: bound of the waiting queue (HTTP answers 429 beyond it).
     enforce_eager: no CUDA graphs.
-    speculative_config: None, or the vLLM-style dict (or its JSON text) of `speculative.py`; validated here.
+    speculative_config: None or the validated `SpeculativeConfig`; the vLLM-style dict (or its JSON text) of
+        `speculative.py` is accepted too and parsed here, once: the field always holds the parsed config.
     kv_cache_bytes: memory budget of the state pool; None sizes it for max_num_seqs requests at max_model_len.
     page_size: tokens per KV page.
     seed: seed of the shared sampling generator (requests without their own seed).
@@ -36,7 +41,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     max_waiting: int = 1024
     enforce_eager: bool = False
-    speculative_config: dict[str, Any] | str | None = None
+    speculative_config: SpeculativeConfig | None = None
     kv_cache_bytes: int | None = None
     page_size: int = 16
     seed: int = 0
@@ -56,8 +61,14 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be None or an int >= 2, got {self.max_model_len!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be None or > 0, got {self.kv_cache_bytes!r}")
-        if self.model is None and self.speculative_config is None:
+        raw: SpeculativeConfig | Mapping[str, Any] | str | None = self.speculative_config
+        if self.model is None and raw is None:
             from hyspec_server.default_model import DEFAULT_SPECULATIVE_CONFIG
 
-            object.__setattr__(self, "speculative_config", dict(DEFAULT_SPECULATIVE_CONFIG))
-        parse_speculative_config(self.speculative_config)
+            raw = DEFAULT_SPECULATIVE_CONFIG
+        # the one parse: everything downstream reads the validated config
+        object.__setattr__(self, "speculative_config", parse_speculative_config(raw))
+
+
+# each engine default, set once above; `LLM` and the CLI read theirs from here
+ENGINE_DEFAULTS: Final[Mapping[str, Any]] = MappingProxyType({f.name: f.default for f in fields(EngineArgs)})

@@ -31,11 +31,11 @@ from hyspec_statepool.indices import ReqRows
 from torch import Tensor
 
 
-def capture_sizes(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 8 up to `max_batch` (always included)."""
-    sizes = {s for s in (1, 2, 4) if s <= max_batch}
-    sizes |= set(range(8, max_batch + 1, 8))
-    sizes.add(max_batch)
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to `max_num_seqs` (always included)."""
+    sizes = {s for s in (1, 2, 4) if s <= max_num_seqs}
+    sizes |= set(range(8, max_num_seqs + 1, 8))
+    sizes.add(max_num_seqs)
     return sorted(sizes)
 
 
@@ -69,7 +69,7 @@ class TargetGraphs:
         backend: the target's backend (its static batch buffers are what the graphs read).
         capture_layers: target layers whose outputs every forward also returns (a model drafter's features).
         enabled: False (CPU, `--enforce-eager`) runs everything eagerly.
-        max_batch: largest batch to capture (`max_num_seqs`).
+        max_num_seqs: largest batch to capture (`max_num_seqs`).
         verify: (D, tree) verify shapes to capture (`verify_shapes`), empty without speculation.
     """
 
@@ -80,14 +80,14 @@ class TargetGraphs:
         *,
         capture_layers: Sequence[int] = (),
         enabled: bool,
-        max_batch: int,
+        max_num_seqs: int,
         verify: Sequence[tuple[int, bool]] = (),
     ) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch: expected >= 1, got {max_batch}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: expected >= 1, got {max_num_seqs}")
         self.model, self.backend = model, backend
         self.capture_layers = tuple(capture_layers)
-        self.sizes = capture_sizes(max_batch)
+        self.sizes = capture_sizes(max_num_seqs)
         self.verify = tuple(sorted(set(verify)))
         plan = backend.pool.plan
         for d, _ in self.verify:
@@ -99,7 +99,7 @@ class TargetGraphs:
         # padded verify rows write their own scratch rows: every captured size needs that many (bug class 21)
         if self.verify and self.sizes[-1] > plan.scratch_rows:
             raise ValueError(
-                f"max_batch: verify graphs of {self.sizes[-1]} rows need as many verify-scratch rows, the "
+                f"max_num_seqs: verify graphs of {self.sizes[-1]} rows need as many verify-scratch rows, the "
                 f"pool has {plan.scratch_rows}"
             )
         self.counts = GraphCounts()

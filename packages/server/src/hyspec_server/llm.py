@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hyspec_server.config import DType, EngineArgs
+from hyspec_spec_workers.config import SpeculativeConfig
+
+from hyspec_server.config import ENGINE_DEFAULTS, DType, EngineArgs
 from hyspec_server.engine import LLMEngine
 from hyspec_server.outputs import RequestMetrics, RequestOutput, SpecDecodeStats
 from hyspec_server.sampling_params import SamplingParams, derived_seed
+from hyspec_server.speculative import parse_speculative_config
 
 PromptType = str | dict[str, Any]
 
@@ -28,16 +31,16 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        device: str = "cpu",
-        dtype: DType = "auto",
-        speculative_config: dict[str, Any] | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 512,
-        enforce_eager: bool = False,
-        kv_cache_bytes: int | None = None,
-        page_size: int = 16,
-        seed: int = 0,
+        device: str = ENGINE_DEFAULTS["device"],
+        dtype: DType = ENGINE_DEFAULTS["dtype"],
+        speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None,
+        max_model_len: int | None = ENGINE_DEFAULTS["max_model_len"],
+        max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"],
+        max_num_batched_tokens: int = ENGINE_DEFAULTS["max_num_batched_tokens"],
+        enforce_eager: bool = ENGINE_DEFAULTS["enforce_eager"],
+        kv_cache_bytes: int | None = ENGINE_DEFAULTS["kv_cache_bytes"],
+        page_size: int = ENGINE_DEFAULTS["page_size"],
+        seed: int = ENGINE_DEFAULTS["seed"],
     ) -> None:
         from hyspec_server.builder import build_engine
 
@@ -49,7 +52,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enforce_eager=enforce_eager,
-            speculative_config=speculative_config,
+            speculative_config=parse_speculative_config(speculative_config),
             kv_cache_bytes=kv_cache_bytes,
             page_size=page_size,
             seed=seed,

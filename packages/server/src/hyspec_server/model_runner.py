@@ -38,7 +38,7 @@ from hyspec_server.pool_memory import MemoryFollower, StatePoolMemory
 from hyspec_server.request import Request
 from hyspec_server.runner import RunnerOutput, spread_tokens
 from hyspec_server.scheduler import ScheduledChunk, SchedulerOutput
-from hyspec_server.speculative import DrafterContext, DrafterRegistry, parse_speculative_config
+from hyspec_server.speculative import DrafterContext, DrafterRegistry
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_MAX_MODEL_LEN = 4096
@@ -62,7 +62,7 @@ class HyspecModelRunner:
     """
 
     def __init__(self, args: EngineArgs, model_dir: Path, *, drafters: DrafterRegistry | None = None) -> None:
-        spec_config = parse_speculative_config(args.speculative_config)
+        spec_config = args.speculative_config
         draft_shape = None if spec_config is None else spec_config.draft_shape()
         self._device = torch.device(args.device)
         if self._device.type == "cuda" and not torch.cuda.is_available():
@@ -82,13 +82,13 @@ class HyspecModelRunner:
         dtypes = StateDtypes(kv=self.dtype, conv=self.dtype)
         self.use_graphs = self._device.type == "cuda" and not args.enforce_eager
         # padded graph rows use slot -1 and KV slot -1: they need no request of their own
-        max_running = args.max_num_seqs
+        max_num_seqs = args.max_num_seqs
         if args.kv_cache_bytes is not None:
             plan = plan_memory(
                 args.kv_cache_bytes,
                 specs,
                 max_context=self._max_model_len,
-                max_running=max_running,
+                max_num_seqs=max_num_seqs,
                 draft_shape=draft_shape,
                 page_size=args.page_size,
                 dtypes=dtypes,
@@ -100,11 +100,11 @@ class HyspecModelRunner:
             plan = MemoryPlan(
                 specs=specs,
                 max_context=self._max_model_len,
-                max_running=max_running,
+                max_num_seqs=max_num_seqs,
                 draft_shape=draft_shape,
                 page_size=args.page_size,
-                num_state_slots=max_running,
-                num_kv_pages=max_running * per_req,
+                num_state_slots=max_num_seqs,
+                num_kv_pages=max_num_seqs * per_req,
                 dtypes=dtypes,
             )
         self.pool = HybridStatePool(plan, device=self._device)
@@ -115,7 +115,7 @@ class HyspecModelRunner:
                 config=spec_config,
                 target=self.model,
                 target_path=model_dir,
-                max_running=max_running,
+                max_num_seqs=max_num_seqs,
                 max_context=self._max_model_len,
                 page_size=args.page_size,
                 kv_dtype=self.dtype,
@@ -129,8 +129,8 @@ class HyspecModelRunner:
             self.pool,
             layers=layers,
             layer_types=self.model.layer_types,
-            max_seqs=max_running,
-            max_tokens=max(args.max_num_batched_tokens, max_running * dmax),
+            max_num_seqs=max_num_seqs,
+            max_tokens=max(args.max_num_batched_tokens, max_num_seqs * dmax),
         )
         self._sampler = Sampler(self._device, seed=args.seed)
         self.graphs = TargetGraphs(
@@ -138,7 +138,7 @@ class HyspecModelRunner:
             self.backend,
             capture_layers=() if self.spec is None else self.spec.capture_layers,
             enabled=self.use_graphs,
-            max_batch=args.max_num_seqs,
+            max_num_seqs=args.max_num_seqs,
             verify=() if spec_config is None else verify_shapes(spec_config),
         )
         self.graphs.capture()

@@ -41,7 +41,7 @@ class StatePoolMemory:
         return self._max_tokens
 
     def can_alloc(self) -> bool:
-        return self.pool.num_live < self.pool.plan.max_running and self.pool.states.num_free > 0
+        return self.pool.num_live < self.pool.plan.max_num_seqs and self.pool.states.num_free > 0
 
     def alloc(self, request_id: str) -> None:
         self.pool.alloc([request_id])

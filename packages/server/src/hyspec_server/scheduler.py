@@ -23,7 +23,9 @@ class QueueFullError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Args:
+    """No defaults of its own: `build_engine` fills it from `EngineArgs`, where each default is set.
+
+    Args:
     max_num_seqs: most running requests.
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
     max_waiting: bound of the waiting queue; beyond it `add` raises QueueFullError.
@@ -32,9 +34,9 @@ class SchedulerConfig:
         for its whole block and costs Dmax tokens of the budget.
     """
 
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 256
-    max_waiting: int = 1024
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_waiting: int
     num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:

@@ -61,7 +61,7 @@ class DrafterContext:
         config: the validated speculative config.
         target: the loaded target model (only read).
         target_path: the target checkpoint directory (MTP drafters load their layers from it).
-        max_running: requests followed at once (the target pool's).
+        max_num_seqs: requests followed at once (the target pool's).
         max_context: tokens per request (prompt plus output).
         page_size: KV page size of the target pool (a draft pool may reuse it).
         kv_dtype: the target's KV storage dtype.
@@ -71,7 +71,7 @@ class DrafterContext:
     config: SpeculativeConfig
     target: HybridCausalLM
     target_path: Path
-    max_running: int
+    max_num_seqs: int
     max_context: int
     page_size: int
     kv_dtype: torch.dtype
@@ -103,7 +103,7 @@ def _build_model_drafter(ctx: DrafterContext) -> Drafter:
             f"({MODEL_DRAFTER_FACTORY}.build_drafter could not be loaded: {e}); use 'ngram'"
         ) from e
     memory = memory_cls(
-        max_running=ctx.max_running,
+        max_num_seqs=ctx.max_num_seqs,
         max_context=ctx.max_context,
         page_size=ctx.page_size,
         kv_dtype=ctx.kv_dtype,

@@ -93,7 +93,7 @@ class ByteTokenizer:
 
 def toy_pool(
     *,
-    max_running: int,
+    max_num_seqs: int,
     max_context: int,
     num_kv_pages: int,
     page_size: int,
@@ -103,10 +103,10 @@ def toy_pool(
     plan = MemoryPlan(
         specs=specs,
         max_context=max_context,
-        max_running=max_running,
+        max_num_seqs=max_num_seqs,
         draft_shape=None,
         page_size=page_size,
-        num_state_slots=max_running,
+        num_state_slots=max_num_seqs,
         num_kv_pages=num_kv_pages,
         dtypes=StateDtypes(kv=torch.float32, conv=torch.float32),
     )
@@ -195,7 +195,7 @@ def toy_engine(
     runner_cls: type[ToyModelRunner] = ToyModelRunner,
 ) -> LLMEngine:
     """An engine over the toy runner and the byte tokenizer."""
-    pool = toy_pool(max_running=seqs, max_context=max_len, num_kv_pages=pages, page_size=page_size)
+    pool = toy_pool(max_num_seqs=seqs, max_context=max_len, num_kv_pages=pages, page_size=page_size)
     runner = runner_cls(pool, max_model_len=max_len)
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_waiting=max_waiting)
     return LLMEngine(runner, ByteTokenizer(), cfg)

@@ -26,22 +26,22 @@ class DraftMemory:
     """Sizing of a draft's own KV pool.
 
     Attributes:
-        max_running: requests followed at once (as the target's pool).
+        max_num_seqs: requests followed at once (as the target's pool).
         max_context: tokens per request (prompt plus output), as the target's pool.
         page_size: KV page size.
-        num_kv_pages: pages in the draft KV pool; None sizes it for `max_running` full contexts.
+        num_kv_pages: pages in the draft KV pool; None sizes it for `max_num_seqs` full contexts.
         kv_dtype: KV storage dtype; None uses the draft's parameter dtype (lossless tests need it equal to the
             model dtype, see the package README).
     """
 
-    max_running: int
+    max_num_seqs: int
     max_context: int
     page_size: int = 16
     num_kv_pages: int | None = None
     kv_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "max_context", "page_size"):
+        for name in ("max_num_seqs", "max_context", "page_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
@@ -78,14 +78,14 @@ class DraftKV:
         kv = memory.kv_dtype or dtype
         shape = DraftShape("tree", 1, max(2, max_block))
         width = memory.max_context + shape.num_draft_tokens  # type: ignore[operator]
-        pages = memory.num_kv_pages or memory.max_running * -(-width // memory.page_size)
+        pages = memory.num_kv_pages or memory.max_num_seqs * -(-width // memory.page_size)
         plan = MemoryPlan(
             specs=model_state_specs(layers),
             max_context=memory.max_context,
-            max_running=memory.max_running,
+            max_num_seqs=memory.max_num_seqs,
             draft_shape=shape,
             page_size=memory.page_size,
-            num_state_slots=memory.max_running,
+            num_state_slots=memory.max_num_seqs,
             num_kv_pages=pages,
             dtypes=StateDtypes(kv=kv, conv=kv),
         )

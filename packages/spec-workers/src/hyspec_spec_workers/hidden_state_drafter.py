@@ -142,7 +142,7 @@ class HiddenStateDrafter:
             dtype=model.dtype,
             device=model.device,
         )
-        rows, f, dev, dt = memory.max_running, model.feature_dim, model.device, model.dtype
+        rows, f, dev, dt = memory.max_num_seqs, model.feature_dim, model.device, model.dtype
         # persistent per request (indexed by draft pool row): the target feature at the last committed token
         self.root_features = torch.zeros(rows, f, dtype=dt, device=dev)  # [R, F]
         # persistent per proposal: each tree node's input feature, then the packed static forward input

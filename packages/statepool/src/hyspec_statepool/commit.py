@@ -58,9 +58,9 @@ def commit_accepted_states(
     n = len(req_rows)
     if len(batch_rows) != n:
         raise ValueError(f"batch_rows: expected {n} rows (one per request row), got {len(batch_rows)}")
-    if batch_rows.bound != pool.plan.max_running + 1:
+    if batch_rows.bound != pool.plan.max_num_seqs + 1:
         raise ValueError(
-            f"batch_rows: built for {batch_rows.bound} batch rows, this pool has {pool.plan.max_running + 1}"
+            f"batch_rows: built for {batch_rows.bound} batch rows, this pool has {pool.plan.max_num_seqs + 1}"
         )
     dmax = pool.plan.max_draft_tokens
     if accept_paths is not None and accept_paths.dim() == 2 and accept_paths.shape[1] > dmax:

@@ -19,7 +19,7 @@ non-blocking `copy_into` a device buffer.
 | `ReqRows` | row of the request table | `[0, num_req_rows)` |
 | `KVSlots` | `page * page_size + offset` in the paged KV pool | `[0, num_pages * page_size)` or -1 (pad) |
 | `StateSlots` | row of a recurrent-state pool | `[0, num_state_slots + 1)` or -1 (pad); 0 is the dummy |
-| `BatchRows` | position in the current forward batch; indexes verify scratch | `[0, max_running + 1)` |
+| `BatchRows` | position in the current forward batch; indexes verify scratch | `[0, max_num_seqs + 1)` |
 """
 
 from __future__ import annotations

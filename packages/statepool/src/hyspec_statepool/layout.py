@@ -1,7 +1,7 @@
 """Every tensor the pool allocates, as (name, shape, dtype): the one table that sizing and allocation read.
 
 Names: `kv.k`, `kv.v` `[Lkv, P, page_size, HKV, Dh]`; per group `g` of linear layers with one spec,
-`state.<g>.<name>` `[L, slots + 1, *E]` and `scratch.<g>.<name>` `[L, max_running + 1, Dmax, *E]`;
+`state.<g>.<name>` `[L, slots + 1, *E]` and `scratch.<g>.<name>` `[L, max_num_seqs + 1, Dmax, *E]`;
 `table.req_to_kv` `[R, width]`, `table.page_table` `[R, max_pages]`, `table.row_to_slot` `[R]` (int32).
 """
 

@@ -59,7 +59,7 @@ class HybridStatePool:
         self.table = RequestTable(plan, device=self.device)
         self._live: dict[Hashable, _Live] = {}
         # popped from the end, so rows go out as 0, 1, ... from a fresh pool
-        self._free_rows = list(range(plan.max_running - 1, -1, -1))
+        self._free_rows = list(range(plan.max_num_seqs - 1, -1, -1))
         self._detached: set[int] = set()
         self._checks = debug or self.device.type == "cpu"
 
@@ -75,7 +75,7 @@ class HybridStatePool:
         if len(new) > len(self._free_rows):
             raise PoolExhaustedError(
                 f"no free request row for {len(new)} new requests: {len(self._free_rows)} of "
-                f"{self.plan.max_running} free; free requests first or raise max_running"
+                f"{self.plan.max_num_seqs} free; free requests first or raise max_num_seqs"
             )
         slots = self.states.alloc(len(new))
         rows = [self._free_rows.pop() for _ in new]
@@ -117,7 +117,7 @@ class HybridStatePool:
     def req_rows(self, req_ids: Sequence[Hashable]) -> ReqRows:
         """The rows of live requests, in the order given."""
         rows = [self._get(r).row for r in req_ids]
-        return _mint(ReqRows, rows, bound=self.plan.max_running, device=self.device)
+        return _mint(ReqRows, rows, bound=self.plan.max_num_seqs, device=self.device)
 
     def ensure_kv_capacity(self, req_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> None:
         """Allocate pages so request i holds positions `[0, num_tokens[i])` (a prefill chunk, a verify block).
@@ -187,7 +187,7 @@ class HybridStatePool:
 
         An unmapped row gives slot 0, the reserved dummy (NaN in debug mode); with checks on it raises.
         """
-        self._check_bound("req_rows", req_rows.bound, self.plan.max_running)
+        self._check_bound("req_rows", req_rows.bound, self.plan.max_num_seqs)
         slots = self.table.row_to_slot[req_rows.tensor.long()]  # [n] int32
         if self._checks and bool((slots == 0).any()):
             raise UseAfterFreeError(
@@ -197,9 +197,9 @@ class HybridStatePool:
 
     def batch_rows(self, n: int) -> BatchRows:
         """Batch rows `0..n-1`: where the n requests of this forward sit, and their verify-scratch rows."""
-        bound = self.plan.max_running + 1
+        bound = self.plan.max_num_seqs + 1
         if not 0 <= n <= bound:
-            raise ValueError(f"n: expected 0 <= n <= max_running + 1 = {bound}, got {n}")
+            raise ValueError(f"n: expected 0 <= n <= max_num_seqs + 1 = {bound}, got {n}")
         # made on the device: no copy, and 0..n-1 < bound needs no value check
         rows = torch.arange(n, dtype=torch.int32, device=self.device)
         return _mint(BatchRows, rows, bound=bound, device=self.device, check=False)
@@ -220,7 +220,7 @@ class HybridStatePool:
         Host tensors are checked on the host and copied without a sync; device tensors are checked only
         where reading them back is allowed (CPU, or `debug=True`).
         """
-        self._check_bound("req_rows", req_rows.bound, self.plan.max_running)
+        self._check_bound("req_rows", req_rows.bound, self.plan.max_num_seqs)
         n = len(req_rows)
         fixed = not isinstance(num_tokens, torch.Tensor)
         named: list[tuple[str, object]] = [("start_positions", start_positions)]
@@ -279,7 +279,7 @@ class HybridStatePool:
 
     def page_table(self, req_rows: ReqRows) -> torch.Tensor:
         """`[N, max_pages]` int32 pages of each row, -1 past its last page (paged attention's input)."""
-        self._check_bound("req_rows", req_rows.bound, self.plan.max_running)
+        self._check_bound("req_rows", req_rows.bound, self.plan.max_num_seqs)
         return self.table.page_table[req_rows.tensor.long()]
 
     # index translation on the host (from the request table's host mirrors; no device op, no device read)
@@ -375,7 +375,7 @@ class HybridStatePool:
 
     def _host_rows(self, req_rows: ReqRows) -> list[int]:
         """The rows as host ints: those `req_rows` was minted from, else read back (a sync on CUDA)."""
-        self._check_bound("req_rows", req_rows.bound, self.plan.max_running)
+        self._check_bound("req_rows", req_rows.bound, self.plan.max_num_seqs)
         host = req_rows.host_values
         return list(host) if host is not None else req_rows.tolist()
 
@@ -425,7 +425,7 @@ class HybridStatePool:
         """
         live = list(self._live.values())
         problems: list[str] = []
-        rows_in_use = set(range(self.plan.max_running)) - set(self._free_rows)
+        rows_in_use = set(range(self.plan.max_num_seqs)) - set(self._free_rows)
         if len(set(self._free_rows)) != len(self._free_rows):
             problems.append("a request row is in the free list twice")
         owned_rows = [x.row for x in live]
@@ -452,9 +452,9 @@ class HybridStatePool:
 
     def _table_mismatches(self, live: list[_Live]) -> list[str]:
         ps, width = self.plan.page_size, self.table.width
-        row_to_slot = torch.zeros(self.plan.max_running, dtype=torch.int32)
-        page_table = torch.full((self.plan.max_running, self.table.max_pages), -1, dtype=torch.int32)
-        req_to_kv = torch.full((self.plan.max_running, width), -1, dtype=torch.int32)
+        row_to_slot = torch.zeros(self.plan.max_num_seqs, dtype=torch.int32)
+        page_table = torch.full((self.plan.max_num_seqs, self.table.max_pages), -1, dtype=torch.int32)
+        req_to_kv = torch.full((self.plan.max_num_seqs, width), -1, dtype=torch.int32)
         for x in live:
             row_to_slot[x.row] = x.slot
             if x.pages:
@@ -468,7 +468,7 @@ class HybridStatePool:
             ("page_table", page_table, self.table.page_table),
             ("req_to_kv", req_to_kv, self.table.req_to_kv),
         ):
-            bad = (want != got.cpu()).reshape(self.plan.max_running, -1).any(dim=1)
+            bad = (want != got.cpu()).reshape(self.plan.max_num_seqs, -1).any(dim=1)
             if bool(bad.any()):
                 out.append(f"{name} rows {bad.nonzero().flatten().tolist()} disagree with the owners")
         # batch metadata is translated from the host mirrors: they must equal the device tables

@@ -26,7 +26,7 @@ from hyspec_statepool.transfer import to_device
 
 class RequestTable:
     def __init__(self, plan: MemoryPlan, *, device: torch.device) -> None:
-        self.num_rows = plan.max_running
+        self.num_rows = plan.max_num_seqs
         self.width = plan.table_width
         self.page_size = plan.page_size
         self.max_pages = plan.max_pages_per_request

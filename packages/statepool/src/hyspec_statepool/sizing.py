@@ -27,10 +27,10 @@ class MemoryPlan:
     Attributes:
         specs: the model's layers.
         max_context: most tokens one request may hold (prompt plus output).
-        max_running: most live requests; also the number of request-table rows.
+        max_num_seqs: most live requests; also the number of request-table rows.
         draft_shape: the speculative shape, None without speculation (then no verify scratch).
         page_size: tokens per KV page (1 allowed).
-        num_state_slots: state slots handed out (>= max_running; extra ones serve detached uses such as
+        num_state_slots: state slots handed out (>= max_num_seqs; extra ones serve detached uses such as
             prefix-cache tracking). Slot 0 is reserved on top of these.
         num_kv_pages: pages in the KV pool.
         dtypes: storage dtypes.
@@ -39,7 +39,7 @@ class MemoryPlan:
 
     specs: ModelStateSpecs
     max_context: int
-    max_running: int
+    max_num_seqs: int
     draft_shape: DraftShape | None
     page_size: int
     num_state_slots: int
@@ -48,12 +48,12 @@ class MemoryPlan:
     budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_context", "max_running", "page_size"):
+        for name in ("max_context", "max_num_seqs", "page_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)!r}")
-        if not isinstance(self.num_state_slots, int) or self.num_state_slots < self.max_running:
+        if not isinstance(self.num_state_slots, int) or self.num_state_slots < self.max_num_seqs:
             raise ValueError(
-                f"num_state_slots: expected an int >= max_running={self.max_running} (one slot per live "
+                f"num_state_slots: expected an int >= max_num_seqs={self.max_num_seqs} (one slot per live "
                 f"request), got {self.num_state_slots!r}"
             )
         if not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 0:
@@ -79,7 +79,7 @@ class MemoryPlan:
     @property
     def scratch_rows(self) -> int:
         """Verify-scratch rows: one per running request plus a spare; 0 without speculation."""
-        return self.max_running + 1 if self.draft_shape is not None else 0
+        return self.max_num_seqs + 1 if self.draft_shape is not None else 0
 
     @property
     def kv_tensors(self) -> list[TensorSpec]:
@@ -101,7 +101,7 @@ class MemoryPlan:
 
     @property
     def table_tensors(self) -> list[TensorSpec]:
-        return table_tensors(rows=self.max_running, width=self.table_width, page_size=self.page_size)
+        return table_tensors(rows=self.max_num_seqs, width=self.table_width, page_size=self.page_size)
 
     @property
     def kv_bytes(self) -> int:
@@ -145,7 +145,7 @@ def plan_memory(
     specs: ModelStateSpecs,
     *,
     max_context: int,
-    max_running: int,
+    max_num_seqs: int,
     draft_shape: DraftShape | None,
     page_size: int,
     dtypes: StateDtypes | None = None,
@@ -153,25 +153,25 @@ def plan_memory(
 ) -> MemoryPlan:
     """Fit state slots, verify scratch, tables and KV pages into `budget_bytes`.
 
-    State slots (`num_state_slots`, default `max_running`), verify scratch (`max_running + 1` rows of
+    State slots (`num_state_slots`, default `max_num_seqs`), verify scratch (`max_num_seqs + 1` rows of
     `Dmax` steps) and the request table are fixed by the request limits; every remaining byte goes to KV
-    pages, up to what `max_running` requests at full width can use. Raises ValueError naming the knobs when
+    pages, up to what `max_num_seqs` requests at full width can use. Raises ValueError naming the knobs when
     the fixed part does not fit or the rest cannot hold one request at `max_context` plus a verify block.
     """
     base = MemoryPlan(
         specs=specs,
         max_context=max_context,
-        max_running=max_running,
+        max_num_seqs=max_num_seqs,
         draft_shape=draft_shape,
         page_size=page_size,
-        num_state_slots=max_running if num_state_slots is None else num_state_slots,
+        num_state_slots=max_num_seqs if num_state_slots is None else num_state_slots,
         num_kv_pages=0,
         dtypes=StateDtypes() if dtypes is None else dtypes,
         budget_bytes=budget_bytes,
     )
     dmax = base.max_draft_tokens
     knobs = (
-        f"budget_bytes={budget_bytes}, max_context={max_context}, max_running={max_running}, "
+        f"budget_bytes={budget_bytes}, max_context={max_context}, max_num_seqs={max_num_seqs}, "
         f"draft length Dmax={dmax}, num_state_slots={base.num_state_slots}"
     )
     fixed = base.total_bytes
@@ -180,24 +180,24 @@ def plan_memory(
             f"budget_bytes: the recurrent state ({base.state_bytes} B), verify scratch "
             f"({base.scratch_bytes} B) "
             f"and request table ({base.table_bytes} B) alone need {fixed} B ({knobs}); raise budget_bytes or "
-            f"lower max_running, num_state_slots or the draft length"
+            f"lower max_num_seqs, num_state_slots or the draft length"
         )
     page_bytes = base.kv_bytes_per_page
     if page_bytes == 0:
         return base
     need = base.max_pages_per_request
-    pages = min((budget_bytes - fixed) // page_bytes, max_running * need)
+    pages = min((budget_bytes - fixed) // page_bytes, max_num_seqs * need)
     if pages < need:
         raise ValueError(
             f"budget_bytes: after {fixed} B of state, scratch and tables, {budget_bytes - fixed} B leave "
             f"{pages} KV pages of {page_size} tokens, but one request at max_context plus a verify block "
-            f"needs {need} pages ({knobs}); raise budget_bytes or lower max_context, max_running or the "
+            f"needs {need} pages ({knobs}); raise budget_bytes or lower max_context, max_num_seqs or the "
             f"draft length"
         )
     return MemoryPlan(
         specs=specs,
         max_context=max_context,
-        max_running=max_running,
+        max_num_seqs=max_num_seqs,
         draft_shape=draft_shape,
         page_size=page_size,
         num_state_slots=base.num_state_slots,

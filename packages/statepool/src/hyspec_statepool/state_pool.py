@@ -3,7 +3,8 @@
 Per group of linear layers with one spec (one group per kind in a real model), each named state is one tensor
 with a leading layer dim: conv `[L, slots + 1, C, W - 1]`, GDN recurrent `[L, slots + 1, HV, K, V]`. Slot 0 is
 reserved: the allocator never hands it out, unmapped request rows point at it, and in debug mode it holds NaN
-so any read shows up. Verify scratch `[L, max_running + 1, Dmax, ...]` is indexed by batch row, never by slot.
+so any read shows up. Verify scratch `[L, max_num_seqs + 1, Dmax, ...]` is indexed by batch row, never by
+slot.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class RecurrentStatePool:
         if n > len(self._free):
             raise PoolExhaustedError(
                 f"state pool exhausted: need {n} slots, {len(self._free)} of {self.num_slots} free; free "
-                f"requests or detached slots, or raise num_state_slots / max_running in the MemoryPlan"
+                f"requests or detached slots, or raise num_state_slots / max_num_seqs in the MemoryPlan"
             )
         slots = [self._free.pop() for _ in range(n)]
         for s in slots:
