@@ -4,16 +4,13 @@
 `hyspec_spec_workers.SpeculativeConfig`; every bad field is a ValueError starting
 `speculative_config.<field>:`.
 
-`DrafterRegistry` is the single factory from a method name to a drafter. "ngram" is built here; the model
-drafters ("mtp", "multi_layer_mtp", "eagle3", "dflash") are looked up lazily in
-`hyspec_spec_workers.factory.build_drafter`, so the server works (and says clearly what is missing) even when
-that module is absent. Tests and integrations override a method with `DrafterRegistry({method: builder})`
-and pass the registry to `build_engine(args, drafters=...)`.
+`DrafterRegistry` builds the config's drafter: spec-workers' one table (`factory.DRAFTERS`) unless a method
+is overridden. Tests and integrations override a method with `DrafterRegistry({method: builder})` and pass
+the registry to `build_engine(args, drafters=...)`.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,10 +20,9 @@ from typing import Any
 import torch
 from hyspec_models.protocol import HybridCausalLM
 from hyspec_spec_workers.config import METHODS, SpeculativeConfig
-from hyspec_spec_workers.drafter import Drafter, NgramDrafter
-
-# where the model drafters live; imported on first use only
-MODEL_DRAFTER_FACTORY = "hyspec_spec_workers.factory"
+from hyspec_spec_workers.draft_kv import DraftMemory
+from hyspec_spec_workers.drafter import Drafter
+from hyspec_spec_workers.factory import build_drafter
 
 
 def parse_speculative_config(
@@ -81,35 +77,15 @@ class DrafterContext:
 DrafterBuilder = Callable[[DrafterContext], Drafter]
 
 
-def _build_ngram(ctx: DrafterContext) -> Drafter:
-    c = ctx.config
-    return NgramDrafter(
-        min_n=c.prompt_lookup_min,
-        max_n=c.prompt_lookup_max,
-        num_speculative_tokens=c.max_num_speculative_tokens,
-    )
-
-
-def _build_model_drafter(ctx: DrafterContext) -> Drafter:
-    method = ctx.config.method
-    try:
-        factory = importlib.import_module(MODEL_DRAFTER_FACTORY)
-        build = factory.build_drafter
-        draft_kv = importlib.import_module("hyspec_spec_workers.draft_kv")
-        memory_cls = draft_kv.DraftMemory
-    except (ImportError, AttributeError) as e:
-        raise ValueError(
-            f"speculative_config.method: {method!r} is not available in this build "
-            f"({MODEL_DRAFTER_FACTORY}.build_drafter could not be loaded: {e}); use 'ngram'"
-        ) from e
-    memory = memory_cls(
+def build_builtin_drafter(ctx: DrafterContext) -> Drafter:
+    """The drafter of spec-workers' table (`factory.DRAFTERS`), its own KV pool sized like the target's."""
+    memory = DraftMemory(
         max_num_seqs=ctx.max_num_seqs,
         max_context=ctx.max_context,
         page_size=ctx.page_size,
         kv_dtype=ctx.kv_dtype,
     )
-    drafter: Drafter = build(ctx.config, ctx.target, target_path=ctx.target_path, memory=memory)
-    return drafter
+    return build_drafter(ctx.config, ctx.target, target_path=ctx.target_path, memory=memory)
 
 
 class DrafterRegistry:
@@ -132,10 +108,8 @@ class DrafterRegistry:
     def builder(self, method: str) -> DrafterBuilder:
         if method in self._overrides:
             return self._overrides[method]
-        if method == "ngram":
-            return _build_ngram
         if method in METHODS:
-            return _build_model_drafter
+            return build_builtin_drafter
         raise ValueError(f"speculative_config.method: expected one of {METHODS}, got {method!r}")
 
     def build(self, ctx: DrafterContext) -> Drafter:
