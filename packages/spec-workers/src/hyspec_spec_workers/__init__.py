@@ -8,14 +8,9 @@ and the adaptive draft-length controller. Never does: talk HTTP, schedule, alloc
 own target weights.
 """
 
-from hyspec_spec_workers.adaptive import (
-    AdaptiveController,
-    AdaptiveDraftLength,
-    CostEstimate,
-    CostModel,
-    CostTracker,
-)
+from hyspec_spec_workers.adaptive import AdaptiveController, AdaptiveDraftLength
 from hyspec_spec_workers.config import METHODS, AdaptiveConfig, Method, SpeculativeConfig
+from hyspec_spec_workers.costs import CostEstimate, CostModel, CostTracker
 from hyspec_spec_workers.dflash import DFlashDraft, DFlashDrafter, build_dflash_drafter, load_dflash_draft
 from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.draft_graphs import DraftGraphCounts, DraftGraphs, GraphedDrafter

@@ -71,9 +71,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
 
 from hyspec_spec_workers.config import AdaptiveConfig
+from hyspec_spec_workers.costs import CostModel
 
 # the longest wait between probes, in multiples of `probe_interval`
 MAX_PROBE_BACKOFF = 16
@@ -97,148 +97,6 @@ class _Probe(Enum):
 
     RETRY = "retry"  # after rounds at 0: does drafting pay again?
     CONFIRM = "confirm"  # before dropping from drafting: does it really lose?
-
-
-class CostModel(Protocol):
-    """Seconds per round for a batch; measured (`CostTracker`) or injected (`CostEstimate`)."""
-
-    def decode_s(self) -> float: ...
-
-    def round_s(self, num_drafts: int) -> float: ...
-
-    def catch_up_s(self) -> float:
-        """Extra seconds of a round whose draft extend first catches up on the tokens committed while the
-        request did not draft (a probe's first round), beyond an ordinary round; 0 when unknown."""
-        ...
-
-    def rows_per_step(self) -> float:
-        """Requests per decode step: a step's seconds over this many request-rounds."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class CostEstimate:
-    """Fixed costs: a round with k >= 1 drafts costs draft_base_s + k * draft_step_s + verify_s(k + 1)."""
-
-    decode: float
-    draft_step: float
-    verify_base: float
-    verify_per_token: float = 0.0
-    draft_base: float = 0.0
-    catch_up: float = 0.0
-    rows: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("decode", "draft_step", "verify_base", "verify_per_token", "draft_base", "catch_up"):
-            v = getattr(self, name)
-            if not v >= 0.0:
-                raise ValueError(f"{name}: expected seconds >= 0, got {v!r}")
-        if self.decode <= 0.0:
-            raise ValueError(f"decode: expected seconds > 0, got {self.decode!r}")
-        if not self.rows >= 1.0:
-            raise ValueError(f"rows: expected >= 1 requests per step, got {self.rows!r}")
-
-    def decode_s(self) -> float:
-        return self.decode
-
-    def catch_up_s(self) -> float:
-        return self.catch_up
-
-    def rows_per_step(self) -> float:
-        return self.rows
-
-    def round_s(self, num_drafts: int) -> float:
-        if num_drafts == 0:
-            return self.decode
-        return (
-            self.draft_base
-            + num_drafts * self.draft_step
-            + self.verify_base
-            + self.verify_per_token * num_drafts
-        )
-
-
-class CostTracker:
-    """Measured costs: EMAs of plain-decode, per-draft-step and per-block-size verify times.
-
-    Before a plain decode step has been timed, decode cost is taken as the verify time of the smallest block
-    seen (a D = 1 verify is a decode step); unmeasured block sizes are extrapolated linearly.
-
-    Catch-up rounds (`record_catch_up`) are rare and their cost moves with the load, so their EMA weighs
-    each new one by `CATCH_UP_ALPHA`; they are kept as (seconds, drafts) and weighed against the round costs
-    known when asked, since the first ones often come before any ordinary round was timed.
-    """
-
-    CATCH_UP_ALPHA = 0.5
-
-    def __init__(self, alpha: float = 0.1) -> None:
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha: expected in (0, 1], got {alpha}")
-        self.alpha = alpha
-        self._decode: float | None = None
-        self._rows: float | None = None
-        self._draft_step: float | None = None
-        self._verify: dict[int, float] = {}
-        self._catch_up: list[tuple[float, int]] = []  # the latest few (seconds, drafts), oldest first
-
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1.0 - self.alpha) * old + self.alpha * new
-
-    def record_decode(self, seconds: float, rows: int = 1) -> None:
-        """A plain decode step of `rows` requests took `seconds`."""
-        self._decode = self._ema(self._decode, seconds)
-        self._rows = self._ema(self._rows, float(max(rows, 1)))
-
-    def record_catch_up(self, seconds: float, num_drafts: int = 0) -> None:
-        """A round (or a bare draft extend, `num_drafts` 0) that caught the draft KV up took `seconds`."""
-        self._catch_up = [*self._catch_up[-7:], (seconds, num_drafts)]
-
-    def catch_up_s(self) -> float:
-        excess: float | None = None
-        a = self.CATCH_UP_ALPHA
-        for seconds, k in self._catch_up:
-            extra = max(0.0, seconds - (self.round_s(k) if k and self.ready else 0.0))
-            excess = extra if excess is None else (1.0 - a) * excess + a * extra
-        return excess or 0.0
-
-    def rows_per_step(self) -> float:
-        return self._rows or 1.0
-
-    def record_draft(self, num_steps: int, seconds: float) -> None:
-        if num_steps >= 1:
-            self._draft_step = self._ema(self._draft_step, seconds / num_steps)
-
-    def record_verify(self, block_size: int, seconds: float) -> None:
-        self._verify[block_size] = self._ema(self._verify.get(block_size), seconds)
-
-    @property
-    def ready(self) -> bool:
-        return self._draft_step is not None and bool(self._verify)
-
-    @property
-    def has_decode(self) -> bool:
-        """A plain decode step has been timed (before that, `decode_s` is a verify time: too high)."""
-        return self._decode is not None
-
-    def _verify_s(self, d: int) -> float:
-        if d in self._verify:
-            return self._verify[d]
-        sizes = sorted(self._verify)
-        if len(sizes) == 1:
-            return self._verify[sizes[0]]
-        lo, hi = (sizes[0], sizes[1]) if d < sizes[0] else (sizes[-2], sizes[-1])
-        slope = (self._verify[hi] - self._verify[lo]) / (hi - lo)
-        return max(self._verify[lo] + slope * (d - lo), 0.0)
-
-    def decode_s(self) -> float:
-        if self._decode is not None:
-            return self._decode
-        return self._verify_s(min(self._verify)) if self._verify else 1.0
-
-    def round_s(self, num_drafts: int) -> float:
-        if num_drafts == 0:
-            return self.decode_s()
-        return num_drafts * (self._draft_step or 0.0) + self._verify_s(num_drafts + 1)
 
 
 def acceptance_rate(mean_accepted: float, num_drafts: int) -> float:

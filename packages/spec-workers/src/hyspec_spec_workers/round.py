@@ -34,9 +34,10 @@ import torch
 from hyspec_attn_backends import ForwardBatch
 from hyspec_statepool.transfer import to_device
 
-from hyspec_spec_workers.adaptive import AdaptiveController, AdaptiveDraftLength, CostTracker
+from hyspec_spec_workers.adaptive import AdaptiveController, AdaptiveDraftLength
 from hyspec_spec_workers.choose import HostRound, accepted_path, choose_tokens
 from hyspec_spec_workers.config import AdaptiveConfig, SpeculativeConfig
+from hyspec_spec_workers.costs import CostTracker, DraftClock
 from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
 from hyspec_spec_workers.sampling import SampledToken, Sampler, SamplingRequest
@@ -293,7 +294,7 @@ class SpeculativeRound:
         ids = [r.request.request_id for r in rows]
         timing = self._timing_round()
         steps = self.draft_lengths(rows)
-        clock = _DraftClock(target.device)
+        clock = DraftClock(target.device)
         draft: DraftOutput | None = None
         timed = True
         t0 = time.perf_counter()
@@ -394,37 +395,6 @@ class SpeculativeRound:
                 accepted_path(hidden, aux, tree, result, ids, prefix, num_accepted=host.num_accepted)
             )
         return _to_verified(host, logits, rows, num_nodes=nodes), d
-
-
-class _DraftClock:
-    """Times a round's drafting without making the host wait for it.
-
-    On CUDA two events on the stream bracket the proposal; their interval is read after the round's one host
-    read (everything queued is done by then), so the host queues the verify forward while the device still
-    drafts. The verify cost is the rest of the round's wall time. On the CPU the proposal's wall time.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self._t0 = self._t1 = 0.0
-
-    def start(self) -> None:
-        if self._cuda:
-            new = torch.cuda.Event
-            self._events = (new(enable_timing=True), new(enable_timing=True))  # type: ignore[no-untyped-call]
-            self._events[0].record()
-        self._t0 = time.perf_counter()
-
-    def stop(self) -> None:
-        if self._events is not None:
-            self._events[1].record()
-        self._t1 = time.perf_counter()
-
-    def seconds(self) -> float:
-        if self._events is not None:
-            return float(self._events[0].elapsed_time(self._events[1])) / 1e3
-        return self._t1 - self._t0
 
 
 def _stop_ids(rows: Sequence[RoundRow]) -> torch.Tensor:
