@@ -9,7 +9,7 @@ import pytest
 import torch
 from hyspec_attn_backends import ForwardMode
 from hyspec_server import LLM, SamplingParams
-from hyspec_server.cuda_graph import capture_sizes, verify_shapes
+from hyspec_server.cuda_graph import capture_sizes
 from hyspec_spec_workers.config import SpeculativeConfig
 
 PROMPTS = ["Hello, my name is", "The capital of France is Paris and", "a", "x" * 17, "graph", "b" * 40]
@@ -24,7 +24,7 @@ def test_capture_sizes() -> None:
 
 def test_verify_shapes_cover_every_block_the_config_produces() -> None:
     def shapes(**kw: object) -> tuple[tuple[int, bool], ...]:
-        return verify_shapes(SpeculativeConfig.from_dict({"method": "mtp", **kw}))
+        return SpeculativeConfig.from_dict({"method": "mtp", **kw}).verify_shapes()
 
     assert shapes(num_speculative_tokens=3) == ((4, False),)
     assert shapes(num_speculative_tokens=3, topk=2, num_draft_tokens=5) == ((5, True),)
@@ -32,7 +32,7 @@ def test_verify_shapes_cover_every_block_the_config_produces() -> None:
     ad = {"candidate_steps": [1, 7]}
     assert shapes(num_speculative_tokens=3, adaptive=ad) == ((2, False), (4, False), (8, False))
     cfg = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "adaptive": ad})
-    assert max(d for d, _ in verify_shapes(cfg)) == cfg.max_draft_tokens
+    assert max(d for d, _ in cfg.verify_shapes()) == cfg.max_draft_tokens
 
 
 @pytest.mark.gpu

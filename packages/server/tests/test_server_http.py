@@ -498,6 +498,32 @@ def test_a_slow_reader_holds_one_merged_output_per_request() -> None:
     asyncio.run(run())
 
 
+def _read_response(sock: Any) -> bytes:
+    """One whole HTTP response off a raw socket: headers, then Content-Length bytes of body (the server may
+    send them in separate packets)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
+    while len(body) < length:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def test_a_half_sent_body_times_out_with_408() -> None:
     import socket
 
@@ -512,7 +538,7 @@ def test_a_half_sent_body_times_out_with_408() -> None:
                 b"Content-Length: 100\r\n\r\n" + b'{"model": '
             )
             t0 = time.monotonic()
-            reply = s.recv(4096)
+            reply = _read_response(s)
             assert time.monotonic() - t0 < 8
         assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
         ok = httpx.post(

@@ -6,7 +6,8 @@ the server's policy on top:
 
 - what a graph runs: the target forward returning the final hidden states plus the layer outputs a model
   drafter reads (`capture_layers`), so decode stays under graphs with MTP / EAGLE-3 / DFlash drafters on;
-- which padded batch sizes are captured (`capture_sizes`), and which verify blocks (`verify_shapes`): a tree
+- which padded batch sizes are captured (`capture_sizes`), and which verify blocks
+  (`SpeculativeConfig.verify_shapes`): a tree
   config verifies D = num_draft_tokens nodes; a chain config D = 1 + s for each draft length s a request may
   use (S, or each adaptive candidate);
 - how a verify block of d tokens meets a captured D >= d (`block_len`): the block is padded with chain
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, ForwardMode, HybridBackend
-from hyspec_spec_workers.config import SpeculativeConfig
 from hyspec_statepool.indices import ReqRows
 from torch import Tensor
 
@@ -37,18 +37,6 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes |= set(range(8, max_num_seqs + 1, 8))
     sizes.add(max_num_seqs)
     return sorted(sizes)
-
-
-def verify_shapes(config: SpeculativeConfig) -> tuple[tuple[int, bool], ...]:
-    """(D, tree) of every verify block shape the config produces, ascending in D.
-
-    A tree verifies `num_draft_tokens` nodes. A chain verifies 1 + s tokens for its draft length s: S, or any
-    adaptive candidate; shorter blocks (budget caps, an n-gram finding fewer tokens) pad up to one of these.
-    """
-    if config.is_tree:
-        return ((config.num_draft_tokens, True),)
-    steps = (config.num_speculative_tokens,) if config.adaptive is None else config.adaptive.candidate_steps
-    return tuple((1 + s, False) for s in sorted(set(steps)))
 
 
 @dataclass(slots=True)
@@ -69,8 +57,9 @@ class TargetGraphs:
         backend: the target's backend (its static batch buffers are what the graphs read).
         capture_layers: target layers whose outputs every forward also returns (a model drafter's features).
         enabled: False (CPU, `--enforce-eager`) runs everything eagerly.
-        max_num_seqs: largest batch to capture (`max_num_seqs`).
-        verify: (D, tree) verify shapes to capture (`verify_shapes`), empty without speculation.
+        max_num_seqs: largest batch to capture.
+        verify: (D, tree) verify shapes to capture (`SpeculativeConfig.verify_shapes`); empty without
+            speculation.
     """
 
     def __init__(

@@ -32,7 +32,7 @@ from hyspec_statepool.specs import StateDtypes
 from hyspec_statepool.transfer import to_device
 
 from hyspec_server.config import EngineArgs
-from hyspec_server.cuda_graph import TargetGraphs, verify_shapes
+from hyspec_server.cuda_graph import TargetGraphs
 from hyspec_server.decode_ahead import DecodeAhead
 from hyspec_server.pool_memory import MemoryFollower, StatePoolMemory
 from hyspec_server.request import Request
@@ -139,7 +139,7 @@ class HyspecModelRunner:
             capture_layers=() if self.spec is None else self.spec.capture_layers,
             enabled=self.use_graphs,
             max_num_seqs=args.max_num_seqs,
-            verify=() if spec_config is None else verify_shapes(spec_config),
+            verify=() if spec_config is None else spec_config.verify_shapes(),
         )
         self.graphs.capture()
         # the next decode batch is built while the device runs this one (decode_ahead.py); on the CPU

@@ -241,6 +241,19 @@ class SpeculativeConfig:
         cands = None if self.adaptive is None else self.adaptive.candidate_steps
         return DraftShape("chain", self.num_speculative_tokens, adaptive_candidate_steps=cands)
 
+    def verify_shapes(self) -> tuple[tuple[int, bool], ...]:
+        """(D, tree) of every verify block shape the config produces, ascending in D (what a runner captures
+        graphs for).
+
+        A tree verifies `num_draft_tokens` nodes. A chain verifies 1 + s tokens for its draft length s: S, or
+        any adaptive candidate; shorter blocks (budget caps, an n-gram finding fewer tokens) pad up to one of
+        these.
+        """
+        if self.is_tree:
+            return ((self.num_draft_tokens, True),)
+        steps = (self.num_speculative_tokens,) if self.adaptive is None else self.adaptive.candidate_steps
+        return tuple((1 + s, False) for s in sorted(set(steps)))
+
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> SpeculativeConfig:
         """Build from the vLLM-style dict; unknown keys and wrong types are a ValueError naming the key."""
