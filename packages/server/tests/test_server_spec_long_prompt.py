@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from hyspec_server import LLM, SamplingParams
-from hyspec_spec_workers.testing import DRAFTER_CASES, DrafterCase
+from hyspec_spec_workers.testing import DRAFTER_CASES, DrafterCase, build_case_checkpoints
 
 LONG = [(i * 37 + 11) % 280 + 5 for i in range(700)]
 SHORT = [7, 8, 9, 10]
@@ -26,21 +26,7 @@ CASES: tuple[DrafterCase, ...] = (
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from hyspec_models.tiny import build_tiny_checkpoint
-    from hyspec_spec_workers.tiny_drafts import build_tiny_dflash, build_tiny_eagle3
-
-    root = tmp_path_factory.mktemp("long")
-    out: dict[str, Path] = {}
-    for arch in sorted({c.arch for c in CASES}):
-        # qwen3_next carries 3 MTP layers: multi_layer_mtp runs layer j at step j
-        mtp = 3 if arch == "qwen3_next" else None
-        out[arch] = build_tiny_checkpoint(root / arch, arch, seed=0, mtp_layers=mtp)
-    for case in CASES:
-        key = f"{case.draft}@{case.arch}"
-        if case.draft is not None and key not in out:
-            build = build_tiny_eagle3 if case.draft == "eagle3" else build_tiny_dflash
-            out[key] = build(root / f"{case.draft}-{case.arch}", out[case.arch], seed=1)
-    return out
+    return build_case_checkpoints(tmp_path_factory.mktemp("long"), CASES)
 
 
 def _run(path: Path, spec: dict[str, Any] | None, max_num_seqs: int) -> list[list[int]]:

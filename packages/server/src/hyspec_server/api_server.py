@@ -159,6 +159,12 @@ def build_app(
     async def metrics() -> Response:
         return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        # vLLM's admin route (behind the API key, like every route but /health)
+        done = await engine.call(lambda e: e.reset_prefix_cache())
+        return JSONResponse({"reset": done})
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {
@@ -203,7 +209,9 @@ def build_app(
         # text prompts are tokenized here, on a worker thread: on the engine thread a long one would stall
         # every running stream
         ready: list[str | list[int] | TokensPrompt] = [
-            TokensPrompt(p, await asyncio.to_thread(engine.tokenizer.encode, p)) if isinstance(p, str) else p
+            TokensPrompt(p, await asyncio.to_thread(engine.tokenizer.encode, p), req.cache_salt)
+            if isinstance(p, str)
+            else TokensPrompt(None, p, req.cache_salt)
             for p in prompts
         ]
         items = [(p, samples[j], f"{rid}-{i}-{j}") for i, p in enumerate(ready) for j in range(best_of)]
@@ -323,8 +331,9 @@ def build_app(
             for j in range(n)
         ]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        prompt = TokensPrompt(None, prompt_ids, req.cache_salt)
         group = await submit(
-            [(prompt_ids, samples[j], f"{rid}-{j}") for j in range(n)], per_prompt=n, batch=False
+            [(prompt, samples[j], f"{rid}-{j}") for j in range(n)], per_prompt=n, batch=False
         )
 
         def lp(out: RequestOutput, start: int) -> dict[str, Any] | None:
@@ -521,11 +530,19 @@ def _params(
         raise APIError(400, str(e), param=first if first in _SAMPLING_FIELDS else None) from e
 
 
-def _usage(per_prompt: Iterable[RequestOutput], every: Iterable[RequestOutput]) -> dict[str, int]:
-    """Prompt tokens once per prompt (its samples share it), completion tokens of every sample."""
-    p = sum(len(o.prompt_token_ids) for o in per_prompt)
+def _usage(per_prompt: Iterable[RequestOutput], every: Iterable[RequestOutput]) -> dict[str, Any]:
+    """Prompt tokens once per prompt (its samples share it), completion tokens of every sample, and the
+    prompt tokens the prefix cache supplied."""
+    prompts = list(per_prompt)
+    p = sum(len(o.prompt_token_ids) for o in prompts)
     c = sum(len(o.outputs[0].token_ids) for o in every)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = sum(o.num_cached_tokens for o in prompts)
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _sse(body: dict[str, Any]) -> str:

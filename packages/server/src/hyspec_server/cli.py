@@ -44,6 +44,24 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help='JSON, vLLM style, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'',
     )
     p.add_argument("--seed", type=int, default=d["seed"])
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d["enable_prefix_caching"],
+        help="reuse cached KV pages and state snapshots of shared prefixes (default on)",
+    )
+    p.add_argument(
+        "--prefix-cache-snapshot-interval",
+        type=int,
+        default=d["prefix_cache_snapshot_interval"],
+        help="prefill tokens between state snapshots (a multiple of the page size)",
+    )
+    p.add_argument(
+        "--prefix-cache-snapshot-fraction",
+        type=float,
+        default=d["prefix_cache_snapshot_fraction"],
+        help="state slots for snapshots, as a fraction of --max-num-seqs",
+    )
 
 
 def _engine_args(ns: argparse.Namespace, **extra: object) -> EngineArgs:
@@ -57,6 +75,9 @@ def _engine_args(ns: argparse.Namespace, **extra: object) -> EngineArgs:
         enforce_eager=ns.enforce_eager,
         speculative_config=parse_speculative_config(ns.speculative_config),
         seed=ns.seed,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        prefix_cache_snapshot_interval=ns.prefix_cache_snapshot_interval,
+        prefix_cache_snapshot_fraction=ns.prefix_cache_snapshot_fraction,
         **extra,  # type: ignore[arg-type]
     )
 

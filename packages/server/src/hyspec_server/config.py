@@ -31,6 +31,14 @@ class EngineArgs:
     kv_cache_bytes: memory budget of the state pool; None sizes it for max_num_seqs requests at max_model_len.
     page_size: tokens per KV page.
     seed: seed of the shared sampling generator (requests without their own seed).
+    enable_prefix_caching: reuse the KV pages and recurrent-state snapshots of earlier requests with the same
+        prefix (on by default, as in vLLM; output is identical either way).
+    prefix_cache_snapshot_interval: prefill chunks end at multiples of this many tokens (a multiple of
+        page_size), where a state snapshot is saved, besides the end of each prompt and of each finished
+        request (a recurrent state exists only where a forward ends). A lone prompt longer than it takes one
+        step per interval, so keep it at or above max_num_batched_tokens where prefill speed matters more.
+    prefix_cache_snapshot_fraction: state slots for snapshots, as a fraction of the max_num_seqs request
+        slots (their own budget, least recently used first out; at least one slot).
     """
 
     model: str | None = None
@@ -45,6 +53,9 @@ class EngineArgs:
     kv_cache_bytes: int | None = None
     page_size: int = 16
     seed: int = 0
+    enable_prefix_caching: bool = True
+    prefix_cache_snapshot_interval: int = 512
+    prefix_cache_snapshot_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -59,6 +70,17 @@ class EngineArgs:
             not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):
             raise ValueError(f"max_model_len must be None or an int >= 2, got {self.max_model_len!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        every = self.prefix_cache_snapshot_interval
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1 or every % self.page_size:
+            raise ValueError(
+                f"prefix_cache_snapshot_interval must be a positive multiple of page_size={self.page_size}, "
+                f"got {every!r}"
+            )
+        frac = self.prefix_cache_snapshot_fraction
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 16:
+            raise ValueError(f"prefix_cache_snapshot_fraction must be in (0, 16], got {frac!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be None or > 0, got {self.kv_cache_bytes!r}")
         raw: SpeculativeConfig | Mapping[str, Any] | str | None = self.speculative_config
@@ -68,6 +90,13 @@ class EngineArgs:
             raw = DEFAULT_SPECULATIVE_CONFIG
         # the one parse: everything downstream reads the validated config
         object.__setattr__(self, "speculative_config", parse_speculative_config(raw))
+
+
+def num_snapshot_slots(args: EngineArgs) -> int:
+    """State slots the prefix cache reserves for snapshots (0 with caching off)."""
+    if not args.enable_prefix_caching:
+        return 0
+    return max(1, round(args.prefix_cache_snapshot_fraction * args.max_num_seqs))
 
 
 # each engine default, set once above; `LLM` and the CLI read theirs from here

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from hyspec_spec_workers.round import VerifiedTokens
 from hyspec_spec_workers.sampling import SampledToken
+from hyspec_statepool.prefix_cache import PrefixCacheStats
 
 from hyspec_server.outputs import RequestOutput, SpecDecodeStats
 from hyspec_server.request import Request
@@ -23,11 +24,13 @@ from hyspec_server.tokenizer import Tokenizer
 
 @dataclass(frozen=True, slots=True)
 class TokensPrompt:
-    """A prompt tokenized by the caller: its text and token ids (the HTTP server tokenizes on a worker thread,
-    so a long prompt never holds the engine thread)."""
+    """A prompt tokenized by the caller: its text (None: given as token ids), its token ids (the HTTP server
+    tokenizes on a worker thread, so a long prompt never holds the engine thread) and its prefix-cache
+    salt."""
 
-    text: str
+    text: str | None
     token_ids: list[int]
+    cache_salt: str | None = None
 
 
 class EngineStepError(RuntimeError):
@@ -84,11 +87,16 @@ class LLMEngine:
         params: SamplingParams,
         *,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Tokenizes and queues a request. Raises ValueError if it cannot fit, QueueFullError if full."""
+        """Tokenizes and queues a request. Raises ValueError if it cannot fit, QueueFullError if full.
+
+        `cache_salt`: requests with different salts share no prefix-cache entry (tenants that must not
+        learn from each other's timing)."""
         if isinstance(prompt, TokensPrompt):
             text: str | None = prompt.text
             ids = [int(t) for t in prompt.token_ids]
+            cache_salt = prompt.cache_salt if cache_salt is None else cache_salt
         elif isinstance(prompt, str):
             text = prompt
             ids = self.tokenizer.encode(prompt)
@@ -113,6 +121,7 @@ class LLMEngine:
             arrival_time=time.monotonic(),
             device=self.runner.device,
         )
+        req.cache_salt = cache_salt
         if self.speculative:
             req.spec_stats = SpecDecodeStats()
         self.scheduler.add(req)
@@ -132,6 +141,13 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; False when prefix caching is off."""
+        return self.runner.memory.reset_prefix_cache()
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        return self.runner.memory.prefix_cache_stats()
 
     @property
     def speculative(self) -> bool:
@@ -178,7 +194,8 @@ class LLMEngine:
                 done.append(req)
                 self._record_finished(req, now)
             outputs.append(req.make_output())
-        self.scheduler.finish(done)
+        self.scheduler.after_step(sched.chunks)
+        self.scheduler.finish(done, cache=True)
         for req in done:
             self.requests.pop(req.request_id, None)
         return outputs

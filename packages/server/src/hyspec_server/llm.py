@@ -41,6 +41,9 @@ class LLM:
         kv_cache_bytes: int | None = ENGINE_DEFAULTS["kv_cache_bytes"],
         page_size: int = ENGINE_DEFAULTS["page_size"],
         seed: int = ENGINE_DEFAULTS["seed"],
+        enable_prefix_caching: bool = ENGINE_DEFAULTS["enable_prefix_caching"],
+        prefix_cache_snapshot_interval: int = ENGINE_DEFAULTS["prefix_cache_snapshot_interval"],
+        prefix_cache_snapshot_fraction: float = ENGINE_DEFAULTS["prefix_cache_snapshot_fraction"],
     ) -> None:
         from hyspec_server.builder import build_engine
 
@@ -56,6 +59,9 @@ class LLM:
             kv_cache_bytes=kv_cache_bytes,
             page_size=page_size,
             seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
+            prefix_cache_snapshot_interval=prefix_cache_snapshot_interval,
+            prefix_cache_snapshot_fraction=prefix_cache_snapshot_fraction,
         )
         self.engine = build_engine(args)
 
@@ -74,7 +80,8 @@ class LLM:
         """Runs every prompt to completion; one output per prompt, in order.
 
         Args:
-            prompts: a string, a `{"prompt_token_ids": [...]}` dict, or a list of either.
+            prompts: a string, a `{"prompt_token_ids": [...]}` or `{"prompt": "..."}` dict (optionally with
+                a `"cache_salt"`), or a list of those.
             sampling_params: one for all prompts, one per prompt, or None for the defaults. With `n > 1` a
                 prompt runs as n engine requests (sample i seeded `derived_seed(seed, i)`, as the HTTP
                 server does) and its output's `outputs` holds the n completions, ordered by `index`.
@@ -95,8 +102,9 @@ class LLM:
         try:
             for item, p in zip(items, params):
                 prompt = _prompt_of(item)
+                salt = _salt_of(item)
                 if p.n == 1:
-                    rid = eng.add_request(prompt, p)
+                    rid = eng.add_request(prompt, p, cache_salt=salt)
                     groups.append((rid, [rid]))
                     ids.append(rid)
                     continue
@@ -105,7 +113,7 @@ class LLM:
                 for j in range(p.n):
                     # n=1 requests to the engine, seeded like the HTTP server's samples
                     one = dataclasses.replace(p, n=1, seed=derived_seed(p.seed, j))
-                    sample_ids.append(eng.add_request(prompt, one, request_id=f"{base}-{j}"))
+                    sample_ids.append(eng.add_request(prompt, one, request_id=f"{base}-{j}", cache_salt=salt))
                     ids.append(sample_ids[-1])
                 groups.append((base, sample_ids))
             final: dict[str, RequestOutput] = {}
@@ -126,6 +134,10 @@ class LLM:
             final[sids[0]] if len(sids) == 1 and sids[0] == gid else _merge(gid, [final[r] for r in sids])
             for gid, sids in groups
         ]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (as vLLM's); False when prefix caching is off."""
+        return self.engine.reset_prefix_cache()
 
     def leak_check(self) -> None:
         self.engine.leak_check()
@@ -163,7 +175,16 @@ def _merge(request_id: str, samples: list[RequestOutput]) -> RequestOutput:
         finished=all(s.finished for s in samples),
         metrics=metrics,
         spec_stats=spec,
+        num_cached_tokens=first.num_cached_tokens,
     )
+
+
+def _salt_of(item: PromptType) -> str | None:
+    """A prompt dict's `cache_salt` (vLLM's key): prompts with different salts share no cached prefix."""
+    salt = item.get("cache_salt") if isinstance(item, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt: expected a non-empty string, got {salt!r}")
+    return salt
 
 
 def _prompt_of(item: PromptType) -> str | list[int]:

@@ -1,13 +1,18 @@
 """The memory seam: what the scheduler needs from the pool that holds per-request state.
 
 The scheduler only counts: can a request be admitted (a request row and a state slot free), and can a
-running request grow to N tokens (KV pages). The model runner reads the same pool for index tensors.
+running request grow to N tokens (KV pages). With prefix caching it also resumes an admitted request from
+the longest cached prefix of its tokens and saves snapshots at the positions it chooses. The model runner
+reads the same pool for index tensors.
 Implementations: `StatePoolMemory` (hyspec_statepool's pool, in `pool_memory.py`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
+
+from hyspec_statepool.prefix_cache import PrefixCacheStats
 
 
 class RequestMemory(Protocol):
@@ -33,6 +38,28 @@ class RequestMemory(Protocol):
         ...
 
     def num_live(self) -> int: ...
+
+    @property
+    def snapshot_interval(self) -> int:
+        """Prefill chunks end at multiples of this many tokens, where a snapshot is saved (0: caching off)."""
+        ...
+
+    def attach_prefix(
+        self, request_id: str, token_ids: Sequence[int], *, salt: str | None, max_tokens: int
+    ) -> int:
+        """Resumes a just-admitted request from its longest cached prefix (at most `max_tokens`): its KV,
+        state and followers' memory as if those tokens were computed. Returns their count (0: none)."""
+        ...
+
+    def save_prefix(self, request_id: str, token_ids: Sequence[int], *, salt: str | None) -> None:
+        """Caches the request's committed state and KV: `token_ids` is exactly what they hold."""
+        ...
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; False when caching is off."""
+        ...
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None: ...
 
     def leak_check(self) -> None:
         """Raises when something is still allocated that no live request owns."""

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from hyspec_statepool.prefix_cache import PrefixCacheStats
+
     from hyspec_server.engine import LLMEngine
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -61,6 +63,8 @@ class EngineMetrics:
         self.spec_drafts = 0
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
+        # prefix caching (rendered when it is on): prompt tokens looked up and found
+        self.prefix_cache: PrefixCacheStats | None = None
 
     def observe(self, engine: LLMEngine) -> None:
         s = engine.stats
@@ -76,6 +80,7 @@ class EngineMetrics:
             self.spec_drafts = s.spec_num_drafts
             self.spec_draft_tokens = s.spec_num_draft_tokens
             self.spec_accepted_tokens = s.spec_num_accepted_tokens
+            self.prefix_cache = engine.prefix_cache_stats()
             for v in s.ttft:
                 self.ttft.observe(v)
             for v in s.tpot:
@@ -130,5 +135,18 @@ class EngineMetrics:
                     "# HELP hyspec_spec_decode_num_accepted_tokens_total Draft tokens accepted.",
                     "# TYPE hyspec_spec_decode_num_accepted_tokens_total counter",
                     f"hyspec_spec_decode_num_accepted_tokens_total {self.spec_accepted_tokens}",
+                ]
+            pc = self.prefix_cache
+            if pc is not None:
+                lines += [
+                    "# HELP hyspec_prefix_cache_queries_total Prompt tokens looked up in the prefix cache.",
+                    "# TYPE hyspec_prefix_cache_queries_total counter",
+                    f"hyspec_prefix_cache_queries_total {pc.num_queries}",
+                    "# HELP hyspec_prefix_cache_hits_total Prompt tokens found in the prefix cache.",
+                    "# TYPE hyspec_prefix_cache_hits_total counter",
+                    f"hyspec_prefix_cache_hits_total {pc.num_hits}",
+                    "# HELP hyspec_prefix_cache_snapshots State snapshots the prefix cache holds.",
+                    "# TYPE hyspec_prefix_cache_snapshots gauge",
+                    f"hyspec_prefix_cache_snapshots {pc.num_snapshots}",
                 ]
         return "\n".join(lines) + "\n"

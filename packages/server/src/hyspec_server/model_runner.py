@@ -16,6 +16,7 @@ request table fit the largest block (adaptive: largest candidate + 1).
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -27,11 +28,12 @@ from hyspec_spec_workers.draft_graphs import GraphedDrafter
 from hyspec_spec_workers.round import RoundRow, SpeculativeRound, VerifiedTokens
 from hyspec_spec_workers.sampling import SampledToken, Sampler, sample_rows, to_sampled_tokens
 from hyspec_statepool.pool import HybridStatePool
+from hyspec_statepool.prefix_cache import PrefixCache
 from hyspec_statepool.sizing import MemoryPlan, plan_memory
 from hyspec_statepool.specs import StateDtypes
 from hyspec_statepool.transfer import to_device
 
-from hyspec_server.config import EngineArgs
+from hyspec_server.config import EngineArgs, num_snapshot_slots
 from hyspec_server.cuda_graph import TargetGraphs
 from hyspec_server.decode_ahead import DecodeAhead
 from hyspec_server.pool_memory import MemoryFollower, StatePoolMemory
@@ -40,6 +42,7 @@ from hyspec_server.runner import RunnerOutput, spread_tokens
 from hyspec_server.scheduler import ScheduledChunk, SchedulerOutput
 from hyspec_server.speculative import DrafterContext, DrafterRegistry
 
+log = logging.getLogger("hyspec.runner")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -48,6 +51,26 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def log_pool_split(plan: MemoryPlan, num_snapshots: int, interval: int) -> None:
+    """One start-up line: what the state pool holds and how much of it the prefix cache gets."""
+    per_slot = plan.state_bytes // max(1, plan.num_state_slots + 1)
+    cache = (
+        f"prefix cache: {num_snapshots} snapshot slots ({num_snapshots * per_slot / 2**20:.1f} MiB), "
+        f"a snapshot every {interval} prefill tokens"
+        if num_snapshots
+        else "prefix caching off"
+    )
+    log.info(
+        "state pool: %d request slots of %.1f MiB state, %d KV pages of %d tokens (%.1f MiB); %s",
+        plan.max_num_seqs,
+        per_slot / 2**20,
+        plan.num_kv_pages,
+        plan.page_size,
+        plan.kv_bytes / 2**20,
+        cache,
+    )
 
 
 def _text_config(config: Any) -> Any:
@@ -83,6 +106,9 @@ class HyspecModelRunner:
         self.use_graphs = self._device.type == "cuda" and not args.enforce_eager
         # padded graph rows use slot -1 and KV slot -1: they need no request of their own
         max_num_seqs = args.max_num_seqs
+        num_snapshots = num_snapshot_slots(args) if specs.attention_layers else 0
+        if args.enable_prefix_caching and not num_snapshots:
+            log.warning("prefix caching is off: the model has no attention layer to key pages by")
         if args.kv_cache_bytes is not None:
             plan = plan_memory(
                 args.kv_cache_bytes,
@@ -92,6 +118,7 @@ class HyspecModelRunner:
                 draft_shape=draft_shape,
                 page_size=args.page_size,
                 dtypes=dtypes,
+                num_state_slots=max_num_seqs + num_snapshots,
             )
         else:
             # room for a whole verify block past the context (spec), or for the one token past it
@@ -103,7 +130,7 @@ class HyspecModelRunner:
                 max_num_seqs=max_num_seqs,
                 draft_shape=draft_shape,
                 page_size=args.page_size,
-                num_state_slots=max_num_seqs,
+                num_state_slots=max_num_seqs + num_snapshots,
                 num_kv_pages=max_num_seqs * per_req,
                 dtypes=dtypes,
             )
@@ -123,7 +150,14 @@ class HyspecModelRunner:
             )
             self.spec = SpeculativeRound.from_config(spec_config, (drafters or DrafterRegistry()).build(ctx))
             followers.append(self.spec)
-        self._memory = StatePoolMemory(self.pool, followers=followers)
+        cache = PrefixCache(self.pool, num_snapshots=num_snapshots) if num_snapshots else None
+        self._memory = StatePoolMemory(
+            self.pool,
+            followers=followers,
+            prefix_cache=cache,
+            snapshot_interval=args.prefix_cache_snapshot_interval,
+        )
+        log_pool_split(plan, num_snapshots, args.prefix_cache_snapshot_interval)
         dmax = plan.max_draft_tokens if spec_config is not None else 1
         self.backend = HybridBackend(
             self.pool,

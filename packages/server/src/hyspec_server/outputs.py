@@ -65,6 +65,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     spec_stats: SpecDecodeStats | None = None
+    # prompt tokens taken from the prefix cache instead of computed (vLLM's name)
+    num_cached_tokens: int = 0
     # incremental text since the previous output of this request (streaming)
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from hyspec_statepool.errors import PoolExhaustedError
 from hyspec_statepool.pool import HybridStatePool
+from hyspec_statepool.prefix_cache import PrefixCache, PrefixCacheStats
 
 
 class MemoryFollower(Protocol):
@@ -15,6 +16,11 @@ class MemoryFollower(Protocol):
     def on_alloc(self, request_id: str) -> None: ...
 
     def on_free(self, request_id: str) -> None: ...
+
+    def on_prefix_hit(self, request_id: str, num_tokens: int) -> None:
+        """The just-allocated request resumes at position `num_tokens` (its first tokens come from the prefix
+        cache, not from a forward)."""
+        ...
 
     def leak_check(self) -> None:
         """Raises when it still holds memory of a request (called while no request is live)."""
@@ -25,12 +31,29 @@ class StatePoolMemory:
     """Request ids are the engine's string ids; the pool keys its request rows by them.
 
     `followers` are told of every alloc and free (finish, abort, preemption alike), so memory that a request
-    owns elsewhere is freed on exactly the same paths as its pool memory.
+    owns elsewhere is freed on exactly the same paths as its pool memory. `prefix_cache` (None: caching off)
+    is the pool's; `snapshot_interval` (a multiple of the page size) is where prefill chunks end for it.
     """
 
-    def __init__(self, pool: HybridStatePool, *, followers: Sequence[MemoryFollower] = ()) -> None:
+    def __init__(
+        self,
+        pool: HybridStatePool,
+        *,
+        followers: Sequence[MemoryFollower] = (),
+        prefix_cache: PrefixCache | None = None,
+        snapshot_interval: int = 0,
+    ) -> None:
+        if prefix_cache is not None and prefix_cache.pool is not pool:
+            raise ValueError("prefix_cache: expected the cache of this pool")
+        if prefix_cache is not None and (snapshot_interval < 0 or snapshot_interval % pool.plan.page_size):
+            raise ValueError(
+                f"snapshot_interval: expected 0 or a multiple of the page size {pool.plan.page_size}, got "
+                f"{snapshot_interval}"
+            )
         self.pool = pool
         self.followers = tuple(followers)
+        self.prefix_cache = prefix_cache
+        self._interval = snapshot_interval if prefix_cache is not None else 0
         plan = pool.plan
         self._has_kv = bool(plan.specs.attention_layers)
         kv_tokens = plan.num_kv_pages * plan.page_size
@@ -64,6 +87,35 @@ class StatePoolMemory:
 
     def num_live(self) -> int:
         return self.pool.num_live
+
+    @property
+    def snapshot_interval(self) -> int:
+        return self._interval
+
+    def attach_prefix(
+        self, request_id: str, token_ids: Sequence[int], *, salt: str | None, max_tokens: int
+    ) -> int:
+        if self.prefix_cache is None:
+            return 0
+        n = self.prefix_cache.attach_longest(request_id, token_ids, salt=salt, max_tokens=max_tokens)
+        if n:
+            for f in self.followers:
+                f.on_prefix_hit(request_id, n)
+        return n
+
+    def save_prefix(self, request_id: str, token_ids: Sequence[int], *, salt: str | None) -> None:
+        if self.prefix_cache is not None and token_ids:
+            self.prefix_cache.save(request_id, token_ids, salt=salt, num_tokens=len(token_ids))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (live requests keep their pages); False when caching is off."""
+        if self.prefix_cache is None:
+            return False
+        self.prefix_cache.reset()
+        return True
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        return None if self.prefix_cache is None else self.prefix_cache.stats()
 
     def num_free_pages(self) -> int:
         return self.pool.kv.num_free

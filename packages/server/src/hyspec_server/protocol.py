@@ -85,6 +85,8 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     # hyspec extension (as in vLLM): return the generated token ids in each choice
     return_token_ids: bool = False
+    # vLLM extension: requests with different salts share no prefix-cache entry
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     @property
     def num_choices(self) -> int:

@@ -53,6 +53,10 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
     spec_stats: SpecDecodeStats | None = None
+    # prefix caching: requests with different salts share no cached prefix; prompt tokens found cached at the
+    # first admission
+    cache_salt: str | None = None
+    num_cached_tokens: int = 0
 
     @staticmethod
     def create(
@@ -187,6 +191,7 @@ class Request:
             outputs=[completion],
             finished=self.finished,
             metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
             spec_stats=self.spec_stats,
             delta_text=delta_text,
             delta_token_ids=delta_ids,

@@ -5,6 +5,11 @@ There is no prefill or decode phase. Each step, running requests (oldest first) 
 sequence limit and free memory allow. A long prompt is chunked across steps. When a running request cannot
 grow its KV, the youngest running request is preempted: its memory is freed and it goes back to the front of
 the waiting queue, to be recomputed from its prompt and generated tokens. No other request is touched.
+
+Prefix caching: an admitted request resumes from the longest cached prefix of its tokens (never its last
+token, whose logits give the next one). Prefill chunks end at multiples of the memory's snapshot interval,
+and after the step a snapshot of the committed state is saved there, at the end of each prefill and at the end
+of each finished request (`after_step`, `finish`), so later requests with the same prefix skip it.
 """
 
 from __future__ import annotations
@@ -107,7 +112,7 @@ class Scheduler:
         look = self.config.num_lookahead_tokens
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk_len(req, budget)
             # a decoding request verifies a block: its current token plus up to `look` drafts
             verify = look > 0 and self._is_decoding(req) and budget >= 1 + look
             extra = look if verify else 0
@@ -130,17 +135,52 @@ class Scheduler:
             and self.memory.can_alloc()
         ):
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
             self.memory.alloc(req.request_id)
-            if not self.memory.grow(req.request_id, n):
+            cached = self.memory.attach_prefix(
+                req.request_id,
+                req.token_slice(0, req.num_tokens),
+                salt=req.cache_salt,
+                max_tokens=req.num_tokens - 1,
+            )
+            req.num_computed_tokens = cached
+            n = self._chunk_len(req, budget)
+            if not self.memory.grow(req.request_id, cached + n):
                 self.memory.free(req.request_id)
+                req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            if req.metrics.num_preemptions == 0:
+                req.num_cached_tokens = cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            chunks.append(ScheduledChunk(req, 0, n))
+            chunks.append(ScheduledChunk(req, cached, n))
             budget -= n
         return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def _chunk_len(self, req: Request, budget: int) -> int:
+        """Tokens of `req` this step: what is left, within the budget, ending at the next snapshot position
+        (a recurrent state exists only where a forward ends, so a prefill that should leave a snapshot every
+        `snapshot_interval` tokens runs in pieces that end there)."""
+        start = req.num_computed_tokens
+        n = min(req.num_tokens - start, budget)
+        every = self.memory.snapshot_interval
+        if every and n > 1:
+            n = min(n, (start // every + 1) * every - start)
+        return n
+
+    def after_step(self, chunks: Iterable[ScheduledChunk]) -> None:
+        """Saves prefix-cache snapshots where this step's prefill chunks ended: at a snapshot interval and at
+        the end of a prefill (call it once the step's tokens are appended)."""
+        every = self.memory.snapshot_interval
+        if not every:
+            return
+        for c in chunks:
+            req = c.request
+            if c.verify or req.finished:
+                continue
+            prefill_end = c.sample and (c.num_new > 1 or c.start < req.num_prompt_tokens)
+            if c.end % every == 0 or prefill_end:
+                self.memory.save_prefix(req.request_id, req.token_slice(0, c.end), salt=req.cache_salt)
 
     @staticmethod
     def _is_decoding(req: Request) -> bool:
@@ -148,6 +188,10 @@ class Scheduler:
         return bool(req.output_token_ids) and req.num_tokens - req.num_computed_tokens == 1
 
     def _preempt(self, req: Request) -> None:
+        n = req.num_computed_tokens
+        if self.memory.snapshot_interval and 0 < n < req.num_tokens:
+            # its recompute resumes from here (unless the pages it frees are reclaimed first)
+            self.memory.save_prefix(req.request_id, req.token_slice(0, n), salt=req.cache_salt)
         self.memory.free(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -155,13 +199,23 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def finish(self, requests: Iterable[Request]) -> None:
-        """Frees finished or aborted requests wherever they are (running or waiting)."""
+    def finish(self, requests: Iterable[Request], *, cache: bool = False) -> None:
+        """Frees finished or aborted requests wherever they are (running or waiting).
+
+        `cache`: first save each running request's committed state for the prefix cache (finished requests,
+        so the next turn of a chat resumes after this one's output; not aborted ones).
+        """
+        requests = list(requests)
         done = {id(r) for r in requests}
         if not done:
             return
         for req in self.running:
             if id(req) in done:
+                # the state holds exactly the first num_computed_tokens tokens unless a stop string cut
+                # tokens the state had already seen
+                n = req.num_computed_tokens
+                if cache and self.memory.snapshot_interval and n and req.num_tokens == n + 1:
+                    self.memory.save_prefix(req.request_id, req.token_slice(0, n), salt=req.cache_salt)
                 self.memory.free(req.request_id)
         self.running = [r for r in self.running if id(r) not in done]
         self.waiting = deque(r for r in self.waiting if id(r) not in done)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from hyspec_spec_workers.sampling import Sampler, sampling_tensors, to_sampled_tokens
 from hyspec_statepool.pool import HybridStatePool
+from hyspec_statepool.prefix_cache import PrefixCache
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.specs import AttentionSpec, ModelStateSpecs, ShortConvSpec, StateDtypes
 
@@ -98,6 +99,7 @@ def toy_pool(
     num_kv_pages: int,
     page_size: int,
     device: torch.device | str = "cpu",
+    snapshots: int = 0,
 ) -> HybridStatePool:
     specs = ModelStateSpecs.from_pairs([(0, AttentionSpec(1, 1)), (1, ShortConvSpec(1, 2))])
     plan = MemoryPlan(
@@ -106,7 +108,7 @@ def toy_pool(
         max_num_seqs=max_num_seqs,
         draft_shape=None,
         page_size=page_size,
-        num_state_slots=max_num_seqs,
+        num_state_slots=max_num_seqs + snapshots,
         num_kv_pages=num_kv_pages,
         dtypes=StateDtypes(kv=torch.float32, conv=torch.float32),
     )
@@ -114,15 +116,28 @@ def toy_pool(
 
 
 class ToyModelRunner:
-    """`ModelRunner` for tests: same seam as the real runner, toy numerics (exact in fp32)."""
+    """`ModelRunner` for tests: same seam as the real runner, toy numerics (exact in fp32).
 
-    def __init__(self, pool: HybridStatePool, *, max_model_len: int, seed: int = 0) -> None:
+    `snapshots` > 0 turns prefix caching on with that many snapshot slots (the pool must have them spare).
+    """
+
+    def __init__(
+        self,
+        pool: HybridStatePool,
+        *,
+        max_model_len: int,
+        seed: int = 0,
+        snapshots: int = 0,
+        snapshot_interval: int = 0,
+    ) -> None:
         self.pool = pool
-        self._memory = StatePoolMemory(pool)
+        cache = PrefixCache(pool, num_snapshots=snapshots) if snapshots else None
+        self._memory = StatePoolMemory(pool, prefix_cache=cache, snapshot_interval=snapshot_interval)
         self._device = pool.device
         self._max_model_len = max_model_len
         self.sampler = Sampler(pool.device, seed=seed)
         self.num_steps = 0
+        self.num_tokens_computed = 0  # tokens run through the toy (a prefix-cache hit skips some)
         # hooks for tests: raise inside a step
         self.fail_next_step = False
 
@@ -145,6 +160,7 @@ class ToyModelRunner:
         self.num_steps += 1
         pool, dev = self.pool, self._device
         chunks = list(step.chunks)
+        self.num_tokens_computed += sum(c.num_new for c in chunks)
         rows = pool.req_rows([c.request.request_id for c in chunks])
         slots = pool.state_slots(rows).tensor.long()  # [N]
         starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
@@ -193,9 +209,13 @@ def toy_engine(
     page_size: int = 4,
     budget: int = 256,
     runner_cls: type[ToyModelRunner] = ToyModelRunner,
+    snapshots: int = 0,
+    snapshot_interval: int = 0,
 ) -> LLMEngine:
-    """An engine over the toy runner and the byte tokenizer."""
-    pool = toy_pool(max_num_seqs=seqs, max_context=max_len, num_kv_pages=pages, page_size=page_size)
-    runner = runner_cls(pool, max_model_len=max_len)
+    """An engine over the toy runner and the byte tokenizer; `snapshots` > 0: prefix caching on."""
+    pool = toy_pool(
+        max_num_seqs=seqs, max_context=max_len, num_kv_pages=pages, page_size=page_size, snapshots=snapshots
+    )
+    runner = runner_cls(pool, max_model_len=max_len, snapshots=snapshots, snapshot_interval=snapshot_interval)
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_waiting=max_waiting)
     return LLMEngine(runner, ByteTokenizer(), cfg)

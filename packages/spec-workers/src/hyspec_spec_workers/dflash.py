@@ -259,6 +259,9 @@ class DFlashDrafter:
     def _block_forward(self, batch: ForwardBatch) -> tuple[Tensor]:
         return (self.draft(batch, self.kv.backend),)  # normed [T, H]
 
+    def start_at(self, req_id: Hashable, position: int) -> None:
+        self.kv.skip_to(req_id, position)  # context K/V of the cached tokens: zeros
+
     def free_requests(self, req_ids: Sequence[Hashable]) -> None:
         self.kv.free(req_ids)
 

@@ -103,6 +103,20 @@ class DraftKV:
         for r in req_ids:
             del self.lengths[r]
 
+    def skip_to(self, req_id: Hashable, length: int) -> None:
+        """A fresh request's first `length` positions count as final, with zero K/V (a prefix-cache hit:
+        no target features exist for them). Zeros keep attention finite over positions never extended."""
+        if self.lengths[req_id] != 0:
+            raise ValueError(f"request {req_id!r} already has {self.lengths[req_id]} draft positions")
+        self.pool.ensure_kv_capacity([req_id], [length])
+        pages = self.pool.request_pages(req_id)
+        kv = self.pool.kv
+        if pages and kv.k is not None and kv.v is not None:
+            index = torch.tensor(pages, dtype=torch.long, device=kv.k.device)
+            kv.k[:, index] = 0
+            kv.v[:, index] = 0
+        self.lengths[req_id] = length
+
     def rows(self, req_ids: Sequence[Hashable]) -> ReqRows:
         return self.pool.req_rows(list(req_ids))
 

@@ -245,6 +245,12 @@ class HiddenStateDrafter:
         self.kv.backend.advance_one_token(batch)
         return (tok,)
 
+    def start_at(self, req_id: Hashable, position: int) -> None:
+        # pairs 0..position-2 count as written (zeros); the root feature f[position-1] is unknown: zeros
+        self.kv.skip_to(req_id, max(position - 1, 0))
+        self._unwritten.pop(req_id, None)
+        self.root_features[self.kv.rows([req_id]).tensor.long()] = 0
+
     def free_requests(self, req_ids: Sequence[Hashable]) -> None:
         for r in req_ids:
             self._unwritten.pop(r, None)

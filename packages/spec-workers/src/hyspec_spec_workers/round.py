@@ -208,6 +208,11 @@ class SpeculativeRound:
             assert self.model_drafter is not None
             self.model_drafter.free_requests([request_id])
 
+    def on_prefix_hit(self, request_id: str, num_tokens: int) -> None:
+        if request_id in self._followed:
+            assert self.model_drafter is not None
+            self.model_drafter.start_at(request_id, num_tokens)
+
     def leak_check(self) -> None:
         waiting = set() if self.feed is None else self.feed.waiting
         if self._followed or self._lengths or waiting:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -88,6 +89,26 @@ DRAFTER_CASES: tuple[DrafterCase, ...] = (
     DrafterCase("eagle3", "lfm2", {"method": "eagle3", "num_speculative_tokens": 3}, draft="eagle3"),
     DrafterCase("dflash", "lfm2_moe", {"method": "dflash", "num_speculative_tokens": 3}, draft="dflash"),
 )
+
+
+def build_case_checkpoints(root: Path, cases: Sequence[DrafterCase]) -> dict[str, Path]:
+    """Tiny target checkpoints for the cases' architectures (qwen3_next with 3 MTP layers, so that
+    multi_layer_mtp runs layer j at step j) under `root`, keyed by architecture, and each EAGLE-3 / DFlash
+    draft a case needs, keyed `"{draft}@{arch}"`."""
+    from hyspec_models.tiny import build_tiny_checkpoint
+
+    from hyspec_spec_workers.tiny_drafts import build_tiny_dflash, build_tiny_eagle3
+
+    out: dict[str, Path] = {}
+    for arch in sorted({c.arch for c in cases}):
+        mtp = 3 if arch == "qwen3_next" else None
+        out[arch] = build_tiny_checkpoint(root / arch, arch, seed=0, mtp_layers=mtp)
+    for case in cases:
+        key = f"{case.draft}@{case.arch}"
+        if case.draft is not None and key not in out:
+            build = build_tiny_eagle3 if case.draft == "eagle3" else build_tiny_dflash
+            out[key] = build(root / f"{case.draft}-{case.arch}", out[case.arch], seed=1)
+    return out
 
 
 @dataclass(slots=True)

@@ -3,6 +3,10 @@
 One k and one v tensor `[Lkv, P, page_size, HKV, Dh]` cover every attention layer; layer `i` of the model
 reads the slice at its compact index (a Qwen3.5 model with 8 attention layers out of 32 allocates 8). A KV
 slot is `page * page_size + offset`.
+
+Pages are reference counted: a request holds one reference to each of its pages, and the prefix cache one to
+each page it keeps (a full page shared by every request with the same prefix). `free` drops one reference;
+a page is free again at zero.
 """
 
 from __future__ import annotations
@@ -32,14 +36,18 @@ class KVPool:
                 self.v.fill_(float("nan"))
         # popped from the end, so pages go out in increasing order from a fresh pool
         self._free = list(range(self.num_pages - 1, -1, -1))
-        self._in_use = [False] * self.num_pages
+        self._refs = [0] * self.num_pages
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def in_use(self) -> list[int]:
-        return [p for p, used in enumerate(self._in_use) if used]
+        return [p for p, refs in enumerate(self._refs) if refs]
+
+    def refs(self, page: int) -> int:
+        """References held on `page` (0: free)."""
+        return self._refs[page]
 
     def compact_index(self, layer_id: int) -> int:
         """Index of global attention layer `layer_id` in the leading dim of `k` and `v`."""
@@ -63,18 +71,40 @@ class KVPool:
             )
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
-            self._in_use[p] = True
+            self._refs[p] = 1
         return pages
 
+    def share(self, pages: list[int]) -> None:
+        """One more reference to each of these allocated pages (a second owner of the same content)."""
+        self._check_allocated(pages)
+        for p in pages:
+            self._refs[p] += 1
+
     def free(self, pages: list[int]) -> None:
+        """Drops one reference to each page; a page with none left is free."""
+        self._check_allocated(pages)
+        if len(set(pages)) != len(pages):
+            raise DoubleFreeError(f"KV pages {pages}: a page appears twice in one free")
+        released = []
         for p in pages:
-            if not 0 <= p < self.num_pages or not self._in_use[p]:
-                raise DoubleFreeError(f"KV page {p} is not allocated: freed twice or never handed out")
-        for p in pages:
-            self._in_use[p] = False
-            self._free.append(p)
-        if self._debug and pages and self.k is not None and self.v is not None:
+            self._refs[p] -= 1
+            if not self._refs[p]:
+                self._free.append(p)
+                released.append(p)
+        if self._debug and released and self.k is not None and self.v is not None:
             # a freed page read through a stale page table shows up as NaN
-            index = torch.tensor(pages, dtype=torch.long, device=self.k.device)
+            index = torch.tensor(released, dtype=torch.long, device=self.k.device)
             self.k[:, index] = float("nan")
             self.v[:, index] = float("nan")
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page `dst` gets page `src`'s K and V in every attention layer (a device copy, no sync)."""
+        self._check_allocated([src, dst])
+        if self.k is not None and self.v is not None:
+            self.k[:, dst].copy_(self.k[:, src])
+            self.v[:, dst].copy_(self.v[:, src])
+
+    def _check_allocated(self, pages: list[int]) -> None:
+        for p in pages:
+            if not 0 <= p < self.num_pages or not self._refs[p]:
+                raise DoubleFreeError(f"KV page {p} is not allocated: freed twice or never handed out")

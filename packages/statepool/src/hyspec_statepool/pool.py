@@ -14,8 +14,10 @@ never waits for the device.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -32,6 +34,19 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # host translations loop in Python up to this many tokens and use vectorised CPU tensor ops beyond: a torch
 # call costs a few microseconds whatever its size, a Python step a fraction of one
 LOOP_MAX_TOKENS = 256
+
+
+class PageHolder(Protocol):
+    """An owner of KV page references besides the requests (the prefix cache, `prefix_cache.py`)."""
+
+    def held_pages(self) -> list[int]:
+        """Every page it holds a reference to, once per reference."""
+        ...
+
+    def reclaim_pages(self, num_pages: int) -> None:
+        """Drop references (least recently used first) until `num_pages` pages are free, or none is left
+        to drop."""
+        ...
 
 
 @dataclass(slots=True)
@@ -61,7 +76,13 @@ class HybridStatePool:
         # popped from the end, so rows go out as 0, 1, ... from a fresh pool
         self._free_rows = list(range(plan.max_num_seqs - 1, -1, -1))
         self._detached: set[int] = set()
+        self._holders: list[PageHolder] = []
         self._checks = debug or self.device.type == "cpu"
+
+    def add_page_holder(self, holder: PageHolder) -> None:
+        """`holder` keeps page references of its own: counted by `leak_check`, asked to give pages back when
+        `ensure_kv_capacity` finds too few free."""
+        self._holders.append(holder)
 
     # lifecycle
 
@@ -140,12 +161,36 @@ class HybridStatePool:
                     f"request {req_id!r}; raise max_context"
                 )
             need.append(max(0, self._pages_for(n) - len(live.pages)))
+        for holder in self._holders:
+            if self.kv.num_free < sum(need):
+                holder.reclaim_pages(sum(need))
         pages = self.kv.alloc(sum(need))
         for req_id, k in zip(req_ids, need, strict=True):
             live = self._live[req_id]
             new, pages = pages[:k], pages[k:]
             self.table.set_pages(live.row, len(live.pages), new)
             live.pages.extend(new)
+
+    def adopt_pages(self, req_id: Hashable, pages: Sequence[int]) -> None:
+        """A request without pages takes `pages` as its first ones (a prefix-cache hit); the caller has
+        already taken one reference to each for it (`kv.share` or `kv.alloc`), which `free` drops."""
+        live = self._get(req_id)
+        if live.pages:
+            raise ValueError(
+                f"request {req_id!r} already has {len(live.pages)} KV pages; adopt before growing"
+            )
+        if len(pages) > self.plan.max_pages_per_request:
+            raise ValueError(f"pages: expected at most {self.plan.max_pages_per_request}, got {len(pages)}")
+        self.table.set_pages(live.row, 0, list(pages))
+        live.pages.extend(pages)
+
+    def request_pages(self, req_id: Hashable) -> list[int]:
+        """The request's KV pages in position order (a copy)."""
+        return list(self._get(req_id).pages)
+
+    def request_slot(self, req_id: Hashable) -> int:
+        """The request's state slot (host int)."""
+        return self._get(req_id).slot
 
     def truncate_kv(self, req_id: Hashable, num_tokens: int) -> None:
         """Keep only the pages that the first `num_tokens` tokens need (after rejected drafts)."""
@@ -430,16 +475,21 @@ class HybridStatePool:
             problems.append("a request row is in the free list twice")
         owned_rows = [x.row for x in live]
         owned_slots = [x.slot for x in live] + sorted(self._detached)
-        owned_pages = [p for x in live for p in x.pages]
+        # a page is referenced once by each request that maps it and once per holder reference
+        page_refs = Counter(p for x in live for p in x.pages)
+        page_refs.update(p for h in self._holders for p in h.held_pages())
+        owned_pages = list(page_refs)
         for name, owned, in_use in (
             ("row", owned_rows, rows_in_use),
             ("state slot", owned_slots, set(self.states.in_use())),
-            ("KV page", owned_pages, set(self.kv.in_use())),
         ):
             if len(set(owned)) != len(owned):
                 problems.append(f"a {name} is owned twice: {sorted(owned)}")
             if set(owned) - in_use:
                 problems.append(f"{name}s owned but marked free: {sorted(set(owned) - in_use)}")
+        wrong = {p: (n, self.kv.refs(p)) for p, n in page_refs.items() if self.kv.refs(p) != n}
+        if wrong:
+            problems.append(f"KV page references (owners, counted) disagree: {dict(sorted(wrong.items()))}")
         problems.extend(self._table_mismatches(live))
         return LeakReport(
             live_requests=len(live),

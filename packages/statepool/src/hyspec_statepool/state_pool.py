@@ -108,6 +108,14 @@ class RecurrentStatePool:
         if self._debug:
             self._fill(slots, float("nan"))
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Slot `dst` gets slot `src`'s state in every linear layer (a device copy, no sync)."""
+        for s in (src, dst):
+            if not 1 <= s <= self.num_slots or not self._in_use[s]:
+                raise DoubleFreeError(f"state slot {s} is not allocated")
+        for tensor in self.states.values():
+            tensor[:, dst].copy_(tensor[:, src])
+
     def _fill(self, slots: list[int], value: float) -> None:
         if not slots:
             return

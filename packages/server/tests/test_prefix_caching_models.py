@@ -1,0 +1,95 @@
+"""Prefix caching on real tiny checkpoints: output with caching on equals output with caching off, for every
+architecture with no drafter and for every drafter (MTP chain and tree, multi-layer MTP, EAGLE-3, DFlash,
+n-gram, adaptive), on multi-turn chat (turn n + 1 extends turn n's prompt and output) and on requests sharing
+a system prompt (together and one after another), with prefixes ending inside a page and on a page boundary.
+
+A hit must really happen (the engine reports cached tokens) and nothing may leak. Storage is fp32 on the
+CPU, so a different chunk split computes the same numbers the uncached run does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hyspec_server import LLM, SamplingParams
+from hyspec_spec_workers.testing import DRAFTER_CASES, DrafterCase, build_case_checkpoints
+
+NEW = 10
+PAGE = 16
+# the system prompt ends on a page boundary (48) and one request's prompt ends inside the next page
+SYSTEM = [(i * 29 + 3) % 250 + 5 for i in range(48)]
+SUFFIXES = [[7, 8, 9], [11] * 16, [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56]]
+CHAT = [(i * 13 + 1) % 240 + 3 for i in range(37)]
+USER_TURNS = [[60, 61, 62], [70] * 5, [80, 81]]
+
+CASES: tuple[DrafterCase, ...] = (
+    DrafterCase("plain-qwen3_5", "qwen3_5", {}),
+    DrafterCase("plain-qwen3_next", "qwen3_next", {}),
+    DrafterCase("plain-lfm2", "lfm2", {}),
+    DrafterCase("plain-lfm2_moe", "lfm2_moe", {}),
+    *DRAFTER_CASES,
+    DrafterCase("mtp-adaptive", "qwen3_5", {"method": "mtp", "num_speculative_tokens": 3, "adaptive": True}),
+    DrafterCase("ngram", "lfm2", {"method": "ngram", "num_speculative_tokens": 3}),
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_case_checkpoints(tmp_path_factory.mktemp("prefix"), CASES)
+
+
+def _workload(llm: LLM) -> tuple[list[list[int]], int]:
+    """Shared-prefix requests together, then one after another, then a 3-turn chat; the outputs and the
+    prompt tokens the cache supplied."""
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    outs: list[list[int]] = []
+    cached = 0
+    prompts = [{"prompt_token_ids": SYSTEM + s} for s in SUFFIXES]
+    for o in llm.generate(prompts, params):
+        outs.append(o.outputs[0].token_ids)
+        cached += o.num_cached_tokens
+    for p in prompts[::-1]:
+        (o,) = llm.generate([p], params)
+        outs.append(o.outputs[0].token_ids)
+        cached += o.num_cached_tokens
+    history = list(CHAT)
+    for user in USER_TURNS:
+        (o,) = llm.generate([{"prompt_token_ids": history}], params)
+        outs.append(o.outputs[0].token_ids)
+        cached += o.num_cached_tokens
+        history = history + o.outputs[0].token_ids + user
+    llm.engine.leak_check()
+    return outs, cached
+
+
+def _llm(path: Path, spec: dict[str, Any] | None, caching: bool, max_num_seqs: int) -> LLM:
+    return LLM(
+        model=str(path),
+        max_num_seqs=max_num_seqs,
+        speculative_config=spec or None,
+        enable_prefix_caching=caching,
+        prefix_cache_snapshot_interval=2 * PAGE,
+        prefix_cache_snapshot_fraction=8 / max_num_seqs,  # 8 snapshot slots: room for the whole workload
+        page_size=PAGE,
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_caching_on_equals_caching_off(case: DrafterCase, checkpoints: dict[str, Path]) -> None:
+    target = checkpoints[case.arch]
+    draft = None if case.draft is None else str(checkpoints[f"{case.draft}@{case.arch}"])
+    spec = case.speculative_config(draft)
+    want, none_cached = _workload(_llm(target, spec, False, 4))
+    assert none_cached == 0
+    for max_num_seqs in (1, 4):
+        llm = _llm(target, spec, True, max_num_seqs)
+        got, cached = _workload(llm)
+        assert got == want, (case.name, max_num_seqs)
+        # every sequential shared-prefix request and every later chat turn resumes from the cache
+        assert cached >= 3 * len(SYSTEM) - PAGE, (case.name, max_num_seqs, cached)
+        assert llm.reset_prefix_cache()
+        llm.engine.leak_check()
+        pool = llm.engine.runner.memory.pool
+        assert pool.kv.num_free == pool.plan.num_kv_pages

@@ -1,0 +1,263 @@
+"""Prefix caching for hybrid models: content-addressed KV pages plus recurrent-state snapshots.
+
+A full KV page is named by a hash chained over its tokens and its parent page's hash (the first page's parent
+is a root hash of the request's `cache_salt`), so equal hashes mean equal prefixes. Cached pages are shared by
+reference count (`KVPool.share`) with every request whose prompt starts with the same tokens, kept after the
+requests end, and given back least recently used first when the pool runs short (`reclaim_pages`, called by
+`HybridStatePool.ensure_kv_capacity`). A chain is touched deepest page first, so eviction takes leaves
+before the pages they extend.
+
+KV alone cannot resume a hybrid model: a GDN or short-conv state exists only at the position where it was
+computed. A *snapshot* is a copy of a request's committed state at some position `c` (its own state slot,
+from a budget of `num_snapshots` slots reserved at start-up), keyed by the hash of the full pages before `c`
+and the tokens of the partial page up to `c` (its tail). A snapshot inside a page also keeps a private copy
+of that page, because the request that made it goes on writing the rest of it; a hit copies it into a fresh
+page for the new request. A hit resumes from the longest cached position that has both its pages and a
+snapshot.
+
+Only committed state reaches a snapshot: the engine saves one right after the forward that computed position
+`c` (a prefill chunk's end, a finished request's last committed token), never from verify scratch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from hyspec_statepool.pool import HybridStatePool
+
+_PageKey = bytes
+_SnapKey = tuple[bytes, tuple[int, ...]]
+
+
+def root_hash(salt: str | None) -> bytes:
+    """Parent hash of a request's first page: requests with different salts share nothing."""
+    return hashlib.sha256(b"hyspec-prefix\0" + (salt or "").encode()).digest()
+
+
+def page_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """Hash of one full page: its tokens chained onto its parent's hash (sha256: no crafted collisions)."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    key: _SnapKey
+    num_tokens: int
+    slot: int
+    tail_page: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    """Counters since start, in tokens, as vLLM reports them, and what the cache holds now."""
+
+    num_queries: int  # prompt tokens looked up
+    num_hits: int  # of those, tokens found cached
+    num_cached_pages: int
+    num_snapshots: int
+    num_snapshot_slots: int
+
+
+class PrefixCache:
+    """The prefix cache of one `HybridStatePool`.
+
+    Args:
+        pool: the pool whose pages and state slots it shares; it registers itself as a page holder.
+        num_snapshots: state slots reserved for snapshots (their own budget: requests never use them).
+    """
+
+    def __init__(self, pool: HybridStatePool, *, num_snapshots: int) -> None:
+        if isinstance(num_snapshots, bool) or not isinstance(num_snapshots, int) or num_snapshots < 1:
+            raise ValueError(f"num_snapshots: expected an int >= 1, got {num_snapshots!r}")
+        if not pool.plan.specs.attention_layers:
+            raise ValueError("prefix caching needs a model with attention layers (the pages carry the keys)")
+        self.pool = pool
+        self.page_size = pool.plan.page_size
+        self.num_snapshot_slots = num_snapshots
+        self._free_slots = pool.alloc_detached_slots(num_snapshots).tolist()
+        self._pages: OrderedDict[_PageKey, int] = OrderedDict()  # LRU order: the first is evicted first
+        self._snapshots: OrderedDict[_SnapKey, _Snapshot] = OrderedDict()
+        self._tails: dict[_PageKey, set[tuple[int, ...]]] = {}  # snapshot tails by their parent hash
+        self._pinned: _SnapKey | None = None
+        self._queries = 0
+        self._hits = 0
+        pool.add_page_holder(self)
+
+    # ---------------------------------------------------------------- lookup
+
+    def attach_longest(
+        self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None, max_tokens: int
+    ) -> int:
+        """Resume a fresh request (a row and a zeroed slot, no pages) from its longest cached prefix.
+
+        The request adopts the shared pages, a private copy of the snapshot's tail page and the snapshot's
+        state. `max_tokens` caps the hit (the engine passes the prompt length - 1: the last prompt token is
+        always computed, its logits give the first output). Returns the cached tokens (0: a miss).
+        """
+        self._queries += len(token_ids)
+        found = self._longest(token_ids, min(max_tokens, len(token_ids)), root_hash(salt))
+        if found is None:
+            return 0
+        snap, hashes = found
+        kv = self.pool.kv
+        chain = [self._pages[h] for h in hashes]
+        kv.share(chain)  # first: the request's references keep them from the eviction below
+        pages = list(chain)
+        if snap.tail_page is not None:
+            if not kv.num_free:
+                self._pinned = snap.key
+                try:
+                    self.reclaim_pages(1)
+                finally:
+                    self._pinned = None
+            if not kv.num_free:
+                kv.free(chain)
+                return 0
+            fresh = kv.alloc(1)[0]
+            kv.copy_page(snap.tail_page, fresh)
+            pages.append(fresh)
+        self.pool.adopt_pages(req_id, pages)
+        self.pool.states.copy_slot(snap.slot, self.pool.request_slot(req_id))
+        self._touch(hashes, snap.key)
+        self._hits += snap.num_tokens
+        return snap.num_tokens
+
+    def _longest(
+        self, tokens: Sequence[int], limit: int, root: bytes
+    ) -> tuple[_Snapshot, list[_PageKey]] | None:
+        """The snapshot at the largest position <= `limit` whose pages are all cached, and their hashes."""
+        ps = self.page_size
+        h = root
+        chain: list[_PageKey] = []
+        best: tuple[_Snapshot, list[_PageKey]] | None = None
+        k = 0
+        while True:
+            for tail in self._tails.get(h, ()):
+                c = k * ps + len(tail)
+                if 0 < c <= limit and (best is None or c > best[0].num_tokens):
+                    if tuple(tokens[k * ps : c]) == tail:
+                        best = (self._snapshots[(h, tail)], list(chain))
+            if (k + 1) * ps > limit:
+                return best
+            h = page_hash(h, tokens[k * ps : (k + 1) * ps])
+            if h not in self._pages:
+                return best
+            chain.append(h)
+            k += 1
+
+    # ---------------------------------------------------------------- saving
+
+    def save(self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None, num_tokens: int) -> None:
+        """Cache the request's full pages before `num_tokens` and a snapshot of its state at `num_tokens`.
+
+        `token_ids[:num_tokens]` must be exactly what the request's committed state and KV hold. Pages
+        another request already cached under the same hash stay the request's own. Without a free snapshot
+        slot the least recently used snapshot gives its slot.
+        """
+        c = num_tokens
+        if not 0 < c <= len(token_ids):
+            raise ValueError(f"num_tokens: expected 0 < num_tokens <= {len(token_ids)}, got {c}")
+        ps = self.page_size
+        own = self.pool.request_pages(req_id)
+        k = c // ps
+        if len(own) < -(-c // ps):
+            raise ValueError(f"request {req_id!r} holds {len(own)} KV pages, fewer than {c} tokens need")
+        h = root_hash(salt)
+        chain: list[_PageKey] = []
+        for i in range(k):
+            h = page_hash(h, token_ids[i * ps : (i + 1) * ps])
+            if h not in self._pages:
+                self.pool.kv.share([own[i]])
+                self._pages[h] = own[i]
+            chain.append(h)
+        tail = tuple(token_ids[k * ps : c])
+        key = (h, tail)
+        if key not in self._snapshots:
+            self._new_snapshot(key, c, req_id, own[k] if tail else None)
+        self._touch(chain, key if key in self._snapshots else None)
+
+    def _new_snapshot(self, key: _SnapKey, num_tokens: int, req_id: Hashable, partial: int | None) -> None:
+        kv = self.pool.kv
+        tail_page = None
+        if partial is not None:
+            if not kv.num_free:
+                self.reclaim_pages(1)
+            if not kv.num_free:
+                return  # no page for the tail: skip this snapshot rather than take a request's memory
+            tail_page = kv.alloc(1)[0]
+            kv.copy_page(partial, tail_page)
+        if not self._free_slots:
+            self._drop(next(iter(self._snapshots.values())))
+        slot = self._free_slots.pop()
+        self.pool.states.copy_slot(self.pool.request_slot(req_id), slot)
+        self._snapshots[key] = _Snapshot(key, num_tokens, slot, tail_page)
+        self._tails.setdefault(key[0], set()).add(key[1])
+
+    # ---------------------------------------------------------------- memory
+
+    def held_pages(self) -> list[int]:
+        tails = [s.tail_page for s in self._snapshots.values() if s.tail_page is not None]
+        return list(self._pages.values()) + tails
+
+    def reclaim_pages(self, num_pages: int) -> None:
+        """Evict until `num_pages` pages are free: least recently used full pages that no request maps
+        first, then snapshots with tail pages (least recently used first)."""
+        kv = self.pool.kv
+        while kv.num_free < num_pages:
+            victim = next((h for h, p in self._pages.items() if kv.refs(p) == 1), None)
+            if victim is not None:
+                kv.free([self._pages.pop(victim)])
+                # snapshots right after this page can no longer be reached
+                for tail in list(self._tails.get(victim, ())):
+                    self._drop(self._snapshots[(victim, tail)])
+                continue
+            snap = next(
+                (s for s in self._snapshots.values() if s.tail_page is not None and s.key != self._pinned),
+                None,
+            )
+            if snap is None:
+                return
+            self._drop(snap)
+
+    def reset(self) -> None:
+        """Forget everything cached (requests keep the pages they map); the counters go on (Prometheus
+        counters never go back)."""
+        for snap in list(self._snapshots.values()):
+            self._drop(snap)
+        if self._pages:
+            self.pool.kv.free(list(self._pages.values()))
+            self._pages.clear()
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            num_queries=self._queries,
+            num_hits=self._hits,
+            num_cached_pages=len(self._pages),
+            num_snapshots=len(self._snapshots),
+            num_snapshot_slots=self.num_snapshot_slots,
+        )
+
+    # ---------------------------------------------------------------- helpers
+
+    def _drop(self, snap: _Snapshot) -> None:
+        del self._snapshots[snap.key]
+        tails = self._tails[snap.key[0]]
+        tails.discard(snap.key[1])
+        if not tails:
+            del self._tails[snap.key[0]]
+        if snap.tail_page is not None:
+            self.pool.kv.free([snap.tail_page])
+        self._free_slots.append(snap.slot)
+
+    def _touch(self, chain: list[_PageKey], key: _SnapKey | None) -> None:
+        """Mark a chain and its snapshot most recently used, the first page last (evicted after its
+        leaves)."""
+        for h in reversed(chain):
+            if h in self._pages:  # (a save's tail page may have evicted a page of another request's chain)
+                self._pages.move_to_end(h)
+        if key is not None:
+            self._snapshots.move_to_end(key)

@@ -1,0 +1,225 @@
+"""`PrefixCache` on a small real pool: content hashes, shared pages, snapshots, eviction, reset, leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hyspec_statepool import AttentionSpec, HybridStatePool, MemoryPlan, ModelStateSpecs, ShortConvSpec
+from hyspec_statepool.errors import DoubleFreeError
+from hyspec_statepool.prefix_cache import PrefixCache, page_hash, root_hash
+from hyspec_statepool.specs import StateDtypes
+
+PS = 4
+
+
+def _pool(*, pages: int = 32, seqs: int = 4, snapshots: int = 3) -> HybridStatePool:
+    specs = ModelStateSpecs.from_pairs([(0, AttentionSpec(1, 2)), (1, ShortConvSpec(3, 3))])
+    plan = MemoryPlan(
+        specs=specs,
+        max_context=64,
+        max_num_seqs=seqs,
+        draft_shape=None,
+        page_size=PS,
+        num_state_slots=seqs + snapshots,
+        num_kv_pages=pages,
+        dtypes=StateDtypes(kv=torch.float32, conv=torch.float32),
+    )
+    return HybridStatePool(plan, debug=True)
+
+
+def _compute(pool: HybridStatePool, rid: str, tokens: list[int], start: int = 0) -> None:
+    """Stand-in for a forward: KV of position p is token p, the conv state is a function of every token."""
+    pool.ensure_kv_capacity([rid], [len(tokens)])
+    rows = pool.req_rows([rid])
+    kv = pool.kv_slots(
+        req_rows=rows,
+        start_positions=torch.tensor([start]),
+        num_tokens=torch.tensor([len(tokens) - start]),
+    ).tensor.long()
+    k, v = pool.kv_cache(0)
+    k.view(-1, 2)[kv] = torch.tensor(tokens[start:], dtype=torch.float32)[:, None]
+    v.view(-1, 2)[kv] = -torch.tensor(tokens[start:], dtype=torch.float32)[:, None]
+    conv = pool.layer_state(1).conv
+    assert conv is not None
+    slot = pool.request_slot(rid)
+    if start == 0:
+        conv[slot] = 0
+    for t in tokens[start:]:
+        conv[slot] = conv[slot] * 0.5 + t
+
+
+def _history(pool: HybridStatePool, rid: str, n: int) -> list[int]:
+    kv = pool.kv_slots(
+        req_rows=pool.req_rows([rid]), start_positions=torch.tensor([0]), num_tokens=torch.tensor([n])
+    ).tensor.long()
+    k, _ = pool.kv_cache(0)
+    return [int(x) for x in k.view(-1, 2)[kv, 0].tolist()]
+
+
+def _conv(pool: HybridStatePool, rid: str) -> torch.Tensor:
+    conv = pool.layer_state(1).conv
+    assert conv is not None
+    return conv[pool.request_slot(rid)].clone()
+
+
+def _idle(pool: HybridStatePool) -> None:
+    pool.leak_check().raise_if_leaking()
+
+
+def test_hashes_chain_over_the_parent_and_the_salt() -> None:
+    a, b = [1, 2, 3, 4], [1, 2, 3, 5]
+    r = root_hash(None)
+    assert page_hash(r, a) == page_hash(r, list(a))
+    assert page_hash(r, a) != page_hash(r, b)
+    assert page_hash(page_hash(r, a), a) != page_hash(r, a)  # same tokens, another parent
+    assert root_hash("tenant-a") != root_hash(None) != root_hash("tenant-b")
+
+
+@pytest.mark.parametrize("length", [PS * 3, PS * 3 + 2, 1, PS - 1])
+def test_a_hit_resumes_with_the_same_kv_and_state(length: int) -> None:
+    pool = _pool()
+    cache = PrefixCache(pool, num_snapshots=3)
+    tokens = [(7 * i + 3) % 50 + 1 for i in range(length)]
+    pool.alloc(["a"])
+    _compute(pool, "a", tokens)
+    cache.save("a", tokens, salt=None, num_tokens=length)
+    want_conv = _conv(pool, "a")
+    pool.free(["a"])
+    _idle(pool)
+    # a longer prompt resumes at the snapshot; the prompt itself recomputes at least its last token
+    pool.alloc(["b"])
+    got = cache.attach_longest("b", [*tokens, 9, 9], salt=None, max_tokens=length + 1)
+    assert got == length
+    assert _history(pool, "b", length) == tokens
+    assert torch.equal(_conv(pool, "b"), want_conv)
+    pool.alloc(["c"])
+    assert cache.attach_longest("c", tokens, salt=None, max_tokens=length - 1) == 0
+    # another salt shares nothing
+    pool.alloc(["d"])
+    assert cache.attach_longest("d", [*tokens, 9], salt="x", max_tokens=length) == 0
+    pool.free(["b", "c", "d"])
+    _idle(pool)
+    assert cache.stats().num_hits == length
+
+
+def test_full_pages_are_shared_and_the_tail_page_is_copied() -> None:
+    pool = _pool()
+    cache = PrefixCache(pool, num_snapshots=3)
+    tokens = list(range(1, 11))  # 2 full pages and a tail of 2
+    pool.alloc(["a"])
+    _compute(pool, "a", tokens)
+    cache.save("a", tokens, salt=None, num_tokens=10)
+    pool.alloc(["b"])
+    assert cache.attach_longest("b", [*tokens, 11, 12], salt=None, max_tokens=11) == 10
+    a, b = pool.request_pages("a"), pool.request_pages("b")
+    assert a[:2] == b[:2] and a[2] != b[2]
+    assert [pool.kv.refs(p) for p in b] == [3, 3, 1]  # a, b and the cache; b's private tail copy
+    # b writes the rest of its tail page: a's page and the cache's tail stay as they were
+    _compute(pool, "b", [*tokens, 11, 12], start=10)
+    assert _history(pool, "a", 10) == tokens
+    pool.free(["a", "b"])
+    pool.alloc(["c"])
+    assert cache.attach_longest("c", [*tokens, 5, 5], salt=None, max_tokens=11) == 10
+    assert _history(pool, "c", 10) == tokens
+    pool.free(["c"])
+    _idle(pool)
+
+
+def test_the_longest_snapshot_with_all_its_pages_wins() -> None:
+    pool = _pool()
+    cache = PrefixCache(pool, num_snapshots=3)
+    tokens = list(range(1, 17))
+    pool.alloc(["a"])
+    _compute(pool, "a", tokens[:8])
+    cache.save("a", tokens, salt=None, num_tokens=8)
+    _compute(pool, "a", tokens, start=8)
+    cache.save("a", tokens, salt=None, num_tokens=16)
+    pool.free(["a"])
+    pool.alloc(["b", "c"])
+    assert cache.attach_longest("b", [*tokens, 1], salt=None, max_tokens=16) == 16
+    assert cache.attach_longest("c", tokens[:12] + [0] * 5, salt=None, max_tokens=16) == 8
+    pool.free(["b", "c"])
+    _idle(pool)
+
+
+def test_eviction_takes_unused_pages_least_recently_used_first_and_never_a_mapped_one() -> None:
+    pool = _pool(pages=8, seqs=2)
+    cache = PrefixCache(pool, num_snapshots=3)
+    old, new = list(range(1, 9)), list(range(20, 28))
+    for rid, toks in (("a", old), ("b", new)):
+        pool.alloc([rid])
+        _compute(pool, rid, toks)
+        cache.save(rid, toks, salt=None, num_tokens=8)
+        pool.free([rid])
+    assert pool.kv.num_free == 8 - 4  # two chains of 2 full pages each, kept by the cache
+    pool.alloc(["c"])
+    assert cache.attach_longest("c", [*new, 1], salt=None, max_tokens=8) == 8  # maps new's pages
+    pool.alloc(["d"])
+    pool.ensure_kv_capacity(["d"], [5 * PS])  # one page short: the old chain's leaf goes, not new's
+    assert cache.stats().num_cached_pages == 3
+    assert cache.attach_longest("d", [*old, 1], salt=None, max_tokens=8) == 0
+    with pytest.raises(Exception, match="exhausted"):
+        pool.ensure_kv_capacity(["d"], [8 * PS])  # new's pages are mapped by c: never evicted
+    pool.free(["c", "d"])
+    _idle(pool)
+
+
+def test_snapshot_slots_are_their_own_budget_least_recently_used_out() -> None:
+    pool = _pool(snapshots=2)
+    cache = PrefixCache(pool, num_snapshots=2)
+    assert pool.states.num_free == pool.plan.max_num_seqs  # requests never get a snapshot slot
+    prompts = [[i] * 6 for i in (1, 2, 3)]
+    for i, toks in enumerate(prompts):
+        pool.alloc([f"r{i}"])
+        _compute(pool, f"r{i}", toks)
+        cache.save(f"r{i}", toks, salt=None, num_tokens=6)
+        pool.free([f"r{i}"])
+    assert cache.stats().num_snapshots == 2
+    pool.alloc(["x", "y"])
+    assert cache.attach_longest("x", prompts[0] + [0], salt=None, max_tokens=6) == 0  # the oldest went
+    assert cache.attach_longest("y", prompts[2] + [0], salt=None, max_tokens=6) == 6
+    pool.free(["x", "y"])
+    _idle(pool)
+
+
+def test_reset_returns_every_page_and_slot() -> None:
+    pool = _pool()
+    cache = PrefixCache(pool, num_snapshots=3)
+    pool.alloc(["a"])
+    toks = list(range(1, 15))
+    _compute(pool, "a", toks)
+    cache.save("a", toks, salt="s", num_tokens=14)
+    cache.reset()
+    assert pool.kv.num_free == pool.plan.num_kv_pages - len(pool.request_pages("a"))
+    pool.free(["a"])
+    assert pool.kv.num_free == pool.plan.num_kv_pages
+    assert cache.stats().num_snapshots == 0 and cache.stats().num_cached_pages == 0
+    _idle(pool)
+
+
+def test_page_references_are_counted() -> None:
+    pool = _pool()
+    (p,) = pool.kv.alloc(1)
+    pool.kv.share([p])
+    pool.kv.free([p])
+    assert pool.kv.refs(p) == 1 and pool.kv.num_free == pool.plan.num_kv_pages - 1
+    with pytest.raises(DoubleFreeError):
+        pool.kv.free([p, p])
+    pool.kv.free([p])
+    with pytest.raises(DoubleFreeError):
+        pool.kv.free([p])
+    with pytest.raises(DoubleFreeError):
+        pool.kv.share([p])
+
+
+def test_save_checks_its_arguments() -> None:
+    pool = _pool()
+    cache = PrefixCache(pool, num_snapshots=1)
+    pool.alloc(["a"])
+    with pytest.raises(ValueError, match="num_tokens"):
+        cache.save("a", [1, 2], salt=None, num_tokens=3)
+    with pytest.raises(ValueError, match="KV pages"):
+        cache.save("a", [1, 2], salt=None, num_tokens=2)  # no page holds them
+    with pytest.raises(ValueError, match="num_snapshots"):
+        PrefixCache(pool, num_snapshots=0)
+    pool.free(["a"])
