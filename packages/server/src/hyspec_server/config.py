@@ -32,7 +32,8 @@ class EngineArgs:
     page_size: tokens per KV page.
     seed: seed of the shared sampling generator (requests without their own seed).
     enable_prefix_caching: reuse the KV pages and recurrent-state snapshots of earlier requests with the same
-        prefix (on by default, as in vLLM; output is identical either way).
+        prefix (on by default, as in vLLM). Output is identical either way in fp32; in bf16 a resumed prefill
+        runs other chunk shapes than one from token 0, so greedy ties can part.
     prefix_cache_snapshot_interval: prefill chunks end at multiples of this many tokens (a multiple of
         page_size), where a state snapshot is saved, besides the end of each prompt and of each finished
         request (a recurrent state exists only where a forward ends). A lone prompt longer than it takes one

@@ -45,10 +45,11 @@ class StatePoolMemory:
     ) -> None:
         if prefix_cache is not None and prefix_cache.pool is not pool:
             raise ValueError("prefix_cache: expected the cache of this pool")
-        if prefix_cache is not None and (snapshot_interval < 0 or snapshot_interval % pool.plan.page_size):
+        if prefix_cache is not None and (snapshot_interval < 1 or snapshot_interval % pool.plan.page_size):
+            # 0 would mean "caching off" to the scheduler: a cache that never saves
             raise ValueError(
-                f"snapshot_interval: expected 0 or a multiple of the page size {pool.plan.page_size}, got "
-                f"{snapshot_interval}"
+                f"snapshot_interval: expected a positive multiple of the page size {pool.plan.page_size}, "
+                f"got {snapshot_interval}"
             )
         self.pool = pool
         self.followers = tuple(followers)

@@ -180,7 +180,12 @@ class Scheduler:
                 continue
             prefill_end = c.sample and (c.num_new > 1 or c.start < req.num_prompt_tokens)
             if c.end % every == 0 or prefill_end:
-                self.memory.save_prefix(req.request_id, req.token_slice(0, c.end), salt=req.cache_salt)
+                self._save(req, c.end)
+
+    def _save(self, req: Request, num_tokens: int) -> None:
+        """Caches `req`'s committed state, which holds exactly its first `num_tokens` tokens (caching on)."""
+        if self.memory.snapshot_interval:
+            self.memory.save_prefix(req.request_id, req.token_slice(0, num_tokens), salt=req.cache_salt)
 
     @staticmethod
     def _is_decoding(req: Request) -> bool:
@@ -189,9 +194,9 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         n = req.num_computed_tokens
-        if self.memory.snapshot_interval and 0 < n < req.num_tokens:
+        if 0 < n < req.num_tokens:
             # its recompute resumes from here (unless the pages it frees are reclaimed first)
-            self.memory.save_prefix(req.request_id, req.token_slice(0, n), salt=req.cache_salt)
+            self._save(req, n)
         self.memory.free(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -205,7 +210,6 @@ class Scheduler:
         `cache`: first save each running request's committed state for the prefix cache (finished requests,
         so the next turn of a chat resumes after this one's output; not aborted ones).
         """
-        requests = list(requests)
         done = {id(r) for r in requests}
         if not done:
             return
@@ -214,8 +218,8 @@ class Scheduler:
                 # the state holds exactly the first num_computed_tokens tokens unless a stop string cut
                 # tokens the state had already seen
                 n = req.num_computed_tokens
-                if cache and self.memory.snapshot_interval and n and req.num_tokens == n + 1:
-                    self.memory.save_prefix(req.request_id, req.token_slice(0, n), salt=req.cache_salt)
+                if cache and n and req.num_tokens == n + 1:
+                    self._save(req, n)
                 self.memory.free(req.request_id)
         self.running = [r for r in self.running if id(r) not in done]
         self.waiting = deque(r for r in self.waiting if id(r) not in done)
