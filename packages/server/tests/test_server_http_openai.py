@@ -386,7 +386,11 @@ CHAT = {"model": "toy", "messages": [{"role": "user", "content": "ok"}], "max_to
         ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {**CHAT, "logprobs": 1}, "logprobs"),
         ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
-        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "response_format": {"type": "xml"}},
+            "response_format",
+        ),  # (json_object and json_schema are served)
     ],
 )
 def test_bad_fields_are_400_naming_the_param(

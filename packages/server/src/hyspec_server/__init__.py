@@ -8,7 +8,7 @@ from hyspec_server.config import EngineArgs
 from hyspec_server.engine import LLMEngine
 from hyspec_server.llm import LLM
 from hyspec_server.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats
-from hyspec_server.sampling_params import SamplingParams
+from hyspec_server.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -21,4 +21,5 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SpecDecodeStats",
+    "StructuredOutputsParams",
 ]

@@ -141,6 +141,20 @@ def build_app(
                 raise APIError(400, msg, param="max_tokens" if "max_tokens" in msg else "prompt") from e
             raise
 
+    async def compile_constraint(
+        req: CompletionRequest | ChatCompletionRequest, params: SamplingParams
+    ) -> None:
+        """Compiles the request's constraint on a worker thread (a large schema would stall every stream on
+        the engine thread; the engine then finds it in the compiler's cache); 400 when it does not compile."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        try:
+            await asyncio.to_thread(engine.engine.grammars.compile, so)
+        except ValueError as e:
+            param = "structured_outputs" if req.structured_outputs is not None else "response_format"
+            raise APIError(400, str(e), param=param) from e
+
     def check_token_ids(prompts: list[str | list[int]]) -> None:
         vocab = getattr(engine.tokenizer, "vocab_size", None)
         for i, p in enumerate(prompts):
@@ -205,6 +219,7 @@ def build_app(
             _params(req, max_tokens=max_tokens, logprobs=engine_lp, seed=derived_seed(req.seed, j))
             for j in range(best_of)
         ]
+        await compile_constraint(req, samples[0])
         rid = f"cmpl-{uuid.uuid4().hex}"
         # text prompts are tokenized here, on a worker thread: on the engine thread a long one would stall
         # every running stream
@@ -330,6 +345,7 @@ def build_app(
             _params(req, max_tokens=max_tokens, logprobs=logprobs, seed=derived_seed(req.seed, j))
             for j in range(n)
         ]
+        await compile_constraint(req, samples[0])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = TokensPrompt(None, prompt_ids, req.cache_salt)
         group = await submit(

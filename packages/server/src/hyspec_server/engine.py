@@ -19,6 +19,7 @@ from hyspec_server.request import Request
 from hyspec_server.runner import ModelRunner
 from hyspec_server.sampling_params import SamplingParams
 from hyspec_server.scheduler import Scheduler, SchedulerConfig
+from hyspec_server.structured import GrammarCompiler
 from hyspec_server.tokenizer import Tokenizer
 
 
@@ -74,6 +75,7 @@ class LLMEngine:
                 f"{runner.memory.max_num_tokens_per_request} tokens per request; lower max_model_len"
             )
         self.scheduler = Scheduler(config, runner.memory)
+        self.grammars = GrammarCompiler(tokenizer)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -122,6 +124,8 @@ class LLMEngine:
             device=self.runner.device,
         )
         req.cache_salt = cache_salt
+        if params.structured_outputs is not None:
+            req.grammar = self.grammars.new_state(params.structured_outputs)
         if self.speculative:
             req.spec_stats = SpecDecodeStats()
         self.scheduler.add(req)

@@ -41,6 +41,7 @@ from hyspec_server.request import Request
 from hyspec_server.runner import RunnerOutput, spread_tokens
 from hyspec_server.scheduler import ScheduledChunk, SchedulerOutput
 from hyspec_server.speculative import DrafterContext, DrafterRegistry
+from hyspec_server.structured import apply_grammar_masks
 
 log = logging.getLogger("hyspec.runner")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -250,6 +251,7 @@ class HyspecModelRunner:
             max_drafts=c.num_lookahead,
             max_new_tokens=budget,
             stop_token_ids=req.eos_token_ids | req.params.stop_token_set,
+            constraint=req.grammar,
         )
 
     # ---------------------------------------------------------------- VerifyTarget (spec-workers' round)
@@ -348,6 +350,7 @@ class HyspecModelRunner:
             picked = hidden[to_device(last, dtype=torch.int64, device=hidden.device)]
         logits = self.model.compute_logits(picked)  # [n_sample, V]
         reqs = [chunks[i].request for i in sample]
+        apply_grammar_masks(logits, reqs)
         out_s = sample_rows(self._sampler, logits, reqs)
         if decode and len(sample) == len(chunks):
             # the device is still busy with this step: build the next one's batch now (decode_ahead.py)

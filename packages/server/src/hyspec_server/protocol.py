@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # re-exported: the HTTP server and `LLM.generate` share the cap and the per-sample seeds
 from hyspec_server.sampling_params import MAX_N as MAX_N
-from hyspec_server.sampling_params import SamplingParams
+from hyspec_server.sampling_params import SamplingParams, StructuredOutputsParams
 from hyspec_server.sampling_params import derived_seed as derived_seed
 
 
@@ -87,6 +87,38 @@ class _SamplingFields(_Strict):
     return_token_ids: bool = False
     # vLLM extension: requests with different salts share no prefix-cache entry
     cache_salt: str | None = Field(default=None, min_length=1)
+    # OpenAI's (vLLM takes it on completions too) and vLLM's extra field for the other constraints
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's constraint, from `response_format` or `structured_outputs` (not both); APIError 400
+        naming the field when it is malformed."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.get("type", "text") != "text" and so is not None:
+            raise APIError(
+                400, "give response_format or structured_outputs, not both", param="structured_outputs"
+            )
+        try:
+            if so is not None:
+                return StructuredOutputsParams(**so)
+            if rf is None or rf.get("type", "text") == "text":
+                return None
+            kind = rf.get("type")
+            if kind == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format.json_schema.schema: expected a JSON schema object")
+                return StructuredOutputsParams(json=schema)
+            raise ValueError(
+                f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}"
+            )
+        except (TypeError, ValueError) as e:
+            param = "structured_outputs" if so is not None else "response_format"
+            raise APIError(400, f"{param}: {e}" if param not in str(e) else str(e), param=param) from e
 
     @property
     def num_choices(self) -> int:
@@ -126,6 +158,7 @@ class _SamplingFields(_Strict):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            structured_outputs=self.structured(),
         )
 
 
@@ -180,10 +213,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check_chat(self) -> None:
         if self.tools:
             raise APIError(400, "tools (function calling) are not supported", param="tools")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")

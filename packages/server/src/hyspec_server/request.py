@@ -22,6 +22,7 @@ from hyspec_server.outputs import (
     SpecDecodeStats,
 )
 from hyspec_server.sampling_params import SamplingParams
+from hyspec_server.structured import GrammarState
 from hyspec_server.tokenizer import Tokenizer
 
 
@@ -57,6 +58,8 @@ class Request:
     # first admission
     cache_salt: str | None = None
     num_cached_tokens: int = 0
+    # structured outputs: where the request is in its constraint (None: unconstrained)
+    grammar: GrammarState | None = None
 
     @staticmethod
     def create(
@@ -129,8 +132,10 @@ class Request:
             self.logprobs.append(entry)
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprob
         p = self.params
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         # stop tokens and EOS end generation without entering the text
-        if token_id in self.eos_token_ids:
+        if token_id in self.eos_token_ids or (self.grammar is not None and self.grammar.done):
             self._finish("stop", None)
             return True
         if token_id in p.stop_token_set:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 def _is_int(x: object) -> bool:
@@ -45,6 +47,67 @@ def derived_seed(seed: int | None, sample: int) -> int | None:
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's names); exactly one field is set.
+
+    Args:
+        json: a JSON schema (a dict or its JSON text): the output is one JSON value that validates.
+        regex: the output matches this regular expression.
+        choice: the output is one of these strings.
+        grammar: a context-free grammar in EBNF (xgrammar's GBNF dialect, `root ::= ...`).
+        json_object: the output is any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        if self.json_object is not False:
+            if self.json_object is not True:
+                raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs: expected exactly one of json, regex, choice, grammar, json_object; got "
+                f"{given or 'none'}"
+            )
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json: not valid JSON: {e}") from e
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"structured_outputs.json: expected a dict or a JSON string, got {self.json!r}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name}: expected a non-empty string, got {v!r}")
+        c = self.choice
+        if c is not None and (
+            not isinstance(c, list | tuple) or not c or not all(isinstance(x, str) and x for x in c)
+        ):
+            raise ValueError(f"structured_outputs.choice: expected a list of non-empty strings, got {c!r}")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal keys compile to the same grammar."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return ("json", text)
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", json.dumps(list(self.choice)))
+        if self.grammar is not None:
+            return ("grammar", self.grammar)
+        return ("json_object", "")
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to choose tokens and when to stop, for one request.
 
@@ -68,6 +131,8 @@ class SamplingParams:
         frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time it was generated.
         repetition_penalty: divides positive (multiplies negative) logits of every token in the prompt or
             the output (CTRL / transformers / vLLM); 1 is off, must be > 0.
+        structured_outputs: None, or a constraint every generated token keeps (`StructuredOutputsParams`);
+            the request stops when the constrained text is complete.
     """
 
     max_tokens: int = 16
@@ -86,6 +151,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -134,6 +200,9 @@ class SamplingParams:
         lo, hi = REPETITION_PENALTY_RANGE
         if not _is_real(r) or not lo <= r <= hi:
             raise ValueError(f"repetition_penalty must be a number in [{lo}, {hi}], got {r!r}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
 
     @property
     def greedy(self) -> bool:

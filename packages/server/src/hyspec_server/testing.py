@@ -21,6 +21,7 @@ from hyspec_server.engine import LLMEngine
 from hyspec_server.pool_memory import StatePoolMemory
 from hyspec_server.runner import RunnerOutput, spread_tokens
 from hyspec_server.scheduler import SchedulerConfig, SchedulerOutput
+from hyspec_server.structured import apply_grammar_masks
 
 TOY_VOCAB = 257
 TOY_EOS = 256
@@ -76,6 +77,8 @@ class ByteTokenizer:
     """UTF-8 bytes are tokens 0..255; 256 is EOS. Chat template: "role: content" lines then "assistant:"."""
 
     vocab_size = TOY_VOCAB
+    # each token's bytes (structured outputs' vocabulary); EOS has none a constraint could ask for
+    token_bytes = [bytes([i]) for i in range(256)] + [b"</s>"]
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -196,6 +199,7 @@ class ToyModelRunner:
         tgt = torch.tensor(targets, dtype=torch.float32, device=dev)
         logits = -0.5 * (vocab[None, :] - tgt[:, None]).abs()  # [N, V]
         reqs = [c.request for c in sample_chunks]
+        apply_grammar_masks(logits, reqs)
         out = self.sampler(logits, sampling_tensors(reqs, dev))
         return RunnerOutput(tuple(spread_tokens(chunks, to_sampled_tokens(out, reqs))))
 

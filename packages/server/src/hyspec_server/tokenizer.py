@@ -60,6 +60,11 @@ class HFTokenizer:
     def eos_token_ids(self) -> frozenset[int]:
         return self._eos
 
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer (structured outputs build their vocabulary tables from it)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 

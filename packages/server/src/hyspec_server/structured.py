@@ -1,0 +1,169 @@
+"""Structured outputs: constraints compiled to token masks by xgrammar, applied before sampling.
+
+Why xgrammar: it compiles JSON schemas, regexes and EBNF grammars into a pushdown automaton with a
+precomputed per-state token mask cache (masks cost microseconds per token), keeps a compiled-grammar cache,
+supports rollback (what speculative verification will need) and ships CPU and GPU mask kernels; vLLM and
+SGLang use it by default. It is imported only when a request asks for a constraint, so an engine without
+constrained requests runs where xgrammar is not installed.
+
+Flow: `GrammarCompiler.compile` turns a `StructuredOutputsParams` into a compiled grammar (cached by the
+constraint's text, so the HTTP server compiles on a worker thread before queueing and the engine thread then
+finds it compiled); each request gets a `GrammarState` (a matcher). Before sampling, `apply_grammar_masks`
+sets the logits of every token the constraint forbids to -inf for the constrained rows; the engine advances
+the matcher by each appended token (`Request.append_token`) and stops the request when the constraint is
+complete. With speculative decoding, a `GrammarState` is the row's `TokenConstraint` in spec-workers'
+round (`constraint.py`): drafts are cut at the first forbidden token and every kept verify position is masked
+(accept, then roll back), so verification never chooses from an unmasked position.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from hyspec_server.sampling_params import StructuredOutputsParams
+from hyspec_server.tokenizer import Tokenizer
+
+
+class _Constrained(Protocol):
+    @property
+    def grammar(self) -> GrammarState | None: ...
+
+
+class GrammarState:
+    """One request's position in its constraint."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> None:
+        """Advances by one generated token; a token the constraint forbids is a bug upstream: it raises."""
+        if not self.matcher.accept_token(token_id):
+            raise RuntimeError(f"token {token_id} violates the request's structured-output constraint")
+
+    def allowed_drafts(self, drafts: Sequence[int]) -> int:
+        """How many leading drafts the constraint takes (spec-workers' `TokenConstraint`; state unchanged)."""
+        n = 0
+        for t in drafts:
+            if not self.matcher.accept_token(t):
+                break
+            n += 1
+            if self.matcher.is_terminated():
+                break  # a stop token ends the constrained text: nothing after it is allowed
+        if n:
+            self.matcher.rollback(n)
+        return n
+
+    def mask_block(self, drafts: Sequence[int], logits: torch.Tensor) -> None:
+        """Masks `logits` [len(drafts) + 1, V] in place, row j after the drafts before j (state unchanged)."""
+        import xgrammar as xgr
+
+        k = len(drafts)
+        bitmask = xgr.allocate_token_bitmask(k + 1, int(logits.shape[-1]))  # [k + 1, ceil(V / 32)] int32
+        for j in range(k + 1):
+            if self.matcher.is_terminated():
+                break  # after the stop token: the round stops there, the row stays all-allowed
+            self.matcher.fill_next_token_bitmask(bitmask, j)
+            if j < k and not self.matcher.accept_token(drafts[j]):
+                raise RuntimeError(f"draft {drafts[j]} was not allowed (constrain the drafts first)")
+        if k:
+            self.matcher.rollback(k)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
+
+    @property
+    def done(self) -> bool:
+        """The constrained text is complete (its stop token was accepted)."""
+        return bool(self.matcher.is_terminated())
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer, caching each compiled grammar by its constraint.
+
+    Args:
+        tokenizer: the engine's tokenizer: an HF tokenizer (`hf_tokenizer`) or a byte-level one that lists
+            its tokens' bytes (`token_bytes`).
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._compiler: Any = None
+        self._lock = threading.Lock()  # first use builds the vocabulary tables once
+        self.vocab_size = 0
+
+    def _xgr(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                try:
+                    import xgrammar as xgr
+                except ImportError as e:
+                    raise ValueError(
+                        "structured outputs need the xgrammar package (pip install xgrammar)"
+                    ) from e
+                info = _tokenizer_info(xgr, self.tokenizer)
+                self.vocab_size = int(info.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+            return self._compiler
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar; ValueError naming the field when the constraint does not compile."""
+        compiler = self._xgr()
+        kind, text = params.key
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(text)
+            if kind == "json_object":
+                return compiler.compile_json_schema(json.dumps({"type": "object"}))
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            if kind == "choice":
+                # the choices as a grammar of string literals (JSON escapes are the EBNF's)
+                alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(text))
+                return compiler.compile_grammar(f"root ::= {alts}")
+            return compiler.compile_grammar(text)
+        except RuntimeError as e:
+            msg = str(e).splitlines()[0]
+            msg = msg.split("] ", 1)[-1]  # drop xgrammar's "[time] file:line:" prefix
+            raise ValueError(f"structured_outputs.{kind}: does not compile: {msg}") from e
+
+    def new_state(self, params: StructuredOutputsParams) -> GrammarState:
+        import xgrammar as xgr
+
+        return GrammarState(xgr.GrammarMatcher(self.compile(params)))
+
+
+def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[_Constrained]) -> None:
+    """Sets the logits of forbidden tokens to -inf in place for constrained rows ([N, V], row i is
+    `requests[i]`); rows without a constraint are untouched, and nothing runs when none has one."""
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not rows:
+        return
+    import xgrammar as xgr
+
+    vocab = int(logits.shape[-1])
+    bitmask = xgr.allocate_token_bitmask(len(requests), vocab)  # [N, ceil(V / 32)] int32, host
+    for i in rows:
+        state = requests[i].grammar
+        assert state is not None
+        state.matcher.fill_next_token_bitmask(bitmask, i)
+    mask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, mask, indices=rows)
+
+
+def _tokenizer_info(xgr: Any, tokenizer: Tokenizer) -> Any:
+    stop = sorted(tokenizer.eos_token_ids)
+    hf = getattr(tokenizer, "hf_tokenizer", None)
+    if hf is not None:
+        size = getattr(tokenizer, "vocab_size", None)
+        return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=size, stop_token_ids=stop)
+    raw = getattr(tokenizer, "token_bytes", None)
+    if raw is not None:
+        return xgr.TokenizerInfo(
+            list(raw), vocab_type=xgr.VocabType.RAW, vocab_size=len(raw), stop_token_ids=stop
+        )
+    raise ValueError(
+        "structured outputs need a Hugging Face tokenizer (this engine's tokenizer has no vocabulary)"
+    )

@@ -1,0 +1,313 @@
+"""Structured outputs (xgrammar): every constrained output parses and validates, greedy and sampled, mixed in
+one batch with unconstrained requests (whose outputs must not change), through `LLM`, the HTTP server, and on
+real tiny checkpoints with speculative decoding (greedy output identical with and without a drafter); bad
+constraints are a clear ValueError / 400 naming the field and disturb nobody else.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+import torch
+from hyspec_server import LLM, EngineArgs, SamplingParams, StructuredOutputsParams
+from hyspec_server.builder import build_engine
+from hyspec_server.serve import ServerThread
+from hyspec_server.speculative import DrafterContext, DrafterRegistry
+from hyspec_server.testing import toy_engine, toy_greedy
+from hyspec_spec_workers.config import Method
+from hyspec_spec_workers.drafter import DraftBatch, Drafter, DraftOutput
+from hyspec_spec_workers.tree import VerifyTree
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        # (no maxLength: xgrammar 0.2.8's length-bounded string rule lets raw control characters through)
+        "name": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{3}-\d{2,4}"
+CHOICES = ["yes", "no", 'maybe "so"']
+GRAMMAR = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+
+
+def _check(so: StructuredOutputsParams, text: str) -> None:
+    """Raises unless `text` satisfies the constraint."""
+    if so.json is not None:
+        schema = so.json if isinstance(so.json, dict) else json.loads(so.json)
+        jsonschema.validate(json.loads(text), schema)
+    elif so.json_object:
+        assert isinstance(json.loads(text), dict), text
+    elif so.regex is not None:
+        assert re.fullmatch(so.regex, text), text
+    elif so.choice is not None:
+        assert text in so.choice, text
+    else:
+        assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", text), text
+
+
+CONSTRAINTS = [
+    StructuredOutputsParams(json=SCHEMA),
+    StructuredOutputsParams(json=json.dumps(SCHEMA)),
+    StructuredOutputsParams(json_object=True),
+    StructuredOutputsParams(regex=REGEX),
+    StructuredOutputsParams(choice=CHOICES),
+    StructuredOutputsParams(grammar=GRAMMAR),
+]
+
+
+@pytest.mark.parametrize("so", CONSTRAINTS, ids=lambda so: so.key[0])
+def test_constrained_outputs_parse_greedy_and_sampled_mixed_with_free_requests(
+    so: StructuredOutputsParams,
+) -> None:
+    llm = LLM.from_engine(toy_engine(seqs=8))
+    prompts = [[65 + i, 66, 67 + 2 * i] for i in range(6)]
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    params = [
+        SamplingParams(max_tokens=200, temperature=0.0 if i % 2 else 1.0, seed=i, structured_outputs=so)
+        if i < 4
+        else free
+        for i in range(6)
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    completed = 0
+    for p, prm, o in zip(prompts, params, outs, strict=True):
+        c = o.outputs[0]
+        if prm.structured_outputs is None:
+            assert c.token_ids == toy_greedy(p, 12, ignore_eos=True)  # its neighbours' masks never touch it
+        elif c.finish_reason == "stop":
+            _check(so, c.text)
+            completed += 1
+        else:
+            # the toy's walk through an open-ended constraint (a JSON object) may run out of tokens: the text
+            # must still be a prefix the constraint allows (a fresh matcher takes every token)
+            assert c.finish_reason == "length", c.text
+            state = llm.engine.grammars.new_state(so)
+            for t in c.token_ids:
+                state.accept(t)
+    assert completed >= (0 if so.json_object else 2)
+    llm.leak_check()
+
+
+def test_ignore_eos_still_stops_when_the_constraint_is_complete() -> None:
+    llm = LLM.from_engine(toy_engine())
+    so = StructuredOutputsParams(choice=["ok"])
+    (o,) = llm.generate(
+        [{"prompt_token_ids": [1, 2]}],
+        SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, structured_outputs=so),
+    )
+    assert o.outputs[0].text == "ok" and o.outputs[0].finish_reason == "stop"
+    assert len(o.outputs[0].token_ids) == 3  # "o", "k", then the stop token the grammar ends with
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({}, "exactly one"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one"),
+        ({"json": "{not json"}, "structured_outputs.json"),
+        ({"json": 5}, "structured_outputs.json"),
+        ({"choice": []}, "structured_outputs.choice"),
+        ({"choice": ["a", ""]}, "structured_outputs.choice"),
+        ({"regex": ""}, "structured_outputs.regex"),
+        ({"json_object": "yes"}, "json_object"),
+    ],
+)
+def test_bad_constraints_are_value_errors_naming_the_field(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StructuredOutputsParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("so", "match"),
+    [
+        (StructuredOutputsParams(regex="(ab"), "structured_outputs.regex"),
+        (StructuredOutputsParams(grammar="root ::= "), "structured_outputs.grammar"),
+        (StructuredOutputsParams(json={"type": "nonsense-type"}), "structured_outputs.json"),
+    ],
+)
+def test_constraints_that_do_not_compile_lose_nothing(so: StructuredOutputsParams, match: str) -> None:
+    llm = LLM.from_engine(toy_engine())
+    good = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    with pytest.raises(ValueError, match=match):
+        llm.generate(
+            [{"prompt_token_ids": [3, 4]}, {"prompt_token_ids": [5]}],
+            [good, SamplingParams(max_tokens=5, structured_outputs=so)],
+        )
+    llm.leak_check()  # the request queued before the bad one was aborted and freed
+    (o,) = llm.generate([{"prompt_token_ids": [3, 4]}], good)
+    assert o.outputs[0].token_ids == toy_greedy([3, 4], 5, ignore_eos=True)
+
+
+def test_http_response_format_and_structured_outputs() -> None:
+    srv = ServerThread(toy_engine(), model_name="toy").start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+            chat = {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
+            r = c.post(
+                "/v1/chat/completions",
+                json={
+                    **chat,
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "p", "schema": SCHEMA, "strict": True},
+                    },
+                },
+            )
+            assert r.status_code == 200, r.text
+            jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), SCHEMA)
+            r = c.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}})
+            assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)
+            r = c.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"}})
+            assert r.status_code == 200
+            body = {"model": "toy", "prompt": "x", "max_tokens": 50, "temperature": 0}
+            r = c.post("/v1/completions", json={**body, "structured_outputs": {"choice": CHOICES}})
+            assert r.json()["choices"][0]["text"] in CHOICES
+            r = c.post(
+                "/v1/completions", json={**body, "structured_outputs": {"regex": REGEX}, "stream": True}
+            )
+            text = "".join(
+                json.loads(line[6:])["choices"][0]["text"]
+                for line in r.text.splitlines()
+                if line.startswith("data: {") and json.loads(line[6:])["choices"]
+            )
+            assert re.fullmatch(REGEX, text), text
+            for extra, param in (
+                ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs"),
+                ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs"),
+                ({"structured_outputs": {"bogus": 1}}, "structured_outputs"),
+                ({"response_format": {"type": "json_schema"}}, "response_format"),
+                ({"response_format": {"type": "xml"}}, "response_format"),
+                (
+                    {
+                        "response_format": {
+                            "type": "json_schema",
+                            "json_schema": {"schema": {"type": "nonsense"}},
+                        }
+                    },
+                    "response_format",
+                ),
+            ):
+                r = c.post("/v1/completions", json={**body, **extra})
+                assert r.status_code == 400, (extra, r.text)
+                assert r.json()["error"]["param"] == param, (extra, r.json())
+            assert c.post("/v1/completions", json=body).status_code == 200  # the server is unharmed
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from hyspec_models.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("so") / "qwen3_5", "qwen3_5", seed=0)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [None, {"method": "ngram", "num_speculative_tokens": 3}, {"method": "mtp", "num_speculative_tokens": 3}],
+    ids=["plain", "ngram", "mtp"],
+)
+def test_real_tokenizer_with_speculation_greedy_identical(
+    qwen_ckpt: Path, spec: dict[str, Any] | None
+) -> None:
+    prompts = [{"prompt_token_ids": [5 + i, 9, 17, 33, 5 + i, 9]} for i in range(3)]
+    constrained = [
+        SamplingParams(max_tokens=40, temperature=0, structured_outputs=so)
+        for so in (CONSTRAINTS[3], CONSTRAINTS[4], CONSTRAINTS[5])
+    ]
+    free = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+    def run(s: dict[str, Any] | None) -> list[tuple[str, list[int]]]:
+        llm = LLM(model=str(qwen_ckpt), max_num_seqs=4, speculative_config=s)
+        outs = llm.generate(prompts * 2, constrained + [free] * 3)
+        llm.leak_check()
+        return [(o.outputs[0].text, o.outputs[0].token_ids) for o in outs]
+
+    got = run(spec)
+    for (text, ids), prm in zip(got[:3], constrained, strict=True):
+        assert prm.structured_outputs is not None
+        assert len(ids) < 40  # regex, choice and grammar all complete well within the budget
+        _check(prm.structured_outputs, text)
+    if spec is not None:
+        assert got == run(None)
+
+
+@dataclass
+class OracleDrafter:
+    """Drafts each row's reference continuation (the plain constrained output), with a wrong token at a
+    rotating index (often one the constraint forbids), so constrained rows see drafts cut by the grammar,
+    drafts rejected by the target and fully accepted runs."""
+
+    refs: list[list[int]]
+    steps: int
+    vocab: int
+    calls: int = 0
+
+    @property
+    def method(self) -> Method:
+        return "ngram"
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return 1 + self.steps
+
+    def propose(self, batch: DraftBatch) -> DraftOutput:
+        self.calls += 1
+        n = batch.root_tokens.shape[0]
+        drafts = torch.zeros(n, self.steps, dtype=torch.int64)
+        num = torch.zeros(n, dtype=torch.int64)
+        for row in range(n):
+            hist = batch.histories[row].tolist()
+            full = next((r for r in self.refs if len(r) > len(hist) and r[: len(hist)] == hist), None)
+            cap = batch.num_steps[row]
+            if full is None or cap == 0:
+                continue
+            props = full[len(hist) : len(hist) + cap]
+            phase = (self.calls + row) % (self.steps + 1)
+            if phase < len(props):
+                props[phase] = (props[phase] + 1) % self.vocab
+            drafts[row, : len(props)] = torch.tensor(props, dtype=torch.int64)
+            num[row] = len(props)
+        return DraftOutput(VerifyTree.chain(batch.root_tokens, drafts, num))
+
+
+def test_drafts_under_a_constraint_are_cut_masked_and_lossless(qwen_ckpt: Path) -> None:
+    prompts = [{"prompt_token_ids": [5 + i, 9, 17, 33, 5 + i, 9]} for i in range(4)]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0, structured_outputs=so)
+        for so in (CONSTRAINTS[3], CONSTRAINTS[4], CONSTRAINTS[5], CONSTRAINTS[2])
+    ]
+    plain = LLM(model=str(qwen_ckpt), max_num_seqs=4, speculative_config=None)
+    want = plain.generate(prompts, params)
+    refs = [p["prompt_token_ids"] + o.outputs[0].token_ids for p, o in zip(prompts, want, strict=True)]
+    made: list[OracleDrafter] = []
+
+    def build(ctx: DrafterContext) -> Drafter:
+        made.append(OracleDrafter(refs, ctx.config.max_num_speculative_tokens, 512))
+        return made[-1]
+
+    eng = build_engine(
+        EngineArgs(
+            model=str(qwen_ckpt),
+            max_num_seqs=4,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        ),
+        drafters=DrafterRegistry({"ngram": build}),
+    )
+    got = LLM.from_engine(eng).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = [o.spec_stats for o in got]
+    assert sum(s.num_accepted_tokens for s in stats if s) > 0  # constrained rows did accept drafts
+    assert made[0].calls > 0
+    eng.leak_check()
