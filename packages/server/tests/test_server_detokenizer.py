@@ -1,4 +1,5 @@
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from hyspec_server.detokenizer import IncrementalDetokenizer, find_stop
@@ -22,7 +23,9 @@ class WordTokenizer:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return "".join(self.pieces[t] for t in token_ids if not (skip_special_tokens and t == 5))
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         raise NotImplementedError
 
 

@@ -10,6 +10,7 @@ before the next step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
@@ -36,8 +37,9 @@ from hyspec_server.protocol import (
     ErrorResponse,
     derived_seed,
 )
-from hyspec_server.sampling_params import SamplingParams
+from hyspec_server.sampling_params import SamplingParams, StructuredOutputsParams
 from hyspec_server.scheduler import QueueFullError
+from hyspec_server.tool_calls import ToolCallStream, parse_tool_calls, required_grammar, template_message
 
 _M = TypeVar("_M", bound=BaseModel)
 _DISCONNECT_POLL_S = 0.05
@@ -153,6 +155,12 @@ def build_app(
             await asyncio.to_thread(engine.engine.grammars.compile, so)
         except ValueError as e:
             param = "structured_outputs" if req.structured_outputs is not None else "response_format"
+            if (
+                isinstance(req, ChatCompletionRequest)
+                and req.tools
+                and req.tool_choice not in (None, "auto", "none")
+            ):
+                param = "tools"
             raise APIError(400, str(e), param=param) from e
 
     def check_token_ids(prompts: list[str | list[int]]) -> None:
@@ -312,14 +320,15 @@ def build_app(
         req = _parse(ChatCompletionRequest, await _json_body(raw, body_limit, read_timeout_s=read_timeout))
         check_model(req.model)
         req.check_common()
-        req.check_chat()
+        forced = req.check_chat()
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            messages = [template_message(m.role, m.text(), m) for m in req.messages]
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         tok = engine.tokenizer
+        tools = req.tools if req.parses_tools else None
         try:
-            prompt_ids: list[int] = await asyncio.to_thread(tok.apply_chat_template, messages)
+            prompt_ids: list[int] = await asyncio.to_thread(tok.apply_chat_template, messages, tools=tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -345,6 +354,17 @@ def build_app(
             _params(req, max_tokens=max_tokens, logprobs=logprobs, seed=derived_seed(req.seed, j))
             for j in range(n)
         ]
+        if forced:
+            # tool_choice "required" or a named function: the output must be calls (a grammar)
+            assert req.tools is not None
+            try:
+                ebnf = await asyncio.to_thread(
+                    required_grammar, req.tools, forced, parallel=req.parallel_tool_calls
+                )
+            except ValueError as e:
+                raise APIError(400, str(e), param="tools") from e
+            so = StructuredOutputsParams(grammar=ebnf)
+            samples = [dataclasses.replace(s, structured_outputs=so) for s in samples]
         await compile_constraint(req, samples[0])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = TokensPrompt(None, prompt_ids, req.cache_salt)
@@ -368,19 +388,32 @@ def build_app(
 
             async def events() -> AsyncIterator[str]:
                 for k in range(n):
-                    delta = {"role": "assistant", "content": ""}
-                    yield chunk([{"index": k, "delta": delta, "logprobs": None, "finish_reason": None}])
+                    hello = {"role": "assistant", "content": ""}
+                    yield chunk([{"index": k, "delta": hello, "logprobs": None, "finish_reason": None}])
                 sent = [0] * n
                 last: dict[int, RequestOutput] = {}
+                calls = [ToolCallStream() for _ in range(n)]
                 async for k, out in group.outputs():
                     last[k] = out
                     if out.delta_text or out.finished:
                         c = out.outputs[0]
+                        delta: dict[str, Any] = {"content": out.delta_text} if out.delta_text else {}
+                        finish: str | None = c.finish_reason if out.finished else None
+                        if req.parses_tools:
+                            text, done = calls[k].push(out.delta_text, final=out.finished)
+                            delta = {"content": text} if text else {}
+                            if done:
+                                first = len(calls[k].calls) - len(done)
+                                delta["tool_calls"] = [x.openai(first + i) for i, x in enumerate(done)]
+                            if out.finished and calls[k].calls:
+                                finish = "tool_calls"
+                            if not delta and not out.finished:
+                                continue
                         ch: dict[str, Any] = {
                             "index": k,
-                            "delta": {"content": out.delta_text} if out.delta_text else {},
+                            "delta": delta,
                             "logprobs": lp(out, sent[k]),
-                            "finish_reason": c.finish_reason if out.finished else None,
+                            "finish_reason": finish,
                         }
                         if req.return_token_ids:
                             ch["token_ids"] = c.token_ids[sent[k] :]
@@ -395,11 +428,22 @@ def build_app(
         choices: list[dict[str, Any]] = []
         for k, out in enumerate(outs):
             c = out.outputs[0]
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish: str | None = c.finish_reason
+            if req.parses_tools:
+                content, found = parse_tool_calls(c.text)
+                if found:
+                    message = {
+                        "role": "assistant",
+                        "content": content if content.strip() else None,
+                        "tool_calls": [x.openai() for x in found],
+                    }
+                    finish = "tool_calls"
             ch: dict[str, Any] = {
                 "index": k,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": lp(out, 0),
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish,
                 "stop_reason": c.stop_reason,
             }
             if req.return_token_ids:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from hyspec_server.sampling_params import MAX_N as MAX_N
 from hyspec_server.sampling_params import SamplingParams, StructuredOutputsParams
 from hyspec_server.sampling_params import derived_seed as derived_seed
+from hyspec_server.tool_calls import check_tools
 
 
 class APIError(Exception):
@@ -192,6 +193,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -213,7 +216,28 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
-    def check_chat(self) -> None:
-        if self.tools:
-            raise APIError(400, "tools (function calling) are not supported", param="tools")
+    def check_chat(self) -> list[str]:
+        """Validates the tools; returns the function names a grammar must force (tool_choice "required" or
+        named; empty for "auto" / "none")."""
+        try:
+            _, names = check_tools(self.tools, self.tool_choice)
+        except ValueError as e:
+            param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
+            raise APIError(400, str(e), param=param) from e
+        if names and (
+            self.structured_outputs is not None or (self.response_format or {}).get("type", "text") != "text"
+        ):
+            raise APIError(
+                400,
+                "tool_choice that forces a call cannot be combined with a response format",
+                param="tool_choice",
+            )
+        return names
+
+    @property
+    def parses_tools(self) -> bool:
+        """Tool calls in the output become `tool_calls` (tools given, tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"

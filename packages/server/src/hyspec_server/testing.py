@@ -9,6 +9,7 @@ slot (one short-conv layer). A wrong KV slot, page, state slot or chunk boundary
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from hyspec_spec_workers.sampling import Sampler, sampling_tensors, to_sampled_tokens
@@ -90,8 +91,11 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        head = "".join(f"tool: {t['function']['name']}\n" for t in tools or [])
+        text = head + "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return self.encode(text)
 
 

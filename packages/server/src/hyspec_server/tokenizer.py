@@ -18,7 +18,11 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt of a conversation, ready for the assistant's turn (`tools`: what it may call)."""
+        ...
 
 
 def _eos_ids(value: object) -> set[int]:
@@ -71,8 +75,12 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         if getattr(self._tok, "chat_template", None) is None:
             raise ValueError(f"the tokenizer in {self.model_dir} has no chat template")
-        text = self._tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        text = self._tok.apply_chat_template(
+            list(messages), tools=tools, tokenize=False, add_generation_prompt=True
+        )
         return self.encode(str(text))

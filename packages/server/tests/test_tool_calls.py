@@ -1,0 +1,182 @@
+"""Tool calling (Qwen `<tool_call>` blocks): parsing scripted outputs whole and streamed in every chunking,
+and end to end over HTTP on the toy engine, where `tool_choice` "required" / a named function is enforced by
+a grammar (the toy would never emit a call on its own), streamed and not, with the 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from hyspec_server.serve import ServerThread
+from hyspec_server.testing import toy_engine
+from hyspec_server.tool_calls import ToolCallStream, parse_tool_calls
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+}
+ADD = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD}},
+]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+
+SCRIPTS: list[tuple[str, str, list[tuple[str, dict[str, Any]]]]] = [
+    ("plain text, no call", "plain text, no call", []),
+    (
+        "Let me look. <tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>',
+        "Let me look. ",
+        [("get_weather", {"city": "Oslo", "days": 2})],
+    ),
+    (
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "parameters": {"a": 3, "b": 4}}\n</tool_call>',
+        "\n",
+        [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})],
+    ),
+    ("<tool_call>\nnot json\n</tool_call> after", "<tool_call>\nnot json\n</tool_call> after", []),
+    ('unclosed <tool_call>\n{"name": "add"', 'unclosed <tool_call>\n{"name": "add"', []),
+    ("a <tool_cal> lookalike <", "a <tool_cal> lookalike <", []),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), SCRIPTS)
+def test_parse_whole_and_streamed_in_every_chunking(
+    text: str, content: str, calls: list[tuple[str, dict[str, Any]]]
+) -> None:
+    got_content, got = parse_tool_calls(text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert len({c.id for c in got}) == len(got)
+    rng = random.Random(len(text))
+    for size in (1, 2, 3, 7, len(text) or 1):
+        for _ in range(3):
+            stream, cuts, i = ToolCallStream(), [], 0
+            while i < len(text):
+                step = rng.randint(1, size)
+                cuts.append(text[i : i + step])
+                i += step
+            parts = [stream.push(piece) for piece in cuts] + [stream.push("", final=True)]
+            assert "".join(p[0] for p in parts) == content
+            assert [(c.name, json.loads(c.arguments)) for p in parts for c in p[1]] == calls
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerThread]:
+    srv = ServerThread(toy_engine(max_len=1024), model_name="toy").start()
+    yield srv
+    srv.stop()
+
+
+def _chat(**kw: Any) -> dict[str, Any]:
+    return {"model": "toy", "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 400, **kw}
+
+
+def _check_calls(calls: list[dict[str, Any]], names: set[str]) -> None:
+    assert calls
+    for c in calls:
+        assert c["type"] == "function" and c["id"].startswith("call_")
+        assert c["function"]["name"] in names
+        jsonschema.validate(json.loads(c["function"]["arguments"]), SCHEMAS[c["function"]["name"]])
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_and_named_tool_choice_give_valid_calls(server: ServerThread, parallel: bool) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        for choice, names in (
+            ("required", {"get_weather", "add"}),
+            ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}),
+        ):
+            r = c.post(
+                "/v1/chat/completions",
+                json=_chat(tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel, temperature=0),
+            )
+            assert r.status_code == 200, r.text
+            ch = r.json()["choices"][0]
+            assert ch["finish_reason"] == "tool_calls", ch
+            calls = ch["message"]["tool_calls"]
+            _check_calls(calls, names)
+            if not parallel:
+                assert len(calls) == 1
+
+
+def test_streamed_tool_calls(server: ServerThread) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        body = _chat(tools=TOOLS, tool_choice="required", stream=True, temperature=0)
+        r = c.post("/v1/chat/completions", json=body)
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        deltas = [ch["choices"][0] for ch in chunks if ch["choices"]]
+        calls = [t for d in deltas for t in d["delta"].get("tool_calls", [])]
+        assert [t["index"] for t in calls] == list(range(len(calls)))
+        _check_calls(calls, {"get_weather", "add"})
+        assert deltas[-1]["finish_reason"] == "tool_calls"
+        whole = c.post("/v1/chat/completions", json={**body, "stream": False}).json()["choices"][0]
+        strip = [(t["function"]["name"], t["function"]["arguments"]) for t in calls]
+        assert strip == [
+            (t["function"]["name"], t["function"]["arguments"]) for t in whole["message"]["tool_calls"]
+        ]
+
+
+def test_tool_choice_none_and_conversations_with_tool_results(server: ServerThread) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        r = c.post("/v1/chat/completions", json=_chat(tools=TOOLS, tool_choice="none", max_tokens=5))
+        msg = r.json()["choices"][0]["message"]
+        assert "tool_calls" not in msg and isinstance(msg["content"], str)
+        convo = [
+            {"role": "user", "content": "weather in Oslo?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+        r = c.post("/v1/chat/completions", json={**_chat(tools=TOOLS, max_tokens=5), "messages": convo})
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+    ],
+)
+def test_bad_tools_are_400_naming_the_field(server: ServerThread, extra: dict[str, Any], param: str) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        r = c.post("/v1/chat/completions", json=_chat(**extra))
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+        assert c.post("/v1/chat/completions", json=_chat(max_tokens=3)).status_code == 200
