@@ -58,12 +58,10 @@ class GrammarState:
             self.matcher.rollback(n)
         return n
 
-    def mask_block(self, drafts: Sequence[int], logits: torch.Tensor) -> None:
-        """Masks `logits` [len(drafts) + 1, V] in place, row j after the drafts before j (state unchanged)."""
-        import xgrammar as xgr
-
+    def fill_block_masks(self, drafts: Sequence[int], bitmask: torch.Tensor) -> None:
+        """Row j of `bitmask` [len(drafts) + 1, W] int32 (host) after the drafts before j (spec-workers'
+        `TokenConstraint`; state unchanged)."""
         k = len(drafts)
-        bitmask = xgr.allocate_token_bitmask(k + 1, int(logits.shape[-1]))  # [k + 1, ceil(V / 32)] int32
         for j in range(k + 1):
             if self.matcher.is_terminated():
                 break  # after the stop token: the round stops there, the row stays all-allowed
@@ -72,7 +70,6 @@ class GrammarState:
                 raise RuntimeError(f"draft {drafts[j]} was not allowed (constrain the drafts first)")
         if k:
             self.matcher.rollback(k)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
 
     @property
     def done(self) -> bool:
@@ -143,8 +140,9 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[_Constrained]) 
         return
     import xgrammar as xgr
 
-    vocab = int(logits.shape[-1])
-    bitmask = xgr.allocate_token_bitmask(len(requests), vocab)  # [N, ceil(V / 32)] int32, host
+    words = -(-int(logits.shape[-1]) // 32)
+    # pinned on CUDA, so the upload queues behind the running forward instead of waiting for it
+    bitmask = torch.full((len(requests), words), -1, dtype=torch.int32, pin_memory=logits.is_cuda)
     for i in rows:
         state = requests[i].grammar
         assert state is not None

@@ -28,9 +28,10 @@ class TokenConstraint(Protocol):
         """How many leading drafts the constraint accepts from its current state (state unchanged)."""
         ...
 
-    def mask_block(self, drafts: Sequence[int], logits: torch.Tensor) -> None:
-        """Masks `logits` [len(drafts) + 1, V] in place: row j after the current state plus drafts[:j]
-        (every draft allowed; state unchanged)."""
+    def fill_block_masks(self, drafts: Sequence[int], bitmask: torch.Tensor) -> None:
+        """Clears the bits of forbidden tokens in `bitmask` [len(drafts) + 1, ceil(V / 32)] int32 (host, all
+        bits set on entry; bit t % 32 of word t // 32 is token t): row j after the current state plus
+        drafts[:j] (every draft allowed; state unchanged)."""
         ...
 
 
@@ -72,7 +73,16 @@ def constrain_draft(
 def mask_block_logits(
     logits: torch.Tensor, constraints: Sequence[TokenConstraint | None], kept: Sequence[Sequence[int]]
 ) -> None:
-    """Masks the verify logits [N, D, V] in place at each constrained row's root and kept drafts."""
+    """Masks the verify logits [N, D, V] in place at each constrained row's root and kept drafts: the
+    constraints fill one host bitmask, which goes to the device in one copy and applies in one pass."""
+    n, d, v = logits.shape
+    words = -(-v // 32)
+    # [N, D, W] every token allowed; pinned on CUDA so the upload does not wait for the device
+    bitmask = torch.full((n, d, words), -1, dtype=torch.int32, pin_memory=logits.is_cuda)
     for i, c in enumerate(constraints):
         if c is not None:
-            c.mask_block(kept[i], logits[i, : len(kept[i]) + 1])
+            c.fill_block_masks(kept[i], bitmask[i, : len(kept[i]) + 1])
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
+    packed = bitmask.to(logits.device, non_blocking=True)
+    allowed = ((packed[..., None] >> bits) & 1).bool().reshape(n, d, words * 32)[..., :v]  # [N, D, V]
+    logits.masked_fill_(~allowed, float("-inf"))
