@@ -162,7 +162,7 @@ CHAT = {"model": "toy", "messages": [{"role": "user", "content": "ok"}], "max_to
         ("/v1/completions", {**GOOD, "n": 129}, 400, "n"),
         ("/v1/completions", {**GOOD, "prompt": "x" * 300}, 400, "max_tokens"),
         ("/v1/completions", {**GOOD, "model": "gpt-5"}, 404, "model"),
-        ("/v1/completions", {"prompt": "no model"}, 400, "model"),
+        ("/v1/completions", {**GOOD, "model": 5}, 400, "model"),  # left out it is the served model
         ("/v1/completions", [1, 2], 400, None),
         ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),

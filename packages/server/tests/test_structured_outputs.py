@@ -23,6 +23,7 @@ from hyspec_server.speculative import DrafterContext, DrafterRegistry
 from hyspec_server.testing import toy_engine, toy_greedy
 from hyspec_spec_workers.config import Method
 from hyspec_spec_workers.drafter import DraftBatch, Drafter, DraftOutput
+from hyspec_spec_workers.testing import DRAFTER_CASES, DrafterCase, build_case_checkpoints
 from hyspec_spec_workers.tree import VerifyTree
 
 SCHEMA: dict[str, Any] = {
@@ -311,3 +312,45 @@ def test_drafts_under_a_constraint_are_cut_masked_and_lossless(qwen_ckpt: Path) 
     assert sum(s.num_accepted_tokens for s in stats if s) > 0  # constrained rows did accept drafts
     assert made[0].calls > 0
     eng.leak_check()
+
+
+SO_CASES = (
+    DrafterCase("plain-lfm2", "lfm2", {}),
+    *DRAFTER_CASES,
+    DrafterCase("ngram", "qwen3_5", {"method": "ngram", "num_speculative_tokens": 3}),
+)
+
+
+@pytest.fixture(scope="module")
+def case_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_case_checkpoints(tmp_path_factory.mktemp("so-cases"), SO_CASES)
+
+
+@pytest.mark.parametrize("case", SO_CASES, ids=[c.name for c in SO_CASES])
+def test_every_architecture_and_drafter_at_batch_1_and_8(
+    case: DrafterCase, case_checkpoints: dict[str, Path]
+) -> None:
+    target = case_checkpoints[case.arch]
+    draft = None if case.draft is None else str(case_checkpoints[f"{case.draft}@{case.arch}"])
+    spec = case.speculative_config(draft) or None
+    prompts = [{"prompt_token_ids": [5 + i, 9, 17, 33, 5 + i, 9]} for i in range(8)]
+    sos = [CONSTRAINTS[3], CONSTRAINTS[4], CONSTRAINTS[5], None]
+    params = [
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=so is None, structured_outputs=so)
+        for so in sos * 2
+    ]
+
+    def run(s: dict[str, Any] | None, seqs: int) -> list[list[int]]:
+        llm = LLM(model=str(target), max_num_seqs=seqs, speculative_config=s)
+        outs = llm.generate(prompts[: 8 if seqs > 1 else 4], params[: 8 if seqs > 1 else 4])
+        llm.leak_check()
+        for o, prm in zip(outs, params, strict=False):
+            if prm.structured_outputs is not None:
+                assert o.outputs[0].finish_reason == "stop", (case.name, o.outputs[0].text)
+                _check(prm.structured_outputs, o.outputs[0].text)
+        return [o.outputs[0].token_ids for o in outs]
+
+    for seqs in (1, 8):
+        want = run(None, seqs)
+        if spec is not None:
+            assert run(spec, seqs) == want, (case.name, seqs)

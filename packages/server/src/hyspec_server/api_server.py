@@ -33,6 +33,7 @@ from hyspec_server.protocol import (
     MAX_N,
     APIError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     ErrorResponse,
     derived_seed,
@@ -105,8 +106,8 @@ def build_app(
     if api_key is not None:
         app.add_middleware(_BearerAuth, api_key=api_key)
 
-    def check_model(name: str) -> None:
-        if name != model_name:
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
             raise APIError(
                 404,
                 f"the model {name!r} does not exist; this server serves {model_name!r}",
@@ -180,6 +181,48 @@ def build_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        """vLLM's route: a `prompt` (text) or chat `messages` -> token ids."""
+        body = await _json_body(raw, body_limit, read_timeout_s=read_timeout)
+        if not isinstance(body, dict):
+            raise APIError(400, "expected a JSON object", param=None)
+        check_model(body.get("model"))
+        tok = engine.tokenizer
+        if isinstance(body.get("messages"), list):
+            try:
+                messages = [ChatMessage.model_validate(m) for m in body["messages"]]
+                conv = [template_message(m.role, m.text(), m) for m in messages]
+                ids = await asyncio.to_thread(tok.apply_chat_template, conv)
+            except (ValueError, ValidationError) as e:
+                raise APIError(400, f"messages: {e}", param="messages") from e
+        elif isinstance(body.get("prompt"), str):
+            ids = await asyncio.to_thread(tok.encode, body["prompt"])
+        else:
+            raise APIError(400, "expected a string 'prompt' or a 'messages' list", param="prompt")
+        return JSONResponse(
+            {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        """vLLM's route: token ids -> text."""
+        body = await _json_body(raw, body_limit, read_timeout_s=read_timeout)
+        toks = body.get("tokens") if isinstance(body, dict) else None
+        vocab = getattr(engine.tokenizer, "vocab_size", None)
+        if (
+            not isinstance(toks, list)
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in toks)
+            or (vocab is not None and any(t >= vocab for t in toks))
+        ):
+            raise APIError(400, "tokens: expected a list of token ids in the vocabulary", param="tokens")
+        check_model(body.get("model"))
+        return JSONResponse({"prompt": engine.tokenizer.decode(toks)})
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
@@ -603,6 +646,16 @@ def _usage(per_prompt: Iterable[RequestOutput], every: Iterable[RequestOutput]) 
         "total_tokens": p + c,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def _version() -> str:
+    """The installed hyspec-server version (the package metadata, one source with pyproject.toml)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hyspec-server")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _sse(body: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -91,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument(
         "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on every route but /health (/metrics too)",
+        default=os.environ.get("HYSPEC_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on every route but /health (/metrics too); default: the "
+        "HYSPEC_API_KEY environment variable",
     )
     s.add_argument("--served-model-name", default=None)
     s.add_argument(

@@ -44,9 +44,15 @@ class LLM:
         enable_prefix_caching: bool = ENGINE_DEFAULTS["enable_prefix_caching"],
         prefix_cache_snapshot_interval: int = ENGINE_DEFAULTS["prefix_cache_snapshot_interval"],
         prefix_cache_snapshot_fraction: float = ENGINE_DEFAULTS["prefix_cache_snapshot_fraction"],
+        trust_remote_code: bool = False,
     ) -> None:
         from hyspec_server.builder import build_engine
 
+        if trust_remote_code:
+            raise ValueError(
+                "trust_remote_code: hyspec runs its own implementation of each supported architecture and "
+                "never executes a checkpoint's code; leave it False"
+            )
         args = EngineArgs(
             model=model,
             device=device,
@@ -72,10 +78,40 @@ class LLM:
         llm.engine = engine
         return llm
 
+    def get_tokenizer(self) -> Any:
+        """The tokenizer: the transformers one for a checkpoint (as vLLM's `LLM.get_tokenizer`)."""
+        tok = self.engine.tokenizer
+        return getattr(tok, "hf_tokenizer", tok)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates the assistant's reply to one conversation (a list of `{"role", "content"}` messages) or
+        to each of a list of conversations, through the tokenizer's chat template (as vLLM's `LLM.chat`)."""
+        if not messages:
+            raise ValueError("messages: expected a conversation or a list of conversations, got nothing")
+        convs: list[Sequence[Any]] = (
+            [messages] if isinstance(messages[0], Mapping) else [list(c) for c in messages]
+        )
+        prompts: list[PromptType] = []
+        for i, conv in enumerate(convs):
+            if not conv or not all(isinstance(m, Mapping) and "role" in m for m in conv):
+                raise ValueError(f"messages[{i}]: expected a list of {{'role': ..., 'content': ...}} dicts")
+            ids = self.engine.tokenizer.apply_chat_template([dict(m) for m in conv], tools=tools)
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; one output per prompt, in order.
 
@@ -85,6 +121,7 @@ class LLM:
             sampling_params: one for all prompts, one per prompt, or None for the defaults. With `n > 1` a
                 prompt runs as n engine requests (sample i seeded `derived_seed(seed, i)`, as the HTTP
                 server does) and its output's `outputs` holds the n completions, ordered by `index`.
+            use_tqdm: a progress bar (requests done, tokens/s in and out) on stderr, as vLLM shows.
         """
         items: list[PromptType] = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         if sampling_params is None:
@@ -117,16 +154,21 @@ class LLM:
                     ids.append(sample_ids[-1])
                 groups.append((base, sample_ids))
             final: dict[str, RequestOutput] = {}
+            bar = _progress(len(ids)) if use_tqdm else None
             while len(final) < len(ids):
                 for out in eng.step():
                     if out.finished:
                         final[out.request_id] = out
+                        if bar is not None:
+                            bar.done(out)
                 if not eng.has_unfinished() and len(final) < len(ids):
                     raise RuntimeError("engine went idle before every request finished")
         except BaseException:
             for rid in ids:
                 eng.abort(rid)
             raise
+        if bar is not None:
+            bar.close()
         now = time.monotonic()
         for out in final.values():
             out.metrics.finished_time = out.metrics.finished_time or now
@@ -177,6 +219,35 @@ def _merge(request_id: str, samples: list[RequestOutput]) -> RequestOutput:
         spec_stats=spec,
         num_cached_tokens=first.num_cached_tokens,
     )
+
+
+class _Progress:
+    """tqdm over finished requests, with prompt and output tokens/s in its postfix."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+        self.t0 = time.perf_counter()
+        self.tokens_in = self.tokens_out = 0
+
+    def done(self, out: RequestOutput) -> None:
+        self.tokens_in += len(out.prompt_token_ids)
+        self.tokens_out += len(out.outputs[0].token_ids)
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.set_postfix_str(
+            f"input {self.tokens_in / dt:.1f} tok/s, output {self.tokens_out / dt:.1f} tok/s"
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _progress(total: int) -> _Progress | None:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return _Progress(tqdm(total=total, desc="Processed prompts", dynamic_ncols=True))
 
 
 def _salt_of(item: PromptType) -> str | None:

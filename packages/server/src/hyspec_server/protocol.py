@@ -63,7 +63,8 @@ MAX_LOGPROBS = 20
 
 
 class _SamplingFields(_Strict):
-    model: str
+    # optional, as in vLLM: None is the served model
+    model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

@@ -21,6 +21,9 @@ from hyspec_statepool.draft_shape import DraftShape
 Method = Literal["mtp", "multi_layer_mtp", "eagle3", "dflash", "ngram"]
 METHODS: tuple[str, ...] = ("mtp", "multi_layer_mtp", "eagle3", "dflash", "ngram")
 
+# vLLM's method names for the same drafters (a vLLM config runs unchanged)
+METHOD_ALIASES: dict[str, str] = {"qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp", "eagle": "eagle3"}
+
 # methods that draft a tree when topk > 1; the others propose a single chain per step
 TREE_METHODS: tuple[str, ...] = ("mtp", "eagle3")
 # methods that read a separate draft checkpoint
@@ -285,8 +288,9 @@ class SpeculativeConfig:
             raise _err("prompt_lookup_max", f"expected an integer >= 1, got {hi}")
         if s < 1:
             raise _err("num_speculative_tokens", f"expected an integer >= 1, got {s}")
+        method = d["method"]
         return SpeculativeConfig(
-            method=d["method"],
+            method=METHOD_ALIASES.get(method, method) if isinstance(method, str) else method,  # type: ignore[arg-type]
             num_speculative_tokens=s,
             topk=1 if topk is None else topk,
             num_draft_tokens=0 if ndt is None else ndt,

@@ -1,0 +1,98 @@
+"""vLLM-compatible usability pieces: `LLM.chat`, `get_tokenizer`, `use_tqdm`, `trust_remote_code` refused,
+vLLM's speculative method names, `/version`, `/tokenize`, `/detokenize`, an optional `model` field and the
+API key from `HYSPEC_API_KEY`."""
+
+from __future__ import annotations
+
+import pytest
+from hyspec_server import LLM, SamplingParams
+from hyspec_server.cli import build_parser
+from hyspec_server.serve import ServerThread
+from hyspec_server.testing import toy_engine, toy_greedy
+from hyspec_spec_workers.config import SpeculativeConfig
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def test_chat_one_conversation_and_many() -> None:
+    llm = LLM.from_engine(toy_engine())
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    ids = llm.engine.tokenizer.apply_chat_template(conv)
+    (one,) = llm.chat(conv, GREEDY, use_tqdm=False)
+    assert one.prompt_token_ids == ids
+    assert one.outputs[0].token_ids == toy_greedy(ids, 6, ignore_eos=True)
+    many = llm.chat([conv, [{"role": "user", "content": "yo"}]], GREEDY, use_tqdm=False)
+    assert many[0].outputs[0].token_ids == one.outputs[0].token_ids
+    assert len(many) == 2
+    for bad in ([], [[]], [[{"content": "no role"}]]):
+        with pytest.raises(ValueError, match="messages"):
+            llm.chat(bad, GREEDY)  # type: ignore[arg-type]
+    llm.leak_check()
+
+
+def test_get_tokenizer_and_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    llm = LLM.from_engine(toy_engine())
+    assert llm.get_tokenizer().encode("ab") == [97, 98]
+    llm.generate(["abc", "de"], GREEDY, use_tqdm=True)
+    assert "Processed prompts" in capsys.readouterr().err
+    llm.generate(["abc"], GREEDY, use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
+
+
+def test_trust_remote_code_is_refused_before_anything_loads() -> None:
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        LLM(model="/nonexistent", trust_remote_code=True)
+    with pytest.raises(TypeError):
+        LLM(model="/nonexistent", tensor_parallel_size=2)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("alias", "method"), [("qwen3_next_mtp", "mtp"), ("qwen3_5_mtp", "mtp"), ("mtp", "mtp")]
+)
+def test_vllm_method_names(alias: str, method: str) -> None:
+    assert SpeculativeConfig.from_dict({"method": alias, "num_speculative_tokens": 2}).method == method
+
+
+def test_eagle_is_eagle3() -> None:
+    cfg = SpeculativeConfig.from_dict({"method": "eagle", "model": "/some/draft"})
+    assert cfg.method == "eagle3" and cfg.model == "/some/draft"
+
+
+def test_version_tokenize_detokenize_and_optional_model() -> None:
+    import httpx
+
+    srv = ServerThread(toy_engine(), model_name="toy").start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+            assert c.get("/version").json()["version"]
+            r = c.post("/tokenize", json={"prompt": "héllo"}).json()
+            assert r["tokens"] == list("héllo".encode()) and r["count"] == 6 and r["max_model_len"] == 256
+            chat = c.post("/tokenize", json={"model": "toy", "messages": [{"role": "user", "content": "x"}]})
+            assert chat.json()["tokens"] == list(b"user: x\nassistant:")
+            assert c.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "héllo"}
+            for path, body, param in (
+                ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+                ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                ("/tokenize", {"prompt": 5}, "prompt"),
+            ):
+                bad = c.post(path, json=body)
+                assert bad.status_code == 400 and bad.json()["error"]["param"] == param
+            assert c.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+            # `model` may be left out, as vLLM allows
+            r = c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200 and r.json()["model"] == "toy"
+            r = c.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
+            )
+            assert r.status_code == 200
+            assert c.post("/v1/completions", json={"model": "nope", "prompt": "a"}).status_code == 404
+    finally:
+        srv.stop()
+
+
+def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYSPEC_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("HYSPEC_API_KEY")
+    assert build_parser().parse_args(["serve"]).api_key is None
