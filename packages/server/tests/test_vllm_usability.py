@@ -4,6 +4,8 @@ API key from `HYSPEC_API_KEY`."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hyspec_server import LLM, SamplingParams
 from hyspec_server.cli import build_parser
@@ -96,3 +98,36 @@ def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
     monkeypatch.delenv("HYSPEC_API_KEY")
     assert build_parser().parse_args(["serve"]).api_key is None
+
+
+def test_device_auto_resolves() -> None:
+    import torch
+    from hyspec_server import EngineArgs
+
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert EngineArgs(model="x").device == want == EngineArgs(model="x", device="auto").device
+    with pytest.raises(ValueError, match="device"):
+        EngineArgs(model="x", device="tpu")
+
+
+def test_generation_config_defaults_fill_unset_fields(tmp_path: Path) -> None:
+    import json
+
+    from hyspec_models.tiny import build_tiny_checkpoint
+    from hyspec_server.builder import generation_defaults
+
+    ckpt = build_tiny_checkpoint(tmp_path / "q", "qwen3_5", seed=0)
+    assert dict(generation_defaults(ckpt)) == {}
+    cfg = json.loads((ckpt / "generation_config.json").read_text())
+    cfg.update({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True})
+    (ckpt / "generation_config.json").write_text(json.dumps(cfg))
+    assert dict(generation_defaults(ckpt)) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    llm = LLM(model=str(ckpt))
+    p = llm.get_default_sampling_params()
+    assert (p.temperature, p.top_p, p.top_k) == (0.6, 0.95, 20)
+    # over HTTP: a field the request leaves out takes the default, one it sets wins
+    from hyspec_server.protocol import CompletionRequest
+
+    req = CompletionRequest(model="m", prompt="x", top_p=0.5)
+    sp = req.sampling_params(max_tokens=4, logprobs=None, seed=None, defaults=llm.engine.default_sampling)
+    assert (sp.temperature, sp.top_p, sp.top_k) == (0.6, 0.5, 20)

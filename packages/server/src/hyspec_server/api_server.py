@@ -15,7 +15,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -267,7 +267,13 @@ def build_app(
         engine_lp = req.logprobs if best_of == n else (req.logprobs or 0)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         samples = [
-            _params(req, max_tokens=max_tokens, logprobs=engine_lp, seed=derived_seed(req.seed, j))
+            _params(
+                req,
+                max_tokens=max_tokens,
+                logprobs=engine_lp,
+                seed=derived_seed(req.seed, j),
+                defaults=engine.engine.default_sampling,
+            )
             for j in range(best_of)
         ]
         await compile_constraint(req, samples[0])
@@ -394,7 +400,13 @@ def build_app(
         logprobs = top_n if req.logprobs else None
         n = req.num_choices
         samples = [
-            _params(req, max_tokens=max_tokens, logprobs=logprobs, seed=derived_seed(req.seed, j))
+            _params(
+                req,
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                seed=derived_seed(req.seed, j),
+                defaults=engine.engine.default_sampling,
+            )
             for j in range(n)
         ]
         if forced:
@@ -624,10 +636,15 @@ def _parse(model: type[_M], body: Any) -> _M:
 
 
 def _params(
-    req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int, logprobs: int | None, seed: int | None
+    req: CompletionRequest | ChatCompletionRequest,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    seed: int | None,
+    defaults: Mapping[str, Any],
 ) -> SamplingParams:
     try:
-        return req.sampling_params(max_tokens=max_tokens, logprobs=logprobs, seed=seed)
+        return req.sampling_params(max_tokens=max_tokens, logprobs=logprobs, seed=seed, defaults=defaults)
     except ValueError as e:
         first = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=first if first in _SAMPLING_FIELDS else None) from e

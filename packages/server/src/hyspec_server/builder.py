@@ -2,13 +2,42 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
 from hyspec_server.config import EngineArgs
 from hyspec_server.engine import LLMEngine
 from hyspec_server.scheduler import SchedulerConfig
 from hyspec_server.speculative import DrafterRegistry
 from hyspec_server.tokenizer import HFTokenizer
+
+log = logging.getLogger("hyspec.builder")
+
+# generation_config.json fields that are request defaults, by their SamplingParams names (vLLM's list)
+_SAMPLING_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(model_dir: Path) -> Mapping[str, Any]:
+    """The checkpoint's sampling defaults (vLLM's `generation_config="auto"`): the fields of its
+    generation_config.json that differ from transformers' own defaults, as SamplingParams arguments. They
+    apply to requests that leave those fields unset."""
+    if not (model_dir / "generation_config.json").is_file():
+        return MappingProxyType({})
+    from transformers import GenerationConfig
+
+    diff = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True).to_diff_dict()
+    out = {dst: diff[src] for src, dst in _SAMPLING_DEFAULTS.items() if diff.get(src) is not None}
+    return MappingProxyType(out)
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -47,4 +76,11 @@ def build_engine(args: EngineArgs, *, drafters: DrafterRegistry | None = None) -
         # a verify block adds up to Dmax - 1 drafts after the current token
         num_lookahead_tokens=0 if spec is None else spec.max_draft_tokens - 1,
     )
-    return LLMEngine(runner, tokenizer, config)
+    engine = LLMEngine(runner, tokenizer, config)
+    engine.default_sampling = generation_defaults(model_dir)
+    if engine.default_sampling:
+        log.info(
+            "sampling defaults from the checkpoint's generation_config.json: %s",
+            dict(engine.default_sampling),
+        )
+    return engine

@@ -24,7 +24,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         f"speculative config {json.dumps(dict(DEFAULT_SPECULATIVE_CONFIG))}",
     )
     d = ENGINE_DEFAULTS
-    p.add_argument("--device", default=d["device"], help="cpu or cuda")
+    p.add_argument("--device", default=d["device"], help="auto (the GPU when there is one), cpu or cuda")
     p.add_argument("--dtype", default=d["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument(
         "--max-model-len", type=int, default=d["max_model_len"], help="context length (prompt + output)"

@@ -19,7 +19,8 @@ class EngineArgs:
     """Args:
     model: checkpoint directory (HF layout); None is the embedded default (see `default_model.py`), which
         also turns on its MTP speculation when `speculative_config` is None.
-    device: "cpu" or "cuda".
+    device: "auto" (the GPU when torch sees one, else the CPU, as vLLM picks), "cpu" or "cuda"; stored
+        resolved.
     dtype: weights and activations; "auto" is float32 on CPU and bfloat16 on CUDA.
     max_model_len: context length (prompt + output); None is the checkpoint's, capped at 4096.
     max_num_seqs: most running requests.
@@ -43,7 +44,7 @@ class EngineArgs:
     """
 
     model: str | None = None
-    device: str = "cpu"
+    device: str = "auto"
     dtype: DType = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 16
@@ -59,8 +60,12 @@ class EngineArgs:
     prefix_cache_snapshot_fraction: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.device == "auto":
+            import torch
+
+            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "page_size"):

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 from hyspec_spec_workers.round import VerifiedTokens
 from hyspec_spec_workers.sampling import SampledToken
@@ -76,6 +78,8 @@ class LLMEngine:
             )
         self.scheduler = Scheduler(config, runner.memory)
         self.grammars = GrammarCompiler(tokenizer)
+        # SamplingParams arguments for fields a request leaves unset (the checkpoint's generation config)
+        self.default_sampling: Mapping[str, Any] = MappingProxyType({})
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()

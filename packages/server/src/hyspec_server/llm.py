@@ -78,6 +78,11 @@ class LLM:
         llm.engine = engine
         return llm
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation-config defaults (what `sampling_params=None`
+        uses), as vLLM's."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def get_tokenizer(self) -> Any:
         """The tokenizer: the transformers one for a checkpoint (as vLLM's `LLM.get_tokenizer`)."""
         tok = self.engine.tokenizer
@@ -125,7 +130,7 @@ class LLM:
         """
         items: list[PromptType] = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         if sampling_params is None:
-            params = [SamplingParams()] * len(items)
+            params = [self.get_default_sampling_params()] * len(items)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(items)
         else:

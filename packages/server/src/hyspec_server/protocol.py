@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -139,14 +141,27 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, *, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
-        """Raises ValueError naming the field. `seed` is this sample's (see `derived_seed`)."""
+    def sampling_params(
+        self,
+        *,
+        max_tokens: int,
+        logprobs: int | None,
+        seed: int | None,
+        defaults: Mapping[str, Any] = MappingProxyType({}),
+    ) -> SamplingParams:
+        """Raises ValueError naming the field. `seed` is this sample's (see `derived_seed`); `defaults` (the
+        checkpoint's generation config) fill temperature, top_p, top_k, min_p and repetition_penalty when
+        the request leaves them out."""
+
+        def pick(name: str, value: Any, fallback: Any) -> Any:
+            return value if value is not None else defaults.get(name, fallback)
+
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=pick("temperature", self.temperature, 1.0),
+            top_p=pick("top_p", self.top_p, 1.0),
+            top_k=pick("top_k", self.top_k, -1),
+            min_p=pick("min_p", self.min_p, 0.0),
             seed=seed,
             # empty stop strings match nowhere: "" and [""] both mean no stop string
             stop=([s for s in self.stop if s] or None)
@@ -159,7 +174,7 @@ class _SamplingFields(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", self.repetition_penalty, 1.0),
             structured_outputs=self.structured(),
         )
 
