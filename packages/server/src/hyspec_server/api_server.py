@@ -15,7 +15,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -266,16 +266,7 @@ def build_app(
         # best_of ranks its samples by cumulative logprob, which needs the chosen tokens' logprobs
         engine_lp = req.logprobs if best_of == n else (req.logprobs or 0)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        samples = [
-            _params(
-                req,
-                max_tokens=max_tokens,
-                logprobs=engine_lp,
-                seed=derived_seed(req.seed, j),
-                defaults=engine.engine.default_sampling,
-            )
-            for j in range(best_of)
-        ]
+        samples = _samples(req, best_of, max_tokens=max_tokens, logprobs=engine_lp, engine=engine)
         await compile_constraint(req, samples[0])
         rid = f"cmpl-{uuid.uuid4().hex}"
         # text prompts are tokenized here, on a worker thread: on the engine thread a long one would stall
@@ -399,16 +390,7 @@ def build_app(
         top_n = req.top_logprobs or 0
         logprobs = top_n if req.logprobs else None
         n = req.num_choices
-        samples = [
-            _params(
-                req,
-                max_tokens=max_tokens,
-                logprobs=logprobs,
-                seed=derived_seed(req.seed, j),
-                defaults=engine.engine.default_sampling,
-            )
-            for j in range(n)
-        ]
+        samples = _samples(req, n, max_tokens=max_tokens, logprobs=logprobs, engine=engine)
         if forced:
             # tool_choice "required" or a named function: the output must be calls (a grammar)
             assert req.tools is not None
@@ -635,16 +617,24 @@ def _parse(model: type[_M], body: Any) -> _M:
         raise APIError(400, f"{loc}: {err['msg']}", param=param) from e
 
 
-def _params(
+def _samples(
     req: CompletionRequest | ChatCompletionRequest,
+    count: int,
     *,
     max_tokens: int,
     logprobs: int | None,
-    seed: int | None,
-    defaults: Mapping[str, Any],
-) -> SamplingParams:
+    engine: AsyncEngine,
+) -> list[SamplingParams]:
+    """The parameters of samples 0..count-1 (sample j seeded `derived_seed(seed, j)`), with the checkpoint's
+    defaults for fields the request leaves out; 400 naming the field."""
+    defaults = engine.engine.default_sampling
     try:
-        return req.sampling_params(max_tokens=max_tokens, logprobs=logprobs, seed=seed, defaults=defaults)
+        return [
+            req.sampling_params(
+                max_tokens=max_tokens, logprobs=logprobs, seed=derived_seed(req.seed, j), defaults=defaults
+            )
+            for j in range(count)
+        ]
     except ValueError as e:
         first = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=first if first in _SAMPLING_FIELDS else None) from e
