@@ -253,15 +253,16 @@ class OracleDrafter:
     refs: list[list[int]]
     steps: int
     vocab: int
+    tree: bool = False  # a decoy sibling (the token + 1) beside every draft, before or after it
     calls: int = 0
 
     @property
     def method(self) -> Method:
-        return "ngram"
+        return "mtp" if self.tree else "ngram"
 
     @property
     def max_draft_tokens(self) -> int:
-        return 1 + self.steps
+        return 1 + (2 if self.tree else 1) * self.steps
 
     def propose(self, batch: DraftBatch) -> DraftOutput:
         self.calls += 1
@@ -280,10 +281,28 @@ class OracleDrafter:
                 props[phase] = (props[phase] + 1) % self.vocab
             drafts[row, : len(props)] = torch.tensor(props, dtype=torch.int64)
             num[row] = len(props)
-        return DraftOutput(VerifyTree.chain(batch.root_tokens, drafts, num))
+        if not self.tree:
+            return DraftOutput(VerifyTree.chain(batch.root_tokens, drafts, num))
+        d = self.max_draft_tokens
+        tokens = torch.zeros(n, d, dtype=torch.int64)
+        tokens[:, 0] = batch.root_tokens
+        parents = (torch.arange(d) - 1).repeat(n, 1)
+        for row in range(n):
+            node, parent = 1, 0
+            for level, tok in enumerate(drafts[row, : int(num[row])].tolist()):
+                pair = [tok, (tok + 1) % self.vocab]
+                real = node
+                for t in pair if (level + row + self.calls) % 2 else pair[::-1]:
+                    tokens[row, node], parents[row, node] = t, parent
+                    if t == tok:
+                        real = node
+                    node += 1
+                parent = real
+        return DraftOutput(VerifyTree.from_parents(tokens, parents, 1 + 2 * num))
 
 
-def test_drafts_under_a_constraint_are_cut_masked_and_lossless(qwen_ckpt: Path) -> None:
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_drafts_under_a_constraint_are_cut_masked_and_lossless(qwen_ckpt: Path, tree: bool) -> None:
     prompts = [{"prompt_token_ids": [5 + i, 9, 17, 33, 5 + i, 9]} for i in range(4)]
     params = [
         SamplingParams(max_tokens=40, temperature=0, structured_outputs=so)
@@ -295,16 +314,16 @@ def test_drafts_under_a_constraint_are_cut_masked_and_lossless(qwen_ckpt: Path) 
     made: list[OracleDrafter] = []
 
     def build(ctx: DrafterContext) -> Drafter:
-        made.append(OracleDrafter(refs, ctx.config.max_num_speculative_tokens, 512))
+        made.append(OracleDrafter(refs, ctx.config.max_num_speculative_tokens, 512, tree))
         return made[-1]
 
+    method = "mtp" if tree else "ngram"
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": 3}
+    if tree:
+        spec["topk"] = 2
     eng = build_engine(
-        EngineArgs(
-            model=str(qwen_ckpt),
-            max_num_seqs=4,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-        ),
-        drafters=DrafterRegistry({"ngram": build}),
+        EngineArgs(model=str(qwen_ckpt), max_num_seqs=4, speculative_config=spec),
+        drafters=DrafterRegistry({method: build}),
     )
     got = LLM.from_engine(eng).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

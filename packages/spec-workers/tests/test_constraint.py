@@ -1,5 +1,5 @@
-"""`constraint.py` with a scripted constraint: drafts cut at the first forbidden token (chains), a tree row
-cut to its root, and verify logits masked per position from one packed bitmask."""
+"""`constraint.py` with a scripted constraint: chains cut at the first forbidden draft, every reachable node
+of a chain or a tree masked for its own path, forbidden subtrees left alone, all from one packed bitmask."""
 
 from __future__ import annotations
 
@@ -10,58 +10,73 @@ from hyspec_spec_workers.constraint import constrain_draft, mask_block_logits
 from hyspec_spec_workers.drafter import DraftOutput
 from hyspec_spec_workers.tree import VerifyTree
 
+V = 70
 
-class EvenOnly:
-    """Allows even tokens only; after k accepted drafts also forbids tokens below 2 * k (so every position
-    has its own mask)."""
 
-    def __init__(self) -> None:
-        self.calls = 0
+def allowed_after(depth: int) -> list[int]:
+    """The scripted constraint: even tokens >= 2 * depth after `depth` tokens past the root."""
+    return [t for t in range(V) if t % 2 == 0 and t >= 2 * depth]
 
+
+class EvenRising:
     def allowed_drafts(self, drafts: Sequence[int]) -> int:
         n = 0
         for j, t in enumerate(drafts):
-            if t % 2 or t < 2 * j:
+            if t not in allowed_after(j):
                 break
             n += 1
         return n
 
-    def fill_block_masks(self, drafts: Sequence[int], bitmask: torch.Tensor) -> None:
-        self.calls += 1
-        words = bitmask.shape[-1]
-        for j in range(len(drafts) + 1):
-            allowed = [t for t in range(words * 32) if t % 2 == 0 and t >= 2 * j]
-            row = torch.zeros(words, dtype=torch.int64)
-            for t in allowed:
-                row[t // 32] |= 1 << (t % 32)
-            bitmask[j] = row.to(torch.int32)  # wraps to int32's bit pattern
+    def fill_tree_masks(self, tokens: Sequence[int], parents: Sequence[int], bitmask: torch.Tensor) -> None:
+        depth = [0] * len(tokens)
+        ok = [True] * len(tokens)
+        for j in range(1, len(tokens)):
+            p = parents[j]
+            depth[j] = depth[p] + 1
+            ok[j] = ok[p] and tokens[j] in allowed_after(depth[p])
+        for j in range(len(tokens)):
+            if ok[j]:
+                row = torch.zeros(bitmask.shape[-1], dtype=torch.int64)
+                for t in allowed_after(depth[j]):
+                    row[t // 32] |= 1 << (t % 32)
+                bitmask[j] = row.to(torch.int32)  # wraps to int32's bit pattern
+
+
+def _finite(logits: torch.Tensor) -> list[bool]:
+    return [bool(x) for x in torch.isfinite(logits)]
 
 
 def test_chain_drafts_are_cut_and_positions_masked() -> None:
     roots = torch.tensor([1, 3, 5])
     drafts = torch.tensor([[2, 4, 7], [2, 1, 6], [9, 9, 9]])
     draft = DraftOutput(VerifyTree.chain(roots, drafts, torch.tensor([3, 3, 2])))
-    cons = [EvenOnly(), None, EvenOnly()]
-    cut, kept = constrain_draft(draft, cons)
+    cons = [EvenRising(), None, EvenRising()]
+    cut, blocks = constrain_draft(draft, cons)
     assert cut.tree.node_counts() == [3, 4, 1]  # row 0 keeps 2, 4 (7 is odd); row 1 free; row 2 none
-    assert kept == [[2, 4], [], []]
-    v = 70
-    logits = torch.randn(3, 4, v)
+    assert blocks == [([1, 2, 4], [-1, 0, 1]), None, ([5], [-1])]
+    logits = torch.randn(3, 4, V)
     before = logits.clone()
-    mask_block_logits(logits, cons, kept)
+    mask_block_logits(logits, cons, blocks)
     for j in range(3):
-        want = [t % 2 == 0 and t >= 2 * j for t in range(v)]
-        got = [bool(x) for x in torch.isfinite(logits[0, j])]
-        assert got == want
+        assert _finite(logits[0, j]) == [t in allowed_after(j) for t in range(V)]
     assert torch.equal(logits[1], before[1])  # unconstrained row untouched
     assert torch.equal(logits[0, 3], before[0, 3])  # past the kept drafts: never reached, left alone
-    assert torch.isfinite(logits[2, 0]).tolist() == [t % 2 == 0 for t in range(v)]
+    assert _finite(logits[2, 0]) == [t in allowed_after(0) for t in range(V)]
 
 
-def test_a_constrained_tree_row_keeps_its_root() -> None:
-    tokens = torch.tensor([[1, 2, 4, 6], [1, 2, 4, 6]])
-    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 0, 1]])
-    draft = DraftOutput(VerifyTree.from_parents(tokens, parents, torch.tensor([4, 4])))
-    cut, kept = constrain_draft(draft, [EvenOnly(), None])
-    assert cut.tree.node_counts() == [1, 4]
-    assert kept == [[], []]
+def test_tree_nodes_are_masked_along_their_own_paths() -> None:
+    # node: 0 root, 1 (4) and 2 (3, forbidden) under the root, 3 (6) under 1, 4 (8) under 2
+    tokens = torch.tensor([[1, 4, 3, 6, 8]])
+    parents = torch.tensor([[-1, 0, 0, 1, 2]])
+    draft = DraftOutput(VerifyTree.from_parents(tokens, parents, torch.tensor([5])))
+    cut, blocks = constrain_draft(draft, [EvenRising()])
+    assert cut.tree.node_counts() == [5]  # a tree is not cut: forbidden nodes can never be accepted
+    logits = torch.randn(1, 5, V)
+    before = logits.clone()
+    mask_block_logits(logits, [EvenRising()], blocks)
+    assert _finite(logits[0, 0]) == [t in allowed_after(0) for t in range(V)]
+    assert _finite(logits[0, 1]) == [t in allowed_after(1) for t in range(V)]
+    assert _finite(logits[0, 3]) == [t in allowed_after(2) for t in range(V)]
+    assert torch.equal(logits[0, 2], before[0, 2]) and torch.equal(logits[0, 4], before[0, 4])
+    # the root's mask gives the forbidden child 3 probability 0: verification can never take it
+    assert logits[0, 0, 3] == float("-inf")

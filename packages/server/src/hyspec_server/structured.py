@@ -58,18 +58,24 @@ class GrammarState:
             self.matcher.rollback(n)
         return n
 
-    def fill_block_masks(self, drafts: Sequence[int], bitmask: torch.Tensor) -> None:
-        """Row j of `bitmask` [len(drafts) + 1, W] int32 (host) after the drafts before j (spec-workers'
-        `TokenConstraint`; state unchanged)."""
-        k = len(drafts)
-        for j in range(k + 1):
+    def fill_tree_masks(self, tokens: Sequence[int], parents: Sequence[int], bitmask: torch.Tensor) -> None:
+        """Row j of `bitmask` [len(tokens), W] int32 (host) after the path to node j, for every node the
+        constraint allows (spec-workers' `TokenConstraint`; a depth-first walk that accepts each node's token
+        and rolls it back: the state ends as it started)."""
+        children: list[list[int]] = [[] for _ in tokens]
+        for j in range(1, len(tokens)):
+            children[parents[j]].append(j)
+
+        def visit(j: int) -> None:
             if self.matcher.is_terminated():
-                break  # after the stop token: the round stops there, the row stays all-allowed
+                return  # after the stop token: the round stops there, the row stays all-allowed
             self.matcher.fill_next_token_bitmask(bitmask, j)
-            if j < k and not self.matcher.accept_token(drafts[j]):
-                raise RuntimeError(f"draft {drafts[j]} was not allowed (constrain the drafts first)")
-        if k:
-            self.matcher.rollback(k)
+            for c in children[j]:
+                if self.matcher.accept_token(tokens[c]):
+                    visit(c)
+                    self.matcher.rollback(1)
+
+        visit(0)
 
     @property
     def done(self) -> bool:

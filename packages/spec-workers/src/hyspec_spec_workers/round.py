@@ -37,7 +37,7 @@ from hyspec_statepool.transfer import to_device
 from hyspec_spec_workers.adaptive import AdaptiveController, AdaptiveDraftLength
 from hyspec_spec_workers.choose import HostRound, accepted_path, choose_tokens
 from hyspec_spec_workers.config import AdaptiveConfig, SpeculativeConfig
-from hyspec_spec_workers.constraint import TokenConstraint, constrain_draft, mask_block_logits
+from hyspec_spec_workers.constraint import Block, TokenConstraint, constrain_draft, mask_block_logits
 from hyspec_spec_workers.costs import CostTracker, DraftClock
 from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
@@ -304,7 +304,7 @@ class SpeculativeRound:
         steps = self.draft_lengths(rows)
         clock = DraftClock(target.device)
         draft: DraftOutput | None = None
-        kept: list[list[int]] | None = None  # constrained rows' drafts (those their constraints allow)
+        blocks: list[Block | None] | None = None  # constrained rows' verify blocks (constraint.py)
         timed = True
         t0 = time.perf_counter()
         if max(steps) > 0:
@@ -327,7 +327,7 @@ class SpeculativeRound:
             clock.stop()
             draft = trim_draft(draft, n, self.max_draft_tokens)
             if any(r.constraint is not None for r in rows):
-                draft, kept = constrain_draft(draft, [r.constraint for r in rows])
+                draft, blocks = constrain_draft(draft, [r.constraint for r in rows])
                 draft = trim_draft(draft, n, self.max_draft_tokens)
         if draft is None or draft.tree.block_size == 1:
             # nobody drafted: a plain decode step
@@ -337,7 +337,7 @@ class SpeculativeRound:
                 self.costs.record_decode(time.perf_counter() - t0 - drafting, rows=n)
             num_acc = [0] * n
         else:
-            results, block = self._verify(target, rows, draft, kept)
+            results, block = self._verify(target, rows, draft, blocks)
             if timed:
                 # the round's outcome has been read: the device is done, the drafting time can be read
                 drafting = clock.seconds()
@@ -358,7 +358,7 @@ class SpeculativeRound:
         target: VerifyTarget,
         rows: Sequence[RoundRow],
         draft: DraftOutput,
-        kept: list[list[int]] | None,
+        blocks: list[Block | None] | None,
     ) -> tuple[list[VerifiedTokens], int]:
         """The TARGET_VERIFY forward, token choice, truncation, commit and the drafter's feed.
 
@@ -386,8 +386,8 @@ class SpeculativeRound:
             tree_parents=tree.parents if as_tree else None,
         )
         logits = target.compute_logits(hidden).reshape(n, d, -1)  # [N, D, V]
-        if kept is not None:
-            mask_block_logits(logits, [r.constraint for r in rows], kept)
+        if blocks is not None:
+            mask_block_logits(logits, [r.constraint for r in rows], blocks)
         result = choose_tokens(
             tree,
             logits,
