@@ -29,6 +29,7 @@ from hyspec_server.serve import ServerThread
 from hyspec_server.speculative import DrafterContext, DrafterRegistry, parse_speculative_config
 from hyspec_spec_workers.config import Method
 from hyspec_spec_workers.drafter import DraftBatch, Drafter, DraftOutput
+from hyspec_spec_workers.testing import decoy_tree
 from hyspec_spec_workers.tree import VerifyTree
 
 S = 3
@@ -100,21 +101,7 @@ class ForcedDrafter:
             self.mixed_zero_rounds += 1
         if not self.tree:
             return DraftOutput(VerifyTree.chain(batch.root_tokens, drafts, num))
-        d = self.max_draft_tokens
-        tokens = torch.zeros(n, d, dtype=torch.int64)
-        tokens[:, 0] = batch.root_tokens
-        parents = (torch.arange(d) - 1).repeat(n, 1)
-        for row in range(n):
-            node, parent = 1, 0
-            for level, tok in enumerate(drafts[row, : int(num[row])].tolist()):
-                pair = [tok, (tok + 7) % self.vocab]
-                for t in pair if (level + row) % 2 else pair[::-1]:
-                    tokens[row, node], parents[row, node] = t, parent
-                    if t == tok:
-                        real = node
-                    node += 1
-                parent = real
-        return DraftOutput(VerifyTree.from_parents(tokens, parents, 1 + 2 * num))
+        return DraftOutput(decoy_tree(batch.root_tokens, drafts, num, decoy=7, vocab=self.vocab))
 
 
 @dataclass

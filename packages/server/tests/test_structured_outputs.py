@@ -23,7 +23,7 @@ from hyspec_server.speculative import DrafterContext, DrafterRegistry
 from hyspec_server.testing import toy_engine, toy_greedy
 from hyspec_spec_workers.config import Method
 from hyspec_spec_workers.drafter import DraftBatch, Drafter, DraftOutput
-from hyspec_spec_workers.testing import DRAFTER_CASES, DrafterCase, build_case_checkpoints
+from hyspec_spec_workers.testing import DRAFTER_CASES, DrafterCase, build_case_checkpoints, decoy_tree
 from hyspec_spec_workers.tree import VerifyTree
 
 SCHEMA: dict[str, Any] = {
@@ -283,22 +283,8 @@ class OracleDrafter:
             num[row] = len(props)
         if not self.tree:
             return DraftOutput(VerifyTree.chain(batch.root_tokens, drafts, num))
-        d = self.max_draft_tokens
-        tokens = torch.zeros(n, d, dtype=torch.int64)
-        tokens[:, 0] = batch.root_tokens
-        parents = (torch.arange(d) - 1).repeat(n, 1)
-        for row in range(n):
-            node, parent = 1, 0
-            for level, tok in enumerate(drafts[row, : int(num[row])].tolist()):
-                pair = [tok, (tok + 1) % self.vocab]
-                real = node
-                for t in pair if (level + row + self.calls) % 2 else pair[::-1]:
-                    tokens[row, node], parents[row, node] = t, parent
-                    if t == tok:
-                        real = node
-                    node += 1
-                parent = real
-        return DraftOutput(VerifyTree.from_parents(tokens, parents, 1 + 2 * num))
+        roots = batch.root_tokens
+        return DraftOutput(decoy_tree(roots, drafts, num, decoy=1, vocab=self.vocab, phase=self.calls))
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])

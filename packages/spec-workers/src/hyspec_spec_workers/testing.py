@@ -31,6 +31,7 @@ from hyspec_spec_workers.adaptive import AdaptiveDraftLength
 from hyspec_spec_workers.drafter import CommittedTokens, Drafter, ModelDrafter
 from hyspec_spec_workers.round import RoundRow, SpeculativeRound
 from hyspec_spec_workers.sampling import SampledToken, Sampler
+from hyspec_spec_workers.tree import VerifyTree
 
 # 8 prompts of mixed lengths (one of a single token, repetitive ones an n-gram drafter matches), generated
 # together: rows finish at different times, so request rows, state slots and batch rows part ways
@@ -89,6 +90,40 @@ DRAFTER_CASES: tuple[DrafterCase, ...] = (
     DrafterCase("eagle3", "lfm2", {"method": "eagle3", "num_speculative_tokens": 3}, draft="eagle3"),
     DrafterCase("dflash", "lfm2_moe", {"method": "dflash", "num_speculative_tokens": 3}, draft="dflash"),
 )
+
+
+def decoy_tree(
+    roots: torch.Tensor,
+    drafts: torch.Tensor,
+    num_drafts: torch.Tensor,
+    *,
+    decoy: int,
+    vocab: int,
+    phase: int = 0,
+) -> VerifyTree:
+    """Each row's chain of drafts as a tree with a decoy sibling `(token + decoy) % vocab` beside every draft,
+    before or after it by `(level + row + phase) % 2`: a tree drafter whose real path is known.
+
+    Args:
+        roots: [N] root tokens; drafts: [N, S] chain drafts; num_drafts: [N] real drafts per row.
+    """
+    n, s = drafts.shape
+    d = 1 + 2 * s
+    tokens = torch.zeros(n, d, dtype=torch.int64)
+    tokens[:, 0] = roots
+    parents = (torch.arange(d) - 1).repeat(n, 1)
+    for row in range(n):
+        node, parent = 1, 0
+        for level, tok in enumerate(drafts[row, : int(num_drafts[row])].tolist()):
+            pair = [tok, (tok + decoy) % vocab]
+            real = node
+            for t in pair if (level + row + phase) % 2 else pair[::-1]:
+                tokens[row, node], parents[row, node] = t, parent
+                if t == tok:
+                    real = node
+                node += 1
+            parent = real
+    return VerifyTree.from_parents(tokens, parents, 1 + 2 * num_drafts)
 
 
 def build_case_checkpoints(root: Path, cases: Sequence[DrafterCase]) -> dict[str, Path]:
