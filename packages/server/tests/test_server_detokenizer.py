@@ -24,7 +24,13 @@ class WordTokenizer:
         return "".join(self.pieces[t] for t in token_ids if not (skip_special_tokens and t == 5))
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         raise NotImplementedError
 

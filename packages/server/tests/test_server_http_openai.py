@@ -365,7 +365,7 @@ CHAT = {"model": "toy", "messages": [{"role": "user", "content": "ok"}], "max_to
         ("/v1/completions", {**GOOD, "presence_penalty": 2.5}, "presence_penalty"),
         ("/v1/completions", {**GOOD, "frequency_penalty": "0.1"}, "frequency_penalty"),
         ("/v1/completions", {**GOOD, "repetition_penalty": 0}, "repetition_penalty"),
-        ("/v1/completions", {**GOOD, "logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/completions", {**GOOD, "logit_bias": {"5": 1000}}, "logit_bias"),
         ("/v1/completions", {**GOOD, "suffix": "tail"}, "suffix"),
         ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, "stream_options"),
         (

@@ -159,3 +159,45 @@ def test_block_penalties_use_each_nodes_path_as_history() -> None:
     assert not torch.equal(got[0, 4], got[0, 2])
     with pytest.raises(ValueError, match="path_mask"):
         pt.apply_block(logits, block_tokens=tokens, path_mask=path.long())
+
+
+def test_logit_bias_steers_greedy_output_and_reaches_every_verify_node() -> None:
+    # plain: the toy's logits are -0.5 * |v - target| (spread 0.5 per id), so +100 on one token always wins
+    llm = LLM.from_engine(toy_engine())
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logit_bias={ord("z"): 100.0})
+    (o,) = llm.generate([{"prompt_token_ids": [1, 2]}], params)
+    assert o.outputs[0].text == "zzzzz"
+    banned = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    free = llm.generate([{"prompt_token_ids": [1, 2]}], banned)[0].outputs[0].token_ids
+    ban = {t: -100.0 for t in set(free)}
+    (o,) = llm.generate(
+        [{"prompt_token_ids": [1, 2]}],
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logit_bias=ban),
+    )
+    assert not set(o.outputs[0].token_ids) & set(ban)
+    # verify blocks: every node of every row gets its row's biases, nothing else changes
+    pen = PenaltyTensors.build(
+        presence=[0.0, 0.0],
+        frequency=[0.0, 0.0],
+        repetition=[1.0, 1.0],
+        output_tokens=[[], []],
+        prompt_tokens=[[], []],
+        device=torch.device("cpu"),
+        logit_bias=[{3: 2.0, 7: -1.5}, None],
+    )
+    logits = torch.randn(2, 4, 10)
+    out = pen.apply_block(
+        logits,
+        block_tokens=torch.zeros(2, 4, dtype=torch.int64),
+        path_mask=torch.zeros(2, 4, 4, dtype=torch.bool),
+    )
+    want = logits.clone()
+    want[0, :, 3] += 2.0
+    want[0, :, 7] -= 1.5
+    assert torch.allclose(out, want)
+
+
+@pytest.mark.parametrize("bad", [{-1: 1.0}, {5: 101.0}, {5: float("nan")}, {"5": 1.0}, [(5, 1.0)]])
+def test_bad_logit_bias_names_the_field(bad: object) -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bad)  # type: ignore[arg-type]

@@ -359,3 +359,22 @@ def test_every_architecture_and_drafter_at_batch_1_and_8(
         want = run(None, seqs)
         if spec is not None:
             assert run(spec, seqs) == want, (case.name, seqs)
+
+
+def test_logit_bias_with_speculation_is_lossless(qwen_ckpt: Path) -> None:
+    prompts = [{"prompt_token_ids": [5 + i, 9, 17, 33, 5 + i, 9]} for i in range(4)]
+    free = LLM(model=str(qwen_ckpt), max_num_seqs=4).generate(
+        prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    )
+    # ban a token each free output uses, and favour another a little
+    bias = {o.outputs[0].token_ids[3]: -100.0 for o in free} | {50: 0.5}
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logit_bias=bias)
+    want = LLM(model=str(qwen_ckpt), max_num_seqs=4).generate(prompts, params)
+    changed = [o.outputs[0].token_ids for o in want] != [o.outputs[0].token_ids for o in free]
+    assert changed  # the bias matters
+    for spec in (
+        {"method": "ngram", "num_speculative_tokens": 3},
+        {"method": "mtp", "num_speculative_tokens": 3, "topk": 2},
+    ):
+        got = LLM(model=str(qwen_ckpt), max_num_seqs=4, speculative_config=spec).generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want], spec

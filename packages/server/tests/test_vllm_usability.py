@@ -131,3 +131,65 @@ def test_generation_config_defaults_fill_unset_fields(tmp_path: Path) -> None:
     req = CompletionRequest(model="m", prompt="x", top_p=0.5)
     sp = req.sampling_params(max_tokens=4, logprobs=None, seed=None, defaults=llm.engine.default_sampling)
     assert (sp.temperature, sp.top_p, sp.top_k) == (0.6, 0.5, 20)
+
+
+def test_cli_version_and_model_card(capsys: pytest.CaptureFixture[str]) -> None:
+    import httpx
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("hyspec ")
+    srv = ServerThread(toy_engine(), model_name="org/toy").start()
+    try:
+        card = httpx.get(srv.base_url + "/v1/models/org/toy").json()
+        assert card["id"] == "org/toy" and card["max_model_len"] == 256
+        assert httpx.get(srv.base_url + "/v1/models/other").status_code == 404
+    finally:
+        srv.stop()
+
+
+def test_chat_template_options() -> None:
+    import httpx
+
+    llm = LLM.from_engine(toy_engine())
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "he"}]
+    cases = {
+        (True, False, None): b"user: hi\nassistant: he\nassistant:",
+        (False, False, None): b"user: hi\nassistant: he\n",
+        (False, True, None): b"user: hi\nassistant: he",
+        (
+            True,
+            False,
+            (("enable_thinking", False),),
+        ): b"enable_thinking=False\nuser: hi\nassistant: he\nassistant:",
+    }
+    for (gen, cont, kw), want in cases.items():
+        (o,) = llm.chat(
+            conv,
+            GREEDY,
+            add_generation_prompt=gen,
+            continue_final_message=cont,
+            chat_template_kwargs=dict(kw) if kw else None,
+            use_tqdm=False,
+        )
+        assert bytes(o.prompt_token_ids) == want
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(conv, GREEDY, continue_final_message=True)
+    srv = ServerThread(toy_engine(), model_name="toy").start()
+    try:
+        body = {"messages": conv, "max_tokens": 2, "return_token_ids": True}
+        r = httpx.post(
+            srv.base_url + "/v1/chat/completions",
+            json={
+                **body,
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+                "chat_template_kwargs": {"x": 1},
+            },
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(b"x=1\nuser: hi\nassistant: he")
+        bad = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "continue_final_message": True})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    finally:
+        srv.stop()

@@ -230,16 +230,22 @@ def build_app(
         done = await engine.call(lambda e: e.reset_prefix_cache())
         return JSONResponse({"reset": done})
 
+    card = {
+        "id": model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "hyspec",
+        "max_model_len": max_model_len,
+    }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "hyspec",
-            "max_model_len": max_model_len,
-        }
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return card
 
     @app.post("/v1/completions", openapi_extra=_body_of(CompletionRequest), responses=ERROR_RESPONSES)
     async def completions(raw: Request) -> Response:
@@ -368,7 +374,14 @@ def build_app(
         tok = engine.tokenizer
         tools = req.tools if req.parses_tools else None
         try:
-            prompt_ids: list[int] = await asyncio.to_thread(tok.apply_chat_template, messages, tools=tools)
+            prompt_ids: list[int] = await asyncio.to_thread(
+                tok.apply_chat_template,
+                messages,
+                tools=tools,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                template_kwargs=req.chat_template_kwargs,
+            )
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

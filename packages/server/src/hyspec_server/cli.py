@@ -85,6 +85,7 @@ def _engine_args(ns: argparse.Namespace, **extra: object) -> EngineArgs:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyspec", description="Serve hybrid LMs with speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"hyspec {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _engine_flags(s)
@@ -127,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object with token ids and stats")
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hyspec-server")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -94,10 +94,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generates the assistant's reply to one conversation (a list of `{"role", "content"}` messages) or
-        to each of a list of conversations, through the tokenizer's chat template (as vLLM's `LLM.chat`)."""
+        to each of a list of conversations, through the tokenizer's chat template (as vLLM's `LLM.chat`;
+        `chat_template_kwargs` reach the template, for example Qwen's `enable_thinking`)."""
         if not messages:
             raise ValueError("messages: expected a conversation or a list of conversations, got nothing")
         convs: list[Sequence[Any]] = (
@@ -107,7 +111,13 @@ class LLM:
         for i, conv in enumerate(convs):
             if not conv or not all(isinstance(m, Mapping) and "role" in m for m in conv):
                 raise ValueError(f"messages[{i}]: expected a list of {{'role': ..., 'content': ...}} dicts")
-            ids = self.engine.tokenizer.apply_chat_template([dict(m) for m in conv], tools=tools)
+            ids = self.engine.tokenizer.apply_chat_template(
+                [dict(m) for m in conv],
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=chat_template_kwargs,
+            )
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

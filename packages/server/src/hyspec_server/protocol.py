@@ -83,7 +83,7 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = None
     # accepted for compatibility and not used
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # vLLM extensions
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -132,8 +132,6 @@ class _SamplingFields(_Strict):
         """Raises APIError for values the server does not support (types were checked by pydantic)."""
         if not 1 <= self.num_choices <= MAX_N:
             raise APIError(400, f"n must be an int in [1, {MAX_N}], got {self.n}", param="n")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
 
@@ -175,8 +173,18 @@ class _SamplingFields(_Strict):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=pick("repetition_penalty", self.repetition_penalty, 1.0),
+            logit_bias=self._logit_bias(),
             structured_outputs=self.structured(),
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's string keys as token ids; 400 naming the field when one is not an id."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError as e:
+            raise APIError(400, f"logit_bias: keys must be token ids, got {e}", param="logit_bias") from e
 
 
 class CompletionRequest(_SamplingFields):
@@ -234,6 +242,10 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # vLLM extensions: how the chat template renders the conversation
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_chat(self) -> list[str]:
         """Validates the tools; returns the function names a grammar must force (tool_choice "required" or

@@ -131,6 +131,8 @@ class SamplingParams:
         frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time it was generated.
         repetition_penalty: divides positive (multiplies negative) logits of every token in the prompt or
             the output (CTRL / transformers / vLLM); 1 is off, must be > 0.
+        logit_bias: None, or token id -> value in [-100, 100] added to that token's logit before any choice
+            (OpenAI's), at every verify position with speculative decoding too.
         structured_outputs: None, or a constraint every generated token keeps (`StructuredOutputsParams`);
             the request stops when the constrained text is complete.
     """
@@ -151,6 +153,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -200,6 +203,13 @@ class SamplingParams:
         lo, hi = REPETITION_PENALTY_RANGE
         if not _is_real(r) or not lo <= r <= hi:
             raise ValueError(f"repetition_penalty must be a number in [{lo}, {hi}], got {r!r}")
+        lb = self.logit_bias
+        if lb is not None:
+            if not isinstance(lb, dict) or not all(
+                _is_int(k) and 0 <= k <= MAX_ID and _is_real(v) and math.isfinite(v) and -100 <= v <= 100
+                for k, v in lb.items()
+            ):
+                raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {lb!r}")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
@@ -210,7 +220,12 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+            or bool(self.logit_bias)
+        )
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -92,10 +92,23 @@ class ByteTokenizer:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         head = "".join(f"tool: {t['function']['name']}\n" for t in tools or [])
-        text = head + "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        head += "".join(f"{k}={v}\n" for k, v in sorted((template_kwargs or {}).items()))
+        text = head + "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        if continue_final_message:
+            text = text[:-1]  # the last message stays open
+        elif add_generation_prompt:
+            text += "assistant:"
         return self.encode(text)
 
 

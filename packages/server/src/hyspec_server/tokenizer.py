@@ -19,9 +19,17 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The prompt of a conversation, ready for the assistant's turn (`tools`: what it may call)."""
+        """The prompt of a conversation (`tools`: what the assistant may call), ready for the assistant's turn
+        unless `add_generation_prompt` is off; `continue_final_message` leaves the last message open for the
+        model to continue; `template_kwargs` reach the template (Qwen's `enable_thinking`)."""
         ...
 
 
@@ -76,11 +84,24 @@ class HFTokenizer:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         if getattr(self._tok, "chat_template", None) is None:
             raise ValueError(f"the tokenizer in {self.model_dir} has no chat template")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         text = self._tok.apply_chat_template(
-            list(messages), tools=tools, tokenize=False, add_generation_prompt=True
+            list(messages),
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
         )
         return self.encode(str(text))

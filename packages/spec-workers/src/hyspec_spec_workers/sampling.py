@@ -13,7 +13,7 @@ request and sampling-params types satisfy as they are.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,6 +38,11 @@ class SamplingKnobs(Protocol):
     def frequency_penalty(self) -> float: ...
     @property
     def repetition_penalty(self) -> float: ...
+    @property
+    def logit_bias(self) -> Mapping[int, float] | None:
+        """Token id -> value added to its logit (OpenAI's `logit_bias`), or None."""
+        ...
+
     @property
     def logprobs(self) -> int | None:
         """None, or how many top alternatives to report besides the chosen token's logprob."""
@@ -71,11 +76,12 @@ class SampledToken:
 
 @dataclass(frozen=True, slots=True)
 class PenaltyTensors:
-    """Repetition, frequency and presence penalties of a batch, with the tokens they apply to.
+    """Repetition, frequency and presence penalties and logit biases of a batch, with their tokens.
 
     The token lists are ragged, flattened as (row, token id) pairs: `output_*` are the generated tokens of
     each row (with repeats: frequency counts them), `seen_*` the prompt and generated tokens of the rows whose
-    repetition penalty is on. Rows with every penalty off contribute no pairs.
+    repetition penalty is on, `bias_*` each row's biased tokens and their values. Rows with every penalty off
+    contribute no pairs.
     """
 
     presence: torch.Tensor  # [N] fp32
@@ -85,6 +91,9 @@ class PenaltyTensors:
     output_ids: torch.Tensor  # [M] int64
     seen_rows: torch.Tensor  # [P] int64
     seen_ids: torch.Tensor  # [P] int64
+    bias_rows: torch.Tensor | None = None  # [B] int64
+    bias_ids: torch.Tensor | None = None  # [B] int64
+    bias_values: torch.Tensor | None = None  # [B] fp32
 
     def __post_init__(self) -> None:
         n = self.presence.shape[0]
@@ -106,9 +115,11 @@ class PenaltyTensors:
         output_tokens: Sequence[Sequence[int]],
         prompt_tokens: Sequence[Sequence[int]],
         device: torch.device,
+        logit_bias: Sequence[Mapping[int, float] | None] = (),
     ) -> PenaltyTensors:
         """Args:
         output_tokens / prompt_tokens: per row; only rows with a penalty on are read.
+        logit_bias: per row (or empty: none), token id -> value added to its logit.
         """
         out_rows: list[int] = []
         out_ids: list[int] = []
@@ -130,6 +141,7 @@ class PenaltyTensors:
         def floats(xs: Sequence[float]) -> torch.Tensor:
             return to_device(list(xs), dtype=torch.float32, device=device)
 
+        pairs = [(row, t, v) for row, b in enumerate(logit_bias) if b for t, v in sorted(b.items())]
         return PenaltyTensors(
             presence=floats(presence),
             frequency=floats(frequency),
@@ -138,6 +150,9 @@ class PenaltyTensors:
             output_ids=ints(out_ids),
             seen_rows=ints(seen_rows),
             seen_ids=ints(seen_ids),
+            bias_rows=ints([p[0] for p in pairs]) if pairs else None,
+            bias_ids=ints([p[1] for p in pairs]) if pairs else None,
+            bias_values=floats([p[2] for p in pairs]) if pairs else None,
         )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -161,6 +176,12 @@ class PenaltyTensors:
                 accumulate=True,
             )
             x = x - self.frequency[:, None] * counts - self.presence[:, None] * (counts > 0).float()
+        if self.bias_rows is not None and self.bias_ids is not None and self.bias_values is not None:
+            # ids past the logits' width (a tokenizer larger than the model's head) bias nothing
+            keep = self.bias_ids < v
+            x = x.index_put(
+                (self.bias_rows[keep], self.bias_ids[keep]), self.bias_values[keep], accumulate=True
+            )
         return x
 
     def apply_block(
@@ -207,6 +228,9 @@ class PenaltyTensors:
         seen = path_mask & (self.repetition != 1)[row_of]
         out_rows, out_ids = spread(self.output_rows, self.output_ids)
         seen_rows, seen_ids = spread(self.seen_rows, self.seen_ids)
+        bias: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] = (None, None)
+        if self.bias_rows is not None and self.bias_ids is not None:
+            bias = spread(self.bias_rows, self.bias_ids)  # every node of a row gets the row's biases
         flat = PenaltyTensors(
             presence=self.presence.repeat_interleave(d),
             frequency=self.frequency.repeat_interleave(d),
@@ -215,6 +239,11 @@ class PenaltyTensors:
             output_ids=torch.cat([out_ids, node_ids[counted]]),
             seen_rows=torch.cat([seen_rows, node_rows[seen]]),
             seen_ids=torch.cat([seen_ids, node_ids[seen]]),
+            bias_rows=bias[0],
+            bias_ids=bias[1],
+            bias_values=None
+            if self.bias_values is None
+            else self.bias_values[:, None].expand(-1, d).reshape(-1),
         )
         return flat.apply(logits.reshape(n * d, v)).reshape(n, d, v)
 
@@ -411,6 +440,7 @@ def sampling_tensors(requests: Sequence[SamplingRequest], device: torch.device) 
             output_tokens=[r.output_token_ids for r in requests],
             prompt_tokens=[r.prompt_token_ids for r in requests],
             device=device,
+            logit_bias=[p.logit_bias for p in ps],
         )
     return SamplingTensors.build(
         temperature=[p.temperature for p in ps],

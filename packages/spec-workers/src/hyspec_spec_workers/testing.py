@@ -165,6 +165,7 @@ class _Greedy:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
     logprobs: int | None = None
     has_penalties: bool = False
 
