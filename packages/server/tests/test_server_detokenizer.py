@@ -6,6 +6,7 @@ from hyspec_server.detokenizer import IncrementalDetokenizer, find_stop
 from hyspec_server.request import Request
 from hyspec_server.sampling_params import SamplingParams
 from hyspec_server.testing import ByteTokenizer
+from hyspec_server.tokenizer import DEFAULT_CHAT_OPTIONS, ChatOptions
 
 
 class WordTokenizer:
@@ -28,9 +29,7 @@ class WordTokenizer:
         messages: Sequence[dict[str, Any]],
         *,
         tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        template_kwargs: dict[str, Any] | None = None,
+        options: ChatOptions = DEFAULT_CHAT_OPTIONS,
     ) -> list[int]:
         raise NotImplementedError
 

@@ -40,6 +40,7 @@ from hyspec_server.protocol import (
 )
 from hyspec_server.sampling_params import SamplingParams, StructuredOutputsParams
 from hyspec_server.scheduler import QueueFullError
+from hyspec_server.tokenizer import ChatOptions
 from hyspec_server.tool_calls import ToolCallStream, parse_tool_calls, required_grammar, template_message
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -374,13 +375,11 @@ def build_app(
         tok = engine.tokenizer
         tools = req.tools if req.parses_tools else None
         try:
+            options = ChatOptions(
+                req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+            )
             prompt_ids: list[int] = await asyncio.to_thread(
-                tok.apply_chat_template,
-                messages,
-                tools=tools,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                template_kwargs=req.chat_template_kwargs,
+                tok.apply_chat_template, messages, tools=tools, options=options
             )
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e

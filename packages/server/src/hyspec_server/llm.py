@@ -14,6 +14,7 @@ from hyspec_server.engine import LLMEngine
 from hyspec_server.outputs import RequestMetrics, RequestOutput, SpecDecodeStats
 from hyspec_server.sampling_params import SamplingParams, derived_seed
 from hyspec_server.speculative import parse_speculative_config
+from hyspec_server.tokenizer import ChatOptions
 
 PromptType = str | dict[str, Any]
 
@@ -104,6 +105,7 @@ class LLM:
         `chat_template_kwargs` reach the template, for example Qwen's `enable_thinking`)."""
         if not messages:
             raise ValueError("messages: expected a conversation or a list of conversations, got nothing")
+        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs)
         convs: list[Sequence[Any]] = (
             [messages] if isinstance(messages[0], Mapping) else [list(c) for c in messages]
         )
@@ -112,11 +114,7 @@ class LLM:
             if not conv or not all(isinstance(m, Mapping) and "role" in m for m in conv):
                 raise ValueError(f"messages[{i}]: expected a list of {{'role': ..., 'content': ...}} dicts")
             ids = self.engine.tokenizer.apply_chat_template(
-                [dict(m) for m in conv],
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                template_kwargs=chat_template_kwargs,
+                [dict(m) for m in conv], tools=tools, options=options
             )
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

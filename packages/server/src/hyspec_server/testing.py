@@ -23,6 +23,7 @@ from hyspec_server.pool_memory import StatePoolMemory
 from hyspec_server.runner import RunnerOutput, spread_tokens
 from hyspec_server.scheduler import SchedulerConfig, SchedulerOutput
 from hyspec_server.structured import apply_grammar_masks
+from hyspec_server.tokenizer import DEFAULT_CHAT_OPTIONS, ChatOptions
 
 TOY_VOCAB = 257
 TOY_EOS = 256
@@ -96,18 +97,14 @@ class ByteTokenizer:
         messages: Sequence[dict[str, Any]],
         *,
         tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        template_kwargs: dict[str, Any] | None = None,
+        options: ChatOptions = DEFAULT_CHAT_OPTIONS,
     ) -> list[int]:
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         head = "".join(f"tool: {t['function']['name']}\n" for t in tools or [])
-        head += "".join(f"{k}={v}\n" for k, v in sorted((template_kwargs or {}).items()))
+        head += "".join(f"{k}={v}\n" for k, v in sorted((options.template_kwargs or {}).items()))
         text = head + "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        if continue_final_message:
+        if options.continue_final_message:
             text = text[:-1]  # the last message stays open
-        elif add_generation_prompt:
+        elif options.add_generation_prompt:
             text += "assistant:"
         return self.encode(text)
 

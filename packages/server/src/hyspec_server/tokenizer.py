@@ -3,9 +3,35 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """How a chat template renders a conversation (vLLM's request fields).
+
+    Args:
+        add_generation_prompt: end ready for the assistant's turn.
+        continue_final_message: leave the last message open for the model to continue (not with the above).
+        template_kwargs: extra template variables (Qwen's `enable_thinking`).
+    """
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError(
+                "add_generation_prompt and continue_final_message cannot both be true; set "
+                "add_generation_prompt=False to continue the final message"
+            )
+
+
+DEFAULT_CHAT_OPTIONS = ChatOptions()  # frozen: one shared default
 
 
 class Tokenizer(Protocol):
@@ -23,13 +49,9 @@ class Tokenizer(Protocol):
         messages: Sequence[dict[str, Any]],
         *,
         tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        template_kwargs: dict[str, Any] | None = None,
+        options: ChatOptions = DEFAULT_CHAT_OPTIONS,
     ) -> list[int]:
-        """The prompt of a conversation (`tools`: what the assistant may call), ready for the assistant's turn
-        unless `add_generation_prompt` is off; `continue_final_message` leaves the last message open for the
-        model to continue; `template_kwargs` reach the template (Qwen's `enable_thinking`)."""
+        """The prompt of a conversation (`tools`: what the assistant may call), rendered as `options` say."""
         ...
 
 
@@ -88,20 +110,16 @@ class HFTokenizer:
         messages: Sequence[dict[str, Any]],
         *,
         tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        template_kwargs: dict[str, Any] | None = None,
+        options: ChatOptions = DEFAULT_CHAT_OPTIONS,
     ) -> list[int]:
         if getattr(self._tok, "chat_template", None) is None:
             raise ValueError(f"the tokenizer in {self.model_dir} has no chat template")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         text = self._tok.apply_chat_template(
             list(messages),
             tools=tools,
             tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            **(template_kwargs or {}),
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            **dict(options.template_kwargs or {}),
         )
         return self.encode(str(text))
