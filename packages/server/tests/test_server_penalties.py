@@ -201,3 +201,40 @@ def test_logit_bias_steers_greedy_output_and_reaches_every_verify_node() -> None
 def test_bad_logit_bias_names_the_field(bad: object) -> None:
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=bad)  # type: ignore[arg-type]
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids_plain_and_in_verify_blocks() -> None:
+    from hyspec_server.testing import TOY_EOS, toy_greedy
+
+    llm = LLM.from_engine(toy_engine())
+    # a prompt whose greedy continuation reaches EOS early: find one
+    prompt = next(
+        p for p in ([i, j] for i in range(32, 120) for j in range(32, 40)) if TOY_EOS in toy_greedy(p, 6)
+    )
+    free = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=20, temperature=0))[0]
+    n_free = len(free.outputs[0].token_ids)
+    assert free.outputs[0].token_ids[-1] == TOY_EOS and n_free <= 6
+    held = llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=20, temperature=0, min_tokens=10)
+    )[0]
+    ids = held.outputs[0].token_ids
+    assert len(ids) >= 10 and TOY_EOS not in ids[:9]
+    # verify blocks: node j (depth j past the history) bans stops only while output + depth < min_tokens
+    pen = PenaltyTensors.build(
+        presence=[0.0],
+        frequency=[0.0],
+        repetition=[1.0],
+        output_tokens=[[]],
+        prompt_tokens=[[]],
+        device=torch.device("cpu"),
+        min_tokens_bans=[(2, {4, 6})],
+    )
+    path = torch.tril(torch.ones(4, 4, dtype=torch.bool))[None].clone()
+    path[:, :, 0] = False  # the root is already in the history: depth of node j is j
+    out = pen.apply_block(
+        torch.zeros(1, 4, 10), block_tokens=torch.zeros(1, 4, dtype=torch.int64), path_mask=path
+    )
+    banned = [[bool(out[0, j, t] == float("-inf")) for t in (4, 6)] for j in range(4)]
+    assert banned == [[True, True], [True, True], [False, False], [False, False]]
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)

@@ -378,3 +378,20 @@ def test_logit_bias_with_speculation_is_lossless(qwen_ckpt: Path) -> None:
     ):
         got = LLM(model=str(qwen_ckpt), max_num_seqs=4, speculative_config=spec).generate(prompts, params)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want], spec
+
+
+def test_min_tokens_with_speculation_is_lossless(qwen_ckpt: Path) -> None:
+    prompts = [{"prompt_token_ids": [5 + i, 9, 17, 33, 5 + i, 9]} for i in range(4)]
+    plain = LLM(model=str(qwen_ckpt), max_num_seqs=4)
+    eos = min(plain.engine.tokenizer.eos_token_ids)
+    # EOS favoured so strongly it would come first: min_tokens alone holds it back
+    params = SamplingParams(max_tokens=20, temperature=0, min_tokens=7, logit_bias={eos: 100.0})
+    want = plain.generate(prompts, params)
+    assert all(len(o.outputs[0].token_ids) == 8 and o.outputs[0].token_ids[-1] == eos for o in want)
+    for spec in (
+        {"method": "ngram", "num_speculative_tokens": 3},
+        {"method": "mtp", "num_speculative_tokens": 3},
+        {"method": "mtp", "num_speculative_tokens": 3, "topk": 2},
+    ):
+        got = LLM(model=str(qwen_ckpt), max_num_seqs=4, speculative_config=spec).generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want], spec

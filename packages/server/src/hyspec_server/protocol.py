@@ -81,6 +81,7 @@ class _SamplingFields(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    min_tokens: int = 0  # vLLM extension
     # accepted for compatibility and not used
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
@@ -174,6 +175,7 @@ class _SamplingFields(_Strict):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=pick("repetition_penalty", self.repetition_penalty, 1.0),
             logit_bias=self._logit_bias(),
+            min_tokens=self.min_tokens,
             structured_outputs=self.structured(),
         )
 

@@ -99,6 +99,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def all_stop_token_ids(self) -> frozenset[int]:
+        """EOS (unless ignored) and the stop token ids: what `min_tokens` holds back."""
+        return self.eos_token_ids | self.params.stop_token_set
+
+    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

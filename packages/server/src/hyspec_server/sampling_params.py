@@ -131,6 +131,7 @@ class SamplingParams:
         frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time it was generated.
         repetition_penalty: divides positive (multiplies negative) logits of every token in the prompt or
             the output (CTRL / transformers / vLLM); 1 is off, must be > 0.
+        min_tokens: EOS and the stop token ids cannot come before this many tokens (vLLM's; <= max_tokens).
         logit_bias: None, or token id -> value in [-100, 100] added to that token's logit before any choice
             (OpenAI's), at every verify position with speculative decoding too.
         structured_outputs: None, or a constraint every generated token keeps (`StructuredOutputsParams`);
@@ -153,6 +154,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -203,6 +205,10 @@ class SamplingParams:
         lo, hi = REPETITION_PENALTY_RANGE
         if not _is_real(r) or not lo <= r <= hi:
             raise ValueError(f"repetition_penalty must be a number in [{lo}, {hi}], got {r!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
         lb = self.logit_bias
         if lb is not None:
             if not isinstance(lb, dict) or not all(
@@ -225,6 +231,7 @@ class SamplingParams:
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1
             or bool(self.logit_bias)
+            or self.min_tokens > 0
         )
 
     @property

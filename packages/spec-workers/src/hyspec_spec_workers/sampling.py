@@ -13,7 +13,7 @@ request and sampling-params types satisfy as they are.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,6 +39,11 @@ class SamplingKnobs(Protocol):
     @property
     def repetition_penalty(self) -> float: ...
     @property
+    def min_tokens(self) -> int:
+        """Stop tokens are banned until this many tokens were generated (vLLM's `min_tokens`)."""
+        ...
+
+    @property
     def logit_bias(self) -> Mapping[int, float] | None:
         """Token id -> value added to its logit (OpenAI's `logit_bias`), or None."""
         ...
@@ -63,6 +68,10 @@ class SamplingRequest(Protocol):
     def prompt_token_ids(self) -> Sequence[int]: ...
     @property
     def output_token_ids(self) -> Sequence[int]: ...
+    @property
+    def all_stop_token_ids(self) -> frozenset[int]:
+        """EOS (unless ignored) and stop token ids: what `min_tokens` holds back (vLLM's name)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +103,11 @@ class PenaltyTensors:
     bias_rows: torch.Tensor | None = None  # [B] int64
     bias_ids: torch.Tensor | None = None  # [B] int64
     bias_values: torch.Tensor | None = None  # [B] fp32
+    # min_tokens: token ban_ids[i] of row ban_rows[i] is banned at positions whose depth past the row's
+    # history is below ban_left[i] (plain decoding: depth 0)
+    ban_rows: torch.Tensor | None = None  # [K] int64
+    ban_ids: torch.Tensor | None = None  # [K] int64
+    ban_left: torch.Tensor | None = None  # [K] int64
 
     def __post_init__(self) -> None:
         n = self.presence.shape[0]
@@ -116,10 +130,12 @@ class PenaltyTensors:
         prompt_tokens: Sequence[Sequence[int]],
         device: torch.device,
         logit_bias: Sequence[Mapping[int, float] | None] = (),
+        min_tokens_bans: Sequence[tuple[int, Iterable[int]]] = (),
     ) -> PenaltyTensors:
         """Args:
         output_tokens / prompt_tokens: per row; only rows with a penalty on are read.
         logit_bias: per row (or empty: none), token id -> value added to its logit.
+        min_tokens_bans: per row (or empty), (tokens still to generate before a stop may come, the stop ids).
         """
         out_rows: list[int] = []
         out_ids: list[int] = []
@@ -142,6 +158,9 @@ class PenaltyTensors:
             return to_device(list(xs), dtype=torch.float32, device=device)
 
         pairs = [(row, t, v) for row, b in enumerate(logit_bias) if b for t, v in sorted(b.items())]
+        bans = [
+            (row, t, left) for row, (left, ids) in enumerate(min_tokens_bans) if left > 0 for t in sorted(ids)
+        ]
         return PenaltyTensors(
             presence=floats(presence),
             frequency=floats(frequency),
@@ -153,6 +172,9 @@ class PenaltyTensors:
             bias_rows=ints([p[0] for p in pairs]) if pairs else None,
             bias_ids=ints([p[1] for p in pairs]) if pairs else None,
             bias_values=floats([p[2] for p in pairs]) if pairs else None,
+            ban_rows=ints([b[0] for b in bans]) if bans else None,
+            ban_ids=ints([b[1] for b in bans]) if bans else None,
+            ban_left=ints([b[2] for b in bans]) if bans else None,
         )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -181,6 +203,11 @@ class PenaltyTensors:
             keep = self.bias_ids < v
             x = x.index_put(
                 (self.bias_rows[keep], self.bias_ids[keep]), self.bias_values[keep], accumulate=True
+            )
+        if self.ban_rows is not None and self.ban_ids is not None and self.ban_left is not None:
+            on = (self.ban_left > 0) & (self.ban_ids < v)  # a plain position is at depth 0
+            x = x.index_put(
+                (self.ban_rows[on], self.ban_ids[on]), torch.tensor(float("-inf"), device=x.device)
             )
         return x
 
@@ -231,6 +258,14 @@ class PenaltyTensors:
         bias: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] = (None, None)
         if self.bias_rows is not None and self.bias_ids is not None:
             bias = spread(self.bias_rows, self.bias_ids)  # every node of a row gets the row's biases
+        ban: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[None, None, None] = (None, None, None)
+        if self.ban_rows is not None and self.ban_ids is not None and self.ban_left is not None:
+            # node j's depth past the history: the block tokens on its path
+            depth = path_mask.sum(dim=-1).reshape(-1)  # [N * D]
+            rows, ids = spread(self.ban_rows, self.ban_ids)
+            left = self.ban_left[:, None].expand(-1, d).reshape(-1)
+            hit = depth[rows] < left  # flat row n * D + j indexes node j of row n
+            ban = (rows[hit], ids[hit], torch.ones_like(ids[hit]))
         flat = PenaltyTensors(
             presence=self.presence.repeat_interleave(d),
             frequency=self.frequency.repeat_interleave(d),
@@ -244,6 +279,9 @@ class PenaltyTensors:
             bias_values=None
             if self.bias_values is None
             else self.bias_values[:, None].expand(-1, d).reshape(-1),
+            ban_rows=ban[0],
+            ban_ids=ban[1],
+            ban_left=ban[2],
         )
         return flat.apply(logits.reshape(n * d, v)).reshape(n, d, v)
 
@@ -441,6 +479,10 @@ def sampling_tensors(requests: Sequence[SamplingRequest], device: torch.device) 
             prompt_tokens=[r.prompt_token_ids for r in requests],
             device=device,
             logit_bias=[p.logit_bias for p in ps],
+            min_tokens_bans=[
+                (p.min_tokens - len(r.output_token_ids), r.all_stop_token_ids)
+                for p, r in zip(ps, requests, strict=True)
+            ],
         )
     return SamplingTensors.build(
         temperature=[p.temperature for p in ps],

@@ -166,6 +166,7 @@ class _Greedy:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] | None = None
+    min_tokens: int = 0
     logprobs: int | None = None
     has_penalties: bool = False
 
@@ -179,6 +180,7 @@ class _Request:
     output_token_ids: list[int] = field(default_factory=list)
     params: _Greedy = field(default_factory=_Greedy)
     generator: torch.Generator | None = None
+    all_stop_token_ids: frozenset[int] = frozenset()
 
     def token_slice(self, start: int, end: int) -> list[int]:
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
