@@ -193,3 +193,50 @@ def test_chat_template_options() -> None:
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
     finally:
         srv.stop()
+
+
+def test_cors_preflight_passes_before_the_api_key() -> None:
+    import httpx
+
+    srv = ServerThread(toy_engine(), model_name="toy", api_key="k").start()
+    try:
+        pre = httpx.options(
+            srv.base_url + "/v1/completions",
+            headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST"},
+        )
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] in (
+            "*",
+            "https://app.example",
+        )
+        r = httpx.get(
+            srv.base_url + "/v1/models",
+            headers={"Origin": "https://app.example", "Authorization": "Bearer k"},
+        )
+        assert r.status_code == 200 and "access-control-allow-origin" in r.headers
+        assert (
+            httpx.get(srv.base_url + "/v1/models", headers={"Origin": "https://app.example"}).status_code
+            == 401
+        )
+    finally:
+        srv.stop()
+
+
+def test_a_port_in_use_fails_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    from hyspec_server import EngineArgs
+    from hyspec_server.cli import main
+    from hyspec_server.serve import serve
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        # the model directory does not exist: loading it is a ValueError, so OSError means bind came first
+        with pytest.raises(OSError, match=f"127.0.0.1:{port}"):
+            serve(EngineArgs(model="/nonexistent"), port=port)
+        assert main(["serve", "/nonexistent", "--port", str(port)]) == 2
+        assert f"127.0.0.1:{port}" in capsys.readouterr().err
+    finally:
+        busy.close()

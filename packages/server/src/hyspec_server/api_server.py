@@ -15,11 +15,12 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -71,8 +72,10 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int | None = None,
     body_read_timeout_s: float | None = None,
+    allowed_origins: Sequence[str] = ("*",),
 ) -> FastAPI:
     """Args:
+    allowed_origins: CORS origins browsers may call from (vLLM's default: any); empty: no CORS headers.
     max_body_bytes: larger request bodies get 413 before they are read whole (None: from max_model_len,
         `max_body_bytes_for`).
     body_read_timeout_s: 408 when no part of a request body arrives for this long (None:
@@ -106,6 +109,11 @@ def build_app(
 
     if api_key is not None:
         app.add_middleware(_BearerAuth, api_key=api_key)
+    if allowed_origins:
+        # added last, so outermost: a browser's preflight (no Authorization header) is answered before the key
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:

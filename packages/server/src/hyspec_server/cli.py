@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--served-model-name", default=None)
     s.add_argument(
+        "--allowed-origins",
+        type=json.loads,
+        default=["*"],
+        help='CORS origins as a JSON list (default ["*"], as vLLM); [] sends no CORS headers',
+    )
+    s.add_argument(
         "--graceful-shutdown-timeout",
         type=int,
         default=None,
@@ -155,10 +161,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_body_bytes=ns.max_body_bytes,
                 limit_concurrency=ns.limit_concurrency,
                 graceful_shutdown_s=ns.graceful_shutdown_timeout,
+                allowed_origins=ns.allowed_origins,
             )
             return 0
         return _generate(ns)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
+        # bad arguments, or a port already in use (bound before the model loads)
         print(f"hyspec: error: {e}", file=sys.stderr)
         return 2
 

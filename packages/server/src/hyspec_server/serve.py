@@ -6,6 +6,7 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -44,6 +45,7 @@ def serve(
     max_body_bytes: int | None = None,
     graceful_shutdown_s: int | None = None,
     limit_concurrency: int | None = None,
+    allowed_origins: Sequence[str] = ("*",),
 ) -> None:
     """Blocks until SIGTERM / SIGINT: new connections are refused, running requests get `graceful_shutdown_s`
     to finish (a client that never reads cannot hold the exit longer), a second signal exits at once.
@@ -53,12 +55,28 @@ def serve(
         max_body_bytes: see `api_server.build_app`.
         limit_concurrency: most open connections and requests; beyond it 503 (None: 2 x
             (max_num_seqs + max_waiting), what the engine can hold plus as many more in flight).
+        allowed_origins: CORS origins (see `api_server.build_app`).
+
+    The port is bound before the model loads, so a port in use fails at once (OSError), not after minutes.
     """
     from hyspec_server.builder import build_engine
 
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
     engine = AsyncEngine(build_engine(args))
     name = served_model_name or model_name_of(args)
-    app = build_app(engine, model_name=name, api_key=api_key, max_body_bytes=max_body_bytes)
+    app = build_app(
+        engine,
+        model_name=name,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        allowed_origins=allowed_origins,
+    )
     limit = 2 * (args.max_num_seqs + args.max_waiting) if limit_concurrency is None else limit_concurrency
     config = uvicorn.Config(
         app,
@@ -69,9 +87,10 @@ def serve(
         limit_concurrency=limit,
     )
     try:
-        _Server(config).run()
+        _Server(config).run(sockets=[sock])
     finally:
         engine.shutdown()
+        sock.close()
 
 
 class ServerThread:
