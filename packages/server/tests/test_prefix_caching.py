@@ -17,7 +17,7 @@ from hyspec_server.config import EngineArgs
 from hyspec_server.engine import LLMEngine
 from hyspec_server.metrics import EngineMetrics
 from hyspec_server.serve import ServerThread
-from hyspec_server.testing import toy_engine, toy_greedy
+from hyspec_server.testing import metric_sample, toy_engine, toy_greedy
 
 NEW = 8
 
@@ -169,11 +169,11 @@ def test_reset_prefix_cache_and_metrics() -> None:
     _check(llm, [list(range(40, 80))])
     (cached,) = _check(llm, [list(range(40, 80))])
     assert cached == 32  # the last snapshot short of the prompt's last token
-    metrics = EngineMetrics()
+    metrics = EngineMetrics("toy")
     metrics.observe(eng)
-    text = metrics.render()
-    assert "hyspec_prefix_cache_queries_total 80" in text
-    assert "hyspec_prefix_cache_hits_total 32" in text
+    text = metrics.render().decode()
+    assert metric_sample(text, "hyspec:prefix_cache_queries_total") == 80
+    assert metric_sample(text, "hyspec:prefix_cache_hits_total") == 32
     assert llm.reset_prefix_cache()
     (cached,) = _check(llm, [list(range(40, 80))])
     assert cached == 0
@@ -205,7 +205,8 @@ def test_http_usage_reports_cached_tokens_and_the_admin_route_needs_the_key() ->
             c.post("/v1/chat/completions", json=chat, headers=auth)
             again = c.post("/v1/chat/completions", json=chat, headers=auth).json()
             assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-            assert "hyspec_prefix_cache_hits_total" in c.get("/metrics", headers=auth).text
+            hits = metric_sample(c.get("/metrics", headers=auth).text, "hyspec:prefix_cache_hits_total")
+            assert hits == 48 + again["usage"]["prompt_tokens_details"]["cached_tokens"]
     finally:
         srv.stop()
 

@@ -74,30 +74,30 @@ def test_find_stop_only_reports_matches_completed_by_new_text() -> None:
 
 def test_stop_string_across_tokens_cuts_text() -> None:
     r = _req(SamplingParams(max_tokens=10, stop=["bc"]), WordTokenizer())
-    assert not r.append_token(0, logprob=None, top=None, max_model_len=100, now=0.0)  # "ab"
-    assert r.append_token(1, logprob=None, top=None, max_model_len=100, now=0.0)  # "abcd": "bc" straddles
+    assert not r.append_token(0, max_model_len=100, now=0.0)  # "ab"
+    assert r.append_token(1, max_model_len=100, now=0.0)  # "abcd": "bc" straddles
     assert r.text == "a" and r.finish_reason == "stop" and r.stop_reason == "bc"
     assert r.output_token_ids == [0, 1]
     r2 = _req(SamplingParams(max_tokens=10, stop="bc", include_stop_str_in_output=True), WordTokenizer())
-    r2.append_token(0, logprob=None, top=None, max_model_len=100, now=0.0)
-    r2.append_token(1, logprob=None, top=None, max_model_len=100, now=0.0)
+    r2.append_token(0, max_model_len=100, now=0.0)
+    r2.append_token(1, max_model_len=100, now=0.0)
     assert r2.text == "abc"
 
 
 def test_streaming_holds_back_possible_stop_prefix() -> None:
     r = _req(SamplingParams(max_tokens=10, stop=["ezz", "q"]), WordTokenizer())
-    r.append_token(0, logprob=None, top=None, max_model_len=100, now=0.0)  # "ab"
-    r.append_token(2, logprob=None, top=None, max_model_len=100, now=0.0)  # "abe": "e" may start "ezz"
+    r.append_token(0, max_model_len=100, now=0.0)  # "ab"
+    r.append_token(2, max_model_len=100, now=0.0)  # "abe": "e" may start "ezz"
     out = r.make_output()
     assert out.delta_text == "a" and not out.finished  # longest stop is 3 chars: hold back 2
-    r.append_token(3, logprob=None, top=None, max_model_len=100, now=0.0)  # "abexyz": no stop
+    r.append_token(3, max_model_len=100, now=0.0)  # "abexyz": no stop
     assert r.make_output().delta_text == "bex"
-    r.append_token(4, logprob=None, top=None, max_model_len=100, now=0.0)
-    r.append_token(1, logprob=None, top=None, max_model_len=100, now=0.0)
+    r.append_token(4, max_model_len=100, now=0.0)
+    r.append_token(1, max_model_len=100, now=0.0)
     assert r.make_output().delta_text == "yz "
-    r.append_token(0, logprob=None, top=None, max_model_len=100, now=0.0)
+    r.append_token(0, max_model_len=100, now=0.0)
     for _ in range(5):
-        if r.append_token(0, logprob=None, top=None, max_model_len=100, now=0.0):
+        if r.append_token(0, max_model_len=100, now=0.0):
             break
     out = r.make_output()
     assert out.finished and out.outputs[0].finish_reason == "length"
@@ -107,18 +107,18 @@ def test_streaming_holds_back_possible_stop_prefix() -> None:
 
 def test_eos_and_stop_tokens_stay_out_of_text_but_in_ids() -> None:
     r = _req(SamplingParams(max_tokens=10), WordTokenizer())
-    r.append_token(0, logprob=None, top=None, max_model_len=100, now=0.0)
-    assert r.append_token(5, logprob=None, top=None, max_model_len=100, now=0.0)
+    r.append_token(0, max_model_len=100, now=0.0)
+    assert r.append_token(5, max_model_len=100, now=0.0)
     assert r.text == "ab" and r.output_token_ids == [0, 5] and r.stop_reason is None
     r = _req(SamplingParams(max_tokens=10, stop_token_ids=[3]), WordTokenizer())
-    assert r.append_token(3, logprob=None, top=None, max_model_len=100, now=0.0)
+    assert r.append_token(3, max_model_len=100, now=0.0)
     assert r.text == "" and r.finish_reason == "stop" and r.stop_reason == 3
     r = _req(SamplingParams(max_tokens=3, ignore_eos=True), WordTokenizer())
-    assert not r.append_token(5, logprob=None, top=None, max_model_len=100, now=0.0)
+    assert not r.append_token(5, max_model_len=100, now=0.0)
 
 
 def test_max_model_len_finishes_with_length() -> None:
     r = _req(SamplingParams(max_tokens=10), WordTokenizer())
-    assert not r.append_token(0, logprob=None, top=None, max_model_len=3, now=0.0)
-    assert r.append_token(0, logprob=None, top=None, max_model_len=3, now=0.0)  # prompt 1 + 2 outputs
+    assert not r.append_token(0, max_model_len=3, now=0.0)
+    assert r.append_token(0, max_model_len=3, now=0.0)  # prompt 1 + 2 outputs
     assert r.finish_reason == "length"

@@ -177,8 +177,10 @@ def test_logprobs_are_reported_for_every_token() -> None:
     c = o.outputs[0]
     assert c.logprobs is not None and len(c.logprobs) == 6
     for t, d in zip(c.token_ids, c.logprobs):
-        assert t in d and len(d) in (2, 3) and max(d.values()) == d[t]
-    assert c.cumulative_logprob == pytest.approx(sum(d[t] for t, d in zip(c.token_ids, c.logprobs)))
+        # greedy: the chosen token is the most likely one, rank 1
+        assert t in d and len(d) in (2, 3) and max(x.logprob for x in d.values()) == d[t].logprob
+        assert d[t].rank == 1 and d[t].decoded_token == chr(t)
+    assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)))
 
 
 def test_admission_errors() -> None:

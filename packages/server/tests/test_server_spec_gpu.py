@@ -129,7 +129,7 @@ def _run(path: Path, *, eager: bool, spec: dict[str, Any] | None) -> Run:
     drafter = None if runner.spec is None else runner.spec.drafter
     return Run(
         tokens=[o.outputs[0].token_ids for o in outs],
-        logprobs=[o.outputs[0].logprobs or [] for o in outs],
+        logprobs=[[{t: x.logprob for t, x in d.items()} for d in o.outputs[0].logprobs or []] for o in outs],
         stats=[o.spec_stats for o in outs],
         graphs=runner.graphs,
         draft_counts=getattr(drafter, "graph_counts", None),

@@ -27,9 +27,9 @@ from hyspec_server.cuda_graph import TargetGraphs
 from hyspec_server.metrics import EngineMetrics
 from hyspec_server.serve import ServerThread
 from hyspec_server.speculative import DrafterContext, DrafterRegistry, parse_speculative_config
-from hyspec_spec_workers.config import Method
-from hyspec_spec_workers.drafter import DraftBatch, Drafter, DraftOutput
-from hyspec_spec_workers.testing import decoy_tree
+from hyspec_server.testing import metric_sample
+from hyspec_spec_workers.drafter import Drafter
+from hyspec_spec_workers.testing import ForcedDrafter
 from hyspec_spec_workers.tree import VerifyTree
 
 S = 3
@@ -51,57 +51,6 @@ def _ids(prompts: Sequence[list[int]]) -> list[dict[str, Any]]:
 
 def _greedy(max_tokens: int = NEW, **kw: Any) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=kw.pop("ignore_eos", True), **kw)
-
-
-@dataclass
-class ForcedDrafter:
-    """Drafts the reference continuation; unless `perfect`, the first error sits at draft index
-    `(calls + row) % (S + 2)` (S: none, S + 1: no proposal at all), so accepted counts 0..S all occur."""
-
-    refs: list[list[int]]
-    num_steps: int
-    vocab: int
-    perfect: bool = False
-    tree: bool = False  # a decoy sibling at every level (topk 2), alternating before / after the real one
-    calls: int = 0
-    steps_seen: set[int] = field(default_factory=set)
-    mixed_zero_rounds: int = 0
-
-    @property
-    def method(self) -> Method:
-        return "ngram"
-
-    @property
-    def max_draft_tokens(self) -> int:
-        return 1 + (2 if self.tree else 1) * self.num_steps
-
-    def propose(self, batch: DraftBatch) -> DraftOutput:
-        self.calls += 1
-        n, s = batch.root_tokens.shape[0], self.num_steps
-        drafts = torch.zeros(n, s, dtype=torch.int64)
-        num = torch.zeros(n, dtype=torch.int64)
-        for row in range(n):
-            hist = batch.histories[row].tolist()
-            cap = batch.num_steps[row]
-            self.steps_seen.add(cap)
-            full = next((r for r in self.refs if len(r) > len(hist) and r[: len(hist)] == hist), None)
-            if cap == 0:
-                continue
-            # off the reference (sampling): some proposal anyway, for the rejection sampler to judge
-            props = hist[-cap:] if full is None else full[len(hist) : len(hist) + cap]
-            if not self.perfect:
-                phase = (self.calls + row) % (s + 2)
-                if phase == s + 1:
-                    continue
-                if phase < len(props):
-                    props[phase] = (props[phase] + 1) % self.vocab
-            drafts[row, : len(props)] = torch.tensor(props, dtype=torch.int64)
-            num[row] = len(props)
-        if bool((num == 0).any()) and bool((num > 0).any()):
-            self.mixed_zero_rounds += 1
-        if not self.tree:
-            return DraftOutput(VerifyTree.chain(batch.root_tokens, drafts, num))
-        return DraftOutput(decoy_tree(batch.root_tokens, drafts, num, decoy=7, vocab=self.vocab))
 
 
 @dataclass
@@ -488,24 +437,24 @@ def test_http_speculative_completions_equal_plain_greedy(
         assert got == ref
     srv.wait_idle_and_leak_check()
     text = httpx.get(srv.base_url + "/metrics").text
-    vals = {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")}
-    assert vals["hyspec_spec_decode_accept_length_count"] > 0
-    assert (
-        vals["hyspec_spec_decode_num_draft_tokens_total"]
-        >= vals["hyspec_spec_decode_num_accepted_tokens_total"]
-    )
-    assert vals["hyspec_spec_decode_num_accepted_tokens_total"] > 0
-    assert (
-        vals['hyspec_spec_decode_accept_length_bucket{le="+Inf"}']
-        == vals["hyspec_spec_decode_num_drafts_total"]
-    )
+
+    def val(name: str, **labels: str) -> float:
+        return metric_sample(text, "hyspec:spec_decode_" + name, **labels)
+
+    assert val("accept_length_count") > 0
+    assert val("num_draft_tokens_total") >= val("num_accepted_tokens_total") > 0
+    assert val("accept_length_bucket", le="+Inf") == val("num_drafts_total")
 
 
 def test_metrics_render_spec_counters_before_any_round(tiny_lfm2: Path) -> None:
     eng = build_engine(EngineArgs(model=str(tiny_lfm2), max_num_seqs=2, speculative_config=_spec()))
-    m = EngineMetrics()
+    m = EngineMetrics("tiny")
     m.observe(eng)
-    assert "hyspec_spec_decode_num_drafts_total 0" in m.render()
+    text = m.render().decode()
+    assert metric_sample(text, "hyspec:spec_decode_num_drafts_total") == 0
+    # every configured draft position shows from the start
+    per_pos = "hyspec:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [metric_sample(text, per_pos, position=str(i)) for i in range(S)] == [0] * S
 
 
 @pytest.mark.parametrize(

@@ -8,23 +8,19 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import pytest
-import torch
 from hyspec_server import LLM, EngineArgs, SamplingParams, StructuredOutputsParams
 from hyspec_server.builder import build_engine
 from hyspec_server.serve import ServerThread
 from hyspec_server.speculative import DrafterContext, DrafterRegistry
 from hyspec_server.testing import toy_engine, toy_greedy
-from hyspec_spec_workers.config import Method
-from hyspec_spec_workers.drafter import DraftBatch, Drafter, DraftOutput
-from hyspec_spec_workers.testing import DRAFTER_CASES, DrafterCase, build_case_checkpoints, decoy_tree
-from hyspec_spec_workers.tree import VerifyTree
+from hyspec_spec_workers.drafter import Drafter
+from hyspec_spec_workers.testing import DRAFTER_CASES, DrafterCase, ForcedDrafter, build_case_checkpoints
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -244,49 +240,6 @@ def test_real_tokenizer_with_speculation_greedy_identical(
         assert got == run(None)
 
 
-@dataclass
-class OracleDrafter:
-    """Drafts each row's reference continuation (the plain constrained output), with a wrong token at a
-    rotating index (often one the constraint forbids), so constrained rows see drafts cut by the grammar,
-    drafts rejected by the target and fully accepted runs."""
-
-    refs: list[list[int]]
-    steps: int
-    vocab: int
-    tree: bool = False  # a decoy sibling (the token + 1) beside every draft, before or after it
-    calls: int = 0
-
-    @property
-    def method(self) -> Method:
-        return "mtp" if self.tree else "ngram"
-
-    @property
-    def max_draft_tokens(self) -> int:
-        return 1 + (2 if self.tree else 1) * self.steps
-
-    def propose(self, batch: DraftBatch) -> DraftOutput:
-        self.calls += 1
-        n = batch.root_tokens.shape[0]
-        drafts = torch.zeros(n, self.steps, dtype=torch.int64)
-        num = torch.zeros(n, dtype=torch.int64)
-        for row in range(n):
-            hist = batch.histories[row].tolist()
-            full = next((r for r in self.refs if len(r) > len(hist) and r[: len(hist)] == hist), None)
-            cap = batch.num_steps[row]
-            if full is None or cap == 0:
-                continue
-            props = full[len(hist) : len(hist) + cap]
-            phase = (self.calls + row) % (self.steps + 1)
-            if phase < len(props):
-                props[phase] = (props[phase] + 1) % self.vocab
-            drafts[row, : len(props)] = torch.tensor(props, dtype=torch.int64)
-            num[row] = len(props)
-        if not self.tree:
-            return DraftOutput(VerifyTree.chain(batch.root_tokens, drafts, num))
-        roots = batch.root_tokens
-        return DraftOutput(decoy_tree(roots, drafts, num, decoy=1, vocab=self.vocab, phase=self.calls))
-
-
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_drafts_under_a_constraint_are_cut_masked_and_lossless(qwen_ckpt: Path, tree: bool) -> None:
     prompts = [{"prompt_token_ids": [5 + i, 9, 17, 33, 5 + i, 9]} for i in range(4)]
@@ -297,10 +250,11 @@ def test_drafts_under_a_constraint_are_cut_masked_and_lossless(qwen_ckpt: Path, 
     plain = LLM(model=str(qwen_ckpt), max_num_seqs=4, speculative_config=None)
     want = plain.generate(prompts, params)
     refs = [p["prompt_token_ids"] + o.outputs[0].token_ids for p, o in zip(prompts, want, strict=True)]
-    made: list[OracleDrafter] = []
+    made: list[ForcedDrafter] = []
+    vocab = json.loads((qwen_ckpt / "config.json").read_text())["vocab_size"]
 
     def build(ctx: DrafterContext) -> Drafter:
-        made.append(OracleDrafter(refs, ctx.config.max_num_speculative_tokens, 512, tree))
+        made.append(ForcedDrafter(refs, ctx.config.max_num_speculative_tokens, vocab, tree=tree))
         return made[-1]
 
     method = "mtp" if tree else "ngram"

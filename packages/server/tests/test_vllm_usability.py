@@ -45,7 +45,7 @@ def test_trust_remote_code_is_refused_before_anything_loads() -> None:
     with pytest.raises(ValueError, match="trust_remote_code"):
         LLM(model="/nonexistent", trust_remote_code=True)
     with pytest.raises(TypeError):
-        LLM(model="/nonexistent", tensor_parallel_size=2)  # type: ignore[call-arg]
+        LLM(model="/nonexistent", tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize(

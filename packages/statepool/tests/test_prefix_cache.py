@@ -223,3 +223,38 @@ def test_save_checks_its_arguments() -> None:
     with pytest.raises(ValueError, match="num_snapshots"):
         PrefixCache(pool, num_snapshots=0)
     pool.free(["a"])
+
+
+def test_eviction_scans_past_pages_in_use_once_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages a running request maps sit at the LRU front; evicting k unused pages behind them must not scan
+    past them k times (a long cache under load made every allocation O(cached pages x pages needed))."""
+    pool = _pool(pages=32, seqs=2, snapshots=3)
+    cache = PrefixCache(pool, num_snapshots=3)
+    held = list(range(100, 100 + PS * 6))  # 6 pages, kept mapped by a running request
+    pool.alloc(["keep", "done"])
+    _compute(pool, "keep", held)
+    cache.save("keep", held, salt=None, num_tokens=len(held))
+    free = list(range(200, 200 + PS * 10))  # 10 pages only the cache holds, used after `held`
+    _compute(pool, "done", free)
+    cache.save("done", free, salt=None, num_tokens=len(free))
+    pool.free(["done"])
+    # put the request's pages first in LRU order, as an old prefix still in use
+    for h in list(cache._pages)[:6][::-1]:
+        cache._pages.move_to_end(h, last=False)
+    calls = 0
+    refs = pool.kv.refs
+
+    def counting(page: int) -> int:
+        nonlocal calls
+        calls += 1
+        return refs(page)
+
+    monkeypatch.setattr(pool.kv, "refs", counting)
+    need = pool.kv.num_free + 5
+    cache.reclaim_pages(need)
+    assert pool.kv.num_free == need
+    assert calls <= 6 + 5  # one pass: the 6 pages in use, then the 5 victims
+    assert cache.stats().num_cached_pages == 16 - 5
+    pool.free(["keep"])
+    cache.reset()
+    _idle(pool)

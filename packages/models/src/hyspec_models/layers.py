@@ -6,9 +6,10 @@ except for fused weights (declared by each model's `checkpoint_sources`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -57,43 +58,211 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}"
 
 
+# RoPE types whose frequencies are fixed once the config is read; they come from transformers'
+# `ROPE_INIT_FUNCTIONS` so they match its rotary embedding bit for bit. "longrope" is static only when its
+# short and long factors agree (see `_check_static`).
+STATIC_ROPE_TYPES: Final[tuple[str, ...]] = (
+    "default",
+    "linear",
+    "llama3",
+    "yarn",
+    "proportional",
+    "longrope",
+)
+# types whose rope parameters must name the pretraining length (transformers fills it from
+# max_position_embeddings when missing)
+_NEEDS_ORIGINAL_MAX: Final = frozenset({"llama3", "yarn", "longrope"})
+
+
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
-    """Rotary embedding of the first `rotary_dim` dims of each head (NeoX half rotation)."""
+    """Rotary embedding of the first `rotary_dim` dims of each head (NeoX half rotation).
+
+    `inv_freq` None is plain RoPE, `theta ** (-2i / rotary_dim)` computed where the positions live. Scaled
+    types carry the fp32 frequencies transformers computes for the config (`rotary_dim / 2` values, stored as
+    floats so the config stays hashable) and `attention_factor`, which multiplies cos and sin (YaRN's mscale,
+    LongRoPE's scaling; 1.0 for the others).
+    """
 
     head_dim: int
     rotary_dim: int
     theta: float
+    rope_type: str = "default"
+    inv_freq: tuple[float, ...] | None = None
+    attention_factor: float = 1.0
+    # inv_freq as a tensor per device: built on the first (eager) call, so CUDA-graph captures only read it
+    _device_inv_freq: dict[torch.device, Tensor] = field(
+        init=False, default_factory=dict, repr=False, compare=False, hash=False
+    )
 
     def __post_init__(self) -> None:
         if self.rotary_dim < 2 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ValueError(
                 f"rotary_dim: expected an even int in [2, head_dim={self.head_dim}], got {self.rotary_dim}"
             )
+        if self.inv_freq is not None and 2 * len(self.inv_freq) != self.rotary_dim:
+            raise ValueError(
+                f"inv_freq: expected rotary_dim / 2 = {self.rotary_dim // 2} values, got {len(self.inv_freq)}"
+            )
+        if not (math.isfinite(self.attention_factor) and self.attention_factor > 0):
+            raise ValueError(f"attention_factor: expected a finite float > 0, got {self.attention_factor}")
 
     @classmethod
     def from_hf(cls, config: Any, head_dim: int) -> RopeConfig:
-        """Read `rope_parameters` (transformers 5) or the legacy `rope_theta` / `partial_rotary_factor`."""
-        params = getattr(config, "rope_parameters", None) or {}
-        rope_type = params.get("rope_type", "default")
-        if rope_type != "default":
-            raise ValueError(f"rope_parameters.rope_type: only 'default' is supported, got {rope_type!r}")
-        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-        return cls(head_dim=head_dim, rotary_dim=int(head_dim * factor), theta=float(theta))
+        """Read `rope_parameters` (transformers 5) or the legacy `rope_scaling` / `rope_theta` /
+        `partial_rotary_factor`.
+
+        Every type in `STATIC_ROPE_TYPES` is supported; others raise a ValueError naming
+        `rope_parameters.rope_type`. "dynamic" NTK is refused: transformers recomputes its frequencies from
+        the longest sequence the module has seen so far, so a token's rotation would depend on what was
+        batched before it. "longrope" is refused unless `short_factor == long_factor`, for the same reason
+        (transformers switches a whole forward to `long_factor` once its longest position passes
+        `original_max_position_embeddings`).
+        """
+        params = _rope_parameters(config)
+        rope_type = params["rope_type"]
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+            return cls(head_dim=head_dim, rotary_dim=int(head_dim * factor), theta=float(theta))
+        _check_static(rope_type, params)
+        inv_freq, attention_factor = _hf_inv_freq(config, params, head_dim)
+        return cls(
+            head_dim=head_dim,
+            # "proportional" returns head_dim / 2 frequencies (zeros past the rotated part) whatever
+            # partial_rotary_factor says, so the rotated width is what transformers returns
+            rotary_dim=2 * inv_freq.numel(),
+            theta=float(params["rope_theta"]),
+            rope_type=rope_type,
+            inv_freq=tuple(inv_freq.tolist()),
+            attention_factor=float(attention_factor),
+        )
+
+    def inverse_frequencies(self, device: torch.device | str | None = None) -> Tensor:
+        """inv_freq: [rotary_dim / 2] fp32 on `device` (default CPU)."""
+        device = torch.device("cpu") if device is None else torch.device(device)
+        if self.inv_freq is None:
+            return 1.0 / (
+                self.theta
+                ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim)
+            )
+        cached = self._device_inv_freq.get(device)
+        if cached is None:
+            cached = torch.tensor(self.inv_freq, dtype=torch.float32, device=device)
+            self._device_inv_freq[device] = cached
+        return cached
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin: [T, rotary_dim] for int positions [T]."""
-        inv_freq = 1.0 / (
-            self.theta
-            ** (
-                torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=positions.device)
-                / self.rotary_dim
-            )
-        )
+        inv_freq = self.inverse_frequencies(positions.device)  # [rotary_dim / 2]
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            # transformers scales q·k through both cos and sin, in fp32 before the cast; skipped at 1.0 so
+            # the unscaled types stay bit-identical to plain RoPE
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    """A copy of the config's RoPE parameters with `rope_type` set ("default" when absent).
+
+    transformers 5 configs hold them in `rope_parameters` (a config.json with a legacy `rope_scaling` is
+    converted when it is read); other config objects may still carry `rope_scaling`, with `type` for
+    `rope_type`.
+    """
+    raw = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"rope_parameters: expected a dict, got {type(raw).__name__}")
+    nested = sorted(str(k) for k, v in raw.items() if isinstance(v, Mapping))
+    if nested:
+        # per-layer-type RoPE (Gemma-style); none of the supported models' rotary embeddings reads that form
+        raise ValueError(f"rope_parameters: per-layer-type parameters are not supported, got keys {nested}")
+    params = dict(raw)
+    params["rope_type"] = str(params.get("rope_type") or params.get("type") or "default")
+    params.pop("type", None)
+    return params
+
+
+def _check_static(rope_type: str, params: Mapping[str, Any]) -> None:
+    supported = ", ".join(STATIC_ROPE_TYPES)
+    if rope_type == "dynamic":
+        raise ValueError(
+            "rope_parameters.rope_type: 'dynamic' (dynamic NTK) is not supported: transformers recomputes "
+            "inv_freq from the longest position each module call has seen so far, so a token's rotation "
+            f"depends on the batches before it; supported: {supported}"
+        )
+    if rope_type == "longrope" and list(params.get("short_factor") or []) != list(
+        params.get("long_factor") or []
+    ):
+        raise ValueError(
+            "rope_parameters.rope_type: 'longrope' with short_factor != long_factor is not supported: "
+            "transformers rotates every position of a forward with long_factor once that forward's longest "
+            "position passes original_max_position_embeddings, so results depend on how a sequence is split "
+            f"into forwards; supported: {supported} (longrope only with equal factors)"
+        )
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(f"rope_parameters.rope_type: expected one of {supported}, got {rope_type!r}")
+
+
+class _RopeInitView:
+    """The config fields transformers' RoPE init functions read, with the head size the model uses.
+
+    The functions would otherwise re-derive head_dim from the config and standardize (mutate) its
+    `rope_parameters` in place; the parameters here are already standardized by `_hf_inv_freq`.
+    """
+
+    def __init__(self, params: dict[str, Any], head_dim: int, max_position_embeddings: int | None) -> None:
+        self.rope_parameters = params
+        self.head_dim = head_dim
+        # read only as a fallback for head_dim (consistent with it)
+        self.hidden_size = head_dim
+        self.num_attention_heads = 1
+        self.max_position_embeddings = max_position_embeddings
+
+    def standardize_rope_params(self) -> None:
+        """Already standardized."""
+
+
+def _hf_inv_freq(config: Any, params: dict[str, Any], head_dim: int) -> tuple[Tensor, float]:
+    """(inv_freq [rotary_dim / 2] fp32 on CPU, attention_factor) from transformers' ROPE_INIT_FUNCTIONS."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = params["rope_type"]
+    init_fn = ROPE_INIT_FUNCTIONS.get(rope_type)
+    if init_fn is None:
+        raise ValueError(
+            f"rope_parameters.rope_type: {rope_type!r} is not in this transformers' ROPE_INIT_FUNCTIONS "
+            f"({', '.join(sorted(ROPE_INIT_FUNCTIONS))})"
+        )
+    # the defaults transformers' standardize_rope_params fills in (a no-op for configs it built itself)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    partial = getattr(config, "partial_rotary_factor", None)
+    if partial is not None:
+        params.setdefault("partial_rotary_factor", partial)
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if rope_type in _NEEDS_ORIGINAL_MAX:
+        top_level = getattr(config, "original_max_position_embeddings", None)
+        if top_level is not None:
+            # Phi-3 style configs keep the pretraining length at the top level; transformers prefers it
+            params["original_max_position_embeddings"] = top_level
+        elif max_pos is not None:
+            params.setdefault("original_max_position_embeddings", max_pos)
+    view = _RopeInitView(params, head_dim, None if max_pos is None else int(max_pos))
+    try:
+        # on the CPU as transformers' own init does, also when the model is being built on the meta device
+        with torch.device("cpu"):
+            inv_freq, attention_factor = init_fn(view, None)
+    except KeyError as e:
+        raise ValueError(f"rope_parameters.{e.args[0]}: required for rope_type {rope_type!r}") from e
+    except TypeError as e:
+        # a None where a number is needed (for example no max_position_embeddings to infer `factor` from)
+        raise ValueError(f"rope_parameters: incomplete for rope_type {rope_type!r} ({e})") from e
+    inv_freq = inv_freq.detach().to("cpu", torch.float32)
+    if inv_freq.ndim != 1 or not bool(torch.isfinite(inv_freq).all()):
+        raise ValueError(f"rope_parameters: rope_type {rope_type!r} gave non-finite or non-1-D frequencies")
+    return inv_freq, float(attention_factor)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ CLI. Never implements numerics: every op comes from the packages below.
 from hyspec_server.config import EngineArgs
 from hyspec_server.engine import LLMEngine
 from hyspec_server.llm import LLM
-from hyspec_server.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats
+from hyspec_server.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SpecDecodeStats
 from hyspec_server.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
@@ -17,6 +17,7 @@ __all__ = [
     "CompletionOutput",
     "EngineArgs",
     "LLMEngine",
+    "Logprob",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",

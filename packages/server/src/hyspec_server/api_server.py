@@ -10,9 +10,11 @@ before the next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -21,14 +23,15 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from hyspec_server.async_engine import AddError, AsyncEngine, StreamGroup
+from hyspec_server.async_engine import AddError, AsyncEngine, EngineDeadError, StreamGroup
 from hyspec_server.engine import TokensPrompt
-from hyspec_server.outputs import RequestOutput
+from hyspec_server.outputs import Logprob, RequestOutput
 from hyspec_server.protocol import (
     MAX_LOGPROBS,
     MAX_N,
@@ -44,6 +47,8 @@ from hyspec_server.scheduler import QueueFullError
 from hyspec_server.tokenizer import ChatOptions
 from hyspec_server.tool_calls import ToolCallStream, parse_tool_calls, required_grammar, template_message
 
+_log = logging.getLogger("hyspec.api")
+
 _M = TypeVar("_M", bound=BaseModel)
 _DISCONNECT_POLL_S = 0.05
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
@@ -58,6 +63,11 @@ JSON escapes take at most 12 bytes per character; 64 bytes per token leaves room
 BODY_READ_TIMEOUT_S = 30.0
 """A client that sends no part of its body for this long gets 408 (a half-sent body held a connection
 forever)."""
+
+
+METRICS_SAMPLE_TIMEOUT_S = 2.0
+"""/metrics waits at most this long for the engine thread to sample the pool gauges (it does so between
+steps); past it the scrape shows the previous sample, well inside Prometheus' default 10 s scrape timeout."""
 
 
 def max_body_bytes_for(max_model_len: int) -> int:
@@ -189,7 +199,11 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+        # the pool gauges are sampled on the engine thread, between steps (the pool is not thread-safe); a
+        # stopped engine, or one in a step longer than the bound, leaves what was last recorded
+        with contextlib.suppress(EngineDeadError, TimeoutError):
+            await asyncio.wait_for(engine.call(engine.metrics.observe), METRICS_SAMPLE_TIMEOUT_S)
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -274,14 +288,20 @@ def build_app(
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"logprobs must be an int in [0, {MAX_LOGPROBS}]", param="logprobs")
         echo = bool(req.echo)
-        if echo and req.logprobs is not None:
-            raise APIError(
-                400, "echo with logprobs needs prompt logprobs, which are not supported", param="echo"
-            )
+        # echo with logprobs: the prompt's tokens lead the logprobs too (OpenAI's), so every sample scores
+        # its prompt (prompt logprobs)
+        echo_lp = echo and req.logprobs is not None
         # best_of ranks its samples by cumulative logprob, which needs the chosen tokens' logprobs
         engine_lp = req.logprobs if best_of == n else (req.logprobs or 0)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        samples = _samples(req, best_of, max_tokens=max_tokens, logprobs=engine_lp, engine=engine)
+        samples = _samples(
+            req,
+            best_of,
+            max_tokens=max_tokens,
+            logprobs=engine_lp,
+            engine=engine,
+            prompt_logprobs=req.logprobs if echo_lp else None,
+        )
         await compile_constraint(req, samples[0])
         rid = f"cmpl-{uuid.uuid4().hex}"
         # text prompts are tokenized here, on a worker thread: on the engine thread a long one would stall
@@ -302,9 +322,10 @@ def build_app(
         ]
 
         def choice(
-            index: int, out: RequestOutput, text: str, start: int, offset: int
+            index: int, out: RequestOutput, text: str, start: int, offset: int, *, prompt: bool = False
         ) -> tuple[dict[str, Any], int]:
-            """The choice for tokens [start:] of `out`; also the text offset after them."""
+            """The choice for tokens [start:] of `out`; also the text offset after them. `prompt`: the
+            logprobs start with the prompt's (echo), at text offsets from 0."""
             c = out.outputs[0]
             ch: dict[str, Any] = {
                 "index": index,
@@ -317,9 +338,17 @@ def build_app(
                 ch["logprobs"], offset = _completion_logprobs(
                     tok, c.token_ids[start:], c.logprobs[start:], offset
                 )
+                if prompt:
+                    ch["logprobs"] = _join_logprobs(echo_logprobs(out), ch["logprobs"])
             if req.return_token_ids:
                 ch["token_ids"] = c.token_ids[start:]
             return ch, offset
+
+        def echo_logprobs(out: RequestOutput) -> dict[str, Any] | None:
+            """The echoed prompt's completions logprobs (its first token has none: null, as OpenAI's)."""
+            if out.prompt_logprobs is None:
+                return None
+            return _completion_logprobs(tok, out.prompt_token_ids, out.prompt_logprobs, 0)[0]
 
         def body(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             return {
@@ -339,11 +368,20 @@ def build_app(
                 sent = [0] * len(items)
                 offsets = [len(echoed[k // n]) for k in range(len(items))]
                 last: dict[int, RequestOutput] = {}
-                if echo:
+                if echo and not echo_lp:
                     for k in range(len(items)):
                         ch = {"index": k, "text": echoed[k // n], "logprobs": None, "finish_reason": None}
                         yield _sse(body([ch], **no_usage))
                 async for k, out in group.outputs():
+                    if echo_lp and k not in last:
+                        # prompt logprobs exist once it is prefilled: the echo waits for the first output
+                        ch = {
+                            "index": k,
+                            "text": echoed[k // n],
+                            "logprobs": echo_logprobs(out),
+                            "finish_reason": None,
+                        }
+                        yield _sse(body([ch], **no_usage))
                     last[k] = out
                     if out.delta_text or out.finished:
                         ch, offsets[k] = choice(k, out, out.delta_text, sent[k], offsets[k])
@@ -364,7 +402,7 @@ def build_app(
                 mine = sorted(mine, key=lambda o: -(o.outputs[0].cumulative_logprob or 0.0))[:n]
             for j, out in enumerate(mine):
                 text = echoed[i] + out.outputs[0].text
-                choices.append(choice(i * n + j, out, text, 0, len(echoed[i]))[0])
+                choices.append(choice(i * n + j, out, text, 0, len(echoed[i]), prompt=echo_lp)[0])
         # every generated token counts, best_of's discarded samples too (as OpenAI bills them)
         return JSONResponse(body(choices, usage=_usage(outs[::best_of], outs)))
 
@@ -628,13 +666,18 @@ def _parse(model: type[_M], body: Any) -> _M:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
-        return model.model_validate(body)
+        parsed = model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"]) or None
         # OpenAI's `param` is the request field; the full location (union branch, index) is in the message
         param = str(err["loc"][0]) if err["loc"] else None
         raise APIError(400, f"{loc}: {err['msg']}", param=param) from e
+    ignored = sorted(set(body) - set(model.model_fields))
+    if ignored:
+        # said, never silently dropped (as vLLM logs them)
+        _log.warning("fields present in the request but ignored: %s", ", ".join(map(str, ignored)))
+    return parsed
 
 
 def _samples(
@@ -644,6 +687,7 @@ def _samples(
     max_tokens: int,
     logprobs: int | None,
     engine: AsyncEngine,
+    prompt_logprobs: int | None = None,
 ) -> list[SamplingParams]:
     """The parameters of samples 0..count-1 (sample j seeded `derived_seed(seed, j)`), with the checkpoint's
     defaults for fields the request leaves out; 400 naming the field."""
@@ -651,7 +695,11 @@ def _samples(
     try:
         return [
             req.sampling_params(
-                max_tokens=max_tokens, logprobs=logprobs, seed=derived_seed(req.seed, j), defaults=defaults
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                seed=derived_seed(req.seed, j),
+                defaults=defaults,
+                prompt_logprobs=prompt_logprobs,
             )
             for j in range(count)
         ]
@@ -724,52 +772,72 @@ async def _collect(group: StreamGroup, raw: Request) -> list[RequestOutput]:
         group.abort()
 
 
-def _token_str(tok: Any, t: int) -> str:
+def _token_str(tok: Any, t: int, lp: Logprob | None = None) -> str:
+    """Token `t` decoded on its own: the engine's `decoded_token` when the entry has one."""
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
     return str(tok.decode([t], skip_special_tokens=False))
 
 
+def _by_logprob(d: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    return sorted(d.items(), key=lambda kv: -kv[1].logprob)
+
+
 def _completion_logprobs(
-    tok: Any, ids: list[int], lps: list[dict[int, float]], offset: int
+    tok: Any, ids: Sequence[int], lps: Sequence[dict[int, Logprob] | None], offset: int
 ) -> tuple[dict[str, Any], int]:
     """OpenAI's completions `logprobs` for `ids`, whose text starts at `offset`; also the offset after them.
 
     `top_logprobs[i]` has the requested alternatives plus the chosen token (as vLLM reports it); tokens that
-    decode to the same string keep the most likely one's logprob.
+    decode to the same string keep the most likely one's logprob. A None entry (an echoed prompt's first
+    token) is null in `token_logprobs` and `top_logprobs`.
     """
-    tokens = [_token_str(tok, t) for t in ids]
+    tokens = [_token_str(tok, t, None if d is None else d.get(t)) for t, d in zip(ids, lps, strict=True)]
     offsets = []
     for s in tokens:
         offsets.append(offset)
         offset += len(s)
-    tops: list[dict[str, float]] = []
+    tops: list[dict[str, float] | None] = []
     for d in lps:
+        if d is None:
+            tops.append(None)
+            continue
         top: dict[str, float] = {}
-        for k, v in sorted(d.items(), key=lambda kv: -kv[1]):
-            top.setdefault(_token_str(tok, k), v)
+        for k, v in _by_logprob(d):
+            top.setdefault(_token_str(tok, k, v), v.logprob)
         tops.append(top)
     body = {
         "tokens": tokens,
-        "token_logprobs": [d[t] for t, d in zip(ids, lps)],
+        "token_logprobs": [None if d is None else d[t].logprob for t, d in zip(ids, lps, strict=True)],
         "top_logprobs": tops,
         "text_offset": offsets,
     }
     return body, offset
 
 
-def _chat_logprobs(tok: Any, ids: list[int], lps: list[dict[int, float]], top_n: int) -> list[dict[str, Any]]:
+def _join_logprobs(first: dict[str, Any] | None, then: dict[str, Any]) -> dict[str, Any]:
+    """Two completions `logprobs` bodies as one, `first`'s tokens before `then`'s."""
+    if first is None:
+        return then
+    return {key: first[key] + then[key] for key in then}
+
+
+def _chat_logprobs(
+    tok: Any, ids: Sequence[int], lps: Sequence[dict[int, Logprob]], top_n: int
+) -> list[dict[str, Any]]:
     """OpenAI's chat `logprobs.content`: each token with exactly `top_n` most likely alternatives.
 
     The engine's entry holds the top `top_n` plus the chosen token; when the chosen token is outside the top
     its logprob is below all of them, so the first `top_n` by logprob are the true top.
     """
 
-    def entry(t: int, v: float) -> dict[str, Any]:
-        s = _token_str(tok, t)
-        return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+    def entry(t: int, v: Logprob) -> dict[str, Any]:
+        s = _token_str(tok, t, v)
+        return {"token": s, "logprob": v.logprob, "bytes": list(s.encode("utf-8"))}
 
     out = []
-    for t, d in zip(ids, lps):
+    for t, d in zip(ids, lps, strict=True):
         e = entry(t, d[t])
-        e["top_logprobs"] = [entry(k, v) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top_n]]
+        e["top_logprobs"] = [entry(k, v) for k, v in _by_logprob(d)[:top_n]]
         out.append(e)
     return out

@@ -151,9 +151,13 @@ class AddError(Exception):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, idle_wait_s: float = 0.05) -> None:
+    """Args:
+    model_name: the served model name, the `model_name` label of its Prometheus metrics.
+    """
+
+    def __init__(self, engine: LLMEngine, *, model_name: str, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(model_name)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._idle_wait_s = idle_wait_s
@@ -180,6 +184,10 @@ class AsyncEngine:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def run() -> None:
+            # the caller stopped waiting (its task was cancelled): skip `fn`, and never set a result on a
+            # cancelled future, which raises here, on the engine thread, and would end it
+            if not fut.set_running_or_notify_cancel():
+                return
             try:
                 fut.set_result(fn(self.engine))
             except BaseException as e:
@@ -253,8 +261,9 @@ class AsyncEngine:
                     self._commands.get_nowait()()
                 except queue.Empty:
                     break
+            # the pool gauges are read per scrape (/metrics), not per step: their cost grows with the cache
             if not eng.has_unfinished():
-                self.metrics.observe(eng)
+                self.metrics.observe(eng, memory=False)
                 continue
             try:
                 outputs = eng.step()
@@ -265,4 +274,4 @@ class AsyncEngine:
                 outputs = []
             for out in outputs:
                 self._deliver(out, out.request_id)
-            self.metrics.observe(eng)
+            self.metrics.observe(eng, memory=False)

@@ -40,17 +40,33 @@ def generation_defaults(model_dir: Path) -> Mapping[str, Any]:
     return MappingProxyType(out)
 
 
-def resolve_model_dir(model: str | None) -> Path:
+def resolve_model_dir(model: str | None, *, cache_dir: str | Path | None = None) -> Path:
+    """The checkpoint directory: `model` itself, or a hub id ("org/name") resolved offline from the local
+    Hugging Face cache (`cache_dir`, default the hub's own: HF_HUB_CACHE / HF_HOME). Nothing is downloaded."""
     if model is None:
         from hyspec_server.default_model import default_model_dir
 
         return default_model_dir()
-    path = Path(model)
-    if not (path / "config.json").is_file():
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if path.exists() or model.count("/") != 1 or model.startswith((".", "/", "~")):
+        raise ValueError(f"model: {model!r} is not a checkpoint directory (no config.json)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        local = Path(snapshot_download(model, cache_dir=cache_dir, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as e:
         raise ValueError(
-            f"model: {model!r} is not a checkpoint directory (no config.json); downloads are not supported"
-        )
-    return path
+            f"model: {model!r} is neither a checkpoint directory nor a hub id in the local Hugging Face "
+            f"cache {cache_dir or HF_HUB_CACHE}; hyspec never downloads: fetch it first "
+            f"(`hf download {model}`) or pass a directory ({type(e).__name__})"
+        ) from None
+    if not (local / "config.json").is_file():
+        raise ValueError(f"model: the cached snapshot {local} of {model!r} has no config.json")
+    return local
 
 
 def build_engine(args: EngineArgs, *, drafters: DrafterRegistry | None = None) -> LLMEngine:
@@ -68,9 +84,9 @@ def build_engine(args: EngineArgs, *, drafters: DrafterRegistry | None = None) -
 
     model_dir = resolve_model_dir(args.model)
     runner = HyspecModelRunner(args, model_dir, drafters=drafters)
-    tokenizer = HFTokenizer(model_dir)
+    tokenizer = HFTokenizer(model_dir, tokenizer=args.tokenizer)
     config = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=runner.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting,
         # a verify block adds up to Dmax - 1 drafts after the current token

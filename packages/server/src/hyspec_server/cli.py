@@ -1,86 +1,76 @@
-"""`hyspec serve` and `hyspec generate`. The only place that parses command-line arguments."""
+"""`hyspec serve`, `hyspec generate`, `hyspec chat`, `hyspec complete`: the one command-line parser (the two
+clients' flags are added by `client_cli.py`).
+
+Engine flags are generated from the `EngineArgs` fields (name, type, default, help, `--help` group), so a new
+engine argument is a CLI flag with nothing to add here. A vLLM flag hyspec lacks is an error naming it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
 
-from hyspec_server.config import ENGINE_DEFAULTS, EngineArgs
+from hyspec_server.client_cli import add_client_commands, run_client
+from hyspec_server.config import (
+    DTYPES,
+    ENGINE_DEFAULTS,
+    IGNORED_VLLM_ARGS,
+    UNSUPPORTED_VLLM_ARGS,
+    EngineArgs,
+)
 from hyspec_server.default_model import DEFAULT_NAME, DEFAULT_SPECULATIVE_CONFIG
 from hyspec_server.sampling_params import SamplingParams
-from hyspec_server.speculative import parse_speculative_config
+
+# vLLM's short spellings of flags hyspec does not support
+_VLLM_SHORT_FLAGS = {"-tp": "tensor_parallel_size", "-pp": "pipeline_parallel_size", "-q": "quantization"}
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help=f"checkpoint directory (HF layout); default: the shipped {DEFAULT_NAME} demo model with "
-        f"speculative config {json.dumps(dict(DEFAULT_SPECULATIVE_CONFIG))}",
-    )
-    d = ENGINE_DEFAULTS
-    p.add_argument("--device", default=d["device"], help="auto (the GPU when there is one), cpu or cuda")
-    p.add_argument("--dtype", default=d["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--max-model-len", type=int, default=d["max_model_len"], help="context length (prompt + output)"
-    )
-    p.add_argument(
-        "--max-num-seqs", "--max-running-requests", dest="max_num_seqs", type=int, default=d["max_num_seqs"]
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=d["max_num_batched_tokens"],
-        help="token budget of one step",
-    )
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument(
-        "--speculative-config",
-        default=None,
-        help='JSON, vLLM style, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'',
-    )
-    p.add_argument("--seed", type=int, default=d["seed"])
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=d["enable_prefix_caching"],
-        help="reuse cached KV pages and state snapshots of shared prefixes (default on)",
-    )
-    p.add_argument(
-        "--prefix-cache-snapshot-interval",
-        type=int,
-        default=d["prefix_cache_snapshot_interval"],
-        help="prefill tokens between state snapshots (a multiple of the page size)",
-    )
-    p.add_argument(
-        "--prefix-cache-snapshot-fraction",
-        type=float,
-        default=d["prefix_cache_snapshot_fraction"],
-        help="state slots for snapshots, as a fraction of --max-num-seqs",
-    )
+    """One flag per `EngineArgs` field, in vLLM's groups; `model` is the positional argument."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in fields(EngineArgs):
+        meta = f.metadata
+        help_text = meta["help"]
+        if f.name == "model":
+            p.add_argument(
+                "model",
+                nargs="?",
+                default=None,
+                help=f"{help_text}; default: the shipped {DEFAULT_NAME} demo model with speculative config "
+                f"{json.dumps(dict(DEFAULT_SPECULATIVE_CONFIG))}",
+            )
+            continue
+        group = groups.get(meta["group"]) or groups.setdefault(
+            meta["group"], p.add_argument_group(meta["group"])
+        )
+        flag = "--" + f.name.replace("_", "-")
+        default = ENGINE_DEFAULTS[f.name]
+        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": f"{help_text} (default: {default})"}
+        kind = str(f.type)
+        if kind == "bool":
+            kw["action"] = argparse.BooleanOptionalAction
+        elif kind == "DType":
+            kw["choices"] = DTYPES
+        elif kind.startswith("int"):
+            kw["type"] = int
+        elif kind.startswith("float"):
+            kw["type"] = float
+        elif kind.startswith(("str", "SpeculativeConfig")):
+            kw["type"] = str  # a JSON speculative config is parsed by EngineArgs
+        else:
+            raise TypeError(f"EngineArgs.{f.name}: no CLI flag for type {kind}")
+        group.add_argument(flag, *meta["aliases"], **kw)
 
 
-def _engine_args(ns: argparse.Namespace, **extra: object) -> EngineArgs:
-    return EngineArgs(
-        model=ns.model,
-        device=ns.device,
-        dtype=ns.dtype,
-        max_model_len=ns.max_model_len,
-        max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens,
-        enforce_eager=ns.enforce_eager,
-        speculative_config=parse_speculative_config(ns.speculative_config),
-        seed=ns.seed,
-        enable_prefix_caching=ns.enable_prefix_caching,
-        prefix_cache_snapshot_interval=ns.prefix_cache_snapshot_interval,
-        prefix_cache_snapshot_fraction=ns.prefix_cache_snapshot_fraction,
-        **extra,  # type: ignore[arg-type]
-    )
+def _engine_args(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,50 +79,52 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _engine_flags(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument(
+    f = s.add_argument_group("Frontend")
+    f.add_argument("--host", default="127.0.0.1")
+    f.add_argument("--port", type=int, default=8000)
+    f.add_argument(
         "--api-key",
         default=os.environ.get("HYSPEC_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' on every route but /health (/metrics too); default: the "
         "HYSPEC_API_KEY environment variable",
     )
-    s.add_argument("--served-model-name", default=None)
-    s.add_argument(
+    f.add_argument("--served-model-name", default=None)
+    f.add_argument(
         "--allowed-origins",
         type=json.loads,
         default=["*"],
         help='CORS origins as a JSON list (default ["*"], as vLLM); [] sends no CORS headers',
     )
-    s.add_argument(
+    f.add_argument(
         "--graceful-shutdown-timeout",
         type=int,
         default=None,
         help="seconds SIGTERM waits for running requests (default 30); a second SIGTERM exits at once",
     )
-    s.add_argument(
+    f.add_argument(
         "--limit-concurrency",
         type=int,
         default=None,
         help="most open connections; beyond it 503 (default 2 x (max-num-seqs + max-waiting))",
     )
-    s.add_argument(
+    f.add_argument(
         "--max-body-bytes",
         type=int,
         default=None,
         help="larger request bodies get 413 (default: 64 bytes per token of max_model_len, at least 1 MiB)",
     )
-    s.add_argument("--max-waiting", type=int, default=1024, help="bound of the queue; beyond it: 429")
     g = sub.add_parser("generate", help="generate once and print the text and tokens/s")
     _engine_flags(g)
-    g.add_argument("--prompt", default="Hello, my name is")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--json", action="store_true", help="print one JSON object with token ids and stats")
+    o = g.add_argument_group("Generation")
+    o.add_argument("--prompt", default="Hello, my name is")
+    o.add_argument("--max-tokens", type=int, default=32)
+    o.add_argument("--temperature", type=float, default=0.0)
+    o.add_argument("--top-p", type=float, default=1.0)
+    o.add_argument("--top-k", type=int, default=-1)
+    o.add_argument("--repetition-penalty", type=float, default=1.0)
+    o.add_argument("--ignore-eos", action="store_true")
+    o.add_argument("--json", action="store_true", help="print one JSON object with token ids and stats")
+    add_client_commands(sub)  # `hyspec chat` / `hyspec complete` against a running server (client_cli.py)
     return parser
 
 
@@ -145,15 +137,40 @@ def _version() -> str:
         return "unknown"
 
 
+def _check_extra(parser: argparse.ArgumentParser, extra: list[str]) -> None:
+    """Flags argparse did not know: vLLM's that hyspec lacks get an error saying so; vLLM's that change
+    nothing here are logged and dropped; anything else is argparse's usual error."""
+    unknown = []
+    for token in extra:
+        if not token.startswith("-"):
+            continue
+        name = _VLLM_SHORT_FLAGS.get(token) or token.lstrip("-").split("=", 1)[0].replace("-", "_")
+        if name.startswith("no_") and name[3:] in IGNORED_VLLM_ARGS | set(UNSUPPORTED_VLLM_ARGS):
+            name = name[3:]
+        if name in UNSUPPORTED_VLLM_ARGS:
+            parser.error(f"{token}: a vLLM flag hyspec does not support: {UNSUPPORTED_VLLM_ARGS[name]}")
+        if name in IGNORED_VLLM_ARGS:
+            logging.getLogger("hyspec.cli").info("%s has no effect in hyspec; ignored", token)
+            continue
+        unknown.append(token)
+    loose = [t for t in extra if not t.startswith("-")]
+    if unknown or (loose and len(loose) == len(extra)):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or loose)}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    _check_extra(parser, extra)
+    if ns.command in ("chat", "complete"):
+        return run_client(ns)
     try:
         if ns.command == "serve":
             from hyspec_server.serve import serve
 
-            args = _engine_args(ns, max_waiting=ns.max_waiting)
+            logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
             serve(
-                args,
+                _engine_args(ns),
                 host=ns.host,
                 port=ns.port,
                 api_key=ns.api_key,
@@ -186,7 +203,7 @@ def _generate(ns: argparse.Namespace) -> int:
     )
     llm = LLM.from_engine(build_engine(_engine_args(ns)))
     t0 = time.perf_counter()
-    out = llm.generate([ns.prompt], params)[0]
+    out = llm.generate([ns.prompt], params, use_tqdm=False)[0]
     dt = time.perf_counter() - t0
     c = out.outputs[0]
     rate = len(c.token_ids) / dt if dt > 0 else 0.0

@@ -1,9 +1,10 @@
-"""Engine arguments shared by `LLM`, the HTTP server and the CLI (only the CLI parses argv)."""
+"""Engine arguments shared by `LLM`, the HTTP server and the CLI: defined once here, with each field's help
+text; `cli.py` generates its flags from these fields and `LLM(**kwargs)` checks its keywords against them."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Final, Literal
 
@@ -12,52 +13,98 @@ from hyspec_spec_workers.config import SpeculativeConfig
 from hyspec_server.speculative import parse_speculative_config
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPES: Final = ("auto", "float32", "bfloat16", "float16")
+
+
+def _arg(default: Any, group: str, help: str, *aliases: str) -> Any:
+    """A field with its `--help` group (vLLM's config classes), help text and extra CLI spellings (vLLM's or
+    SGLang's other names for the same thing)."""
+    return field(default=default, metadata={"group": group, "help": help, "aliases": aliases})
 
 
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
-    """Args:
-    model: checkpoint directory (HF layout); None is the embedded default (see `default_model.py`), which
-        also turns on its MTP speculation when `speculative_config` is None.
-    device: "auto" (the GPU when torch sees one, else the CPU, as vLLM picks), "cpu" or "cuda"; stored
-        resolved.
-    dtype: weights and activations; "auto" is float32 on CPU and bfloat16 on CUDA.
-    max_model_len: context length (prompt + output); None is the checkpoint's, capped at 4096.
-    max_num_seqs: most running requests.
-    max_num_batched_tokens: per-step token budget (prefill chunks + decodes).
-    max_waiting: bound of the waiting queue (HTTP answers 429 beyond it).
-    enforce_eager: no CUDA graphs.
-    speculative_config: None or the validated `SpeculativeConfig`; the vLLM-style dict (or its JSON text) of
-        `speculative.py` is accepted too and parsed here, once: the field always holds the parsed config.
-    kv_cache_bytes: memory budget of the state pool; None sizes it for max_num_seqs requests at max_model_len.
-    page_size: tokens per KV page.
-    seed: seed of the shared sampling generator (requests without their own seed).
-    enable_prefix_caching: reuse the KV pages and recurrent-state snapshots of earlier requests with the same
-        prefix (on by default, as in vLLM). Output is identical either way in fp32; in bf16 a resumed prefill
-        runs other chunk shapes than one from token 0, so greedy ties can part.
-    prefix_cache_snapshot_interval: prefill chunks end at multiples of this many tokens (a multiple of
-        page_size), where a state snapshot is saved, besides the end of each prompt and of each finished
-        request (a recurrent state exists only where a forward ends). A lone prompt longer than it takes one
-        step per interval, so keep it at or above max_num_batched_tokens where prefill speed matters more.
-    prefix_cache_snapshot_fraction: state slots for snapshots, as a fraction of the max_num_seqs request
-        slots (their own budget, least recently used first out; at least one slot).
-    """
+    """Engine arguments (vLLM's names). Each field's metadata holds its help text, its `--help` group and
+    other spellings, which `cli.py` turns into flags. Validated once, here; `device` is stored resolved."""
 
-    model: str | None = None
-    device: str = "auto"
-    dtype: DType = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
-    max_waiting: int = 1024
-    enforce_eager: bool = False
-    speculative_config: SpeculativeConfig | None = None
-    kv_cache_bytes: int | None = None
-    page_size: int = 16
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    prefix_cache_snapshot_interval: int = 512
-    prefix_cache_snapshot_fraction: float = 1.0
+    model: str | None = _arg(
+        None,
+        "ModelConfig",
+        "checkpoint directory (HF layout) or a hub id already in the local Hugging Face cache (nothing is "
+        "downloaded); None is the embedded demo model (see default_model.py), which also turns on its MTP "
+        "speculation when speculative_config is None",
+    )
+    tokenizer: str | None = _arg(None, "ModelConfig", "tokenizer directory; None: the model's")
+    device: str = _arg(
+        "auto", "DeviceConfig", "auto (the GPU when torch sees one, else the CPU, as vLLM picks), cpu or cuda"
+    )
+    dtype: DType = _arg(  # noqa: RUF009 (_arg returns a dataclasses.field)
+        "auto",
+        "ModelConfig",
+        "weights and activations; auto is the checkpoint's dtype on CUDA (bfloat16 for a float32 one, as "
+        "vLLM) and float32 on the CPU, where bf16 and fp16 are slow",
+    )
+    max_model_len: int | None = _arg(
+        None,
+        "ModelConfig",
+        "context length (prompt + output); None: the checkpoint's max_position_embeddings",
+    )
+    max_num_seqs: int | None = _arg(
+        None,
+        "SchedulerConfig",
+        "most running requests; None: 256 on CUDA and 16 on the CPU, lowered to what fits the memory",
+        "--max-running-requests",
+    )
+    max_num_batched_tokens: int = _arg(
+        512, "SchedulerConfig", "token budget of one step (prefill chunks + decodes)"
+    )
+    max_waiting: int = _arg(
+        1024, "SchedulerConfig", "bound of the waiting queue (HTTP answers 429 beyond it)"
+    )
+    gpu_memory_utilization: float = _arg(
+        0.9,
+        "CacheConfig",
+        "fraction of the GPU's memory hyspec may use: what the weights and the activations of one step "
+        "leave of it holds the KV cache, recurrent-state slots, verify scratch and prefix-cache snapshots",
+        "--mem-fraction-static",
+    )
+    kv_cache_bytes: int | None = _arg(
+        None,
+        "CacheConfig",
+        "memory for the KV cache and recurrent state, overriding gpu_memory_utilization (and the CPU's "
+        "4 GiB default)",
+    )
+    enforce_eager: bool = _arg(False, "ModelConfig", "no CUDA graphs")
+    speculative_config: SpeculativeConfig | None = _arg(  # noqa: RUF009
+        None,
+        "SpeculativeConfig",
+        'speculative decoding, vLLM style, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (a dict '
+        "or its JSON text; parsed once, here)",
+    )
+    page_size: int = _arg(16, "CacheConfig", "tokens per KV page", "--block-size")
+    seed: int = _arg(
+        0, "ModelConfig", "seed of the shared sampling generator (requests without their own seed)"
+    )
+    enable_prefix_caching: bool = _arg(
+        True,
+        "CacheConfig",
+        "reuse the KV pages and recurrent-state snapshots of earlier requests with the same prefix (on by "
+        "default, as in vLLM); identical output in fp32, in bf16 a resumed prefill runs other chunk shapes "
+        "so greedy ties can part",
+    )
+    prefix_cache_snapshot_interval: int = _arg(
+        512,
+        "CacheConfig",
+        "prefill chunks end at multiples of this many tokens (a multiple of page_size), where a "
+        "recurrent-state snapshot is saved, besides the end of each prompt and each finished request; a "
+        "lone longer prompt takes one step per interval",
+    )
+    prefix_cache_snapshot_fraction: float = _arg(
+        1.0,
+        "CacheConfig",
+        "state slots for prefix-cache snapshots, as a fraction of max_num_seqs (least recently used first "
+        "out)",
+    )
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -66,16 +113,17 @@ class EngineArgs:
             object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "page_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if self.max_model_len is not None and (
-            not isinstance(self.max_model_len, int) or self.max_model_len < 2
-        ):
-            raise ValueError(f"max_model_len must be None or an int >= 2, got {self.max_model_len!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("max_num_batched_tokens", "max_waiting", "page_size"):
+            _check_int(name, getattr(self, name), 1)
+        if self.max_num_seqs is not None:
+            _check_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 2)
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         every = self.prefix_cache_snapshot_interval
@@ -87,8 +135,8 @@ class EngineArgs:
         frac = self.prefix_cache_snapshot_fraction
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 16:
             raise ValueError(f"prefix_cache_snapshot_fraction must be in (0, 16], got {frac!r}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes must be None or > 0, got {self.kv_cache_bytes!r}")
+        if self.kv_cache_bytes is not None:
+            _check_int("kv_cache_bytes", self.kv_cache_bytes, 1)
         raw: SpeculativeConfig | Mapping[str, Any] | str | None = self.speculative_config
         if self.model is None and raw is None:
             from hyspec_server.default_model import DEFAULT_SPECULATIVE_CONFIG
@@ -98,12 +146,72 @@ class EngineArgs:
         object.__setattr__(self, "speculative_config", parse_speculative_config(raw))
 
 
-def num_snapshot_slots(args: EngineArgs) -> int:
-    """State slots the prefix cache reserves for snapshots (0 with caching off)."""
+def _check_int(name: str, v: object, least: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {v!r}")
+
+
+def num_snapshot_slots(args: EngineArgs, max_num_seqs: int) -> int:
+    """State slots the prefix cache reserves for snapshots next to `max_num_seqs` request slots (0 with
+    caching off)."""
     if not args.enable_prefix_caching:
         return 0
-    return max(1, round(args.prefix_cache_snapshot_fraction * args.max_num_seqs))
+    return max(1, round(args.prefix_cache_snapshot_fraction * max_num_seqs))
 
 
 # each engine default, set once above; `LLM` and the CLI read theirs from here
-ENGINE_DEFAULTS: Final[Mapping[str, Any]] = MappingProxyType({f.name: f.default for f in fields(EngineArgs)})
+ENGINE_DEFAULTS: Final[Mapping[str, Any]] = MappingProxyType(
+    {f.name: f.default for f in fields(EngineArgs) if f.default is not MISSING}
+)
+
+# vLLM engine arguments hyspec does not have, with what to do instead; `LLM(...)` and the CLI name them
+UNSUPPORTED_VLLM_ARGS: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "tensor_parallel_size": "tensor parallelism is not supported yet; hyspec runs on one device",
+        "pipeline_parallel_size": "pipeline parallelism is not supported",
+        "data_parallel_size": "data parallelism is not supported; run one server per GPU",
+        "quantization": "quantized checkpoints are not supported yet (bf16 / fp16 / fp32 weights)",
+        "kv_cache_dtype": "the KV cache is stored in the model's dtype",
+        "cpu_offload_gb": "weight offloading is not supported",
+        "swap_space": "preempted requests are recomputed, never swapped to the CPU",
+        "load_format": "only safetensors checkpoints are read",
+        "download_dir": "nothing is downloaded; pass a local directory or a cached hub id",
+        "revision": "nothing is downloaded; pass a local directory or a cached hub id",
+        "tokenizer_mode": "the checkpoint's transformers tokenizer is used",
+        "enable_lora": "LoRA adapters are not supported",
+        "max_loras": "LoRA adapters are not supported",
+        "max_lora_rank": "LoRA adapters are not supported",
+        "hf_overrides": "the checkpoint's config.json is used as it is",
+        "distributed_executor_backend": "hyspec runs in one process on one device",
+        "max_seq_len_to_capture": "CUDA graphs cover decode and verify steps of every length",
+    }
+)
+# vLLM arguments with nothing to do in hyspec (its behaviour is always the one asked for); accepted, logged
+IGNORED_VLLM_ARGS: Final = frozenset(
+    {"disable_log_stats", "disable_log_requests", "enable_chunked_prefill", "enable_log_requests"}
+)
+
+
+def engine_args_from(model: str | None, kwargs: Mapping[str, Any]) -> EngineArgs:
+    """`EngineArgs` from `LLM`-style keywords: a TypeError names a keyword hyspec does not have (saying why
+    when vLLM has it); `trust_remote_code=True` is refused with a ValueError."""
+    known = {f.name for f in fields(EngineArgs)} - {"model"}
+    args: dict[str, Any] = {}
+    for name, value in kwargs.items():
+        if name in known:
+            args[name] = value
+        elif name == "trust_remote_code":
+            if value:
+                raise ValueError(
+                    "trust_remote_code: hyspec runs its own implementation of each supported architecture "
+                    "and never executes a checkpoint's code; leave it False"
+                )
+        elif name in IGNORED_VLLM_ARGS:
+            import logging
+
+            logging.getLogger("hyspec.config").info("%s=%r has no effect in hyspec; ignored", name, value)
+        elif name in UNSUPPORTED_VLLM_ARGS:
+            raise TypeError(f"{name}: a vLLM argument hyspec does not support: {UNSUPPORTED_VLLM_ARGS[name]}")
+        else:
+            raise TypeError(f"{name}: unknown engine argument; hyspec's are {', '.join(sorted(known))}")
+    return EngineArgs(model=model, **args)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -16,9 +17,10 @@ from hyspec_spec_workers.round import VerifiedTokens
 from hyspec_spec_workers.sampling import SampledToken
 from hyspec_statepool.prefix_cache import PrefixCacheStats
 
-from hyspec_server.outputs import RequestOutput, SpecDecodeStats
+from hyspec_server.memory import MemoryUsage
+from hyspec_server.outputs import Logprob, RequestOutput, SpecDecodeStats
 from hyspec_server.request import Request
-from hyspec_server.runner import ModelRunner
+from hyspec_server.runner import ModelRunner, PromptLogprobRows
 from hyspec_server.sampling_params import SamplingParams
 from hyspec_server.scheduler import Scheduler, SchedulerConfig
 from hyspec_server.structured import GrammarCompiler
@@ -45,6 +47,15 @@ class EngineStepError(RuntimeError):
         self.outputs = outputs
 
 
+# The server's metrics drain the observation queues below after every step; an engine nobody drains (the
+# offline `LLM`) keeps only the newest this many of each instead of growing with every token it generates.
+MAX_UNREAD_OBSERVATIONS = 1 << 16
+
+
+def _observations() -> deque[float]:
+    return deque(maxlen=MAX_UNREAD_OBSERVATIONS)
+
+
 @dataclass(slots=True)
 class EngineStats:
     """Counters since start, read by /metrics."""
@@ -55,15 +66,22 @@ class EngineStats:
     num_finished: int = 0
     num_aborted: int = 0
     num_preemptions: int = 0
-    # time to first token and time per output token of finished requests, seconds; drained by the reader
-    ttft: list[float] = field(default_factory=list)
-    tpot: list[float] = field(default_factory=list)
+    # requests ended since start by finish reason ("stop", "length", "abort")
+    finished_reasons: dict[str, int] = field(default_factory=dict)
+    # seconds, drained by the reader: time to first token, time per output token after the first and
+    # end-to-end latency of finished requests; inter-token latency per step that gave a running request tokens
+    ttft: deque[float] = field(default_factory=_observations)
+    tpot: deque[float] = field(default_factory=_observations)
+    e2e: deque[float] = field(default_factory=_observations)
+    itl: deque[float] = field(default_factory=_observations)
     # tokens committed per verify round with drafts (accepted drafts + bonus); drained by the reader
-    accept_lengths: list[int] = field(default_factory=list)
-    # speculative decoding since start: verify rounds with at least one draft, drafts, accepted drafts
+    accept_lengths: deque[int] = field(default_factory=lambda: deque(maxlen=MAX_UNREAD_OBSERVATIONS))
+    # speculative decoding since start: verify rounds with at least one draft, drafts, accepted drafts, and
+    # accepted drafts by their position in the draft (entry i: rounds that accepted more than i drafts)
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -83,6 +101,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
+        # token id -> its text alone, for `Logprob.decoded_token` (at most the vocabulary)
+        self._token_texts: dict[int, str] = {}
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -145,6 +165,7 @@ class LLMEngine:
         req.abort()
         self.scheduler.finish([req])
         self.stats.num_aborted += 1
+        self._count_finish_reason("abort")
         return req.make_output()
 
     def has_unfinished(self) -> bool:
@@ -187,11 +208,17 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         done: list[Request] = []
         verified = result.verified or (None,) * len(sched.chunks)
+        for chunk, rows in zip(sched.chunks, result.prompt_logprobs):
+            if rows is not None:
+                self._add_prompt_logprobs(chunk.request, rows)
         for chunk, tok, ver in zip(sched.chunks, result.tokens, verified, strict=True):
             req = chunk.request
             req.num_computed_tokens = chunk.end
             if tok is None:
                 continue
+            if req.last_token_time is not None:
+                self.stats.itl.append(now - req.last_token_time)
+            req.last_token_time = now
             if ver is None:
                 finished = self._append(req, tok, now)
             else:
@@ -210,9 +237,45 @@ class LLMEngine:
 
     def _append(self, req: Request, tok: SampledToken, now: float) -> bool:
         self.stats.num_generated_tokens += 1
-        return req.append_token(
-            tok.token_id, logprob=tok.logprob, top=tok.top, max_model_len=self.max_model_len, now=now
-        )
+        entry: dict[int, Logprob] | None = None
+        if req.logprobs is not None and tok.logprob is not None:
+            top = tok.top or {}  # most likely first
+            entry = self._logprob_entry(tok.token_id, tok.logprob, tok.rank, list(top), list(top.values()))
+        return req.append_token(tok.token_id, max_model_len=self.max_model_len, now=now, logprobs=entry)
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+    def _logprob_entry(
+        self,
+        token_id: int,
+        logprob: float,
+        rank: int | None,
+        top_ids: Sequence[int],
+        top_lps: Sequence[float],
+    ) -> dict[int, Logprob]:
+        """`token_id`'s logprob entry: the token first (its true rank), then the top tokens (most likely
+        first, ranks 1, 2, ...); the token keeps its own entry when it is among them."""
+        text = self._token_text
+        entry = {token_id: Logprob(logprob, rank, text(token_id))}
+        for r, (t, v) in enumerate(zip(top_ids, top_lps, strict=True), start=1):
+            if t != token_id:
+                entry[t] = Logprob(v, r, text(t))
+        return entry
+
+    def _add_prompt_logprobs(self, req: Request, rows: PromptLogprobRows) -> None:
+        prompt = req.prompt_token_ids
+        entries = [
+            self._logprob_entry(prompt[rows.first + i], lp, rank, ids, vals)
+            for i, (lp, rank, ids, vals) in enumerate(
+                zip(rows.logprobs, rows.ranks, rows.top_ids, rows.top_logprobs, strict=True)
+            )
+        ]
+        req.add_prompt_logprobs(rows.first, entries)
 
     def _append_verified(self, req: Request, ver: VerifiedTokens, now: float) -> bool:
         """Appends a verify round's tokens in order; a stop found by the detokenizer (a stop string) drops
@@ -223,6 +286,11 @@ class LLMEngine:
             s.spec_num_draft_tokens += ver.num_drafts
             s.spec_num_accepted_tokens += ver.num_accepted
             s.accept_lengths.append(ver.num_accepted + 1)
+            per_pos = s.spec_accepted_per_pos
+            if len(per_pos) < ver.num_drafts:
+                per_pos.extend([0] * (ver.num_drafts - len(per_pos)))
+            for i in range(ver.num_accepted):
+                per_pos[i] += 1
             if req.spec_stats is None:
                 req.spec_stats = SpecDecodeStats()
             st = req.spec_stats
@@ -238,11 +306,20 @@ class LLMEngine:
         m = req.metrics
         m.finished_time = now
         self.stats.num_finished += 1
+        self._count_finish_reason(req.finish_reason or "stop")
+        self.stats.e2e.append(now - m.arrival_time)
         if m.first_token_time is not None:
             self.stats.ttft.append(m.first_token_time - m.arrival_time)
             n = len(req.output_token_ids)
             if n > 1:
                 self.stats.tpot.append((now - m.first_token_time) / (n - 1))
+
+    def _count_finish_reason(self, reason: str) -> None:
+        reasons = self.stats.finished_reasons
+        reasons[reason] = reasons.get(reason, 0) + 1
+
+    def memory_usage(self) -> MemoryUsage:
+        return self.runner.memory.usage()
 
     def leak_check(self) -> None:
         """Raises when the pool holds memory while no request is live, or the engine lost track of one."""

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hyspec_spec_workers.config import SpeculativeConfig
-
-from hyspec_server.config import ENGINE_DEFAULTS, DType, EngineArgs
+from hyspec_server.config import engine_args_from
 from hyspec_server.engine import LLMEngine
 from hyspec_server.outputs import RequestMetrics, RequestOutput, SpecDecodeStats
 from hyspec_server.sampling_params import SamplingParams, derived_seed
-from hyspec_server.speculative import parse_speculative_config
 from hyspec_server.tokenizer import ChatOptions
 
 PromptType = str | dict[str, Any]
@@ -28,56 +26,50 @@ class LLM:
         print(out[0].outputs[0].text)
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        device: str = ENGINE_DEFAULTS["device"],
-        dtype: DType = ENGINE_DEFAULTS["dtype"],
-        speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None,
-        max_model_len: int | None = ENGINE_DEFAULTS["max_model_len"],
-        max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"],
-        max_num_batched_tokens: int = ENGINE_DEFAULTS["max_num_batched_tokens"],
-        enforce_eager: bool = ENGINE_DEFAULTS["enforce_eager"],
-        kv_cache_bytes: int | None = ENGINE_DEFAULTS["kv_cache_bytes"],
-        page_size: int = ENGINE_DEFAULTS["page_size"],
-        seed: int = ENGINE_DEFAULTS["seed"],
-        enable_prefix_caching: bool = ENGINE_DEFAULTS["enable_prefix_caching"],
-        prefix_cache_snapshot_interval: int = ENGINE_DEFAULTS["prefix_cache_snapshot_interval"],
-        prefix_cache_snapshot_fraction: float = ENGINE_DEFAULTS["prefix_cache_snapshot_fraction"],
-        trust_remote_code: bool = False,
-    ) -> None:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """Args:
+        model: checkpoint directory, cached hub id, or None for the embedded demo model.
+        **kwargs: engine arguments by vLLM's names (`EngineArgs`: device, dtype, max_model_len,
+            max_num_seqs, gpu_memory_utilization, speculative_config, enable_prefix_caching, ...); a name
+            hyspec does not have raises TypeError, saying why when vLLM has it.
+        """
         from hyspec_server.builder import build_engine
 
-        if trust_remote_code:
-            raise ValueError(
-                "trust_remote_code: hyspec runs its own implementation of each supported architecture and "
-                "never executes a checkpoint's code; leave it False"
-            )
-        args = EngineArgs(
-            model=model,
-            device=device,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enforce_eager=enforce_eager,
-            speculative_config=parse_speculative_config(speculative_config),
-            kv_cache_bytes=kv_cache_bytes,
-            page_size=page_size,
-            seed=seed,
-            enable_prefix_caching=enable_prefix_caching,
-            prefix_cache_snapshot_interval=prefix_cache_snapshot_interval,
-            prefix_cache_snapshot_fraction=prefix_cache_snapshot_fraction,
-        )
-        self.engine = build_engine(args)
+        self._engine: LLMEngine | None = build_engine(engine_args_from(model, kwargs))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
         """Wraps an already built engine (tests use this with the toy runner)."""
         llm = cls.__new__(cls)
-        llm.engine = engine
+        llm._engine = engine
         return llm
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise RuntimeError("this LLM is closed")
+        return self._engine
+
+    def close(self) -> None:
+        """Frees the engine and its device memory (weights, KV cache and state pool, CUDA graphs, drafter),
+        so that another `LLM` fits in this process; the LLM cannot be used afterwards. Idempotent; also run
+        on leaving a `with LLM(...) as llm:` block."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        on_cuda = engine.runner.device.type == "cuda"
+        del engine
+        gc.collect()  # the runner's graphs, pool and model reference each other
+        if on_cuda:
+            import torch
+
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation-config defaults (what `sampling_params=None`
@@ -231,6 +223,7 @@ def _merge(request_id: str, samples: list[RequestOutput]) -> RequestOutput:
         metrics=metrics,
         spec_stats=spec,
         num_cached_tokens=first.num_cached_tokens,
+        prompt_logprobs=first.prompt_logprobs,  # the same prompt in every sample
     )
 
 

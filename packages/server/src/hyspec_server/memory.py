@@ -10,9 +10,24 @@ Implementations: `StatePoolMemory` (hyspec_statepool's pool, in `pool_memory.py`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from hyspec_statepool.prefix_cache import PrefixCacheStats
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryUsage:
+    """Fractions (0 to 1) of the pool that requests hold now, as /metrics reports them.
+
+    kv_pages: KV pages mapped by live requests; pages only the prefix cache holds count as free, since they
+        are evicted on demand (vLLM's kv_cache_usage_perc counts them the same way).
+    state_slots: recurrent-state slots held by live requests, out of those requests can get (slots reserved
+        for prefix-cache snapshots excluded).
+    """
+
+    kv_pages: float
+    state_slots: float
 
 
 class RequestMemory(Protocol):
@@ -60,6 +75,10 @@ class RequestMemory(Protocol):
         ...
 
     def prefix_cache_stats(self) -> PrefixCacheStats | None: ...
+
+    def usage(self) -> MemoryUsage:
+        """What requests hold now; its cost may grow with the prefix cache (/metrics reads it per scrape)."""
+        ...
 
     def leak_check(self) -> None:
         """Raises when something is still allocated that no live request owns."""

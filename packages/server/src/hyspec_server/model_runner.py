@@ -2,10 +2,12 @@
 
 Per step it builds one `ForwardBatch` through the hybrid backend: DECODE when every request brings one
 token, else EXTEND (prompt chunks and decode tokens packed together). It runs the model, computes logits only
-for the last token of each sampling chunk and samples on device. On CUDA (unless `enforce_eager`), DECODE and
-TARGET_VERIFY forwards replay CUDA graphs captured at start-up for padded batch sizes (`cuda_graph.py`); the
-graphed forward also returns the layers a model drafter reads, so decode stays graphed with drafters on, and
-a model drafter's proposal forwards are captured at the same batch sizes (spec-workers' draft_graphs.py).
+for the last token of each sampling chunk and samples on device; requests with `prompt_logprobs` also get
+logits at the prompt positions their chunks computed (`runner.prompt_logprob_rows`, in bounded slices).
+On CUDA (unless `enforce_eager`), DECODE and TARGET_VERIFY forwards replay CUDA graphs captured at start-up
+for padded batch sizes (`cuda_graph.py`); the graphed forward also returns the layers a model drafter reads,
+so decode stays graphed with drafters on, and a model drafter's proposal forwards are captured at the same
+batch sizes (spec-workers' draft_graphs.py).
 
 With speculative decoding, the step's verify chunks (decoding requests) run a second forward after the
 prefill chunks: spec-workers' `SpeculativeRound`, to which this runner is the `VerifyTarget` (verify forward,
@@ -16,7 +18,10 @@ request table fit the largest block (adaptive: largest candidate + 1).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -29,7 +34,7 @@ from hyspec_spec_workers.round import RoundRow, SpeculativeRound, VerifiedTokens
 from hyspec_spec_workers.sampling import SampledToken, Sampler, sample_rows, to_sampled_tokens
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.prefix_cache import PrefixCache
-from hyspec_statepool.sizing import MemoryPlan, plan_memory
+from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.specs import StateDtypes
 from hyspec_statepool.transfer import to_device
 
@@ -38,30 +43,61 @@ from hyspec_server.cuda_graph import TargetGraphs
 from hyspec_server.decode_ahead import DecodeAhead
 from hyspec_server.pool_memory import MemoryFollower, StatePoolMemory
 from hyspec_server.request import Request
-from hyspec_server.runner import RunnerOutput, spread_tokens
+from hyspec_server.runner import PromptLogprobRows, RunnerOutput, prompt_logprob_rows, spread_tokens
 from hyspec_server.scheduler import ScheduledChunk, SchedulerOutput
+from hyspec_server.sizing import (
+    Budget,
+    PoolShape,
+    activation_bytes,
+    default_max_num_seqs,
+    fit_pool,
+    max_concurrency,
+    memory_budget,
+)
 from hyspec_server.speculative import DrafterContext, DrafterRegistry
 from hyspec_server.structured import apply_grammar_masks
 
 log = logging.getLogger("hyspec.runner")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DEFAULT_MAX_MODEL_LEN = 4096
+_DEFAULT_MAX_MODEL_LEN = 4096  # a checkpoint that does not say its context length
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+def resolve_dtype(name: str, device: torch.device, checkpoint: str | None = None) -> torch.dtype:
+    """`dtype="auto"`: on CUDA the checkpoint's `dtype` / `torch_dtype` when it is bfloat16 or float16, else
+    bfloat16 (vLLM's choice for float32 checkpoints); on the CPU float32, where half precision is slow."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type != "cuda":
+        if checkpoint in ("bfloat16", "float16"):
+            log.info("dtype auto: float32 on the CPU (the checkpoint's %s is slow there)", checkpoint)
+        return torch.float32
+    return _DTYPES[checkpoint] if checkpoint in ("bfloat16", "float16") else torch.bfloat16
 
 
-def log_pool_split(plan: MemoryPlan, num_snapshots: int, interval: int) -> None:
-    """One start-up line: what the state pool holds and how much of it the prefix cache gets."""
+def checkpoint_dtype(model_dir: Path) -> str | None:
+    """The dtype config.json records (`dtype` in transformers 5, `torch_dtype` before; the text config's for
+    multimodal checkpoints)."""
+    path = model_dir / "config.json"
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    for c in (cfg, cfg.get("text_config") or {}):
+        value = c.get("dtype") or c.get("torch_dtype")
+        if isinstance(value, str):
+            return value.removeprefix("torch.")
+    return None
+
+
+def log_pool_split(plan: MemoryPlan, num_snapshots: int, interval: int, budget: Budget) -> None:
+    """Start-up lines: what the state pool holds, how many requests fit at full context, and how much of it
+    the prefix cache gets."""
     per_slot = plan.state_bytes // max(1, plan.num_state_slots + 1)
     cache = (
         f"prefix cache: {num_snapshots} snapshot slots ({num_snapshots * per_slot / 2**20:.1f} MiB), "
         f"a snapshot every {interval} prefill tokens"
         if num_snapshots
         else "prefix caching off"
+    )
+    log.info(
+        "memory for the KV cache and recurrent state: %.2f GiB (%s)", budget.bytes / 2**30, budget.source
     )
     log.info(
         "state pool: %d request slots of %.1f MiB state, %d KV pages of %d tokens (%.1f MiB); %s",
@@ -72,6 +108,16 @@ def log_pool_split(plan: MemoryPlan, num_snapshots: int, interval: int) -> None:
         plan.kv_bytes / 2**20,
         cache,
     )
+    log.info(
+        "maximum concurrency at max_model_len=%d: %.2fx (max_num_seqs=%d)",
+        plan.max_context,
+        max_concurrency(plan),
+        plan.max_num_seqs,
+    )
+
+
+def _allocated_bytes(device: torch.device) -> int:
+    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
 
 
 def _text_config(config: Any) -> Any:
@@ -81,8 +127,8 @@ def _text_config(config: Any) -> Any:
 class HyspecModelRunner:
     """Loads a checkpoint, sizes the state pool for it and runs it.
 
-    The pool holds `max_num_seqs` requests; without `kv_cache_bytes` it gets KV pages for all of them at
-    `max_model_len`, otherwise `plan_memory` fits what the budget allows (preemption covers the rest).
+    The pool holds `max_num_seqs` requests (resolved: `self.max_num_seqs`) and the KV pages the memory
+    budget allows, up to all of them at `max_model_len` (`sizing.py`; preemption covers the rest).
     """
 
     def __init__(self, args: EngineArgs, model_dir: Path, *, drafters: DrafterRegistry | None = None) -> None:
@@ -91,8 +137,21 @@ class HyspecModelRunner:
         self._device = torch.device(args.device)
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
-        self.dtype = resolve_dtype(args.dtype, self._device)
-        self.model = load_model(model_dir, device=self._device, dtype=self.dtype, progress=False)
+        self.dtype = resolve_dtype(args.dtype, self._device, checkpoint_dtype(model_dir))
+        t0 = time.perf_counter()
+        # a progress bar where someone watches (a terminal), as vLLM shows one
+        self.model = load_model(
+            model_dir, device=self._device, dtype=self.dtype, progress=sys.stderr.isatty()
+        )
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        log.info(
+            "loaded %s: %.2f GiB of %s weights on %s in %.1f s",
+            model_dir,
+            weights / 2**30,
+            str(self.dtype).removeprefix("torch."),
+            self._device,
+            time.perf_counter() - t0,
+        )
         config = _text_config(self.model.config)
         self.vocab_size = int(config.vocab_size)
         ckpt_len = int(getattr(config, "max_position_embeddings", _DEFAULT_MAX_MODEL_LEN))
@@ -100,45 +159,47 @@ class HyspecModelRunner:
             raise ValueError(
                 f"max_model_len={args.max_model_len} is over the checkpoint's {ckpt_len} positions"
             )
-        self._max_model_len = args.max_model_len or min(ckpt_len, _DEFAULT_MAX_MODEL_LEN)
+        self._max_model_len = args.max_model_len or ckpt_len
         layers = self.model.mixer_layers()
         specs = model_state_specs(layers)
         dtypes = StateDtypes(kv=self.dtype, conv=self.dtype)
         self.use_graphs = self._device.type == "cuda" and not args.enforce_eager
-        # padded graph rows use slot -1 and KV slot -1: they need no request of their own
-        max_num_seqs = args.max_num_seqs
-        num_snapshots = num_snapshot_slots(args) if specs.attention_layers else 0
-        if args.enable_prefix_caching and not num_snapshots:
+        has_kv = bool(specs.attention_layers)
+        if args.enable_prefix_caching and not has_kv:
             log.warning("prefix caching is off: the model has no attention layer to key pages by")
-        if args.kv_cache_bytes is not None:
-            plan = plan_memory(
-                args.kv_cache_bytes,
-                specs,
-                max_context=self._max_model_len,
-                max_num_seqs=max_num_seqs,
-                draft_shape=draft_shape,
-                page_size=args.page_size,
-                dtypes=dtypes,
-                num_state_slots=max_num_seqs + num_snapshots,
-            )
-        else:
-            # room for a whole verify block past the context (spec), or for the one token past it
-            extra = 1 if spec_config is None else spec_config.max_draft_tokens
-            per_req = -(-(self._max_model_len + extra) // args.page_size)
-            plan = MemoryPlan(
-                specs=specs,
-                max_context=self._max_model_len,
-                max_num_seqs=max_num_seqs,
-                draft_shape=draft_shape,
-                page_size=args.page_size,
-                num_state_slots=max_num_seqs + num_snapshots,
-                num_kv_pages=max_num_seqs * per_req,
-                dtypes=dtypes,
-            )
-        self.pool = HybridStatePool(plan, device=self._device)
+        # the pool is sized from what the weights leave (sizing.py); padded graph rows use slot -1 and KV
+        # slot -1, so they need no request of their own
+        default_seqs = default_max_num_seqs(self._device)
+        rows = (args.max_num_seqs or default_seqs) * (
+            1 if spec_config is None else spec_config.max_draft_tokens
+        )
+        budget = memory_budget(
+            args,
+            self._device,
+            activations=activation_bytes(
+                num_tokens=max(args.max_num_batched_tokens, rows),
+                num_logit_rows=rows,
+                hidden_size=int(config.hidden_size),
+                vocab_size=self.vocab_size,
+                dtype=self.dtype,
+            ),
+        )
+        shape = PoolShape(
+            specs=specs,
+            max_context=self._max_model_len,
+            draft_shape=draft_shape,
+            page_size=args.page_size,
+            dtypes=dtypes,
+            snapshot_slots=lambda n: num_snapshot_slots(args, n) if has_kv else 0,
+        )
+        plan = fit_pool(shape, budget, max_num_seqs=args.max_num_seqs, default=default_seqs)
+        max_num_seqs = plan.max_num_seqs
         self.spec: SpeculativeRound | None = None
         followers: list[MemoryFollower] = []
         if spec_config is not None:
+            # the drafter (and a DFlash draft's own KV) is built before the pool: on CUDA what it takes
+            # comes off the pool's budget
+            before = _allocated_bytes(self._device)
             ctx = DrafterContext(
                 config=spec_config,
                 target=self.model,
@@ -149,8 +210,28 @@ class HyspecModelRunner:
                 kv_dtype=self.dtype,
                 device=self._device,
             )
-            self.spec = SpeculativeRound.from_config(spec_config, (drafters or DrafterRegistry()).build(ctx))
+            try:
+                drafter = (drafters or DrafterRegistry()).build(ctx)
+            except torch.OutOfMemoryError as e:
+                raise ValueError(
+                    f"speculative_config: the {spec_config.method!r} drafter for max_num_seqs={max_num_seqs} "
+                    f"at max_model_len={self._max_model_len} does not fit in GPU memory; lower max_num_seqs "
+                    f"or max_model_len"
+                ) from e
+            taken = _allocated_bytes(self._device) - before
+            if taken > 0 and not budget.fixed:
+                budget = Budget(
+                    budget.bytes - taken,
+                    f"{budget.source}, less {taken / 2**30:.2f} GiB for the drafter",
+                    False,
+                )
+                plan = fit_pool(shape, budget, max_num_seqs=max_num_seqs, default=max_num_seqs)
+            self.spec = SpeculativeRound.from_config(spec_config, drafter)
+            log.info("speculative decoding: %s", spec_config)
             followers.append(self.spec)
+        self.max_num_seqs = max_num_seqs
+        self.pool = HybridStatePool(plan, device=self._device)
+        num_snapshots = plan.num_state_slots - max_num_seqs
         cache = PrefixCache(self.pool, num_snapshots=num_snapshots) if num_snapshots else None
         self._memory = StatePoolMemory(
             self.pool,
@@ -158,7 +239,7 @@ class HyspecModelRunner:
             prefix_cache=cache,
             snapshot_interval=args.prefix_cache_snapshot_interval,
         )
-        log_pool_split(plan, num_snapshots, args.prefix_cache_snapshot_interval)
+        log_pool_split(plan, num_snapshots, args.prefix_cache_snapshot_interval, budget)
         dmax = plan.max_draft_tokens if spec_config is not None else 1
         self.backend = HybridBackend(
             self.pool,
@@ -173,10 +254,17 @@ class HyspecModelRunner:
             self.backend,
             capture_layers=() if self.spec is None else self.spec.capture_layers,
             enabled=self.use_graphs,
-            max_num_seqs=args.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             verify=() if spec_config is None else spec_config.verify_shapes(),
         )
+        t0 = time.perf_counter()
         self.graphs.capture()
+        if self.graphs.active:
+            log.info(
+                "captured CUDA graphs for batch sizes %s in %.1f s",
+                self.graphs.sizes,
+                time.perf_counter() - t0,
+            )
         # the next decode batch is built while the device runs this one (decode_ahead.py); on the CPU
         # there is nothing to overlap with, so only tests turn it on there
         self.ahead = DecodeAhead(
@@ -224,18 +312,26 @@ class HyspecModelRunner:
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         chunks = list(step.chunks)
         if self.spec is None or not any(c.verify for c in chunks):
-            return RunnerOutput(tuple(self.run_plain(chunks)))
+            toks, prompt_lp = self._run_plain(chunks)
+            return RunnerOutput(tuple(toks), prompt_logprobs=prompt_lp)
         plain = [i for i, c in enumerate(chunks) if not c.verify]
         ver = [i for i, c in enumerate(chunks) if c.verify]
         tokens: list[SampledToken | None] = [None] * len(chunks)
         verified: list[VerifiedTokens | None] = [None] * len(chunks)
+        prompt_rows: tuple[PromptLogprobRows | None, ...] = ()
         if plain:
-            for i, tok in zip(plain, self.run_plain([chunks[i] for i in plain]), strict=True):
+            toks, plain_lp = self._run_plain([chunks[i] for i in plain])
+            for i, tok in zip(plain, toks, strict=True):
                 tokens[i] = tok
+            if plain_lp:
+                spread: list[PromptLogprobRows | None] = [None] * len(chunks)
+                for i, lp in zip(plain, plain_lp, strict=True):
+                    spread[i] = lp
+                prompt_rows = tuple(spread)
         rows = [self._round_row(chunks[i]) for i in ver]
         for i, res in zip(ver, self.spec.run(self, rows), strict=True):
             tokens[i], verified[i] = res.tokens[0], res
-        return RunnerOutput(tuple(tokens), tuple(verified))
+        return RunnerOutput(tuple(tokens), tuple(verified), prompt_rows)
 
     def _round_row(self, c: ScheduledChunk) -> RoundRow:
         """A verify chunk as a row of the speculative round."""
@@ -312,6 +408,12 @@ class HyspecModelRunner:
 
     def run_plain(self, chunks: Sequence[ScheduledChunk]) -> list[SampledToken | None]:
         """Prefill chunks and one-token decodes in one forward; a token for every chunk that samples."""
+        return self._run_plain(chunks)[0]
+
+    def _run_plain(
+        self, chunks: Sequence[ScheduledChunk]
+    ) -> tuple[list[SampledToken | None], tuple[PromptLogprobRows | None, ...]]:
+        """`run_plain`, with the prompt logprobs the forward scored (`prompt_logprob_rows`)."""
         ids = [c.request.request_id for c in chunks]
         rows = self.pool.req_rows(ids)
         tokens = [t for c in chunks for t in c.request.token_slice(c.start, c.start + c.num_new)]
@@ -339,9 +441,13 @@ class HyspecModelRunner:
                 hidden=hidden,
                 aux=aux,
             )
+        # read now: `hidden` may be a graph's output buffer, valid until the next replay
+        prompt_lp = prompt_logprob_rows(
+            chunks, lambda rows: self.model.compute_logits(hidden[rows]), hidden.device
+        )  # () unless a chunk scores prompt tokens
         sample = [i for i, c in enumerate(chunks) if c.sample]
         if not sample:
-            return [None] * len(chunks)
+            return [None] * len(chunks), prompt_lp
         ends = list(itertools.accumulate(q_lens))  # packed end of each chunk
         last = [ends[i] - 1 for i in sample]  # last packed token of each sampling chunk
         if last == list(range(len(tokens))):
@@ -359,4 +465,4 @@ class HyspecModelRunner:
             )
         out = spread_tokens(chunks, to_sampled_tokens(out_s, reqs))  # reads the tokens
         self.ahead.sampled([0 if t is None else t.token_id for t in out])
-        return out
+        return out, prompt_lp

@@ -8,6 +8,26 @@ from typing import Literal
 FinishReason = Literal["stop", "length", "abort"]
 
 
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """One token's log probability under the model's raw distribution at one position (vLLM's type).
+
+    `rank` is 1-based: 1 + the number of tokens strictly more likely there. `decoded_token` is the token
+    decoded on its own (special tokens kept), as the OpenAI responses show it.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+"""Per generated token: the chosen token and the top-`logprobs` alternatives (vLLM's alias)."""
+PromptLogprobs = list[dict[int, Logprob] | None]
+"""Per prompt token: None for the first (nothing predicts it), then the token itself and the
+top-`prompt_logprobs` alternatives (vLLM's alias)."""
+
+
 @dataclass(slots=True)
 class SpecDecodeStats:
     """Speculative-decoding counters of one request (all zero while no drafter is on)."""
@@ -38,8 +58,10 @@ class RequestMetrics:
 class CompletionOutput:
     """One completion of a prompt.
 
-    `logprobs[i]` maps token id -> logprob for generated position i: the chosen token and, when
-    `SamplingParams.logprobs = k > 0`, the k most likely tokens (logprobs of the model's raw distribution).
+    `logprobs[i]` maps token id -> `Logprob` for generated position i: the chosen token (first, with its true
+    rank) and, when `SamplingParams.logprobs = k > 0`, the k most likely tokens (ranks 1..k), all under the
+    model's raw distribution. `cumulative_logprob` is the sum of the chosen tokens' logprobs. Both are None
+    when the request did not ask for logprobs.
     """
 
     index: int
@@ -48,7 +70,7 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -56,7 +78,11 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """The state of one request: its prompt, its completion(s) so far and whether it is finished."""
+    """The state of one request: its prompt, its completion(s) so far and whether it is finished.
+
+    `prompt_logprobs` (when `SamplingParams.prompt_logprobs` is set): one entry per prompt token, complete
+    in every output (the prompt is prefilled before the first output).
+    """
 
     request_id: str
     prompt: str | None
@@ -70,3 +96,4 @@ class RequestOutput:
     # incremental text since the previous output of this request (streaming)
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None

@@ -9,6 +9,8 @@ from hyspec_statepool.errors import PoolExhaustedError
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.prefix_cache import PrefixCache, PrefixCacheStats
 
+from hyspec_server.memory import MemoryUsage
+
 
 class MemoryFollower(Protocol):
     """Per-request memory kept outside the pool (a drafter's own KV) that lives and dies with the request."""
@@ -120,6 +122,22 @@ class StatePoolMemory:
 
     def num_free_pages(self) -> int:
         return self.pool.kv.num_free
+
+    def usage(self) -> MemoryUsage:
+        kv, states = self.pool.kv, self.pool.states
+        cache_only = 0
+        reserved = 0
+        if self.prefix_cache is not None:
+            # a page the cache shares with a request has more than the cache's one reference
+            cache_only = sum(1 for p in self.prefix_cache.held_pages() if kv.refs(p) == 1)
+            reserved = self.prefix_cache.num_snapshot_slots
+        used_pages = kv.num_pages - kv.num_free - cache_only
+        request_slots = states.num_slots - reserved
+        used_slots = states.num_slots - states.num_free - reserved
+        return MemoryUsage(
+            kv_pages=used_pages / kv.num_pages if kv.num_pages else 0.0,
+            state_slots=used_slots / request_slots if request_slots > 0 else 0.0,
+        )
 
     def leak_check(self) -> None:
         self.pool.leak_check().raise_if_leaking()

@@ -147,10 +147,11 @@ class _SamplingFields(_Strict):
         logprobs: int | None,
         seed: int | None,
         defaults: Mapping[str, Any] = MappingProxyType({}),
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Raises ValueError naming the field. `seed` is this sample's (see `derived_seed`); `defaults` (the
         checkpoint's generation config) fill temperature, top_p, top_k, min_p and repetition_penalty when
-        the request leaves them out."""
+        the request leaves them out. `prompt_logprobs`: completions' `echo` with `logprobs`."""
 
         def pick(name: str, value: Any, fallback: Any) -> Any:
             return value if value is not None else defaults.get(name, fallback)
@@ -169,6 +170,7 @@ class _SamplingFields(_Strict):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             presence_penalty=self.presence_penalty or 0.0,

@@ -17,8 +17,11 @@ from hyspec_server.detokenizer import IncrementalDetokenizer, find_stop
 from hyspec_server.outputs import (
     CompletionOutput,
     FinishReason,
+    Logprob,
+    PromptLogprobs,
     RequestMetrics,
     RequestOutput,
+    SampleLogprobs,
     SpecDecodeStats,
 )
 from hyspec_server.sampling_params import SamplingParams
@@ -51,8 +54,11 @@ class Request:
     num_sent_tokens: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
+    # entry i for prompt token i (None for token 0), appended as prefill scores the positions before them;
+    # None when the request did not ask for prompt logprobs
+    prompt_logprobs: PromptLogprobs | None = None
     spec_stats: SpecDecodeStats | None = None
     # prefix caching: requests with different salts share no cached prefix; prompt tokens found cached at the
     # first admission
@@ -60,6 +66,8 @@ class Request:
     num_cached_tokens: int = 0
     # structured outputs: where the request is in its constraint (None: unconstrained)
     grammar: GrammarState | None = None
+    # time.monotonic of the last step that gave this request tokens (inter-token latency for /metrics)
+    last_token_time: float | None = None
 
     @staticmethod
     def create(
@@ -88,6 +96,7 @@ class Request:
             generator=gen,
             logprobs=[] if want_lp else None,
             cumulative_logprob=0.0 if want_lp else None,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
 
     @property
@@ -107,6 +116,38 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def prompt_logprob_positions(self, start: int, end: int) -> range:
+        """Positions in [start, end) whose logits score a prompt token still without its logprobs (position
+        p scores token p + 1); empty unless the request asked for prompt logprobs. A recompute after
+        preemption scores nothing twice."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(end, len(self.prompt_token_ids) - 1))
+
+    def add_prompt_logprobs(self, first: int, entries: list[dict[int, Logprob]]) -> None:
+        """Records the logprobs of prompt tokens first, first + 1, ... (the next ones it lacks)."""
+        if self.prompt_logprobs is None or first != len(self.prompt_logprobs):
+            have = None if self.prompt_logprobs is None else len(self.prompt_logprobs)
+            raise ValueError(f"request {self.request_id}: prompt logprobs for token {first}, expected {have}")
+        self.prompt_logprobs.extend(entries)
+
+    @property
+    def prefix_cache_limit(self) -> int:
+        """Most leading tokens the prefix cache may supply: never the last one (its logits give the next
+        token), nor any whose position still owes a prompt token its logprobs (those logits must be
+        computed, so a fresh `prompt_logprobs` request takes nothing from the cache)."""
+        limit = self.num_tokens - 1
+        lp = self.prompt_logprobs
+        if lp is not None and len(lp) < len(self.prompt_token_ids):
+            limit = min(limit, len(lp) - 1)
+        return limit
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """The request asked for prompt logprobs and some prompt token is still without them."""
+        lp = self.prompt_logprobs
+        return lp is not None and len(lp) < len(self.prompt_token_ids)
+
     def token_slice(self, start: int, end: int) -> list[int]:
         """All tokens (prompt then output) in [start, end)."""
         p = len(self.prompt_token_ids)
@@ -120,22 +161,22 @@ class Request:
         self,
         token_id: int,
         *,
-        logprob: float | None,
-        top: dict[int, float] | None,
         max_model_len: int,
         now: float,
+        logprobs: dict[int, Logprob] | None = None,
     ) -> bool:
-        """Records one generated token and checks every stop condition; returns True when finished."""
+        """Records one generated token and checks every stop condition; returns True when finished.
+
+        `logprobs`: the token's entry (it and its alternatives), recorded when the request asked for them.
+        """
         if self.finished:
             raise ValueError(f"request {self.request_id} is finished; cannot append token {token_id}")
         self.output_token_ids.append(token_id)
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
-        if self.logprobs is not None and logprob is not None:
-            entry = dict(top or {})
-            entry[token_id] = logprob
-            self.logprobs.append(entry)
-            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprob
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs[token_id].logprob
         p = self.params
         if self.grammar is not None:
             self.grammar.accept(token_id)
@@ -205,4 +246,7 @@ class Request:
             spec_stats=self.spec_stats,
             delta_text=delta_text,
             delta_token_ids=delta_ids,
+            # complete once the request has an output (prefill ends before the first token); shared, not
+            # copied per step: nothing appends to it after that
+            prompt_logprobs=self.prompt_logprobs,
         )

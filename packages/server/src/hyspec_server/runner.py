@@ -2,21 +2,43 @@
 
 Per step the engine hands the runner the scheduled chunks; the runner builds the batch tensors and backend
 metadata once, runs the model, samples on device for every chunk whose `sample` is set, and returns the
-chosen tokens as Python values (one host sync per step).
+chosen tokens as Python values (one host sync per step; a second one in steps that score prompt tokens for
+`prompt_logprobs`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from hyspec_spec_workers.round import VerifiedTokens
-from hyspec_spec_workers.sampling import SampledToken
+from hyspec_spec_workers.sampling import SampledToken, chosen_ranks
+from hyspec_statepool.transfer import to_device
 
 from hyspec_server.memory import RequestMemory
 from hyspec_server.scheduler import ScheduledChunk, SchedulerOutput
+
+PROMPT_LOGPROB_ROWS = 256
+"""Prompt positions whose full-vocabulary logprobs exist at once ([rows, V] fp32): bounds what a long prefill
+chunk of a `prompt_logprobs` request adds to the step's memory."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobRows:
+    """Logprobs of prompt tokens `first, first + 1, ...` of one request, from one step's logits (token i is
+    scored by the logits at position i - 1), under the model's raw distribution.
+
+    Per token: its logprob, its 1-based rank, and the `k` most likely tokens there with their logprobs (k the
+    request's `prompt_logprobs`; empty lists for 0).
+    """
+
+    first: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,10 +46,13 @@ class RunnerOutput:
     """One entry per chunk of the step, in order; None for chunks that did not sample.
 
     `verified[i]` is set (and `tokens[i]` is its first token) for verify chunks; empty when none ran.
+    `prompt_logprobs[i]` is set for chunks that scored prompt tokens of a `prompt_logprobs` request; empty
+    when no chunk did.
     """
 
     tokens: tuple[SampledToken | None, ...]
     verified: tuple[VerifiedTokens | None, ...] = ()
+    prompt_logprobs: tuple[PromptLogprobRows | None, ...] = ()
 
 
 class ModelRunner(Protocol):
@@ -51,3 +76,74 @@ def spread_tokens(
     """The sampled tokens (sampling chunks only, in order) spread over all chunks; None where none sampled."""
     it = iter(sampled)
     return [next(it) if c.sample else None for c in chunks]
+
+
+def prompt_logprob_rows(
+    chunks: Sequence[ScheduledChunk],
+    logits_at: Callable[[torch.Tensor], torch.Tensor],
+    device: torch.device,
+) -> tuple[PromptLogprobRows | None, ...]:
+    """The prompt tokens this step's forward scores for requests that asked for prompt logprobs: one entry
+    per chunk, or () when no chunk owes any (the common step: nothing computed, no device read).
+
+    Args:
+        chunks: the step's chunks, their tokens packed in this order.
+        logits_at: packed token rows ([n] int64 on `device`) -> the step's logits there, [n, V] any float.
+    """
+    if all(c.request.prompt_logprobs is None for c in chunks):
+        return ()  # the common step: a few microseconds for a full decode batch
+    rows: list[int] = []  # packed rows whose logits score a prompt token
+    targets: list[int] = []  # the prompt token each row scores (the one after its position)
+    spans: list[tuple[int, int, int, int] | None] = []  # per chunk: first token, row offset, count, k
+    packed = 0
+    for c in chunks:
+        req = c.request
+        pos = req.prompt_logprob_positions(c.start, c.end)
+        k = req.params.prompt_logprobs
+        if len(pos) == 0 or k is None:
+            spans.append(None)
+        else:
+            spans.append((pos.start + 1, len(rows), len(pos), k))
+            rows += [packed + p - c.start for p in pos]
+            targets += req.prompt_token_ids[pos.start + 1 : pos.stop + 1]
+        packed += c.num_new
+    if not rows:
+        return ()
+    k_max = max(s[3] for s in spans if s is not None)
+    chosen_l: list[torch.Tensor] = []
+    rank_l: list[torch.Tensor] = []
+    top_v: list[torch.Tensor] = []
+    top_i: list[torch.Tensor] = []
+    for a in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+        idx = to_device(rows[a : a + PROMPT_LOGPROB_ROWS], dtype=torch.int64, device=device)  # [r]
+        tgt = to_device(targets[a : a + PROMPT_LOGPROB_ROWS], dtype=torch.int64, device=device)  # [r]
+        lp = torch.log_softmax(logits_at(idx).float(), dim=-1)  # [r, V] fp32
+        chosen = lp.gather(1, tgt[:, None])[:, 0]  # [r] fp32
+        chosen_l.append(chosen)
+        rank_l.append(chosen_ranks(lp, chosen))  # [r] int64
+        if k_max > 0:
+            v, i = torch.topk(lp, min(k_max, lp.shape[1]), dim=-1)  # [r, k] fp32, int64
+            top_v.append(v)
+            top_i.append(i)
+    # one device read for the whole step
+    lps = torch.cat(chosen_l).tolist()
+    ranks = torch.cat(rank_l).tolist()
+    tv = torch.cat(top_v).tolist() if top_v else [[] for _ in rows]
+    ti = torch.cat(top_i).tolist() if top_i else [[] for _ in rows]
+    out: list[PromptLogprobRows | None] = []
+    for s in spans:
+        if s is None:
+            out.append(None)
+            continue
+        first, off, n, k = s
+        end = off + n
+        out.append(
+            PromptLogprobRows(
+                first=first,
+                logprobs=lps[off:end],
+                ranks=ranks[off:end],
+                top_ids=[x[:k] for x in ti[off:end]],
+                top_logprobs=[x[:k] for x in tv[off:end]],
+            )
+        )
+    return tuple(out)

@@ -122,6 +122,9 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (kept in `token_ids`, not in the text).
         ignore_eos: keep generating past the EOS token.
         logprobs: None, or the number of top alternatives to report besides the chosen token's logprob.
+        prompt_logprobs: None, or the number of top alternatives to report besides each prompt token's own
+            logprob (`RequestOutput.prompt_logprobs`). Such a request computes its whole prompt: it takes
+            nothing from the prefix cache.
         n: completions per prompt, in [1, MAX_N]. `LLM.generate` runs n engine requests, sample i seeded with
             `derived_seed(seed, i)` (as the HTTP server does); the engine itself runs one completion per
             request whatever `n` says.
@@ -148,6 +151,7 @@ class SamplingParams:
     stop_token_ids: list[int] | tuple[int, ...] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -189,8 +193,10 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be a list of ints in [0, {MAX_ID}], got {ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                raise ValueError(f"{name} must be None or an int >= 0, got {v!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
         if not isinstance(self.include_stop_str_in_output, bool):

@@ -136,12 +136,14 @@ class Scheduler:
         ):
             req = self.waiting[0]
             self.memory.alloc(req.request_id)
-            cached = self.memory.attach_prefix(
-                req.request_id,
-                req.token_slice(0, req.num_tokens),
-                salt=req.cache_salt,
-                max_tokens=req.num_tokens - 1,
-            )
+            # a request that still owes prompt logprobs computes the positions that score them (a fresh one:
+            # its whole prompt, with no lookup counted in the cache's hit rate)
+            limit = req.prefix_cache_limit
+            cached = 0
+            if limit > 0 or not req.owes_prompt_logprobs:
+                cached = self.memory.attach_prefix(
+                    req.request_id, req.token_slice(0, req.num_tokens), salt=req.cache_salt, max_tokens=limit
+                )
             req.num_computed_tokens = cached
             n = self._chunk_len(req, budget)
             if not self.memory.grow(req.request_id, cached + n):

@@ -68,8 +68,8 @@ def serve(
     except OSError as e:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
-    engine = AsyncEngine(build_engine(args))
     name = served_model_name or model_name_of(args)
+    engine = AsyncEngine(build_engine(args), model_name=name)
     app = build_app(
         engine,
         model_name=name,
@@ -77,7 +77,8 @@ def serve(
         max_body_bytes=max_body_bytes,
         allowed_origins=allowed_origins,
     )
-    limit = 2 * (args.max_num_seqs + args.max_waiting) if limit_concurrency is None else limit_concurrency
+    running = engine.engine.scheduler.config.max_num_seqs  # resolved: what fit the memory
+    limit = 2 * (running + args.max_waiting) if limit_concurrency is None else limit_concurrency
     config = uvicorn.Config(
         app,
         host=host,
@@ -106,7 +107,7 @@ class ServerThread:
         max_body_bytes: int | None = None,
         body_read_timeout_s: float | None = None,
     ) -> None:
-        self.async_engine = AsyncEngine(engine)
+        self.async_engine = AsyncEngine(engine, model_name=model_name)
         self.app = build_app(
             self.async_engine,
             model_name=model_name,

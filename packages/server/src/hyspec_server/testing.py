@@ -20,7 +20,7 @@ from hyspec_statepool.specs import AttentionSpec, ModelStateSpecs, ShortConvSpec
 
 from hyspec_server.engine import LLMEngine
 from hyspec_server.pool_memory import StatePoolMemory
-from hyspec_server.runner import RunnerOutput, spread_tokens
+from hyspec_server.runner import RunnerOutput, prompt_logprob_rows, spread_tokens
 from hyspec_server.scheduler import SchedulerConfig, SchedulerOutput
 from hyspec_server.structured import apply_grammar_masks
 from hyspec_server.tokenizer import DEFAULT_CHAT_OPTIONS, ChatOptions
@@ -190,11 +190,18 @@ class ToyModelRunner:
         conv = pool.layer_state(1).conv  # [S + 1, 1, 1] fp32: the rolling hash
         assert conv is not None
         targets: list[int] = []
+        # per packed token, the toy's target after it; only for chunks that score prompt tokens
+        at: list[float] = [0.0] * len(tokens)
         pos = 0
         for i, c in enumerate(chunks):
             h = int(conv[slots[i], 0, 0].item())
-            for t in tokens[pos : pos + c.num_new]:
+            scores = len(c.request.prompt_logprob_positions(c.start, c.end)) > 0
+            total = self._history_sum(c.request.request_id, c.start) if scores else 0
+            for j, t in enumerate(tokens[pos : pos + c.num_new]):
                 h = (h * 3 + t) % _HASH_MOD
+                if scores:
+                    total += t
+                    at[pos + j] = float(_target(total, h, c.start + j + 1))
             conv[slots[i], 0, 0] = float(h)
             pos += c.num_new
             if c.sample:
@@ -206,16 +213,34 @@ class ToyModelRunner:
                 ).tensor.long()
                 total = int(k_flat[hist].sum().item())
                 targets.append(_target(total, h, c.end))
+        vocab = torch.arange(TOY_VOCAB, dtype=torch.float32, device=dev)
+        at_dev = torch.tensor(at, dtype=torch.float32, device=dev)  # [T]
+        prompt_lp = prompt_logprob_rows(
+            chunks, lambda rows: -0.5 * (vocab[None, :] - at_dev[rows][:, None]).abs(), dev
+        )
         sample_chunks = [c for c in chunks if c.sample]
         if not sample_chunks:
-            return RunnerOutput(tuple(None for _ in chunks))
-        vocab = torch.arange(TOY_VOCAB, dtype=torch.float32, device=dev)
+            return RunnerOutput(tuple(None for _ in chunks), prompt_logprobs=prompt_lp)
         tgt = torch.tensor(targets, dtype=torch.float32, device=dev)
         logits = -0.5 * (vocab[None, :] - tgt[:, None]).abs()  # [N, V]
         reqs = [c.request for c in sample_chunks]
         apply_grammar_masks(logits, reqs)
         out = self.sampler(logits, sampling_tensors(reqs, dev))
-        return RunnerOutput(tuple(spread_tokens(chunks, to_sampled_tokens(out, reqs))))
+        tokens_out = spread_tokens(chunks, to_sampled_tokens(out, reqs))
+        return RunnerOutput(tuple(tokens_out), prompt_logprobs=prompt_lp)
+
+    def _history_sum(self, request_id: str, num_tokens: int) -> int:
+        """Sum of the request's first `num_tokens` tokens, read back through its pages."""
+        if num_tokens == 0:
+            return 0
+        pool = self.pool
+        hist = pool.kv_slots(
+            req_rows=pool.req_rows([request_id]),
+            start_positions=torch.zeros(1, dtype=torch.int64),
+            num_tokens=torch.tensor([num_tokens], dtype=torch.int64),
+        ).tensor.long()
+        k_cache, _ = pool.kv_cache(0)  # [P, page_size, 1, 1] fp32
+        return int(k_cache.view(-1)[hist].sum().item())
 
 
 def toy_engine(
@@ -237,3 +262,22 @@ def toy_engine(
     runner = runner_cls(pool, max_model_len=max_len, snapshots=snapshots, snapshot_interval=snapshot_interval)
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_waiting=max_waiting)
     return LLMEngine(runner, ByteTokenizer(), cfg)
+
+
+def metric_sample(text: str, name: str, **labels: str) -> float:
+    """The value of the sample `name` (as exposed: `hyspec:prompt_tokens_total`, `..._bucket`) in /metrics
+    text whose labels include `labels`. KeyError when none matches, ValueError when several do."""
+    # imported here: the toy engine's users (the GPU tests among them) need no part of the HTTP stack
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = [
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    ]
+    if not found:
+        raise KeyError(f"no sample {name} with labels {labels}")
+    if len(found) > 1:
+        raise ValueError(f"{len(found)} samples {name} with labels {labels}; name more labels")
+    return float(found[0])

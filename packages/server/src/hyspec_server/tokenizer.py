@@ -70,11 +70,17 @@ class HFTokenizer:
     `config.json`, as transformers' `generate` would stop on any of them.
     """
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, *, tokenizer: str | Path | None = None) -> None:
+        """`tokenizer`: a directory holding another tokenizer (vLLM's `tokenizer` argument); EOS ids still
+        come from the model's configs too."""
         from transformers import AutoTokenizer
 
         self.model_dir = Path(model_dir)
-        self._tok: Any = AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
+        source = self.model_dir if tokenizer is None else Path(tokenizer).expanduser()
+        try:
+            self._tok: Any = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+        except OSError as e:
+            raise ValueError(f"tokenizer: cannot load a tokenizer from {str(source)!r}: {e}") from None
         eos = _eos_ids(self._tok.eos_token_id)
         vocab: object = None
         for name in ("generation_config.json", "config.json"):

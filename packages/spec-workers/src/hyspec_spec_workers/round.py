@@ -41,7 +41,7 @@ from hyspec_spec_workers.constraint import Block, TokenConstraint, constrain_dra
 from hyspec_spec_workers.costs import CostTracker, DraftClock
 from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
-from hyspec_spec_workers.sampling import SampledToken, Sampler, SamplingRequest
+from hyspec_spec_workers.sampling import SampledToken, Sampler, SamplingRequest, chosen_ranks
 from hyspec_spec_workers.tree import VerifyTree
 from hyspec_spec_workers.verify import truncate_at_stop
 
@@ -484,7 +484,7 @@ def _to_verified(
     acc = host.num_accepted
     drafts = [k - 1 for k in num_nodes]
     want = [i for i, r in enumerate(rows) if r.request.params.logprobs is not None]
-    lp_rows: dict[int, tuple[list[float], list[dict[int, float] | None]]] = {}
+    lp_rows: dict[int, tuple[list[float], list[dict[int, float] | None], list[int]]] = {}
     if want:
         paths = host.paths
         assert paths is not None, "read the round with_paths when a request wants logprobs"
@@ -493,17 +493,19 @@ def _to_verified(
             nodes = paths[i][: acc[i] + 1]  # emitted token e comes from the logits after node nodes[e]
             lp = torch.log_softmax(logits[i, nodes].float(), dim=-1)  # [e, V]
             emitted = to_device(toks[i], dtype=torch.int64, device=lp.device)  # [e]
-            chosen = lp.gather(1, emitted[:, None])[:, 0].tolist()
+            chosen_t = lp.gather(1, emitted[:, None])[:, 0]  # [e] fp32
+            ranks = chosen_ranks(lp, chosen_t).tolist()
+            chosen = chosen_t.tolist()
             tops: list[dict[int, float] | None] = [None] * len(nodes)
             if k > 0:
                 tv, ti = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
                 tops = [dict(zip(a, b)) for a, b in zip(ti.tolist(), tv.tolist())]
-            lp_rows[i] = (chosen, tops)
+            lp_rows[i] = (chosen, tops, ranks)
     out: list[VerifiedTokens] = []
     for i, row in enumerate(toks):
         if i in lp_rows:
-            chosen, tops = lp_rows[i]
-            sampled = tuple(SampledToken(t, chosen[e], tops[e]) for e, t in enumerate(row))
+            chosen, tops, ranks = lp_rows[i]
+            sampled = tuple(SampledToken(t, chosen[e], tops[e], ranks[e]) for e, t in enumerate(row))
         else:
             sampled = tuple(SampledToken(t, None, None) for t in row)
         out.append(VerifiedTokens(sampled, drafts[i], acc[i]))

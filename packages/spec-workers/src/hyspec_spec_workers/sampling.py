@@ -76,11 +76,15 @@ class SamplingRequest(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SampledToken:
-    """One chosen token; `logprob` / `top` only when its request asked for logprobs."""
+    """One chosen token; `logprob` / `top` / `rank` only when its request asked for logprobs.
+
+    `rank` is 1-based: 1 + the number of tokens strictly more likely than the chosen one (vLLM's).
+    """
 
     token_id: int
     logprob: float | None
     top: dict[int, float] | None
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +357,7 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [N] fp32, logprob of the chosen token under the raw distribution
     top_ids: torch.Tensor | None  # [N, k] int64
     top_logprobs: torch.Tensor | None  # [N, k] fp32
+    ranks: torch.Tensor | None = None  # [N] int64, 1-based rank of the chosen token (with `logprobs`)
 
 
 def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -419,11 +424,14 @@ class Sampler:
             return SamplerOutput(token_ids=token_ids, logprobs=None, top_ids=None, top_logprobs=None)
         lp = torch.log_softmax(raw.float(), dim=-1)
         chosen = lp.gather(1, token_ids[:, None])[:, 0]
+        ranks = chosen_ranks(lp, chosen)
         top_ids: torch.Tensor | None = None
         top_lp: torch.Tensor | None = None
         if st.num_logprobs > 0:
             top_lp, top_ids = torch.topk(lp, min(st.num_logprobs, lp.shape[1]), dim=-1)
-        return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp)
+        return SamplerOutput(
+            token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp, ranks=ranks
+        )
 
     def greedy(self, logits: torch.Tensor) -> SamplerOutput:
         """Argmax of every row: what `__call__` returns for greedy rows without penalties or logprobs, with no
@@ -447,6 +455,19 @@ class Sampler:
                 noise[row].exponential_(generator=gen)
         # exponential_ may return exact zeros in fp32; a zero would make p / E infinite for a masked token
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def chosen_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """1-based ranks of chosen tokens: 1 + how many tokens of their row are strictly more likely (ties share
+    the better rank, as vLLM counts them).
+
+    Args:
+        logprobs: [N, V] fp32.
+        chosen: [N] fp32, the chosen tokens' entries of `logprobs`.
+    Returns:
+        [N] int64.
+    """
+    return (logprobs > chosen[:, None]).sum(dim=-1) + 1
 
 
 def filtered_block_probs(logits: torch.Tensor, params: Sequence[SamplingKnobs]) -> torch.Tensor:
@@ -514,6 +535,7 @@ def to_sampled_tokens(out: SamplerOutput, requests: Sequence[SamplingRequest]) -
     lps = out.logprobs.tolist() if out.logprobs is not None else None
     top_ids = out.top_ids.tolist() if out.top_ids is not None else None
     top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    ranks = out.ranks.tolist() if out.ranks is not None else None
     tokens: list[SampledToken] = []
     for row, r in enumerate(requests):
         k = r.params.logprobs
@@ -521,5 +543,6 @@ def to_sampled_tokens(out: SamplerOutput, requests: Sequence[SamplingRequest]) -
         if k and top_ids is not None and top_lps is not None:
             top = dict(zip(top_ids[row][:k], top_lps[row][:k]))
         lp = lps[row] if (lps is not None and k is not None) else None
-        tokens.append(SampledToken(int(ids[row]), lp, top))
+        rank = int(ranks[row]) if (ranks is not None and k is not None) else None
+        tokens.append(SampledToken(int(ids[row]), lp, top, rank))
     return tokens

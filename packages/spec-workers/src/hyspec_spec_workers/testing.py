@@ -28,7 +28,8 @@ from hyspec_models.protocol import HybridCausalLM
 from hyspec_statepool.pool import HybridStatePool
 
 from hyspec_spec_workers.adaptive import AdaptiveDraftLength
-from hyspec_spec_workers.drafter import CommittedTokens, Drafter, ModelDrafter
+from hyspec_spec_workers.config import Method
+from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
 from hyspec_spec_workers.round import RoundRow, SpeculativeRound
 from hyspec_spec_workers.sampling import SampledToken, Sampler
 from hyspec_spec_workers.tree import VerifyTree
@@ -124,6 +125,59 @@ def decoy_tree(
                 node += 1
             parent = real
     return VerifyTree.from_parents(tokens, parents, 1 + 2 * num_drafts)
+
+
+@dataclass
+class ForcedDrafter:
+    """Drafts each request's known continuation (`refs`: prompt + the plain run's output) with errors on a
+    schedule, so verification meets every accept length: unless `perfect`, row r's first wrong draft in call
+    c sits at index `(c + r) % (S + 2)` (S: none wrong, S + 1: the row proposes nothing). A row whose history
+    left every reference (sampling) proposes its last tokens again, for the rejection sampler to judge.
+    `tree` adds a decoy sibling at every level (`decoy_tree`, topk 2)."""
+
+    refs: list[list[int]]
+    num_steps: int
+    vocab: int
+    perfect: bool = False
+    tree: bool = False
+    calls: int = 0
+    steps_seen: set[int] = field(default_factory=set)  # the per-row step caps the round asked for
+    mixed_zero_rounds: int = 0  # calls where some rows proposed nothing and others something
+
+    @property
+    def method(self) -> Method:
+        return "ngram"
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return 1 + (2 if self.tree else 1) * self.num_steps
+
+    def propose(self, batch: DraftBatch) -> DraftOutput:
+        self.calls += 1
+        n, s = batch.root_tokens.shape[0], self.num_steps
+        drafts = torch.zeros(n, s, dtype=torch.int64)
+        num = torch.zeros(n, dtype=torch.int64)
+        for row in range(n):
+            hist = batch.histories[row].tolist()
+            cap = batch.num_steps[row]
+            self.steps_seen.add(cap)
+            full = next((r for r in self.refs if len(r) > len(hist) and r[: len(hist)] == hist), None)
+            if cap == 0:
+                continue
+            props = hist[-cap:] if full is None else full[len(hist) : len(hist) + cap]
+            if not self.perfect:
+                phase = (self.calls + row) % (s + 2)
+                if phase == s + 1:
+                    continue
+                if phase < len(props):
+                    props[phase] = (props[phase] + 1) % self.vocab
+            drafts[row, : len(props)] = torch.tensor(props, dtype=torch.int64)
+            num[row] = len(props)
+        if bool((num == 0).any()) and bool((num > 0).any()):
+            self.mixed_zero_rounds += 1
+        if not self.tree:
+            return DraftOutput(VerifyTree.chain(batch.root_tokens, drafts, num))
+        return DraftOutput(decoy_tree(batch.root_tokens, drafts, num, decoy=7, vocab=self.vocab))
 
 
 def build_case_checkpoints(root: Path, cases: Sequence[DrafterCase]) -> dict[str, Path]:

@@ -208,12 +208,23 @@ class PrefixCache:
         first, then snapshots with tail pages (least recently used first)."""
         kv = self.pool.kv
         while kv.num_free < num_pages:
-            victim = next((h for h, p in self._pages.items() if kv.refs(p) == 1), None)
-            if victim is not None:
+            # one pass collects every page this call needs: pages mapped by running requests (refs > 1) are
+            # skipped once per call, not once per evicted page
+            need = num_pages - kv.num_free
+            victims: list[_PageKey] = []
+            for h, p in self._pages.items():
+                if kv.refs(p) == 1:
+                    victims.append(h)
+                    if len(victims) == need:
+                        break
+            for victim in victims:
+                if kv.num_free >= num_pages:  # dropped snapshots' tail pages may have been enough
+                    break
                 kv.free([self._pages.pop(victim)])
                 # snapshots right after this page can no longer be reached
                 for tail in list(self._tails.get(victim, ())):
                     self._drop(self._snapshots[(victim, tail)])
+            if victims:
                 continue
             snap = next(
                 (s for s in self._snapshots.values() if s.tail_page is not None and s.key != self._pinned),
