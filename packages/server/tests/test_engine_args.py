@@ -9,8 +9,8 @@ import logging
 import shutil
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
 import pytest
 import torch
 from hyspec_server import LLM, SamplingParams
@@ -18,8 +18,10 @@ from hyspec_server.builder import resolve_model_dir
 from hyspec_server.cli import build_parser, main
 from hyspec_server.config import ENGINE_DEFAULTS, EngineArgs, engine_args_from
 from hyspec_server.model_runner import resolve_dtype
-from hyspec_server.serve import ServerThread
 from hyspec_server.sizing import CPU_KV_CACHE_BYTES, memory_budget
+
+if TYPE_CHECKING:
+    from hyspec_server.serve import ServerThread
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
@@ -207,6 +209,7 @@ def test_chat_and_complete_are_subcommands(capsys: pytest.CaptureFixture[str]) -
 def test_ignored_request_fields_are_logged(
     toy_server: ServerThread, caplog: pytest.LogCaptureFixture
 ) -> None:
+    httpx = pytest.importorskip("httpx")
     body = {"prompt": "ab", "max_tokens": 2, "temperature": 0, "best_of_sorts": 3, "guided_whatever": {}}
     with caplog.at_level(logging.WARNING, logger="hyspec.api"):
         r = httpx.post(
@@ -248,3 +251,10 @@ def test_three_llms_in_one_process_on_cuda() -> None:
         assert llm.generate(["def f(x):"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == outs[0]
     finally:
         llm.close()
+
+
+def test_bench_is_a_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "2"]
+    assert main([*argv, "--disable-tqdm"]) == 1  # every request failed: nothing to measure
+    got = capsys.readouterr()
+    assert "Failed requests:                         2" in got.out and "127.0.0.1:9" in got.err

@@ -117,6 +117,7 @@ class CudaGraphRunner:
         self.num_eager = 0
         self._graphs: dict[GraphKey, _Captured] = {}
         self._mempool: Any = None  # torch.cuda graph pool handle, shared by every graph of this runner
+        self._side: Any = None  # the warm-up stream of every capture (created at the first)
 
     # ------------------------------------------------------------------ capture
 
@@ -188,7 +189,10 @@ class CudaGraphRunner:
     def _capture(self, key: GraphKey) -> _Captured:
         batch = self._padding_batch(key)
         with torch.no_grad():
-            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            if self._side is None:
+                # one warm-up stream for every capture: each new stream gets its own cuBLAS workspace
+                self._side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            side = self._side
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(self.warmup_runs):

@@ -1,8 +1,8 @@
-"""`hyspec serve`, `hyspec generate`, `hyspec chat`, `hyspec complete`: the one command-line parser (the two
-clients' flags are added by `client_cli.py`).
+"""`hyspec serve`, `generate`, `chat`, `complete`, `bench`: the one command-line parser (the clients' and the
+benchmarks' flags are added by `client_cli.py` and `bench_cli.py`).
 
-Engine flags are generated from the `EngineArgs` fields (name, type, default, help, `--help` group), so a new
-engine argument is a CLI flag with nothing to add here. A vLLM flag hyspec lacks is an error naming it.
+Engine flags are generated from the `EngineArgs` fields (`engine_flags.py`), so a new engine argument is a
+CLI flag with nothing to add here. A vLLM flag hyspec lacks is an error naming it.
 """
 
 from __future__ import annotations
@@ -14,18 +14,12 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import fields
-from typing import Any
 
+from hyspec_server.bench_cli import add_bench_command, run_bench
 from hyspec_server.client_cli import add_client_commands, run_client
-from hyspec_server.config import (
-    DTYPES,
-    ENGINE_DEFAULTS,
-    IGNORED_VLLM_ARGS,
-    UNSUPPORTED_VLLM_ARGS,
-    EngineArgs,
-)
+from hyspec_server.config import IGNORED_VLLM_ARGS, UNSUPPORTED_VLLM_ARGS
 from hyspec_server.default_model import DEFAULT_NAME, DEFAULT_SPECULATIVE_CONFIG
+from hyspec_server.engine_flags import add_engine_flags, engine_args
 from hyspec_server.sampling_params import SamplingParams
 
 # vLLM's short spellings of flags hyspec does not support
@@ -33,44 +27,11 @@ _VLLM_SHORT_FLAGS = {"-tp": "tensor_parallel_size", "-pp": "pipeline_parallel_si
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per `EngineArgs` field, in vLLM's groups; `model` is the positional argument."""
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for f in fields(EngineArgs):
-        meta = f.metadata
-        help_text = meta["help"]
-        if f.name == "model":
-            p.add_argument(
-                "model",
-                nargs="?",
-                default=None,
-                help=f"{help_text}; default: the shipped {DEFAULT_NAME} demo model with speculative config "
-                f"{json.dumps(dict(DEFAULT_SPECULATIVE_CONFIG))}",
-            )
-            continue
-        group = groups.get(meta["group"]) or groups.setdefault(
-            meta["group"], p.add_argument_group(meta["group"])
-        )
-        flag = "--" + f.name.replace("_", "-")
-        default = ENGINE_DEFAULTS[f.name]
-        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": f"{help_text} (default: {default})"}
-        kind = str(f.type)
-        if kind == "bool":
-            kw["action"] = argparse.BooleanOptionalAction
-        elif kind == "DType":
-            kw["choices"] = DTYPES
-        elif kind.startswith("int"):
-            kw["type"] = int
-        elif kind.startswith("float"):
-            kw["type"] = float
-        elif kind.startswith(("str", "SpeculativeConfig")):
-            kw["type"] = str  # a JSON speculative config is parsed by EngineArgs
-        else:
-            raise TypeError(f"EngineArgs.{f.name}: no CLI flag for type {kind}")
-        group.add_argument(flag, *meta["aliases"], **kw)
-
-
-def _engine_args(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
+    add_engine_flags(
+        p,
+        model_help=f"default: the shipped {DEFAULT_NAME} demo model with speculative config "
+        f"{json.dumps(dict(DEFAULT_SPECULATIVE_CONFIG))}",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--ignore-eos", action="store_true")
     o.add_argument("--json", action="store_true", help="print one JSON object with token ids and stats")
     add_client_commands(sub)  # `hyspec chat` / `hyspec complete` against a running server (client_cli.py)
+    add_bench_command(sub)  # `hyspec bench serve|latency|throughput` (bench_cli.py)
     return parser
 
 
@@ -164,13 +126,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check_extra(parser, extra)
     if ns.command in ("chat", "complete"):
         return run_client(ns)
+    if ns.command == "bench":
+        return run_bench(ns)
     try:
         if ns.command == "serve":
             from hyspec_server.serve import serve
 
             logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
             serve(
-                _engine_args(ns),
+                engine_args(ns),
                 host=ns.host,
                 port=ns.port,
                 api_key=ns.api_key,
@@ -201,7 +165,7 @@ def _generate(ns: argparse.Namespace) -> int:
         ignore_eos=ns.ignore_eos,
         seed=ns.seed,
     )
-    llm = LLM.from_engine(build_engine(_engine_args(ns)))
+    llm = LLM.from_engine(build_engine(engine_args(ns)))
     t0 = time.perf_counter()
     out = llm.generate([ns.prompt], params, use_tqdm=False)[0]
     dt = time.perf_counter() - t0

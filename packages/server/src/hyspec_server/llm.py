@@ -63,6 +63,10 @@ class LLM:
         if on_cuda:
             import torch
 
+            # cuBLAS keeps a workspace per stream the graphs were captured on, outside any tensor
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
             torch.cuda.empty_cache()
 
     def __enter__(self) -> LLM:
