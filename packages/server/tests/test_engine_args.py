@@ -150,6 +150,14 @@ def test_gpu_budget_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu.bytes == CPU_KV_CACHE_BYTES
 
 
+def test_step_budget_default_by_device() -> None:
+    # the serving sweep's choice on GPUs (benchmarks/results/*-serving-sweep.md), small steps on the CPU
+    assert EngineArgs(device="cuda").max_num_batched_tokens == 8192
+    assert EngineArgs(device="cpu").max_num_batched_tokens == 512
+    assert EngineArgs(device="cuda", max_num_batched_tokens=64).max_num_batched_tokens == 64
+    assert ENGINE_DEFAULTS["max_num_batched_tokens"] is None
+
+
 def test_dtype_auto() -> None:
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert resolve_dtype("auto", cuda, "float16") == torch.float16
@@ -258,3 +266,40 @@ def test_bench_is_a_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--disable-tqdm"]) == 1  # every request failed: nothing to measure
     got = capsys.readouterr()
     assert "Failed requests:                         2" in got.out and "127.0.0.1:9" in got.err
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_every_token_makes_a_stream_chunk(tiny_lfm2: Path, chat: bool) -> None:
+    """A token with no text of its own (a random model's ids beyond the tokenizer, part of a character) still
+    arrives as a chunk, as vLLM streams, so clients can time every token (`hyspec bench serve` does)."""
+    httpx = pytest.importorskip("httpx")
+    from hyspec_server.bench_cli import _content
+    from hyspec_server.builder import build_engine
+    from hyspec_server.serve import ServerThread
+
+    eng = build_engine(EngineArgs(model=str(tiny_lfm2), device="cpu", max_num_seqs=2))
+    srv = ServerThread(eng, model_name="m").start()
+    try:
+        n = 24
+        body: dict[str, object] = {
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        if chat:
+            body["messages"] = [{"role": "user", "content": "hello"}]
+        else:
+            body["prompt"] = "hello there"
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        with httpx.stream("POST", srv.base_url + path, json=body, timeout=60) as r:
+            events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        steps = [e for e in events if e["choices"] and e["choices"][0].get("token_ids")]
+        # every token is in a chunk (outputs the client has not read yet merge into one)
+        assert sum(len(e["choices"][0]["token_ids"]) for e in steps) == n
+        texts = [_content(e, chat) for e in steps[:-1]]
+        assert None not in texts  # what the benchmark times: every token chunk but the finishing one
+        assert "" in texts  # the tiny tokenizer has fewer entries than the model's vocabulary
+    finally:
+        srv.stop()

@@ -383,7 +383,9 @@ def build_app(
                         }
                         yield _sse(body([ch], **no_usage))
                     last[k] = out
-                    if out.delta_text or out.finished:
+                    # a chunk for every step that made tokens, text or not (as vLLM): a token that is
+                    # part of a character still arrives, and clients time it
+                    if out.delta_token_ids or out.delta_text or out.finished:
                         ch, offsets[k] = choice(k, out, out.delta_text, sent[k], offsets[k])
                         sent[k] = len(out.outputs[0].token_ids)
                         yield _sse(body([ch], **no_usage))
@@ -490,9 +492,11 @@ def build_app(
                 calls = [ToolCallStream() for _ in range(n)]
                 async for k, out in group.outputs():
                     last[k] = out
-                    if out.delta_text or out.finished:
+                    if out.delta_token_ids or out.delta_text or out.finished:
                         c = out.outputs[0]
-                        delta: dict[str, Any] = {"content": out.delta_text} if out.delta_text else {}
+                        # tokens without text yet still make a chunk ("content": ""), a bare finish none
+                        has = out.delta_text or not out.finished
+                        delta: dict[str, Any] = {"content": out.delta_text} if has else {}
                         finish: str | None = c.finish_reason if out.finished else None
                         if req.parses_tools:
                             text, done = calls[k].push(out.delta_text, final=out.finished)

@@ -502,11 +502,11 @@ class _Client:
         return json.dumps(body).encode()
 
     async def _stream(self, payload: bytes, r: TurnResult) -> None:
-        """Fills `r` with the content chunks' arrival times, the text and the token counts."""
+        """Fills `r` with the token chunks' arrival times, the text and the token counts."""
         pieces: list[str] = []
         async for t, event in self._events(payload):
             text = _content(event, self.chat)
-            if text:
+            if text is not None:
                 r.chunk_times.append(t)
                 pieces.append(text)
             usage = event.get("usage")
@@ -617,16 +617,22 @@ class _SSEParser:
         return out
 
 
-def _content(event: dict[str, Any], chat: bool) -> str:
-    """The generated text of a chunk (reasoning text counts: it is generated tokens too)."""
+def _content(event: dict[str, Any], chat: bool) -> str | None:
+    """The generated text of a chunk (reasoning text counts: it is generated tokens too); "" for a chunk of
+    tokens that decode to no text yet (part of a character, a held-back stop string); None for a chunk that
+    carries no tokens (the chat role chunk, a bare finish, the usage chunk)."""
     choices = event.get("choices") or []
     if not choices or not isinstance(choices[0], dict):
-        return ""
+        return None
     c = choices[0]
-    if not chat:
-        return str(c.get("text") or "")
-    delta = c.get("delta") or {}
-    return "".join(str(delta.get(k) or "") for k in ("reasoning_content", "reasoning", "content"))
+    keys = ("text",) if not chat else ("reasoning_content", "reasoning", "content")
+    where = c if not chat else (c.get("delta") or {})
+    text = "".join(str(where.get(k) or "") for k in keys)
+    if text:
+        return text
+    if c.get("finish_reason") is not None or "role" in where or not any(k in where for k in keys):
+        return None
+    return ""
 
 
 def _http_error(status: int, body: bytes) -> str:

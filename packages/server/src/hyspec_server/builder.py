@@ -8,7 +8,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from hyspec_server.config import EngineArgs
+from hyspec_server.config import EngineArgs, step_tokens
 from hyspec_server.engine import LLMEngine
 from hyspec_server.scheduler import SchedulerConfig
 from hyspec_server.speculative import DrafterRegistry
@@ -75,7 +75,8 @@ def build_engine(args: EngineArgs, *, drafters: DrafterRegistry | None = None) -
     drafters: the drafter factory for `args.speculative_config` (None: the built-in `DrafterRegistry`).
     """
     spec = args.speculative_config
-    if spec is not None and args.max_num_batched_tokens < spec.max_draft_tokens:
+    budget = step_tokens(args)
+    if spec is not None and budget < spec.max_draft_tokens:
         raise ValueError(
             f"max_num_batched_tokens={args.max_num_batched_tokens} is below the verify block size "
             f"{spec.max_draft_tokens} of speculative_config; raise it"
@@ -87,7 +88,7 @@ def build_engine(args: EngineArgs, *, drafters: DrafterRegistry | None = None) -
     tokenizer = HFTokenizer(model_dir, tokenizer=args.tokenizer)
     config = SchedulerConfig(
         max_num_seqs=runner.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=budget,
         max_waiting=args.max_waiting,
         # a verify block adds up to Dmax - 1 drafts after the current token
         num_lookahead_tokens=0 if spec is None else spec.max_draft_tokens - 1,

@@ -16,6 +16,21 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: Final = ("auto", "float32", "bfloat16", "float16")
 
 
+# the defaults that depend on the device, here with the others
+DEFAULT_MAX_NUM_SEQS: Final = MappingProxyType({"cuda": 256, "cpu": 16})
+DEFAULT_MAX_NUM_BATCHED_TOKENS: Final = MappingProxyType({"cuda": 8192, "cpu": 512})
+
+
+def device_kind(device: str) -> Literal["cuda", "cpu"]:
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def step_tokens(args: EngineArgs) -> int:
+    """`max_num_batched_tokens`, resolved (`EngineArgs` stores it resolved; this tells mypy so)."""
+    assert args.max_num_batched_tokens is not None
+    return args.max_num_batched_tokens
+
+
 def _arg(default: Any, group: str, help: str, *aliases: str) -> Any:
     """A field with its `--help` group (vLLM's config classes), help text and extra CLI spellings (vLLM's or
     SGLang's other names for the same thing)."""
@@ -55,8 +70,12 @@ class EngineArgs:
         "most running requests; None: 256 on CUDA and 16 on the CPU, lowered to what fits the memory",
         "--max-running-requests",
     )
-    max_num_batched_tokens: int = _arg(
-        512, "SchedulerConfig", "token budget of one step (prefill chunks + decodes)"
+    max_num_batched_tokens: int | None = _arg(
+        None,
+        "SchedulerConfig",
+        "token budget of one step (prefill chunks + decodes); None: 8192 on CUDA (the best output throughput "
+        "and TTFT of the serving sweep, benchmarks/results/*-serving-sweep.md, as vLLM's online default) and "
+        "512 on the CPU; stored resolved",
     )
     max_waiting: int = _arg(
         1024, "SchedulerConfig", "bound of the waiting queue (HTTP answers 429 beyond it)"
@@ -115,6 +134,9 @@ class EngineArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_num_batched_tokens is None:
+            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS[device_kind(self.device)]
+            object.__setattr__(self, "max_num_batched_tokens", budget)
         for name in ("max_num_batched_tokens", "max_waiting", "page_size"):
             _check_int(name, getattr(self, name), 1)
         if self.max_num_seqs is not None:

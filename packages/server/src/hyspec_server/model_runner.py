@@ -38,7 +38,7 @@ from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.specs import StateDtypes
 from hyspec_statepool.transfer import to_device
 
-from hyspec_server.config import EngineArgs, num_snapshot_slots
+from hyspec_server.config import EngineArgs, num_snapshot_slots, step_tokens
 from hyspec_server.cuda_graph import TargetGraphs
 from hyspec_server.decode_ahead import DecodeAhead
 from hyspec_server.pool_memory import MemoryFollower, StatePoolMemory
@@ -177,7 +177,7 @@ class HyspecModelRunner:
             args,
             self._device,
             activations=activation_bytes(
-                num_tokens=max(args.max_num_batched_tokens, rows),
+                num_tokens=max(step_tokens(args), rows),
                 num_logit_rows=rows,
                 hidden_size=int(config.hidden_size),
                 vocab_size=self.vocab_size,
@@ -246,7 +246,7 @@ class HyspecModelRunner:
             layers=layers,
             layer_types=self.model.layer_types,
             max_num_seqs=max_num_seqs,
-            max_tokens=max(args.max_num_batched_tokens, max_num_seqs * dmax),
+            max_tokens=max(step_tokens(args), max_num_seqs * dmax),
         )
         self._sampler = Sampler(self._device, seed=args.seed)
         self.graphs = TargetGraphs(

@@ -18,18 +18,17 @@ from hyspec_statepool.draft_shape import DraftShape
 from hyspec_statepool.sizing import MemoryPlan, plan_memory
 from hyspec_statepool.specs import ModelStateSpecs, StateDtypes
 
-from hyspec_server.config import EngineArgs
+from hyspec_server.config import DEFAULT_MAX_NUM_SEQS, EngineArgs, device_kind
 
 CPU_KV_CACHE_BYTES = 4 << 30
-# vLLM's defaults: 256 running requests where a GPU batches them; the CPU gains little past a few
-DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 16}
 # CUDA-graph pools, the allocator's fragmentation and kernel workspaces, on top of the activation estimate
 _CUDA_OVERHEAD_BYTES = 512 << 20
 _GIB = float(1 << 30)
 
 
 def default_max_num_seqs(device: torch.device) -> int:
-    return DEFAULT_MAX_NUM_SEQS["cuda" if device.type == "cuda" else "cpu"]
+    # vLLM's: 256 running requests where a GPU batches them; the CPU gains little past a few
+    return DEFAULT_MAX_NUM_SEQS[device_kind(str(device))]
 
 
 def activation_bytes(
