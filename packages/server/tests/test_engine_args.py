@@ -303,3 +303,29 @@ def test_every_token_makes_a_stream_chunk(tiny_lfm2: Path, chat: bool) -> None:
         assert "" in texts  # the tiny tokenizer has fewer entries than the model's vocabulary
     finally:
         srv.stop()
+
+
+def test_prompts_get_the_tokenizers_special_tokens(tiny_lfm2: Path, tmp_path: Path) -> None:
+    """Completions-style prompts are encoded as transformers encodes them by default (BOS where the tokenizer
+    adds one), chat templates without a second BOS, as vLLM does."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    ckpt = tmp_path / "bos"
+    shutil.copytree(tiny_lfm2, ckpt)
+    raw = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    bos = raw.token_to_id("<|endoftext|>")
+    raw.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", pair="<|endoftext|> $A $B", special_tokens=[("<|endoftext|>", bos)]
+    )
+    raw.save(str(ckpt / "tokenizer.json"))
+    hf = AutoTokenizer.from_pretrained(str(ckpt), local_files_only=True)
+    llm = LLM(str(ckpt), device="cpu", max_num_seqs=2)
+    out = llm.generate(["hello world"], GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == hf("hello world")["input_ids"]
+    assert out.prompt_token_ids[0] == bos
+    conv = [{"role": "user", "content": "hi"}]
+    (chat,) = llm.chat(conv, GREEDY, use_tqdm=False)
+    text = hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert chat.prompt_token_ids == hf(text, add_special_tokens=False)["input_ids"]

@@ -250,6 +250,36 @@ def test_http_echo_logprobs_with_best_of_and_token_prompts(toy_server: ServerThr
     assert lp["token_logprobs"][1] == pytest.approx(float(toy_lp(p[:1])[p[1]]), abs=1e-5)
 
 
+def test_http_prompt_logprobs_field_as_vllm(toy_server: ServerThread) -> None:
+    """vLLM's `prompt_logprobs` request field: per prompt token {id: {logprob, rank, decoded_token}} (the
+    token itself and the top k), null first; in each completions choice, at the top of a chat response."""
+    httpx = pytest.importorskip("httpx")
+    auth = {"Authorization": "Bearer test-key"}
+    p = [72, 105, 33, 33, 40]
+    base = {"model": "toy", "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    r = httpx.post(toy_server.base_url + "/v1/completions", json={**base, "prompt": p}, headers=auth)
+    assert r.status_code == 200, r.text
+    rows = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(rows) == len(p) and rows[0] is None
+    for i in range(1, len(p)):
+        want = toy_lp(p[:i])  # [V] fp32 log-probabilities after p[:i]
+        row = rows[i]
+        assert row[str(p[i])]["logprob"] == pytest.approx(float(want[p[i]]), abs=1e-5)
+        assert row[str(p[i])]["rank"] == int((want > want[p[i]]).sum()) + 1
+        assert {1, 2} <= {e["rank"] for e in row.values()} and len(row) in (2, 3)  # top 2 + the token
+        assert all(e["decoded_token"] == TOK.decode([int(t)]) for t, e in row.items())
+    chat = {**base, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(toy_server.base_url + "/v1/chat/completions", json=chat, headers=auth)
+    assert r.status_code == 200, r.text
+    rows = r.json()["prompt_logprobs"]
+    assert rows[0] is None and all(len(x) >= 2 for x in rows[1:])
+    for bad in ({"prompt_logprobs": 21}, {"prompt_logprobs": 1, "stream": True}):
+        r = httpx.post(
+            toy_server.base_url + "/v1/completions", json={**base, "prompt": p, **bad}, headers=auth
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
 # --------------------------------------------------------------------------- real tiny models vs transformers
 
 

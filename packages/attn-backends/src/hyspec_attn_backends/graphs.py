@@ -118,6 +118,8 @@ class CudaGraphRunner:
         self._graphs: dict[GraphKey, _Captured] = {}
         self._mempool: Any = None  # torch.cuda graph pool handle, shared by every graph of this runner
         self._side: Any = None  # the warm-up stream of every capture (created at the first)
+        # called after each graph is captured (the server's progress bar)
+        self.on_capture: Callable[[GraphKey], None] | None = None
 
     # ------------------------------------------------------------------ capture
 
@@ -165,6 +167,8 @@ class CudaGraphRunner:
         for key in sorted(keys, key=lambda k: -k.batch_size):
             if key not in self._graphs:
                 self._graphs[key] = self._capture(key)
+                if self.on_capture is not None:
+                    self.on_capture(key)
 
     def _padding_batch(self, key: GraphKey) -> ForwardBatch:
         """A batch of `key.batch_size` padded rows and no live request: it writes no state and no KV."""

@@ -225,7 +225,10 @@ def build_app(
             except (ValueError, ValidationError) as e:
                 raise APIError(400, f"messages: {e}", param="messages") from e
         elif isinstance(body.get("prompt"), str):
-            ids = await asyncio.to_thread(tok.encode, body["prompt"])
+            special = body.get("add_special_tokens", True)  # vLLM's field, default as its completions
+            if not isinstance(special, bool):
+                raise APIError(400, "add_special_tokens must be a bool", param="add_special_tokens")
+            ids = await asyncio.to_thread(lambda: tok.encode(body["prompt"], add_special_tokens=special))
         else:
             raise APIError(400, "expected a string 'prompt' or a 'messages' list", param="prompt")
         return JSONResponse(
@@ -300,7 +303,8 @@ def build_app(
             max_tokens=max_tokens,
             logprobs=engine_lp,
             engine=engine,
-            prompt_logprobs=req.logprobs if echo_lp else None,
+            # echo's prompt logprobs and vLLM's prompt_logprobs field share one scoring of the prompt
+            prompt_logprobs=_most(req.logprobs if echo_lp else None, req.prompt_logprobs),
         )
         await compile_constraint(req, samples[0])
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -404,7 +408,10 @@ def build_app(
                 mine = sorted(mine, key=lambda o: -(o.outputs[0].cumulative_logprob or 0.0))[:n]
             for j, out in enumerate(mine):
                 text = echoed[i] + out.outputs[0].text
-                choices.append(choice(i * n + j, out, text, 0, len(echoed[i]), prompt=echo_lp)[0])
+                ch = choice(i * n + j, out, text, 0, len(echoed[i]), prompt=echo_lp)[0]
+                if req.prompt_logprobs is not None:
+                    ch["prompt_logprobs"] = _vllm_prompt_logprobs(out, req.prompt_logprobs)
+                choices.append(ch)
         # every generated token counts, best_of's discarded samples too (as OpenAI bills them)
         return JSONResponse(body(choices, usage=_usage(outs[::best_of], outs)))
 
@@ -450,7 +457,10 @@ def build_app(
         top_n = req.top_logprobs or 0
         logprobs = top_n if req.logprobs else None
         n = req.num_choices
-        samples = _samples(req, n, max_tokens=max_tokens, logprobs=logprobs, engine=engine)
+        lp_prompt = req.prompt_logprobs
+        samples = _samples(
+            req, n, max_tokens=max_tokens, logprobs=logprobs, engine=engine, prompt_logprobs=lp_prompt
+        )
         if forced:
             # tool_choice "required" or a named function: the output must be calls (a grammar)
             assert req.tools is not None
@@ -556,6 +566,8 @@ def build_app(
             "choices": choices,
             "usage": _usage(outs[:1], outs),
         }
+        if req.prompt_logprobs is not None:  # vLLM's place for them in chat: the response
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(outs[0], req.prompt_logprobs)
         return JSONResponse(body)
 
     return app
@@ -682,6 +694,24 @@ def _parse(model: type[_M], body: Any) -> _M:
         # said, never silently dropped (as vLLM logs them)
         _log.warning("fields present in the request but ignored: %s", ", ".join(map(str, ignored)))
     return parsed
+
+
+def _most(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _vllm_prompt_logprobs(out: RequestOutput, k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {token id: {logprob, rank,
+    decoded_token}}: the prompt's own token and the `k` most likely (ranks 1..k)."""
+    assert out.prompt_logprobs is not None
+    rows: list[dict[str, dict[str, Any]] | None] = []
+    for tok, entries in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True):
+        if entries is None:
+            rows.append(None)
+            continue
+        keep = {t: e for t, e in entries.items() if t == tok or (e.rank is not None and e.rank <= k)}
+        rows.append({str(t): dataclasses.asdict(e) for t, e in keep.items()})
+    return rows
 
 
 def _samples(

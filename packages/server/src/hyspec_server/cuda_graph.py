@@ -22,6 +22,7 @@ On CPU, or with `--enforce-eager`, nothing is captured: every forward runs eager
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -103,8 +104,18 @@ class TargetGraphs:
         return self.runner.active
 
     def capture(self) -> None:
-        """Capture every decode and verify shape; on failure log it and run eagerly from then on."""
-        self.runner.capture_or_eager(self.sizes, decode=True, verify=self.verify)
+        """Capture every decode and verify shape; on failure log it and run eagerly from then on. A
+        progress bar where someone watches (a terminal), as vLLM shows one."""
+        from tqdm import tqdm
+
+        total = len(self.sizes) * (1 + len(self.verify))
+        shown = self.runner.active and sys.stderr.isatty()
+        with tqdm(total=total, desc="capturing CUDA graphs", unit="graph", disable=not shown) as bar:
+            self.runner.on_capture = lambda _key: bar.update()
+            try:
+                self.runner.capture_or_eager(self.sizes, decode=True, verify=self.verify)
+            finally:
+                self.runner.on_capture = None
 
     # ---------------------------------------------------------------- per step
 

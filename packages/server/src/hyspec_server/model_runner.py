@@ -97,7 +97,10 @@ def log_pool_split(plan: MemoryPlan, num_snapshots: int, interval: int, budget: 
         else "prefix caching off"
     )
     log.info(
-        "memory for the KV cache and recurrent state: %.2f GiB (%s)", budget.bytes / 2**30, budget.source
+        "memory for the KV cache and recurrent state: %.2f GiB (%s), of which the pool takes %.2f GiB",
+        budget.bytes / 2**30,
+        budget.source,
+        plan.total_bytes / 2**30,
     )
     log.info(
         "state pool: %d request slots of %.1f MiB state, %d KV pages of %d tokens (%.1f MiB); %s",

@@ -90,6 +90,8 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     # hyspec extension (as in vLLM): return the generated token ids in each choice
     return_token_ids: bool = False
+    # vLLM extension: logprobs of every prompt token (top-k per position), in the response (not streamed)
+    prompt_logprobs: int | None = None
     # vLLM extension: requests with different salts share no prefix-cache entry
     cache_salt: str | None = Field(default=None, min_length=1)
     # OpenAI's (vLLM takes it on completions too) and vLLM's extra field for the other constraints
@@ -135,6 +137,13 @@ class _SamplingFields(_Strict):
             raise APIError(400, f"n must be an int in [1, {MAX_N}], got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise APIError(
+                    400, f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}]", param="prompt_logprobs"
+                )
+            if self.stream:
+                raise APIError(400, "prompt_logprobs cannot be streamed, as in vLLM", param="prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:

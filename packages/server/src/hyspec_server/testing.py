@@ -86,8 +86,8 @@ class ByteTokenizer:
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset({TOY_EOS})
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))  # bytes: no special tokens to add
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")

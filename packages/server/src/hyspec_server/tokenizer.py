@@ -40,7 +40,10 @@ class Tokenizer(Protocol):
     @property
     def eos_token_ids(self) -> frozenset[int]: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt; with `add_special_tokens` the tokenizer's own (BOS where it adds one), as
+        vLLM encodes completions prompts. Rendered chat templates pass False: they hold theirs already."""
+        ...
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
@@ -105,8 +108,8 @@ class HFTokenizer:
         """The transformers tokenizer (structured outputs build their vocabulary tables from it)."""
         return self._tok
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
@@ -128,4 +131,4 @@ class HFTokenizer:
             continue_final_message=options.continue_final_message,
             **dict(options.template_kwargs or {}),
         )
-        return self.encode(str(text))
+        return self.encode(str(text), add_special_tokens=False)
