@@ -329,3 +329,53 @@ def test_prompts_get_the_tokenizers_special_tokens(tiny_lfm2: Path, tmp_path: Pa
     (chat,) = llm.chat(conv, GREEDY, use_tqdm=False)
     text = hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
     assert chat.prompt_token_ids == hf(text, add_special_tokens=False)["input_ids"]
+
+
+TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+
+
+def test_chat_template_argument(tiny_lfm2: Path) -> None:
+    """vLLM's `chat_template`: `LLM.chat(chat_template=...)`, `hyspec serve --chat-template` for every
+    request, a request's own only with --trust-request-chat-template."""
+    httpx = pytest.importorskip("httpx")
+    from hyspec_server.builder import build_engine
+    from hyspec_server.serve import ServerThread
+
+    conv = [{"role": "user", "content": "hi"}]
+    llm = LLM(str(tiny_lfm2), device="cpu", max_num_seqs=2)
+    tok = llm.engine.tokenizer
+    want = tok.encode("[user]hi[assistant]", add_special_tokens=False)
+    (out,) = llm.chat(conv, GREEDY, chat_template=TEMPLATE, use_tqdm=False)
+    assert out.prompt_token_ids == want
+    (plain,) = llm.chat(conv, GREEDY, use_tqdm=False)
+    assert plain.prompt_token_ids != want  # the tokenizer's own template otherwise
+    with pytest.raises(ValueError, match="chat_template"):
+        llm.chat(conv, GREEDY, chat_template="", use_tqdm=False)
+    body = {"messages": conv, "max_tokens": 2, "temperature": 0}
+    for trust in (False, True):
+        eng = build_engine(EngineArgs(model=str(tiny_lfm2), device="cpu", max_num_seqs=2))
+        srv = ServerThread(eng, model_name="m", chat_template=TEMPLATE, trust_request_chat_template=trust)
+        srv.start()
+        try:
+            r = httpx.post(srv.base_url + "/tokenize", json={"messages": conv})
+            assert r.json()["tokens"] == want  # the server's template
+            r = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "chat_template": "{{ 'x' }}"})
+            if trust:
+                assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tok.encode("x"))
+            else:
+                assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+        finally:
+            srv.stop()
+
+
+def test_serve_chat_template_flag_reads_a_file(tmp_path: Path) -> None:
+    from hyspec_server.cli import _template
+
+    f = tmp_path / "t.jinja"
+    f.write_text(TEMPLATE)
+    assert _template(str(f)) == TEMPLATE and _template(TEMPLATE) == TEMPLATE and _template(None) is None
+    ns = build_parser().parse_args(["serve", "--chat-template", str(f), "--trust-request-chat-template"])
+    assert ns.chat_template == str(f) and ns.trust_request_chat_template

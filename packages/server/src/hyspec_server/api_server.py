@@ -83,8 +83,13 @@ def build_app(
     max_body_bytes: int | None = None,
     body_read_timeout_s: float | None = None,
     allowed_origins: Sequence[str] = ("*",),
+    chat_template: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """Args:
+    chat_template: the Jinja chat template of every chat request (None: the tokenizer's).
+    trust_request_chat_template: accept a request's own `chat_template` (vLLM refuses it by default: a
+        template is code the server runs, if sandboxed).
     allowed_origins: CORS origins browsers may call from (vLLM's default: any); empty: no CORS headers.
     max_body_bytes: larger request bodies get 413 before they are read whole (None: from max_model_len,
         `max_body_bytes_for`).
@@ -221,7 +226,8 @@ def build_app(
             try:
                 messages = [ChatMessage.model_validate(m) for m in body["messages"]]
                 conv = [template_message(m.role, m.text(), m) for m in messages]
-                ids = await asyncio.to_thread(tok.apply_chat_template, conv)
+                opts = ChatOptions(chat_template=chat_template)
+                ids = await asyncio.to_thread(lambda: tok.apply_chat_template(conv, options=opts))
             except (ValueError, ValidationError) as e:
                 raise APIError(400, f"messages: {e}", param="messages") from e
         elif isinstance(body.get("prompt"), str):
@@ -430,8 +436,18 @@ def build_app(
         tok = engine.tokenizer
         tools = req.tools if req.parses_tools else None
         try:
+            if req.chat_template is not None and not trust_request_chat_template:
+                raise APIError(
+                    400,
+                    "chat_template in a request is refused: start the server with --chat-template, or with "
+                    "--trust-request-chat-template to allow request templates (as vLLM)",
+                    param="chat_template",
+                )
             options = ChatOptions(
-                req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+                req.chat_template or chat_template,
             )
             prompt_ids: list[int] = await asyncio.to_thread(
                 tok.apply_chat_template, messages, tools=tools, options=options

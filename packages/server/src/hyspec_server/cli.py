@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from hyspec_server.bench_cli import add_bench_command, run_bench
 from hyspec_server.client_cli import add_client_commands, run_client
@@ -57,6 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
         help='CORS origins as a JSON list (default ["*"], as vLLM); [] sends no CORS headers',
     )
     f.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, or a file holding one, for every chat request (default: the "
+        "tokenizer's)",
+    )
+    f.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat request's own chat_template (refused by default, as vLLM)",
+    )
+    f.add_argument(
         "--graceful-shutdown-timeout",
         type=int,
         default=None,
@@ -97,6 +109,14 @@ def _version() -> str:
         return version("hyspec-server")
     except PackageNotFoundError:
         return "unknown"
+
+
+def _template(arg: str | None) -> str | None:
+    """`--chat-template`: a file's text when the argument names a file, else the template itself."""
+    if arg is None:
+        return None
+    path = Path(arg).expanduser()
+    return path.read_text() if path.is_file() else arg
 
 
 def _check_extra(parser: argparse.ArgumentParser, extra: list[str]) -> None:
@@ -143,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 limit_concurrency=ns.limit_concurrency,
                 graceful_shutdown_s=ns.graceful_shutdown_timeout,
                 allowed_origins=ns.allowed_origins,
+                chat_template=_template(ns.chat_template),
+                trust_request_chat_template=ns.trust_request_chat_template,
             )
             return 0
         return _generate(ns)

@@ -94,14 +94,18 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generates the assistant's reply to one conversation (a list of `{"role", "content"}` messages) or
         to each of a list of conversations, through the tokenizer's chat template (as vLLM's `LLM.chat`;
-        `chat_template_kwargs` reach the template, for example Qwen's `enable_thinking`)."""
+        `chat_template_kwargs` reach the template, for example Qwen's `enable_thinking`; `chat_template`
+        replaces the tokenizer's)."""
         if not messages:
             raise ValueError("messages: expected a conversation or a list of conversations, got nothing")
-        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs)
+        options = ChatOptions(
+            add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
+        )
         convs: list[Sequence[Any]] = (
             [messages] if isinstance(messages[0], Mapping) else [list(c) for c in messages]
         )

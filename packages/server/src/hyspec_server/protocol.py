@@ -259,6 +259,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: only when the server trusts request templates (--trust-request-chat-template)
+    chat_template: str | None = None
 
     def check_chat(self) -> list[str]:
         """Validates the tools; returns the function names a grammar must force (tool_choice "required" or

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -46,6 +47,8 @@ def serve(
     graceful_shutdown_s: int | None = None,
     limit_concurrency: int | None = None,
     allowed_origins: Sequence[str] = ("*",),
+    chat_template: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> None:
     """Blocks until SIGTERM / SIGINT: new connections are refused, running requests get `graceful_shutdown_s`
     to finish (a client that never reads cannot hold the exit longer), a second signal exits at once.
@@ -76,6 +79,8 @@ def serve(
         api_key=api_key,
         max_body_bytes=max_body_bytes,
         allowed_origins=allowed_origins,
+        chat_template=chat_template,
+        trust_request_chat_template=trust_request_chat_template,
     )
     running = engine.engine.scheduler.config.max_num_seqs  # resolved: what fit the memory
     limit = 2 * (running + args.max_waiting) if limit_concurrency is None else limit_concurrency
@@ -106,7 +111,9 @@ class ServerThread:
         host: str = "127.0.0.1",
         max_body_bytes: int | None = None,
         body_read_timeout_s: float | None = None,
+        **app_options: Any,
     ) -> None:
+        """`app_options`: `build_app`'s other keywords (chat_template, allowed_origins, ...)."""
         self.async_engine = AsyncEngine(engine, model_name=model_name)
         self.app = build_app(
             self.async_engine,
@@ -114,6 +121,7 @@ class ServerThread:
             api_key=api_key,
             max_body_bytes=max_body_bytes,
             body_read_timeout_s=body_read_timeout_s,
+            **app_options,
         )
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

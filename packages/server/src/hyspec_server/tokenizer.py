@@ -17,13 +17,18 @@ class ChatOptions:
         add_generation_prompt: end ready for the assistant's turn.
         continue_final_message: leave the last message open for the model to continue (not with the above).
         template_kwargs: extra template variables (Qwen's `enable_thinking`).
+        chat_template: a Jinja template to render with instead of the tokenizer's (vLLM's `chat_template`).
     """
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: Mapping[str, Any] | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
+        template = self.chat_template
+        if template is not None and (not isinstance(template, str) or not template):
+            raise ValueError("chat_template: expected a non-empty Jinja template string")
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError(
                 "add_generation_prompt and continue_final_message cannot both be true; set "
@@ -121,10 +126,11 @@ class HFTokenizer:
         tools: list[dict[str, Any]] | None = None,
         options: ChatOptions = DEFAULT_CHAT_OPTIONS,
     ) -> list[int]:
-        if getattr(self._tok, "chat_template", None) is None:
-            raise ValueError(f"the tokenizer in {self.model_dir} has no chat template")
+        if options.chat_template is None and getattr(self._tok, "chat_template", None) is None:
+            raise ValueError(f"the tokenizer in {self.model_dir} has no chat template; pass chat_template")
         text = self._tok.apply_chat_template(
             list(messages),
+            chat_template=options.chat_template,
             tools=tools,
             tokenize=False,
             add_generation_prompt=options.add_generation_prompt,
