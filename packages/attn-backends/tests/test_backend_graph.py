@@ -277,6 +277,26 @@ def test_graph_runner_is_bypassed_on_cpu() -> None:
         runner.capture_decode([be.buffers.max_num_seqs + 1])
 
 
+def test_on_capture_is_called_once_per_new_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook the server's progress bar hangs on: one call per graph actually captured, largest first."""
+    toy = Toy()
+    be, _ = _setup(toy)
+    runner = CudaGraphRunner(be, lambda batch: (toy.run(be, batch),))
+    runner.active = True  # as on a GPU; the capture itself is replaced below
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(runner, "_capture", lambda key: object())
+    seen: list[GraphKey] = []
+    runner.on_capture = seen.append
+    runner.capture_or_eager([1, 2], decode=True, verify=[(3, True)])
+    runner.capture_decode([1, 2])  # already captured: no call
+    assert [(k.mode, k.batch_size) for k in seen] == [
+        (ForwardMode.DECODE, 2),
+        (ForwardMode.DECODE, 1),
+        (ForwardMode.TARGET_VERIFY, 2),
+        (ForwardMode.TARGET_VERIFY, 1),
+    ]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_failed_capture_leaves_the_runner_eager() -> None:
