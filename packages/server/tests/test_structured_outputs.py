@@ -349,3 +349,58 @@ def test_min_tokens_with_speculation_is_lossless(qwen_ckpt: Path) -> None:
     ):
         got = LLM(model=str(qwen_ckpt), max_num_seqs=4, speculative_config=spec).generate(prompts, params)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want], spec
+
+
+def test_grammar_compile_does_not_stall_other_streams() -> None:
+    """While a constrained request's grammar compiles (held here until the test says so), a running stream
+    keeps getting tokens: compiling happens off the engine thread. Compiled on the engine thread, the
+    stream would stop, the compile would never be released and the request would fail."""
+    import threading
+
+    eng = toy_engine(max_len=4096, seqs=4)
+    real = eng.grammars.compile
+    started, progressed = threading.Event(), threading.Event()
+    held = [True]
+
+    def slow_compile(params: StructuredOutputsParams) -> Any:
+        if held[0]:
+            held[0] = False
+            started.set()
+            assert progressed.wait(timeout=20), "the running stream stopped while a grammar compiled"
+        return real(params)
+
+    eng.grammars.compile = slow_compile  # type: ignore[method-assign]
+    srv = ServerThread(eng, model_name="toy").start()
+    errors: list[BaseException] = []
+
+    def constrained() -> None:
+        try:
+            body = {
+                "model": "toy",
+                "prompt": "x",
+                "max_tokens": 20,
+                "structured_outputs": {"choice": CHOICES},
+            }
+            r = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] in CHOICES, r.text
+        except BaseException as e:  # reported on the main thread
+            errors.append(e)
+
+    try:
+        body = {"model": "toy", "prompt": "go", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        after = 0
+        side = threading.Thread(target=constrained)
+        with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                if not side.is_alive() and not started.is_set() and after == 0:
+                    side.start()
+                if started.is_set():
+                    after += 1
+                    if after == 20:
+                        progressed.set()  # 20 chunks arrived while the compile was held
+        side.join(timeout=30)
+        assert progressed.is_set() and not errors, errors
+    finally:
+        srv.stop()
