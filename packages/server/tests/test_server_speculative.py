@@ -761,3 +761,35 @@ def test_warm_up_times_a_draft_extend_and_leaves_no_trace(
     assert [o.outputs[0].token_ids for o in outs] == arch.refs
     assert sum(o.spec_stats.num_draft_tokens for o in outs if o.spec_stats) > 0
     eng.leak_check()
+
+
+def test_seeded_sampling_is_the_same_with_any_drafts(arch: Arch) -> None:
+    """A seed fixes every draw by (seed, position): sampled output is identical without speculation, with
+    forced chains (every accept length), forced trees, the adaptive n-gram and perfect drafts (then every
+    draft is accepted), and alone or in a batch."""
+    params = [
+        SamplingParams(max_tokens=NEW, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    want = [
+        o.outputs[0].token_ids for o in LLM.from_engine(arch.engine(None)).generate(_ids(PROMPTS), params)
+    ]
+    assert want != arch.refs  # it really samples
+    (solo,) = LLM.from_engine(arch.engine(None)).generate(_ids(PROMPTS[3:4]), params[3:4])
+    assert solo.outputs[0].token_ids == want[3]
+    sampled = Arch(arch.path, want, arch.vocab)  # forced drafters propose the sampled continuation
+    tree_spec = {"method": "mtp", "num_speculative_tokens": S, "topk": 2}
+    ad: Any = {"candidate_steps": [1, 3], "warmup_batches": 1, "update_interval": 1}
+    cases: list[tuple[dict[str, Any], DrafterRegistry | None]] = [
+        (_spec(), sampled.forced()[0]),
+        (tree_spec, sampled.forced(tree=True)[0]),
+        (_spec(adaptive=ad), None),
+        (_spec(), sampled.forced(perfect=True)[0]),
+    ]
+    for spec, reg in cases:
+        eng = arch.engine(spec, reg)
+        outs = LLM.from_engine(eng).generate(_ids(PROMPTS), params)
+        assert [o.outputs[0].token_ids for o in outs] == want, spec
+        eng.leak_check()
+    # the perfect drafts are the sampled output: the target's keyed draw takes every one of them
+    assert eng.stats.spec_num_accepted_tokens == eng.stats.spec_num_draft_tokens > 0

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from hyspec_spec_workers.sampling import Sampler, SamplingTensors, filtered_probs
+from hyspec_spec_workers.sampling import NoiseKey, Sampler, SamplingTensors, filtered_probs, keyed_exponential
 
 CPU = torch.device("cpu")
 
@@ -12,7 +12,7 @@ def _st(
     top_k: int = -1,
     top_p: float = 1.0,
     min_p: float = 0.0,
-    gens: list[torch.Generator | None] | None = None,
+    keys: list[NoiseKey | None] | None = None,
     num_logprobs: int = -1,
 ) -> SamplingTensors:
     return SamplingTensors.build(
@@ -20,7 +20,7 @@ def _st(
         top_k=[top_k] * n,
         top_p=[top_p] * n,
         min_p=[min_p] * n,
-        generators=gens if gens is not None else [None] * n,
+        keys=keys if keys is not None else [None] * n,
         num_logprobs=num_logprobs,
         device=CPU,
     )
@@ -61,7 +61,7 @@ def test_mixed_greedy_and_sampled_rows() -> None:
         top_k=[-1] * 4,
         top_p=[1.0] * 4,
         min_p=[0.0] * 4,
-        generators=[None] * 4,
+        keys=[None] * 4,
         num_logprobs=-1,
         device=CPU,
     )
@@ -112,21 +112,51 @@ def test_sampled_frequencies_follow_filtered_distribution() -> None:
 
 
 def test_seed_gives_same_tokens_whatever_the_batch() -> None:
+    """A seeded row's draw is a function of (seed, position): the batch around it and the sampler's shared
+    generator change nothing; another position or seed draws anew."""
     torch.manual_seed(0)
     logits = torch.randn(6, 40)
-    g_solo, g_batch = _gen(42), _gen(42)
     sampler_a, sampler_b = Sampler(CPU, seed=1), Sampler(CPU, seed=2)
     a, b = [], []
-    for _ in range(8):
-        a.append(int(sampler_a(logits[2:3], _st(1, gens=[g_solo])).token_ids[0]))
-        gens: list[torch.Generator | None] = [None, None, g_batch, None, _gen(7), None]
-        b.append(int(sampler_b(logits, _st(6, gens=gens)).token_ids[2]))
+    for pos in range(8):
+        a.append(int(sampler_a(logits[2:3], _st(1, keys=[(42, pos)])).token_ids[0]))
+        keys: list[NoiseKey | None] = [None, None, (42, pos), None, (7, pos), None]
+        b.append(int(sampler_b(logits, _st(6, keys=keys)).token_ids[2]))
     assert a == b
     assert len(set(a)) > 1  # it really samples
-    # another seed gives another sequence
-    g_other = _gen(43)
-    c = [int(Sampler(CPU)(logits[2:3], _st(1, gens=[g_other])).token_ids[0]) for _ in range(8)]
-    assert c != a
+    c = [int(Sampler(CPU)(logits[2:3], _st(1, keys=[(43, pos)])).token_ids[0]) for pos in range(8)]
+    assert c != a  # another seed, another sequence
+    again = [
+        int(Sampler(CPU, seed=9)(logits[2:3], _st(1, keys=[(42, pos)])).token_ids[0]) for pos in range(8)
+    ]
+    assert again == a
+
+
+def test_keyed_noise_is_exponential_and_independent() -> None:
+    """Keyed noise over many (seed, position) keys: mean and variance of Exp(1), no correlation between
+    neighbouring positions or tokens, and draws that follow the distribution (chi-square)."""
+    seeds = torch.arange(2000, dtype=torch.int64) * 7919 - 10**12  # negative seeds too
+    pos = torch.arange(2000, dtype=torch.int64) % 37
+    e = keyed_exponential(seeds, pos, 64)  # [2000, 64]
+    assert (e > 0).all()
+    assert abs(float(e.mean()) - 1.0) < 0.02 and abs(float(e.var()) - 1.0) < 0.05
+    nxt = keyed_exponential(seeds, pos + 1, 64)
+    corr = torch.corrcoef(torch.stack([e.flatten(), nxt.flatten()]))[0, 1]
+    assert abs(float(corr)) < 0.02
+    corr_tok = torch.corrcoef(torch.stack([e[:, :-1].flatten(), e[:, 1:].flatten()]))[0, 1]
+    assert abs(float(corr_tok)) < 0.02
+    p = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
+    draws = torch.argmax(p / keyed_exponential(seeds, pos, 5), dim=-1)
+    freq = torch.bincount(draws, minlength=5).float()
+    chi2 = float(((freq - 2000 * p) ** 2 / (2000 * p)).sum())
+    assert chi2 < 18.5  # 4 degrees of freedom, p = 0.001
+    # pairs of positions of one seed: joint frequencies are the product (no structure across positions)
+    a = torch.argmax(p / keyed_exponential(seeds, pos, 5), dim=-1)
+    b = torch.argmax(p / keyed_exponential(seeds, pos + 1000, 5), dim=-1)
+    joint = torch.bincount(a * 5 + b, minlength=25).float().reshape(5, 5)
+    want = 2000 * p[:, None] * p[None, :]
+    chi2_joint = float(((joint - want) ** 2 / want).sum())
+    assert chi2_joint < 45  # 16 degrees of freedom: p < 0.001
 
 
 def test_logprobs_of_chosen_and_top() -> None:
@@ -142,7 +172,7 @@ def test_logprobs_of_chosen_and_top() -> None:
 def test_bad_shapes() -> None:
     with pytest.raises(ValueError, match="logits"):
         Sampler(CPU)(torch.zeros(2, 5), _st(3))
-    with pytest.raises(ValueError, match="generators"):
+    with pytest.raises(ValueError, match="keys"):
         SamplingTensors.build(
-            temperature=[1.0], top_k=[1], top_p=[1.0], min_p=[0.0], generators=[], num_logprobs=-1, device=CPU
+            temperature=[1.0], top_k=[1], top_p=[1.0], min_p=[0.0], keys=[], num_logprobs=-1, device=CPU
         )

@@ -44,7 +44,6 @@ class Request:
     metrics: RequestMetrics
     detok: IncrementalDetokenizer
     eos_token_ids: frozenset[int]
-    generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -80,10 +79,6 @@ class Request:
         arrival_time: float,
         device: torch.device,
     ) -> Request:
-        gen: torch.Generator | None = None
-        if params.seed is not None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(params.seed)
         want_lp = params.logprobs is not None
         return Request(
             request_id=request_id,
@@ -93,7 +88,6 @@ class Request:
             metrics=RequestMetrics(arrival_time=arrival_time),
             detok=IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens),
             eos_token_ids=frozenset() if params.ignore_eos else tokenizer.eos_token_ids,
-            generator=gen,
             logprobs=[] if want_lp else None,
             cumulative_logprob=0.0 if want_lp else None,
             prompt_logprobs=None if params.prompt_logprobs is None else [None],

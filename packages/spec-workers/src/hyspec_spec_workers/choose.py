@@ -1,9 +1,10 @@
 """Choosing a round's tokens on the verify logits, and reading its outcome back in one transfer.
 
 Every choice is made on the penalised logits (`penalised`), as plain decoding makes it; greedy rows by
-argmax walk, sampling rows by exact rejection sampling on the plain sampler's filtered distribution
-(`sampling.filtered_block_probs`), each seeded request with its own generator (so the same seed gives the
-same output).
+argmax walk; seeded sampling rows by the same walk over the target's own keyed draw at every node (the token
+plain decoding would draw at that position: `sampling.keyed_exponential`), so a seed gives the same output
+with any drafts or none; unseeded sampling rows by exact rejection sampling on the plain sampler's filtered
+distribution (`sampling.filtered_block_probs`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ import torch
 from hyspec_statepool.transfer import to_device
 
 from hyspec_spec_workers.drafter import CommittedTokens
-from hyspec_spec_workers.sampling import Sampler, SamplingRequest, filtered_block_probs, sampling_tensors
+from hyspec_spec_workers.sampling import (
+    Sampler,
+    SamplingRequest,
+    filtered_block_probs,
+    key_tensors,
+    keyed_exponential,
+    next_position,
+    sampling_tensors,
+)
 from hyspec_spec_workers.tree import VerifyTree
 from hyspec_spec_workers.verify import VerifyResult, verify_greedy, verify_sampling
 
@@ -29,7 +38,13 @@ def choose_tokens(
     nodes: list[int],
     sampler: Sampler,
 ) -> VerifyResult:
-    """Greedy rows by argmax walk, sampling rows by exact rejection sampling with their own generator.
+    """Greedy and seeded rows by a walk over the target's choice at every node, unseeded sampling rows by
+    exact rejection sampling with the sampler's shared generator.
+
+    A seeded row accepts a draft when it equals the token the target draws at that node with the row's keyed
+    noise, the draw plain decoding makes at that position: the output is plain decoding's, token for token.
+    For drafts chosen deterministically (every drafter here) it accepts as often as rejection sampling: a
+    draft d is kept with probability p(d) either way.
 
     Args:
         tree: [N, D] verify blocks on the logits' device.
@@ -44,35 +59,43 @@ def choose_tokens(
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     if len(greedy) == len(params):
         return verify_greedy(tree, logits.argmax(dim=-1))
-    # a sampling row without drafts draws exactly as plain decoding does (same generator use), so its
-    # output does not depend on whether other rows of the batch drafted
-    alone = [i for i, p in enumerate(params) if p.temperature > 0 and nodes[i] == 1]
-    groups: list[tuple[list[int], torch.Generator | None]] = []
-    if greedy:
-        groups.append((greedy, None))
-    drafting = [i for i, p in enumerate(params) if p.temperature > 0 and nodes[i] > 1]
-    shared = [i for i in drafting if requests[i].generator is None]
-    if shared:
-        groups.append((shared, sampler.generator))
-    groups += [([i], requests[i].generator) for i in drafting if requests[i].generator is not None]
     parts: list[tuple[list[int], VerifyResult]] = []
+    if greedy:
+        parts.append((greedy, verify_greedy(_rows(tree, greedy), logits[greedy].argmax(dim=-1))))
+    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    keyed = [i for i in sampled if params[i].seed is not None]
+    if keyed:
+        parts.append((keyed, verify_greedy(_rows(tree, keyed), _keyed_draws(tree, logits, requests, keyed))))
+    # an unseeded row without drafts draws exactly as plain decoding does, so its output does not depend on
+    # whether other rows of the batch drafted
+    alone = [i for i in sampled if params[i].seed is None and nodes[i] == 1]
     if alone:
         st = sampling_tensors([requests[i] for i in alone], logits.device)
-        # the logits are penalised already
-        st = replace(st, num_logprobs=-1, penalties=None)
-        picked = sampler(logits[alone, 0], st).token_ids  # [n]
-        pred = picked[:, None].expand(-1, tree.block_size)
-        parts.append((alone, verify_greedy(_rows(tree, alone), pred)))
-    for rows, gen in groups:
-        sub = _rows(tree, rows)
-        lg = logits[rows]  # [n, D, V]
-        if params[rows[0]].temperature == 0:
-            parts.append((rows, verify_greedy(sub, lg.argmax(dim=-1))))
-            continue
-        probs = filtered_block_probs(lg, [params[i] for i in rows])
-        dp = None if draft_probs is None else draft_probs[rows]
-        parts.append((rows, verify_sampling(sub, probs, draft_probs=dp, generator=gen)))
+        picked = sampler(logits[alone, 0], replace(st, num_logprobs=-1, penalties=None)).token_ids  # [n]
+        parts.append((alone, verify_greedy(_rows(tree, alone), picked[:, None].expand(-1, tree.block_size))))
+    shared = [i for i in sampled if params[i].seed is None and nodes[i] > 1]
+    if shared:
+        probs = filtered_block_probs(logits[shared], [params[i] for i in shared])  # [n, D, V]
+        dp = None if draft_probs is None else draft_probs[shared]
+        sub = _rows(tree, shared)
+        parts.append((shared, verify_sampling(sub, probs, draft_probs=dp, generator=sampler.generator)))
     return _merge(parts, tree.batch_size)
+
+
+def _keyed_draws(
+    tree: VerifyTree, logits: torch.Tensor, requests: Sequence[SamplingRequest], rows: list[int]
+) -> torch.Tensor:
+    """[n, D] the token plain sampling draws after every node of these seeded rows: the noise keyed by (seed,
+    position), node j's next token sitting at the row's next position + depth(j)."""
+    n, d = len(rows), tree.block_size
+    dev = logits.device
+    reqs = [requests[i] for i in rows]
+    probs = filtered_block_probs(logits[rows], [r.params for r in reqs]).reshape(n * d, -1)  # [n * D, V]
+    seeds, base = key_tensors([(r.params.seed or 0, next_position(r)) for r in reqs], dev)  # [n] each
+    depth = tree.depth[to_device(rows, dtype=torch.int64, device=dev)]  # [n, D]
+    pos = (base[:, None] + depth).reshape(-1)  # [n * D]
+    noise = keyed_exponential(seeds.repeat_interleave(d), pos, probs.shape[1])  # [n * D, V]
+    return torch.argmax(probs / noise, dim=-1).reshape(n, d)
 
 
 def penalised(logits: torch.Tensor, tree: VerifyTree, requests: Sequence[SamplingRequest]) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """The one sampler: penalties, greedy, temperature, top-k, top-p, min-p per row, for plain decoding and for
 speculative verification alike.
 
-Each row draws its randomness from its own `torch.Generator` when the request has a seed, so the same seed
-gives the same tokens whatever else shares the batch. Sampling uses the exponential-race trick
-(argmax of p / E with E ~ Exp(1)), which draws exactly one [V] noise vector per row and step. Rejection
-sampling in verification (`verify.verify_sampling`) draws from `filtered_probs`, the very distribution plain
-sampling draws from, so speculation preserves it by construction.
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1) per token). A seeded request's noise is
+a function of (seed, position of the token drawn, token id) only (`keyed_exponential`, a counter-based
+hash): the same seed gives the same tokens whatever shares the batch, whatever the timing, and, because
+verification of a seeded row takes the target's own keyed draw at every node (`choose.py`), whatever the
+draft length and with or without speculation. Unseeded rows draw from the sampler's shared generator;
+rejection sampling verifies them (`verify.verify_sampling`) from `filtered_probs`, the very distribution
+plain sampling draws from, so speculation preserves it by construction.
 
 Requests reach the sampler through two small protocols (`SamplingKnobs`, `SamplingRequest`) that a server's
 request and sampling-params types satisfy as they are.
@@ -19,6 +21,8 @@ from typing import Protocol
 
 import torch
 from hyspec_statepool.transfer import to_device
+
+NoiseKey = tuple[int, int]  # a seeded draw's key: (seed, position of the token drawn)
 
 
 class SamplingKnobs(Protocol):
@@ -44,6 +48,11 @@ class SamplingKnobs(Protocol):
         ...
 
     @property
+    def seed(self) -> int | None:
+        """None, or the seed every random draw of the request is keyed by (with the token's position)."""
+        ...
+
+    @property
     def logit_bias(self) -> Mapping[int, float] | None:
         """Token id -> value added to its logit (OpenAI's `logit_bias`), or None."""
         ...
@@ -58,12 +67,11 @@ class SamplingKnobs(Protocol):
 
 
 class SamplingRequest(Protocol):
-    """A request as the sampler sees it: its knobs, its seeded generator and the tokens penalties count."""
+    """A request as the sampler sees it: its knobs and its tokens (penalties count them; the next one's
+    position keys a seeded draw)."""
 
     @property
     def params(self) -> SamplingKnobs: ...
-    @property
-    def generator(self) -> torch.Generator | None: ...
     @property
     def prompt_token_ids(self) -> Sequence[int]: ...
     @property
@@ -301,7 +309,7 @@ class SamplingTensors:
     top_k: torch.Tensor  # [N] int64
     top_p: torch.Tensor  # [N] fp32
     min_p: torch.Tensor  # [N] fp32
-    generators: tuple[torch.Generator | None, ...]  # per row; None uses the sampler's shared generator
+    keys: tuple[NoiseKey | None, ...]  # per row (seed, position drawn); None: the sampler's shared generator
     num_logprobs: int  # most top alternatives asked for by any row (-1: no row wants logprobs)
     penalties: PenaltyTensors | None = None  # None: no row has a penalty on
     # every temperature is 0, as `build` saw on the host; None: read `temperature` back (a sync on GPU)
@@ -315,8 +323,8 @@ class SamplingTensors:
             t = getattr(self, name)
             if t.dim() != 1 or t.shape[0] != n:
                 raise ValueError(f"{name} must have shape [{n}], got {tuple(t.shape)}")
-        if len(self.generators) != n:
-            raise ValueError(f"generators must have {n} entries, got {len(self.generators)}")
+        if len(self.keys) != n:
+            raise ValueError(f"keys must have {n} entries, got {len(self.keys)}")
 
     @property
     def all_greedy(self) -> bool:
@@ -331,7 +339,7 @@ class SamplingTensors:
         top_k: Sequence[int],
         top_p: Sequence[float],
         min_p: Sequence[float],
-        generators: Sequence[torch.Generator | None],
+        keys: Sequence[NoiseKey | None],
         num_logprobs: int,
         device: torch.device,
         penalties: PenaltyTensors | None = None,
@@ -343,7 +351,7 @@ class SamplingTensors:
             top_k=to_device(top_k, dtype=torch.int64, device=device),
             top_p=to_device(top_p, dtype=torch.float32, device=device),
             min_p=to_device(min_p, dtype=torch.float32, device=device),
-            generators=tuple(generators),
+            keys=tuple(keys),
             num_logprobs=num_logprobs,
             penalties=penalties,
             # judged in fp32 on the host, exactly as the device tensor would be, without reading it back
@@ -417,7 +425,7 @@ class Sampler:
             token_ids = greedy_ids
         else:
             probs = filtered_probs(logits, st)
-            noise = self._exponential(probs.shape, st.generators)
+            noise = self._exponential(probs.shape, st.keys)
             sampled = torch.argmax(probs / noise, dim=-1)
             token_ids = torch.where(st.temperature == 0, greedy_ids, sampled)
         if st.num_logprobs < 0:
@@ -445,16 +453,58 @@ class Sampler:
         token_ids = torch.argmax(logits, dim=-1)  # [N]
         return SamplerOutput(token_ids=token_ids, logprobs=None, top_ids=None, top_logprobs=None)
 
-    def _exponential(
-        self, shape: torch.Size, generators: tuple[torch.Generator | None, ...]
-    ) -> torch.Tensor:  # [N, V] fp32
+    def _exponential(self, shape: torch.Size, keys: tuple[NoiseKey | None, ...]) -> torch.Tensor:  # [N, V]
         noise = torch.empty(shape, dtype=torch.float32, device=self.device)
         noise.exponential_(generator=self.generator)
-        for row, gen in enumerate(generators):
-            if gen is not None:
-                noise[row].exponential_(generator=gen)
+        keyed = [i for i, k in enumerate(keys) if k is not None]
+        if keyed:
+            seeds, positions = key_tensors([k for k in keys if k is not None], self.device)
+            noise[keyed] = keyed_exponential(seeds, positions, shape[1])
         # exponential_ may return exact zeros in fp32; a zero would make p / E infinite for a masked token
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+# ------------------------------------------------------------------------------------ keyed noise
+
+_M32 = 0xFFFFFFFF
+_HASH_MUL = 0x45D9F3B  # < 2**31: products of 32-bit values stay inside int64 (no overflow on any device)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (xor-shift-multiply) on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _HASH_MUL) & _M32
+    x = x ^ (x >> 16)
+    x = (x * _HASH_MUL) & _M32
+    return x ^ (x >> 16)
+
+
+def key_tensors(keys: Sequence[NoiseKey], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """([M] int64 seeds as unsigned 64-bit patterns, [M] int64 positions) on `device`."""
+    seeds = [((seed & (2**64 - 1)) ^ 2**63) - 2**63 for seed, _ in keys]  # any Python int, as signed int64
+    return (
+        to_device(seeds, dtype=torch.int64, device=device),
+        to_device([pos for _, pos in keys], dtype=torch.int64, device=device),
+    )
+
+
+def keyed_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise for the tokens drawn at `positions` by requests with `seeds`: entry [m, v] is a function
+    of (seeds[m], positions[m], v) only, so a seeded draw does not depend on the batch, the step it runs in
+    or how many drafts preceded it.
+
+    Args:
+        seeds: [M] int64 (any bit pattern); positions: [M] int64 >= 0 (each < 2**32).
+    Returns:
+        [M, V] fp32, > 0.
+    """
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    row = _hash32(_hash32(_hash32(lo) ^ hi) ^ (positions & _M32))  # [M]
+    salt = _hash32(row ^ 0x5BD1E995)  # a second key: the token mixer is not one XOR away from another row's
+    v = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    x = _hash32((_hash32(v[None, :] ^ row[:, None]) + salt[:, None]) & _M32)  # [M, V] in [0, 2**32)
+    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # [M, V] uniform in (0, 1)
+    return -torch.log1p(-u)  # Exp(1); log1p keeps the small values (the likely winners) precise
 
 
 def chosen_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -479,7 +529,7 @@ def filtered_block_probs(logits: torch.Tensor, params: Sequence[SamplingKnobs]) 
         top_k=[p.top_k for p in params for _ in range(d)],
         top_p=[p.top_p for p in params for _ in range(d)],
         min_p=[p.min_p for p in params for _ in range(d)],
-        generators=[None] * (n * d),
+        keys=[None] * (n * d),
         num_logprobs=-1,
         device=logits.device,
     )
@@ -510,11 +560,16 @@ def sampling_tensors(requests: Sequence[SamplingRequest], device: torch.device) 
         top_k=[p.top_k for p in ps],
         top_p=[p.top_p for p in ps],
         min_p=[p.min_p for p in ps],
-        generators=[r.generator for r in requests],
+        keys=[None if r.params.seed is None else (r.params.seed, next_position(r)) for r in requests],
         num_logprobs=max(want) if want else -1,
         device=device,
         penalties=penalties,
     )
+
+
+def next_position(request: SamplingRequest) -> int:
+    """Position of the token the request draws next (its prompt and output so far precede it)."""
+    return len(request.prompt_token_ids) + len(request.output_token_ids)
 
 
 def sample_rows(sampler: Sampler, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> SamplerOutput:

@@ -223,6 +223,7 @@ class _Greedy:
     min_tokens: int = 0
     logprobs: int | None = None
     has_penalties: bool = False
+    seed: int | None = None
 
 
 @dataclass(slots=True)
@@ -233,7 +234,6 @@ class _Request:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     params: _Greedy = field(default_factory=_Greedy)
-    generator: torch.Generator | None = None
     all_stop_token_ids: frozenset[int] = frozenset()
 
     def token_slice(self, start: int, end: int) -> list[int]:
