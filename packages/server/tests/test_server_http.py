@@ -540,3 +540,52 @@ def test_a_half_sent_body_times_out_with_408() -> None:
         assert ok.status_code == 200
     finally:
         srv.stop()
+
+
+def test_a_streaming_client_that_stops_reading_is_aborted() -> None:
+    """A client that asks for a long stream and then reads nothing: once its socket buffers are full, the
+    request is aborted after the stall timeout (its memory freed), and the server keeps serving."""
+    import socket
+
+    from hyspec_server.testing import toy_engine
+
+    srv = ServerThread(
+        toy_engine(max_len=32768, pages=8400), model_name="toy", stream_stall_timeout_s=0.5
+    ).start()
+    try:
+        body = json.dumps(
+            {
+                "model": "toy",
+                "prompt": "go",
+                "max_tokens": 30000,
+                "ignore_eos": True,
+                "stream": True,
+                "logprobs": 20,
+            }
+        ).encode()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills at once
+            s.connect((srv.host, srv.port))
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # the request runs
+                text = httpx.get(srv.base_url + "/metrics").text
+                if metric_sample(text, "hyspec:generation_tokens_total") > 0:
+                    break
+                time.sleep(0.05)
+            # read nothing: once the socket buffers hold a few MB the stream stalls, and the request must end
+            # long before its 30000 tokens
+            srv.wait_idle_and_leak_check(timeout_s=40)
+        text = httpx.get(srv.base_url + "/metrics").text
+        assert metric_sample(text, "hyspec:request_success_total", finished_reason="abort") == 1
+        assert metric_sample(text, "hyspec:generation_tokens_total") < 30000
+        ok = httpx.post(
+            srv.base_url + "/v1/completions", json={"model": "toy", "prompt": "hi", "max_tokens": 2}
+        )
+        assert ok.status_code == 200
+    finally:
+        srv.stop()

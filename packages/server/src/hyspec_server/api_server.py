@@ -17,7 +17,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hyspec_server.async_engine import AddError, AsyncEngine, EngineDeadError, StreamGroup
 from hyspec_server.engine import TokensPrompt
@@ -60,6 +60,10 @@ BODY_BYTES_PER_TOKEN = 64
 JSON escapes take at most 12 bytes per character; 64 bytes per token leaves room for the other fields."""
 
 
+STREAM_STALL_TIMEOUT_S = 60.0
+"""A streamed request whose client takes no chunk for this long (its socket buffers full) is aborted."""
+
+
 BODY_READ_TIMEOUT_S = 30.0
 """A client that sends no part of its body for this long gets 408 (a half-sent body held a connection
 forever)."""
@@ -85,8 +89,11 @@ def build_app(
     allowed_origins: Sequence[str] = ("*",),
     chat_template: str | None = None,
     trust_request_chat_template: bool = False,
+    stream_stall_timeout_s: float | None = None,
 ) -> FastAPI:
     """Args:
+    stream_stall_timeout_s: abort a streamed request whose client takes no chunk for this long (None:
+        STREAM_STALL_TIMEOUT_S).
     chat_template: the Jinja chat template of every chat request (None: the tokenizer's).
     trust_request_chat_template: accept a request's own `chat_template` (vLLM refuses it by default: a
         template is code the server runs, if sandboxed).
@@ -101,6 +108,7 @@ def build_app(
     max_model_len = engine.engine.max_model_len
     body_limit = max_body_bytes_for(max_model_len) if max_body_bytes is None else max_body_bytes
     read_timeout = BODY_READ_TIMEOUT_S if body_read_timeout_s is None else body_read_timeout_s
+    stall_s = STREAM_STALL_TIMEOUT_S if stream_stall_timeout_s is None else stream_stall_timeout_s
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -405,7 +413,7 @@ def build_app(
                     )
                 yield "data: [DONE]\n\n"
 
-            return _event_stream(events(), group)
+            return _event_stream(events(), group, stall_s=stall_s)
         outs = await _collect(group, raw)
         choices: list[dict[str, Any]] = []
         for i in range(len(prompts)):
@@ -548,7 +556,7 @@ def build_app(
                     yield chunk([], usage=_usage([last[0]], last.values()))
                 yield "data: [DONE]\n\n"
 
-            return _event_stream(events(), group)
+            return _event_stream(events(), group, stall_s=stall_s)
         outs = await _collect(group, raw)
         choices: list[dict[str, Any]] = []
         for k, out in enumerate(outs):
@@ -787,7 +795,38 @@ def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-def _event_stream(events: AsyncIterator[str], group: StreamGroup) -> StreamingResponse:
+class _StalledClient(Exception):
+    pass
+
+
+class _GuardedStream(StreamingResponse):
+    """An SSE response that gives up on a client that stopped reading: a chunk the connection does not take
+    within `stall_s` (the socket's buffers are full) aborts the request, whose outputs would otherwise wait in
+    memory for as long as the socket stays open."""
+
+    def __init__(self, content: AsyncIterator[str], *, stall_s: float, on_stall: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._stall_s = stall_s
+        self._on_stall = on_stall
+
+    async def stream_response(self, send: Send) -> None:
+        async def timed(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self._stall_s)
+            except TimeoutError:
+                self._on_stall()
+                raise _StalledClient from None
+
+        try:
+            await super().stream_response(timed)
+        except _StalledClient:
+            _log.warning("aborted a streamed request: its client took nothing for %.0f s", self._stall_s)
+            closer = getattr(self.body_iterator, "aclose", None)
+            if closer is not None:
+                await closer()
+
+
+def _event_stream(events: AsyncIterator[str], group: StreamGroup, *, stall_s: float) -> StreamingResponse:
     async def guarded() -> AsyncIterator[str]:
         try:
             async for e in events:
@@ -800,7 +839,7 @@ def _event_stream(events: AsyncIterator[str], group: StreamGroup) -> StreamingRe
             # a disconnect cancels this generator; the aborts free the requests' memory
             group.abort()
 
-    return StreamingResponse(guarded(), media_type="text/event-stream")
+    return _GuardedStream(guarded(), stall_s=stall_s, on_stall=group.abort)
 
 
 async def _collect(group: StreamGroup, raw: Request) -> list[RequestOutput]:

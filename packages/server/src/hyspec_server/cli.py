@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="accept a chat request's own chat_template (refused by default, as vLLM)",
     )
     f.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=None,
+        help="abort a streamed request whose client takes no chunk for this many seconds (default 60)",
+    )
+    f.add_argument(
         "--graceful-shutdown-timeout",
         type=int,
         default=None,
@@ -165,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 allowed_origins=ns.allowed_origins,
                 chat_template=_template(ns.chat_template),
                 trust_request_chat_template=ns.trust_request_chat_template,
+                stream_stall_timeout_s=ns.stream_stall_timeout,
             )
             return 0
         return _generate(ns)

@@ -49,6 +49,7 @@ def serve(
     allowed_origins: Sequence[str] = ("*",),
     chat_template: str | None = None,
     trust_request_chat_template: bool = False,
+    stream_stall_timeout_s: float | None = None,
 ) -> None:
     """Blocks until SIGTERM / SIGINT: new connections are refused, running requests get `graceful_shutdown_s`
     to finish (a client that never reads cannot hold the exit longer), a second signal exits at once.
@@ -81,6 +82,7 @@ def serve(
         allowed_origins=allowed_origins,
         chat_template=chat_template,
         trust_request_chat_template=trust_request_chat_template,
+        stream_stall_timeout_s=stream_stall_timeout_s,
     )
     running = engine.engine.scheduler.config.max_num_seqs  # resolved: what fit the memory
     limit = 2 * (running + args.max_waiting) if limit_concurrency is None else limit_concurrency
