@@ -3,8 +3,9 @@ import random
 import pytest
 from hyspec_server import LLM, EngineArgs, SamplingParams
 from hyspec_server.engine import EngineStepError, LLMEngine
-from hyspec_server.scheduler import QueueFullError, SchedulerConfig
-from hyspec_server.testing import TOY_EOS, ByteTokenizer, ToyModelRunner, toy_greedy, toy_pool
+from hyspec_server.runner import RunnerOutput
+from hyspec_server.scheduler import QueueFullError, SchedulerConfig, SchedulerOutput
+from hyspec_server.testing import TOY_EOS, ByteTokenizer, ToyModelRunner, toy_engine, toy_greedy, toy_pool
 from hyspec_spec_workers.config import SpeculativeConfig
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -153,20 +154,56 @@ def test_abort_frees_memory_and_spares_others() -> None:
     eng.leak_check()
 
 
-def test_runner_error_aborts_the_step_and_engine_keeps_serving() -> None:
+def test_a_failed_step_is_retried_request_by_request() -> None:
+    """A step that fails once (nobody to blame): its requests are recomputed one at a time and then batched
+    again; every output is what it would have been, nothing is aborted."""
     eng = make_engine()
-    ids = [eng.add_request(p, GREEDY) for p in prompts(3)]
+    ps = prompts(3)
+    ids = [eng.add_request(p, GREEDY) for p in ps]
     eng.step()
     eng.runner.fail_next_step = True  # type: ignore[attr-defined]
-    with pytest.raises(EngineStepError) as info:
-        eng.step()
-    assert sorted(info.value.request_ids) == sorted(ids)
-    assert all(o.outputs[0].finish_reason == "abort" for o in info.value.outputs)
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+    assert [final[i].outputs[0].token_ids for i in ids] == [toy_greedy(p, 24, ignore_eos=True) for p in ps]
+    assert all(final[i].outputs[0].finish_reason == "length" for i in ids)
     eng.leak_check()
-    p = prompts(1, seed=9)[0]
-    assert LLM.from_engine(eng).generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[
-        0
-    ].token_ids == toy_greedy(p, 24, ignore_eos=True)
+
+
+class PoisonRunner(ToyModelRunner):
+    """Fails every step that holds a request whose prompt starts with POISON (a request that breaks the
+    model step, as `top_k: 2**63` once did)."""
+
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        if any(c.request.prompt_token_ids[0] == POISON for c in step.chunks):
+            raise RuntimeError("toy runner: poisoned batch")
+        return super().execute(step)
+
+
+POISON = 7
+
+
+def test_one_bad_request_fails_alone_and_the_others_finish() -> None:
+    eng = toy_engine(runner_cls=PoisonRunner)
+    ps = prompts(4)
+    bad = [POISON, 1, 2, 3]
+    ids = [eng.add_request(p, GREEDY) for p in ps[:2]]
+    bad_id = eng.add_request(bad, GREEDY)
+    ids += [eng.add_request(p, GREEDY) for p in ps[2:]]
+    final, failed = {}, []
+    while eng.has_unfinished():
+        try:
+            outs = eng.step()
+        except EngineStepError as e:
+            failed += e.request_ids
+            assert all(o.outputs[0].finish_reason == "abort" for o in e.outputs)
+            continue
+        final.update({o.request_id: o for o in outs if o.finished})
+    assert failed == [bad_id]  # blamed alone, once
+    assert [final[i].outputs[0].token_ids for i in ids] == [toy_greedy(p, 24, ignore_eos=True) for p in ps]
+    eng.leak_check()
 
 
 def test_logprobs_are_reported_for_every_token() -> None:

@@ -793,3 +793,23 @@ def test_seeded_sampling_is_the_same_with_any_drafts(arch: Arch) -> None:
         eng.leak_check()
     # the perfect drafts are the sampled output: the target's keyed draw takes every one of them
     assert eng.stats.spec_num_accepted_tokens == eng.stats.spec_num_draft_tokens > 0
+
+
+def test_a_failed_speculative_step_is_retried_losslessly(arch: Arch) -> None:
+    """A verify step that fails once (mid-decode, drafts in flight): its requests are recomputed one at a
+    time, drafter memory included, and every greedy output is still the plain one."""
+    eng = arch.engine(_spec())
+    real = eng.runner.execute
+    calls = [0]
+
+    def flaky(step: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 6:
+            assert len({c.request.request_id for c in step.chunks}) > 1
+            raise RuntimeError("injected")
+        return real(step)
+
+    eng.runner.execute = flaky  # type: ignore[method-assign]
+    outs = LLM.from_engine(eng).generate(_ids(PROMPTS), _greedy())
+    assert calls[0] > 6 and [o.outputs[0].token_ids for o in outs] == arch.refs
+    eng.leak_check()

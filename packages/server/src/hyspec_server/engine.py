@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -46,6 +47,8 @@ class EngineStepError(RuntimeError):
         self.request_ids = request_ids
         self.outputs = outputs
 
+
+log = logging.getLogger("hyspec.engine")
 
 # The server's metrics drain the observation queues below after every step; an engine nobody drains (the
 # offline `LLM`) keeps only the newest this many of each instead of growing with every token it generates.
@@ -201,8 +204,16 @@ class LLMEngine:
             result = self.runner.execute(sched)
         except Exception as e:
             reqs = list(dict.fromkeys(c.request for c in sched.chunks))
+            if len(reqs) > 1:
+                # not attributable yet: each request is recomputed alone; one that fails alone is the cause
+                log.warning("model step of %d requests failed (%s); retrying each alone", len(reqs), e)
+                self.scheduler.quarantine(reqs)
+                return []
             outs = [out for r in reqs if (out := self.abort(r.request_id)) is not None]
             raise EngineStepError([r.request_id for r in reqs], outs) from e
+        for c in sched.chunks:
+            if c.sample:
+                c.request.suspect = False  # it ran alone to a sample: cleared
         self.stats.num_steps += 1
         now = time.monotonic()
         outputs: list[RequestOutput] = []

@@ -67,6 +67,9 @@ class Request:
     grammar: GrammarState | None = None
     # time.monotonic of the last step that gave this request tokens (inter-token latency for /metrics)
     last_token_time: float | None = None
+    # in a model step that failed: it runs alone until it samples once (fails alone: aborted, the blame is
+    # its own), so one bad request never takes the others down
+    suspect: bool = False
 
     @staticmethod
     def create(

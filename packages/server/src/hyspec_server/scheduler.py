@@ -105,6 +105,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        suspect = next((r for r in self.running if r.suspect), None)
+        if suspect is None and self.waiting and self.waiting[0].suspect:
+            suspect = self.waiting[0]
+        if suspect is not None:
+            return self._schedule_alone(suspect)
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
@@ -158,6 +163,48 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, cached, n))
             budget -= n
         return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def quarantine(self, requests: Iterable[Request]) -> None:
+        """The requests of a failed step go back to the front of the queue, memory freed, to be recomputed
+        one at a time. Nothing of theirs is cached: the failed step may have half-written their state."""
+        reqs = [r for r in requests if r in self.running]
+        for req in reversed(reqs):
+            self.running.remove(req)
+            self.memory.free(req.request_id)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            req.suspect = True
+            self.waiting.appendleft(req)
+
+    def _schedule_alone(self, req: Request) -> SchedulerOutput:
+        """A step of one suspect request (a plain chunk, no verify block), preempting the youngest others when
+        it needs their memory; the other running requests wait (lossless: they only pause)."""
+        preempted: list[Request] = []
+        if req not in self.running:
+            while self.running and (
+                len(self.running) >= self.config.max_num_seqs or not self.memory.can_alloc()
+            ):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+            self.waiting.remove(req)
+            if not self.memory.can_alloc():
+                self.waiting.appendleft(req)
+                return SchedulerOutput((), tuple(preempted))
+            self.memory.alloc(req.request_id)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        n = self._chunk_len(req, self.config.max_num_batched_tokens)
+        while not self.memory.grow(req.request_id, req.num_computed_tokens + n):
+            other = next((r for r in reversed(self.running) if r is not req), None)
+            if other is None:
+                break  # alone and still no room: its next step tries again, as any request's would
+            self.running.remove(other)
+            self._preempt(other)
+            preempted.append(other)
+        else:
+            return SchedulerOutput((ScheduledChunk(req, req.num_computed_tokens, n),), tuple(preempted))
+        return SchedulerOutput((), tuple(preempted))
 
     def _chunk_len(self, req: Request, budget: int) -> int:
         """Tokens of `req` this step: what is left, within the budget, ending at the next snapshot position
