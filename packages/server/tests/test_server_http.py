@@ -589,3 +589,28 @@ def test_a_streaming_client_that_stops_reading_is_aborted() -> None:
         assert ok.status_code == 200
     finally:
         srv.stop()
+
+
+def test_half_sent_headers_are_closed_after_the_header_timeout() -> None:
+    """Slowloris on the request head (which never reaches the app): the connection is closed after the
+    header timeout, a byte at a time or not; complete requests are served as usual."""
+    import socket
+
+    from hyspec_server.testing import toy_engine
+
+    srv = ServerThread(toy_engine(), model_name="toy", header_read_timeout_s=0.5).start()
+    try:
+        with socket.create_connection((srv.host, srv.port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            t0 = time.monotonic()
+            for _ in range(3):  # trickling bytes do not extend the deadline
+                time.sleep(0.1)
+                s.sendall(b"X-A: b\r\n")
+            assert s.recv(1024) == b""  # closed by the server
+            assert time.monotonic() - t0 < 5
+        ok = httpx.post(
+            srv.base_url + "/v1/completions", json={"model": "toy", "prompt": "hi", "max_tokens": 2}
+        )
+        assert ok.status_code == 200
+    finally:
+        srv.stop()

@@ -11,7 +11,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from hyspec_server.api_server import build_app
 from hyspec_server.async_engine import AsyncEngine
@@ -24,6 +26,44 @@ def model_name_of(args: EngineArgs) -> str:
 
 
 GRACEFUL_SHUTDOWN_S = 30
+HEADER_READ_TIMEOUT_S = 30.0
+"""A connection that has not sent a whole request head this long after it opened (or after its last
+response) is closed: half-sent headers (slowloris) never reach the app, whose body timeout cannot see
+them."""
+
+
+def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline for each request head."""
+
+    class HeaderDeadlineH11(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()  # the next request on this connection gets the same deadline
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self.loop.call_later(seconds, self._expire)
+
+        def _expire(self) -> None:
+            # h11 stays IDLE on the client's side until a whole request line and headers arrived
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadlineH11
+
+
 """How long SIGTERM / SIGINT waits for running requests before closing their connections."""
 
 
@@ -93,6 +133,7 @@ def serve(
         log_level="info",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S if graceful_shutdown_s is None else graceful_shutdown_s,
         limit_concurrency=limit,
+        http=header_timeout_protocol(HEADER_READ_TIMEOUT_S),
     )
     try:
         _Server(config).run(sockets=[sock])
@@ -113,6 +154,7 @@ class ServerThread:
         host: str = "127.0.0.1",
         max_body_bytes: int | None = None,
         body_read_timeout_s: float | None = None,
+        header_read_timeout_s: float = HEADER_READ_TIMEOUT_S,
         **app_options: Any,
     ) -> None:
         """`app_options`: `build_app`'s other keywords (chat_template, allowed_origins, ...)."""
@@ -129,7 +171,12 @@ class ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, 0))
         self.host, self.port = host, int(self.sock.getsockname()[1])
-        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            timeout_graceful_shutdown=2,
+            http=header_timeout_protocol(header_read_timeout_s),
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
