@@ -547,7 +547,6 @@ def test_stop_strings_with_the_stream(tiny_lfm2: Path) -> None:
             params=params,
             tokenizer=tok,
             arrival_time=0.0,
-            device=torch.device("cpu"),
         )
         assert r.detok.stream is not None
         done = False

@@ -1,7 +1,6 @@
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from hyspec_server.detokenizer import IncrementalDetokenizer, find_stop
 from hyspec_server.request import Request
 from hyspec_server.sampling_params import SamplingParams
@@ -42,7 +41,6 @@ def _req(params: SamplingParams, tok: object) -> Request:
         params=params,
         tokenizer=tok,
         arrival_time=0.0,
-        device=torch.device("cpu"),
     )  # type: ignore[arg-type]
 
 

@@ -148,7 +148,6 @@ class LLMEngine:
             params=params,
             tokenizer=self.tokenizer,
             arrival_time=time.monotonic(),
-            device=self.runner.device,
         )
         req.cache_salt = cache_salt
         if params.structured_outputs is not None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from hyspec_server.detokenizer import IncrementalDetokenizer, find_stop
 from hyspec_server.outputs import (
     CompletionOutput,
@@ -80,7 +78,6 @@ class Request:
         params: SamplingParams,
         tokenizer: Tokenizer,
         arrival_time: float,
-        device: torch.device,
     ) -> Request:
         want_lp = params.logprobs is not None
         return Request(
