@@ -107,9 +107,9 @@ def median_runs(files: list[Path]) -> dict[str, Any]:
     return out
 
 
-def compare(before: dict[str, Any], after: dict[str, Any]) -> str:
+def compare(before: dict[str, Any], after: dict[str, Any], title: str) -> str:
     lines = [
-        f"# The speculative round moved into spec-workers: before / after ({after['device']})",
+        f"# {title}: before / after ({after['device']})",
         "",
         f"Demo Qwen3.5 (shipped), greedy, {after['new']} new tokens per row, CUDA graphs, bf16; both trees "
         f"measured in one session on one GPU (`tools/bench_round.py`), {before['num_runs']} and "
@@ -152,6 +152,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--before", nargs="+", type=Path, help="result files of the tree before the change")
     ap.add_argument("--after", nargs="+", type=Path, help="result files of the tree after it")
+    ap.add_argument("--title", default="The speculative round", help="what changed (the report's title)")
+    ap.add_argument("--name", default="round-compare", help="report file name: <device>-<name>.md / .json")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     if a.before or a.after:
@@ -159,9 +161,9 @@ def main() -> None:
             raise SystemExit("--before and --after go together")
         before, after = median_runs(a.before), median_runs(a.after)
         dev = after["device"].lower().replace(" ", "-")
-        (a.out / f"{dev}-round-compare.md").write_text(compare(before, after))
+        (a.out / f"{dev}-{a.name}.md").write_text(compare(before, after, a.title))
         both = {"before": before, "after": after}
-        (a.out / f"{dev}-round-compare.json").write_text(json.dumps(both, indent=1))
+        (a.out / f"{dev}-{a.name}.json").write_text(json.dumps(both, indent=1))
         return
     (a.out / f"round-{a.label}.json").write_text(json.dumps(measure(a), indent=1))
 

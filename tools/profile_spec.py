@@ -27,14 +27,17 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_decode import build_checkpoint, free, make_llm
+from bench_decode import build_checkpoint, free, make_llm, oracle_registry
 
 RUNS: list[tuple[str, dict[str, Any] | None]] = [
     ("plain", None),
     ("mtp", {"method": "mtp", "num_speculative_tokens": 3}),
     ("mtp_adaptive", {"method": "mtp", "num_speculative_tokens": 3, "adaptive": True}),
     ("mtp_tree", {"method": "mtp", "num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 6}),
+    # every draft right: the plain run's own continuation (bench_decode.oracle_registry)
+    ("oracle", {"method": "ngram", "num_speculative_tokens": 3}),
 ]
+DEMO = Path(__file__).resolve().parent.parent / "packages/server/src/hyspec_server/demo_models/qwen3_5"
 
 
 def torch_profile(run: Any, top: int) -> None:
@@ -121,6 +124,28 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
         ]
         if spec.feed is not None:
             targets.append(("draft extend (flush)", spec.feed, "flush"))
+        import hyspec_spec_workers.round as round_mod
+
+        targets += [
+            ("  forward_verify", runner, "forward_verify"),
+            ("  verify logits", runner, "compute_logits"),
+            ("  choose_tokens", round_mod, "choose_tokens"),
+            ("  commit_after_verify", runner, "commit_after_verify"),
+            ("  accepted_path", round_mod, "accepted_path"),
+            ("  _to_verified", round_mod, "_to_verified"),
+            ("  trim_draft", round_mod, "trim_draft"),
+            ("  decode (no drafts)", runner, "decode"),
+        ]
+        drafter = spec.drafter
+        if getattr(drafter, "root_graphs", None) is not None:
+            targets += [
+                ("  _draft_chain", drafter, "_draft_chain"),
+                ("    ensure_kv_capacity", drafter.kv.pool, "ensure_kv_capacity"),
+                ("    root prepare_verify", drafter.root_graphs, "prepare_verify"),
+                ("    root run", drafter.root_graphs, "run"),
+                ("  draft commit (extend)", drafter, "commit"),
+                ("    _extend", drafter, "_extend"),
+            ]
 
     def timed(name: str, fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -141,12 +166,18 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
     saved = [(obj, attr, getattr(obj, attr)) for _, obj, attr in targets]
     for name, obj, attr in targets:
         setattr(obj, attr, timed(name, getattr(obj, attr)))
+    # HostRound.read: the round's one device read (its wait for the verify's GPU work included)
+    from hyspec_spec_workers.choose import HostRound
+
+    read = HostRound.__dict__["read"]
+    HostRound.read = staticmethod(timed("  HostRound.read", HostRound.read))  # type: ignore[method-assign]
     try:
         run()
     finally:
-        for obj, attr, fn in saved:
+        HostRound.read = read  # type: ignore[method-assign]
+        for obj, attr, fn in reversed(saved):
             setattr(obj, attr, fn)
-    for name, _, _ in targets:
+    for name in [t[0] for t in targets] + ["  HostRound.read"]:
         if calls[name]:
             med = sorted(each[name])[len(each[name]) // 2]
             print(
@@ -165,7 +196,8 @@ def step_times(llm: Any, run: Any) -> None:
     gaps: list[float] = []
     last_end = [0.0]
     step = engine.step
-    flush = None if spec is None else spec._flush
+    feed = None if spec is None else spec.feed
+    flush = None if feed is None else feed.flush
     flushed = [0]
 
     def counted_flush(req_ids: Any) -> int:
@@ -188,14 +220,14 @@ def step_times(llm: Any, run: Any) -> None:
         return out
 
     engine.step = timed_step
-    if spec is not None:
-        spec._flush = counted_flush
+    if feed is not None:
+        feed.flush = counted_flush
     try:
         run()
     finally:
         del engine.step
-        if spec is not None:
-            del spec._flush
+        if feed is not None:
+            del feed.flush
     total = sum(t for _, t in rows) + sum(gaps)
     print(f"   {len(rows)} steps, {1e3 * total:.1f} ms in steps and between them")
     for kind in sorted({k for k, _ in rows}):
@@ -232,11 +264,15 @@ def main() -> None:
         default=0,
         help="speculative runs: draft 1 token every K-th round and none in the others (probe rounds)",
     )
+    ap.add_argument("--demo", action="store_true", help="the shipped demo Qwen3.5 instead of a 9B-wide model")
     ap.add_argument("--only", default=None, help="runs to make in this order, comma-separated (default: all)")
     a = ap.parse_args()
     a.modes = a.mode.split(",")
     if not set(a.modes) <= set(MODES):
         ap.error(f"--mode: expected some of {MODES}, got {a.mode!r}")
+    if a.demo:
+        profile(DEMO, a)
+        return
     with tempfile.TemporaryDirectory(prefix="hyspec-profile-") as tmp:  # a 9B-wide checkpoint: tens of GB
         profile(Path(tmp) / "ckpt", a)
 
@@ -255,9 +291,15 @@ def _every(k: int) -> Any:
 def profile(ckpt: Path, a: argparse.Namespace) -> None:
     from hyspec_server import SamplingParams
 
-    model, _ = build_checkpoint(ckpt, a.layers)
-    vocab = int(model.config.vocab_size)
-    free(model)
+    if a.demo:
+        import json
+
+        vocab = int(json.loads((ckpt / "config.json").read_text()).get("vocab_size", 0) or 0)
+        vocab = vocab or int(json.loads((ckpt / "config.json").read_text())["text_config"]["vocab_size"])
+    else:
+        model, _ = build_checkpoint(ckpt, a.layers)
+        vocab = int(model.config.vocab_size)
+        free(model)
     g = torch.Generator().manual_seed(0)
     prompts = [
         {"prompt_token_ids": torch.randint(0, vocab, (a.prompt,), generator=g).tolist()}
@@ -269,8 +311,17 @@ def profile(ckpt: Path, a: argparse.Namespace) -> None:
         if name not in known:
             raise SystemExit(f"--only: expected names from {sorted(known)}, got {name!r}")
         spec = known[name]
-        llm = make_llm(ckpt, spec=spec, max_num_seqs=max(8, a.batch), max_len=a.prompt + a.new + 16)
         sp = SamplingParams(max_tokens=a.new, temperature=0, ignore_eos=True)
+        max_len = a.prompt + a.new + 16
+        drafters = None
+        if name == "oracle":
+            plain = make_llm(ckpt, spec=None, max_num_seqs=max(8, a.batch), max_len=max_len)
+            outs = plain.generate(prompts, sp)
+            pairs = zip(prompts, outs, strict=True)
+            refs = [p["prompt_token_ids"] + o.outputs[0].token_ids for p, o in pairs]
+            free(plain)
+            drafters = oracle_registry(refs, 3)
+        llm = make_llm(ckpt, spec=spec, drafters=drafters, max_num_seqs=max(8, a.batch), max_len=max_len)
         llm.engine.runner.ahead.enabled = not a.no_ahead
         spec_decoder = getattr(llm.engine.runner, "spec", None)
         if a.probe_every and spec_decoder is not None:

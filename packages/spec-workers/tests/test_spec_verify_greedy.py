@@ -170,3 +170,48 @@ def test_bad_inputs_name_the_argument() -> None:
         truncate_at_stop(r, stop_token_ids=torch.tensor([1]))
     with pytest.raises(ValueError, match="flat_accept"):
         commit_steps_from_flat(torch.tensor([0, 1]), torch.tensor([3]), 5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("shape", ["chain", "tree", "padded"])
+def test_accept_walk_equals_verify_then_truncate(backend: str, shape: str) -> None:
+    """The round's one-launch walk (`hyspec_kernels.accept_walk`) is exactly verify_greedy then
+    truncate_at_stop, field by field, on VerifyTrees as the round builds them (padded blocks included)."""
+    from hyspec_kernels.accept import accept_walk
+    from hyspec_spec_workers.round import pad_block
+
+    g = torch.Generator().manual_seed(5)
+    n, d, vocab = 64, 6, 3
+    if shape == "tree":
+        parents = torch.full((n, d), -1)
+        for j in range(1, d):
+            parents[:, j] = torch.randint(0, j, (n,), generator=g)
+        tokens = torch.randint(0, vocab, (n, d), generator=g)
+        tree = VerifyTree.from_parents(tokens, parents, torch.randint(1, d + 1, (n,), generator=g))
+    else:
+        root = torch.randint(0, vocab, (n,), generator=g)
+        drafts = torch.randint(0, vocab, (n, d - 1), generator=g)
+        tree = VerifyTree.chain(root, drafts, torch.randint(0, d, (n,), generator=g))
+        if shape == "padded":
+            tree, _ = pad_block(tree, None, d + 2)
+    pred = torch.randint(0, vocab, tree.tokens.shape, generator=g)
+    # the target mostly agrees with the next node, so long runs are accepted and then cut
+    agree = torch.rand(pred[:, :-1].shape, generator=g) < 0.7
+    pred[:, :-1] = torch.where(agree, tree.tokens[:, 1:], pred[:, :-1])
+    stops = torch.randint(-1, vocab + 2, (n, 2), generator=g)
+    budget = torch.randint(1, d + 3, (n,), generator=g)
+    want = truncate_at_stop(verify_greedy(tree, pred), stop_token_ids=stops, max_new_tokens=budget)
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    got = accept_walk(
+        choice=pred.to(dev),
+        tokens=tree.tokens.to(dev),
+        first_child=tree.first_child.to(dev),
+        next_sibling=tree.next_sibling.to(dev),
+        stop_ids=stops.to(dev),
+        budget=budget.to(dev),
+        backend=backend,  # type: ignore[arg-type]
+    )
+    for name in ("num_accepted", "accept_index", "output_tokens", "bonus", "commit_steps", "finished"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+    assert set(want.num_accepted.tolist()) >= {0, 1, 2}
+    assert 0 < int(want.finished.sum()) < n

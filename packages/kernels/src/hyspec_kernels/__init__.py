@@ -3,11 +3,13 @@ Triton kernel for GPU, behind wrappers that validate their inputs.
 
 Ops: gated delta rule (`gdn_prefill`, `gdn_decode`, `gdn_verify`), causal depthwise conv1d (`conv_prefill`,
 `conv_decode`, `conv_verify`), state commit after verify (`commit_states`), attention over a paged KV cache
-(`store_kv`, `paged_attention`), GDN gating (`gdn_gating`) and norms (`gated_rmsnorm`, `rms_norm`).
+(`store_kv`, `paged_attention`), GDN gating (`gdn_gating`), norms (`gated_rmsnorm`, `rms_norm`) and a
+verify block's greedy walk with its stop / budget cut (`accept_walk`).
 `python -m hyspec_kernels.selfcheck` runs each against its reference.
 """
 
 from hyspec_kernels._checks import value_checks
+from hyspec_kernels.accept import AcceptResult, accept_walk
 from hyspec_kernels.attention import paged_attention, store_kv
 from hyspec_kernels.commit import StatePair, commit_states
 from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
@@ -17,8 +19,10 @@ from hyspec_kernels.gdn import GDNPrefillOutput, gdn_decode, gdn_prefill, gdn_ve
 __version__ = "0.1.0"
 
 __all__ = [
+    "AcceptResult",
     "GDNPrefillOutput",
     "StatePair",
+    "accept_walk",
     "commit_states",
     "conv_decode",
     "conv_prefill",

@@ -44,6 +44,7 @@ def _nan_pool(shape: tuple[int, ...], used: list[int], gen: torch.Generator, dev
 
 
 def build_cases(device: str) -> dict[str, Case]:
+    from hyspec_kernels.accept import accept_walk
     from hyspec_kernels.attention import paged_attention, store_kv
     from hyspec_kernels.commit import commit_states
     from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
@@ -234,6 +235,25 @@ def build_cases(device: str) -> dict[str, Case]:
 
     cases["store_kv + paged_attention (extend, decode, causal)"] = lambda be: attention_case(be, False)
     cases["store_kv + paged_attention (tree verify, D=4)"] = lambda be: attention_case(be, True)
+
+    # a tree (root children 1 and 2, node 3 under 2, node 4 under 3), a chain cut by a stop id, a chain cut
+    # by its budget, a padded chain (two real nodes of five)
+    def i64(values: list[list[int]] | list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    def accept_case(be: Backend) -> Result:
+        r = accept_walk(
+            choice=i64([[9, 0, 4, 5, 6], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 7, 3, 4, 5]]),
+            tokens=i64([[0, 3, 9, 4, 5], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]),
+            first_child=i64([[1, -1, 3, 4, -1], [1, 2, 3, 4, -1], [1, 2, 3, 4, -1], [1, -1, -1, -1, -1]]),
+            next_sibling=i64([[-1, 2, -1, -1, -1], [-1] * 5, [-1] * 5, [-1] * 5]),
+            stop_ids=i64([[-1], [3], [-1], [-1]]),
+            budget=i64([9, 9, 2, 9]),
+            backend=be,
+        )
+        return {f: getattr(r, f) for f in ("num_accepted", "accept_index", "output_tokens", "finished")}
+
+    cases["accept_walk (tree, stop, budget, padded chain)"] = accept_case
     return cases
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
+from hyspec_kernels.accept import accept_walk
 from hyspec_statepool.transfer import to_device
 
 from hyspec_spec_workers.drafter import CommittedTokens
@@ -26,7 +27,7 @@ from hyspec_spec_workers.sampling import (
     sampling_tensors,
 )
 from hyspec_spec_workers.tree import VerifyTree
-from hyspec_spec_workers.verify import VerifyResult, verify_greedy, verify_sampling
+from hyspec_spec_workers.verify import VerifyResult, truncate_at_stop, verify_sampling
 
 
 def choose_tokens(
@@ -37,9 +38,14 @@ def choose_tokens(
     *,
     nodes: list[int],
     sampler: Sampler,
+    stop_token_ids: torch.Tensor,
+    max_new_tokens: torch.Tensor,
 ) -> VerifyResult:
-    """Greedy and seeded rows by a walk over the target's choice at every node, unseeded sampling rows by
-    exact rejection sampling with the sampler's shared generator.
+    """The round's tokens, already cut at each row's first stop token and at its token budget.
+
+    Greedy and seeded rows walk their block against the target's choice at every node, unseeded sampling
+    rows are verified by exact rejection sampling with the sampler's shared generator. The walk and the cut
+    are one op (`hyspec_kernels.accept_walk`: one launch on CUDA); `truncate_at_stop` cuts the sampled rows.
 
     A seeded row accepts a draft when it equals the token the target draws at that node with the row's keyed
     noise, the draw plain decoding makes at that position: the output is plain decoding's, token for token.
@@ -53,33 +59,72 @@ def choose_tokens(
         requests: per row, in order.
         nodes: the tree's real nodes per row, on the host.
         sampler: the target's sampler (its shared generator draws for unseeded rows).
+        stop_token_ids: [N, M] int64 EOS and stop token ids per row, -1 padded (host or device).
+        max_new_tokens: [N] int64 >= 1, tokens each row may still emit (host or device).
     """
     logits = penalised(logits, tree, requests)
     params = [r.params for r in requests]
-    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
-    if len(greedy) == len(params):
-        return verify_greedy(tree, logits.argmax(dim=-1))
-    parts: list[tuple[list[int], VerifyResult]] = []
-    if greedy:
-        parts.append((greedy, verify_greedy(_rows(tree, greedy), logits[greedy].argmax(dim=-1))))
+    dev = logits.device
     sampled = [i for i, p in enumerate(params) if p.temperature > 0]
-    keyed = [i for i in sampled if params[i].seed is not None]
-    if keyed:
-        parts.append((keyed, verify_greedy(_rows(tree, keyed), _keyed_draws(tree, logits, requests, keyed))))
-    # an unseeded row without drafts draws exactly as plain decoding does, so its output does not depend on
-    # whether other rows of the batch drafted
-    alone = [i for i in sampled if params[i].seed is None and nodes[i] == 1]
-    if alone:
-        st = sampling_tensors([requests[i] for i in alone], logits.device)
-        picked = sampler(logits[alone, 0], replace(st, num_logprobs=-1, penalties=None)).token_ids  # [n]
-        parts.append((alone, verify_greedy(_rows(tree, alone), picked[:, None].expand(-1, tree.block_size))))
+    # unseeded sampling rows with drafts verify by rejection sampling; every other row walks its block
     shared = [i for i in sampled if params[i].seed is None and nodes[i] > 1]
-    if shared:
-        probs = filtered_block_probs(logits[shared], [params[i] for i in shared])  # [n, D, V]
-        dp = None if draft_probs is None else draft_probs[shared]
-        sub = _rows(tree, shared)
-        parts.append((shared, verify_sampling(sub, probs, draft_probs=dp, generator=sampler.generator)))
+    stop = to_device(stop_token_ids, dtype=torch.int64, device=dev)  # host ids: copied without a sync
+    budget = to_device(max_new_tokens, dtype=torch.int64, device=dev)
+    if not shared:
+        return _walk(tree, _choice(tree, logits, requests, sampler, nodes), stop, budget)
+    walk = [i for i in range(len(params)) if i not in set(shared)]
+    parts: list[tuple[list[int], VerifyResult]] = []
+    if walk:
+        idx = to_device(walk, dtype=torch.int64, device=dev)
+        sub, sub_logits = _rows(tree, walk), logits[idx]
+        choice = _choice(sub, sub_logits, [requests[i] for i in walk], sampler, [nodes[i] for i in walk])
+        parts.append((walk, _walk(sub, choice, stop[idx], budget[idx])))
+    idx = to_device(shared, dtype=torch.int64, device=dev)
+    probs = filtered_block_probs(logits[idx], [params[i] for i in shared])  # [n, D, V]
+    dp = None if draft_probs is None else draft_probs[idx]
+    res = verify_sampling(_rows(tree, shared), probs, draft_probs=dp, generator=sampler.generator)
+    parts.append((shared, truncate_at_stop(res, stop_token_ids=stop[idx], max_new_tokens=budget[idx])))
     return _merge(parts, tree.batch_size)
+
+
+def _choice(
+    tree: VerifyTree,
+    logits: torch.Tensor,
+    requests: Sequence[SamplingRequest],
+    sampler: Sampler,
+    nodes: list[int],
+) -> torch.Tensor:
+    """[N, D] int64 the target's token after every node of these walking rows: greedy rows' argmax, seeded
+    rows' keyed draw; an unseeded sampling row without drafts draws exactly as plain decoding does (so its
+    output does not depend on whether other rows of the batch drafted)."""
+    params = [r.params for r in requests]
+    choice = logits.argmax(dim=-1)  # [N, D]
+    keyed = [i for i, p in enumerate(params) if p.temperature > 0 and p.seed is not None]
+    if keyed:
+        choice[to_device(keyed, dtype=torch.int64, device=logits.device)] = _keyed_draws(
+            tree, logits, requests, keyed
+        )
+    alone = [i for i, p in enumerate(params) if p.temperature > 0 and p.seed is None]
+    if alone:
+        assert all(nodes[i] == 1 for i in alone), "unseeded sampling rows with drafts verify by sampling"
+        st = sampling_tensors([requests[i] for i in alone], logits.device)
+        idx = to_device(alone, dtype=torch.int64, device=logits.device)
+        picked = sampler(logits[idx, 0], replace(st, num_logprobs=-1, penalties=None)).token_ids  # [n]
+        choice[idx] = picked[:, None].expand(-1, tree.block_size)
+    return choice
+
+
+def _walk(tree: VerifyTree, choice: torch.Tensor, stop: torch.Tensor, budget: torch.Tensor) -> VerifyResult:
+    """The greedy walk of `tree` against `choice` [N, D], cut at the stop ids and budgets (one op)."""
+    r = accept_walk(
+        choice=choice.to(torch.int64),
+        tokens=tree.tokens,
+        first_child=tree.first_child,
+        next_sibling=tree.next_sibling,
+        stop_ids=stop,
+        budget=budget,
+    )
+    return VerifyResult(r.num_accepted, r.accept_index, r.output_tokens, r.bonus, r.commit_steps, r.finished)
 
 
 def _keyed_draws(

@@ -14,7 +14,7 @@ graphs and an eager loop both satisfy it) and sees requests as `RoundRow`s.
    no real node sees and that verification, commit and stats never reach. Tokens are chosen on the
    penalised logits, greedy rows by argmax walk, sampling rows by exact rejection sampling on the plain
    sampler's filtered distribution (`choose.py`).
-4. `truncate_at_stop` cuts every row at its first EOS / stop token id and at its token budget. The very
+4. The chosen tokens come cut at every row's first EOS / stop token id and at its token budget. The very
    same arrays go to `commit_after_verify`, to the drafter and to the tokens returned (which set the
    caller's computed length), so KV, recurrent state and output always agree (bug class 22).
 5. A model drafter gets the accepted path with the target's features, lazily (`draft_feed.py`).
@@ -43,7 +43,6 @@ from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
 from hyspec_spec_workers.sampling import SampledToken, Sampler, SamplingRequest, chosen_ranks
 from hyspec_spec_workers.tree import VerifyTree
-from hyspec_spec_workers.verify import truncate_at_stop
 
 
 class RoundRequest(SamplingRequest, Protocol):
@@ -388,6 +387,8 @@ class SpeculativeRound:
         logits = target.compute_logits(hidden).reshape(n, d, -1)  # [N, D, V]
         if blocks is not None:
             mask_block_logits(logits, [r.constraint for r in rows], blocks)
+        # the tokens come cut at each row's first stop token and its budget (host tensors, copied without a
+        # sync); the same arrays go to the commit, the drafter, the computed-token count and the output
         result = choose_tokens(
             tree,
             logits,
@@ -395,12 +396,9 @@ class SpeculativeRound:
             [r.request for r in rows],
             nodes=nodes,
             sampler=target.sampler,
+            stop_token_ids=_stop_ids(rows),
+            max_new_tokens=torch.tensor([r.max_new_tokens for r in rows], dtype=torch.int64),
         )
-        # host tensors: truncate_at_stop checks them on the host and copies them without a sync
-        stop = _stop_ids(rows)
-        budget = torch.tensor([r.max_new_tokens for r in rows], dtype=torch.int64)
-        # the same (truncated) arrays go to the commit, the drafter, the computed-token count and the output
-        result = truncate_at_stop(result, stop_token_ids=stop, max_new_tokens=budget)
         target.commit_after_verify(
             batch=batch,
             num_accepted=result.num_accepted,
