@@ -205,3 +205,23 @@ def test_host_translations_reach_cuda_without_a_sync(make_pool: MakePool) -> Non
     want = pool.kv_slots(req_rows=rows, start_positions=torch.tensor([1, 2, 3]), num_tokens=2)
     assert view.tensor.device.type == "cuda" and view.tolist() == [*want.tolist(), -1, -1]
     assert slots.tolist() == [*pool.state_slots(rows).tolist(), -1]
+
+
+def test_pages_of_many_rows_in_one_write(make_pool: MakePool) -> None:
+    """`set_pages_many` (what a round's growth of many rows uses) writes every row's page-table entries and
+    token slots, including a last page that reaches past the table width, as page-by-page reasoning says."""
+    pool = make_pool(max_num_seqs=4, num_state_slots=5, num_kv_pages=40, page_size=4, max_context=10)
+    table = pool.table
+    width, ps = table.width, table.page_size
+    assert width % ps, "the case needs a last page that reaches past the table width"
+    last = (width - 1) // ps  # the page holding the last column
+    table.set_pages_many([(0, 0, [7, 3]), (2, 1, [5]), (3, last, [11]), (1, 0, [])])
+    want = torch.full((table.num_rows, width), -1, dtype=torch.int32)
+    for row, first, pages in ((0, 0, [7, 3]), (2, 1, [5]), (3, last, [11])):
+        for j, page in enumerate(pages):
+            for o in range(ps):
+                if (first + j) * ps + o < width:
+                    want[row, (first + j) * ps + o] = page * ps + o
+    assert torch.equal(table.req_to_kv.cpu(), want)
+    assert table.page_table[0, :2].tolist() == [7, 3] and int(table.page_table[2, 1]) == 5
+    assert table.mirror_mismatches() == []

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from hyspec_statepool.transfer import to_device
 
 from hyspec_spec_workers.drafter import CommittedTokens, ModelDrafter
 
@@ -24,12 +25,24 @@ MAX_PENDING = 256
 WARM_UP_TOKENS = MAX_PENDING // 2
 
 
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """One forward's committed tokens with their features, copied out of the forward's outputs once."""
+
+    tokens: torch.Tensor  # [T] int64
+    hidden: torch.Tensor  # [T, H]
+    aux: tuple[torch.Tensor, ...]  # each [T, H]
+
+
 @dataclass(slots=True)
 class _Waiting:
-    """One request's committed tokens not yet in the draft KV, in position order, and how many they are
-    (kept as they arrive: summing the pieces every step would grow with the wait)."""
+    """One request's committed tokens not yet in the draft KV: its rows of the records they came in, in
+    position order, and how many they are (kept as they arrive: summing the pieces every step would grow with
+    the wait). A piece is (record, first row, rows): integers only, so adding a forward's tokens costs no
+    tensor op per request."""
 
-    pieces: list[CommittedTokens] = field(default_factory=list)
+    start: int  # position of the first waiting token
+    pieces: list[tuple[_Record, int, int]] = field(default_factory=list)
     num_tokens: int = 0
 
 
@@ -61,27 +74,21 @@ class DraftFeed:
         self._pending.pop(request_id, None)
 
     def add(self, committed: CommittedTokens) -> None:
-        """Keeps each request's committed tokens (features copied) until `flush`; a request with
-        `MAX_PENDING` waiting tokens is flushed at once."""
+        """Keeps each request's committed tokens (features copied, once for the whole forward) until `flush`;
+        a request with `MAX_PENDING` waiting tokens is flushed at once."""
         c = committed
-        hidden = c.hidden_states.clone()  # [T, H]
-        aux = tuple(a.clone() for a in c.aux_hidden_states)
+        record = _Record(c.tokens, c.hidden_states.clone(), tuple(a.clone() for a in c.aux_hidden_states))
         off = 0
         full: list[str] = []
-        for i, (rid, q) in enumerate(zip(c.req_ids, c.num_tokens.tolist(), strict=True)):
-            piece = CommittedTokens(
-                req_ids=[rid],
-                start_positions=c.start_positions[i : i + 1],
-                num_tokens=c.num_tokens[i : i + 1],
-                tokens=c.tokens[off : off + q],
-                hidden_states=hidden[off : off + q],
-                aux_hidden_states=tuple(a[off : off + q] for a in aux),
-            )
-            off += q
+        starts = c.start_positions.tolist()  # host tensors: no device read
+        for rid, start, q in zip(c.req_ids, starts, c.num_tokens.tolist(), strict=True):
             key = str(rid)
-            waiting = self._pending.setdefault(key, _Waiting())
-            waiting.pieces.append(piece)
+            waiting = self._pending.get(key)
+            if waiting is None:
+                waiting = self._pending[key] = _Waiting(start)
+            waiting.pieces.append((record, off, q))
             waiting.num_tokens += q
+            off += q
             if waiting.num_tokens >= MAX_PENDING:
                 full.append(key)
         if full:
@@ -92,18 +99,35 @@ class DraftFeed:
         merged = [(rid, self._pending.pop(rid)) for rid in req_ids if rid in self._pending]
         if not merged:
             return 0
-        parts = [p for _, w in merged for p in w.pieces]  # request by request, in position order
-        n_aux = len(parts[0].aux_hidden_states)
+        # the records these pieces come from, stacked, and every waiting row's index in the stack, request by
+        # request in position order: one gather per tensor
+        records: dict[int, tuple[_Record, int]] = {}
+        base = 0
+        rows: list[int] = []
+        for _, w in merged:
+            for record, first, q in w.pieces:
+                at = records.get(id(record))
+                if at is None:
+                    at = records[id(record)] = (record, base)
+                    base += int(record.tokens.shape[0])
+                rows += range(at[1] + first, at[1] + first + q)
+        stack = [r for r, _ in records.values()]
+
+        def gather(parts: list[torch.Tensor]) -> torch.Tensor:
+            whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if len(rows) == whole.shape[0] and rows == list(range(len(rows))):
+                return whole  # every row, in order (one request's one forward): no gather
+            return whole[to_device(rows, dtype=torch.int64, device=whole.device)]
+
+        n_aux = len(stack[0].aux)
         self.drafter.commit(
             CommittedTokens(
                 req_ids=[rid for rid, _ in merged],
-                start_positions=torch.cat([w.pieces[0].start_positions for _, w in merged]),
+                start_positions=torch.tensor([w.start for _, w in merged], dtype=torch.int64),
                 num_tokens=torch.tensor([w.num_tokens for _, w in merged], dtype=torch.int64),
-                tokens=torch.cat([p.tokens for p in parts]),
-                hidden_states=torch.cat([p.hidden_states for p in parts]),
-                aux_hidden_states=tuple(
-                    torch.cat([p.aux_hidden_states[k] for p in parts]) for k in range(n_aux)
-                ),
+                tokens=gather([r.tokens for r in stack]),
+                hidden_states=gather([r.hidden for r in stack]),
+                aux_hidden_states=tuple(gather([r.aux[k] for r in stack]) for k in range(n_aux)),
             )
         )
         return max(w.num_tokens for _, w in merged)

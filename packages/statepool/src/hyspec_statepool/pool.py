@@ -165,11 +165,14 @@ class HybridStatePool:
             if self.kv.num_free < sum(need):
                 holder.reclaim_pages(sum(need))
         pages = self.kv.alloc(sum(need))
+        updates: list[tuple[int, int, list[int]]] = []
         for req_id, k in zip(req_ids, need, strict=True):
-            live = self._live[req_id]
-            new, pages = pages[:k], pages[k:]
-            self.table.set_pages(live.row, len(live.pages), new)
-            live.pages.extend(new)
+            if k:
+                live = self._live[req_id]
+                new, pages = pages[:k], pages[k:]
+                updates.append((live.row, len(live.pages), new))
+                live.pages.extend(new)
+        self.table.set_pages_many(updates)  # every row's new pages in one copy
 
     def adopt_pages(self, req_id: Hashable, pages: Sequence[int]) -> None:
         """A request without pages takes `pages` as its first ones (a prefix-cache hit); the caller has

@@ -51,22 +51,39 @@ class RequestTable:
 
     def set_pages(self, row: int, first: int, pages: list[int]) -> None:
         """Record `pages` as the row's pages number `first, first + 1, ...` and fill their token slots."""
-        if not pages:
+        self.set_pages_many([(row, first, pages)])
+
+    def set_pages_many(self, updates: list[tuple[int, int, list[int]]]) -> None:
+        """`set_pages` for several (row, first, pages) at once: one host-to-device copy and a few device ops
+        whatever the number of rows (a round grows many rows by a page)."""
+        updates = [u for u in updates if u[2]]
+        if not updates:
             return
         self.version += 1
+        rows: list[int] = []
+        cols: list[int] = []
+        ids: list[int] = []
+        for row, first, pages in updates:
+            self.host_page_table[row, first : first + len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            listed = self.host_pages[row]
+            listed.extend([-1] * (first - len(listed)))  # a gap before `first` stays unmapped
+            listed[first : first + len(pages)] = pages
+            rows += [row] * len(pages)
+            cols += range(first, first + len(pages))
+            ids += pages
+        k = len(ids)
         device = self.page_table.device
-        page_ids = to_device(pages, dtype=torch.int32, device=device)  # [k]
-        self.page_table[row, first : first + len(pages)] = page_ids
-        self.host_page_table[row, first : first + len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        listed = self.host_pages[row]
-        listed.extend([-1] * (first - len(listed)))  # a gap before `first` stays unmapped
-        listed[first : first + len(pages)] = pages
-        offsets = torch.arange(self.page_size, dtype=torch.int32, device=device)  # [page_size]
-        slots = (page_ids[:, None] * self.page_size + offsets).reshape(-1)  # [k * page_size]
-        start = first * self.page_size
-        # the last page of a row may reach past the table width; those positions do not exist
-        end = min(start + slots.numel(), self.width)
-        self.req_to_kv[row, start:end] = slots[: end - start]
+        packed = to_device(rows + cols + ids, dtype=torch.int64, device=device).view(3, k)  # one copy
+        row_t, col_t, page_t = packed.unbind(0)  # [k] each
+        self.page_table[row_t, col_t] = page_t.to(torch.int32)
+        offsets = torch.arange(self.page_size, dtype=torch.int64, device=device)  # [page_size]
+        pos = col_t[:, None] * self.page_size + offsets  # [k, page_size] token positions
+        slots = page_t[:, None] * self.page_size + offsets  # [k, page_size] their KV slots
+        # a row's last page may reach past the table width; those positions do not exist: they are pointed
+        # at the last column instead, with that column's own slot (a duplicate write of one value)
+        clamped = pos.clamp(max=self.width - 1)
+        slots = slots - (pos - clamped)
+        self.req_to_kv[row_t[:, None].expand(k, self.page_size), clamped] = slots.to(torch.int32)
 
     def clear_pages(self, row: int, first: int) -> None:
         """Forget the row's pages from number `first` on."""
