@@ -252,3 +252,30 @@ def test_speculative_config_is_validated_in_engine_args() -> None:
     assert default == SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 3})
     ngram = EngineArgs(speculative_config={"method": "ngram"}).speculative_config
     assert ngram is not None and ngram.method == "ngram"
+
+
+def test_running_requests_grow_in_one_call_and_preempt_the_newest_when_short() -> None:
+    """The decoding rows of a step grow together (one page-table write) when memory holds them all; when
+    it does not, nothing is granted by that call and rows grow one by one, preempting the newest request,
+    exactly as before (outputs equal to a roomy pool's)."""
+    ps = prompts(6, seed=3)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    ref = LLM.from_engine(make_engine(pages=400)).generate([{"prompt_token_ids": p} for p in ps], params)
+    for pages, expect_preemption in ((400, False), (20, True)):
+        eng = make_engine(pages=pages, max_len=80, budget=256)
+        calls: list[int] = []
+        grow = eng.scheduler.memory.grow
+
+        def counted(ids: list[str], num: list[int], grow: object = grow, calls: list[int] = calls) -> bool:
+            calls.append(len(ids))
+            return grow(ids, num)  # type: ignore[operator]
+
+        eng.scheduler.memory.grow = counted  # type: ignore[method-assign]
+        outs = LLM.from_engine(eng).generate([{"prompt_token_ids": p} for p in ps], params)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+        assert (eng.scheduler.num_preemptions > 0) == expect_preemption
+        assert max(calls) > 1  # several running rows in one call
+        if not expect_preemption:
+            # with room, every step after admission makes one grow call for all its running rows
+            assert calls.count(len(ps)) >= 25
+        eng.leak_check()

@@ -44,8 +44,9 @@ class RequestMemory(Protocol):
         """Gives the request a row and a state slot (no KV pages yet)."""
         ...
 
-    def grow(self, request_id: str, num_tokens: int) -> bool:
-        """Room for the request's first `num_tokens` tokens; False (nothing changed) when pages run out."""
+    def grow(self, request_ids: Sequence[str], num_tokens: Sequence[int]) -> bool:
+        """Room for each request's first `num_tokens[i]` tokens, all or nothing: False (nothing changed) when
+        pages run out (a step's decoding rows grow together: one page-table write)."""
         ...
 
     def free(self, request_id: str) -> None:

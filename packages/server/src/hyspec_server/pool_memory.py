@@ -74,11 +74,11 @@ class StatePoolMemory:
         for f in self.followers:
             f.on_alloc(request_id)
 
-    def grow(self, request_id: str, num_tokens: int) -> bool:
+    def grow(self, request_ids: Sequence[str], num_tokens: Sequence[int]) -> bool:
         if not self._has_kv:
-            return num_tokens <= self._max_tokens
+            return all(n <= self._max_tokens for n in num_tokens)
         try:
-            self.pool.ensure_kv_capacity([request_id], [num_tokens])
+            self.pool.ensure_kv_capacity(request_ids, num_tokens)
         except PoolExhaustedError:
             return False
         return True

@@ -114,22 +114,26 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         i = 0
-        look = self.config.num_lookahead_tokens
+        # the running requests' chunks as planned without preemption; when memory holds all of them at
+        # once (the common case) they grow in one call, else request by request below, preempting the newest
+        planned = self._plan_running(budget)
+        if planned and self.memory.grow(
+            [c.request.request_id for c in planned], [c.end + c.num_lookahead for c in planned]
+        ):
+            chunks, i = list(planned), len(planned)
+            budget -= sum(c.num_new + c.num_lookahead for c in planned)
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk_len(req, budget)
-            # a decoding request verifies a block: its current token plus up to `look` drafts
-            verify = look > 0 and self._is_decoding(req) and budget >= 1 + look
-            extra = look if verify else 0
-            while not self.memory.grow(req.request_id, req.num_computed_tokens + n + extra):
+            c = self._running_chunk(req, budget)
+            while not self.memory.grow([req.request_id], [c.end + c.num_lookahead]):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             else:
-                chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, verify, extra))
-                budget -= n + extra
+                chunks.append(c)
+                budget -= c.num_new + c.num_lookahead
                 i += 1
         # admitting right after a preemption would just take the memory back
         while (
@@ -151,7 +155,7 @@ class Scheduler:
                 )
             req.num_computed_tokens = cached
             n = self._chunk_len(req, budget)
-            if not self.memory.grow(req.request_id, cached + n):
+            if not self.memory.grow([req.request_id], [cached + n]):
                 self.memory.free(req.request_id)
                 req.num_computed_tokens = 0
                 break
@@ -163,6 +167,25 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, cached, n))
             budget -= n
         return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def _plan_running(self, budget: int) -> list[ScheduledChunk]:
+        """The running requests' chunks in order within the token budget, as `schedule` makes them when
+        nobody is preempted."""
+        out: list[ScheduledChunk] = []
+        for req in self.running:
+            if budget <= 0:
+                break
+            out.append(c := self._running_chunk(req, budget))
+            budget -= c.num_new + c.num_lookahead
+        return out
+
+    def _running_chunk(self, req: Request, budget: int) -> ScheduledChunk:
+        """A running request's chunk this step, within `budget` tokens."""
+        look = self.config.num_lookahead_tokens
+        n = self._chunk_len(req, budget)
+        # a decoding request verifies a block: its current token plus up to `look` drafts
+        verify = look > 0 and self._is_decoding(req) and budget >= 1 + look
+        return ScheduledChunk(req, req.num_computed_tokens, n, verify, look if verify else 0)
 
     def quarantine(self, requests: Iterable[Request]) -> None:
         """The requests of a failed step go back to the front of the queue, memory freed, to be recomputed
@@ -195,7 +218,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
         n = self._chunk_len(req, self.config.max_num_batched_tokens)
-        while not self.memory.grow(req.request_id, req.num_computed_tokens + n):
+        while not self.memory.grow([req.request_id], [req.num_computed_tokens + n]):
             other = next((r for r in reversed(self.running) if r is not req), None)
             if other is None:
                 break  # alone and still no room: its next step tries again, as any request's would

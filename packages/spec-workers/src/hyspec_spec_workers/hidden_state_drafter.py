@@ -270,10 +270,33 @@ class HiddenStateDrafter:
         rows = self.kv.rows(ids).tensor.long()
         prev = self.root_features[rows]  # [N, F] each row's feature before this commit (a gather: no sync)
         starts, counts = c.start_positions.tolist(), c.num_tokens.tolist()
+        # every row's pairs (token t, feature before t) at once: indices into the tokens and into
+        # [prev; feats], so the whole commit is two gathers whatever the number of rows
+        n = len(ids)
+        tok_idx: list[int] = []
+        feat_idx: list[int] = []
+        spans: list[tuple[int, int]] = []  # per row: its pairs' first index and count
+        off = 0
+        for i, (s, q) in enumerate(zip(starts, counts, strict=True)):
+            begin = len(tok_idx)
+            if q and s == 0:
+                # the first token has no previous position: its pair does not exist
+                tok_idx.extend(range(off + 1, off + q))
+                feat_idx.extend(range(n + off, n + off + q - 1))
+            elif q:
+                tok_idx.extend(range(off, off + q))
+                feat_idx.append(i)  # the first token's previous feature is the row's root feature
+                feat_idx.extend(range(n + off, n + off + q - 1))
+            spans.append((begin, len(tok_idx) - begin))
+            off += q
+        dev = feats.device
+        pair_tok = c.tokens[to_device(tok_idx, dtype=torch.int64, device=c.tokens.device)]  # [P]
+        both = torch.cat([prev.to(feats.dtype), feats])  # [N + T, F]
+        pair_feat = both[to_device(feat_idx, dtype=torch.int64, device=dev)]  # [P, F]
         now: list[Hashable] = []
         last: list[int] = []  # per row with tokens: its last token's index in `feats`
         off = 0
-        for i, (r, s, q) in enumerate(zip(ids, starts, counts, strict=True)):
+        for r, s, q, (b, k) in zip(ids, starts, counts, spans, strict=True):
             waiting = self._unwritten.pop(r, [])
             have = self.kv.lengths[r] + sum(int(t.shape[0]) for t, _ in waiting)
             if have != max(s - 1, 0):
@@ -281,17 +304,9 @@ class HiddenStateDrafter:
                     f"committed.start_positions: request {r!r} has {have + 1} committed tokens "
                     f"in the draft, got a commit starting at {s}"
                 )
-            tok, f = c.tokens[off : off + q], feats[off : off + q]
             off += q
-            if q == 0:
-                pair = (tok, f)
-            elif s == 0:
-                # the first token has no previous position: its pair does not exist
-                pair = (tok[1:], f[:-1])
-            else:
-                pair = (tok, torch.cat([prev[i : i + 1], f[:-1]]))
             last.append(off - 1 if q else -1)
-            waiting.append(pair)
+            waiting.append((pair_tok[b : b + k], pair_feat[b : b + k]))
             self._unwritten[r] = waiting
             if not self._fast_chain or sum(int(t.shape[0]) for t, _ in waiting) > self.block0 - 1:
                 now.append(r)
