@@ -66,6 +66,8 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     max_len = a.prompt_tokens + a.new + 16
     refs: dict[int, list[list[int]]] = {}
     for name, spec in CONFIGS.items():
+        if a.configs and name not in a.configs.split(","):
+            continue
         for b in BATCHES:
             rows = [ps[i % len(ps)] for i in range(b)]
             drafters = None
@@ -144,24 +146,66 @@ def compare(before: dict[str, Any], after: dict[str, Any], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(after: dict[str, Any], path: Path) -> str:
+    """Speed-up over plain against batch size for every speculative run, with the speed-up its measured
+    round costs predict (accepted tokens per round x plain step / round with S drafts) drawn beside it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "No plot: matplotlib is not importable."
+    runs = after["runs"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for c, name in enumerate(n for n in CONFIGS if n != "plain"):
+        if f"{name}/b{BATCHES[0]}" not in runs:
+            continue
+        meas, pred = [], []
+        for b in BATCHES:
+            r, p = runs[f"{name}/b{b}"], runs[f"plain/b{b}"]
+            meas.append(r["decode_tok_s"] / p["decode_tok_s"])
+            ms = r.get("measured_ms") or {}
+            ok = ms.get("round_with_3_drafts") and ms.get("decode") and r.get("mean_accept_length")
+            pred.append(r["mean_accept_length"] * ms["decode"] / ms["round_with_3_drafts"] if ok else None)
+        ax.plot(BATCHES, meas, marker="o", color=f"C{c}", label=f"{name} measured")
+        pts = [(b, y) for b, y in zip(BATCHES, pred, strict=True) if y is not None]
+        if pts:
+            ax.plot(*zip(*pts), ls="--", marker="x", color=f"C{c}", label=f"{name} predicted by round costs")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xscale="log", xlabel="batch", ylabel="decode speed-up over plain hyspec", title=after["device"])
+    ax.set_xticks(BATCHES, [str(b) for b in BATCHES])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"![speed-up vs batch]({path.name})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--label", default="run")
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--configs", help=f"a comma-separated subset of {list(CONFIGS)}, plain included")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--before", nargs="+", type=Path, help="result files of the tree before the change")
     ap.add_argument("--after", nargs="+", type=Path, help="result files of the tree after it")
     ap.add_argument("--title", default="The speculative round", help="what changed (the report's title)")
-    ap.add_argument("--name", default="round-compare", help="report file name: <device>-<name>.md / .json")
+    ap.add_argument("--name", default="round-compare", help="report file name: <device>-<name>.md/.json/.png")
+    ap.add_argument("--replot", type=Path, help="a compare JSON: draw its after tree's plot again and stop")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.replot:
+        print(plot(json.loads(a.replot.read_text())["after"], a.replot.with_suffix(".png")))
+        return
     if a.before or a.after:
         if not (a.before and a.after):
             raise SystemExit("--before and --after go together")
         before, after = median_runs(a.before), median_runs(a.after)
         dev = after["device"].lower().replace(" ", "-")
-        (a.out / f"{dev}-{a.name}.md").write_text(compare(before, after, a.title))
+        figure = plot(after, a.out / f"{dev}-{a.name}.png")
+        (a.out / f"{dev}-{a.name}.md").write_text(compare(before, after, a.title) + "\n" + figure + "\n")
         both = {"before": before, "after": after}
         (a.out / f"{dev}-{a.name}.json").write_text(json.dumps(both, indent=1))
         return

@@ -103,6 +103,7 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
     targets: list[tuple[str, Any, str]] = [
         ("engine.step", engine, "step"),
         ("  schedule", engine.scheduler, "schedule"),
+        ("    memory.grow", engine.scheduler.memory, "grow"),
         ("  execute", runner, "execute"),
         ("  finish", engine.scheduler, "finish"),
         ("run_plain", runner, "run_plain"),

@@ -510,3 +510,100 @@ def test_a_thin_useless_history_warms_up_at_the_smallest_length() -> None:
     good.shared.add(3, 3)
     assert good.new_request(H100).steps == 3
     assert AdaptiveController(AdaptiveConfig(), initial_steps=3).new_request(H100).steps == 3
+
+
+def test_cost_tracker_counts_only_steady_plain_steps() -> None:
+    t = CostTracker(alpha=1.0)
+    t.record_verify(2, 1.2)
+    t.record_decode(
+        2.0, rows=3, steady=False
+    )  # an isolated plain round: its batch built on the critical path
+    assert not t.has_decode and t.decode_s() == pytest.approx(1.2) and t.rows_per_step() == 1.0
+    t.record_decode(0.8, rows=3, steady=True)
+    assert t.has_decode and t.decode_s() == pytest.approx(0.8) and t.rows_per_step() == 3.0
+
+
+def test_rounds_time_two_plain_steps_in_a_row_at_start_and_every_timing_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cost-aware adaptive rounds weigh drafting against a steady plain step: the engine's first two rounds
+    are plain and only the second is recorded; after `TIMING_EVERY` drafting rounds two plain rounds time it
+    again. Drafting rounds in between never touch the plain-step cost."""
+    import torch
+    from hyspec_spec_workers import DraftOutput, VerifyTree
+    from hyspec_spec_workers import round as round_mod
+    from hyspec_spec_workers.round import RoundRow, SpeculativeRound, VerifiedTokens
+    from hyspec_spec_workers.sampling import SampledToken
+
+    monkeypatch.setattr(round_mod, "TIMING_EVERY", 5)
+
+    class Drafter:
+        max_draft_tokens = 2
+
+        def propose(self, batch: object) -> DraftOutput:
+            roots = batch.root_tokens  # type: ignore[attr-defined]
+            return DraftOutput(VerifyTree.chain(roots, torch.ones(roots.shape[0], 1, dtype=torch.int64)))
+
+    @dataclass
+    class Params:
+        temperature: float = 0.0
+        seed: int | None = None
+        logprobs: int | None = None
+
+    @dataclass
+    class Req:
+        request_id: str
+        params: Params = field(default_factory=Params)
+
+        def token_slice(self, start: int, end: int) -> list[int]:
+            return [1] * (end - start)
+
+    class Target:
+        device = torch.device("cpu")
+
+        def __init__(self) -> None:
+            self.decodes: list[int] = []
+
+        def decode(self, rows: list[RoundRow]) -> list[SampledToken]:
+            self.decodes.append(len(rows))
+            return [SampledToken(1, None, None) for _ in rows]
+
+    spec = SpeculativeRound(Drafter(), num_speculative_tokens=1, adaptive=AdaptiveConfig(cost_aware=True))
+
+    class Length:  # every request keeps drafting: this test follows the timing rounds, not the policy
+        steps = 1
+
+        def observe(self, accepted: int, costs: object) -> None:
+            pass
+
+    assert spec.adaptive is not None
+    monkeypatch.setattr(spec.adaptive, "new_request", lambda known: Length())
+    # drafting rounds accept their one draft; the plain-step cost is what this test follows
+    monkeypatch.setattr(
+        spec,
+        "_verify",
+        lambda target, rows, draft, blocks: (
+            [VerifiedTokens((SampledToken(1, None, None),) * 2, 1, 1)] * len(rows),
+            2,
+        ),
+    )
+    recorded: list[bool] = []
+    record = spec.costs.record_decode
+    monkeypatch.setattr(
+        spec.costs,
+        "record_decode",
+        lambda seconds, rows=1, *, steady=True: (
+            recorded.append(steady),
+            record(seconds, rows, steady=steady),
+        ),
+    )
+    target = Target()
+    rows = [RoundRow(Req("a"), 10, 1, 1, 1000, frozenset()), RoundRow(Req("b"), 12, 1, 1, 1000, frozenset())]
+    kinds = []
+    for _ in range(12):
+        before = len(target.decodes)
+        spec.run(target, rows)  # type: ignore[arg-type]
+        kinds.append("plain" if len(target.decodes) > before else "draft")
+    assert kinds[:2] == ["plain", "plain"] and recorded[:2] == [False, True]
+    assert kinds[2:7] == ["draft"] * 5 and kinds[7:9] == ["plain", "plain"] and kinds[9:] == ["draft"] * 3
+    assert recorded == [False, True, False, True]

@@ -234,10 +234,14 @@ def accepted_path(
     """
     n, d = tree.batch_size, tree.block_size
     dev = res.accept_index.device
-    # [N * D] flat block position of each path entry; row i keeps its first num_accepted[i] + 1 entries
-    node = (res.accept_index.clamp(min=0) + torch.arange(n, device=dev)[:, None] * d).reshape(-1)
     keep = [i * d + j for i, k in enumerate(num_accepted) for j in range(k + 1)]  # row by row, root first
-    flat = node[to_device(keep, dtype=torch.int64, device=dev)]  # [sum(accepted + 1)]
+    if tree.is_chain:
+        # a chain's path is its first num_accepted + 1 nodes: the flat positions are known on the host
+        flat = to_device(keep, dtype=torch.int64, device=dev)  # [sum(accepted + 1)]
+    else:
+        # [N * D] flat block position of each path entry; row i keeps its first num_accepted[i] + 1 entries
+        node = (res.accept_index.clamp(min=0) + torch.arange(n, device=dev)[:, None] * d).reshape(-1)
+        flat = node[to_device(keep, dtype=torch.int64, device=dev)]  # [sum(accepted + 1)]
 
     def gather(x: torch.Tensor) -> torch.Tensor:  # [N * D, H] -> [sum(accepted + 1), H]
         return x.reshape(n * d, -1)[flat.to(x.device)]

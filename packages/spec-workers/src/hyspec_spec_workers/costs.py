@@ -77,8 +77,8 @@ class CostEstimate:
 class CostTracker:
     """Measured costs: EMAs of plain-decode, per-draft-step and per-block-size verify times.
 
-    Before a plain decode step has been timed, decode cost is taken as the verify time of the smallest block
-    seen (a D = 1 verify is a decode step); unmeasured block sizes are extrapolated linearly.
+    Before a steady plain decode step has been timed, decode cost is taken as the verify time of the smallest
+    block seen (a D = 1 verify is a decode step); unmeasured block sizes are extrapolated linearly.
 
     Catch-up rounds (`record_catch_up`) are rare and their cost moves with the load, so their EMA weighs
     each new one by `CATCH_UP_ALPHA`; they are kept as (seconds, drafts) and weighed against the round costs
@@ -100,10 +100,13 @@ class CostTracker:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1.0 - self.alpha) * old + self.alpha * new
 
-    def record_decode(self, seconds: float, rows: int = 1) -> None:
-        """A plain decode step of `rows` requests took `seconds`."""
-        self._decode = self._ema(self._decode, seconds)
-        self._rows = self._ema(self._rows, float(max(rows, 1)))
+    def record_decode(self, seconds: float, rows: int = 1, *, steady: bool = True) -> None:
+        """A plain decode step of `rows` requests took `seconds`; `steady`: it came right after another
+        plain step. Only steady steps count: an isolated plain round among drafting ones prepares its batch
+        on the critical path and costs up to twice a steady step, which would favour drafting."""
+        if steady:
+            self._decode = self._ema(self._decode, seconds)
+            self._rows = self._ema(self._rows, float(max(rows, 1)))
 
     def record_catch_up(self, seconds: float, num_drafts: int = 0) -> None:
         """A round (or a bare draft extend, `num_drafts` 0) that caught the draft KV up took `seconds`."""

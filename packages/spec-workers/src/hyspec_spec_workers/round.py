@@ -44,6 +44,10 @@ from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, Dr
 from hyspec_spec_workers.sampling import SampledToken, Sampler, SamplingRequest, chosen_ranks
 from hyspec_spec_workers.tree import VerifyTree
 
+# rounds between two timings of a steady plain decode step (cost-aware adaptive lengths; see
+# `SpeculativeRound._timing_round`): two plain rounds in 256 cost under 1% of what drafting gains
+TIMING_EVERY = 256
+
 
 class RoundRequest(SamplingRequest, Protocol):
     """A request as the round sees it: the sampler's view plus its id and its tokens (n-gram history)."""
@@ -176,6 +180,8 @@ class SpeculativeRound:
         self.max_draft_tokens = drafter.max_draft_tokens if max_draft_tokens is None else max_draft_tokens
         self.adaptive = None if adaptive is None else AdaptiveController(adaptive, num_speculative_tokens)
         self.costs = CostTracker()
+        self._plain_before = False  # the last round was a plain decode step (the next one is steady)
+        self._since_timing = 0  # rounds since a steady plain step was timed
         self._lengths: dict[str, AdaptiveDraftLength] = {}
         self._followed: set[str] = set()
 
@@ -265,13 +271,19 @@ class SpeculativeRound:
     # ---------------------------------------------------------------- one round
 
     def _timing_round(self) -> bool:
-        """The first round with cost-aware adaptive lengths times a plain decode step instead of drafting.
+        """With cost-aware adaptive lengths, some rounds time a plain decode step instead of drafting.
 
-        Every later cost decision compares against that time (without it the smallest verify block's time
-        stands in, which is too high and makes drafting look better than it is); the round costs nothing
-        against plain decoding and is not observed by the requests' length states.
+        Every cost decision compares drafting against a steady plain step: one right after another plain
+        step, as when nobody drafts. An isolated plain round among drafting ones (or the engine's first)
+        builds its batch on the critical path and can cost twice as much, which makes drafting look better
+        than it is; so timing takes two plain rounds in a row and records the second (`CostTracker.
+        record_decode`), at the start and again every `TIMING_EVERY` rounds (the plain step's cost moves
+        with the batch size). Timing rounds cost nothing against plain decoding and are not observed by the
+        requests' length states.
         """
-        return self.adaptive is not None and self.adaptive.config.cost_aware and not self.costs.has_decode
+        if self.adaptive is None or not self.adaptive.config.cost_aware:
+            return False
+        return not self.costs.has_decode or self._since_timing >= TIMING_EVERY
 
     def draft_lengths(self, rows: Sequence[RoundRow]) -> list[int]:
         out: list[int] = []
@@ -333,10 +345,16 @@ class SpeculativeRound:
             results = [VerifiedTokens((t,), 0, 0) for t in target.decode(rows)]
             if timed:
                 drafting = 0.0 if draft is None else clock.seconds()
-                self.costs.record_decode(time.perf_counter() - t0 - drafting, rows=n)
+                seconds = time.perf_counter() - t0 - drafting
+                self.costs.record_decode(seconds, rows=n, steady=self._plain_before)
+                if self._plain_before:
+                    self._since_timing = 0
+            self._plain_before = True
             num_acc = [0] * n
         else:
             results, block = self._verify(target, rows, draft, blocks)
+            self._plain_before = False
+            self._since_timing += 1
             if timed:
                 # the round's outcome has been read: the device is done, the drafting time can be read
                 drafting = clock.seconds()
