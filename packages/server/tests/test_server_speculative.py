@@ -723,6 +723,7 @@ def test_one_off_draft_extends_are_not_timed(tiny_qwen3_5: Path, idle_rounds: in
     spec.costs.record_draft = counted
     spec.costs.record_catch_up = counted_catch_up
     LLM.from_engine(eng).generate(_ids(PROMPTS[:1]), _greedy(16))
+    spec.begin_step()  # a round's costs are recorded when the next step begins (with the engine's share)
     drafting = [i for i, w in enumerate(rounds) if w > 0]
     assert len(PROMPTS[0]) > 3 and len(drafting) >= 3
     # the first drafting round writes the prompt; after idle rounds at least 1 + idle_rounds > 3 tokens

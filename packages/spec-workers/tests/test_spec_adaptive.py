@@ -521,14 +521,20 @@ def test_cost_tracker_counts_only_steady_plain_steps() -> None:
     assert not t.has_decode and t.decode_s() == pytest.approx(1.2) and t.rows_per_step() == 1.0
     t.record_decode(0.8, rows=3, steady=True)
     assert t.has_decode and t.decode_s() == pytest.approx(0.8) and t.rows_per_step() == 3.0
+    # the fastest of the latest few steady steps: a cold or stalled one does not hold the estimate up
+    t.record_decode(2.4, rows=3)
+    assert t.decode_s() == pytest.approx(0.8)
+    for _ in range(CostTracker.DECODE_SAMPLES):
+        t.record_decode(1.0, rows=3)
+    assert t.decode_s() == pytest.approx(1.0)
 
 
-def test_rounds_time_two_plain_steps_in_a_row_at_start_and_every_timing_interval(
+def test_rounds_time_plain_steps_in_a_row_at_start_and_every_timing_interval(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Cost-aware adaptive rounds weigh drafting against a steady plain step: the engine's first two rounds
-    are plain and only the second is recorded; after `TIMING_EVERY` drafting rounds two plain rounds time it
-    again. Drafting rounds in between never touch the plain-step cost."""
+    """Cost-aware adaptive rounds weigh drafting against a steady plain step: the engine's first three rounds
+    are plain and all but the first are recorded; after `TIMING_EVERY` drafting rounds three plain rounds
+    time it again. Drafting rounds in between never touch the plain-step cost."""
     import torch
     from hyspec_spec_workers import DraftOutput, VerifyTree
     from hyspec_spec_workers import round as round_mod
@@ -604,6 +610,44 @@ def test_rounds_time_two_plain_steps_in_a_row_at_start_and_every_timing_interval
         before = len(target.decodes)
         spec.run(target, rows)  # type: ignore[arg-type]
         kinds.append("plain" if len(target.decodes) > before else "draft")
-    assert kinds[:2] == ["plain", "plain"] and recorded[:2] == [False, True]
-    assert kinds[2:7] == ["draft"] * 5 and kinds[7:9] == ["plain", "plain"] and kinds[9:] == ["draft"] * 3
-    assert recorded == [False, True, False, True]
+    assert kinds[:3] == ["plain"] * 3 and recorded[:3] == [False, True, True]
+    assert kinds[3:8] == ["draft"] * 5 and kinds[8:11] == ["plain"] * 3 and kinds[11:] == ["draft"]
+    assert recorded == [False, True, True, False, True, True]
+
+
+def test_a_round_is_charged_the_engine_work_until_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain step's recorded cost is the round plus the engine's time until the next step begins
+    (`begin_step`), unless that gap is longer than the round (an idle engine): then the round alone."""
+    import torch
+    from hyspec_spec_workers import round as round_mod
+    from hyspec_spec_workers.round import RoundRow, SpeculativeRound
+    from hyspec_spec_workers.sampling import SampledToken
+
+    now = [0.0]
+    monkeypatch.setattr(round_mod.time, "perf_counter", lambda: now[0])
+
+    @dataclass
+    class Req:
+        request_id: str
+
+    class Target:
+        device = torch.device("cpu")
+
+        def decode(self, rows: list[RoundRow]) -> list[SampledToken]:
+            now[0] += 1.0  # the round's own work
+            return [SampledToken(1, None, None) for _ in rows]
+
+    class Drafter:
+        max_draft_tokens = 2
+
+    spec = SpeculativeRound(Drafter(), num_speculative_tokens=1)  # type: ignore[arg-type]
+    rows = [RoundRow(Req("a"), 10, 1, 0, 1000, frozenset())]  # no KV room for drafts: plain steps
+    recorded: list[float] = []
+    monkeypatch.setattr(
+        spec.costs, "record_decode", lambda seconds, rows=1, *, steady=True: recorded.append(seconds)
+    )
+    for gap in (0.25, 0.5, 3.0, 0.0):
+        spec.run(Target(), rows)  # type: ignore[arg-type]
+        now[0] += gap  # the engine emits the tokens and schedules the next step
+        spec.begin_step()
+    assert recorded == [1.25, 1.5, 1.0, 1.0]

@@ -313,6 +313,8 @@ class HyspecModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        if self.spec is not None:
+            self.spec.begin_step()  # the last round's costs include the engine's work since it ended
         chunks = list(step.chunks)
         if self.spec is None or not any(c.verify for c in chunks):
             toks, prompt_lp = self._run_plain(chunks)

@@ -1,9 +1,9 @@
 """What speculation costs, measured: the numbers the adaptive draft length weighs against plain decoding.
 
 `CostModel` is the seam (`adaptive.py` reads it); `CostEstimate` gives fixed costs (simulations, tests);
-`CostTracker` keeps exponential averages of what the engine measures: a plain decode step, a draft step, a
-verify forward per block size, a catch-up draft extend. `DraftClock` times a round's drafting without making
-the host wait for it.
+`CostTracker` keeps what the engine measures: the fastest of the latest steady plain decode steps, and
+exponential averages of a draft step, a verify forward per block size and a catch-up draft extend.
+`DraftClock` times a round's drafting without making the host wait for it.
 """
 
 from __future__ import annotations
@@ -86,12 +86,13 @@ class CostTracker:
     """
 
     CATCH_UP_ALPHA = 0.5
+    DECODE_SAMPLES = 4  # steady plain steps the decode cost is the fastest of
 
     def __init__(self, alpha: float = 0.1) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha: expected in (0, 1], got {alpha}")
         self.alpha = alpha
-        self._decode: float | None = None
+        self._decode_recent: list[float] = []  # the latest steady plain steps, oldest first
         self._rows: float | None = None
         self._draft_step: float | None = None
         self._verify: dict[int, float] = {}
@@ -105,7 +106,10 @@ class CostTracker:
         plain step. Only steady steps count: an isolated plain round among drafting ones prepares its batch
         on the critical path and costs up to twice a steady step, which would favour drafting."""
         if steady:
-            self._decode = self._ema(self._decode, seconds)
+            # the fastest of the latest few: a plain step's first replay at a new batch size (a cold graph)
+            # or a stall would otherwise hold the estimate up for many rounds, and a high plain cost makes
+            # drafting look better than it is
+            self._decode_recent = [*self._decode_recent[-(self.DECODE_SAMPLES - 1) :], seconds]
             self._rows = self._ema(self._rows, float(max(rows, 1)))
 
     def record_catch_up(self, seconds: float, num_drafts: int = 0) -> None:
@@ -137,7 +141,7 @@ class CostTracker:
     @property
     def has_decode(self) -> bool:
         """A plain decode step has been timed (before that, `decode_s` is a verify time: too high)."""
-        return self._decode is not None
+        return bool(self._decode_recent)
 
     def _verify_s(self, d: int) -> float:
         if d in self._verify:
@@ -150,8 +154,8 @@ class CostTracker:
         return max(self._verify[lo] + slope * (d - lo), 0.0)
 
     def decode_s(self) -> float:
-        if self._decode is not None:
-            return self._decode
+        if self._decode_recent:
+            return min(self._decode_recent)
         return self._verify_s(min(self._verify)) if self._verify else 1.0
 
     def round_s(self, num_drafts: int) -> float:

@@ -26,7 +26,7 @@ Counting (architecture.md): `num_accepted` counts accepted drafts, bonus exclude
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,9 +44,11 @@ from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, Dr
 from hyspec_spec_workers.sampling import SampledToken, Sampler, SamplingRequest, chosen_ranks
 from hyspec_spec_workers.tree import VerifyTree
 
-# rounds between two timings of a steady plain decode step (cost-aware adaptive lengths; see
-# `SpeculativeRound._timing_round`): two plain rounds in 256 cost under 1% of what drafting gains
+# drafting rounds between two timings of a steady plain decode step (cost-aware adaptive lengths; see
+# `SpeculativeRound._timing_round`), and the plain rounds of a timing (the first is not steady): three plain
+# rounds in 256 cost about 1% of what drafting gains
 TIMING_EVERY = 256
+TIMING_ROUNDS = 3
 
 
 class RoundRequest(SamplingRequest, Protocol):
@@ -181,7 +183,11 @@ class SpeculativeRound:
         self.adaptive = None if adaptive is None else AdaptiveController(adaptive, num_speculative_tokens)
         self.costs = CostTracker()
         self._plain_before = False  # the last round was a plain decode step (the next one is steady)
-        self._since_timing = 0  # rounds since a steady plain step was timed
+        self._timing_left = TIMING_ROUNDS  # plain rounds still to run for the current timing
+        self._since_timing = 0  # drafting rounds since the last timing
+        # the last round's cost record, waiting for the engine's work after it (see `begin_step`)
+        self._pending: Callable[[float], None] | None = None
+        self._last_end = 0.0
         self._lengths: dict[str, AdaptiveDraftLength] = {}
         self._followed: set[str] = set()
 
@@ -276,14 +282,14 @@ class SpeculativeRound:
         Every cost decision compares drafting against a steady plain step: one right after another plain
         step, as when nobody drafts. An isolated plain round among drafting ones (or the engine's first)
         builds its batch on the critical path and can cost twice as much, which makes drafting look better
-        than it is; so timing takes two plain rounds in a row and records the second (`CostTracker.
-        record_decode`), at the start and again every `TIMING_EVERY` rounds (the plain step's cost moves
-        with the batch size). Timing rounds cost nothing against plain decoding and are not observed by the
-        requests' length states.
+        than it is; so a timing runs `TIMING_ROUNDS` plain rounds in a row and records all but the first
+        (`CostTracker.record_decode` keeps the fastest of the latest), at the start and again every
+        `TIMING_EVERY` drafting rounds (the plain step's cost moves with the batch size). Timing rounds cost
+        nothing against plain decoding and are not observed by the requests' length states.
         """
         if self.adaptive is None or not self.adaptive.config.cost_aware:
             return False
-        return not self.costs.has_decode or self._since_timing >= TIMING_EVERY
+        return self._timing_left > 0 or not self.costs.has_decode
 
     def draft_lengths(self, rows: Sequence[RoundRow]) -> list[int]:
         out: list[int] = []
@@ -307,8 +313,26 @@ class SpeculativeRound:
             return [0] * len(out)
         return out
 
+    def begin_step(self) -> None:
+        """The engine starts a step (call it first thing in every step, rounds or not).
+
+        A round's cost is what the engine spends per step because of it: the round itself plus the engine's
+        work around it (emitting its tokens, scheduling the next step), which grows with the tokens a round
+        emits and can be a third of a step on a fast model. So a round's costs are recorded when the next
+        step begins, with the time since the round ended added, unless that gap is longer than the round
+        itself (an idle engine, or a step of other work in between). Without this call `run` records them
+        when the next round begins, by the same rule.
+        """
+        self._record_pending(time.perf_counter())
+
+    def _record_pending(self, now: float) -> None:
+        record, self._pending = self._pending, None
+        if record is not None:
+            record(now - self._last_end)
+
     def run(self, target: VerifyTarget, rows: Sequence[RoundRow]) -> list[VerifiedTokens]:
         """One speculative round over these decoding rows."""
+        self._record_pending(time.perf_counter())
         n = len(rows)
         ids = [r.request.request_id for r in rows]
         timing = self._timing_round()
@@ -346,23 +370,35 @@ class SpeculativeRound:
             if timed:
                 drafting = 0.0 if draft is None else clock.seconds()
                 seconds = time.perf_counter() - t0 - drafting
-                self.costs.record_decode(seconds, rows=n, steady=self._plain_before)
-                if self._plain_before:
-                    self._since_timing = 0
+                steady = self._plain_before
+                self._pending = lambda gap: self.costs.record_decode(
+                    seconds + _share(gap, seconds), rows=n, steady=steady
+                )
+            if timing:
+                self._timing_left -= 1
             self._plain_before = True
             num_acc = [0] * n
         else:
             results, block = self._verify(target, rows, draft, blocks)
             self._plain_before = False
             self._since_timing += 1
+            if self._since_timing >= TIMING_EVERY:
+                self._since_timing, self._timing_left = 0, TIMING_ROUNDS
             if timed:
                 # the round's outcome has been read: the device is done, the drafting time can be read
-                drafting = clock.seconds()
-                self.costs.record_draft(max(steps), drafting)
-                self.costs.record_verify(block, time.perf_counter() - t0 - drafting)
+                drafting, k = clock.seconds(), max(steps)
+                rest = time.perf_counter() - t0 - drafting
+
+                def record(gap: float) -> None:
+                    self.costs.record_draft(k, drafting)
+                    self.costs.record_verify(block, rest + _share(gap, drafting + rest))
+
+                self._pending = record
             num_acc = [r.num_accepted for r in results]
         if not timed:
-            self.costs.record_catch_up(time.perf_counter() - t0, max(steps))
+            wall, k = time.perf_counter() - t0, max(steps)
+            self._pending = lambda gap: self.costs.record_catch_up(wall + _share(gap, wall), k)
+        self._last_end = time.perf_counter()
         if self.adaptive is not None and not timing:
             cost = self.costs if self.costs.ready else None
             for rid, k in zip(ids, num_acc, strict=True):
@@ -429,6 +465,12 @@ class SpeculativeRound:
                 accepted_path(hidden, aux, tree, result, ids, prefix, num_accepted=host.num_accepted)
             )
         return _to_verified(host, logits, rows, num_nodes=nodes), d
+
+
+def _share(gap: float, seconds: float) -> float:
+    """The engine's time between a round and the next step that the round is charged: all of it, unless
+    it is longer than the round itself (an idle engine, or other work in between)."""
+    return gap if 0.0 <= gap <= seconds else 0.0
 
 
 def _stop_ids(rows: Sequence[RoundRow]) -> torch.Tensor:
