@@ -1,4 +1,5 @@
-"""`hyspec bench serve | latency | throughput` (bench_cli.py, bench_datasets.py).
+"""`hyspec bench serve | latency | throughput` (bench_cli.py, bench_client.py, bench_report.py,
+bench_offline.py, bench_datasets.py).
 
 `serve` runs against a live toy server on 127.0.0.1 (byte tokenizer: a prompt's token count is its UTF-8
 length, so the server's usage can be checked exactly); latency and throughput run tiny checkpoints on the
@@ -17,15 +18,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hyspec_server import bench_cli
-from hyspec_server.bench_cli import (
-    ServeRun,
-    TurnResult,
-    _SSEParser,
-    add_bench_command,
-    percentile,
-    run_bench,
-)
+from hyspec_server import bench_report
+from hyspec_server.bench_cli import add_bench_command, run_bench
+from hyspec_server.bench_client import TurnResult, _SSEParser
 from hyspec_server.bench_datasets import (
     Lengths,
     arrival_times,
@@ -35,6 +30,7 @@ from hyspec_server.bench_datasets import (
     random_dataset,
     shared_prefix_dataset,
 )
+from hyspec_server.bench_report import ServeRun, percentile
 from hyspec_server.default_model import default_model_dir
 from hyspec_server.engine_flags import engine_kwargs
 from hyspec_server.serve import ServerThread
@@ -309,11 +305,11 @@ def test_peak_output_throughput_is_the_busiest_second() -> None:
 
     # 2 tokens a chunk; the busiest second, [0.1, 1.1), holds 3 chunks where whole-second bins hold 2
     run = ServeRun([req(0.1, 0.5, 2.6, tokens=6), req(1.0, 1.5, tokens=4)], t0=0.0, duration=3.0)
-    assert bench_cli._peak_output_throughput(run) == pytest.approx(6.0)
-    assert bench_cli._output_timeline(run) == pytest.approx([4.0, 4.0, 2.0])
+    assert bench_report._peak_output_throughput(run) == pytest.approx(6.0)
+    assert bench_report._output_timeline(run) == pytest.approx([4.0, 4.0, 2.0])
     # a run shorter than the window: its mean
     short = ServeRun([req(0.1, 0.2, tokens=5)], t0=0.0, duration=0.5)
-    assert bench_cli._peak_output_throughput(short) == pytest.approx(10.0)
+    assert bench_report._peak_output_throughput(short) == pytest.approx(10.0)
 
 
 def test_sse_parser_joins_pieces() -> None:

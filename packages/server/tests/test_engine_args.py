@@ -273,7 +273,7 @@ def test_every_token_makes_a_stream_chunk(tiny_lfm2: Path, chat: bool) -> None:
     """A token with no text of its own (a random model's ids beyond the tokenizer, part of a character) still
     arrives as a chunk, as vLLM streams, so clients can time every token (`hyspec bench serve` does)."""
     httpx = pytest.importorskip("httpx")
-    from hyspec_server.bench_cli import _content
+    from hyspec_server.bench_client import _content
     from hyspec_server.builder import build_engine
     from hyspec_server.serve import ServerThread
 

@@ -537,11 +537,11 @@ def test_rounds_time_plain_steps_in_a_row_at_start_and_every_timing_interval(
     time it again. Drafting rounds in between never touch the plain-step cost."""
     import torch
     from hyspec_spec_workers import DraftOutput, VerifyTree
-    from hyspec_spec_workers import round as round_mod
+    from hyspec_spec_workers import costs as costs_mod
     from hyspec_spec_workers.round import RoundRow, SpeculativeRound, VerifiedTokens
     from hyspec_spec_workers.sampling import SampledToken
 
-    monkeypatch.setattr(round_mod, "TIMING_EVERY", 5)
+    monkeypatch.setattr(costs_mod, "TIMING_EVERY", 5)
 
     class Drafter:
         max_draft_tokens = 2

@@ -1,5 +1,6 @@
 """`hyspec serve`, `generate`, `chat`, `complete`, `bench`: the one command-line parser (the clients' and the
-benchmarks' flags are added by `client_cli.py` and `bench_cli.py`).
+benchmarks' flags are added by `client_cli.py` and `bench_cli.py`; the benchmarks' client, report and offline
+runs are in `bench_client.py`, `bench_report.py` and `bench_offline.py`).
 
 Engine flags are generated from the `EngineArgs` fields (`engine_flags.py`), so a new engine argument is a
 CLI flag with nothing to add here. A vLLM flag hyspec lacks is an error naming it.

@@ -9,6 +9,7 @@ exponential averages of a draft step, a verify forward per block size and a catc
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -162,6 +163,97 @@ class CostTracker:
         if num_drafts == 0:
             return self.decode_s()
         return num_drafts * (self._draft_step or 0.0) + self._verify_s(num_drafts + 1)
+
+
+# drafting rounds between two timings of a steady plain decode step (`RoundTimer`), and the plain rounds of
+# a timing (the first is not steady): three plain rounds in 256 cost about 1% of what drafting gains
+TIMING_EVERY = 256
+TIMING_ROUNDS = 3
+
+
+class RoundTimer:
+    """When a speculative engine's rounds are timed, and what each is charged, into a `CostTracker`.
+
+    Plain-step timing (cost-aware adaptive lengths only): every cost decision compares drafting against a
+    steady plain step, one right after another plain step, as when nobody drafts. An isolated plain round
+    among drafting ones (or the engine's first) builds its batch on the critical path and can cost twice as
+    much, which makes drafting look better than it is; so a timing runs `TIMING_ROUNDS` plain rounds in a
+    row and records all but the first (`CostTracker.record_decode` keeps the fastest of the latest), at the
+    start and again every `TIMING_EVERY` drafting rounds (the plain step's cost moves with the batch size).
+    Timing rounds cost nothing against plain decoding; the requests' length states do not observe them.
+
+    What a round is charged: what the engine spends per step because of it, the round itself plus the
+    engine's work around it (emitting its tokens, scheduling the next step), which grows with the tokens a
+    round emits and can be a third of a step on a fast model. So a round's costs are recorded when the next
+    step begins (`begin_step`, or the next round), with the time since the round ended added, unless that
+    gap is longer than the round itself (an idle engine, or a step of other work in between).
+
+    Args:
+        costs: where the measurements go.
+        cost_aware: the rounds' lengths weigh costs (adaptive lengths with `cost_aware`): timing rounds run.
+    """
+
+    def __init__(self, costs: CostTracker, *, cost_aware: bool) -> None:
+        self.costs = costs
+        self.cost_aware = cost_aware
+        self._plain_before = False  # the last round was a plain decode step (the next one is steady)
+        self._timing_left = TIMING_ROUNDS  # plain rounds still to run for the current timing
+        self._since_timing = 0  # drafting rounds since the last timing
+        self._pending: Callable[[float], None] | None = None  # the last round's record, awaiting its gap
+        self._last_end = 0.0
+
+    def timing(self) -> bool:
+        """This round is a timing round: nobody drafts."""
+        return self.cost_aware and (self._timing_left > 0 or not self.costs.has_decode)
+
+    def begin_step(self) -> None:
+        """The engine starts a step (rounds or not): the last round is recorded with the gap since it."""
+        record, self._pending = self._pending, None
+        if record is not None:
+            record(time.perf_counter() - self._last_end)
+
+    def begin_round(self) -> None:
+        """A round starts: the last one is recorded if no `begin_step` did it (a loop without steps)."""
+        self.begin_step()
+
+    def plain(self, seconds: float | None, *, rows: int, timing: bool) -> None:
+        """The round was a plain decode step of `rows` requests taking `seconds` (None: not timed)."""
+        if seconds is not None:
+            steady = self._plain_before
+            self._pending = lambda gap: self.costs.record_decode(
+                seconds + _share(gap, seconds), rows=rows, steady=steady
+            )
+        if timing:
+            self._timing_left -= 1
+        self._plain_before = True
+
+    def drafted(self, num_drafts: int, block_size: int, drafting: float, rest: float | None) -> None:
+        """The round drafted `num_drafts` steps (`drafting` seconds on the device) and verified a block of
+        `block_size` in `rest` more seconds (None: not timed, a catch-up round)."""
+        self._plain_before = False
+        self._since_timing += 1
+        if self._since_timing >= TIMING_EVERY:
+            self._since_timing, self._timing_left = 0, TIMING_ROUNDS
+        if rest is not None:
+
+            def record(gap: float) -> None:
+                self.costs.record_draft(num_drafts, drafting)
+                self.costs.record_verify(block_size, rest + _share(gap, drafting + rest))
+
+            self._pending = record
+
+    def catch_up(self, seconds: float, num_drafts: int) -> None:
+        """The round's draft extend caught up on more than a block: the round is timed as a catch-up."""
+        self._pending = lambda gap: self.costs.record_catch_up(seconds + _share(gap, seconds), num_drafts)
+
+    def end_round(self) -> None:
+        self._last_end = time.perf_counter()
+
+
+def _share(gap: float, seconds: float) -> float:
+    """The engine's time between a round and the next step that the round is charged: all of it, unless
+    it is longer than the round itself (an idle engine, or other work in between)."""
+    return gap if 0.0 <= gap <= seconds else 0.0
 
 
 class DraftClock:

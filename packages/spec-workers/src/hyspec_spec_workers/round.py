@@ -26,7 +26,7 @@ Counting (architecture.md): `num_accepted` counts accepted drafts, bonus exclude
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,17 +38,11 @@ from hyspec_spec_workers.adaptive import AdaptiveController, AdaptiveDraftLength
 from hyspec_spec_workers.choose import HostRound, accepted_path, choose_tokens
 from hyspec_spec_workers.config import AdaptiveConfig, SpeculativeConfig
 from hyspec_spec_workers.constraint import Block, TokenConstraint, constrain_draft, mask_block_logits
-from hyspec_spec_workers.costs import CostTracker, DraftClock
+from hyspec_spec_workers.costs import CostTracker, DraftClock, RoundTimer
 from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
 from hyspec_spec_workers.sampling import SampledToken, Sampler, SamplingRequest, chosen_ranks
 from hyspec_spec_workers.tree import VerifyTree
-
-# drafting rounds between two timings of a steady plain decode step (cost-aware adaptive lengths; see
-# `SpeculativeRound._timing_round`), and the plain rounds of a timing (the first is not steady): three plain
-# rounds in 256 cost about 1% of what drafting gains
-TIMING_EVERY = 256
-TIMING_ROUNDS = 3
 
 
 class RoundRequest(SamplingRequest, Protocol):
@@ -182,12 +176,7 @@ class SpeculativeRound:
         self.max_draft_tokens = drafter.max_draft_tokens if max_draft_tokens is None else max_draft_tokens
         self.adaptive = None if adaptive is None else AdaptiveController(adaptive, num_speculative_tokens)
         self.costs = CostTracker()
-        self._plain_before = False  # the last round was a plain decode step (the next one is steady)
-        self._timing_left = TIMING_ROUNDS  # plain rounds still to run for the current timing
-        self._since_timing = 0  # drafting rounds since the last timing
-        # the last round's cost record, waiting for the engine's work after it (see `begin_step`)
-        self._pending: Callable[[float], None] | None = None
-        self._last_end = 0.0
+        self.timer = RoundTimer(self.costs, cost_aware=adaptive is not None and adaptive.cost_aware)
         self._lengths: dict[str, AdaptiveDraftLength] = {}
         self._followed: set[str] = set()
 
@@ -276,21 +265,6 @@ class SpeculativeRound:
 
     # ---------------------------------------------------------------- one round
 
-    def _timing_round(self) -> bool:
-        """With cost-aware adaptive lengths, some rounds time a plain decode step instead of drafting.
-
-        Every cost decision compares drafting against a steady plain step: one right after another plain
-        step, as when nobody drafts. An isolated plain round among drafting ones (or the engine's first)
-        builds its batch on the critical path and can cost twice as much, which makes drafting look better
-        than it is; so a timing runs `TIMING_ROUNDS` plain rounds in a row and records all but the first
-        (`CostTracker.record_decode` keeps the fastest of the latest), at the start and again every
-        `TIMING_EVERY` drafting rounds (the plain step's cost moves with the batch size). Timing rounds cost
-        nothing against plain decoding and are not observed by the requests' length states.
-        """
-        if self.adaptive is None or not self.adaptive.config.cost_aware:
-            return False
-        return self._timing_left > 0 or not self.costs.has_decode
-
     def draft_lengths(self, rows: Sequence[RoundRow]) -> list[int]:
         out: list[int] = []
         for r in rows:
@@ -309,33 +283,20 @@ class SpeculativeRound:
                     st = self._lengths[rid] = self.adaptive.new_request(known)
                 want = st.steps
             out.append(max(0, min(want, r.max_drafts, r.max_new_tokens - 1)))
-        if self._timing_round():
+        if self.timer.timing():
             return [0] * len(out)
         return out
 
     def begin_step(self) -> None:
-        """The engine starts a step (call it first thing in every step, rounds or not).
-
-        A round's cost is what the engine spends per step because of it: the round itself plus the engine's
-        work around it (emitting its tokens, scheduling the next step), which grows with the tokens a round
-        emits and can be a third of a step on a fast model. So a round's costs are recorded when the next
-        step begins, with the time since the round ended added, unless that gap is longer than the round
-        itself (an idle engine, or a step of other work in between). Without this call `run` records them
-        when the next round begins, by the same rule.
-        """
-        self._record_pending(time.perf_counter())
-
-    def _record_pending(self, now: float) -> None:
-        record, self._pending = self._pending, None
-        if record is not None:
-            record(now - self._last_end)
+        """The engine starts a step: call it first thing in every step, rounds or not (`RoundTimer`)."""
+        self.timer.begin_step()
 
     def run(self, target: VerifyTarget, rows: Sequence[RoundRow]) -> list[VerifiedTokens]:
         """One speculative round over these decoding rows."""
-        self._record_pending(time.perf_counter())
+        self.timer.begin_round()
         n = len(rows)
         ids = [r.request.request_id for r in rows]
-        timing = self._timing_round()
+        timing = self.timer.timing()
         steps = self.draft_lengths(rows)
         clock = DraftClock(target.device)
         draft: DraftOutput | None = None
@@ -367,38 +328,19 @@ class SpeculativeRound:
         if draft is None or draft.tree.block_size == 1:
             # nobody drafted: a plain decode step
             results = [VerifiedTokens((t,), 0, 0) for t in target.decode(rows)]
-            if timed:
-                drafting = 0.0 if draft is None else clock.seconds()
-                seconds = time.perf_counter() - t0 - drafting
-                steady = self._plain_before
-                self._pending = lambda gap: self.costs.record_decode(
-                    seconds + _share(gap, seconds), rows=n, steady=steady
-                )
-            if timing:
-                self._timing_left -= 1
-            self._plain_before = True
+            drafting = 0.0 if draft is None else clock.seconds()
+            self.timer.plain(time.perf_counter() - t0 - drafting if timed else None, rows=n, timing=timing)
             num_acc = [0] * n
         else:
             results, block = self._verify(target, rows, draft, blocks)
-            self._plain_before = False
-            self._since_timing += 1
-            if self._since_timing >= TIMING_EVERY:
-                self._since_timing, self._timing_left = 0, TIMING_ROUNDS
-            if timed:
-                # the round's outcome has been read: the device is done, the drafting time can be read
-                drafting, k = clock.seconds(), max(steps)
-                rest = time.perf_counter() - t0 - drafting
-
-                def record(gap: float) -> None:
-                    self.costs.record_draft(k, drafting)
-                    self.costs.record_verify(block, rest + _share(gap, drafting + rest))
-
-                self._pending = record
+            # the round's outcome has been read: the device is done, the drafting time can be read
+            drafting = clock.seconds()
+            rest = time.perf_counter() - t0 - drafting
+            self.timer.drafted(max(steps), block, drafting, rest if timed else None)
             num_acc = [r.num_accepted for r in results]
         if not timed:
-            wall, k = time.perf_counter() - t0, max(steps)
-            self._pending = lambda gap: self.costs.record_catch_up(wall + _share(gap, wall), k)
-        self._last_end = time.perf_counter()
+            self.timer.catch_up(time.perf_counter() - t0, max(steps))
+        self.timer.end_round()
         if self.adaptive is not None and not timing:
             cost = self.costs if self.costs.ready else None
             for rid, k in zip(ids, num_acc, strict=True):
@@ -465,12 +407,6 @@ class SpeculativeRound:
                 accepted_path(hidden, aux, tree, result, ids, prefix, num_accepted=host.num_accepted)
             )
         return _to_verified(host, logits, rows, num_nodes=nodes), d
-
-
-def _share(gap: float, seconds: float) -> float:
-    """The engine's time between a round and the next step that the round is charged: all of it, unless
-    it is longer than the round itself (an idle engine, or other work in between)."""
-    return gap if 0.0 <= gap <= seconds else 0.0
 
 
 def _stop_ids(rows: Sequence[RoundRow]) -> torch.Tensor:
