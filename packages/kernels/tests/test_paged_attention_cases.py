@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hyspec_kernels.attention import paged_attention, store_kv
-from hyspec_kernels.attention.triton_kernels import paged_attention_triton
+from hyspec_kernels.attention.triton_kernel import paged_attention_triton
 
 BACKENDS = ["reference", "torch", "triton"]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -3,7 +3,7 @@
 Varlen prefill with state slots, decode by slot, and chain/tree verify that writes the window after every step
 to scratch and leaves the state untouched."""
 
-from hyspec_kernels.conv.api import conv_decode, conv_prefill, conv_verify
 from hyspec_kernels.conv.common import Activation
+from hyspec_kernels.conv.op import conv_decode, conv_prefill, conv_verify
 
 __all__ = ["Activation", "conv_decode", "conv_prefill", "conv_verify"]

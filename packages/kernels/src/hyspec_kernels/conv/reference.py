@@ -7,7 +7,7 @@ oldest first, as kept in a conv state) or are zero. In a verify tree, token j's 
 grand-parent, ... inside the block, then the committed window.
 
 The first two functions define the math for one sequence; the `*_reference` functions below apply them to
-the op signatures of `hyspec_kernels.conv.api` (same read/write rules, slow and obvious).
+the op signatures of `hyspec_kernels.conv.op` (same read/write rules, slow and obvious).
 """
 
 from __future__ import annotations

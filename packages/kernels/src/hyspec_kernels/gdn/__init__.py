@@ -1,10 +1,10 @@
 """Gated delta rule (GDN): chunked prefill, recurrent decode and chain/tree verify.
 
-Each op has a token-by-token fp32 reference (`reference`), a vectorised torch path for CPU (`torch_ops`) and
+Each op has a token-by-token fp32 reference (`reference`), a vectorised torch path for CPU (`torch_impl`) and
 Triton kernels (`triton_recurrent`, `triton_chunk`), behind the validated wrappers re-exported here.
 """
 
-from .api import GDNPrefillOutput, gdn_decode, gdn_prefill, gdn_verify
+from .op import GDNPrefillOutput, gdn_decode, gdn_prefill, gdn_verify
 from .reference import CHUNK_SIZE, gdn_reference_sequence, gdn_reference_tree
 
 __all__ = [

@@ -7,7 +7,7 @@ Per value head h (key head h // (HV // HK)), per token:
     S    = S + k ⊗ (beta * (v - S^T k))           delta rule: correct against what S recalls for k
     o    = S^T q
 
-Every fast path (torch_ops, Triton) is tested against the functions here. The op-level functions at the
+Every fast path (torch_impl, Triton) is tested against the functions here. The op-level functions at the
 bottom (`reference_prefill`, `reference_decode`, `reference_verify`) have the same read/write rules as the
 public wrappers and back `backend="reference"`.
 """

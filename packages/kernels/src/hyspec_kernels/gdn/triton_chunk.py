@@ -1,6 +1,6 @@
 """Chunked prefill of the gated delta rule in Triton, over packed variable-length sequences.
 
-Same math as torch_ops.torch_prefill (64-token chunks, WY / UT form), in three launches:
+Same math as torch_impl.torch_prefill (64-token chunks, WY / UT form), in three launches:
 
 1. `gdn_chunk_wy_kernel`, one program per (chunk, value head), all in parallel: gamma = cumsum(g) inside the
    chunk, A = strict_lower(beta K K^T ⊙ decay) in 16-row blocks, (I + A)^-1 by forward substitution on the

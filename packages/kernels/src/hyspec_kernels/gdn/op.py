@@ -25,7 +25,7 @@ from .._checks import (
     resolve_backend,
     value_checks,
 )
-from . import reference, torch_ops
+from . import reference, torch_impl
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 FP32 = (torch.float32,)
@@ -164,7 +164,7 @@ def gdn_prefill(
             return_chunk_states=return_chunk_states,
         )
         return GDNPrefillOutput(o, cs)
-    fn = torch_ops.torch_prefill if impl == "torch" else reference.reference_prefill
+    fn = torch_impl.torch_prefill if impl == "torch" else reference.reference_prefill
     o, cs = fn(
         q,
         k,
@@ -232,7 +232,7 @@ def gdn_decode(
             out_dtype=q.dtype,
         )
         return o.squeeze(1)
-    fn = torch_ops.torch_decode if impl == "torch" else reference.reference_decode
+    fn = torch_impl.torch_decode if impl == "torch" else reference.reference_decode
     return fn(q, k, v, g, beta, state=state, state_slots=state_slots).to(q.dtype)
 
 
@@ -336,7 +336,7 @@ def gdn_verify(
             parents=None if parents is None else parents.contiguous(),
             out_dtype=q.dtype,
         )
-    fn = torch_ops.torch_verify if impl == "torch" else reference.reference_verify
+    fn = torch_impl.torch_verify if impl == "torch" else reference.reference_verify
     o = fn(
         q,
         k,
