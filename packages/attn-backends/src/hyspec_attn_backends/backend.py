@@ -13,20 +13,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from hyspec_kernels import value_checks
 from hyspec_kernels.attention import paged_attention, store_kv
 from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
 from hyspec_kernels.gating import gdn_gating
 from hyspec_kernels.gdn import gdn_decode, gdn_prefill, gdn_verify
-from hyspec_statepool.commit import commit_accepted_states
-from hyspec_statepool.commit_math import commit_steps
 from hyspec_statepool.indices import ReqRows, StateSlots
-from hyspec_statepool.pool import HybridStatePool, packed_positions
+from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.specs import AttentionSpec, GDNSpec, LayerStateSpec, ModelStateSpecs, ShortConvSpec
-from hyspec_statepool.transfer import host_staging, upload, write_into
 from torch import Tensor
 
-from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, check_tree_parents, tree_ancestor_mask
+from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch
+from hyspec_attn_backends.batch_builder import BatchBuilder, static_max_q_len
 from hyspec_attn_backends.layers import (
     LAYER_TYPE_KINDS,
     AttentionLayer,
@@ -36,6 +33,7 @@ from hyspec_attn_backends.layers import (
     ShortConvLayer,
 )
 from hyspec_attn_backends.modes import ForwardMode
+from hyspec_attn_backends.verify_commit import VerifyCommitter
 
 
 class RoutingError(ValueError):
@@ -121,28 +119,37 @@ class HybridBackend:
         max_tokens: int | None = None,
     ) -> None:
         self.pool = pool
-        self.num_builds = 0
         self.kinds = check_routing(layers, layer_types, pool.plan.specs)
         self.num_layers = len(layers)
-        plan = pool.plan
-        self.max_verify_len = plan.max_draft_tokens if plan.draft_shape is not None else 0
-        seqs = plan.max_num_seqs if max_num_seqs is None else max_num_seqs
-        tokens = seqs * max(self.max_verify_len, 256) if max_tokens is None else max_tokens
-        self.buffers = BatchBuffers(
-            max_num_seqs=seqs,
-            max_tokens=tokens,
-            max_pages=plan.max_pages_per_request,
-            max_verify_len=self.max_verify_len,
-            device=pool.device,
-        )
-        # batch rows are 0..n-1 in every batch: written once here, each batch takes the first n (no copy)
-        self._batch_rows = pool.batch_rows(min(seqs, plan.max_num_seqs + 1)).copy_into(
-            self.buffers.batch_rows
-        )
         # kernels' own value checks (hyspec_kernels.value_checks): a debug pool asks for them on CUDA too
         self._kernel_checks: bool | None = True if pool.debug else None
+        # job 1, batch metadata: the static batch buffers and the `prepare_*` that fill them
+        self.builder = BatchBuilder(
+            pool,
+            kinds=self.kinds,
+            max_num_seqs=max_num_seqs,
+            max_tokens=max_tokens,
+            kernel_checks=self._kernel_checks,
+        )
+        # job 3, the commit after verify
+        self.committer = VerifyCommitter(pool, kinds=self.kinds, kernel_checks=self._kernel_checks)
 
-    # ---------------------------------------------------------------- batch metadata
+    # ---------------------------------------------------------------- batch metadata (`BatchBuilder`)
+
+    @property
+    def buffers(self) -> BatchBuffers:
+        """The preallocated storage behind every batch (`BatchBuilder.buffers`)."""
+        return self.builder.buffers
+
+    @property
+    def num_builds(self) -> int:
+        """Writes into the batch buffers so far (`BatchBuilder.num_builds`)."""
+        return self.builder.num_builds
+
+    @property
+    def max_verify_len(self) -> int:
+        """Dmax, the longest verify block (0 without verify scratch)."""
+        return self.builder.max_verify_len
 
     def prepare_extend(
         self,
@@ -153,17 +160,10 @@ class HybridBackend:
         prefix_lens: Sequence[int] | Tensor,
         mode: ForwardMode = ForwardMode.EXTEND,
     ) -> ForwardBatch:
-        """New tokens after each request's cached prefix (prefill, a prefill chunk, or DRAFT_EXTEND).
-
-        Args:
-            req_rows: [N] rows of the requests (KV pages for prefix + q_len already ensured).
-            input_ids: [T] tokens, request by request, T = sum(q_lens).
-            q_lens: [N] new tokens per request (0 allowed).
-            prefix_lens: [N] tokens already committed (0 for a fresh prompt).
-        """
-        if not mode.is_extend_like:
-            raise ValueError(f"mode: expected EXTEND or DRAFT_EXTEND, got {mode}")
-        return self._build(mode, req_rows, input_ids, q_lens, prefix_lens, None, 0)
+        """New tokens after each request's cached prefix: `BatchBuilder.prepare_extend`."""
+        return self.builder.prepare_extend(
+            req_rows=req_rows, input_ids=input_ids, q_lens=q_lens, prefix_lens=prefix_lens, mode=mode
+        )
 
     def prepare_decode(
         self,
@@ -173,22 +173,9 @@ class HybridBackend:
         prefix_lens: Sequence[int] | Tensor,
         pad_to: int | None = None,
     ) -> ForwardBatch:
-        """One new token per request; `prefix_lens` are the tokens before it (the new token's position).
-
-        `pad_to` (a CUDA-graph batch size >= N) appends padded rows: state slot -1, KV slot -1, token 0 at
-        position 0. They write no state and no KV; they read KV page 0 (never written by them) so that every
-        query has a key; their outputs are meaningless. The batch's `num_padded` says how many.
-        """
-        n = len(req_rows)
-        return self._build(
-            ForwardMode.DECODE,
-            req_rows,
-            input_ids,
-            [1] * n,
-            prefix_lens,
-            None,
-            0,
-            pad_to,
+        """One new token per request: `BatchBuilder.prepare_decode`."""
+        return self.builder.prepare_decode(
+            req_rows=req_rows, input_ids=input_ids, prefix_lens=prefix_lens, pad_to=pad_to
         )
 
     def prepare_verify(
@@ -200,223 +187,22 @@ class HybridBackend:
         tree_parents: Tensor | None = None,
         pad_to: int | None = None,
     ) -> ForwardBatch:
-        """A verify block of D tokens per request: the current token then D - 1 drafts.
-
-        Args:
-            req_rows: [N] rows (KV pages for prefix + D ensured).
-            block_tokens: [N, D] tokens; block token 0 sits at position prefix_len.
-            prefix_lens: [N] committed tokens (= position of block token 0).
-            tree_parents: [N, D] block index of each node's parent (-1 root, parents precede children); None
-                for a chain.
-            pad_to: a CUDA-graph batch size >= N: padded rows (as in `prepare_decode`, with a D-token chain
-                block) follow the live ones. They write verify scratch rows N..pad_to-1, no state, no KV.
-        """
-        if self.max_verify_len == 0:
-            raise ValueError(
-                "prepare_verify: the pool has no verify scratch (build its plan with a draft_shape)"
-            )
-        if block_tokens.dim() != 2 or block_tokens.shape[0] != len(req_rows):
-            raise ValueError(
-                f"block_tokens: expected shape [{len(req_rows)}, D], got {list(block_tokens.shape)}"
-            )
-        n, d = block_tokens.shape
-        if d < 1:
-            raise ValueError(
-                f"block_tokens: expected D >= 1 tokens per request, got {list(block_tokens.shape)}"
-            )
-        if tree_parents is not None:
-            check_tree_parents(tree_parents, num_seqs=n, verify_len=d, check_values=self._kernel_checks)
-        return self._build(
-            ForwardMode.TARGET_VERIFY,
-            req_rows,
-            block_tokens.reshape(-1),
-            [d] * n,
-            prefix_lens,
-            tree_parents,
-            d,
-            pad_to,
+        """A verify block of D tokens per request: `BatchBuilder.prepare_verify`."""
+        return self.builder.prepare_verify(
+            req_rows=req_rows,
+            block_tokens=block_tokens,
+            prefix_lens=prefix_lens,
+            tree_parents=tree_parents,
+            pad_to=pad_to,
         )
 
     def prepare_idle(self) -> ForwardBatch:
-        """An empty batch (e.g. a data-parallel rank with no requests)."""
-        self.num_builds += 1
-        b = self.buffers
-        return ForwardBatch(
-            mode=ForwardMode.IDLE,
-            input_ids=b.input_ids[:0],
-            positions=b.positions[:0],
-            req_rows=None,
-            state_slots=None,
-            batch_rows=None,
-            kv_slots=None,
-            page_table=b.page_table[:0],
-            cu_seqlens_q=b.cu_seqlens_q[:1].zero_(),
-            q_lens=b.q_lens[:0],
-            prefix_lens=b.prefix_lens[:0],
-            kv_lens=b.kv_lens[:0],
-            has_initial_state=b.has_initial_state[:0],
-        )
+        """An empty batch: `BatchBuilder.prepare_idle`."""
+        return self.builder.prepare_idle()
 
     def advance_one_token(self, batch: ForwardBatch) -> None:
-        """Move a one-token-per-row batch one position on, in place: the next token of each live row.
-
-        For a chain of forwards that each add one token per request at the next position (a chained
-        drafter's steps): positions, prefix and KV lengths grow by one and each live row's KV slot becomes
-        the slot of its new position, read from the batch's own page table (so the pages must have been
-        ensured for every position the chain reaches before the batch was prepared). Padded rows stay
-        padding. Only device ops on the batch's own buffers, no host reads: it can run inside a CUDA graph,
-        and a replay then advances the very buffers the next replay reads. Input tokens are the caller's.
-
-        DECODE batches, or TARGET_VERIFY with D = 1 on an attention-only backend (a verify forward writes
-        recurrent state to scratch, so a next position would not see it).
-        """
-        if batch.num_tokens != batch.num_seqs or batch.is_tree:
-            raise ValueError(
-                f"batch: expected one token per row, got {batch.num_tokens} tokens for {batch.num_seqs} rows"
-            )
-        if batch.mode is ForwardMode.TARGET_VERIFY:
-            if any(k is not MixerKind.ATTENTION for k in self.kinds):
-                raise ValueError(
-                    "batch: advancing a TARGET_VERIFY batch needs an attention-only backend (verify leaves "
-                    "recurrent state in scratch)"
-                )
-        elif batch.mode is not ForwardMode.DECODE:
-            raise ValueError(f"batch: expected a DECODE or TARGET_VERIFY batch, got {batch.mode}")
-        if batch.kv_slots is None:
-            raise ValueError("batch: expected KV slots")
-        self.num_builds += 1
-        page = self.pool.plan.page_size
-        slots = batch.kv_slots.tensor  # [N] int32, -1 on padded rows
-        live = slots >= 0  # [N] bool
-        step = live.to(torch.int32)  # [N]
-        batch.prefix_lens.add_(step)
-        batch.kv_lens.add_(step)
-        batch.positions.add_(step)
-        batch.has_initial_state.copy_(batch.prefix_lens > 0)
-        pos = batch.prefix_lens.long()  # [N] the new token's position
-        pages = batch.page_table.gather(1, (pos // page)[:, None])[:, 0].long()  # [N]
-        slots.copy_(torch.where(live, pages * page + pos % page, -1))
-        # cu_seqlens, q_lens, page table, state slots and batch rows are those of the next position already
-
-    def _build(
-        self,
-        mode: ForwardMode,
-        req_rows: ReqRows,
-        input_ids: Tensor,
-        q_lens: Sequence[int] | Tensor,
-        prefix_lens: Sequence[int] | Tensor,
-        tree_parents: Tensor | None,
-        verify_len: int,
-        pad_to: int | None = None,
-    ) -> ForwardBatch:
-        """Check the batch and compute its metadata on the host, then write it into the buffers.
-
-        Everything that can reject the batch runs before the first write (so a rejected call leaves the
-        buffers and `num_builds` as they were). On CUDA the writes are non-blocking copies from pinned
-        memory, one per buffer, and no device value is read: host tokens and host (or no) tree parents
-        give 7 device ops for DECODE and chain TARGET_VERIFY (tokens on the device: one more when padded).
-        """
-        n_live, t_live = len(req_rows), int(input_ids.shape[0])
-        if input_ids.dim() != 1:
-            raise ValueError(f"input_ids: expected shape [T], got {list(input_ids.shape)}")
-        # lengths are checked as host ints (callers pass host values: reading them costs no device sync)
-        live_q = _host_lens("q_lens", q_lens, n_live)
-        live_prefix = _host_lens("prefix_lens", prefix_lens, n_live)
-        if sum(live_q) != t_live:
-            raise ValueError(f"input_ids: expected sum(q_lens) = {sum(live_q)} tokens, got {t_live}")
-        pad_q = verify_len if mode is ForwardMode.TARGET_VERIFY else 1  # tokens of one padded row
-        fixed = mode is ForwardMode.DECODE or mode is ForwardMode.TARGET_VERIFY
-        if fixed and any(q != pad_q for q in live_q):
-            # the slot and position math below relies on every row having pad_q tokens
-            raise ValueError(f"q_lens: expected {pad_q} per request in {mode}, got {live_q}")
-        n = n_live if pad_to is None else pad_to
-        if pad_to is not None:
-            if mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
-                raise ValueError(f"pad_to: padding is for DECODE and TARGET_VERIFY only, got mode {mode}")
-            if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < n_live:
-                raise ValueError(
-                    f"pad_to: expected an int >= N = {n_live} (the live requests), got {pad_to!r}"
-                )
-        num_pad = n - n_live
-        t = t_live + num_pad * pad_q
-        b, pool = self.buffers, self.pool
-        b.check_fits(num_seqs=n, num_tokens=t, verify_len=verify_len)
-        host_rows = req_rows.host_values  # None for rows made on the device: read back then (a CUDA sync)
-        rows = list(host_rows) if host_rows is not None else req_rows.tolist()
-        if len(set(rows)) != n_live:
-            raise ValueError(f"req_rows: expected distinct rows (one per request), got {rows}")
-
-        # the pool translates the indices on the host, checks them there and stages them, padding included
-        # (state slots first: a freed request's row is reported as such, not as missing KV pages)
-        state_slots = pool.host_state_slots(req_rows, pad_to=n)
-        kv_slots = pool.host_kv_slots(
-            req_rows=req_rows, start_positions=live_prefix, num_tokens=pad_q if fixed else live_q, pad_to=t
-        )
-        page_table = pool.host_page_table(req_rows, pad_to=n)
-        batch_rows = self._batch_rows.head(n)  # 0..n-1, written once in __init__
-        host_q = [pad_q] * n if fixed else live_q  # [N] padded rows included
-        host_prefix = live_prefix + [0] * num_pad  # [N] padded rows: prefix 0
-        tree = None if tree_parents is None else _tree(tree_parents, num_pad, verify_len, pool.device)
-
-        self.num_builds += 1  # from here on the buffers change
-        cu, q_view, prefix_view, kv_lens = b.write_lens(q_lens=host_q, prefix_lens=host_prefix)
-        parents_view = mask_view = None
-        if tree is None:
-            pin = pool.device.type == "cuda"
-            positions = upload(
-                packed_positions(host_prefix, pad_q if fixed else live_q, pin_memory=pin), b.positions
-            )
-        else:
-            parents, mask, depth = tree  # [N, D], [N, D, D], [N, D] where the parents were
-            parents_view = write_into(b.tree_parents, parents)
-            mask_view = write_into(b.tree_mask, mask)
-            positions = self._tree_positions(host_prefix, depth)
-        return ForwardBatch(
-            mode=mode,
-            input_ids=self._write_tokens(input_ids, t),
-            positions=positions,
-            req_rows=req_rows,
-            state_slots=state_slots.copy_into(b.state_slots),
-            batch_rows=batch_rows,
-            kv_slots=kv_slots.copy_into(b.kv_slots),
-            page_table=upload(page_table, b.page_table),
-            cu_seqlens_q=cu,
-            q_lens=q_view,
-            prefix_lens=prefix_view,
-            kv_lens=kv_lens,
-            has_initial_state=write_into(b.has_initial_state, [p > 0 for p in host_prefix]),
-            verify_len=verify_len,
-            tree_parents=parents_view,
-            tree_mask=mask_view,
-            num_padded=num_pad,
-            host_max_lens=_host_max_lens(mode, live_q, live_prefix),
-        )
-
-    def _write_tokens(self, input_ids: Tensor, total: int) -> Tensor:
-        """The tokens, then token 0 up to `total` (padded rows), into the input buffer: `[total]` int64."""
-        t_live = int(input_ids.shape[0])
-        if input_ids.device.type != "cpu":
-            # tokens already on the device (drafts, sampled tokens): device copies
-            view = self.buffers.input_ids[:total]
-            view[:t_live].copy_(input_ids)
-            if total > t_live:
-                view[t_live:].zero_()
-            return view
-        if total == t_live:
-            return write_into(self.buffers.input_ids, input_ids)
-        staged = host_staging((total,), dtype=torch.int64, device=self.pool.device)
-        staged[:t_live] = input_ids
-        staged[t_live:] = 0
-        return upload(staged, self.buffers.input_ids)
-
-    def _tree_positions(self, prefix: list[int], depth: Tensor) -> Tensor:
-        """Node positions `prefix + depth`, flattened `[N * D]` int64, into the positions buffer."""
-        prefix_t = torch.tensor(prefix, dtype=torch.long)  # [N]
-        if depth.device.type == "cpu":
-            return write_into(self.buffers.positions, (prefix_t[:, None] + depth).reshape(-1))
-        # depth computed on the device from device parents: the prefixes go up, then one add there
-        per_node = prefix_t[:, None].expand(-1, depth.shape[1]).reshape(-1)  # [N * D]
-        return write_into(self.buffers.positions, per_node).add_(depth.reshape(-1))
+        """Move a one-token-per-row batch one position on, in place: `BatchBuilder.advance_one_token`."""
+        self.builder.advance_one_token(batch)
 
     # ---------------------------------------------------------------- layer calls
 
@@ -456,69 +242,11 @@ class HybridBackend:
             scale=layer.scale,
             tree_mask=batch.tree_mask,
             # a static bound on q_len: the same launch grid eagerly as under CUDA-graph capture
-            max_q_len=_static_max_q_len(batch),
+            max_q_len=static_max_q_len(batch),
             host_lens=batch.host_max_lens,
             check_indices=self._kernel_checks,
         )
         return o.to(q.dtype)
-
-    def _conv(
-        self,
-        x: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        *,
-        conv_state: Tensor | None,
-        conv_scratch: Tensor | None,
-        activation: str | None,
-        batch: ForwardBatch,
-    ) -> Tensor:
-        """The conv of a linear layer in the batch's mode. x [T, C] -> [T, C]."""
-        if conv_state is None:
-            raise ValueError("conv_state: the pool has no conv state for this layer")
-        assert batch.state_slots is not None and batch.batch_rows is not None
-        slots = batch.state_slots.tensor
-        w = weight.reshape(weight.shape[0], weight.shape[-1]).to(x.dtype)  # [C, W]
-        bias = None if bias is None else bias.to(x.dtype)
-        state = conv_state
-        if batch.mode is ForwardMode.DECODE:
-            return conv_decode(
-                x,
-                w,
-                bias,
-                conv_state=state,
-                state_slots=slots,
-                activation=activation,  # type: ignore[arg-type]
-                check_indices=self._kernel_checks,
-            )
-        if batch.mode is ForwardMode.TARGET_VERIFY:
-            if conv_scratch is None:
-                raise ValueError("conv_scratch: the pool has no verify scratch (plan without a draft_shape)")
-            n, d = batch.num_seqs, batch.verify_len
-            y = conv_verify(
-                x.reshape(n, d, -1),
-                w,
-                bias,
-                conv_state=state,
-                state_slots=slots,
-                scratch=conv_scratch,
-                scratch_rows=batch.batch_rows.tensor,
-                parents=batch.tree_parents,
-                activation=activation,  # type: ignore[arg-type]
-                check_indices=self._kernel_checks,
-            )
-            return y.reshape(n * d, -1)
-        return conv_prefill(
-            x,
-            w,
-            bias,
-            cu_seqlens=batch.cu_seqlens_q,
-            conv_state=state,
-            state_slots=slots,
-            has_initial_state=batch.has_initial_state,
-            activation=activation,  # type: ignore[arg-type]
-            check_indices=self._kernel_checks,
-        )
 
     def gdn(
         self,
@@ -539,7 +267,7 @@ class HybridBackend:
         if t == 0:
             return mixed_qkv.new_empty((0, hv, dv))
         st = self.pool.layer_state(layer.layer_id)
-        x = self._conv(
+        x = _conv(
             mixed_qkv,
             conv_weight,
             None,
@@ -547,6 +275,7 @@ class HybridBackend:
             conv_scratch=st.conv_scratch,
             activation="silu",
             batch=batch,
+            check_indices=self._kernel_checks,
         )
         q, k, v = torch.split(x, [hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
@@ -607,7 +336,7 @@ class HybridBackend:
         if batch.num_tokens == 0:
             return x.new_empty((0, layer.channels))
         st = self.pool.layer_state(layer.layer_id)
-        return self._conv(
+        return _conv(
             x,
             conv_weight,
             conv_bias,
@@ -615,9 +344,10 @@ class HybridBackend:
             conv_scratch=st.conv_scratch,
             activation=None,
             batch=batch,
+            check_indices=self._kernel_checks,
         )
 
-    # ---------------------------------------------------------------- commit
+    # ---------------------------------------------------------------- commit (`VerifyCommitter`)
 
     def commit_after_verify(
         self,
@@ -628,160 +358,71 @@ class HybridBackend:
         track_slots: StateSlots | None = None,
         track_interval: int | None = None,
     ) -> Tensor:
-        """Commit the accepted part of a verify block; the only writer of committed state after a verify.
-
-        Recurrent state: slot `state_slots[i]` gets scratch step `commit_steps(...)[i]` (chain: num_accepted;
-        tree: node index of the deepest accepted node) for every linear layer. Trees: the accepted nodes' K/V
-        move from block positions `prefix + node` to contiguous positions `prefix + depth`. Prefix caching
-        (optional): `track_slots[i]` gets the step that completes a multiple of `track_interval`, if any.
-
-        Args:
-            batch: the TARGET_VERIFY batch that was just run.
-            num_accepted: [N] int accepted drafts per request (bonus excluded); -1 skips a row. N counts the
-                live rows only: a padded batch's padding rows commit nothing.
-            accept_paths: [N, D] int block indices of the accepted path, root first, -1 past its end; required
-                for a tree batch, must be None for a chain.
-            track_slots, track_interval: prefix-cache track destinations (both or neither).
-        Returns:
-            [N] int64 committed step per row (-1 where skipped).
-        """
-        if batch.mode is not ForwardMode.TARGET_VERIFY:
-            raise ValueError(f"batch: expected a TARGET_VERIFY batch, got {batch.mode}")
-        n, d = batch.num_live, batch.verify_len
-        if (accept_paths is None) == batch.is_tree:
-            raise ValueError(
-                "accept_paths: required for a tree verify batch and must be None for a chain "
-                f"(batch is a {'tree' if batch.is_tree else 'chain'})"
-            )
-        if (track_slots is None) != (track_interval is None):
-            raise ValueError("track_slots, track_interval: expected both or neither")
-        dev = self.pool.device
-        num_accepted = num_accepted.to(dev)
-        # reading the values syncs CUDA: the kernels' rule (on the host, and for debug pools)
-        if tuple(num_accepted.shape) != (n,) or (
-            value_checks(dev, self._kernel_checks) and bool(((num_accepted < -1) | (num_accepted >= d)).any())
-        ):
-            raise ValueError(
-                f"num_accepted: expected [{n}] ints in [-1, {d - 1}], got {num_accepted.tolist()}"
-            )
-        if accept_paths is not None:
-            accept_paths = accept_paths.to(dev)
-            self._check_paths(batch, num_accepted, accept_paths)
-        assert batch.req_rows is not None and batch.batch_rows is not None
-        tracking = track_slots is not None
-        # live rows come first and batch rows are 0..N-1, so the live rows' batch rows are 0..n-1
-        batch_rows = batch.batch_rows.head(n)
-        if any(kind is not MixerKind.ATTENTION for kind in self.kinds):
-            steps = commit_accepted_states(
-                pool=self.pool,
-                req_rows=batch.req_rows,
-                batch_rows=batch_rows,
-                num_accepted=num_accepted,
-                accept_paths=accept_paths,
-                seq_lens_before=batch.prefix_lens[:n] if tracking else None,
-                track_slots=track_slots,
-                track_interval=track_interval,
-                check_unique=self.pool.debug,
-            ).steps
-        else:
-            steps = commit_steps(num_accepted=num_accepted, accept_paths=accept_paths)
-        if accept_paths is not None:
-            self._move_tree_kv(batch, num_accepted, accept_paths)
-        return steps
-
-    def _check_paths(self, batch: ForwardBatch, num_accepted: Tensor, paths: Tensor) -> None:
-        n, d = batch.num_live, batch.verify_len
-        if paths.dtype not in (torch.int32, torch.int64) or tuple(paths.shape) != (n, d):
-            raise ValueError(
-                f"accept_paths: expected an int tensor of shape [{n}, {d}], "
-                f"got {paths.dtype} {list(paths.shape)}"
-            )
-        if not value_checks(paths.device, self._kernel_checks):
-            return
-        assert batch.tree_parents is not None
-        depth = torch.arange(d, device=paths.device)[None, :]
-        on_path = depth <= num_accepted[:, None]  # [N, D]
-        ok = bool(((paths >= 0) == on_path).all()) and bool((paths[num_accepted >= 0, 0] == 0).all())
-        if ok and d > 1:
-            # every accepted node's parent is the previous node on the path
-            parent = batch.tree_parents[:n].long().gather(1, paths[:, 1:].clamp(min=0).long())
-            ok = bool(((parent == paths[:, :-1]) | ~on_path[:, 1:]).all())
-        if not ok:
-            raise ValueError(
-                "accept_paths: expected for each row the root (0) then a chain of children following "
-                f"tree_parents for num_accepted + 1 nodes, -1 after; got {paths.tolist()} with num_accepted "
-                f"{num_accepted.tolist()}"
-            )
-
-    def _move_tree_kv(self, batch: ForwardBatch, num_accepted: Tensor, paths: Tensor) -> None:
-        """Copy accepted node `paths[i, j]`'s K/V to block position j, for every attention layer.
-
-        Every block position is written, the ones that keep their K/V (past the accepted path, or already in
-        place) with their own: selecting only the moved ones would need their count on the host (a sync).
-        Destinations are distinct block positions, and all sources are read before any is written.
-        """
-        assert batch.kv_slots is not None
-        n, d = batch.num_live, batch.verify_len
-        block_slots = batch.kv_slots.tensor[: n * d].long().reshape(n, d)  # [N, D] slot of block position j
-        depth = torch.arange(d, device=paths.device)[None, :]
-        moved = (depth <= num_accepted[:, None]) & (paths.long() != depth)  # [N, D]
-        src = torch.where(moved, block_slots.gather(1, paths.clamp(min=0).long()), block_slots).reshape(-1)
-        dst = block_slots.reshape(-1)
-        for i, kind in enumerate(self.kinds):
-            if kind is not MixerKind.ATTENTION:
-                continue
-            for cache in self.pool.kv_cache(i):
-                flat = cache.view(-1, *cache.shape[2:])  # [P * page_size, HKV, Dh]
-                # the gather (advanced indexing: a new tensor) reads every source before the scatter writes:
-                # a destination may be another position's source within one request
-                flat[dst] = flat[src]
-
-
-def _static_max_q_len(batch: ForwardBatch) -> int | None:
-    """Every q_len's bound known without reading the device: 1 in DECODE, D in TARGET_VERIFY."""
-    if batch.mode is ForwardMode.DECODE:
-        return 1
-    if batch.mode is ForwardMode.TARGET_VERIFY:
-        return batch.verify_len
-    return None
-
-
-def _host_max_lens(mode: ForwardMode, q_lens: list[int], prefix_lens: list[int]) -> tuple[int, int] | None:
-    """(longest q_len, longest kv_len) of an extend-like batch, from its host lengths; None otherwise."""
-    if not mode.is_extend_like:
-        return None
-    return max(q_lens, default=0), max((p + q for p, q in zip(prefix_lens, q_lens, strict=True)), default=0)
-
-
-def _host_lens(name: str, values: Sequence[int] | Tensor, n: int) -> list[int]:
-    """Per-request lengths as checked host ints: `[n]`, each >= 0. A tensor on a device is read back (a sync
-    on CUDA): callers pass host values."""
-    if isinstance(values, Tensor) or not all(type(v) is int for v in values):
-        t = (
-            values.to(torch.int32)
-            if isinstance(values, Tensor)
-            else torch.tensor(list(values), dtype=torch.int32)
+        """Commit the accepted part of a verify block: `VerifyCommitter.commit_after_verify`."""
+        return self.committer.commit_after_verify(
+            batch=batch,
+            num_accepted=num_accepted,
+            accept_paths=accept_paths,
+            track_slots=track_slots,
+            track_interval=track_interval,
         )
-        shape = list(t.shape)
-        ints = [int(x) for x in t.tolist()] if shape == [n] else []
-    else:
-        ints = list(values)
-        shape = [len(ints)]
-    if shape != [n]:
-        raise ValueError(f"{name}: expected shape [{n}] (one per request), got {shape}")
-    if n and min(ints) < 0:
-        raise ValueError(f"{name}: expected values >= 0, got {ints}")
-    return ints
 
 
-def _tree(
-    parents: Tensor, num_pad: int, verify_len: int, device: torch.device
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Parents of the live rows, then a chain block per padded row -> (parents [N, D] int32, ancestor mask
-    [N, D, D] bool, depth [N, D] int64). On the host for host parents (D is small: a few ops per node);
-    parents on a device stay there, and so does the work."""
-    where = parents.device if parents.device.type == "cpu" else device
-    chain = torch.arange(verify_len, dtype=torch.int32, device=where) - 1  # [D] padded rows: a chain
-    full = torch.cat([parents.to(where, torch.int32), chain.expand(num_pad, verify_len)])  # [N, D]
-    mask, depth = tree_ancestor_mask(full)
-    return full, mask, depth
+def _conv(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    *,
+    conv_state: Tensor | None,
+    conv_scratch: Tensor | None,
+    activation: str | None,
+    batch: ForwardBatch,
+    check_indices: bool | None,
+) -> Tensor:
+    """The conv of a linear layer in the batch's mode. x [T, C] -> [T, C]; `check_indices`: the backend's
+    kernel-check setting."""
+    if conv_state is None:
+        raise ValueError("conv_state: the pool has no conv state for this layer")
+    assert batch.state_slots is not None and batch.batch_rows is not None
+    slots = batch.state_slots.tensor
+    w = weight.reshape(weight.shape[0], weight.shape[-1]).to(x.dtype)  # [C, W]
+    bias = None if bias is None else bias.to(x.dtype)
+    state = conv_state
+    if batch.mode is ForwardMode.DECODE:
+        return conv_decode(
+            x,
+            w,
+            bias,
+            conv_state=state,
+            state_slots=slots,
+            activation=activation,  # type: ignore[arg-type]
+            check_indices=check_indices,
+        )
+    if batch.mode is ForwardMode.TARGET_VERIFY:
+        if conv_scratch is None:
+            raise ValueError("conv_scratch: the pool has no verify scratch (plan without a draft_shape)")
+        n, d = batch.num_seqs, batch.verify_len
+        y = conv_verify(
+            x.reshape(n, d, -1),
+            w,
+            bias,
+            conv_state=state,
+            state_slots=slots,
+            scratch=conv_scratch,
+            scratch_rows=batch.batch_rows.tensor,
+            parents=batch.tree_parents,
+            activation=activation,  # type: ignore[arg-type]
+            check_indices=check_indices,
+        )
+        return y.reshape(n * d, -1)
+    return conv_prefill(
+        x,
+        w,
+        bias,
+        cu_seqlens=batch.cu_seqlens_q,
+        conv_state=state,
+        state_slots=slots,
+        has_initial_state=batch.has_initial_state,
+        activation=activation,  # type: ignore[arg-type]
+        check_indices=check_indices,
+    )
