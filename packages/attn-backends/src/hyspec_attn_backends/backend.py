@@ -102,11 +102,8 @@ class HybridBackend:
         max_num_seqs, max_tokens: size of the preallocated batch buffers (default: the pool's max_num_seqs and
             max_num_seqs · max(Dmax, 256)).
 
-    Every batch lives in the same preallocated buffers (so CUDA graphs can read them): preparing a batch, or
-    advancing one in place, overwrites the previous one. `num_builds` counts those writes, so a batch
-    prepared ahead of its step can tell whether it is still the one in the buffers. `prepare_*` compute a
-    batch on the host (index translations from the pool's host mirrors) and write each buffer with one
-    non-blocking copy, without reading the device.
+    Batches are built by its `BatchBuilder` (how they share preallocated buffers and what `num_builds`
+    counts: see there), the commit after verify is its `VerifyCommitter`'s; the layer routing is its own.
     """
 
     def __init__(

@@ -72,7 +72,7 @@ def choose_tokens(
     budget = to_device(max_new_tokens, dtype=torch.int64, device=dev)
     if not shared:
         return _walk(tree, _choice(tree, logits, requests, sampler, nodes), stop, budget)
-    walk = [i for i in range(len(params)) if i not in set(shared)]
+    walk = sorted(set(range(len(params))) - set(shared))
     parts: list[tuple[list[int], VerifyResult]] = []
     if walk:
         idx = to_device(walk, dtype=torch.int64, device=dev)

@@ -212,10 +212,6 @@ class RoundTimer:
         if record is not None:
             record(time.perf_counter() - self._last_end)
 
-    def begin_round(self) -> None:
-        """A round starts: the last one is recorded if no `begin_step` did it (a loop without steps)."""
-        self.begin_step()
-
     def plain(self, seconds: float | None, *, rows: int, timing: bool) -> None:
         """The round was a plain decode step of `rows` requests taking `seconds` (None: not timed)."""
         if seconds is not None:

@@ -293,7 +293,7 @@ class SpeculativeRound:
 
     def run(self, target: VerifyTarget, rows: Sequence[RoundRow]) -> list[VerifiedTokens]:
         """One speculative round over these decoding rows."""
-        self.timer.begin_round()
+        self.timer.begin_step()  # records the last round if the caller's step did not (a loop without steps)
         n = len(rows)
         ids = [r.request.request_id for r in rows]
         timing = self.timer.timing()
