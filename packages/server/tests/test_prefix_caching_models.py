@@ -81,7 +81,9 @@ def test_caching_on_equals_caching_off(case: DrafterCase, checkpoints: dict[str,
     target = checkpoints[case.arch]
     draft = None if case.draft is None else str(checkpoints[f"{case.draft}@{case.arch}"])
     spec = case.speculative_config(draft)
-    want, none_cached = _workload(_llm(target, spec, False, 4))
+    off = _llm(target, spec, False, 4)
+    want, none_cached = _workload(off)
+    want_accepted = off.engine.stats.spec_num_accepted_tokens
     assert none_cached == 0
     for max_num_seqs in (1, 4):
         llm = _llm(target, spec, True, max_num_seqs)
@@ -89,7 +91,19 @@ def test_caching_on_equals_caching_off(case: DrafterCase, checkpoints: dict[str,
         assert got == want, (case.name, max_num_seqs)
         # every sequential shared-prefix request and every later chat turn resumes from the cache
         assert cached >= 3 * len(SYSTEM) - PAGE, (case.name, max_num_seqs, cached)
+        drafter = None if llm.engine.runner.spec is None else llm.engine.runner.spec.model_drafter
+        draft_kv = getattr(drafter, "kv", None)
+        if draft_kv is not None:
+            # the drafter resumed its own KV from its prefix cache, not zeros: its drafts after a hit are
+            # the ones it makes without caching, so the same drafts are accepted
+            stats = draft_kv.cache.stats()
+            assert stats.num_hits >= cached - 4 * len(USER_TURNS + SUFFIXES), (case.name, stats, cached)
+        if not spec.get("adaptive"):  # (adaptive lengths follow measured costs)
+            accepted = llm.engine.stats.spec_num_accepted_tokens
+            assert accepted == want_accepted, (case.name, max_num_seqs, accepted, want_accepted)
         assert llm.reset_prefix_cache()
         llm.engine.leak_check()
         pool = llm.engine.runner.memory.pool
         assert pool.kv.num_free == pool.plan.num_kv_pages
+        if draft_kv is not None:
+            assert draft_kv.pool.kv.num_free == draft_kv.pool.plan.num_kv_pages

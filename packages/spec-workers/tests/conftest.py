@@ -13,6 +13,7 @@ import torch
 from hyspec_attn_backends import HybridBackend, model_state_specs
 from hyspec_models.loader import load_model
 from hyspec_models.tiny import MTP_ARCHS, build_tiny_checkpoint
+from hyspec_spec_workers import SpeculativeConfig
 from hyspec_spec_workers.draft_kv import DraftMemory
 from hyspec_spec_workers.testing import LOSSLESS_NEW_TOKENS, LOSSLESS_PROMPTS, generate
 from hyspec_spec_workers.tiny_drafts import build_tiny_dflash, build_tiny_eagle3
@@ -58,6 +59,15 @@ class Target:
         if not (out / "config.json").is_file():
             build_tiny_dflash(out, self.path, seed=2, block_size=4)
         return out
+
+    def speculative_config(self, spec: dict[str, Any], num_speculative_tokens: int) -> SpeculativeConfig:
+        """`spec` (a method and its options) with S drafts and the draft checkpoint it needs, if any."""
+        d = {"num_speculative_tokens": num_speculative_tokens, **spec}
+        if spec["method"] == "eagle3":
+            d["model"] = str(self.eagle3())
+        if spec["method"] == "dflash":
+            d["model"] = str(self.dflash())
+        return SpeculativeConfig.from_dict(d)
 
     def stack(self, shape: DraftShape | None) -> tuple[HybridBackend, HybridStatePool]:
         """Target backend + pool (fp32 storage, debug), with one request burnt so rows and slots differ."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from hyspec_spec_workers import DraftBatch, DraftOutput, SpeculativeConfig
+from hyspec_spec_workers import DraftBatch, DraftOutput
 from hyspec_spec_workers.factory import build_drafter
 from hyspec_spec_workers.testing import GenerationStats, track_committed
 
@@ -124,12 +124,7 @@ def test_forced_acceptance_every_length(
     eos = ref[0][t.new_tokens // 2]
     ref_eos = t.reference(eos)
     assert any(len(r) < t.new_tokens for r in ref_eos)
-    d = {"num_speculative_tokens": S, **spec}
-    if spec["method"] == "eagle3":
-        d["model"] = str(t.eagle3())
-    if spec["method"] == "dflash":
-        d["model"] = str(t.dflash())
-    cfg = SpeculativeConfig.from_dict(d)
+    cfg = t.speculative_config(spec, S)
     vocab = int(t.model.config.vocab_size)
     for eos_id, want in ((None, ref), (eos, ref_eos)):
         drafter = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())

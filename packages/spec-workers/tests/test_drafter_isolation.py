@@ -39,15 +39,9 @@ def test_building_a_draft_leaves_target_config_and_routing(
     target: Callable[[str], Any], arch: str, spec: dict[str, Any]
 ) -> None:
     t = target(arch)
-    d = {"num_speculative_tokens": 3, **spec}
-    if spec["method"] == "eagle3":
-        d["model"] = str(t.eagle3())
-    if spec["method"] == "dflash":
-        d["model"] = str(t.dflash())
+    cfg = t.speculative_config(spec, 3)
     before = _snapshot(t.model)
-    drafter: Any = build_drafter(
-        SpeculativeConfig.from_dict(d), t.model, target_path=t.path, memory=t.memory()
-    )
+    drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
     assert _snapshot(t.model) == before
     # a fresh target backend still routes every layer by its type, and the draft's pool is its own
     backend, pool = t.stack(None)

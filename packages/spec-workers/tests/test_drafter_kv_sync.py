@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from hyspec_spec_workers import CommittedTokens, DraftBatch, SpeculativeConfig
+from hyspec_spec_workers import CommittedTokens, DraftBatch
 from hyspec_spec_workers.factory import build_drafter
 from hyspec_spec_workers.testing import generate, track_committed
 
@@ -45,12 +45,7 @@ def test_incremental_draft_extend_equals_one_shot(
     target: Callable[[str], Any], arch: str, spec: dict[str, Any]
 ) -> None:
     t = target(arch)
-    d = {"num_speculative_tokens": S, **spec}
-    if spec["method"] == "eagle3":
-        d["model"] = str(t.eagle3())
-    if spec["method"] == "dflash":
-        d["model"] = str(t.dflash())
-    cfg = SpeculativeConfig.from_dict(d)
+    cfg = t.speculative_config(spec, S)
     inc: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
     log: list[list[torch.Tensor]] = []
     _spy(inc, log)

@@ -212,6 +212,7 @@ class HyspecModelRunner:
                 page_size=args.page_size,
                 kv_dtype=self.dtype,
                 device=self._device,
+                num_snapshots=num_snapshot_slots(args, max_num_seqs) if has_kv else 0,
             )
             try:
                 drafter = (drafters or DrafterRegistry()).build(ctx)

@@ -19,9 +19,20 @@ class MemoryFollower(Protocol):
 
     def on_free(self, request_id: str) -> None: ...
 
-    def on_prefix_hit(self, request_id: str, num_tokens: int) -> None:
-        """The just-allocated request resumes at position `num_tokens` (its first tokens come from the prefix
-        cache, not from a forward)."""
+    def on_prefix_hit(
+        self, request_id: str, num_tokens: int, token_ids: Sequence[int], *, salt: str | None
+    ) -> None:
+        """The just-allocated request resumes at position `num_tokens` (its first tokens,
+        `token_ids[:num_tokens]`, come from the prefix cache, not from a forward)."""
+        ...
+
+    def on_prefix_save(self, request_id: str, token_ids: Sequence[int], *, salt: str | None) -> None:
+        """The pool just saved the request's committed tokens `token_ids` for the prefix cache: save what the
+        follower keeps for them too."""
+        ...
+
+    def on_prefix_reset(self) -> None:
+        """The prefix cache was reset: forget what the follower cached."""
         ...
 
     def leak_check(self) -> None:
@@ -100,21 +111,27 @@ class StatePoolMemory:
     ) -> int:
         if self.prefix_cache is None:
             return 0
-        n = self.prefix_cache.attach_longest(request_id, token_ids, salt=salt, max_tokens=max_tokens)
+        n = self.prefix_cache.attach_longest(
+            request_id, token_ids, salt=salt, max_tokens=max_tokens
+        ).num_tokens
         if n:
             for f in self.followers:
-                f.on_prefix_hit(request_id, n)
+                f.on_prefix_hit(request_id, n, token_ids, salt=salt)
         return n
 
     def save_prefix(self, request_id: str, token_ids: Sequence[int], *, salt: str | None) -> None:
         if self.prefix_cache is not None and token_ids:
             self.prefix_cache.save(request_id, token_ids, salt=salt, num_tokens=len(token_ids))
+            for f in self.followers:
+                f.on_prefix_save(request_id, token_ids, salt=salt)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (live requests keep their pages); False when caching is off."""
         if self.prefix_cache is None:
             return False
         self.prefix_cache.reset()
+        for f in self.followers:
+            f.on_prefix_reset()
         return True
 
     def prefix_cache_stats(self) -> PrefixCacheStats | None:

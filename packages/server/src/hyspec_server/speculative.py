@@ -62,6 +62,8 @@ class DrafterContext:
         page_size: KV page size of the target pool (a draft pool may reuse it).
         kv_dtype: the target's KV storage dtype.
         device: the target's device.
+        num_snapshots: the target's prefix-cache snapshots (0: caching off); a drafter's own KV caches as
+            many.
     """
 
     config: SpeculativeConfig
@@ -72,6 +74,7 @@ class DrafterContext:
     page_size: int
     kv_dtype: torch.dtype
     device: torch.device
+    num_snapshots: int = 0
 
 
 DrafterBuilder = Callable[[DrafterContext], Drafter]
@@ -84,6 +87,7 @@ def build_builtin_drafter(ctx: DrafterContext) -> Drafter:
         max_context=ctx.max_context,
         page_size=ctx.page_size,
         kv_dtype=ctx.kv_dtype,
+        num_snapshots=ctx.num_snapshots,
     )
     return build_drafter(ctx.config, ctx.target, target_path=ctx.target_path, memory=memory)
 

@@ -230,7 +230,7 @@ class DFlashDrafter:
         self.num_speculative_tokens = num_speculative_tokens
         param = next(draft.parameters())
         self.kv = DraftKV(
-            draft.mixer_layers(), memory=memory, max_block=b, dtype=param.dtype, device=param.device
+            draft.mixer_layers(), memory=memory, max_block=b, dtype=param.dtype, device=param.device, lag=0
         )
         self.graphs = DraftGraphs(self.kv.backend, self._block_forward, shapes=[(b, True)])
 
@@ -259,8 +259,17 @@ class DFlashDrafter:
     def _block_forward(self, batch: ForwardBatch) -> tuple[Tensor]:
         return (self.draft(batch, self.kv.backend),)  # normed [T, H]
 
-    def start_at(self, req_id: Hashable, position: int) -> None:
-        self.kv.skip_to(req_id, position)  # context K/V of the cached tokens: zeros
+    def start_at(
+        self, req_id: Hashable, position: int, token_ids: Sequence[int] = (), *, salt: str | None = None
+    ) -> None:
+        # context K/V of the cached tokens from the draft's prefix cache (zeros where it has none)
+        self.kv.resume(req_id, position, token_ids, salt=salt)
+
+    def save_prefix(self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None) -> None:
+        self.kv.save(req_id, token_ids, salt=salt)
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_cache()
 
     def free_requests(self, req_ids: Sequence[Hashable]) -> None:
         self.kv.free(req_ids)

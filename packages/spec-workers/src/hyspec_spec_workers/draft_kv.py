@@ -5,6 +5,13 @@ paged KV and no recurrent state; the target's pool, routing and config are never
 mirrored by id: `DraftKV.add` / `free` follow the target's alloc / free. `lengths[req]` is how many
 positions of the draft KV are final (written by a draft extend from committed target tokens); proposal
 forwards write past it and are overwritten by the next extend.
+
+Prefix caching: with `DraftMemory.num_snapshots` the pool has a `PrefixCache` of its own, so a request that
+resumes from the target's prefix cache also resumes the draft KV the earlier request wrote for those tokens
+instead of zeros (drafts after a hit are as good as without caching). A draft is `lag` positions behind the
+target (MTP / EAGLE-3: position p pairs token p + 1 with the feature at p, so L committed target tokens make
+L - 1 draft positions; DFlash: 0), so draft position p depends on target tokens 0..p + lag: the draft cache's
+hash chain runs over the target tokens from `lag` on, with the first `lag` tokens folded into its salt.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from hyspec_attn_backends import HybridBackend, MixerLayer, model_state_specs
 from hyspec_statepool.draft_shape import DraftShape
 from hyspec_statepool.indices import ReqRows
 from hyspec_statepool.pool import HybridStatePool
+from hyspec_statepool.prefix_cache import PrefixCache, PrefixHit
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.specs import StateDtypes
 
@@ -32,6 +40,7 @@ class DraftMemory:
         num_kv_pages: pages in the draft KV pool; None sizes it for `max_num_seqs` full contexts.
         kv_dtype: KV storage dtype; None uses the draft's parameter dtype (lossless tests need it equal to the
             model dtype, see the package README).
+        num_snapshots: prefix-cache snapshots of the draft KV (the target's count; 0: caching off).
     """
 
     max_num_seqs: int
@@ -39,6 +48,7 @@ class DraftMemory:
     page_size: int = 16
     num_kv_pages: int | None = None
     kv_dtype: torch.dtype | None = None
+    num_snapshots: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_context", "page_size"):
@@ -51,6 +61,9 @@ class DraftMemory:
             or self.num_kv_pages < 1
         ):
             raise ValueError(f"num_kv_pages: expected an int >= 1 or None, got {self.num_kv_pages!r}")
+        v = self.num_snapshots
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"num_snapshots: expected an int >= 0, got {v!r}")
 
 
 class DraftKV:
@@ -62,6 +75,7 @@ class DraftKV:
         max_block: the largest block a proposal forward writes past the final length.
         dtype: the draft's parameter dtype (KV dtype unless `memory.kv_dtype` says otherwise).
         device: where the pool lives.
+        lag: draft positions behind the target's committed tokens (see the module docstring).
     """
 
     def __init__(
@@ -72,9 +86,12 @@ class DraftKV:
         max_block: int,
         dtype: torch.dtype,
         device: torch.device,
+        lag: int,
     ) -> None:
         if max_block < 1:
             raise ValueError(f"max_block: expected >= 1, got {max_block}")
+        if lag < 0:
+            raise ValueError(f"lag: expected >= 0, got {lag}")
         kv = memory.kv_dtype or dtype
         shape = DraftShape("tree", 1, max(2, max_block))
         width = memory.max_context + shape.num_draft_tokens  # type: ignore[operator]
@@ -85,13 +102,18 @@ class DraftKV:
             max_num_seqs=memory.max_num_seqs,
             draft_shape=shape,
             page_size=memory.page_size,
-            num_state_slots=memory.max_num_seqs,
+            # snapshots of an attention-only pool hold no state: their slots only name them
+            num_state_slots=memory.max_num_seqs + memory.num_snapshots,
             num_kv_pages=pages,
             dtypes=StateDtypes(kv=kv, conv=kv),
         )
         self.pool = HybridStatePool(plan, device=device)
         self.backend = HybridBackend(self.pool, layers=layers, layer_types=["full_attention"] * len(layers))
         self.lengths: dict[Hashable, int] = {}
+        self.lag = lag
+        self.cache = (
+            PrefixCache(self.pool, num_snapshots=memory.num_snapshots) if memory.num_snapshots else None
+        )
 
     def add(self, req_ids: Sequence[Hashable]) -> None:
         self.pool.alloc(list(req_ids))
@@ -103,19 +125,65 @@ class DraftKV:
         for r in req_ids:
             del self.lengths[r]
 
-    def skip_to(self, req_id: Hashable, length: int) -> None:
-        """A fresh request's first `length` positions count as final, with zero K/V (a prefix-cache hit:
-        no target features exist for them). Zeros keep attention finite over positions never extended."""
+    def resume(
+        self, req_id: Hashable, num_tokens: int, token_ids: Sequence[int], *, salt: str | None
+    ) -> PrefixHit:
+        """A fresh request whose target resumes after `num_tokens` cached tokens (`token_ids`, at least that
+        many): its first `num_tokens - lag` draft positions count as final, the longest of them the draft's
+        prefix cache holds from there, zero K/V for the rest (no target features exist for them here; zeros
+        keep attention finite). Returns the draft's hit (its payload: what `save` kept with it)."""
         if self.lengths[req_id] != 0:
             raise ValueError(f"request {req_id!r} already has {self.lengths[req_id]} draft positions")
-        self.pool.ensure_kv_capacity([req_id], [length])
-        pages = self.pool.request_pages(req_id)
+        n = max(num_tokens - self.lag, 0)
+        hit = PrefixHit(0)
+        if self.cache is not None and n > 0 and len(token_ids) >= num_tokens:
+            seq, key = self._cache_key(token_ids[:num_tokens], salt)
+            hit = self.cache.attach_longest(req_id, seq, salt=key, max_tokens=n)
+        self._zero(req_id, hit.num_tokens, n)
+        self.lengths[req_id] = n
+        return hit
+
+    def save(
+        self,
+        req_id: Hashable,
+        token_ids: Sequence[int],
+        *,
+        salt: str | None,
+        payload: torch.Tensor | None = None,
+    ) -> bool:
+        """Caches the request's draft KV for its committed target tokens `token_ids` (with `payload`);
+        False (nothing saved) when caching is off or the draft holds other than `len(token_ids) - lag`
+        positions."""
+        n = len(token_ids) - self.lag
+        if self.cache is None or n < 1 or self.lengths.get(req_id) != n:
+            return False
+        seq, key = self._cache_key(token_ids, salt)
+        self.cache.save(req_id, seq, salt=key, num_tokens=n, payload=payload)
+        return True
+
+    def reset_cache(self) -> None:
+        if self.cache is not None:
+            self.cache.reset()
+
+    def _cache_key(self, token_ids: Sequence[int], salt: str | None) -> tuple[list[int], str]:
+        """The draft cache's tokens and salt for target tokens `token_ids` (see the module docstring)."""
+        head = tuple(int(t) for t in token_ids[: self.lag])
+        return [int(t) for t in token_ids[self.lag :]], repr((salt, head))
+
+    def _zero(self, req_id: Hashable, start: int, end: int) -> None:
+        """Zero K/V at the request's positions start..end-1 (pages allocated as needed)."""
+        if end <= start:
+            return
+        self.pool.ensure_kv_capacity([req_id], [end])
         kv = self.pool.kv
-        if pages and kv.k is not None and kv.v is not None:
-            index = torch.tensor(pages, dtype=torch.long, device=kv.k.device)
-            kv.k[:, index] = 0
-            kv.v[:, index] = 0
-        self.lengths[req_id] = length
+        if kv.k is None or kv.v is None:
+            return
+        ps = kv.page_size
+        pages = torch.tensor(self.pool.request_pages(req_id), dtype=torch.long)
+        pos = torch.arange(start, end)
+        page, off = pages[pos // ps].to(kv.k.device), (pos % ps).to(kv.k.device)
+        kv.k[:, page, off] = 0
+        kv.v[:, page, off] = 0
 
     def rows(self, req_ids: Sequence[Hashable]) -> ReqRows:
         return self.pool.req_rows(list(req_ids))

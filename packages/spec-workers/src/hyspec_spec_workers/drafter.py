@@ -170,10 +170,23 @@ class ModelDrafter(Protocol):
 
     def free_requests(self, req_ids: Sequence[Hashable]) -> None: ...
 
-    def start_at(self, req_id: Hashable, position: int) -> None:
+    def start_at(
+        self, req_id: Hashable, position: int, token_ids: Sequence[int] = (), *, salt: str | None = None
+    ) -> None:
         """A just-added request resumes at `position` (a prefix-cache hit: the target computed its first
-        tokens for an earlier request). The draft's memory of them is zeros: later drafts may be worse,
+        tokens `token_ids[:position]` for an earlier request). The draft resumes from its own prefix cache
+        (`save_prefix`) where that holds the same tokens; what it lacks is zeros: later drafts may be worse,
         never the output, which verification decides."""
+        ...
+
+    def save_prefix(self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None) -> None:
+        """Cache what the draft holds for the request's committed tokens `token_ids` (all of them, every
+        waiting commit already made), for later requests that resume there (`start_at`). Nothing is saved
+        when the draft holds other tokens than these."""
+        ...
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (requests keep theirs)."""
         ...
 
     def commit(self, committed: CommittedTokens) -> None: ...

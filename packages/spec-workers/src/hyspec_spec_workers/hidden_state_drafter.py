@@ -141,6 +141,7 @@ class HiddenStateDrafter:
             max_block=2 * s + 1 if one_layer_chain else self.max_nodes,
             dtype=model.dtype,
             device=model.device,
+            lag=1,  # position p pairs token p + 1 with the feature at p
         )
         rows, f, dev, dt = memory.max_num_seqs, model.feature_dim, model.device, model.dtype
         # persistent per request (indexed by draft pool row): the target feature at the last committed token
@@ -245,11 +246,26 @@ class HiddenStateDrafter:
         self.kv.backend.advance_one_token(batch)
         return (tok,)
 
-    def start_at(self, req_id: Hashable, position: int) -> None:
-        # pairs 0..position-2 count as written (zeros); the root feature f[position-1] is unknown: zeros
-        self.kv.skip_to(req_id, max(position - 1, 0))
+    def start_at(
+        self, req_id: Hashable, position: int, token_ids: Sequence[int] = (), *, salt: str | None = None
+    ) -> None:
+        # pairs 0..position-2 come from the draft's prefix cache (zeros where it has none); the root feature
+        # f[position-1] is the payload of a hit that covers them all (else unknown: zeros)
+        hit = self.kv.resume(req_id, position, token_ids, salt=salt)
         self._unwritten.pop(req_id, None)
-        self.root_features[self.kv.rows([req_id]).tensor.long()] = 0
+        row = self.kv.rows([req_id]).tensor.long()
+        if hit.payload is not None and hit.num_tokens == position - 1:
+            self.root_features[row] = hit.payload.to(self.root_features)
+        else:
+            self.root_features[row] = 0
+
+    def save_prefix(self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None) -> None:
+        self._write_unwritten([req_id])  # the chain keeps up to S + 1 pairs unwritten for its next block
+        row = self.kv.rows([req_id]).tensor.long()
+        self.kv.save(req_id, token_ids, salt=salt, payload=self.root_features[row][0])  # f[L-1] [F]
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_cache()
 
     def free_requests(self, req_ids: Sequence[Hashable]) -> None:
         for r in req_ids:

@@ -211,10 +211,22 @@ class SpeculativeRound:
             assert self.model_drafter is not None
             self.model_drafter.free_requests([request_id])
 
-    def on_prefix_hit(self, request_id: str, num_tokens: int) -> None:
+    def on_prefix_hit(
+        self, request_id: str, num_tokens: int, token_ids: Sequence[int], *, salt: str | None
+    ) -> None:
         if request_id in self._followed:
             assert self.model_drafter is not None
-            self.model_drafter.start_at(request_id, num_tokens)
+            self.model_drafter.start_at(request_id, num_tokens, token_ids, salt=salt)
+
+    def on_prefix_save(self, request_id: str, token_ids: Sequence[int], *, salt: str | None) -> None:
+        if request_id in self._followed:
+            assert self.model_drafter is not None and self.feed is not None
+            self.feed.flush([request_id])  # the tokens the target's snapshot holds reach the draft first
+            self.model_drafter.save_prefix(request_id, token_ids, salt=salt)
+
+    def on_prefix_reset(self) -> None:
+        if self.model_drafter is not None:
+            self.model_drafter.reset_prefix_cache()
 
     def leak_check(self) -> None:
         waiting = set() if self.feed is None else self.feed.waiting

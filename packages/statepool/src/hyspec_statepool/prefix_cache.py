@@ -15,6 +15,9 @@ of that page, because the request that made it goes on writing the rest of it; a
 page for the new request. A hit resumes from the longest cached position that has both its pages and a
 snapshot.
 
+A snapshot may carry a small `payload` tensor of its owner's (a drafter keeps the target feature its next pair
+needs there); a hit hands back a copy of it.
+
 Only committed state reaches a snapshot: the engine saves one right after the forward that computed position
 `c` (a prefill chunk's end, a finished request's last committed token), never from verify scratch.
 """
@@ -26,6 +29,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from hyspec_statepool.pool import HybridStatePool
 
@@ -49,6 +54,18 @@ class _Snapshot:
     num_tokens: int
     slot: int
     tail_page: int | None
+    payload: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """What a lookup resumed: `num_tokens` cached tokens (0: a miss) and the snapshot's payload, if any."""
+
+    num_tokens: int
+    payload: torch.Tensor | None = None
+
+    def __bool__(self) -> bool:
+        return self.num_tokens > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,17 +108,18 @@ class PrefixCache:
 
     def attach_longest(
         self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None, max_tokens: int
-    ) -> int:
+    ) -> PrefixHit:
         """Resume a fresh request (a row and a zeroed slot, no pages) from its longest cached prefix.
 
         The request adopts the shared pages, a private copy of the snapshot's tail page and the snapshot's
         state. `max_tokens` caps the hit (the engine passes the prompt length - 1: the last prompt token is
-        always computed, its logits give the first output). Returns the cached tokens (0: a miss).
+        always computed, its logits give the first output). Returns the cached tokens (0: a miss) and a copy
+        of the snapshot's payload.
         """
         self._queries += len(token_ids)
         found = self._longest(token_ids, min(max_tokens, len(token_ids)), root_hash(salt))
         if found is None:
-            return 0
+            return PrefixHit(0)
         snap, hashes = found
         kv = self.pool.kv
         chain = [self._pages[h] for h in hashes]
@@ -116,7 +134,7 @@ class PrefixCache:
                     self._pinned = None
             if not kv.num_free:
                 kv.free(chain)
-                return 0
+                return PrefixHit(0)
             fresh = kv.alloc(1)[0]
             kv.copy_page(snap.tail_page, fresh)
             pages.append(fresh)
@@ -124,7 +142,8 @@ class PrefixCache:
         self.pool.states.copy_slot(snap.slot, self.pool.request_slot(req_id))
         self._touch(hashes, snap.key)
         self._hits += snap.num_tokens
-        return snap.num_tokens
+        payload = None if snap.payload is None else snap.payload.clone()
+        return PrefixHit(snap.num_tokens, payload)
 
     def _longest(
         self, tokens: Sequence[int], limit: int, root: bytes
@@ -151,12 +170,20 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- saving
 
-    def save(self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None, num_tokens: int) -> None:
+    def save(
+        self,
+        req_id: Hashable,
+        token_ids: Sequence[int],
+        *,
+        salt: str | None,
+        num_tokens: int,
+        payload: torch.Tensor | None = None,
+    ) -> None:
         """Cache the request's full pages before `num_tokens` and a snapshot of its state at `num_tokens`.
 
         `token_ids[:num_tokens]` must be exactly what the request's committed state and KV hold. Pages
         another request already cached under the same hash stay the request's own. Without a free snapshot
-        slot the least recently used snapshot gives its slot.
+        slot the least recently used snapshot gives its slot. A new snapshot keeps a copy of `payload`.
         """
         c = num_tokens
         if not 0 < c <= len(token_ids):
@@ -177,10 +204,17 @@ class PrefixCache:
         tail = tuple(token_ids[k * ps : c])
         key = (h, tail)
         if key not in self._snapshots:
-            self._new_snapshot(key, c, req_id, own[k] if tail else None)
+            self._new_snapshot(key, c, req_id, own[k] if tail else None, payload)
         self._touch(chain, key if key in self._snapshots else None)
 
-    def _new_snapshot(self, key: _SnapKey, num_tokens: int, req_id: Hashable, partial: int | None) -> None:
+    def _new_snapshot(
+        self,
+        key: _SnapKey,
+        num_tokens: int,
+        req_id: Hashable,
+        partial: int | None,
+        payload: torch.Tensor | None,
+    ) -> None:
         kv = self.pool.kv
         tail_page = None
         if partial is not None:
@@ -194,7 +228,8 @@ class PrefixCache:
             self._drop(next(iter(self._snapshots.values())))
         slot = self._free_slots.pop()
         self.pool.states.copy_slot(self.pool.request_slot(req_id), slot)
-        self._snapshots[key] = _Snapshot(key, num_tokens, slot, tail_page)
+        kept = None if payload is None else payload.detach().clone()
+        self._snapshots[key] = _Snapshot(key, num_tokens, slot, tail_page, kept)
         self._tails.setdefault(key[0], set()).add(key[1])
 
     # ---------------------------------------------------------------- memory

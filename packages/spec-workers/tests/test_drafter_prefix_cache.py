@@ -1,0 +1,133 @@
+"""A drafter resumes its own KV from its prefix cache: after a hit, its proposal equals that of a drafter that
+was given the whole prompt (not zeros for the cached tokens), for every model drafter, with the cached prefix
+ending inside a page and on a page boundary; another salt misses, and nothing leaks."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hyspec_spec_workers import CommittedTokens, DraftBatch, SpeculativeConfig
+from hyspec_spec_workers.factory import build_drafter
+
+S = 3
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("qwen3_5", {"method": "mtp"}),
+    ("qwen3_5", {"method": "mtp", "topk": 2, "num_draft_tokens": 5}),
+    ("qwen3_next", {"method": "multi_layer_mtp", "chain_hidden_states": True}),
+    ("lfm2", {"method": "eagle3"}),
+    ("lfm2_moe", {"method": "dflash"}),
+]
+PROMPT = [(i * 37 + 11) % 200 + 3 for i in range(21)]
+SUFFIX = [9, 4, 77, 31, 8]
+ROOT = 17  # the token each request proposes from
+
+
+def _spy(drafter: Any) -> list[torch.Tensor]:
+    """Records the draft logits' inputs of every proposal forward."""
+    log: list[torch.Tensor] = []
+    inner = drafter.draft_logits
+
+    def draft_logits(normed: torch.Tensor, **kw: Any) -> torch.Tensor:
+        log.append(normed.clone())
+        out: torch.Tensor = inner(normed, **kw)
+        return out
+
+    drafter.draft_logits = draft_logits
+    return log
+
+
+def _commit(drafter: Any, rid: str, start: int, tokens: list[int], hidden: torch.Tensor, aux: Any) -> None:
+    drafter.commit(
+        CommittedTokens(
+            req_ids=[rid],
+            start_positions=torch.tensor([start]),
+            num_tokens=torch.tensor([len(tokens)]),
+            tokens=torch.tensor(tokens),
+            hidden_states=hidden,
+            aux_hidden_states=tuple(aux),
+        )
+    )
+
+
+def _propose(drafter: Any, rid: str) -> list[torch.Tensor]:
+    log = _spy(drafter)
+    drafter.propose(DraftBatch(root_tokens=torch.tensor([ROOT]), num_steps=[S], req_ids=[rid]))
+    del drafter.draft_logits
+    return log
+
+
+@pytest.mark.parametrize("cached", [12, 13])  # on a page boundary (page 4), inside a page
+@pytest.mark.parametrize(
+    ("arch", "spec"), CASES, ids=[f"{a}-{s['method']}-{s.get('topk', 1)}" for a, s in CASES]
+)
+def test_a_hit_resumes_the_drafters_kv(
+    target: Callable[[str], Any], arch: str, spec: dict[str, Any], cached: int
+) -> None:
+    t = target(arch)
+    cfg = t.speculative_config(spec, S)
+    memory = dataclasses.replace(t.memory(), num_snapshots=2)
+    # the target's features over the whole prompt, once: every drafter below commits slices of them
+    whole = PROMPT + SUFFIX
+    backend, pool = t.stack(None)
+    pool.alloc(["x"])
+    pool.ensure_kv_capacity(["x"], [len(whole)])
+    batch = backend.prepare_extend(
+        req_rows=pool.req_rows(["x"]), input_ids=torch.tensor(whole), q_lens=[len(whole)], prefix_lens=[0]
+    )
+    ref: Any = build_drafter(cfg, t.model, target_path=t.path, memory=memory)
+    with torch.no_grad():
+        out = t.model(batch, backend, capture_layers=ref.capture_layers)
+    pool.free(["x"])
+    h, aux = out.hidden_states, out.aux_hidden_states
+
+    def part(a: int, b: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return h[a:b], [x[a:b] for x in aux]
+
+    # the reference: the whole prompt in one commit
+    ref.add_requests(["r"])
+    _commit(ref, "r", 0, whole, *part(0, len(whole)))
+    want = _propose(ref, "r")
+
+    drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=memory)
+    drafter.add_requests(["burn", "a"])  # rows and slots differ from the reference's
+    _commit(drafter, "a", 0, whole[:cached], *part(0, cached))
+    drafter.save_prefix("a", whole[:cached], salt=None)
+    drafter.free_requests(["a"])
+    for salt, hit in ((None, True), ("other", False)):
+        drafter.add_requests(["b"])
+        drafter.start_at("b", cached, whole, salt=salt)
+        _commit(drafter, "b", cached, whole[cached:], *part(cached, len(whole)))
+        got = _propose(drafter, "b")
+        assert len(got) == len(want)
+        close = all(torch.allclose(g, w, atol=2e-4, rtol=2e-4) for g, w in zip(got, want, strict=True))
+        # a miss resumes from zeros: its drafts differ, which shows the comparison can fail
+        assert close == hit, (salt, [float((g - w).abs().max()) for g, w in zip(got, want, strict=True)])
+        drafter.free_requests(["b"])
+    stats = drafter.kv.cache.stats()
+    assert stats.num_hits == cached - drafter.kv.lag
+    drafter.free_requests(["burn"])
+    drafter.reset_prefix_cache()
+    kv = drafter.kv.pool
+    assert kv.num_live == 0 and kv.kv.num_free == kv.plan.num_kv_pages
+    kv.leak_check().raise_if_leaking()
+    ref.free_requests(["r"])
+
+
+def test_a_draft_that_holds_other_tokens_saves_nothing(target: Callable[[str], Any]) -> None:
+    t = target("qwen3_5")
+    cfg = SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": S})
+    drafter: Any = build_drafter(
+        cfg, t.model, target_path=t.path, memory=dataclasses.replace(t.memory(), num_snapshots=1)
+    )
+    drafter.add_requests(["a"])
+    hidden = torch.zeros(8, t.model.config.hidden_size)
+    _commit(drafter, "a", 0, PROMPT[:8], hidden, [])
+    drafter.save_prefix("a", PROMPT[:9], salt=None)  # one token more than it holds
+    assert drafter.kv.cache.stats().num_snapshots == 0
+    drafter.save_prefix("a", PROMPT[:8], salt=None)
+    assert drafter.kv.cache.stats().num_snapshots == 1
+    drafter.free_requests(["a"])
