@@ -57,13 +57,16 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 2 / ((time.perf_counter() - t) / n)
 
 
-def build_checkpoint(out: Path, layers: int) -> tuple[Any, dict[str, Any]]:
-    """Random bf16 Qwen3.5-9B-shaped checkpoint with one MTP layer -> (config, byte counts)."""
+def build_checkpoint(out: Path, layers: int, vocab_size: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """Random bf16 Qwen3.5-9B-shaped checkpoint with one MTP layer (`vocab_size`: another vocabulary than
+    Qwen3.5's) -> (config, byte counts)."""
     from hyspec_models.tiny import write_tokenizer
     from safetensors.torch import save_file
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     cfg = Qwen3_5TextConfig(num_hidden_layers=layers)
+    if vocab_size is not None:
+        cfg.vocab_size = vocab_size
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen3_5ForCausalLM._from_config(cfg, dtype=BF16)

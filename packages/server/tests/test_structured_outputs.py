@@ -404,3 +404,44 @@ def test_grammar_compile_does_not_stall_other_streams() -> None:
         assert progressed.is_set() and not errors, errors
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_drafts_past_the_completed_constraint_end_at_its_stop_token(qwen_ckpt: Path, tree: bool) -> None:
+    # ignore_eos: only the constraint's completion (its stop token) ends these requests
+    prompts = [{"prompt_token_ids": [5 + i, 9, 17, 33]} for i in range(3)]
+    params = SamplingParams(
+        max_tokens=40,
+        temperature=0,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(choice=CHOICES),
+    )
+    plain = LLM(model=str(qwen_ckpt), max_num_seqs=4, speculative_config=None)
+    want = plain.generate(prompts, params)
+    assert all(o.outputs[0].finish_reason == "stop" for o in want)
+    # the drafts go on past the stop token with what the model, unconstrained, says next
+    free = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    refs = []
+    for p, o in zip(prompts, want, strict=True):
+        done = p["prompt_token_ids"] + o.outputs[0].token_ids
+        (more,) = plain.generate([{"prompt_token_ids": done}], free)
+        refs.append(done + more.outputs[0].token_ids)
+    vocab = json.loads((qwen_ckpt / "config.json").read_text())["vocab_size"]
+
+    def build(ctx: DrafterContext) -> Drafter:
+        return ForcedDrafter(refs, ctx.config.max_num_speculative_tokens, vocab, perfect=True, tree=tree)
+
+    method = "mtp" if tree else "ngram"
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": 3, **({"topk": 2} if tree else {})}
+    eng = build_engine(
+        EngineArgs(model=str(qwen_ckpt), max_num_seqs=4, speculative_config=spec),
+        drafters=DrafterRegistry({method: build}),
+    )
+    got = LLM.from_engine(eng).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for o in got:
+        st = o.spec_stats
+        assert st is not None and st.num_accepted_tokens > 0
+        # each round emits its accepted drafts and one more token: none went past the stop token
+        assert st.num_accepted_tokens + st.num_drafts <= len(o.outputs[0].token_ids), st
+    eng.leak_check()

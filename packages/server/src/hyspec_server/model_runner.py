@@ -29,6 +29,7 @@ from typing import Any, cast
 import torch
 from hyspec_attn_backends import ForwardBatch, HybridBackend, model_state_specs
 from hyspec_models.loader import load_model
+from hyspec_spec_workers.constraint import TokenBitmask
 from hyspec_spec_workers.draft_graphs import GraphedDrafter
 from hyspec_spec_workers.round import RoundRow, SpeculativeRound, VerifiedTokens
 from hyspec_spec_workers.sampling import SampledToken, Sampler, sample_rows, to_sampled_tokens
@@ -253,6 +254,7 @@ class HyspecModelRunner:
             max_tokens=max(step_tokens(args), max_num_seqs * dmax),
         )
         self._sampler = Sampler(self._device, seed=args.seed)
+        self._masks = TokenBitmask()  # structured outputs' masks
         self.graphs = TargetGraphs(
             self.model,
             self.backend,
@@ -352,7 +354,9 @@ class HyspecModelRunner:
             root_token=req.token_slice(c.start, c.end)[0],
             max_drafts=c.num_lookahead,
             max_new_tokens=budget,
-            stop_token_ids=req.eos_token_ids | req.params.stop_token_set,
+            stop_token_ids=req.eos_token_ids
+            | req.params.stop_token_set
+            | (req.grammar.stop_token_ids if req.grammar is not None else frozenset()),
             constraint=req.grammar,
         )
 
@@ -462,7 +466,7 @@ class HyspecModelRunner:
             picked = hidden[to_device(last, dtype=torch.int64, device=hidden.device)]
         logits = self.model.compute_logits(picked)  # [n_sample, V]
         reqs = [chunks[i].request for i in sample]
-        apply_grammar_masks(logits, reqs)
+        apply_grammar_masks(logits, reqs, self._masks)
         out_s = sample_rows(self._sampler, logits, reqs)
         if decode and len(sample) == len(chunks):
             # the device is still busy with this step: build the next one's batch now (decode_ahead.py)

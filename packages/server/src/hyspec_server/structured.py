@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+from hyspec_spec_workers.constraint import TokenBitmask
 
 from hyspec_server.sampling_params import StructuredOutputsParams
 from hyspec_server.tokenizer import Tokenizer
@@ -39,6 +40,9 @@ class GrammarState:
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
+        # tokens that complete the constrained text (the tokenizer's EOS): they end the request even with
+        # ignore_eos, so a verify round cuts there like at any stop token
+        self.stop_token_ids = frozenset(int(t) for t in matcher.stop_token_ids)
 
     def accept(self, token_id: int) -> None:
         """Advances by one generated token; a token the constraint forbids is a bug upstream: it raises."""
@@ -138,7 +142,7 @@ class GrammarCompiler:
         return GrammarState(xgr.GrammarMatcher(self.compile(params)))
 
 
-def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[_Constrained]) -> None:
+def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[_Constrained], masks: TokenBitmask) -> None:
     """Sets the logits of forbidden tokens to -inf in place for constrained rows ([N, V], row i is
     `requests[i]`); rows without a constraint are untouched, and nothing runs when none has one."""
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
@@ -146,15 +150,11 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[_Constrained]) 
         return
     import xgrammar as xgr
 
-    words = -(-int(logits.shape[-1]) // 32)
-    # pinned on CUDA, so the upload queues behind the running forward instead of waiting for it
-    bitmask = torch.full((len(requests), words), -1, dtype=torch.int32, pin_memory=logits.is_cuda)
-    for i in rows:
-        state = requests[i].grammar
-        assert state is not None
-        state.matcher.fill_next_token_bitmask(bitmask, i)
-    mask = bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, mask, indices=rows)
+    bitmask = masks.host((len(requests),), int(logits.shape[-1]), pinned=logits.is_cuda)  # [N, W]
+    matchers = [g.matcher for g in (requests[i].grammar for i in rows) if g is not None]
+    # one call fills every row (the matchers' own loop; threads would cost more than 32 rows' fill)
+    xgr.BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask(matchers, bitmask, rows)
+    masks.apply(logits, bitmask)
 
 
 def _tokenizer_info(xgr: Any, tokenizer: Tokenizer) -> Any:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from hyspec_spec_workers.constraint import TokenBitmask
 from hyspec_spec_workers.sampling import Sampler, sampling_tensors, to_sampled_tokens
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.prefix_cache import PrefixCache
@@ -224,7 +225,7 @@ class ToyModelRunner:
         tgt = torch.tensor(targets, dtype=torch.float32, device=dev)
         logits = -0.5 * (vocab[None, :] - tgt[:, None]).abs()  # [N, V]
         reqs = [c.request for c in sample_chunks]
-        apply_grammar_masks(logits, reqs)
+        apply_grammar_masks(logits, reqs, TokenBitmask())
         out = self.sampler(logits, sampling_tensors(reqs, dev))
         tokens_out = spread_tokens(chunks, to_sampled_tokens(out, reqs))
         return RunnerOutput(tuple(tokens_out), prompt_logprobs=prompt_lp)

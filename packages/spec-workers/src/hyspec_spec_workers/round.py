@@ -37,7 +37,13 @@ from hyspec_statepool.transfer import to_device
 from hyspec_spec_workers.adaptive import AdaptiveController, AdaptiveDraftLength
 from hyspec_spec_workers.choose import HostRound, accepted_path, choose_tokens
 from hyspec_spec_workers.config import AdaptiveConfig, SpeculativeConfig
-from hyspec_spec_workers.constraint import Block, TokenConstraint, constrain_draft, mask_block_logits
+from hyspec_spec_workers.constraint import (
+    DraftOnHost,
+    TokenBitmask,
+    TokenConstraint,
+    draft_blocks,
+    mask_block_logits,
+)
 from hyspec_spec_workers.costs import CostTracker, DraftClock, RoundTimer
 from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
@@ -179,6 +185,7 @@ class SpeculativeRound:
         self.timer = RoundTimer(self.costs, cost_aware=adaptive is not None and adaptive.cost_aware)
         self._lengths: dict[str, AdaptiveDraftLength] = {}
         self._followed: set[str] = set()
+        self.masks = TokenBitmask()  # structured outputs' masks at verify nodes
 
     @staticmethod
     def from_config(config: SpeculativeConfig, drafter: Drafter) -> SpeculativeRound:
@@ -312,7 +319,7 @@ class SpeculativeRound:
         steps = self.draft_lengths(rows)
         clock = DraftClock(target.device)
         draft: DraftOutput | None = None
-        blocks: list[Block | None] | None = None  # constrained rows' verify blocks (constraint.py)
+        on_host: DraftOnHost | None = None  # constrained rounds: the draft on its way to the host
         timed = True
         t0 = time.perf_counter()
         if max(steps) > 0:
@@ -335,8 +342,7 @@ class SpeculativeRound:
             clock.stop()
             draft = trim_draft(draft, n, self.max_draft_tokens)
             if any(r.constraint is not None for r in rows):
-                draft, blocks = constrain_draft(draft, [r.constraint for r in rows])
-                draft = trim_draft(draft, n, self.max_draft_tokens)
+                on_host = DraftOnHost(draft.tree)  # queued now: read once the verify forward is queued
         if draft is None or draft.tree.block_size == 1:
             # nobody drafted: a plain decode step
             results = [VerifiedTokens((t,), 0, 0) for t in target.decode(rows)]
@@ -344,7 +350,7 @@ class SpeculativeRound:
             self.timer.plain(time.perf_counter() - t0 - drafting if timed else None, rows=n, timing=timing)
             num_acc = [0] * n
         else:
-            results, block = self._verify(target, rows, draft, blocks)
+            results, block = self._verify(target, rows, draft, on_host)
             # the round's outcome has been read: the device is done, the drafting time can be read
             drafting = clock.seconds()
             rest = time.perf_counter() - t0 - drafting
@@ -365,7 +371,7 @@ class SpeculativeRound:
         target: VerifyTarget,
         rows: Sequence[RoundRow],
         draft: DraftOutput,
-        blocks: list[Block | None] | None,
+        on_host: DraftOnHost | None,
     ) -> tuple[list[VerifiedTokens], int]:
         """The TARGET_VERIFY forward, token choice, truncation, commit and the drafter's feed.
 
@@ -393,8 +399,10 @@ class SpeculativeRound:
             tree_parents=tree.parents if as_tree else None,
         )
         logits = target.compute_logits(hidden).reshape(n, d, -1)  # [N, D, V]
-        if blocks is not None:
-            mask_block_logits(logits, [r.constraint for r in rows], blocks)
+        if on_host is not None:
+            # the forward is queued: the masks fill on the host while the device runs it
+            constraints = [r.constraint for r in rows]
+            mask_block_logits(logits, constraints, draft_blocks(on_host, constraints), self.masks)
         # the tokens come cut at each row's first stop token and its budget (host tensors, copied without a
         # sync); the same arrays go to the commit, the drafter, the computed-token count and the output
         result = choose_tokens(
