@@ -213,6 +213,40 @@ def workloads(eng: Any, a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def zero_hit_ab(ckpt: Path, a: argparse.Namespace) -> dict[str, Any]:
+    """Zero hits with both engines alive at once (each with its own fixed KV budget), alternating run by run
+    on the same fresh prompts: the host's drift hits both alike, the medians are compared."""
+    from hyspec_server import EngineArgs
+    from hyspec_server.builder import build_engine
+
+    engines = {
+        caching: build_engine(
+            EngineArgs(
+                model=str(ckpt),
+                device="cuda",
+                max_model_len=a.zero_len + a.new + 16,
+                max_num_seqs=a.requests,
+                max_num_batched_tokens=a.budget,
+                enable_prefix_caching=caching,
+                prefix_cache_snapshot_interval=a.interval or a.budget,
+                kv_cache_bytes=12 << 30,
+            )
+        )
+        for caching in (False, True)
+    }
+    rng = random.Random(1)
+    each: dict[str, list[float]] = {"off": [], "on": []}
+    for r in range(a.ab_rounds + 1):
+        prompts = [[rng.randrange(10, 150000) for _ in range(a.zero_len)] for _ in range(a.requests)]
+        for caching, eng in engines.items():
+            _, _, wall, cached = _run(eng, prompts, a.new)
+            assert cached == 0
+            if r:  # round 0 warms both
+                each["on" if caching else "off"].append(sum(len(p) + a.new for p in prompts) / wall)
+    med = {k: statistics.median(v) for k, v in each.items()}
+    return {"throughput_tok_s_each": each, "median_tok_s": med, "on_over_off": med["on"] / med["off"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -228,6 +262,13 @@ def main() -> None:
     ap.add_argument("--chat-new", type=int, default=128)
     ap.add_argument("--zero-len", type=int, default=1024)
     ap.add_argument("--zero-repeats", type=int, default=3)
+    ap.add_argument(
+        "--ab-only",
+        type=int,
+        default=0,
+        dest="ab_rounds",
+        help="only the zero-hit A/B: this many alternating rounds with both engines alive",
+    )
     ap.add_argument("--max-model-len", type=int, default=8704)
     ap.add_argument("--mtp-turns", type=int, default=6, help="MTP chat on the demo model: turns (0: skip)")
     ap.add_argument("--mtp-system", type=int, default=1024)
@@ -249,6 +290,28 @@ def main() -> None:
         ckpt = Path(tmp) / "qwen3_5-9b-shaped"
         build_checkpoint(ckpt, a.layers)
         torch.cuda.empty_cache()
+        if a.ab_rounds:
+            ab = zero_hit_ab(ckpt, a)
+            res["zero_hit_ab"] = ab
+            a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / f"{device}-prefix-caching-zero-hit-ab.json").write_text(json.dumps(res, indent=1))
+            lines = [
+                f"# Prefix caching with zero hits, {res['device']}, Qwen3.5-9B-shaped random bf16, one run",
+                "",
+                f"{a.requests} distinct {a.zero_len}-token prompts together, {a.new} new tokens each; the "
+                f"engines with caching off and on alive at once, alternating for {a.ab_rounds} rounds on the "
+                "same fresh prompts (after one warm-up round each).",
+                "",
+                "| caching | median tok/s | every round |",
+                "| --- | --- | --- |",
+            ]
+            for k in ("off", "on"):
+                runs = [round(x) for x in ab["throughput_tok_s_each"][k]]
+                lines.append(f"| {k} | {ab['median_tok_s'][k]:.0f} | {runs} |")
+            lines += ["", f"On / off: {ab['on_over_off']:.3f}x."]
+            (a.out / f"{device}-prefix-caching-zero-hit-ab.md").write_text("\n".join(lines) + "\n")
+            print("\n".join(lines))
+            return
         for caching in (False, True):
             eng = _engine(ckpt, caching, a)
             res["on" if caching else "off"] = workloads(eng, a)
