@@ -1,4 +1,4 @@
-"""Write tiny random checkpoints of every supported hybrid architecture (thin CLI over hyspec_models.tiny).
+"""Write tiny random checkpoints of every supported hybrid architecture (thin CLI over hyspec_testing.tiny).
 
     python tools/make_tiny_checkpoints.py --out DIR [--arch ARCH ...] [--seed N] [--check] [--drafts]
 
@@ -6,7 +6,7 @@ Writes DIR/<arch>/ for each architecture (default: all) and, for the architectur
 draft (the Qwen families), also DIR/<arch>-mtp3/ with three MTP layers. ``--check`` reloads every
 checkpoint with transformers (model and tokenizer) and runs a short forward pass. ``--drafts`` also writes
 a tiny random EAGLE-3 draft (DIR/<arch>-eagle3/) and DFlash draft (DIR/<arch>-dflash/) for each target
-(hyspec_spec_workers.tiny_drafts).
+(hyspec_testing.tiny_drafts).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from hyspec_models.tiny import ARCHS, MTP_ARCHS, build_tiny_checkpoint, iter_checkpoint_files
+from hyspec_testing.tiny import ARCHS, MTP_ARCHS, build_tiny_checkpoint, iter_checkpoint_files
 
 
 def _describe(path: Path) -> str:
@@ -32,7 +32,7 @@ def _describe(path: Path) -> str:
 
 def _check(path: Path) -> str:
     import torch
-    from hyspec_models.hf_reference import hf_logits, load_hf_model
+    from hyspec_testing.hf_reference import hf_logits, load_hf_model
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.check:
                 print(_check(path), flush=True)
         if args.drafts:
-            from hyspec_spec_workers.tiny_drafts import build_tiny_dflash, build_tiny_eagle3
+            from hyspec_testing.tiny_drafts import build_tiny_dflash, build_tiny_eagle3
 
             base = args.out / arch
             for name, build in (("eagle3", build_tiny_eagle3), ("dflash", build_tiny_dflash)):

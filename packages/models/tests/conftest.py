@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hyspec_models.hf_reference import cached_hf_model
 from hyspec_models.loader import load_model
-from hyspec_models.tiny import build_tiny_checkpoint
+from hyspec_testing.hf_reference import cached_hf_model
+from hyspec_testing.tiny import build_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import torch
 from hyspec_attn_backends import ForwardBatch, ForwardMode
-from hyspec_models.harness import Harness, changes_outside, rel_err, snapshot_pool
-from hyspec_models.hf_reference import hf_greedy, hf_logits
 from hyspec_models.loader import load_model
 from hyspec_statepool import DraftShape
+from hyspec_testing.harness import Harness, changes_outside, rel_err, snapshot_pool
+from hyspec_testing.hf_reference import hf_greedy, hf_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

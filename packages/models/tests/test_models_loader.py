@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 from hyspec_attn_backends import HybridBackend, RoutingError
-from hyspec_models.harness import Harness
 from hyspec_models.loader import (
     CheckpointError,
     MissingTensorsError,
@@ -20,6 +19,7 @@ from hyspec_models.loader import (
     load_model,
 )
 from hyspec_models.registry import UnsupportedArchitectureError, supported_architectures
+from hyspec_testing.harness import Harness
 from safetensors.torch import load_file, save_file
 
 

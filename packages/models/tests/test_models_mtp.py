@@ -12,10 +12,10 @@ import pytest
 import torch
 from hyspec_attn_backends import RoutingError
 from hyspec_models import mtp as mtp_module
-from hyspec_models.harness import Harness, rel_err
 from hyspec_models.loader import MissingTensorsError, load_model
 from hyspec_models.mtp import MTPDraft, build_mtp_draft
 from hyspec_models.qwen3_5 import text_config_of
+from hyspec_testing.harness import Harness, rel_err
 from safetensors.torch import load_file
 
 TOKENS = [5, 77, 190, 33, 2, 250, 18, 64, 9, 121, 42]

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 from hyspec_attn_backends import ForwardBatch
-from hyspec_models.harness import Harness, changes_outside, rel_err, snapshot_pool
 from hyspec_statepool import DraftShape
+from hyspec_testing.harness import Harness, changes_outside, rel_err, snapshot_pool
 
 ARCHS = ("qwen3_5", "lfm2", "qwen3_next")
 PROMPTS = {"a": [5, 17, 200, 3], "b": [9, 8, 7, 6, 5, 4, 3], "c": [100, 2], "outside": [42, 43, 44]}

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from hyspec_models.harness import Harness, rel_err
-from hyspec_models.hf_reference import hf_greedy, hf_logits
+from hyspec_testing.harness import Harness, rel_err
+from hyspec_testing.hf_reference import hf_greedy, hf_logits
 
 # every target architecture; the wrapped Qwen3.5 variants are covered by the loading/prefill test
 TARGET_ARCHS = ("qwen3_5", "lfm2", "qwen3_next", "qwen3_5_moe", "lfm2_moe")

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import torch
-from hyspec_models.harness import Harness, rel_err
-from hyspec_models.hf_reference import hf_logits
 from hyspec_statepool import DraftShape
+from hyspec_testing.harness import Harness, rel_err
+from hyspec_testing.hf_reference import hf_logits
 
 ARCHS = ("qwen3_5", "lfm2", "qwen3_next", "qwen3_5_moe", "lfm2_moe")
 # tree: 0 -> {1, 2}, 1 -> {3}, 2 -> {4}, 4 -> {5}

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 import torch
-from hyspec_models.harness import Harness, rel_err
-from hyspec_models.hf_reference import hf_causal_lm_class, hf_greedy, hf_logits, load_hf_model
 from hyspec_models.layers import RopeConfig
 from hyspec_models.loader import load_config, load_model
+from hyspec_testing.harness import Harness, rel_err
+from hyspec_testing.hf_reference import hf_causal_lm_class, hf_greedy, hf_logits, load_hf_model
 
 # family -> (model_type, rotary embedding class in transformers' model file)
 FAMILIES = {

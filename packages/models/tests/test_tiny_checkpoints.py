@@ -1,4 +1,4 @@
-"""Tiny random checkpoints (hyspec_models.tiny), the transformers reference helpers and the CLI."""
+"""Tiny random checkpoints (hyspec_testing.tiny), the transformers reference helpers and the CLI."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hyspec_models.hf_reference import (
+from hyspec_testing.hf_reference import (
     cached_hf_model,
     hf_causal_lm_class,
     hf_greedy,
     hf_logits,
     load_hf_model,
 )
-from hyspec_models.tiny import (
+from hyspec_testing.tiny import (
     ARCHS,
     HIDDEN,
     LFM2_LAYER_TYPES,
@@ -390,7 +390,7 @@ def test_reference_rebinds_torch_paths_when_fla_was_bound(checkpoints: dict[str,
         sys.modules["fla.ops.gated_delta_rule"].fused_recurrent_gated_delta_rule = fake
         import torch
         import transformers.models.qwen3_5.modeling_qwen3_5 as m
-        from hyspec_models.hf_reference import hf_logits, load_hf_model, uses_torch_paths
+        from hyspec_testing.hf_reference import hf_logits, load_hf_model, uses_torch_paths
         assert not uses_torch_paths(m), "the fake fla package was not bound"
         model = load_hf_model({str(checkpoints["qwen3_5"])!r})
         assert uses_torch_paths(sys.modules["transformers.models.qwen3_5.modeling_qwen3_5"])

@@ -26,7 +26,7 @@ def _one_torch_thread() -> Iterator[None]:
 def toy_server() -> Iterator[ServerThread]:
     # imported here: the GPU machine runs the CUDA tests without the HTTP stack installed
     from hyspec_server.serve import ServerThread
-    from hyspec_server.testing import toy_engine
+    from hyspec_testing.server import toy_engine
 
     srv = ServerThread(toy_engine(), model_name="toy", api_key="test-key").start()
     yield srv
@@ -35,13 +35,13 @@ def toy_server() -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="session")
 def tiny_lfm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from hyspec_models.tiny import build_tiny_checkpoint
+    from hyspec_testing.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "lfm2", "lfm2", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_5(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from hyspec_models.tiny import build_tiny_checkpoint
+    from hyspec_testing.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3_5", "qwen3_5", seed=0)

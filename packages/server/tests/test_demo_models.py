@@ -8,7 +8,6 @@ import json
 from typing import Any
 
 import pytest
-from hyspec_models.hf_reference import hf_greedy
 from hyspec_server import LLM, SamplingParams
 from hyspec_server.cli import main
 from hyspec_server.default_model import (
@@ -17,6 +16,7 @@ from hyspec_server.default_model import (
     default_model_dir,
     demo_model_dir,
 )
+from hyspec_testing.hf_reference import hf_greedy
 
 PROMPTS = [
     'import os\n\n\ndef read_lines(path):\n    """Return the lines of a text file."""',

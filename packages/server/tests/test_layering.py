@@ -1,5 +1,6 @@
 """The house's floors: every import of a hyspec module points down the package order (or stays in its
-package), and within a package no two modules import each other, directly or around a circle.
+package), and within a package no two modules import each other, directly or around a circle. The test
+support package sits on top: no shipped package imports it.
 
 Read from the sources with `ast`, so function-local imports count as much as module-level ones."""
 
@@ -12,7 +13,7 @@ import pytest
 
 PACKAGES = Path(__file__).resolve().parents[2]
 ORDER = ("hyspec_kernels", "hyspec_statepool", "hyspec_attn_backends", "hyspec_models")
-ORDER += ("hyspec_spec_workers", "hyspec_server")
+ORDER += ("hyspec_spec_workers", "hyspec_server", "hyspec_testing")  # test support: above everything
 
 
 def _modules() -> dict[str, Path]:

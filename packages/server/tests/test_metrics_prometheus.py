@@ -23,8 +23,8 @@ from hyspec_server.metrics import EngineMetrics
 from hyspec_server.pool_memory import StatePoolMemory
 from hyspec_server.serve import ServerThread
 from hyspec_server.speculative import DrafterRegistry
-from hyspec_server.testing import metric_sample, toy_engine
-from hyspec_spec_workers.testing import ForcedDrafter
+from hyspec_testing.server import metric_sample, toy_engine
+from hyspec_testing.spec import ForcedDrafter
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -17,7 +17,7 @@ from hyspec_server.config import EngineArgs
 from hyspec_server.engine import LLMEngine
 from hyspec_server.metrics import EngineMetrics
 from hyspec_server.serve import ServerThread
-from hyspec_server.testing import metric_sample, toy_engine, toy_greedy
+from hyspec_testing.server import metric_sample, toy_engine, toy_greedy
 
 NEW = 8
 

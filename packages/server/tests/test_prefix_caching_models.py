@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from hyspec_server import LLM, SamplingParams
-from hyspec_spec_workers.testing import DRAFTER_CASES, DrafterCase, build_case_checkpoints
+from hyspec_testing.spec import DRAFTER_CASES, DrafterCase, build_case_checkpoints
 
 NEW = 10
 PAGE = 16

@@ -14,7 +14,7 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402 (after the skip: schemathesis brings it)
 from hyspec_server import EngineArgs  # noqa: E402
 from hyspec_server.builder import build_engine  # noqa: E402
-from hyspec_server.testing import toy_engine  # noqa: E402
+from hyspec_testing.server import toy_engine  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
 EXAMPLES = 25  # per operation and server: a few hundred requests in all
@@ -22,8 +22,8 @@ EXAMPLES = 25  # per operation and server: a few hundred requests in all
 
 @pytest.fixture(scope="module", params=["toy", "mtp"])
 def live(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from hyspec_models.tiny import build_tiny_checkpoint
     from hyspec_server.serve import ServerThread
+    from hyspec_testing.tiny import build_tiny_checkpoint
 
     if request.param == "toy":
         engine = toy_engine(max_len=512)

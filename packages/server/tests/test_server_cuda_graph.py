@@ -63,7 +63,7 @@ def test_cuda_graph_decode_equals_eager(arch_fixture: str, request: pytest.Fixtu
 @pytest.mark.gpu
 @gpu
 def test_cuda_fp32_matches_transformers(tiny_lfm2: Path) -> None:
-    from hyspec_models.hf_reference import hf_greedy
+    from hyspec_testing.hf_reference import hf_greedy
 
     llm = LLM(model=str(tiny_lfm2), device="cuda", dtype="float32", max_num_seqs=4)
     tok = llm.engine.tokenizer

@@ -4,8 +4,8 @@ from typing import Any
 from hyspec_server.detokenizer import IncrementalDetokenizer, find_stop
 from hyspec_server.request import Request
 from hyspec_server.sampling_params import SamplingParams
-from hyspec_server.testing import ByteTokenizer
 from hyspec_server.tokenizer import DEFAULT_CHAT_OPTIONS, ChatOptions
+from hyspec_testing.server import ByteTokenizer
 
 
 class WordTokenizer:

@@ -5,8 +5,8 @@ from hyspec_server import LLM, EngineArgs, SamplingParams
 from hyspec_server.engine import EngineStepError, LLMEngine
 from hyspec_server.runner import RunnerOutput
 from hyspec_server.scheduler import QueueFullError, SchedulerConfig, SchedulerOutput
-from hyspec_server.testing import TOY_EOS, ByteTokenizer, ToyModelRunner, toy_engine, toy_greedy, toy_pool
 from hyspec_spec_workers.config import SpeculativeConfig
+from hyspec_testing.server import TOY_EOS, ByteTokenizer, ToyModelRunner, toy_engine, toy_greedy, toy_pool
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 from hyspec_server.serve import ServerThread
-from hyspec_server.testing import ByteTokenizer, ToyModelRunner, metric_sample, toy_engine, toy_greedy
+from hyspec_testing.server import ByteTokenizer, ToyModelRunner, metric_sample, toy_engine, toy_greedy
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -368,7 +368,7 @@ def test_empty_stop_string_and_list_of_it_mean_the_same(toy_server: ServerThread
 
 def test_request_bodies_are_bounded() -> None:
     from hyspec_server.api_server import MIN_BODY_BYTES, max_body_bytes_for
-    from hyspec_server.testing import toy_engine
+    from hyspec_testing.server import toy_engine
 
     assert max_body_bytes_for(16) == MIN_BODY_BYTES and max_body_bytes_for(1 << 20) == 64 << 20
     srv = ServerThread(toy_engine(), model_name="toy", max_body_bytes=4096).start()
@@ -394,7 +394,7 @@ def test_request_bodies_are_bounded() -> None:
 
 
 def test_completion_prompts_are_tokenized_off_the_engine_thread() -> None:
-    from hyspec_server.testing import toy_engine
+    from hyspec_testing.server import toy_engine
 
     eng = toy_engine()
     threads: list[str] = []
@@ -424,7 +424,7 @@ def test_completion_prompts_are_tokenized_off_the_engine_thread() -> None:
 
 
 def test_openapi_declares_request_bodies_and_error_answers() -> None:
-    from hyspec_server.testing import toy_engine
+    from hyspec_testing.server import toy_engine
 
     srv = ServerThread(toy_engine(), model_name="toy").start()
     try:
@@ -520,7 +520,7 @@ def _read_response(sock: Any) -> bytes:
 def test_a_half_sent_body_times_out_with_408() -> None:
     import socket
 
-    from hyspec_server.testing import toy_engine
+    from hyspec_testing.server import toy_engine
 
     srv = ServerThread(toy_engine(), model_name="toy", body_read_timeout_s=0.5).start()
     try:
@@ -547,7 +547,7 @@ def test_a_streaming_client_that_stops_reading_is_aborted() -> None:
     request is aborted after the stall timeout (its memory freed), and the server keeps serving."""
     import socket
 
-    from hyspec_server.testing import toy_engine
+    from hyspec_testing.server import toy_engine
 
     srv = ServerThread(
         toy_engine(max_len=32768, pages=8400), model_name="toy", stream_stall_timeout_s=0.5
@@ -596,7 +596,7 @@ def test_half_sent_headers_are_closed_after_the_header_timeout() -> None:
     header timeout, a byte at a time or not; complete requests are served as usual."""
     import socket
 
-    from hyspec_server.testing import toy_engine
+    from hyspec_testing.server import toy_engine
 
     srv = ServerThread(toy_engine(), model_name="toy", header_read_timeout_s=0.5).start()
     try:

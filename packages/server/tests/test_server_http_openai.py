@@ -14,7 +14,7 @@ import pytest
 import torch
 from hyspec_server.protocol import derived_seed
 from hyspec_server.serve import ServerThread
-from hyspec_server.testing import (
+from hyspec_testing.server import (
     TOY_VOCAB,
     ByteTokenizer,
     ToyModelRunner,

@@ -13,7 +13,7 @@ from hyspec_server.outputs import CompletionOutput
 from hyspec_server.protocol import derived_seed as protocol_derived_seed
 from hyspec_server.sampling_params import MAX_N, derived_seed
 from hyspec_server.serve import ServerThread
-from hyspec_server.testing import ByteTokenizer, toy_engine, toy_greedy
+from hyspec_testing.server import ByteTokenizer, toy_engine, toy_greedy
 
 TOK = ByteTokenizer()
 

@@ -1,6 +1,6 @@
 from hyspec_server import LLM, SamplingParams
 from hyspec_server.metrics import EngineMetrics
-from hyspec_server.testing import metric_sample, toy_engine
+from hyspec_testing.server import metric_sample, toy_engine
 
 
 def test_engine_metrics_after_a_run() -> None:

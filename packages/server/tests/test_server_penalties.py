@@ -6,8 +6,8 @@ import pytest
 import torch
 from hyspec_server.llm import LLM
 from hyspec_server.sampling_params import SamplingParams
-from hyspec_server.testing import ByteTokenizer, toy_engine, toy_penalised_greedy
 from hyspec_spec_workers.sampling import PenaltyTensors, Sampler, SamplingTensors
+from hyspec_testing.server import ByteTokenizer, toy_engine, toy_penalised_greedy
 
 CPU = torch.device("cpu")
 
@@ -204,7 +204,7 @@ def test_bad_logit_bias_names_the_field(bad: object) -> None:
 
 
 def test_min_tokens_holds_back_eos_and_stop_ids_plain_and_in_verify_blocks() -> None:
-    from hyspec_server.testing import TOY_EOS, toy_greedy
+    from hyspec_testing.server import TOY_EOS, toy_greedy
 
     llm = LLM.from_engine(toy_engine())
     # a prompt whose greedy continuation reaches EOS early: find one

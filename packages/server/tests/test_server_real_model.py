@@ -9,11 +9,11 @@ from typing import Any
 
 import openai
 import pytest
-from hyspec_models.hf_reference import hf_greedy
 from hyspec_server import LLM, EngineArgs, LLMEngine, SamplingParams
 from hyspec_server.builder import build_engine
 from hyspec_server.cli import build_parser, main
 from hyspec_server.serve import ServerThread
+from hyspec_testing.hf_reference import hf_greedy
 
 PROMPTS = ["Hello, my name is", "The capital of France is Paris and", "a"]
 N = 10

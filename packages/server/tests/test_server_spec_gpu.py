@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 from hyspec_attn_backends import ForwardMode
-from hyspec_spec_workers.testing import DRAFTER_CASES, LOSSLESS_NEW_TOKENS, LOSSLESS_PROMPTS, DrafterCase
+from hyspec_testing.spec import DRAFTER_CASES, LOSSLESS_NEW_TOKENS, LOSSLESS_PROMPTS, DrafterCase
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -68,7 +68,7 @@ class Checkpoints:
 
     def target(self, arch: str) -> Path:
         if arch not in self.targets:
-            from hyspec_models.tiny import build_tiny_checkpoint
+            from hyspec_testing.tiny import build_tiny_checkpoint
 
             # qwen3_next carries 3 MTP layers (multi_layer_mtp runs layer j at step j); the target weights do
             # not depend on the MTP layer count
@@ -79,7 +79,7 @@ class Checkpoints:
     @property
     def eagle3(self) -> str:
         if self.eagle3_dir is None:
-            from hyspec_spec_workers.tiny_drafts import build_tiny_eagle3
+            from hyspec_testing.tiny_drafts import build_tiny_eagle3
 
             self.eagle3_dir = build_tiny_eagle3(self.root / "eagle3", self.target("lfm2"), seed=1)
         return str(self.eagle3_dir)
@@ -87,7 +87,7 @@ class Checkpoints:
     @property
     def dflash(self) -> str:
         if self.dflash_dir is None:
-            from hyspec_spec_workers.tiny_drafts import build_tiny_dflash
+            from hyspec_testing.tiny_drafts import build_tiny_dflash
 
             self.dflash_dir = build_tiny_dflash(
                 self.root / "dflash", self.target("lfm2_moe"), seed=2, block_size=S + 1
@@ -155,8 +155,8 @@ def fp32_logits(ckpts: Checkpoints) -> Callable[[str, list[list[int]]], list[tor
     models: dict[str, Any] = {}
 
     def get(arch: str, outputs: list[list[int]]) -> list[torch.Tensor]:
-        from hyspec_models.harness import Harness
         from hyspec_models.loader import load_model
+        from hyspec_testing.harness import Harness
 
         if arch not in models:
             models[arch] = load_model(ckpts.target(arch), device="cuda", dtype=torch.float32, progress=False)

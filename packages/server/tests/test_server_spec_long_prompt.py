@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from hyspec_server import LLM, SamplingParams
-from hyspec_spec_workers.testing import DRAFTER_CASES, DrafterCase, build_case_checkpoints
+from hyspec_testing.spec import DRAFTER_CASES, DrafterCase, build_case_checkpoints
 
 LONG = [(i * 37 + 11) % 280 + 5 for i in range(700)]
 SHORT = [7, 8, 9, 10]

@@ -27,10 +27,10 @@ from hyspec_server.cuda_graph import TargetGraphs
 from hyspec_server.metrics import EngineMetrics
 from hyspec_server.serve import ServerThread
 from hyspec_server.speculative import DrafterContext, DrafterRegistry, parse_speculative_config
-from hyspec_server.testing import metric_sample
 from hyspec_spec_workers.drafter import Drafter
-from hyspec_spec_workers.testing import ForcedDrafter
 from hyspec_spec_workers.tree import VerifyTree
+from hyspec_testing.server import metric_sample
+from hyspec_testing.spec import ForcedDrafter
 
 S = 3
 NEW = 24
@@ -581,7 +581,7 @@ def test_graph_shapes_pad_batches_and_blocks_losslessly(
     elif variant == "tree":
         spec, shapes = {"method": "mtp", "num_speculative_tokens": S, "topk": 2}, {(1 + 2 * S, True)}
     elif variant == "eagle3":
-        from hyspec_spec_workers.tiny_drafts import build_tiny_eagle3
+        from hyspec_testing.tiny_drafts import build_tiny_eagle3
 
         draft = build_tiny_eagle3(tmp_path_factory.mktemp("eagle3") / "d", arch.path, seed=1)
         spec = {"method": "eagle3", "num_speculative_tokens": S, "model": str(draft)}
@@ -654,7 +654,7 @@ def test_multi_layer_mtp_chained_through_the_engine(tmp_path_factory: pytest.Tem
     """multi_layer_mtp with chain_hidden_states (3 MTP layers) in the engine, target shapes padded as under
     graphs: lossless. The draft forwards run eagerly; that each chained step reads the previous step's output
     through the drafter's static `features_in` buffer is test_drafter_chain_hidden.py (spec-workers)."""
-    from hyspec_models.tiny import build_tiny_checkpoint
+    from hyspec_testing.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(tmp_path_factory.mktemp("mtp3") / "q", "qwen3_5", seed=0, mtp_layers=3)
     args: dict[str, Any] = dict(model=str(path), max_num_seqs=8, page_size=4, max_model_len=64)
@@ -741,7 +741,7 @@ def test_warm_up_times_a_draft_extend_and_leaves_no_trace(
 ) -> None:
     """The start-up draft extend (run on CUDA by the model runner) on a throwaway request: it records a
     catch-up cost, frees what it took, and the drafter then drafts as if it had never run."""
-    from hyspec_spec_workers.tiny_drafts import build_tiny_dflash, build_tiny_eagle3
+    from hyspec_testing.tiny_drafts import build_tiny_dflash, build_tiny_eagle3
 
     spec: dict[str, Any] = {"method": method, "num_speculative_tokens": 2}
     if method == "mtp":

@@ -18,9 +18,9 @@ from hyspec_server import LLM, EngineArgs, SamplingParams, StructuredOutputsPara
 from hyspec_server.builder import build_engine
 from hyspec_server.serve import ServerThread
 from hyspec_server.speculative import DrafterContext, DrafterRegistry
-from hyspec_server.testing import toy_engine, toy_greedy
 from hyspec_spec_workers.drafter import Drafter
-from hyspec_spec_workers.testing import DRAFTER_CASES, DrafterCase, ForcedDrafter, build_case_checkpoints
+from hyspec_testing.server import toy_engine, toy_greedy
+from hyspec_testing.spec import DRAFTER_CASES, DrafterCase, ForcedDrafter, build_case_checkpoints
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -205,7 +205,7 @@ def test_http_response_format_and_structured_outputs() -> None:
 
 @pytest.fixture(scope="module")
 def qwen_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from hyspec_models.tiny import build_tiny_checkpoint
+    from hyspec_testing.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("so") / "qwen3_5", "qwen3_5", seed=0)
 

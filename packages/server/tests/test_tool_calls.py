@@ -13,8 +13,8 @@ import httpx
 import jsonschema
 import pytest
 from hyspec_server.serve import ServerThread
-from hyspec_server.testing import toy_engine
 from hyspec_server.tool_calls import ToolCallStream, parse_tool_calls
+from hyspec_testing.server import toy_engine
 
 WEATHER = {
     "type": "object",

@@ -10,8 +10,8 @@ import pytest
 from hyspec_server import LLM, SamplingParams
 from hyspec_server.cli import build_parser
 from hyspec_server.serve import ServerThread
-from hyspec_server.testing import toy_engine, toy_greedy
 from hyspec_spec_workers.config import SpeculativeConfig
+from hyspec_testing.server import toy_engine, toy_greedy
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -113,8 +113,8 @@ def test_device_auto_resolves() -> None:
 def test_generation_config_defaults_fill_unset_fields(tmp_path: Path) -> None:
     import json
 
-    from hyspec_models.tiny import build_tiny_checkpoint
     from hyspec_server.builder import generation_defaults
+    from hyspec_testing.tiny import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint(tmp_path / "q", "qwen3_5", seed=0)
     assert dict(generation_defaults(ckpt)) == {}

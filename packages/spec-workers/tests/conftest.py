@@ -12,15 +12,15 @@ import pytest
 import torch
 from hyspec_attn_backends import HybridBackend, model_state_specs
 from hyspec_models.loader import load_model
-from hyspec_models.tiny import MTP_ARCHS, build_tiny_checkpoint
 from hyspec_spec_workers import SpeculativeConfig
 from hyspec_spec_workers.draft_kv import DraftMemory
-from hyspec_spec_workers.testing import LOSSLESS_NEW_TOKENS, LOSSLESS_PROMPTS, generate
-from hyspec_spec_workers.tiny_drafts import build_tiny_dflash, build_tiny_eagle3
 from hyspec_statepool.draft_shape import DraftShape
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.specs import StateDtypes
+from hyspec_testing.spec import LOSSLESS_NEW_TOKENS, LOSSLESS_PROMPTS, generate
+from hyspec_testing.tiny import MTP_ARCHS, build_tiny_checkpoint
+from hyspec_testing.tiny_drafts import build_tiny_dflash, build_tiny_eagle3
 
 PROMPTS: list[list[int]] = [list(p) for p in LOSSLESS_PROMPTS]
 NEW_TOKENS = LOSSLESS_NEW_TOKENS

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hyspec_spec_workers import SpeculativeConfig
 from hyspec_spec_workers.factory import build_drafter
-from hyspec_spec_workers.testing import generate
+from hyspec_testing.spec import generate
 
 S = 3
 

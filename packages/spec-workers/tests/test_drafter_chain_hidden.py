@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from hyspec_spec_workers import SpeculativeConfig
 from hyspec_spec_workers.factory import build_drafter
-from hyspec_spec_workers.testing import generate
+from hyspec_testing.spec import generate
 
 S = 3
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from hyspec_spec_workers import DraftBatch, DraftOutput
 from hyspec_spec_workers.factory import build_drafter
-from hyspec_spec_workers.testing import GenerationStats, track_committed
+from hyspec_testing.spec import GenerationStats, track_committed
 
 S = 3
 

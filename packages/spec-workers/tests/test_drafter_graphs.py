@@ -19,10 +19,10 @@ from hyspec_attn_backends import HybridBackend, model_state_specs
 from hyspec_models.loader import load_model
 from hyspec_spec_workers import SpeculativeConfig
 from hyspec_spec_workers.factory import build_drafter
-from hyspec_spec_workers.testing import DRAFTER_CASES, DrafterCase, generate
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.specs import StateDtypes
+from hyspec_testing.spec import DRAFTER_CASES, DrafterCase, generate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

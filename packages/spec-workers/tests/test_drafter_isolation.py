@@ -14,7 +14,7 @@ from hyspec_attn_backends import check_routing
 from hyspec_models import mtp as mtp_module
 from hyspec_spec_workers import SpeculativeConfig
 from hyspec_spec_workers.factory import build_drafter
-from hyspec_spec_workers.tiny_drafts import build_tiny_dflash, build_tiny_eagle3
+from hyspec_testing.tiny_drafts import build_tiny_dflash, build_tiny_eagle3
 
 SPECS: list[tuple[str, dict[str, Any]]] = [
     ("qwen3_next", {"method": "mtp", "topk": 2}),

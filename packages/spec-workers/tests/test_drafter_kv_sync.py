@@ -10,7 +10,7 @@ import pytest
 import torch
 from hyspec_spec_workers import CommittedTokens, DraftBatch
 from hyspec_spec_workers.factory import build_drafter
-from hyspec_spec_workers.testing import generate, track_committed
+from hyspec_testing.spec import generate, track_committed
 
 S = 3
 CASES: list[tuple[str, dict[str, Any]]] = [

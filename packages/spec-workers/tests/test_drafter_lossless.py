@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from hyspec_spec_workers import AdaptiveController, SpeculativeConfig
 from hyspec_spec_workers.factory import build_drafter
-from hyspec_spec_workers.testing import GenerationStats
+from hyspec_testing.spec import GenerationStats
 
 S = 3
 MTP_ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]

@@ -109,7 +109,7 @@ def test_config_is_frozen() -> None:
 
 
 def test_shared_drafter_cases_are_valid_configs() -> None:
-    from hyspec_spec_workers.testing import DRAFTER_CASES
+    from hyspec_testing.spec import DRAFTER_CASES
 
     methods = set()
     for case in DRAFTER_CASES:

@@ -7,7 +7,6 @@ import pytest
 import torch
 from hyspec_attn_backends import HybridBackend, model_state_specs
 from hyspec_models.loader import load_model
-from hyspec_models.tiny import build_tiny_checkpoint
 from hyspec_spec_workers import (
     AdaptiveConfig,
     AdaptiveController,
@@ -17,11 +16,12 @@ from hyspec_spec_workers import (
     VerifyTree,
 )
 from hyspec_spec_workers.config import Method
-from hyspec_spec_workers.testing import LOSSLESS_NEW_TOKENS, LOSSLESS_PROMPTS, GenerationStats, generate
 from hyspec_statepool.draft_shape import DraftShape
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.specs import StateDtypes
+from hyspec_testing.spec import LOSSLESS_NEW_TOKENS, LOSSLESS_PROMPTS, GenerationStats, generate
+from hyspec_testing.tiny import build_tiny_checkpoint
 
 S = 3
 NEW = LOSSLESS_NEW_TOKENS

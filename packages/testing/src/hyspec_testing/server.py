@@ -12,19 +12,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from hyspec_spec_workers.constraint import TokenBitmask
-from hyspec_spec_workers.sampling import Sampler, sampling_tensors, to_sampled_tokens
-from hyspec_statepool.pool import HybridStatePool
-from hyspec_statepool.prefix_cache import PrefixCache
-from hyspec_statepool.sizing import MemoryPlan
-from hyspec_statepool.specs import AttentionSpec, ModelStateSpecs, ShortConvSpec, StateDtypes
-
 from hyspec_server.engine import LLMEngine
 from hyspec_server.pool_memory import StatePoolMemory
 from hyspec_server.runner import RunnerOutput, prompt_logprob_rows, spread_tokens
 from hyspec_server.scheduler import SchedulerConfig, SchedulerOutput
 from hyspec_server.structured import apply_grammar_masks
 from hyspec_server.tokenizer import DEFAULT_CHAT_OPTIONS, ChatOptions
+from hyspec_spec_workers.constraint import TokenBitmask
+from hyspec_spec_workers.sampling import Sampler, sampling_tensors, to_sampled_tokens
+from hyspec_statepool.pool import HybridStatePool
+from hyspec_statepool.prefix_cache import PrefixCache
+from hyspec_statepool.sizing import MemoryPlan
+from hyspec_statepool.specs import AttentionSpec, ModelStateSpecs, ShortConvSpec, StateDtypes
 
 TOY_VOCAB = 257
 TOY_EOS = 256

@@ -25,14 +25,13 @@ from typing import Any, Literal
 import torch
 from hyspec_attn_backends import ForwardBatch, HybridBackend
 from hyspec_models.protocol import HybridCausalLM
-from hyspec_statepool.pool import HybridStatePool
-
 from hyspec_spec_workers.adaptive import AdaptiveDraftLength
 from hyspec_spec_workers.config import Method
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
 from hyspec_spec_workers.round import RoundRow, SpeculativeRound
 from hyspec_spec_workers.sampling import SampledToken, Sampler
 from hyspec_spec_workers.tree import VerifyTree
+from hyspec_statepool.pool import HybridStatePool
 
 # 8 prompts of mixed lengths (one of a single token, repetitive ones an n-gram drafter matches), generated
 # together: rows finish at different times, so request rows, state slots and batch rows part ways
@@ -51,7 +50,7 @@ LOSSLESS_NEW_TOKENS = 48
 
 @dataclass(frozen=True, slots=True)
 class DrafterCase:
-    """A model drafter, the tiny target architecture (`hyspec_models.tiny`) it runs on, and its config.
+    """A model drafter, the tiny target architecture (`hyspec_testing.tiny`) it runs on, and its config.
 
     Attributes:
         name: test id.
@@ -184,9 +183,8 @@ def build_case_checkpoints(root: Path, cases: Sequence[DrafterCase]) -> dict[str
     """Tiny target checkpoints for the cases' architectures (qwen3_next with 3 MTP layers, so that
     multi_layer_mtp runs layer j at step j) under `root`, keyed by architecture, and each EAGLE-3 / DFlash
     draft a case needs, keyed `"{draft}@{arch}"`."""
-    from hyspec_models.tiny import build_tiny_checkpoint
-
-    from hyspec_spec_workers.tiny_drafts import build_tiny_dflash, build_tiny_eagle3
+    from hyspec_testing.tiny import build_tiny_checkpoint
+    from hyspec_testing.tiny_drafts import build_tiny_dflash, build_tiny_eagle3
 
     out: dict[str, Path] = {}
     for arch in sorted({c.arch for c in cases}):

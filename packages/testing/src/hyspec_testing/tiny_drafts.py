@@ -16,11 +16,10 @@ from typing import Any, cast
 
 import torch
 from hyspec_models.protocol import HybridCausalLM
-from safetensors.torch import save_file
-from torch import nn
-
 from hyspec_spec_workers.dflash import DFLASH_ARCHITECTURE, DFlashConfig, DFlashDraft
 from hyspec_spec_workers.eagle3 import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Draft, default_aux_layers
+from safetensors.torch import save_file
+from torch import nn
 
 _HEADS, _KV_HEADS, _HEAD_DIM, _INTERMEDIATE = 4, 2, 16, 96
 
