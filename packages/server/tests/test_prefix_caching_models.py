@@ -107,3 +107,52 @@ def test_caching_on_equals_caching_off(case: DrafterCase, checkpoints: dict[str,
         assert pool.kv.num_free == pool.plan.num_kv_pages
         if draft_kv is not None:
             assert draft_kv.pool.kv.num_free == draft_kv.pool.plan.num_kv_pages
+
+
+PREEMPT_CASES = [c for c in CASES if c.name in ("mtp", "eagle3", "dflash")]
+
+
+@pytest.mark.parametrize("case", PREEMPT_CASES, ids=[c.name for c in PREEMPT_CASES])
+def test_drafter_caches_under_preemption_and_eviction(
+    case: DrafterCase, checkpoints: dict[str, Path]
+) -> None:
+    """A KV pool too small for four requests at once: they preempt one another and cached pages are evicted,
+    in the target's pool and the drafter's; output equals caching off, the drafter still resumes from its
+    cache, and nothing leaks."""
+    target = checkpoints[case.arch]
+    draft = None if case.draft is None else str(checkpoints[f"{case.draft}@{case.arch}"])
+    spec = case.speculative_config(draft)
+
+    def llm(caching: bool, kv_cache_bytes: int | None = None) -> LLM:
+        return LLM(
+            model=str(target),
+            max_num_seqs=4,
+            speculative_config=spec,
+            enable_prefix_caching=caching,
+            prefix_cache_snapshot_interval=PAGE,
+            prefix_cache_snapshot_fraction=1.0,
+            page_size=PAGE,
+            max_model_len=128,
+            kv_cache_bytes=kv_cache_bytes,
+        )
+
+    def budget(caching: bool) -> int:
+        """What this config takes besides KV, and KV pages for one full request and two more pages."""
+        plan = llm(caching).engine.runner.memory.pool.plan  # type: ignore[attr-defined]
+        pages = plan.max_pages_per_request + 2
+        return int(plan.total_bytes - plan.kv_bytes + pages * plan.kv_bytes_per_page)
+
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    rounds = [[{"prompt_token_ids": SYSTEM + s + [60 + r]} for s in [*SUFFIXES, [9] * 20]] for r in range(2)]
+    outs = {}
+    for caching in (False, True):
+        eng = llm(caching, budget(caching))
+        got = [[o.outputs[0].token_ids for o in eng.generate(batch, params)] for batch in rounds]
+        outs[caching] = got
+        e = eng.engine
+        assert e.scheduler.num_preemptions > 0, case.name
+        if caching:
+            cache = e.runner.spec.model_drafter.kv.cache  # type: ignore[union-attr]
+            assert cache.stats().num_hits > 0, (case.name, cache.stats())
+        e.leak_check()
+    assert outs[True] == outs[False], case.name
