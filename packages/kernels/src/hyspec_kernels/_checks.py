@@ -12,13 +12,15 @@ never while a CUDA graph is being captured.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Literal, TypeVar, cast
 
 import torch
 
 Backend = Literal["auto", "triton", "torch", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch", "reference")
+
+R = TypeVar("R")
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -37,6 +39,26 @@ def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "to
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend: 'triton' expects CUDA tensors or TRITON_INTERPRET=1, got device {device}")
     return backend  # type: ignore[return-value]
+
+
+def implementation(
+    backend: str,
+    device: torch.device,
+    *,
+    reference: Callable[..., R],
+    torch_path: Callable[..., R],
+    triton: Callable[[], object],
+) -> Callable[..., R]:
+    """Every op's dispatch: its readable reference, its torch path or its Triton path, by `resolve_backend`'s
+    rule, all called with the same arguments (a Triton path's own checks and launch arguments live in an
+    adapter in the op's `op.py`). `triton` is a thunk: a Triton module is imported on first use, since under
+    TRITON_INTERPRET the variable must be set before any kernel is defined."""
+    chosen = resolve_backend(backend, device)
+    if chosen == "reference":
+        return reference
+    if chosen == "torch":
+        return torch_path
+    return cast(Callable[..., R], triton())  # takes the same arguments and returns the same as the other two
 
 
 def _fmt(shape: Sequence[int | str | None]) -> str:

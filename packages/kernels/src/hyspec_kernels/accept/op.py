@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyspec_kernels._checks import Backend, check_tensor, resolve_backend, value_checks
+from hyspec_kernels._checks import Backend, check_tensor, implementation, value_checks
 from hyspec_kernels.accept.reference import AcceptTensors, accept_walk_reference
 from hyspec_kernels.accept.triton_kernel import accept_walk_triton
 
@@ -85,8 +85,14 @@ def accept_walk(
                 raise ValueError(f"{name}: expected -1 or a later node index in [0, {d}) for every node")
         if budget is not None and bool((budget < 1).any()):
             raise ValueError(f"budget: expected values >= 1, got {budget.tolist()}")
-    impl = resolve_backend(backend, dev)
-    run = accept_walk_triton if impl == "triton" else accept_walk_reference
+    # the walk is sequential per row: the reference serves as the torch path too
+    run = implementation(
+        backend,
+        dev,
+        reference=accept_walk_reference,
+        torch_path=accept_walk_reference,
+        triton=lambda: accept_walk_triton,
+    )
     out: AcceptTensors = run(
         choice=choice.contiguous(),
         tokens=tokens.contiguous(),

@@ -9,6 +9,7 @@ stores the new tokens' K/V first, then attends: query i of sequence n sits at ab
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
@@ -21,7 +22,7 @@ from hyspec_kernels._checks import (
     check_index,
     check_tensor,
     dim,
-    resolve_backend,
+    implementation,
     value_checks,
 )
 from hyspec_kernels.attention.reference import paged_attention_reference, store_kv_reference
@@ -52,6 +53,42 @@ def _check_unit_stride(**tensors: torch.Tensor) -> None:
             raise ValueError(
                 f"{name}: expected unit stride along the head dim, got strides {list(t.stride())}"
             )
+
+
+def _store_kv_triton(
+    k: torch.Tensor, v: torch.Tensor, *, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor
+) -> None:
+    _check_unit_stride(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
+    store_kv_triton(k, v, k_cache=k_cache, v_cache=v_cache, kv_slots=kv_slots)
+
+
+def _paged_attention_triton(
+    q: torch.Tensor,
+    *,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    tree_mask: torch.Tensor | None,
+    max_q_len: int,
+    max_kv_len: int,
+) -> torch.Tensor:
+    """The Triton path with the launch bounds the wrapper read (the other paths derive them)."""
+    _check_unit_stride(q=q, k_cache=k_cache, v_cache=v_cache)
+    return paged_attention_triton(
+        q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        page_table=page_table,
+        cu_seqlens_q=cu_seqlens_q,
+        kv_lens=kv_lens,
+        scale=scale,
+        tree_mask=tree_mask,
+        max_q_len=max_q_len,
+        max_kv_len=max_kv_len,
+    )
 
 
 def _max_lens(q_lens: torch.Tensor, kv_lens: torch.Tensor) -> tuple[int, int]:
@@ -116,10 +153,13 @@ def store_kv(
         device=k_cache.device,
         check_values=check_indices,
     )
-    impl = resolve_backend(backend, k_cache.device)
-    if impl == "triton":
-        _check_unit_stride(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
-    run = {"reference": store_kv_reference, "torch": store_kv_torch, "triton": store_kv_triton}[impl]
+    run = implementation(
+        backend,
+        k_cache.device,
+        reference=store_kv_reference,
+        torch_path=store_kv_torch,
+        triton=lambda: _store_kv_triton,
+    )
     run(k, v, k_cache=k_cache, v_cache=v_cache, kv_slots=kv_slots)
 
 
@@ -230,23 +270,14 @@ def paged_attention(
                 raise ValueError("tree_mask: expected tree_mask[n, i, i] true for every query i < q_len")
         max_q_len = real_max_q
 
-    impl = resolve_backend(backend, device)
-    if impl == "triton":
-        _check_unit_stride(q=q, k_cache=k_cache, v_cache=v_cache)
-        return paged_attention_triton(
-            q,
-            k_cache=k_cache,
-            v_cache=v_cache,
-            page_table=page_table,
-            cu_seqlens_q=cu_seqlens_q,
-            kv_lens=kv_lens,
-            scale=float(scale),
-            tree_mask=tree_mask,
-            max_q_len=max_q_len,
-            max_kv_len=max_kv_len,
-        )
-    run = paged_attention_reference if impl == "reference" else paged_attention_torch
-    return run(
+    run = implementation(
+        backend,
+        device,
+        reference=paged_attention_reference,
+        torch_path=paged_attention_torch,
+        triton=lambda: partial(_paged_attention_triton, max_q_len=max_q_len, max_kv_len=max_kv_len),
+    )
+    out: torch.Tensor = run(
         q,
         k_cache=k_cache,
         v_cache=v_cache,
@@ -256,3 +287,4 @@ def paged_attention(
         scale=float(scale),
         tree_mask=tree_mask,
     )
+    return out

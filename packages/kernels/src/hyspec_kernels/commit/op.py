@@ -19,7 +19,7 @@ from hyspec_kernels._checks import (
     check_inner_contiguous,
     check_tensor,
     check_unique_live,
-    resolve_backend,
+    implementation,
 )
 from hyspec_kernels.commit.reference import StatePair, commit_states_reference
 from hyspec_kernels.commit.torch_impl import commit_states_torch
@@ -53,6 +53,29 @@ def _check_pairs(pairs: object) -> list[StatePair]:
             )
         checked.append((state, scratch))
     return checked
+
+
+def _commit_states_triton(
+    *,
+    pairs: Sequence[StatePair],
+    batch_rows: torch.Tensor,
+    state_slots: torch.Tensor,
+    steps: torch.Tensor,
+    track_slots: torch.Tensor | None,
+    track_steps: torch.Tensor | None,
+) -> None:
+    """The Triton path, which reads each state's and scratch's inner block as one contiguous run."""
+    for k, (state, scratch) in enumerate(pairs):
+        check_inner_contiguous(f"pairs[{k}][0] (state)", state, 2)
+        check_inner_contiguous(f"pairs[{k}][1] (scratch)", scratch, 3)
+    commit_states_triton(
+        pairs=pairs,
+        batch_rows=batch_rows,
+        state_slots=state_slots,
+        steps=steps,
+        track_slots=track_slots,
+        track_steps=track_steps,
+    )
 
 
 def commit_states(
@@ -119,16 +142,13 @@ def commit_states(
     if not checked or n == 0:
         return
 
-    impl = resolve_backend(backend, checked[0][0].device)
-    run = {
-        "reference": commit_states_reference,
-        "torch": commit_states_torch,
-        "triton": commit_states_triton,
-    }[impl]
-    if impl == "triton":
-        for k, (state, scratch) in enumerate(checked):
-            check_inner_contiguous(f"pairs[{k}][0] (state)", state, 2)
-            check_inner_contiguous(f"pairs[{k}][1] (scratch)", scratch, 3)
+    run = implementation(
+        backend,
+        checked[0][0].device,
+        reference=commit_states_reference,
+        torch_path=commit_states_torch,
+        triton=lambda: _commit_states_triton,
+    )
     run(
         pairs=checked,
         batch_rows=batch_rows,

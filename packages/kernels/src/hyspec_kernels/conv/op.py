@@ -23,7 +23,7 @@ from hyspec_kernels._checks import (
     check_index,
     check_tensor,
     dim,
-    resolve_backend,
+    implementation,
     value_checks,
 )
 from hyspec_kernels.conv import reference, torch_impl
@@ -124,13 +124,13 @@ def conv_prefill(
     )
     activation = _check_activation(activation)
 
-    chosen = resolve_backend(backend, device)
-    if chosen == "reference":
-        fn = reference.conv_prefill_reference
-    elif chosen == "torch":
-        fn = torch_impl.conv_prefill_torch
-    else:
-        fn = _triton().conv_prefill_triton
+    fn = implementation(
+        backend,
+        device,
+        reference=reference.conv_prefill_reference,
+        torch_path=torch_impl.conv_prefill_torch,
+        triton=lambda: _triton().conv_prefill_triton,
+    )
     return fn(
         x,
         weight,
@@ -166,13 +166,13 @@ def conv_decode(
     state_slots = _check_slots(state_slots, num_rows, conv_state, check_indices)
     activation = _check_activation(activation)
 
-    chosen = resolve_backend(backend, device)
-    if chosen == "reference":
-        fn = reference.conv_decode_reference
-    elif chosen == "torch":
-        fn = torch_impl.conv_decode_torch
-    else:
-        fn = _triton().conv_decode_triton
+    fn = implementation(
+        backend,
+        device,
+        reference=reference.conv_decode_reference,
+        torch_path=torch_impl.conv_decode_torch,
+        triton=lambda: _triton().conv_decode_triton,
+    )
     return fn(x, weight, bias, conv_state=conv_state, state_slots=state_slots, activation=activation)
 
 
@@ -235,13 +235,13 @@ def conv_verify(
             )
     activation = _check_activation(activation)
 
-    chosen = resolve_backend(backend, device)
-    if chosen == "reference":
-        fn = reference.conv_verify_reference
-    elif chosen == "torch":
-        fn = torch_impl.conv_verify_torch
-    else:
-        fn = _triton().conv_verify_triton
+    fn = implementation(
+        backend,
+        device,
+        reference=reference.conv_verify_reference,
+        torch_path=torch_impl.conv_verify_torch,
+        triton=lambda: _triton().conv_verify_triton,
+    )
     return fn(
         x,
         weight,

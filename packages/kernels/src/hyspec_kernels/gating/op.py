@@ -11,7 +11,7 @@ from types import ModuleType
 
 import torch
 
-from hyspec_kernels._checks import FLOAT_DTYPES, Backend, check_tensor, dim, resolve_backend
+from hyspec_kernels._checks import FLOAT_DTYPES, Backend, check_tensor, dim, implementation
 from hyspec_kernels.gating import reference, torch_impl
 
 
@@ -49,12 +49,14 @@ def gdn_gating(
     b = check_tensor("b", b, (num_tokens, num_heads), dtypes=FLOAT_DTYPES, device=device)
     A_log = check_tensor("A_log", A_log, (num_heads,), dtypes=FLOAT_DTYPES, device=device)
     dt_bias = check_tensor("dt_bias", dt_bias, (num_heads,), dtypes=FLOAT_DTYPES, device=device)
-    chosen = resolve_backend(backend, device)
-    if chosen == "reference":
-        return reference.gdn_gating_reference(A_log, a, b, dt_bias)
-    if chosen == "torch":
-        return torch_impl.gdn_gating_torch(A_log, a, b, dt_bias)
-    return _triton().gdn_gating_triton(A_log, a, b, dt_bias)  # type: ignore[no-any-return]
+    fn = implementation(
+        backend,
+        device,
+        reference=reference.gdn_gating_reference,
+        torch_path=torch_impl.gdn_gating_torch,
+        triton=lambda: _triton().gdn_gating_triton,
+    )
+    return fn(A_log, a, b, dt_bias)
 
 
 def gated_rmsnorm(
@@ -76,12 +78,14 @@ def gated_rmsnorm(
     z = check_tensor("z", z, tuple(x.shape), dtypes=FLOAT_DTYPES, device=device)
     weight = check_tensor("weight", weight, (x.shape[2],), dtypes=FLOAT_DTYPES, device=device)
     eps = _check_scalar("eps", eps, low=0.0)
-    chosen = resolve_backend(backend, device)
-    if chosen == "reference":
-        return reference.gated_rmsnorm_reference(x, z, weight, eps)
-    if chosen == "torch":
-        return torch_impl.gated_rmsnorm_torch(x, z, weight, eps)
-    return _triton().gated_rmsnorm_triton(x, z, weight, eps)  # type: ignore[no-any-return]
+    fn = implementation(
+        backend,
+        device,
+        reference=reference.gated_rmsnorm_reference,
+        torch_path=torch_impl.gated_rmsnorm_torch,
+        triton=lambda: _triton().gated_rmsnorm_triton,
+    )
+    return fn(x, z, weight, eps)
 
 
 def rms_norm(
@@ -110,9 +114,11 @@ def rms_norm(
     if isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset):
         raise ValueError(f"offset: expected a finite float, got {offset!r}")
     offset = float(offset)
-    chosen = resolve_backend(backend, device)
-    if chosen == "reference":
-        return reference.rms_norm_reference(x, weight, eps, offset=offset)
-    if chosen == "torch":
-        return torch_impl.rms_norm_torch(x, weight, eps, offset=offset)
-    return _triton().rms_norm_triton(x, weight, eps, offset=offset)  # type: ignore[no-any-return]
+    fn = implementation(
+        backend,
+        device,
+        reference=reference.rms_norm_reference,
+        torch_path=torch_impl.rms_norm_torch,
+        triton=lambda: _triton().rms_norm_triton,
+    )
+    return fn(x, weight, eps, offset=offset)

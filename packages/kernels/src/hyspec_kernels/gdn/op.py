@@ -12,6 +12,7 @@ False never (hot paths whose indices are known to be valid); never while a CUDA 
 from __future__ import annotations
 
 import itertools
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -22,7 +23,7 @@ from .._checks import (
     Backend,
     check_index,
     check_tensor,
-    resolve_backend,
+    implementation,
     value_checks,
 )
 from . import reference, torch_impl
@@ -94,6 +95,102 @@ def _check_blocks_contiguous(name: str, t: torch.Tensor, inner: int) -> None:
         )
 
 
+def _prefill_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor,
+    cu_host: list[int],
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    return_chunk_states: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunked Triton prefill, launched over the offsets the wrapper already read to the host."""
+    from .triton_chunk import launch_chunk_prefill
+
+    _check_triton_dims(q.shape[-1], v.shape[-1])
+    return launch_chunk_prefill(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        g.contiguous(),
+        beta.contiguous(),
+        cu_seqlens=cu_host,
+        state=state,
+        state_slots=state_slots,
+        has_initial_state=has_initial_state.to(torch.int8),
+        return_chunk_states=return_chunk_states,
+    )
+
+
+def _decode_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    """Decode as a one-token recurrent step (the verify kernel without scratch)."""
+    from .triton_recurrent import launch_recurrent
+
+    _check_triton_dims(q.shape[-1], v.shape[-1])
+    _check_blocks_contiguous("state", state, 3)
+    o = launch_recurrent(
+        q.contiguous().unsqueeze(1),
+        k.contiguous().unsqueeze(1),
+        v.contiguous().unsqueeze(1),
+        g.contiguous().unsqueeze(1),
+        beta.contiguous().unsqueeze(1),
+        state=state,
+        state_slots=state_slots,
+        scratch=None,
+        scratch_rows=None,
+        parents=None,
+        out_dtype=q.dtype,
+    )
+    return o.squeeze(1)
+
+
+def _verify_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    scratch: torch.Tensor,
+    scratch_rows: torch.Tensor,
+    parents: torch.Tensor | None,
+) -> torch.Tensor:
+    from .triton_recurrent import launch_recurrent
+
+    _check_triton_dims(q.shape[-1], v.shape[-1])
+    _check_blocks_contiguous("state", state, 3)
+    _check_blocks_contiguous("scratch", scratch, 3)
+    return launch_recurrent(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        g.contiguous(),
+        beta.contiguous(),
+        state=state,
+        state_slots=state_slots,
+        scratch=scratch,
+        scratch_rows=scratch_rows,
+        parents=None if parents is None else parents.contiguous(),
+        out_dtype=q.dtype,
+    )
+
+
 def gdn_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -146,25 +243,13 @@ def gdn_prefill(
     has_initial_state = check_tensor(
         "has_initial_state", has_initial_state, (num_seqs,), dtypes=(torch.bool,), device=dev
     )
-    impl = resolve_backend(backend, dev)
-    if impl == "triton":
-        from .triton_chunk import launch_chunk_prefill
-
-        _check_triton_dims(head_k, head_v)
-        o, cs = launch_chunk_prefill(
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            g.contiguous(),
-            beta.contiguous(),
-            cu_seqlens=cu_host,
-            state=state,
-            state_slots=state_slots,
-            has_initial_state=has_initial_state.to(torch.int8),
-            return_chunk_states=return_chunk_states,
-        )
-        return GDNPrefillOutput(o, cs)
-    fn = torch_impl.torch_prefill if impl == "torch" else reference.reference_prefill
+    fn = implementation(
+        backend,
+        dev,
+        reference=reference.reference_prefill,
+        torch_path=torch_impl.torch_prefill,
+        triton=lambda: partial(_prefill_triton, cu_host=cu_host),
+    )
     o, cs = fn(
         q,
         k,
@@ -212,28 +297,15 @@ def gdn_decode(
         _check_distinct("state_slots", state_slots)
     else:
         state_slots = check_tensor("state_slots", state_slots, (num_seqs,), dtypes=INDEX_DTYPES, device=dev)
-    impl = resolve_backend(backend, dev)
-    if impl == "triton":
-        from .triton_recurrent import launch_recurrent
-
-        _check_triton_dims(head_k, head_v)
-        _check_blocks_contiguous("state", state, 3)
-        o = launch_recurrent(
-            q.contiguous().unsqueeze(1),
-            k.contiguous().unsqueeze(1),
-            v.contiguous().unsqueeze(1),
-            g.contiguous().unsqueeze(1),
-            beta.contiguous().unsqueeze(1),
-            state=state,
-            state_slots=state_slots,
-            scratch=None,
-            scratch_rows=None,
-            parents=None,
-            out_dtype=q.dtype,
-        )
-        return o.squeeze(1)
-    fn = torch_impl.torch_decode if impl == "torch" else reference.reference_decode
-    return fn(q, k, v, g, beta, state=state, state_slots=state_slots).to(q.dtype)
+    fn = implementation(
+        backend,
+        dev,
+        reference=reference.reference_decode,
+        torch_path=torch_impl.torch_decode,
+        triton=lambda: _decode_triton,
+    )
+    o: torch.Tensor = fn(q, k, v, g, beta, state=state, state_slots=state_slots)
+    return o.to(q.dtype)
 
 
 def _check_parents(
@@ -316,27 +388,13 @@ def gdn_verify(
                 f"scratch_rows: tree verify needs a scratch row (>= 0) for every row with a state slot, "
                 f"got scratch_rows={scratch_rows.tolist()} for state_slots={state_slots.tolist()}"
             )
-    impl = resolve_backend(backend, dev)
-    if impl == "triton":
-        from .triton_recurrent import launch_recurrent
-
-        _check_triton_dims(head_k, head_v)
-        _check_blocks_contiguous("state", state, 3)
-        _check_blocks_contiguous("scratch", scratch, 3)
-        return launch_recurrent(
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            g.contiguous(),
-            beta.contiguous(),
-            state=state,
-            state_slots=state_slots,
-            scratch=scratch,
-            scratch_rows=scratch_rows,
-            parents=None if parents is None else parents.contiguous(),
-            out_dtype=q.dtype,
-        )
-    fn = torch_impl.torch_verify if impl == "torch" else reference.reference_verify
+    fn = implementation(
+        backend,
+        dev,
+        reference=reference.reference_verify,
+        torch_path=torch_impl.torch_verify,
+        triton=lambda: _verify_triton,
+    )
     o = fn(
         q,
         k,
