@@ -28,6 +28,7 @@ from hyspec_attn_backends import (
 )
 from hyspec_statepool import DraftShape, HybridStatePool, MemoryPlan, StateDtypes, UseAfterFreeError
 from hyspec_statepool import pool as pool_module
+from hyspec_statepool import positions as positions_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -273,7 +274,8 @@ def test_a_smaller_build_after_a_larger_one_is_exact_in_the_same_storage(first: 
 
 @pytest.mark.parametrize("loop_max", [pool_module.LOOP_MAX_TOKENS, 0], ids=["python", "vectorised"])
 def test_python_and_vectorised_host_paths_agree(monkeypatch: pytest.MonkeyPatch, loop_max: int) -> None:
-    monkeypatch.setattr(pool_module, "LOOP_MAX_TOKENS", loop_max)
+    monkeypatch.setattr(pool_module, "LOOP_MAX_TOKENS", loop_max)  # the pool's translations
+    monkeypatch.setattr(positions_module, "LOOP_MAX_TOKENS", loop_max)  # packed positions
     be = _backend()
     for case in CASES.values():
         assert _fields(case.call(be)) == _reference(be.pool, case)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from hyspec_server.llm import LLM
 from hyspec_server.sampling_params import SamplingParams
-from hyspec_spec_workers.sampling import PenaltyTensors, Sampler, SamplingTensors
+from hyspec_spec_workers.penalties import PenaltyTensors
+from hyspec_spec_workers.sampling import Sampler, SamplingTensors
 from hyspec_testing.server import ByteTokenizer, toy_engine, toy_penalised_greedy
 
 CPU = torch.device("cpu")

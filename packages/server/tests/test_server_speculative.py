@@ -621,7 +621,7 @@ def test_graph_shapes_pad_batches_and_blocks_losslessly(
 
 def test_padded_block_verifies_and_commits_like_the_block() -> None:
     """`pad_block`: extra nodes continue the chain past each row's last node and are never reached."""
-    from hyspec_spec_workers.round import pad_block
+    from hyspec_spec_workers.tree import pad_block
     from hyspec_spec_workers.verify import verify_greedy
 
     parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3]])

@@ -178,7 +178,7 @@ def test_accept_walk_equals_verify_then_truncate(backend: str, shape: str) -> No
     """The round's one-launch walk (`hyspec_kernels.accept_walk`) is exactly verify_greedy then
     truncate_at_stop, field by field, on VerifyTrees as the round builds them (padded blocks included)."""
     from hyspec_kernels.accept import accept_walk
-    from hyspec_spec_workers.round import pad_block
+    from hyspec_spec_workers.tree import pad_block
 
     g = torch.Generator().manual_seed(5)
     n, d, vocab = 64, 6, 3

@@ -9,7 +9,8 @@ import pytest
 import torch
 from hyspec_statepool import HybridStatePool, UseAfterFreeError
 from hyspec_statepool import pool as pool_module
-from hyspec_statepool.pool import packed_positions
+from hyspec_statepool import positions as positions_module
+from hyspec_statepool.positions import packed_positions
 from hyspec_statepool.transfer import host_staging, upload, write_into
 
 MakePool = Callable[..., HybridStatePool]
@@ -155,7 +156,7 @@ def test_host_index_copy_into_a_buffer(make_pool: MakePool) -> None:
 
 @pytest.mark.parametrize("loop_max", [pool_module.LOOP_MAX_TOKENS, 0], ids=["python", "vectorised"])
 def test_packed_positions(monkeypatch: pytest.MonkeyPatch, loop_max: int) -> None:
-    monkeypatch.setattr(pool_module, "LOOP_MAX_TOKENS", loop_max)
+    monkeypatch.setattr(positions_module, "LOOP_MAX_TOKENS", loop_max)
     assert packed_positions([5, 0, 3], [2, 0, 3]).tolist() == [5, 6, 3, 4, 5]
     assert packed_positions([0, 4], [0, 2]).tolist() == [4, 5]
     assert packed_positions([7, 2], 3).tolist() == [7, 8, 9, 2, 3, 4]

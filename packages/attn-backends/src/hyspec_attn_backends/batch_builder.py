@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import torch
 from hyspec_statepool.indices import ReqRows
-from hyspec_statepool.pool import HybridStatePool, packed_positions
+from hyspec_statepool.pool import HybridStatePool
+from hyspec_statepool.positions import packed_positions
 from hyspec_statepool.transfer import host_staging, upload, write_into
 from torch import Tensor
 

@@ -34,55 +34,17 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from functools import partial
-from typing import Protocol
 
 import torch
-from hyspec_attn_backends import ForwardBatch, ForwardMode, HybridBackend, MixerLayer
+from hyspec_attn_backends import ForwardBatch, ForwardMode
 from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
 from hyspec_spec_workers.config import Method
 from hyspec_spec_workers.draft_graphs import DraftGraphCounts, DraftGraphs
 from hyspec_spec_workers.draft_kv import DraftKV, DraftMemory
-from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, DraftOutput
+from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, DraftOutput, HiddenStateDraftModel
 from hyspec_spec_workers.tree import TreeDraftBuilder, VerifyTree
-
-
-class HiddenStateDraftModel(Protocol):
-    """What `HiddenStateDrafter` needs from a draft network (adapters in mtp_drafter.py and eagle3.py)."""
-
-    @property
-    def capture_layers(self) -> tuple[int, ...]:
-        """Target layers whose outputs `features` needs (empty: only the final hidden state)."""
-        ...
-
-    @property
-    def feature_dim(self) -> int: ...
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-    def mixer_layers(self) -> list[MixerLayer]: ...
-
-    def features(self, hidden_states: Tensor, aux_hidden_states: tuple[Tensor, ...]) -> Tensor:
-        """Target outputs at committed tokens -> draft input features [T, F]."""
-        ...
-
-    def run(
-        self, batch: ForwardBatch, backend: HybridBackend, *, features: Tensor, step: int
-    ) -> tuple[Tensor, Tensor]:
-        """One forward of draft layer `step` over batch tokens paired with features [T, F].
-
-        Returns (normed [T, H] for `logits`, output feature [T, F] a chained step consumes).
-        """
-        ...
-
-    def logits(self, normed: Tensor) -> Tensor:
-        """[.., H] -> [.., V] logits over the target vocabulary."""
-        ...
 
 
 class HiddenStateDrafter:

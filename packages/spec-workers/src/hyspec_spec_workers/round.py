@@ -48,7 +48,7 @@ from hyspec_spec_workers.costs import CostTracker, DraftClock, RoundTimer
 from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
 from hyspec_spec_workers.sampling import SampledToken, Sampler, SamplingRequest, chosen_ranks
-from hyspec_spec_workers.tree import VerifyTree
+from hyspec_spec_workers.tree import VerifyTree, pad_block, resized_chain
 
 
 class RoundRequest(SamplingRequest, Protocol):
@@ -447,44 +447,12 @@ def trim_draft(draft: DraftOutput, n: int, dmax: int) -> DraftOutput:
     if d == tree.block_size:
         return draft
     cut = (
-        _resized_chain(tree, d)
+        resized_chain(tree, d)
         if tree.is_chain
         else VerifyTree.from_parents(tree.tokens[:, :d], tree.parents[:, :d], tree.num_nodes)
     )
     dp = None if draft.draft_probs is None else draft.draft_probs[:, :d]
     return DraftOutput(cut, dp)
-
-
-def pad_block(
-    tree: VerifyTree, draft_probs: torch.Tensor | None, d: int
-) -> tuple[VerifyTree, torch.Tensor | None]:
-    """The same blocks as d-node blocks (a captured graph's D): the extra nodes continue each row's chain
-    after its last node, so no real node sees them, verification never reaches them (num_nodes unchanged)
-    and no commit step points at them."""
-    n, d0 = tree.batch_size, tree.block_size
-    dev = tree.tokens.device
-    if tree.is_chain:
-        padded = _resized_chain(tree, d)
-    else:
-        tokens = torch.cat([tree.tokens, torch.zeros(n, d - d0, dtype=torch.int64, device=dev)], dim=1)
-        tail = (torch.arange(d0, d, dtype=torch.int64, device=dev) - 1).expand(n, d - d0)
-        padded = VerifyTree.from_parents(tokens, torch.cat([tree.parents, tail], dim=1), tree.num_nodes)
-    if draft_probs is not None:
-        v = draft_probs.shape[-1]
-        draft_probs = torch.cat([draft_probs, draft_probs.new_zeros(n, d - d0, v)], dim=1)  # [N, d, V]
-    return padded, draft_probs
-
-
-def _resized_chain(tree: VerifyTree, d: int) -> VerifyTree:
-    """The same chains as d-node blocks (cut, or padded with nodes that continue each chain), built on the
-    tree's device from the host's node counts: no device read."""
-    n, d0 = tree.batch_size, tree.block_size
-    drafts = tree.tokens[:, 1:d]  # [N, <= d - 1]
-    if d > d0:
-        pad = torch.zeros(n, d - d0, dtype=torch.int64, device=tree.tokens.device)
-        drafts = torch.cat([drafts, pad], dim=1)  # [N, d - 1]
-    num_drafts = torch.tensor([k - 1 for k in tree.node_counts()], dtype=torch.int64)
-    return VerifyTree.chain(tree.tokens[:, 0], drafts, num_drafts)
 
 
 def _to_verified(

@@ -339,3 +339,35 @@ class TreeDraftBuilder:
         if num_nodes is None:
             num_nodes = torch.full((n,), d, dtype=torch.int64)
         return VerifyTree.from_parents(tree_tokens, tree_parents, num_nodes, device=device)
+
+
+def pad_block(
+    tree: VerifyTree, draft_probs: torch.Tensor | None, d: int
+) -> tuple[VerifyTree, torch.Tensor | None]:
+    """The same blocks as d-node blocks (a captured graph's D): the extra nodes continue each row's chain
+    after its last node, so no real node sees them, verification never reaches them (num_nodes unchanged)
+    and no commit step points at them."""
+    n, d0 = tree.batch_size, tree.block_size
+    dev = tree.tokens.device
+    if tree.is_chain:
+        padded = resized_chain(tree, d)
+    else:
+        tokens = torch.cat([tree.tokens, torch.zeros(n, d - d0, dtype=torch.int64, device=dev)], dim=1)
+        tail = (torch.arange(d0, d, dtype=torch.int64, device=dev) - 1).expand(n, d - d0)
+        padded = VerifyTree.from_parents(tokens, torch.cat([tree.parents, tail], dim=1), tree.num_nodes)
+    if draft_probs is not None:
+        v = draft_probs.shape[-1]
+        draft_probs = torch.cat([draft_probs, draft_probs.new_zeros(n, d - d0, v)], dim=1)  # [N, d, V]
+    return padded, draft_probs
+
+
+def resized_chain(tree: VerifyTree, d: int) -> VerifyTree:
+    """The same chains as d-node blocks (cut, or padded with nodes that continue each chain), built on the
+    tree's device from the host's node counts: no device read."""
+    n, d0 = tree.batch_size, tree.block_size
+    drafts = tree.tokens[:, 1:d]  # [N, <= d - 1]
+    if d > d0:
+        pad = torch.zeros(n, d - d0, dtype=torch.int64, device=tree.tokens.device)
+        drafts = torch.cat([drafts, pad], dim=1)  # [N, d - 1]
+    num_drafts = torch.tensor([k - 1 for k in tree.node_counts()], dtype=torch.int64)
+    return VerifyTree.chain(tree.tokens[:, 0], drafts, num_drafts)

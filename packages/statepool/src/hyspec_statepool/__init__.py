@@ -15,7 +15,8 @@ from hyspec_statepool.errors import DoubleFreeError, LeakError, PoolExhaustedErr
 from hyspec_statepool.indices import BatchRows, KVSlots, ReqRows, StateSlots
 from hyspec_statepool.layout import TensorSpec
 from hyspec_statepool.leak import LeakReport
-from hyspec_statepool.pool import HybridStatePool, packed_positions
+from hyspec_statepool.pool import HybridStatePool
+from hyspec_statepool.positions import packed_positions
 from hyspec_statepool.sizing import MemoryPlan, plan_memory
 from hyspec_statepool.specs import (
     AttentionSpec,

@@ -25,15 +25,13 @@ from hyspec_statepool.errors import DoubleFreeError, PoolExhaustedError, UseAfte
 from hyspec_statepool.indices import BatchRows, KVSlots, ReqRows, StateSlots, _mint, _mint_staged
 from hyspec_statepool.kv_pool import KVPool
 from hyspec_statepool.leak import LeakReport
+from hyspec_statepool.positions import LOOP_MAX_TOKENS, packed_rows, pad_count
 from hyspec_statepool.request_table import RequestTable
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.state_pool import LinearLayerState, RecurrentStatePool
 from hyspec_statepool.transfer import host_staging, to_device
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-# host translations loop in Python up to this many tokens and use vectorised CPU tensor ops beyond: a torch
-# call costs a few microseconds whatever its size, a Python step a fraction of one
-LOOP_MAX_TOKENS = 256
 
 
 class PageHolder(Protocol):
@@ -342,7 +340,7 @@ class HybridStatePool:
         slots = [self.table.host_row_to_slot[r] for r in rows]
         if 0 in slots:
             raise UseAfterFreeError(f"req_rows {rows}: a row is not mapped (its request was freed)")
-        pad = _pad_count("pad_to", len(rows), pad_to)
+        pad = pad_count("pad_to", len(rows), pad_to)
         staged = torch.tensor(slots + [-1] * pad, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         return _mint_staged(StateSlots, staged, bound=self.plan.num_state_slots + 1)
 
@@ -381,7 +379,7 @@ class HybridStatePool:
                 f"{list(start_positions)} and {num_tokens if isinstance(num_tokens, int) else counts}"
             )
         total = sum(counts)
-        pad = _pad_count("pad_to", total, pad_to)
+        pad = pad_count("pad_to", total, pad_to)
         if total <= LOOP_MAX_TOKENS:
             # a few tokens (decode, verify): Python ints, then one tensor with the padding
             runs = [
@@ -393,7 +391,7 @@ class HybridStatePool:
             staged = torch.tensor(slots + [-1] * pad, dtype=torch.int32, pin_memory=pin)
         else:
             # many tokens (a long prefill): vectorised over them
-            seq, positions = _packed(start_positions, num_tokens)  # [T] each
+            seq, positions = packed_rows(start_positions, num_tokens)  # [T] each
             token_rows = torch.tensor(rows, dtype=torch.long)[seq]  # [T]
             found = self.table.host_kv_slots(token_rows, positions)  # [T] int32
             missing = bool((found < 0).any())
@@ -413,7 +411,7 @@ class HybridStatePool:
         """
         rows = self._host_rows(req_rows)
         n = len(rows)
-        pad = _pad_count("pad_to", n, pad_to)
+        pad = pad_count("pad_to", n, pad_to)
         staged = host_staging((n + pad, self.table.max_pages), dtype=torch.int32, device=self.device)
         index = torch.tensor(rows, dtype=torch.long)  # [N]
         torch.index_select(self.table.host_page_table, 0, index, out=staged[:n] if pad else staged)
@@ -547,50 +545,6 @@ class HybridStatePool:
             raise ValueError(
                 f"{name}: built for an index space of size {got}, this pool's has {want} (another pool?)"
             )
-
-
-def packed_positions(
-    start_positions: Sequence[int], num_tokens: Sequence[int] | int, *, pin_memory: bool = False
-) -> torch.Tensor:
-    """Positions of packed tokens on the host: request n's `start_positions[n] + [0, num_tokens[n])`, in
-    order (`num_tokens` one int: the same count for every request). `[T]` int64 CPU tensor, a fresh one in
-    pinned memory with `pin_memory` (ready for a non-blocking `transfer.upload`)."""
-    counts = [num_tokens] * len(start_positions) if isinstance(num_tokens, int) else list(num_tokens)
-    if sum(counts) <= LOOP_MAX_TOKENS:
-        positions = [p + j for p, c in zip(start_positions, counts, strict=True) for j in range(c)]
-        return torch.tensor(positions, dtype=torch.long, pin_memory=pin_memory)
-    packed = _packed(start_positions, num_tokens)[1]
-    return packed.pin_memory() if pin_memory else packed
-
-
-def _packed(
-    start_positions: Sequence[int], num_tokens: Sequence[int] | int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(request index, position) of every packed token, each `[T]` int64 on the host, in a few ops whatever
-    T is (no `repeat_interleave`: on the CPU it can cost a thread-pool round trip even for a few values)."""
-    starts = torch.tensor(list(start_positions), dtype=torch.long)  # [N]
-    n = int(starts.shape[0])
-    if isinstance(num_tokens, int):
-        # the same count q for every request (decode, verify): plain broadcasting over [N, q]
-        offsets = torch.arange(num_tokens)  # [q]
-        seq = torch.arange(n)[:, None].expand(n, num_tokens).reshape(-1)  # [N * q]
-        return seq, (starts[:, None] + offsets).reshape(-1)
-    counts = torch.tensor(list(num_tokens), dtype=torch.long)  # [N]
-    total = sum(num_tokens)
-    first = torch.cumsum(counts, 0) - counts  # [N] packed index of each request's first token
-    # +1 at the first token of requests 1..N-1 (an empty request adds to the next one's), then a running sum
-    marks = torch.zeros(total + 1, dtype=torch.long).index_add_(0, first[1:], torch.ones_like(first[1:]))
-    seq = marks[:total].cumsum(0)  # [T]
-    return seq, (starts - first)[seq] + torch.arange(total)
-
-
-def _pad_count(name: str, n: int, pad_to: int | None) -> int:
-    """How many padding entries make `n` entries `pad_to` long (0 without `pad_to`)."""
-    if pad_to is None:
-        return 0
-    if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < n:
-        raise ValueError(f"{name}: expected an int >= {n} (the entries before padding), got {pad_to!r}")
-    return pad_to - n
 
 
 def _check_unique(name: str, ids: Sequence[Hashable], *, error: type[ValueError] = ValueError) -> None:
