@@ -60,7 +60,7 @@ def copy_bandwidth() -> float:
 def build_checkpoint(out: Path, layers: int, vocab_size: int | None = None) -> tuple[Any, dict[str, Any]]:
     """Random bf16 Qwen3.5-9B-shaped checkpoint with one MTP layer (`vocab_size`: another vocabulary than
     Qwen3.5's) -> (config, byte counts)."""
-    from hyspec_testing.tiny import write_tokenizer
+    from hyspec_testing.tiny_tokenizer import write_tokenizer
     from safetensors.torch import save_file
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 

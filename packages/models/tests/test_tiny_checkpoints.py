@@ -32,8 +32,8 @@ from hyspec_testing.tiny import (
     VOCAB_SIZE,
     build_tiny_checkpoint,
     iter_checkpoint_files,
-    tiny_vocab,
 )
+from hyspec_testing.tiny_tokenizer import tiny_vocab
 from safetensors import safe_open
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
