@@ -215,7 +215,8 @@ def workloads(eng: Any, a: argparse.Namespace) -> dict[str, Any]:
 
 def zero_hit_ab(ckpt: Path, a: argparse.Namespace) -> dict[str, Any]:
     """Zero hits with both engines alive at once (each with its own fixed KV budget), alternating run by run
-    on the same fresh prompts: the host's drift hits both alike, the medians are compared."""
+    (and which goes first, round by round) on the same fresh prompts: the host's drift hits both alike, the
+    medians are compared."""
     from hyspec_server import EngineArgs
     from hyspec_server.builder import build_engine
 
@@ -238,7 +239,10 @@ def zero_hit_ab(ckpt: Path, a: argparse.Namespace) -> dict[str, Any]:
     each: dict[str, list[float]] = {"off": [], "on": []}
     for r in range(a.ab_rounds + 1):
         prompts = [[rng.randrange(10, 150000) for _ in range(a.zero_len)] for _ in range(a.requests)]
-        for caching, eng in engines.items():
+        # the order alternates round by round: a run that always goes second (after the other engine's
+        # garbage, on a device the other just warmed) would carry a bias of its own
+        order = list(engines.items())[:: 1 if r % 2 else -1]
+        for caching, eng in order:
             _, _, wall, cached = _run(eng, prompts, a.new)
             assert cached == 0
             if r:  # round 0 warms both
