@@ -88,15 +88,15 @@ def test_a_hit_resumes_with_the_same_kv_and_state(length: int) -> None:
     _idle(pool)
     # a longer prompt resumes at the snapshot; the prompt itself recomputes at least its last token
     pool.alloc(["b"])
-    got = cache.attach_longest("b", [*tokens, 9, 9], salt=None, max_tokens=length + 1).num_tokens
+    got = cache.attach_longest("b", [*tokens, 9, 9], salt=None, max_tokens=length + 1)
     assert got == length
     assert _history(pool, "b", length) == tokens
     assert torch.equal(_conv(pool, "b"), want_conv)
     pool.alloc(["c"])
-    assert cache.attach_longest("c", tokens, salt=None, max_tokens=length - 1).num_tokens == 0
+    assert cache.attach_longest("c", tokens, salt=None, max_tokens=length - 1) == 0
     # another salt shares nothing
     pool.alloc(["d"])
-    assert cache.attach_longest("d", [*tokens, 9], salt="x", max_tokens=length).num_tokens == 0
+    assert cache.attach_longest("d", [*tokens, 9], salt="x", max_tokens=length) == 0
     pool.free(["b", "c", "d"])
     _idle(pool)
     assert cache.stats().num_hits == length
@@ -110,7 +110,7 @@ def test_full_pages_are_shared_and_the_tail_page_is_copied() -> None:
     _compute(pool, "a", tokens)
     cache.save("a", tokens, salt=None, num_tokens=10)
     pool.alloc(["b"])
-    assert cache.attach_longest("b", [*tokens, 11, 12], salt=None, max_tokens=11).num_tokens == 10
+    assert cache.attach_longest("b", [*tokens, 11, 12], salt=None, max_tokens=11) == 10
     a, b = pool.request_pages("a"), pool.request_pages("b")
     assert a[:2] == b[:2] and a[2] != b[2]
     assert [pool.kv.refs(p) for p in b] == [3, 3, 1]  # a, b and the cache; b's private tail copy
@@ -119,7 +119,7 @@ def test_full_pages_are_shared_and_the_tail_page_is_copied() -> None:
     assert _history(pool, "a", 10) == tokens
     pool.free(["a", "b"])
     pool.alloc(["c"])
-    assert cache.attach_longest("c", [*tokens, 5, 5], salt=None, max_tokens=11).num_tokens == 10
+    assert cache.attach_longest("c", [*tokens, 5, 5], salt=None, max_tokens=11) == 10
     assert _history(pool, "c", 10) == tokens
     pool.free(["c"])
     _idle(pool)
@@ -136,16 +136,16 @@ def test_a_snapshot_keeps_a_copy_of_its_payload() -> None:
     cache.save("a", tokens, salt=None, num_tokens=4)  # none given: none handed back
     payload.fill_(-1.0)  # the owner's buffer moves on; the snapshot's copy does not
     pool.alloc(["b", "c", "d"])
-    hit = cache.attach_longest("b", [*tokens, 9], salt=None, max_tokens=7)
+    hit = cache.attach_longest_hit("b", [*tokens, 9], salt=None, max_tokens=7)
     assert hit.num_tokens == 7 and hit.payload is not None
     assert torch.equal(hit.payload, torch.arange(6, dtype=torch.float32))
     hit.payload.zero_()  # a hit gets its own copy too
-    again = cache.attach_longest("c", [*tokens, 9], salt=None, max_tokens=7)
+    again = cache.attach_longest_hit("c", [*tokens, 9], salt=None, max_tokens=7)
     assert again.payload is not None and torch.equal(again.payload, torch.arange(6, dtype=torch.float32))
-    shorter = cache.attach_longest("d", [*tokens[:4], 0, 0], salt=None, max_tokens=5)
+    shorter = cache.attach_longest_hit("d", [*tokens[:4], 0, 0], salt=None, max_tokens=5)
     assert shorter.num_tokens == 4 and shorter.payload is None
     pool.alloc(["e"])
-    miss = cache.attach_longest("e", [0, 0], salt=None, max_tokens=1)
+    miss = cache.attach_longest_hit("e", [0, 0], salt=None, max_tokens=1)
     assert not miss and miss.num_tokens == 0 and miss.payload is None
     pool.free(["a", "b", "c", "d", "e"])
     _idle(pool)
@@ -162,8 +162,8 @@ def test_the_longest_snapshot_with_all_its_pages_wins() -> None:
     cache.save("a", tokens, salt=None, num_tokens=16)
     pool.free(["a"])
     pool.alloc(["b", "c"])
-    assert cache.attach_longest("b", [*tokens, 1], salt=None, max_tokens=16).num_tokens == 16
-    assert cache.attach_longest("c", tokens[:12] + [0] * 5, salt=None, max_tokens=16).num_tokens == 8
+    assert cache.attach_longest("b", [*tokens, 1], salt=None, max_tokens=16) == 16
+    assert cache.attach_longest("c", tokens[:12] + [0] * 5, salt=None, max_tokens=16) == 8
     pool.free(["b", "c"])
     _idle(pool)
 
@@ -179,11 +179,11 @@ def test_eviction_takes_unused_pages_least_recently_used_first_and_never_a_mappe
         pool.free([rid])
     assert pool.kv.num_free == 8 - 4  # two chains of 2 full pages each, kept by the cache
     pool.alloc(["c"])
-    assert cache.attach_longest("c", [*new, 1], salt=None, max_tokens=8).num_tokens == 8  # maps new's pages
+    assert cache.attach_longest("c", [*new, 1], salt=None, max_tokens=8) == 8  # maps new's pages
     pool.alloc(["d"])
     pool.ensure_kv_capacity(["d"], [5 * PS])  # one page short: the old chain's leaf goes, not new's
     assert cache.stats().num_cached_pages == 3
-    assert cache.attach_longest("d", [*old, 1], salt=None, max_tokens=8).num_tokens == 0
+    assert cache.attach_longest("d", [*old, 1], salt=None, max_tokens=8) == 0
     with pytest.raises(Exception, match="exhausted"):
         pool.ensure_kv_capacity(["d"], [8 * PS])  # new's pages are mapped by c: never evicted
     pool.free(["c", "d"])
@@ -202,10 +202,8 @@ def test_snapshot_slots_are_their_own_budget_least_recently_used_out() -> None:
         pool.free([f"r{i}"])
     assert cache.stats().num_snapshots == 2
     pool.alloc(["x", "y"])
-    assert (
-        cache.attach_longest("x", prompts[0] + [0], salt=None, max_tokens=6).num_tokens == 0
-    )  # the oldest went
-    assert cache.attach_longest("y", prompts[2] + [0], salt=None, max_tokens=6).num_tokens == 6
+    assert cache.attach_longest("x", prompts[0] + [0], salt=None, max_tokens=6) == 0  # the oldest went
+    assert cache.attach_longest("y", prompts[2] + [0], salt=None, max_tokens=6) == 6
     pool.free(["x", "y"])
     _idle(pool)
 

@@ -111,9 +111,7 @@ class StatePoolMemory:
     ) -> int:
         if self.prefix_cache is None:
             return 0
-        n = self.prefix_cache.attach_longest(
-            request_id, token_ids, salt=salt, max_tokens=max_tokens
-        ).num_tokens
+        n = self.prefix_cache.attach_longest(request_id, token_ids, salt=salt, max_tokens=max_tokens)
         if n:
             for f in self.followers:
                 f.on_prefix_hit(request_id, n, token_ids, salt=salt)

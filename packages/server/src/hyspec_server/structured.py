@@ -142,14 +142,18 @@ class GrammarCompiler:
         return GrammarState(xgr.GrammarMatcher(self.compile(params)))
 
 
-def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[_Constrained], masks: TokenBitmask) -> None:
+def apply_grammar_masks(
+    logits: torch.Tensor, requests: Sequence[_Constrained], masks: TokenBitmask | None = None
+) -> None:
     """Sets the logits of forbidden tokens to -inf in place for constrained rows ([N, V], row i is
-    `requests[i]`); rows without a constraint are untouched, and nothing runs when none has one."""
+    `requests[i]`); rows without a constraint are untouched, and nothing runs when none has one. `masks`:
+    the engine's `TokenBitmask` (it keeps the vocabulary's bit tables; a fresh one builds them)."""
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not rows:
         return
     import xgrammar as xgr
 
+    masks = masks or TokenBitmask()
     bitmask = masks.host((len(requests),), int(logits.shape[-1]), pinned=logits.is_cuda)  # [N, W]
     matchers = [g.matcher for g in (requests[i].grammar for i in rows) if g is not None]
     # one call fills every row (the matchers' own loop; threads would cost more than 32 rows' fill)

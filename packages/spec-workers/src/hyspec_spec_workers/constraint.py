@@ -123,11 +123,12 @@ def mask_block_logits(
     logits: torch.Tensor,
     constraints: Sequence[TokenConstraint | None],
     blocks: Sequence[Block | None],
-    masks: TokenBitmask,
+    masks: TokenBitmask | None = None,
 ) -> None:
     """Masks the verify logits [N, D, V] in place at every node of each constrained row: the constraints
     fill one host bitmask, which goes to the device in one copy and applies in one pass."""
     n, d, v = logits.shape
+    masks = masks or TokenBitmask()  # the round passes its own, which keeps the vocabulary's bit tables
     bitmask = masks.host((n, d), v, pinned=logits.is_cuda)  # [N, D, W] every token allowed
     for i, (c, block) in enumerate(zip(constraints, blocks, strict=True)):
         if c is not None and block is not None:

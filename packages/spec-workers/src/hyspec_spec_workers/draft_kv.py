@@ -138,7 +138,7 @@ class DraftKV:
         hit = PrefixHit(0)
         if self.cache is not None and n > 0 and len(token_ids) >= num_tokens:
             seq, key = self._cache_key(token_ids[:num_tokens], salt)
-            hit = self.cache.attach_longest(req_id, seq, salt=key, max_tokens=n)
+            hit = self.cache.attach_longest_hit(req_id, seq, salt=key, max_tokens=n)
         self._zero(req_id, hit.num_tokens, n)
         self.lengths[req_id] = n
         return hit

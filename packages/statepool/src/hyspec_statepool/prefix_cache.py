@@ -108,14 +108,19 @@ class PrefixCache:
 
     def attach_longest(
         self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None, max_tokens: int
-    ) -> PrefixHit:
+    ) -> int:
         """Resume a fresh request (a row and a zeroed slot, no pages) from its longest cached prefix.
 
         The request adopts the shared pages, a private copy of the snapshot's tail page and the snapshot's
         state. `max_tokens` caps the hit (the engine passes the prompt length - 1: the last prompt token is
-        always computed, its logits give the first output). Returns the cached tokens (0: a miss) and a copy
-        of the snapshot's payload.
+        always computed, its logits give the first output). Returns the cached tokens (0: a miss).
         """
+        return self.attach_longest_hit(req_id, token_ids, salt=salt, max_tokens=max_tokens).num_tokens
+
+    def attach_longest_hit(
+        self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None, max_tokens: int
+    ) -> PrefixHit:
+        """`attach_longest`, also handing back a copy of the snapshot's payload (`save(..., payload=)`)."""
         self._queries += len(token_ids)
         found = self._longest(token_ids, min(max_tokens, len(token_ids)), root_hash(salt))
         if found is None:
