@@ -137,23 +137,10 @@ def _decode_triton(
     state: torch.Tensor,
     state_slots: torch.Tensor,
 ) -> torch.Tensor:
-    """Decode as a one-token recurrent step (the verify kernel without scratch)."""
-    from .triton_recurrent import launch_recurrent
-
-    _check_triton_dims(q.shape[-1], v.shape[-1])
-    _check_blocks_contiguous("state", state, 3)
-    o = launch_recurrent(
-        q.contiguous().unsqueeze(1),
-        k.contiguous().unsqueeze(1),
-        v.contiguous().unsqueeze(1),
-        g.contiguous().unsqueeze(1),
-        beta.contiguous().unsqueeze(1),
-        state=state,
-        state_slots=state_slots,
-        scratch=None,
-        scratch_rows=None,
-        parents=None,
-        out_dtype=q.dtype,
+    """Decode as a one-token verify block without scratch (the same recurrent kernel)."""
+    one = (t.unsqueeze(1) for t in (q, k, v, g, beta))
+    o = _verify_triton(
+        *one, state=state, state_slots=state_slots, scratch=None, scratch_rows=None, parents=None
     )
     return o.squeeze(1)
 
@@ -167,15 +154,17 @@ def _verify_triton(
     *,
     state: torch.Tensor,
     state_slots: torch.Tensor,
-    scratch: torch.Tensor,
-    scratch_rows: torch.Tensor,
+    scratch: torch.Tensor | None,
+    scratch_rows: torch.Tensor | None,
     parents: torch.Tensor | None,
 ) -> torch.Tensor:
+    """The recurrent kernel over [N, D] blocks; without scratch (decode) it writes the final state instead."""
     from .triton_recurrent import launch_recurrent
 
     _check_triton_dims(q.shape[-1], v.shape[-1])
     _check_blocks_contiguous("state", state, 3)
-    _check_blocks_contiguous("scratch", scratch, 3)
+    if scratch is not None:
+        _check_blocks_contiguous("scratch", scratch, 3)
     return launch_recurrent(
         q.contiguous(),
         k.contiguous(),
