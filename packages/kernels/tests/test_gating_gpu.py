@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hyspec_kernels.gating import gated_rmsnorm, gdn_gating, rms_norm
+import torch.nn.functional as F
+from hyspec_kernels.gating import add_rms_norm, gated_rmsnorm, gdn_gating, rms_norm, silu_and_mul
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -45,3 +46,24 @@ def test_rms_norm_gpu(offset: float, hidden: int) -> None:
     want = rms_norm(x, weight, 1e-6, offset=offset, backend="torch")
     got = rms_norm(x, weight, 1e-6, offset=offset, backend="triton")
     torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("rows", [1, 32, 300])
+def test_add_rms_norm_gpu(offset: float, rows: int) -> None:
+    x = torch.randn(rows, 4096, device="cuda").bfloat16()
+    residual = torch.randn(rows, 4096, device="cuda").bfloat16()
+    weight = (torch.randn(4096, device="cuda") * 0.1).bfloat16()
+    want_sum = x + residual
+    want = rms_norm(want_sum, weight, 1e-6, offset=offset, backend="triton")
+    got, got_sum = add_rms_norm(x, residual, weight, 1e-6, offset=offset, backend="triton")
+    assert torch.equal(got_sum, want_sum)
+    assert torch.equal(got, want)  # the same norm code reads the same rounded sum
+
+
+@pytest.mark.parametrize("rows", [1, 32, 300])
+def test_silu_and_mul_gpu(rows: int) -> None:
+    gate_up = torch.randn(rows, 2 * 12288, device="cuda").bfloat16()
+    gate, up = gate_up[:, :12288], gate_up[:, 12288:]
+    got = silu_and_mul(gate, up, backend="triton")
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=2**-7, atol=2**-7)

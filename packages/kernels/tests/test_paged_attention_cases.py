@@ -263,8 +263,10 @@ def test_no_sequences_or_no_queries() -> None:
 def test_triton_split_kv_merge(tree: bool) -> None:
     """Split-KV (flash-decoding) partial results merged by log-sum-exp equal the unsplit answer.
 
-    The heuristic only splits on GPU, so the split count is forced here; 3 and 5 splits give splits past a
-    short sequence's end (empty), a causal or tree tail inside one split, and prefix-only splits.
+    The heuristic only splits on GPU, so the split count is forced here; 3, 5 and 16 splits give splits past
+    a short sequence's end (empty), a causal or tree tail inside one split, and prefix-only splits. Each
+    sequence splits its own KV, so the result does not depend on `max_kv_len` (a CUDA graph passes the
+    longest length it can hold): bit for bit the same at 8x the real longest length.
     """
     seqs = [(45, 3), (5, 2), (2, 0), (0, 1)] if not tree else [(41, 6), (2, 0), (9, 6), (17, 4)]
     case = build(
@@ -278,22 +280,26 @@ def test_triton_split_kv_merge(tree: bool) -> None:
         device=device_for("triton"),
     )
     max_kv = int(case.kv_lens.max())
-    for splits in (3, 5):
-        got = paged_attention_triton(
-            case.q,
-            k_cache=case.k_cache,
-            v_cache=case.v_cache,
-            page_table=case.page_table,
-            cu_seqlens_q=case.cu_seqlens_q,
-            kv_lens=case.kv_lens,
-            scale=0.25,
-            tree_mask=case.tree_mask,
-            max_q_len=int((case.cu_seqlens_q[1:] - case.cu_seqlens_q[:-1]).max()),
-            max_kv_len=max_kv,
-            num_kv_splits=splits,
+    for splits in (3, 5, 16):
+        got, at_capacity = (
+            paged_attention_triton(
+                case.q,
+                k_cache=case.k_cache,
+                v_cache=case.v_cache,
+                page_table=case.page_table,
+                cu_seqlens_q=case.cu_seqlens_q,
+                kv_lens=case.kv_lens,
+                scale=0.25,
+                tree_mask=case.tree_mask,
+                max_q_len=int((case.cu_seqlens_q[1:] - case.cu_seqlens_q[:-1]).max()),
+                max_kv_len=max_kv_len,
+                num_kv_splits=splits,
+            )
+            for max_kv_len in (max_kv, 8 * max_kv)
         )
         assert not torch.isnan(got).any()
         torch.testing.assert_close(got, case.expected(0.25), atol=2e-5, rtol=1e-5)
+        assert torch.equal(at_capacity, got), splits
 
 
 GPU_SHAPES = [(16, 2, 256), (16, 2, 128)]

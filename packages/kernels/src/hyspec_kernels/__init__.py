@@ -3,8 +3,9 @@ Triton kernel for GPU, behind wrappers that validate their inputs.
 
 Ops: gated delta rule (`gdn_prefill`, `gdn_decode`, `gdn_verify`), causal depthwise conv1d (`conv_prefill`,
 `conv_decode`, `conv_verify`), state commit after verify (`commit_states`), attention over a paged KV cache
-(`store_kv`, `paged_attention`), GDN gating (`gdn_gating`), norms (`gated_rmsnorm`, `rms_norm`) and a
-verify block's greedy walk with its stop / budget cut (`accept_walk`).
+(`store_kv`, `paged_attention`), GDN gating (`gdn_gating`), norms (`gated_rmsnorm`, `rms_norm`,
+`add_rms_norm`), SwiGLU's product (`silu_and_mul`), rotary embedding (`apply_rotary`) and a verify block's
+greedy walk with its stop / budget cut (`accept_walk`).
 `python -m hyspec_kernels.selfcheck` runs each against its reference.
 """
 
@@ -13,8 +14,9 @@ from hyspec_kernels.accept import AcceptResult, accept_walk
 from hyspec_kernels.attention import paged_attention, store_kv
 from hyspec_kernels.commit import StatePair, commit_states
 from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
-from hyspec_kernels.gating import gated_rmsnorm, gdn_gating, rms_norm
+from hyspec_kernels.gating import add_rms_norm, gated_rmsnorm, gdn_gating, rms_norm, silu_and_mul
 from hyspec_kernels.gdn import GDNPrefillOutput, gdn_decode, gdn_prefill, gdn_verify
+from hyspec_kernels.rope import apply_rotary
 
 __version__ = "0.1.0"
 
@@ -23,6 +25,8 @@ __all__ = [
     "GDNPrefillOutput",
     "StatePair",
     "accept_walk",
+    "add_rms_norm",
+    "apply_rotary",
     "commit_states",
     "conv_decode",
     "conv_prefill",
@@ -34,6 +38,7 @@ __all__ = [
     "gdn_verify",
     "paged_attention",
     "rms_norm",
+    "silu_and_mul",
     "store_kv",
     "value_checks",
 ]

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from hyspec_attn_backends import AttentionLayer, ForwardBatch, HybridBackend, MixerLayer, ShortConvLayer
 from torch import Tensor, nn
 
@@ -26,6 +25,7 @@ from hyspec_models.layers import (
     StackedExperts,
     apply_rope,
     check_capture_layers,
+    swiglu_product,
 )
 from hyspec_models.weights import WeightSource, expert_sources, identity_sources
 
@@ -57,7 +57,7 @@ class Lfm2MLP(nn.Module):
         self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        out: Tensor = self.w2(swiglu_product(self.w1(x), self.w3(x)))
         return out
 
 
@@ -166,21 +166,35 @@ class Lfm2DecoderLayer(nn.Module):
     def forward(
         self, h: Tensor, rope: tuple[Tensor, Tensor], batch: ForwardBatch, backend: HybridBackend
     ) -> Tensor:
-        x = self.operator_norm(h)
+        h, x = self.forward_split(h, None, rope, batch, backend)
+        return h + x
+
+    def forward_split(
+        self,
+        h: Tensor,
+        pending: Tensor | None,
+        rope: tuple[Tensor, Tensor],
+        batch: ForwardBatch,
+        backend: HybridBackend,
+    ) -> tuple[Tensor, Tensor]:
+        """The layer with each residual add fused into the norm after it: (h, x) whose sum is the layer's
+        output; `pending` is the previous layer's x, not yet added to h."""
+        if pending is None:
+            x = self.operator_norm(h)
+        else:
+            x, h = self.operator_norm.add_norm(pending, h)
         if self.self_attn is not None:
             x = self.self_attn(x, rope, batch, backend)
         else:
             assert self.conv is not None
             x = self.conv(x, batch, backend)
-        h = h + x
-        x = self.ffn_norm(h)
+        x, h = self.ffn_norm.add_norm(x, h)
         if isinstance(self.feed_forward, Lfm2SparseMoe):
             # sync-free in the modes a CUDA graph may capture (eager runs of them too: identical results)
             x = self.feed_forward(x, static=batch.mode.is_graph_capturable)
         else:
             x = self.feed_forward(x)
-        out: Tensor = h + x
-        return out
+        return h, x
 
 
 class Lfm2Model(nn.Module):
@@ -244,11 +258,14 @@ class Lfm2ForCausalLM(nn.Module):
         h = self.embed(batch.input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rope.cos_sin(batch.positions, h.dtype)
         aux: dict[int, Tensor] = {}
+        pending: Tensor | None = None  # the last layer's output not yet added to h
         for i, layer in enumerate(self._decoder_layers()):
-            h = layer(h, rope, batch, backend)
+            h, pending = layer.forward_split(h, pending, rope, batch, backend)
             if i in capture:
-                aux[i] = h
-        return ModelOutput(self.model.embedding_norm(h), tuple(aux[i] for i in capture))
+                aux[i] = h + pending
+        final = self.model.embedding_norm
+        normed = final(h) if pending is None else final.add_norm(pending, h)[0]
+        return ModelOutput(normed, tuple(aux[i] for i in capture))
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         out: Tensor = self.lm_head(hidden_states)

@@ -197,21 +197,35 @@ class QwenDecoderLayer(nn.Module):
     def forward(
         self, h: Tensor, rope: tuple[Tensor, Tensor], batch: ForwardBatch, backend: HybridBackend
     ) -> Tensor:
-        x = self.input_layernorm(h)
+        h, x = self.forward_split(h, None, rope, batch, backend)
+        return h + x
+
+    def forward_split(
+        self,
+        h: Tensor,
+        pending: Tensor | None,
+        rope: tuple[Tensor, Tensor],
+        batch: ForwardBatch,
+        backend: HybridBackend,
+    ) -> tuple[Tensor, Tensor]:
+        """The layer with each residual add fused into the norm after it: (h, x) whose sum is the layer's
+        output; `pending` is the previous layer's x, not yet added to h (one kernel per add saved)."""
+        if pending is None:
+            x = self.input_layernorm(h)
+        else:
+            x, h = self.input_layernorm.add_norm(pending, h)
         if self.linear_attn is not None:
             x = self.linear_attn(x, batch, backend)
         else:
             x = _not_none(self.self_attn)(x, rope, batch, backend)
-        h = h + x
-        x = self.post_attention_layernorm(h)
+        x, h = self.post_attention_layernorm.add_norm(x, h)
         if isinstance(self.mlp, QwenSparseMoe):
             # decode and verify may run under a CUDA graph: their MoE must not sync; eager runs of those
             # modes take the same path so that graph and eager results agree bit for bit
             x = self.mlp(x, static=batch.mode.is_graph_capturable)
         else:
             x = self.mlp(x)
-        out: Tensor = h + x
-        return out
+        return h, x
 
 
 def _not_none(x: QwenAttention | None) -> QwenAttention:
@@ -294,11 +308,13 @@ class QwenHybridForCausalLM(nn.Module):
         h = self.embed(batch.input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rope.cos_sin(batch.positions, h.dtype)
         aux: dict[int, Tensor] = {}
+        pending: Tensor | None = None  # the last layer's output not yet added to h
         for i, layer in enumerate(self._decoder_layers()):
-            h = layer(h, rope, batch, backend)
+            h, pending = layer.forward_split(h, pending, rope, batch, backend)
             if i in capture:
-                aux[i] = h
-        return ModelOutput(self.model.norm(h), tuple(aux[i] for i in capture))
+                aux[i] = h + pending
+        normed = self.model.norm(h) if pending is None else self.model.norm.add_norm(pending, h)[0]
+        return ModelOutput(normed, tuple(aux[i] for i in capture))
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """[.., H] final-normed hidden states -> [.., vocab] logits."""

@@ -217,7 +217,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     page_size,
     head_dim,
     num_splits,
-    split_len,  # KV positions per split, a multiple of BLOCK_N
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -266,6 +265,9 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     else:
         kv_end = tl.where(tile_live, prefix + tl.minimum(q_len, (tile + 1) * BLOCK_M), 0)
         full_end = prefix + tile * BLOCK_M + 1
+    # Each sequence splits its own KV evenly (whole KV blocks): its splits share the work at every length,
+    # under a CUDA graph whose split count was chosen for the longest sequence the graph can hold, too.
+    split_len = tl.cdiv(tl.cdiv(tl.maximum(kv_len, 1), num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_end)
     mid = tl.maximum(lo, (tl.minimum(hi, full_end) // BLOCK_N) * BLOCK_N)
@@ -357,11 +359,15 @@ def _launch_config(max_q_len: int, group_pad: int, head_dim: int, interpreted: b
 
 
 def _num_splits(programs: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
-    """Split each sequence's KV so that small batches still occupy every SM (flash-decoding)."""
+    """Split each sequence's KV so that small batches still occupy every SM (flash-decoding).
+
+    About two programs per SM and at least one KV block per split: on an H100 (bf16, Dh 128 and 256, batch 1
+    to 128, KV 512 to 32k) within 10% of the best forced split count, often the best.
+    """
     if device.type != "cuda":
         return 1
     target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    by_length = max(1, max_kv_len // (4 * block_n))  # keep at least four KV blocks per split
+    by_length = max(1, max_kv_len // block_n)
     return max(1, min(target // max(programs, 1), by_length, 32))
 
 
@@ -395,7 +401,6 @@ def paged_attention_triton(
     block_d = max(16, triton.next_power_of_2(head_dim))
     tiles = triton.cdiv(max_q_len, block_m)
     splits = num_kv_splits or _num_splits(num_seqs * tiles * num_kv_heads, max_kv_len, block_n, q.device)
-    split_len = triton.cdiv(triton.cdiv(max(max_kv_len, 1), splits), block_n) * block_n
     if splits > 1:
         part = torch.empty(splits, num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(splits, num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
@@ -435,7 +440,6 @@ def paged_attention_triton(
         k_cache.shape[1],
         head_dim,
         splits,
-        split_len,
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_M=block_m,

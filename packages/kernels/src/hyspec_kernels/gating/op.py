@@ -1,7 +1,10 @@
-"""Validated wrappers: fused GDN gating, gated RMSNorm (Qwen3-Next / Qwen3.5 `RMSNormGated`) and RMSNorm.
+"""Validated wrappers: fused GDN gating, gated RMSNorm (Qwen3-Next / Qwen3.5 `RMSNormGated`), RMSNorm, a
+residual add fused with the RMSNorm after it, and SwiGLU's silu(gate) * up.
 
 Inputs may be fp32, bf16 or fp16 and strided (a and b are often column slices of one projection). Gating
-returns fp32; the norms return x's dtype.
+returns fp32; the norms and the SwiGLU product return their input's dtype. The fused ops exist for decode
+steps, where each kernel launch costs about as much as the arithmetic: they round where the torch ops they
+replace round.
 """
 
 from __future__ import annotations
@@ -102,23 +105,81 @@ def rms_norm(
     offset != 0 is the zero-centred norm of Qwen3-Next / Qwen3.5 (offset = 1): x_normed * (offset + weight),
     all in fp32 with one rounding at the end. Each matches its transformers module in every dtype.
     """
-    if not isinstance(x, torch.Tensor) or x.dim() < 1:
-        raise ValueError(
-            f"x: expected a tensor of shape [..., H], got {getattr(x, 'shape', type(x).__name__)}"
-        )
-    x = check_tensor("x", x, (None,) * x.dim(), dtypes=FLOAT_DTYPES)
-    device = x.device
-    weight = check_tensor("weight", weight, ("H",), dtypes=FLOAT_DTYPES, device=device)
-    dim("weight", weight, 0, x.shape[-1], "H, the last dim of x")
-    eps = _check_scalar("eps", eps, low=0.0)
-    if isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset):
-        raise ValueError(f"offset: expected a finite float, got {offset!r}")
-    offset = float(offset)
+    x, weight, eps, offset = _check_norm(x, weight, eps, offset)
     fn = implementation(
         backend,
-        device,
+        x.device,
         reference=reference.rms_norm_reference,
         torch_path=torch_impl.rms_norm_torch,
         triton=lambda: _triton().rms_norm_triton,
     )
     return fn(x, weight, eps, offset=offset)
+
+
+def _check_norm(
+    x: object, weight: object, eps: object, offset: object
+) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """The checks `rms_norm` and `add_rms_norm` share: x [..., H], weight [H], eps >= 0, a finite offset."""
+    x = _check_rows("x", x)
+    weight = check_tensor("weight", weight, ("H",), dtypes=FLOAT_DTYPES, device=x.device)
+    dim("weight", weight, 0, x.shape[-1], "H, the last dim of x")
+    if isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset):
+        raise ValueError(f"offset: expected a finite float, got {offset!r}")
+    return x, weight, _check_scalar("eps", eps, low=0.0), float(offset)
+
+
+def _check_rows(name: str, x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(
+            f"{name}: expected a tensor of shape [..., H], got {getattr(x, 'shape', type(x).__name__)}"
+        )
+    return check_tensor(name, x, (None,) * x.dim(), dtypes=FLOAT_DTYPES)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): a residual add and the RMSNorm after it in one pass.
+
+    x and residual [..., H] of one dtype; the sum is rounded to it (as `x + residual` in torch) and the norm,
+    as `rms_norm` with the same `offset`, reads the rounded sum. Both results have x's shape and dtype.
+    """
+    x, weight, eps, offset = _check_norm(x, weight, eps, offset)
+    residual = check_tensor("residual", residual, tuple(x.shape), dtypes=(x.dtype,), device=x.device)
+    fn = implementation(
+        backend,
+        x.device,
+        reference=reference.add_rms_norm_reference,
+        torch_path=torch_impl.add_rms_norm_torch,
+        triton=lambda: _triton().add_rms_norm_triton,
+    )
+    return fn(x, residual, weight, eps, offset=offset)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend = "auto") -> torch.Tensor:
+    """silu(gate) * up in gate's dtype, rounded as the two torch ops round; gate and up [..., I], one dtype
+    (rows may be strided, the last dim is made contiguous)."""
+    gate = _check_rows("gate", gate)
+    up = check_tensor("up", up, tuple(gate.shape), dtypes=(gate.dtype,), device=gate.device)
+    fn = implementation(
+        backend,
+        gate.device,
+        reference=reference.silu_and_mul_reference,
+        torch_path=torch_impl.silu_and_mul_torch,
+        triton=lambda: _silu_and_mul_triton,
+    )
+    return fn(gate, up)
+
+
+def _silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    # the kernel reads each row as one contiguous run
+    gate = gate if gate.stride(-1) == 1 else gate.contiguous()
+    up = up if up.stride(-1) == 1 else up.contiguous()
+    out: torch.Tensor = _triton().silu_and_mul_triton(gate, up)
+    return out

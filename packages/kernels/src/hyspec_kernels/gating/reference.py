@@ -8,6 +8,10 @@ bf16 model matches its checkpoint's reference bit for bit where the math allows:
   weight; the result is returned in x's dtype.
 * `rms_norm(offset != 0)` is Qwen3-Next / Qwen3.5 / Gemma's zero-centred RMSNorm: normalise and scale by
   (offset + weight) all in fp32, one rounding at the end.
+* `add_rms_norm` is a residual add (x + residual in x's dtype, as a torch add rounds it) followed by
+  `rms_norm` of the sum; both the norm and the sum are returned.
+* `silu_and_mul` is SwiGLU's `silu(gate) * up`: SiLU in fp32 rounded to the gate's dtype, then the product in
+  fp32 rounded to it again (two torch ops).
 """
 
 from __future__ import annotations
@@ -77,3 +81,25 @@ def rms_norm_reference(
         else:
             out[r] = (xn * (offset + weight.float())).to(x.dtype)
     return out.reshape(x.shape)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = x.reshape(-1, x.shape[-1])
+    res = residual.reshape(-1, x.shape[-1])
+    summed = torch.empty_like(rows)  # [R, H]
+    for r in range(rows.shape[0]):
+        summed[r] = (rows[r].float() + res[r].float()).to(x.dtype)
+    return rms_norm_reference(summed, weight, eps, offset=offset).reshape(x.shape), summed.reshape(x.shape)
+
+
+def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    rows = gate.reshape(-1, gate.shape[-1])
+    ups = up.reshape(-1, gate.shape[-1])
+    out = torch.empty_like(rows)  # [R, I]
+    for r in range(rows.shape[0]):
+        g = rows[r].double()
+        act = (g / (1.0 + torch.exp(-g))).to(gate.dtype)
+        out[r] = (act.float() * ups[r].float()).to(gate.dtype)
+    return out.reshape(gate.shape)

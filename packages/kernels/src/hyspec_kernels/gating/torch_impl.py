@@ -30,3 +30,14 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset:
     if offset == 0.0:
         return (weight * xn.to(x.dtype)).to(x.dtype)
     return (xn * (offset + weight.float())).to(x.dtype)
+
+
+def add_rms_norm_torch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = x + residual  # [..., H] x's dtype
+    return rms_norm_torch(summed, weight, eps, offset=offset), summed
+
+
+def silu_and_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up

@@ -116,6 +116,8 @@ def _gated_rmsnorm_kernel(  # type: ignore[no-untyped-def]
 @triton.jit  # type: ignore[untyped-decorator]
 def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
+    r_ptr,  # the residual (HAS_RESIDUAL)
+    s_ptr,  # out: x + residual in x's dtype (HAS_RESIDUAL)
     w_ptr,
     o_ptr,
     num_rows,
@@ -124,7 +126,10 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     offset,
     stride_xr,
     stride_xh,
+    stride_rr,
+    stride_rh,
     stride_w,
+    HAS_RESIDUAL: tl.constexpr,
     ZERO_CENTRED: tl.constexpr,
     PROD: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -136,6 +141,11 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     mask = (rows < num_rows)[:, None] & h_mask[None, :]
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + r64 * stride_xr + offs_h[None, :] * stride_xh, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(r_ptr + r64 * stride_rr + offs_h[None, :] * stride_rh, mask=mask, other=0.0)
+        # the sum rounded to x's dtype, as a torch add leaves it; the norm reads the rounded sum
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(s_ptr + r64 * dim_h + offs_h[None, :], x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=1) / dim_h
     xn = xf * tl.rsqrt(var + eps)[:, None]
@@ -185,18 +195,69 @@ def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
     return out
 
 
-def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0
-) -> torch.Tensor:
+def _rms_norm_launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     dim_h = x.shape[-1]
     rows = x.reshape(-1, dim_h)  # a view whenever the leading dims allow one
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [R, H]
+    res = rows if residual is None else residual.reshape(-1, dim_h)  # [R, H]
+    summed = None if residual is None else torch.empty_like(out)  # [R, H] x's dtype
     num_rows = rows.shape[0]
     if num_rows > 0:
         block_h, block_r = _row_tile(num_rows, dim_h)
         _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
-            rows, weight, out, num_rows, dim_h, eps, offset, rows.stride(0), rows.stride(1), weight.stride(0),
-            ZERO_CENTRED=offset != 0.0, PROD=_PROD_CODES[torch.promote_types(weight.dtype, x.dtype)],
-            BLOCK_R=block_r, BLOCK_H=block_h,
+            rows, res, out if summed is None else summed, weight, out, num_rows, dim_h, eps, offset,
+            rows.stride(0), rows.stride(1), res.stride(0), res.stride(1), weight.stride(0),
+            HAS_RESIDUAL=residual is not None, ZERO_CENTRED=offset != 0.0,
+            PROD=_PROD_CODES[torch.promote_types(weight.dtype, x.dtype)], BLOCK_R=block_r, BLOCK_H=block_h,
         )  # fmt: skip
-    return out.reshape(x.shape)
+    return out.reshape(x.shape), None if summed is None else summed.reshape(x.shape)
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0
+) -> torch.Tensor:
+    return _rms_norm_launch(x, None, weight, eps, offset)[0]
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, summed = _rms_norm_launch(x, residual, weight, eps, offset)
+    assert summed is not None
+    return out, summed
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _silu_and_mul_kernel(  # type: ignore[no-untyped-def]
+    g_ptr,
+    u_ptr,
+    o_ptr,
+    num_rows,
+    width,
+    stride_gr,
+    stride_ur,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < width
+    g = tl.load(g_ptr + row * stride_gr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_ur + offs, mask=mask, other=0.0).to(tl.float32)
+    # silu as torch computes it, rounded to the gate's dtype before the product (two torch ops' roundings)
+    act = (g / (1.0 + tl.exp(-g))).to(o_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(o_ptr + row * width + offs, (act * u).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    width = gate.shape[-1]
+    g = gate.reshape(-1, width)  # rows may be strided (a column slice of a merged projection)
+    u = up.reshape(-1, width)
+    out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)  # [R, I]
+    if g.shape[0] > 0 and width > 0:
+        block = min(int(triton.next_power_of_2(width)), 1024)
+        _silu_and_mul_kernel[(g.shape[0], triton.cdiv(width, block))](
+            g, u, out, g.shape[0], width, g.stride(0), u.stride(0), BLOCK=block
+        )
+    return out.reshape(gate.shape)
