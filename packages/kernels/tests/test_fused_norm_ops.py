@@ -13,6 +13,14 @@ import torch.nn.functional as F
 from hyspec_kernels.gating import add_rms_norm, rms_norm, silu_and_mul
 
 ULP = {torch.float32: 2e-6, torch.bfloat16: 2**-6, torch.float16: 2**-9}
+# Triton runs on CUDA when there is a GPU, else on the CPU under the interpreter (TRITON_INTERPRET=1)
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on(backend: str, *ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(TRITON_DEVICE) if backend == "triton" else t for t in ts]
+
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -32,7 +40,10 @@ def test_add_rms_norm_equals_add_then_norm(dtype: torch.dtype, offset: float, sh
     summed = x + residual
     want = rms_norm(summed, weight, 1e-6, offset=offset, backend="torch")
     for backend in ("reference", "torch", "triton"):
-        out, s = add_rms_norm(x, residual, weight, 1e-6, offset=offset, backend=backend)
+        out, s = (
+            t.cpu()
+            for t in add_rms_norm(*_on(backend, x, residual, weight), 1e-6, offset=offset, backend=backend)
+        )
         assert out.shape == s.shape == x.shape and out.dtype == s.dtype == dtype
         if backend == "triton":
             # (the CPU interpreter rounds fp32 to bf16 / fp16 its own way; on a GPU the sum is exact, see
@@ -55,7 +66,7 @@ def test_silu_and_mul_equals_silu_times_up(dtype: torch.dtype, shape: tuple[int,
     want = F.silu(gate) * up
     assert torch.equal(silu_and_mul(gate, up, backend="torch"), want)
     for backend in ("reference", "triton"):
-        got = silu_and_mul(gate, up, backend=backend)
+        got = silu_and_mul(*_on(backend, gate, up), backend=backend).cpu()
         assert got.shape == gate.shape and got.dtype == dtype
         torch.testing.assert_close(got, want, rtol=ULP[dtype], atol=ULP[dtype] * 4)
 

@@ -288,17 +288,82 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
 
 
+class PackedLinears:
+    """Bias-free projections of one input run as one GEMM (one launch in a decode step instead of several,
+    and one longer weight read): their weights become row blocks of one tensor, and each `nn.Linear` keeps
+    its parameter (its name and the checkpoint's tensor are unchanged) as a view of its block.
+
+    If a weight is replaced later (`module.to(...)`, a re-materialise), the views no longer point into the
+    packed tensor: `__call__` then returns None and the caller runs the projections one by one, so a stale
+    pack is never read.
+    """
+
+    def __init__(self, linears: Sequence[nn.Linear]) -> None:
+        first = linears[0].weight
+        self.sizes = [lin.out_features for lin in linears]
+        self.weight = torch.empty((sum(self.sizes), first.shape[1]), dtype=first.dtype, device=first.device)
+        self._linears = list(linears)
+        start = 0
+        with torch.no_grad():
+            for lin, rows in zip(linears, self.sizes, strict=True):
+                block = self.weight[start : start + rows]  # [rows, in] view
+                block.copy_(lin.weight)
+                lin.weight = nn.Parameter(block, requires_grad=False)
+                start += rows
+        self._ptrs = [lin.weight.data_ptr() for lin in linears]
+
+    @staticmethod
+    def packable(linears: Sequence[nn.Linear]) -> bool:
+        w = linears[0].weight
+        return all(
+            getattr(lin, "bias", None) is None
+            and lin.weight.dtype == w.dtype
+            and lin.weight.device == w.device
+            and lin.in_features == linears[0].in_features
+            for lin in linears
+        )
+
+    def __call__(self, x: Tensor) -> list[Tensor] | None:
+        """[.., in] -> each projection's [.., out_i] (views of one GEMM output), or None once unpacked."""
+        if [lin.weight.data_ptr() for lin in self._linears] != self._ptrs:
+            return None
+        return list(torch.split(F.linear(x, self.weight), self.sizes, dim=-1))
+
+
+def project(packed: PackedLinears | None, linears: Sequence[nn.Linear], x: Tensor) -> list[Tensor]:
+    """Each linear applied to x: one GEMM when they are packed, else one by one (the same results up to the
+    GEMM's summation order)."""
+    outs = packed(x) if packed is not None else None
+    return outs if outs is not None else [lin(x) for lin in linears]
+
+
+def pack_projections(module: nn.Module) -> None:
+    """Pack the projections of every submodule that can run them as one GEMM (`pack_linears()`); done on CUDA
+    after the weights are loaded (on the CPU the separate GEMMs cost no launches worth saving)."""
+    for m in module.modules():
+        pack = getattr(m, "pack_linears", None)
+        if callable(pack):
+            pack()
+
+
 class SwiGLU(nn.Module):
-    """`down(silu(gate(x)) * up(x))` with Qwen names gate_proj / up_proj / down_proj."""
+    """`down(silu(gate(x)) * up(x))` with Qwen names gate_proj / up_proj / down_proj (gate and up run as one
+    GEMM once packed, see `PackedLinears`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self._packed: PackedLinears | None = None
+
+    def pack_linears(self) -> None:
+        if PackedLinears.packable([self.gate_proj, self.up_proj]):
+            self._packed = PackedLinears([self.gate_proj, self.up_proj])
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.down_proj(swiglu_product(self.gate_proj(x), self.up_proj(x)))
+        gate, up = project(self._packed, (self.gate_proj, self.up_proj), x)
+        out: Tensor = self.down_proj(swiglu_product(gate, up))
         return out
 
 

@@ -20,11 +20,13 @@ from torch import Tensor, nn
 from hyspec_models.layers import (
     ConvWeight,
     ModelOutput,
+    PackedLinears,
     RMSNorm,
     RopeConfig,
     StackedExperts,
     apply_rope,
     check_capture_layers,
+    project,
     swiglu_product,
 )
 from hyspec_models.weights import WeightSource, expert_sources, identity_sources
@@ -55,9 +57,15 @@ class Lfm2MLP(nn.Module):
         self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self._packed: PackedLinears | None = None
+
+    def pack_linears(self) -> None:
+        if PackedLinears.packable([self.w1, self.w3]):
+            self._packed = PackedLinears([self.w1, self.w3])
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.w2(swiglu_product(self.w1(x), self.w3(x)))
+        gate, up = project(self._packed, (self.w1, self.w3), x)
+        out: Tensor = self.w2(swiglu_product(gate, up))
         return out
 
 
@@ -105,15 +113,21 @@ class Lfm2Attention(nn.Module):
         self.out_proj = nn.Linear(hq * head_dim, hidden, bias=False)
         self.q_layernorm = RMSNorm(head_dim, config.norm_eps)
         self.k_layernorm = RMSNorm(head_dim, config.norm_eps)
+        self._packed: PackedLinears | None = None
+
+    def pack_linears(self) -> None:
+        if PackedLinears.packable([self.q_proj, self.k_proj, self.v_proj]):
+            self._packed = PackedLinears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self, h: Tensor, rope: tuple[Tensor, Tensor], batch: ForwardBatch, backend: HybridBackend
     ) -> Tensor:
         c = self.core
         t = h.shape[0]
-        q = self.q_layernorm(self.q_proj(h).view(t, c.num_heads, c.head_dim))
-        k = self.k_layernorm(self.k_proj(h).view(t, c.num_kv_heads, c.head_dim))
-        v = self.v_proj(h).view(t, c.num_kv_heads, c.head_dim)
+        q, k, v = project(self._packed, (self.q_proj, self.k_proj, self.v_proj), h)
+        q = self.q_layernorm(q.view(t, c.num_heads, c.head_dim))
+        k = self.k_layernorm(k.view(t, c.num_kv_heads, c.head_dim))
+        v = v.view(t, c.num_kv_heads, c.head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         o = backend.attention(c, q, k, v, batch)  # [T, HQ, Dh]
         out: Tensor = self.out_proj(o.reshape(t, c.num_heads * c.head_dim))

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from hyspec_models.layers import pack_projections
 from hyspec_models.registry import UnsupportedArchitectureError, architecture_of, model_class
 from hyspec_models.weights import WeightSource
 
@@ -224,6 +225,8 @@ def load_weights(
             if transform is not None:
                 value = transform(value)
             targets[name].copy_(value.to(targets[name].dtype))
+    if any(t.is_cuda for t in tensors.values()):
+        pack_projections(module)  # after loading: packing copies the loaded weights
 
 
 def _target(tensor: Tensor, src: WeightSource) -> Tensor:

@@ -18,12 +18,14 @@ from torch import Tensor, nn
 
 from hyspec_models.layers import (
     ModelOutput,
+    PackedLinears,
     RMSNorm,
     RopeConfig,
     StackedExperts,
     SwiGLU,
     apply_rope,
     check_capture_layers,
+    project,
     softmax_topk,
 )
 from hyspec_models.weights import WeightSource, expert_sources, identity_sources
@@ -67,12 +69,18 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(core.num_v_heads))
         self.norm = GatedRMSNormWeight(core.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(core.value_dim, hidden, bias=False)
+        self._packed: PackedLinears | None = None
+
+    def pack_linears(self) -> None:
+        if PackedLinears.packable([self.in_proj_qkvz, self.in_proj_ba]):
+            self._packed = PackedLinears([self.in_proj_qkvz, self.in_proj_ba])
 
     def forward(self, h: Tensor, batch: ForwardBatch, backend: HybridBackend) -> Tensor:
         core = self.core
         t = h.shape[0]
-        mixed_qkv, z = self.in_proj_qkvz(h).split([core.conv_dim, core.value_dim], dim=-1)
-        b, a = self.in_proj_ba(h).split([core.num_v_heads, core.num_v_heads], dim=-1)
+        qkvz, ba = project(self._packed, (self.in_proj_qkvz, self.in_proj_ba), h)
+        mixed_qkv, z = torch.split(qkvz, [core.conv_dim, core.value_dim], dim=-1)
+        b, a = torch.split(ba, [core.num_v_heads, core.num_v_heads], dim=-1)
         o = backend.gdn(
             core,
             mixed_qkv,
@@ -133,16 +141,22 @@ class QwenAttention(nn.Module):
         self.o_proj = nn.Linear(hq * head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, offset=1.0)
+        self._packed: PackedLinears | None = None
+
+    def pack_linears(self) -> None:
+        if PackedLinears.packable([self.q_proj, self.k_proj, self.v_proj]):
+            self._packed = PackedLinears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self, h: Tensor, rope: tuple[Tensor, Tensor], batch: ForwardBatch, backend: HybridBackend
     ) -> Tensor:
         core = self.core
         t, hq, hkv, dh = h.shape[0], core.num_heads, core.num_kv_heads, core.head_dim
-        q, gate = self.q_proj(h).view(t, hq, 2 * dh).chunk(2, dim=-1)
+        q_gate, k, v = project(self._packed, (self.q_proj, self.k_proj, self.v_proj), h)
+        q, gate = q_gate.view(t, hq, 2 * dh).chunk(2, dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(h).view(t, hkv, dh))
-        v = self.v_proj(h).view(t, hkv, dh)
+        k = self.k_norm(k.view(t, hkv, dh))
+        v = v.view(t, hkv, dh)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         o = backend.attention(core, q, k, v, batch)  # [T, HQ, Dh]
         o = o.reshape(t, hq * dh) * torch.sigmoid(gate.reshape(t, hq * dh))
