@@ -58,6 +58,19 @@ def test_shared_system_prompt_together_then_one_after_another(system_len: int) -
     llm.leak_check()
 
 
+@pytest.mark.parametrize("prompt_len", [21, 5, 30])
+def test_a_prompt_end_off_the_interval_leaves_a_snapshot(prompt_len: int) -> None:
+    """The end of every prompt is saved, not only interval multiples: a later prompt that extends it resumes
+    there (RAG / agent calls that append to one long context)."""
+    rng = random.Random(prompt_len)
+    llm = LLM.from_engine(_engine())
+    prompt = _rand(rng, prompt_len)
+    assert _check(llm, [prompt]) == [0]
+    (cached,) = _check(llm, [prompt + _rand(rng, 3)])
+    assert cached == prompt_len
+    llm.leak_check()
+
+
 def test_multi_turn_chat_resumes_after_the_previous_turns_output() -> None:
     rng = random.Random(1)
     eng = _engine()

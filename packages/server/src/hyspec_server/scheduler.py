@@ -250,7 +250,10 @@ class Scheduler:
             req = c.request
             if c.verify or req.finished:
                 continue
-            prefill_end = c.sample and (c.num_new > 1 or c.start < req.num_prompt_tokens)
+            # the chunk sampled: the token its logits gave is appended by now (`c.sample`, read after the
+            # append, would be False); a prefill chunk that sampled ended the prompt (or a recompute)
+            sampled = c.end == req.num_tokens - 1
+            prefill_end = sampled and (c.num_new > 1 or c.start < req.num_prompt_tokens)
             if c.end % every == 0 or prefill_end:
                 self._save(req, c.end)
 

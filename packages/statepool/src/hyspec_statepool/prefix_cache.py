@@ -48,6 +48,17 @@ def page_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
+def page_hashes(parent: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
+    """`page_hash` of every full page of `tokens`, chained from `parent` (one bytes conversion for all)."""
+    raw = array("q", tokens).tobytes()
+    step = 8 * page_size  # int64 tokens
+    out: list[bytes] = []
+    for i in range(len(tokens) // page_size):
+        parent = hashlib.sha256(parent + raw[i * step : (i + 1) * step]).digest()
+        out.append(parent)
+    return out
+
+
 @dataclass(slots=True)
 class _Snapshot:
     key: _SnapKey
@@ -198,14 +209,18 @@ class PrefixCache:
         k = c // ps
         if len(own) < -(-c // ps):
             raise ValueError(f"request {req_id!r} holds {len(own)} KV pages, fewer than {c} tokens need")
-        h = root_hash(salt)
-        chain: list[_PageKey] = []
-        for i in range(k):
-            h = page_hash(h, token_ids[i * ps : (i + 1) * ps])
-            if h not in self._pages:
-                self.pool.kv.share([own[i]])
-                self._pages[h] = own[i]
-            chain.append(h)
+        root = h = root_hash(salt)
+        chain = page_hashes(h, token_ids[: k * ps], ps)
+        # the snapshots this request passed (a shared system prompt's, the previous chat turn's) become more
+        # recent than every other but the new one, before the new one may evict the least recently used
+        for ancestor in self._ancestors(root, chain, token_ids, c):
+            self._snapshots.move_to_end(ancestor)
+        new = [i for i, key in enumerate(chain) if key not in self._pages]
+        self.pool.kv.share([own[i] for i in new])  # one call: this runs for every request that finishes
+        for i in new:
+            self._pages[chain[i]] = own[i]
+        if chain:
+            h = chain[-1]
         tail = tuple(token_ids[k * ps : c])
         key = (h, tail)
         if key not in self._snapshots:
@@ -257,13 +272,17 @@ class PrefixCache:
                     victims.append(h)
                     if len(victims) == need:
                         break
+            freed: list[int] = []
             for victim in victims:
-                if kv.num_free >= num_pages:  # dropped snapshots' tail pages may have been enough
+                if (
+                    kv.num_free + len(freed) >= num_pages
+                ):  # dropped snapshots' tail pages may have been enough
                     break
-                kv.free([self._pages.pop(victim)])
+                freed.append(self._pages.pop(victim))
                 # snapshots right after this page can no longer be reached
                 for tail in list(self._tails.get(victim, ())):
                     self._drop(self._snapshots[(victim, tail)])
+            kv.free(freed)  # one call for the pass: eviction runs on every growth once the pool is full
             if victims:
                 continue
             snap = next(
@@ -303,6 +322,18 @@ class PrefixCache:
         if snap.tail_page is not None:
             self.pool.kv.free([snap.tail_page])
         self._free_slots.append(snap.slot)
+
+    def _ancestors(
+        self, root: _PageKey, chain: list[_PageKey], tokens: Sequence[int], limit: int
+    ) -> list[_SnapKey]:
+        """Keys of the cached snapshots at positions < `limit` along `tokens` (chain: its page hashes)."""
+        ps = self.page_size
+        out: list[_SnapKey] = []
+        for i, h in enumerate([root, *chain]):
+            for tail in self._tails.get(h, ()):
+                if i * ps + len(tail) < limit and tuple(tokens[i * ps : i * ps + len(tail)]) == tail:
+                    out.append((h, tail))
+        return out
 
     def _touch(self, chain: list[_PageKey], key: _SnapKey | None) -> None:
         """Mark a chain and its snapshot most recently used, the first page last (evicted after its
