@@ -1,10 +1,18 @@
-"""What `HybridStatePool.leak_check` reports."""
+"""`HybridStatePool.leak_check`: the audit of the pool's bookkeeping against its allocators and tables, and
+the report it returns."""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from hyspec_statepool.errors import LeakError
+from hyspec_statepool.kv_pool import KVPool
+from hyspec_statepool.request_table import RequestTable
+from hyspec_statepool.sizing import MemoryPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,3 +50,82 @@ class LeakReport:
             parts.append(f"detached_slots {list(self.detached_slots)} (free them with free_detached_slots)")
         parts.extend(self.inconsistencies)
         raise LeakError("state pool leak check failed: " + "; ".join(parts))
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """What one live request holds: its row, its state slot and its KV pages in position order."""
+
+    row: int
+    slot: int
+    pages: tuple[int, ...]
+
+
+def audit(
+    *,
+    owners: Sequence[Owner],
+    free_rows: Sequence[int],
+    detached_slots: Sequence[int],
+    held_pages: Sequence[int],
+    states_in_use: Sequence[int],
+    kv: KVPool,
+    table: RequestTable,
+    plan: MemoryPlan,
+) -> LeakReport:
+    """Compare what the owners (live requests, detached slots, page holders such as a prefix cache) hold with
+    what the allocators have handed out and with the request table's device tensors and host mirrors."""
+    problems: list[str] = []
+    rows_in_use = set(range(plan.max_num_seqs)) - set(free_rows)
+    if len(set(free_rows)) != len(free_rows):
+        problems.append("a request row is in the free list twice")
+    owned_rows = [x.row for x in owners]
+    owned_slots = [x.slot for x in owners] + list(detached_slots)
+    # a page is referenced once by each request that maps it and once per holder reference
+    page_refs = Counter(p for x in owners for p in x.pages)
+    page_refs.update(held_pages)
+    for name, owned, in_use in (
+        ("row", owned_rows, rows_in_use),
+        ("state slot", owned_slots, set(states_in_use)),
+    ):
+        if len(set(owned)) != len(owned):
+            problems.append(f"a {name} is owned twice: {sorted(owned)}")
+        if set(owned) - in_use:
+            problems.append(f"{name}s owned but marked free: {sorted(set(owned) - in_use)}")
+    wrong = {p: (n, kv.refs(p)) for p, n in page_refs.items() if kv.refs(p) != n}
+    if wrong:
+        problems.append(f"KV page references (owners, counted) disagree: {dict(sorted(wrong.items()))}")
+    problems.extend(_table_mismatches(owners, table, plan))
+    return LeakReport(
+        live_requests=len(owners),
+        leaked_rows=tuple(sorted(rows_in_use - set(owned_rows))),
+        leaked_slots=tuple(sorted(set(states_in_use) - set(owned_slots))),
+        leaked_pages=tuple(sorted(set(kv.in_use()) - set(page_refs))),
+        detached_slots=tuple(sorted(detached_slots)),
+        inconsistencies=tuple(problems),
+    )
+
+
+def _table_mismatches(owners: Sequence[Owner], table: RequestTable, plan: MemoryPlan) -> list[str]:
+    ps, width, n = plan.page_size, table.width, plan.max_num_seqs
+    row_to_slot = torch.zeros(n, dtype=torch.int32)
+    page_table = torch.full((n, table.max_pages), -1, dtype=torch.int32)
+    req_to_kv = torch.full((n, width), -1, dtype=torch.int32)
+    for x in owners:
+        row_to_slot[x.row] = x.slot
+        if x.pages:
+            pages = torch.tensor(x.pages, dtype=torch.int32)
+            page_table[x.row, : len(x.pages)] = pages
+            slots = (pages[:, None] * ps + torch.arange(ps, dtype=torch.int32)).reshape(-1)[:width]
+            req_to_kv[x.row, : slots.numel()] = slots
+    out = []
+    for name, want, got in (
+        ("row_to_slot", row_to_slot, table.row_to_slot),
+        ("page_table", page_table, table.page_table),
+        ("req_to_kv", req_to_kv, table.req_to_kv),
+    ):
+        bad = (want != got.cpu()).reshape(n, -1).any(dim=1)
+        if bool(bad.any()):
+            out.append(f"{name} rows {bad.nonzero().flatten().tolist()} disagree with the owners")
+    # batch metadata is translated from the host mirrors: they must equal the device tables
+    out.extend(table.mirror_mismatches())
+    return out

@@ -14,7 +14,6 @@ never waits for the device.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,7 +23,7 @@ import torch
 from hyspec_statepool.errors import DoubleFreeError, PoolExhaustedError, UseAfterFreeError
 from hyspec_statepool.indices import BatchRows, KVSlots, ReqRows, StateSlots, _mint, _mint_staged
 from hyspec_statepool.kv_pool import KVPool
-from hyspec_statepool.leak import LeakReport
+from hyspec_statepool.leak import LeakReport, Owner, audit
 from hyspec_statepool.positions import LOOP_MAX_TOKENS, packed_rows, pad_count
 from hyspec_statepool.request_table import RequestTable
 from hyspec_statepool.sizing import MemoryPlan
@@ -469,62 +468,16 @@ class HybridStatePool:
         With no live request a clean report means every row, slot and page is free. Reads the tables back to
         the host, so call it in tests, at shutdown or when idle, not every step.
         """
-        live = list(self._live.values())
-        problems: list[str] = []
-        rows_in_use = set(range(self.plan.max_num_seqs)) - set(self._free_rows)
-        if len(set(self._free_rows)) != len(self._free_rows):
-            problems.append("a request row is in the free list twice")
-        owned_rows = [x.row for x in live]
-        owned_slots = [x.slot for x in live] + sorted(self._detached)
-        # a page is referenced once by each request that maps it and once per holder reference
-        page_refs = Counter(p for x in live for p in x.pages)
-        page_refs.update(p for h in self._holders for p in h.held_pages())
-        owned_pages = list(page_refs)
-        for name, owned, in_use in (
-            ("row", owned_rows, rows_in_use),
-            ("state slot", owned_slots, set(self.states.in_use())),
-        ):
-            if len(set(owned)) != len(owned):
-                problems.append(f"a {name} is owned twice: {sorted(owned)}")
-            if set(owned) - in_use:
-                problems.append(f"{name}s owned but marked free: {sorted(set(owned) - in_use)}")
-        wrong = {p: (n, self.kv.refs(p)) for p, n in page_refs.items() if self.kv.refs(p) != n}
-        if wrong:
-            problems.append(f"KV page references (owners, counted) disagree: {dict(sorted(wrong.items()))}")
-        problems.extend(self._table_mismatches(live))
-        return LeakReport(
-            live_requests=len(live),
-            leaked_rows=tuple(sorted(rows_in_use - set(owned_rows))),
-            leaked_slots=tuple(sorted(set(self.states.in_use()) - set(owned_slots))),
-            leaked_pages=tuple(sorted(set(self.kv.in_use()) - set(owned_pages))),
-            detached_slots=tuple(sorted(self._detached)),
-            inconsistencies=tuple(problems),
+        return audit(
+            owners=[Owner(x.row, x.slot, tuple(x.pages)) for x in self._live.values()],
+            free_rows=self._free_rows,
+            detached_slots=sorted(self._detached),
+            held_pages=[p for h in self._holders for p in h.held_pages()],
+            states_in_use=self.states.in_use(),
+            kv=self.kv,
+            table=self.table,
+            plan=self.plan,
         )
-
-    def _table_mismatches(self, live: list[_Live]) -> list[str]:
-        ps, width = self.plan.page_size, self.table.width
-        row_to_slot = torch.zeros(self.plan.max_num_seqs, dtype=torch.int32)
-        page_table = torch.full((self.plan.max_num_seqs, self.table.max_pages), -1, dtype=torch.int32)
-        req_to_kv = torch.full((self.plan.max_num_seqs, width), -1, dtype=torch.int32)
-        for x in live:
-            row_to_slot[x.row] = x.slot
-            if x.pages:
-                pages = torch.tensor(x.pages, dtype=torch.int32)
-                page_table[x.row, : len(x.pages)] = pages
-                slots = (pages[:, None] * ps + torch.arange(ps, dtype=torch.int32)).reshape(-1)[:width]
-                req_to_kv[x.row, : slots.numel()] = slots
-        out = []
-        for name, want, got in (
-            ("row_to_slot", row_to_slot, self.table.row_to_slot),
-            ("page_table", page_table, self.table.page_table),
-            ("req_to_kv", req_to_kv, self.table.req_to_kv),
-        ):
-            bad = (want != got.cpu()).reshape(self.plan.max_num_seqs, -1).any(dim=1)
-            if bool(bad.any()):
-                out.append(f"{name} rows {bad.nonzero().flatten().tolist()} disagree with the owners")
-        # batch metadata is translated from the host mirrors: they must equal the device tables
-        out.extend(self.table.mirror_mismatches())
-        return out
 
     # helpers
 
