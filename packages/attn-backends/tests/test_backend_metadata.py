@@ -27,8 +27,8 @@ from hyspec_attn_backends import (
     model_state_specs,
 )
 from hyspec_statepool import DraftShape, HybridStatePool, MemoryPlan, StateDtypes, UseAfterFreeError
-from hyspec_statepool import pool as pool_module
 from hyspec_statepool import positions as positions_module
+from hyspec_statepool import translate as translate_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -272,9 +272,9 @@ def test_a_smaller_build_after_a_larger_one_is_exact_in_the_same_storage(first: 
     _assert_views_of_the_buffers(be, big)
 
 
-@pytest.mark.parametrize("loop_max", [pool_module.LOOP_MAX_TOKENS, 0], ids=["python", "vectorised"])
+@pytest.mark.parametrize("loop_max", [translate_module.LOOP_MAX_TOKENS, 0], ids=["python", "vectorised"])
 def test_python_and_vectorised_host_paths_agree(monkeypatch: pytest.MonkeyPatch, loop_max: int) -> None:
-    monkeypatch.setattr(pool_module, "LOOP_MAX_TOKENS", loop_max)  # the pool's translations
+    monkeypatch.setattr(translate_module, "LOOP_MAX_TOKENS", loop_max)  # the pool's translations
     monkeypatch.setattr(positions_module, "LOOP_MAX_TOKENS", loop_max)  # packed positions
     be = _backend()
     for case in CASES.values():

@@ -208,6 +208,31 @@ def test_snapshot_slots_are_their_own_budget_least_recently_used_out() -> None:
     _idle(pool)
 
 
+def test_a_save_keeps_the_snapshots_it_passed_over_unrelated_ones() -> None:
+    """With a snapshot budget of 3: a shared prefix's snapshot (4 tokens), then an unrelated one, then two
+    requests that pass the shared one and save their own ends. The shared one is touched by each save that
+    passes it, so the unrelated one goes first, not the prefix every later request needs."""
+    pool = _pool(seqs=4, snapshots=3)
+    cache = PrefixCache(pool, num_snapshots=3)
+    shared = [7, 7, 7, 7]
+    pool.alloc(["s", "u"])
+    _compute(pool, "s", shared)
+    cache.save("s", shared, salt=None, num_tokens=4)
+    _compute(pool, "u", [9] * 6)
+    cache.save("u", [9] * 6, salt=None, num_tokens=6)
+    pool.free(["s", "u"])
+    for rid, end in (("a", [1, 2]), ("b", [3])):
+        pool.alloc([rid])
+        _compute(pool, rid, shared + end)
+        cache.save(rid, shared + end, salt=None, num_tokens=4 + len(end))
+        pool.free([rid])
+    pool.alloc(["x", "y"])
+    assert cache.attach_longest("x", [*shared, 5, 5], salt=None, max_tokens=5) == 4
+    assert cache.attach_longest("y", [9] * 7, salt=None, max_tokens=6) == 0  # its only snapshot went
+    pool.free(["x", "y"])
+    _idle(pool)
+
+
 def test_reset_returns_every_page_and_slot() -> None:
     pool = _pool()
     cache = PrefixCache(pool, num_snapshots=3)

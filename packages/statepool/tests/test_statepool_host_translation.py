@@ -8,8 +8,8 @@ from collections.abc import Callable
 import pytest
 import torch
 from hyspec_statepool import HybridStatePool, UseAfterFreeError
-from hyspec_statepool import pool as pool_module
 from hyspec_statepool import positions as positions_module
+from hyspec_statepool import translate as translate_module
 from hyspec_statepool.positions import packed_positions
 from hyspec_statepool.transfer import host_staging, upload, write_into
 
@@ -73,7 +73,7 @@ def test_host_state_slots_and_page_table_equal_the_device_ones(make_pool: MakePo
     assert table.dtype == torch.int32 and torch.equal(table, want)
 
 
-@pytest.mark.parametrize("loop_max", [pool_module.LOOP_MAX_TOKENS, 0], ids=["python", "vectorised"])
+@pytest.mark.parametrize("loop_max", [translate_module.LOOP_MAX_TOKENS, 0], ids=["python", "vectorised"])
 @pytest.mark.parametrize(
     ("starts", "counts"),
     [
@@ -91,7 +91,7 @@ def test_host_kv_slots_equal_the_device_ones(
     starts: list[int],
     counts: list[int] | int,
 ) -> None:
-    monkeypatch.setattr(pool_module, "LOOP_MAX_TOKENS", loop_max)
+    monkeypatch.setattr(translate_module, "LOOP_MAX_TOKENS", loop_max)
     pool, ids = _mixed_pool(make_pool)
     ids = ids[: len(starts)]
     rows = pool.req_rows(ids)
@@ -154,7 +154,7 @@ def test_host_index_copy_into_a_buffer(make_pool: MakePool) -> None:
     assert buf.tolist() == [*pool.state_slots(rows).tolist(), -1, -1, 7, 7, 7]
 
 
-@pytest.mark.parametrize("loop_max", [pool_module.LOOP_MAX_TOKENS, 0], ids=["python", "vectorised"])
+@pytest.mark.parametrize("loop_max", [translate_module.LOOP_MAX_TOKENS, 0], ids=["python", "vectorised"])
 def test_packed_positions(monkeypatch: pytest.MonkeyPatch, loop_max: int) -> None:
     monkeypatch.setattr(positions_module, "LOOP_MAX_TOKENS", loop_max)
     assert packed_positions([5, 0, 3], [2, 0, 3]).tolist() == [5, 6, 3, 4, 5]

@@ -20,7 +20,7 @@ from hyspec_statepool import (
     StateSlots,
     UseAfterFreeError,
 )
-from hyspec_statepool import pool as pool_module
+from hyspec_statepool import translate as translate_module
 
 SPECS = ModelStateSpecs.from_pairs(
     [(0, ShortConvSpec(3, 3)), (1, AttentionSpec(1, 2)), (2, ShortConvSpec(3, 3))]
@@ -179,14 +179,14 @@ class PoolMachine(RuleBasedStateMachine):
             start_positions=torch.zeros(n, dtype=torch.long),
             num_tokens=torch.tensor(held, dtype=torch.long),
         ).tolist()
-        for loop_max in (pool_module.LOOP_MAX_TOKENS, 0):
-            saved, pool_module.LOOP_MAX_TOKENS = pool_module.LOOP_MAX_TOKENS, loop_max
+        for loop_max in (translate_module.LOOP_MAX_TOKENS, 0):
+            saved, translate_module.LOOP_MAX_TOKENS = translate_module.LOOP_MAX_TOKENS, loop_max
             try:
                 got = pool.host_kv_slots(
                     req_rows=rows, start_positions=[0] * n, num_tokens=held, pad_to=len(want) + 1
                 )
             finally:
-                pool_module.LOOP_MAX_TOKENS = saved
+                translate_module.LOOP_MAX_TOKENS = saved
             assert got.tolist() == [*want, -1]
 
     def teardown(self) -> None:
