@@ -64,6 +64,19 @@ def test_replaced_weight_is_never_read_from_a_stale_pack() -> None:
     assert torch.equal(mlp(y), want)
 
 
+def test_packing_lets_the_old_weights_go() -> None:
+    """The replaced parameters are not kept alive (on a GPU the loader packs every module: a kept copy of
+    each would double the projections' memory)."""
+    import gc
+    import weakref
+
+    lins = _linears(torch.Generator().manual_seed(2))
+    old = [weakref.ref(lin.weight) for lin in lins]
+    PackedLinears(lins)
+    gc.collect()
+    assert all(r() is None for r in old)
+
+
 def test_not_packable_with_bias_or_mixed_dtypes() -> None:
     a, b = nn.Linear(4, 3, bias=True), nn.Linear(4, 2, bias=False)
     assert not PackedLinears.packable([a, b])

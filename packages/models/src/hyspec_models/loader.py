@@ -225,8 +225,12 @@ def load_weights(
             if transform is not None:
                 value = transform(value)
             targets[name].copy_(value.to(targets[name].dtype))
-    if any(t.is_cuda for t in tensors.values()):
-        pack_projections(module)  # after loading: packing copies the loaded weights
+    on_cuda = any(t.is_cuda for t in tensors.values())
+    # packing copies the loaded weights into new tensors; the references held here go first, so that each
+    # replaced weight is freed as its module packs (peak memory: one module's projections, not all of them)
+    del targets, tensors
+    if on_cuda:
+        pack_projections(module)
 
 
 def _target(tensor: Tensor, src: WeightSource) -> Tensor:
