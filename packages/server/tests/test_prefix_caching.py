@@ -8,12 +8,13 @@ tokens, and that nothing leaks afterwards.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import httpx
 import pytest
 from hyspec_server import LLM, SamplingParams
 from hyspec_server.cli import build_parser
-from hyspec_server.config import EngineArgs
+from hyspec_server.config import MIN_SNAPSHOT_SLOTS, EngineArgs
 from hyspec_server.engine import LLMEngine
 from hyspec_server.metrics import EngineMetrics
 from hyspec_server.serve import ServerThread
@@ -222,6 +223,26 @@ def test_http_usage_reports_cached_tokens_and_the_admin_route_needs_the_key() ->
             assert hits == 48 + again["usage"]["prompt_tokens_details"]["cached_tokens"]
     finally:
         srv.stop()
+
+
+def test_a_single_sequence_engine_keeps_a_prompt_end_and_its_finish(tiny_qwen3_5: Path) -> None:
+    """max_num_seqs=1 still gets snapshot slots for a prompt's interval, its end and its finish (at least
+    `MIN_SNAPSHOT_SLOTS`): the same long prompt re-sent with another question resumes at its end, and the
+    next chat turn after its output."""
+    llm = LLM(model=str(tiny_qwen3_5), max_num_seqs=1, page_size=4, prefix_cache_snapshot_interval=64)
+    cache = llm.engine.runner.memory.prefix_cache  # type: ignore[attr-defined]
+    assert cache.num_snapshot_slots == MIN_SNAPSHOT_SLOTS
+    rng = random.Random(7)
+    prompt = _rand(rng, 150)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt}], params)
+    question = [*prompt, 40, 41]
+    (again,) = llm.generate([{"prompt_token_ids": question}], params)
+    assert again.num_cached_tokens == len(prompt)
+    turn = [*question, *again.outputs[0].token_ids, 50]
+    (chat,) = llm.generate([{"prompt_token_ids": turn}], params)
+    assert chat.num_cached_tokens == len(question) + 5  # all but the last output token, recomputed
+    llm.engine.leak_check()
 
 
 def test_flags_and_arguments() -> None:

@@ -121,8 +121,8 @@ class EngineArgs:
     prefix_cache_snapshot_fraction: float = _arg(
         1.0,
         "CacheConfig",
-        "state slots for prefix-cache snapshots, as a fraction of max_num_seqs (least recently used first "
-        "out)",
+        "state slots for prefix-cache snapshots, as a fraction of max_num_seqs, at least 4 (least recently "
+        "used first out)",
     )
 
     def __post_init__(self) -> None:
@@ -178,7 +178,12 @@ def num_snapshot_slots(args: EngineArgs, max_num_seqs: int) -> int:
     caching off)."""
     if not args.enable_prefix_caching:
         return 0
-    return max(1, round(args.prefix_cache_snapshot_fraction * max_num_seqs))
+    return max(MIN_SNAPSHOT_SLOTS, round(args.prefix_cache_snapshot_fraction * max_num_seqs))
+
+
+# A request saves up to three snapshots that matter to the next one (an interval inside a shared prefix, its
+# prompt's end, its finish): with fewer slots a small engine (max_num_seqs 1 or 2) would keep only the last.
+MIN_SNAPSHOT_SLOTS: Final = 4
 
 
 # each engine default, set once above; `LLM` and the CLI read theirs from here
