@@ -27,35 +27,23 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from hyspec_attn_backends import ForwardBatch, HybridBackend, model_state_specs
+from hyspec_attn_backends import ForwardBatch, HybridBackend
 from hyspec_models.loader import load_model
 from hyspec_spec_workers.constraint import TokenBitmask
 from hyspec_spec_workers.draft_graphs import GraphedDrafter
 from hyspec_spec_workers.round import RoundRow, SpeculativeRound, VerifiedTokens
 from hyspec_spec_workers.sampling import SampledToken, Sampler, sample_rows, to_sampled_tokens
-from hyspec_statepool.pool import HybridStatePool
-from hyspec_statepool.prefix_cache import PrefixCache
-from hyspec_statepool.sizing import MemoryPlan
-from hyspec_statepool.specs import StateDtypes
 from hyspec_statepool.transfer import to_device
 
-from hyspec_server.config import EngineArgs, num_snapshot_slots, step_tokens
+from hyspec_server.config import EngineArgs, step_tokens
 from hyspec_server.cuda_graph import TargetGraphs
 from hyspec_server.decode_ahead import DecodeAhead
-from hyspec_server.pool_memory import MemoryFollower, StatePoolMemory
+from hyspec_server.pool_memory import StatePoolMemory
 from hyspec_server.request import Request
 from hyspec_server.runner import PromptLogprobRows, RunnerOutput, prompt_logprob_rows, spread_tokens
+from hyspec_server.runner_memory import build_memory
 from hyspec_server.scheduler import ScheduledChunk, SchedulerOutput
-from hyspec_server.sizing import (
-    Budget,
-    PoolShape,
-    activation_bytes,
-    default_max_num_seqs,
-    fit_pool,
-    max_concurrency,
-    memory_budget,
-)
-from hyspec_server.speculative import DrafterContext, DrafterRegistry
+from hyspec_server.speculative import DrafterRegistry
 from hyspec_server.structured import apply_grammar_masks
 
 log = logging.getLogger("hyspec.runner")
@@ -87,43 +75,6 @@ def checkpoint_dtype(model_dir: Path) -> str | None:
     return None
 
 
-def log_pool_split(plan: MemoryPlan, num_snapshots: int, interval: int, budget: Budget) -> None:
-    """Start-up lines: what the state pool holds, how many requests fit at full context, and how much of it
-    the prefix cache gets."""
-    per_slot = plan.state_bytes // max(1, plan.num_state_slots + 1)
-    cache = (
-        f"prefix cache: {num_snapshots} snapshot slots ({num_snapshots * per_slot / 2**20:.1f} MiB), "
-        f"a snapshot every {interval} prefill tokens"
-        if num_snapshots
-        else "prefix caching off"
-    )
-    log.info(
-        "memory for the KV cache and recurrent state: %.2f GiB (%s), of which the pool takes %.2f GiB",
-        budget.bytes / 2**30,
-        budget.source,
-        plan.total_bytes / 2**30,
-    )
-    log.info(
-        "state pool: %d request slots of %.1f MiB state, %d KV pages of %d tokens (%.1f MiB); %s",
-        plan.max_num_seqs,
-        per_slot / 2**20,
-        plan.num_kv_pages,
-        plan.page_size,
-        plan.kv_bytes / 2**20,
-        cache,
-    )
-    log.info(
-        "maximum concurrency at max_model_len=%d: %.2fx (max_num_seqs=%d)",
-        plan.max_context,
-        max_concurrency(plan),
-        plan.max_num_seqs,
-    )
-
-
-def _allocated_bytes(device: torch.device) -> int:
-    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
-
-
 def _text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
@@ -137,7 +88,6 @@ class HyspecModelRunner:
 
     def __init__(self, args: EngineArgs, model_dir: Path, *, drafters: DrafterRegistry | None = None) -> None:
         spec_config = args.speculative_config
-        draft_shape = None if spec_config is None else spec_config.draft_shape()
         self._device = torch.device(args.device)
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
@@ -164,88 +114,25 @@ class HyspecModelRunner:
                 f"max_model_len={args.max_model_len} is over the checkpoint's {ckpt_len} positions"
             )
         self._max_model_len = args.max_model_len or ckpt_len
-        layers = self.model.mixer_layers()
-        specs = model_state_specs(layers)
-        dtypes = StateDtypes(kv=self.dtype, conv=self.dtype)
         self.use_graphs = self._device.type == "cuda" and not args.enforce_eager
-        has_kv = bool(specs.attention_layers)
-        if args.enable_prefix_caching and not has_kv:
-            log.warning("prefix caching is off: the model has no attention layer to key pages by")
-        # the pool is sized from what the weights leave (sizing.py); padded graph rows use slot -1 and KV
-        # slot -1, so they need no request of their own
-        default_seqs = default_max_num_seqs(self._device)
-        rows = (args.max_num_seqs or default_seqs) * (
-            1 if spec_config is None else spec_config.max_draft_tokens
-        )
-        budget = memory_budget(
+        layers = self.model.mixer_layers()
+        built = build_memory(
             args,
-            self._device,
-            activations=activation_bytes(
-                num_tokens=max(step_tokens(args), rows),
-                num_logit_rows=rows,
-                hidden_size=int(config.hidden_size),
-                vocab_size=self.vocab_size,
-                dtype=self.dtype,
-            ),
+            model=self.model,
+            layers=layers,
+            model_dir=model_dir,
+            device=self._device,
+            dtype=self.dtype,
+            max_model_len=self._max_model_len,
+            vocab_size=self.vocab_size,
+            hidden_size=int(config.hidden_size),
+            drafters=drafters,
         )
-        shape = PoolShape(
-            specs=specs,
-            max_context=self._max_model_len,
-            draft_shape=draft_shape,
-            page_size=args.page_size,
-            dtypes=dtypes,
-            snapshot_slots=lambda n: num_snapshot_slots(args, n) if has_kv else 0,
-        )
-        plan = fit_pool(shape, budget, max_num_seqs=args.max_num_seqs, default=default_seqs)
-        max_num_seqs = plan.max_num_seqs
-        self.spec: SpeculativeRound | None = None
-        followers: list[MemoryFollower] = []
-        if spec_config is not None:
-            # the drafter (and a DFlash draft's own KV) is built before the pool: on CUDA what it takes
-            # comes off the pool's budget
-            before = _allocated_bytes(self._device)
-            ctx = DrafterContext(
-                config=spec_config,
-                target=self.model,
-                target_path=model_dir,
-                max_num_seqs=max_num_seqs,
-                max_context=self._max_model_len,
-                page_size=args.page_size,
-                kv_dtype=self.dtype,
-                device=self._device,
-                num_snapshots=num_snapshot_slots(args, max_num_seqs) if has_kv else 0,
-            )
-            try:
-                drafter = (drafters or DrafterRegistry()).build(ctx)
-            except torch.OutOfMemoryError as e:
-                raise ValueError(
-                    f"speculative_config: the {spec_config.method!r} drafter for max_num_seqs={max_num_seqs} "
-                    f"at max_model_len={self._max_model_len} does not fit in GPU memory; lower max_num_seqs "
-                    f"or max_model_len"
-                ) from e
-            taken = _allocated_bytes(self._device) - before
-            if taken > 0 and not budget.fixed:
-                budget = Budget(
-                    budget.bytes - taken,
-                    f"{budget.source}, less {taken / 2**30:.2f} GiB for the drafter",
-                    False,
-                )
-                plan = fit_pool(shape, budget, max_num_seqs=max_num_seqs, default=max_num_seqs)
-            self.spec = SpeculativeRound.from_config(spec_config, drafter)
-            log.info("speculative decoding: %s", spec_config)
-            followers.append(self.spec)
-        self.max_num_seqs = max_num_seqs
-        self.pool = HybridStatePool(plan, device=self._device)
-        num_snapshots = plan.num_state_slots - max_num_seqs
-        cache = PrefixCache(self.pool, num_snapshots=num_snapshots) if num_snapshots else None
-        self._memory = StatePoolMemory(
-            self.pool,
-            followers=followers,
-            prefix_cache=cache,
-            snapshot_interval=args.prefix_cache_snapshot_interval,
-        )
-        log_pool_split(plan, num_snapshots, args.prefix_cache_snapshot_interval, budget)
-        dmax = plan.max_draft_tokens if spec_config is not None else 1
+        self.spec: SpeculativeRound | None = built.spec
+        self.pool = built.pool
+        self._memory: StatePoolMemory = built.memory
+        self.max_num_seqs = max_num_seqs = built.max_num_seqs
+        dmax = self.pool.plan.max_draft_tokens if spec_config is not None else 1
         self.backend = HybridBackend(
             self.pool,
             layers=layers,
