@@ -368,7 +368,7 @@ class SwiGLU(nn.Module):
 
 
 def swiglu_product(gate: Tensor, up: Tensor) -> Tensor:
-    """silu(gate) * up; one kernel on CUDA instead of two (rounded as the two torch ops round)."""
+    """silu(gate) * up; one kernel on CUDA instead of two (within a rounding of the two torch ops)."""
     if gate.is_cuda:
         return silu_and_mul(gate, up)
     return F.silu(gate) * up

@@ -163,8 +163,9 @@ def add_rms_norm(
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend = "auto") -> torch.Tensor:
-    """silu(gate) * up in gate's dtype, rounded as the two torch ops round; gate and up [..., I], one dtype
-    (rows may be strided, the last dim is made contiguous)."""
+    """silu(gate) * up in gate's dtype, rounded where the two torch ops round (silu to gate's dtype, then the
+    product; the Triton path's exp may differ from torch's in the last fp32 bit, so a bf16 result can be one
+    rounding away); gate and up [..., I], one dtype (rows may be strided, the last dim is made contiguous)."""
     gate = _check_rows("gate", gate)
     up = check_tensor("up", up, tuple(gate.shape), dtypes=(gate.dtype,), device=gate.device)
     fn = implementation(
