@@ -43,9 +43,15 @@ def root_hash(salt: str | None) -> bytes:
     return hashlib.sha256(b"hyspec-prefix\0" + (salt or "").encode()).digest()
 
 
+def _chained(parent: bytes, page: bytes) -> bytes:
+    """The one hash formula: a page's tokens (int64 bytes) chained onto its parent's hash (sha256: no
+    crafted collisions)."""
+    return hashlib.sha256(parent + page).digest()
+
+
 def page_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """Hash of one full page: its tokens chained onto its parent's hash (sha256: no crafted collisions)."""
-    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+    """Hash of one full page: its tokens chained onto its parent's hash."""
+    return _chained(parent, array("q", tokens).tobytes())
 
 
 def page_hashes(parent: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
@@ -54,7 +60,7 @@ def page_hashes(parent: bytes, tokens: Sequence[int], page_size: int) -> list[by
     step = 8 * page_size  # int64 tokens
     out: list[bytes] = []
     for i in range(len(tokens) // page_size):
-        parent = hashlib.sha256(parent + raw[i * step : (i + 1) * step]).digest()
+        parent = _chained(parent, raw[i * step : (i + 1) * step])
         out.append(parent)
     return out
 
@@ -274,9 +280,8 @@ class PrefixCache:
                         break
             freed: list[int] = []
             for victim in victims:
-                if (
-                    kv.num_free + len(freed) >= num_pages
-                ):  # dropped snapshots' tail pages may have been enough
+                # dropped snapshots' tail pages may have been enough
+                if kv.num_free + len(freed) >= num_pages:
                     break
                 freed.append(self._pages.pop(victim))
                 # snapshots right after this page can no longer be reached
