@@ -11,7 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 from hyspec_attn_backends import (
+    ForwardBatch,
+    ForwardMode,
     HybridBackend,
+    MixedBatch,
     model_state_specs,
 )
 from hyspec_attn_backends.testing import (
@@ -200,3 +203,92 @@ def test_tree_parents_are_checked_where_reading_them_is_free() -> None:
     check_tree_parents(bad, num_seqs=1, verify_len=4, check_values=False)
     with pytest.raises(ValueError, match="shape"):
         check_tree_parents(bad, num_seqs=2, verify_len=4, check_values=False)
+
+
+_MIXED_D = 4
+
+
+def _mixed_step(mixed: bool) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]], dict[str, torch.Tensor]]:
+    """Three requests verify (tree blocks, then a commit) while one prefills its second chunk and one its
+    first token: as one MIXED forward, or as an EXTEND then a TARGET_VERIFY forward. Returns the outputs,
+    every request's committed state and its KV."""
+    toy, d = Toy(), _MIXED_D
+    g = torch.Generator().manual_seed(4)
+    prompts = {f"v{i}": torch.randint(0, VOCAB, (3 + i,), generator=g).tolist() for i in range(3)}
+    first = torch.randint(0, VOCAB, (5,), generator=g).tolist()
+    ext_ids = torch.tensor([*torch.randint(0, VOCAB, (3,), generator=g).tolist(), 7])  # e0's 2nd chunk, e1
+    blocks = torch.randint(0, VOCAB, (3, d), generator=g)
+    num_accepted = torch.tensor([2, 0, 1])
+    paths = torch.tensor([[0, 1, 3, -1], [0, -1, -1, -1], [0, 2, -1, -1]])
+    be = _backend()
+    be.pool.alloc_detached_slots(3)  # state slots differ from request rows
+    lens: dict[str, int] = {}
+    _extend(toy, be, prompts, lens)
+    _extend(toy, be, {"e0": first}, lens)
+    be.pool.alloc(["e1"])
+    ver = ["v2", "v0", "v1"]  # batch rows differ from request rows
+    be.pool.ensure_kv_capacity(ver, [lens[r] + d for r in ver])
+    be.pool.ensure_kv_capacity(["e0", "e1"], [lens["e0"] + 3, 1])
+    ext = {
+        "req_rows": be.pool.req_rows(["e0", "e1"]),
+        "input_ids": ext_ids,
+        "q_lens": [3, 1],
+        "prefix_lens": [lens["e0"], 0],
+    }
+    ver_args = {
+        "req_rows": be.pool.req_rows(ver),
+        "block_tokens": blocks,
+        "prefix_lens": [lens[r] for r in ver],
+        "tree_parents": torch.tensor([[-1, 0, 0, 1]] * 3),
+    }
+    if mixed:
+        vb = be.prepare_verify(**ver_args)
+        batch = be.prepare_mixed(**ext, verify=vb)
+        assert batch.mode is ForwardMode.MIXED and batch.num_tokens == 4 + 3 * d
+        out = toy.run(be, batch)
+    else:
+        out_e = toy.run(be, be.prepare_extend(**ext))
+        vb = be.prepare_verify(**ver_args)
+        out = torch.cat([out_e, toy.run(be, vb)])
+    be.commit_after_verify(batch=vb, num_accepted=num_accepted, accept_paths=paths)
+    states = {r: _states(be, r) for r in [*ver, "e0", "e1"]}
+    kv = {r: _kv(be, r, lens[r] + int(k) + 1) for r, k in zip(ver, num_accepted.tolist(), strict=True)}
+    kv |= {"e0": _kv(be, "e0", lens["e0"] + 3), "e1": _kv(be, "e1", 1)}
+    return out, states, kv
+
+
+def test_mixed_forward_equals_its_parts_run_apart() -> None:
+    """Prompt chunks and verify blocks in one MIXED forward: every output row, the committed state after
+    the commit and the KV equal an EXTEND forward then a TARGET_VERIFY forward run apart."""
+    out_a, st_a, kv_a = _mixed_step(False)
+    out_b, st_b, kv_b = _mixed_step(True)
+    torch.testing.assert_close(out_b, out_a, rtol=1e-5, atol=1e-5)
+    for r in st_a:
+        for got, want in zip(st_b[r], st_a[r], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kv_b[r], kv_a[r])
+
+
+def test_mixed_batch_rejects_a_request_in_both_parts_and_wrong_parts() -> None:
+    _, be, ids, _, lens = _setup(2)
+    be.pool.ensure_kv_capacity(ids, [lens[r] + 2 for r in ids])
+    vb = be.prepare_verify(
+        req_rows=be.pool.req_rows(ids),
+        block_tokens=torch.zeros(2, 2, dtype=torch.long),
+        prefix_lens=[lens[r] for r in ids],
+    )
+    with pytest.raises(ValueError, match="req_rows"):
+        be.prepare_mixed(
+            req_rows=be.pool.req_rows(["r0"]),
+            input_ids=torch.tensor([3]),
+            q_lens=[1],
+            prefix_lens=[lens["r0"]],
+            verify=vb,
+        )
+    eb = be.prepare_extend(
+        req_rows=be.pool.req_rows(["r0"]), input_ids=torch.tensor([3]), q_lens=[1], prefix_lens=[lens["r0"]]
+    )
+    with pytest.raises(ValueError, match="verify"):
+        MixedBatch(extend=eb, verify=eb, input_ids=eb.input_ids, positions=eb.positions)
+    with pytest.raises(ValueError, match="MIXED"):
+        ForwardBatch(**{**{f: getattr(eb, f) for f in eb.__slots__}, "mode": ForwardMode.MIXED})  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ from hyspec_attn_backends.backend import (
     model_state_specs,
     state_spec_of,
 )
-from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, tree_ancestor_mask
+from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, MixedBatch, StepBatch, tree_ancestor_mask
 from hyspec_attn_backends.graphs import CudaGraphRunner, ForwardFn, GraphKey, batch_pointers
 from hyspec_attn_backends.layers import (
     LAYER_TYPE_KINDS,
@@ -37,10 +37,12 @@ __all__ = [
     "GDNLayer",
     "GraphKey",
     "HybridBackend",
+    "MixedBatch",
     "MixerKind",
     "MixerLayer",
     "RoutingError",
     "ShortConvLayer",
+    "StepBatch",
     "batch_pointers",
     "check_routing",
     "model_state_specs",

@@ -22,7 +22,7 @@ from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.specs import AttentionSpec, GDNSpec, LayerStateSpec, ModelStateSpecs, ShortConvSpec
 from torch import Tensor
 
-from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch
+from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, MixedBatch, StepBatch
 from hyspec_attn_backends.batch_builder import BatchBuilder, static_max_q_len
 from hyspec_attn_backends.layers import (
     LAYER_TYPE_KINDS,
@@ -128,6 +128,18 @@ class HybridBackend:
             max_tokens=max_tokens,
             kernel_checks=self._kernel_checks,
         )
+        # a MIXED step's prompt chunks: their own buffers, beside the verify block in `builder`'s
+        self.mixed_builder = (
+            BatchBuilder(
+                pool,
+                kinds=self.kinds,
+                max_num_seqs=max_num_seqs,
+                max_tokens=max_tokens,
+                kernel_checks=self._kernel_checks,
+            )
+            if self.builder.max_verify_len
+            else None
+        )
         # job 3, the commit after verify
         self.committer = VerifyCommitter(pool, kinds=self.kinds, kernel_checks=self._kernel_checks)
 
@@ -193,6 +205,43 @@ class HybridBackend:
             pad_to=pad_to,
         )
 
+    def prepare_mixed(
+        self,
+        *,
+        req_rows: ReqRows,
+        input_ids: Tensor,
+        q_lens: Sequence[int],
+        prefix_lens: Sequence[int],
+        verify: ForwardBatch,
+    ) -> MixedBatch:
+        """An engine step's prompt chunks (EXTEND, as `prepare_extend` takes them) and the verify blocks of
+        other requests (`verify`, from `prepare_verify` without padding, still the latest batch built in the
+        backend's buffers) as one forward (`MixedBatch`). The chunks go into a second set of buffers, so
+        both parts stay valid until the next `prepare_mixed` / `prepare_*`."""
+        if self.mixed_builder is None:
+            raise ValueError(
+                "prepare_mixed: the pool has no verify scratch (build its plan with a draft_shape)"
+            )
+        if verify.req_rows is None:
+            raise ValueError("verify: expected a TARGET_VERIFY batch with request rows")
+        ver_rows = verify.req_rows.host_values
+        ver_set = set(ver_rows if ver_rows is not None else verify.req_rows.tolist())
+        ext_rows = req_rows.host_values
+        shared = ver_set & set(ext_rows if ext_rows is not None else req_rows.tolist())
+        if shared:
+            raise ValueError(
+                f"req_rows: rows {sorted(shared)} are in the verify part too (one part per request)"
+            )
+        extend = self.mixed_builder.prepare_extend(
+            req_rows=req_rows, input_ids=input_ids, q_lens=q_lens, prefix_lens=prefix_lens
+        )
+        return MixedBatch(
+            extend=extend,
+            verify=verify,
+            input_ids=torch.cat([extend.input_ids, verify.input_ids]),  # [T_e + N_v·D] int64
+            positions=torch.cat([extend.positions, verify.positions]),  # [T_e + N_v·D] int64
+        )
+
     def prepare_idle(self) -> ForwardBatch:
         """An empty batch: `BatchBuilder.prepare_idle`."""
         return self.builder.prepare_idle()
@@ -209,14 +258,17 @@ class HybridBackend:
                 f"layer {layer.layer_id}: called as {kind.value}, routed at start-up differently"
             )
 
-    def attention(
-        self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, batch: ForwardBatch
-    ) -> Tensor:
+    def attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, batch: StepBatch) -> Tensor:
         """Store the new tokens' K/V, then attend over the paged cache.
 
         q [T, HQ, Dh], k/v [T, HKV, Dh] -> [T, HQ, Dh].
         """
         self._check_layer(layer, MixerKind.ATTENTION)
+        if isinstance(batch, MixedBatch):
+            parts = zip(
+                batch.split(q), batch.split(k), batch.split(v), (batch.extend, batch.verify), strict=True
+            )
+            return torch.cat([self.attention(layer, *part) for part in parts])
         if batch.num_tokens == 0:
             return q.new_empty((0, layer.num_heads, layer.head_dim))
         k_cache, v_cache = self.pool.kv_cache(layer.layer_id)
@@ -255,10 +307,20 @@ class HybridBackend:
         conv_weight: Tensor,
         A_log: Tensor,
         dt_bias: Tensor,
-        batch: ForwardBatch,
+        batch: StepBatch,
     ) -> Tensor:
         """Gated DeltaNet core. mixed_qkv [T, 2·HK·K + HV·V] (pre-conv), a/b [T, HV] -> o [T, HV, V]."""
         self._check_layer(layer, MixerKind.GDN)
+        if isinstance(batch, MixedBatch):
+            parts = zip(batch.split(mixed_qkv), batch.split(a), batch.split(b), (batch.extend, batch.verify))
+            return torch.cat(
+                [
+                    self.gdn(
+                        layer, x, a=pa, b=pb, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias, batch=pt
+                    )
+                    for x, pa, pb, pt in parts
+                ]
+            )
         hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
         t = batch.num_tokens
         if t == 0:
@@ -326,10 +388,18 @@ class HybridBackend:
         *,
         conv_weight: Tensor,
         conv_bias: Tensor | None,
-        batch: ForwardBatch,
+        batch: StepBatch,
     ) -> Tensor:
         """LFM2 short conv (no activation). x [T, C] = B·x -> conv output [T, C]."""
         self._check_layer(layer, MixerKind.SHORT_CONV)
+        if isinstance(batch, MixedBatch):
+            parts = zip(batch.split(x), (batch.extend, batch.verify), strict=True)
+            return torch.cat(
+                [
+                    self.short_conv(layer, px, conv_weight=conv_weight, conv_bias=conv_bias, batch=pt)
+                    for px, pt in parts
+                ]
+            )
         if batch.num_tokens == 0:
             return x.new_empty((0, layer.channels))
         st = self.pool.layer_state(layer.layer_id)

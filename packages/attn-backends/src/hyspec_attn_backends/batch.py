@@ -71,6 +71,8 @@ class ForwardBatch:
 
     def __post_init__(self) -> None:
         n, t = self.num_seqs, self.num_tokens
+        if self.mode is ForwardMode.MIXED:
+            raise ValueError("mode: a MIXED forward is a `MixedBatch` of two ForwardBatches, not one")
         if self.mode is ForwardMode.IDLE:
             if n or t:
                 raise ValueError(f"mode: IDLE expects an empty batch, got {n} sequences and {t} tokens")
@@ -132,6 +134,66 @@ class ForwardBatch:
     @property
     def is_tree(self) -> bool:
         return self.tree_parents is not None
+
+
+@dataclass(frozen=True, slots=True)
+class MixedBatch:
+    """An engine step's prompt chunks and verify blocks in one forward (`HybridBackend.prepare_mixed`).
+
+    The model runs its dense layers (embeddings, projections, MLPs, norms) once over all `T_e + N_v·D` tokens,
+    so a step reads the weights once; each mixer layer splits its inputs at `extend.num_tokens` and runs the
+    EXTEND part with the prefill kernels and the TARGET_VERIFY part with the verify kernels (which write only
+    verify scratch, committed by `commit_after_verify(batch=verify)` as after a verify forward of its own).
+    The two parts live in separate buffers and never share a request. Never captured in a CUDA graph.
+
+    Attributes:
+        extend: the EXTEND part (prefill chunks, one-token decodes), tokens first in the packed order.
+        verify: the unpadded TARGET_VERIFY part, tokens after the extend part's.
+        input_ids: [T_e + N_v·D] int64 both parts' tokens.
+        positions: [T_e + N_v·D] int64 both parts' positions.
+    """
+
+    extend: ForwardBatch
+    verify: ForwardBatch
+    input_ids: Tensor
+    positions: Tensor
+
+    def __post_init__(self) -> None:
+        if self.extend.mode is not ForwardMode.EXTEND:
+            raise ValueError(f"extend: expected an EXTEND batch, got {self.extend.mode}")
+        if self.verify.mode is not ForwardMode.TARGET_VERIFY or self.verify.num_padded:
+            raise ValueError(
+                f"verify: expected an unpadded TARGET_VERIFY batch, got {self.verify.mode} with "
+                f"{self.verify.num_padded} padded rows"
+            )
+        t = self.extend.num_tokens + self.verify.num_tokens
+        for name, value in (("input_ids", self.input_ids), ("positions", self.positions)):
+            if tuple(value.shape) != (t,):
+                raise ValueError(
+                    f"{name}: expected shape [{t}] (both parts' tokens), got {list(value.shape)}"
+                )
+
+    @property
+    def mode(self) -> ForwardMode:
+        return ForwardMode.MIXED
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_live_tokens(self) -> int:
+        return self.num_tokens
+
+    def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """A per-token tensor `[T, ...]` -> its extend part `[T_e, ...]`, its verify part `[N_v·D, ...]`."""
+        t_e = self.extend.num_tokens
+        return x[:t_e], x[t_e:]
+
+
+StepBatch = ForwardBatch | MixedBatch
+"""What one model forward runs: a batch of one mode, or an engine step's mixed prompt chunks and verify
+blocks."""
 
 
 class BatchBuffers:

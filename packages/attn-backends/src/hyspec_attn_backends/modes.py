@@ -15,6 +15,8 @@ class ForwardMode(Enum):
       committed state and write only verify scratch; `commit_after_verify` commits afterwards.
     - DRAFT_EXTEND: a draft model extends over accepted tokens (same kernels as EXTEND).
     - IDLE: an empty batch (no requests); every layer returns an empty tensor of the right shape.
+    - MIXED: an engine step's EXTEND rows and TARGET_VERIFY blocks in one forward (`MixedBatch`): the dense
+      layers run once over every token, each mixer layer runs each part with its own kernels.
     """
 
     EXTEND = "extend"
@@ -22,6 +24,7 @@ class ForwardMode(Enum):
     TARGET_VERIFY = "target_verify"
     DRAFT_EXTEND = "draft_extend"
     IDLE = "idle"
+    MIXED = "mixed"
 
     @property
     def is_extend_like(self) -> bool:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from hyspec_attn_backends import AttentionLayer, ForwardBatch, HybridBackend, MixerLayer, ShortConvLayer
+from hyspec_attn_backends import AttentionLayer, HybridBackend, MixerLayer, ShortConvLayer, StepBatch
 from torch import Tensor, nn
 
 from hyspec_models.layers import (
@@ -120,7 +120,7 @@ class Lfm2Attention(nn.Module):
             self._packed = PackedLinears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
-        self, h: Tensor, rope: tuple[Tensor, Tensor], batch: ForwardBatch, backend: HybridBackend
+        self, h: Tensor, rope: tuple[Tensor, Tensor], batch: StepBatch, backend: HybridBackend
     ) -> Tensor:
         c = self.core
         t = h.shape[0]
@@ -143,7 +143,7 @@ class Lfm2ShortConv(nn.Module):
         self.in_proj = nn.Linear(hidden, 3 * hidden, bias=bias)
         self.out_proj = nn.Linear(hidden, hidden, bias=bias)
 
-    def forward(self, h: Tensor, batch: ForwardBatch, backend: HybridBackend) -> Tensor:
+    def forward(self, h: Tensor, batch: StepBatch, backend: HybridBackend) -> Tensor:
         b, c, x = self.in_proj(h).chunk(3, dim=-1)
         y = backend.short_conv(
             self.core, b * x, conv_weight=self.conv.weight, conv_bias=self.conv.bias, batch=batch
@@ -178,7 +178,7 @@ class Lfm2DecoderLayer(nn.Module):
         return self.conv.core
 
     def forward(
-        self, h: Tensor, rope: tuple[Tensor, Tensor], batch: ForwardBatch, backend: HybridBackend
+        self, h: Tensor, rope: tuple[Tensor, Tensor], batch: StepBatch, backend: HybridBackend
     ) -> Tensor:
         h, x = self.forward_split(h, None, rope, batch, backend)
         return h + x
@@ -188,7 +188,7 @@ class Lfm2DecoderLayer(nn.Module):
         h: Tensor,
         pending: Tensor | None,
         rope: tuple[Tensor, Tensor],
-        batch: ForwardBatch,
+        batch: StepBatch,
         backend: HybridBackend,
     ) -> tuple[Tensor, Tensor]:
         """The layer with each residual add fused into the norm after it: (h, x) whose sum is the layer's
@@ -261,7 +261,7 @@ class Lfm2ForCausalLM(nn.Module):
 
     def forward(
         self,
-        batch: ForwardBatch,
+        batch: StepBatch,
         backend: HybridBackend,
         *,
         capture_layers: Sequence[int] = (),

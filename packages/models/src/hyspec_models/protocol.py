@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from hyspec_attn_backends import ForwardBatch, HybridBackend, MixerLayer
+from hyspec_attn_backends import HybridBackend, MixerLayer, StepBatch
 from torch import Tensor
 
 from hyspec_models.layers import ModelOutput
@@ -26,7 +26,7 @@ class HybridCausalLM(Protocol):
 
     def forward(
         self,
-        batch: ForwardBatch,
+        batch: StepBatch,
         backend: HybridBackend,
         *,
         capture_layers: Sequence[int] = (),
@@ -35,7 +35,7 @@ class HybridCausalLM(Protocol):
 
     def __call__(
         self,
-        batch: ForwardBatch,
+        batch: StepBatch,
         backend: HybridBackend,
         *,
         capture_layers: Sequence[int] = (),

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from hyspec_attn_backends import AttentionLayer, ForwardBatch, GDNLayer, HybridBackend, MixerLayer
+from hyspec_attn_backends import AttentionLayer, GDNLayer, HybridBackend, MixerLayer, StepBatch
 from hyspec_kernels.gating import gated_rmsnorm
 from torch import Tensor, nn
 
@@ -75,7 +75,7 @@ class GatedDeltaNet(nn.Module):
         if PackedLinears.packable([self.in_proj_qkvz, self.in_proj_ba]):
             self._packed = PackedLinears([self.in_proj_qkvz, self.in_proj_ba])
 
-    def forward(self, h: Tensor, batch: ForwardBatch, backend: HybridBackend) -> Tensor:
+    def forward(self, h: Tensor, batch: StepBatch, backend: HybridBackend) -> Tensor:
         core = self.core
         t = h.shape[0]
         qkvz, ba = project(self._packed, (self.in_proj_qkvz, self.in_proj_ba), h)
@@ -148,7 +148,7 @@ class QwenAttention(nn.Module):
             self._packed = PackedLinears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
-        self, h: Tensor, rope: tuple[Tensor, Tensor], batch: ForwardBatch, backend: HybridBackend
+        self, h: Tensor, rope: tuple[Tensor, Tensor], batch: StepBatch, backend: HybridBackend
     ) -> Tensor:
         core = self.core
         t, hq, hkv, dh = h.shape[0], core.num_heads, core.num_kv_heads, core.head_dim
@@ -209,7 +209,7 @@ class QwenDecoderLayer(nn.Module):
         return self.linear_attn.core if self.linear_attn is not None else _not_none(self.self_attn).core
 
     def forward(
-        self, h: Tensor, rope: tuple[Tensor, Tensor], batch: ForwardBatch, backend: HybridBackend
+        self, h: Tensor, rope: tuple[Tensor, Tensor], batch: StepBatch, backend: HybridBackend
     ) -> Tensor:
         h, x = self.forward_split(h, None, rope, batch, backend)
         return h + x
@@ -219,7 +219,7 @@ class QwenDecoderLayer(nn.Module):
         h: Tensor,
         pending: Tensor | None,
         rope: tuple[Tensor, Tensor],
-        batch: ForwardBatch,
+        batch: StepBatch,
         backend: HybridBackend,
     ) -> tuple[Tensor, Tensor]:
         """The layer with each residual add fused into the norm after it: (h, x) whose sum is the layer's
@@ -304,7 +304,7 @@ class QwenHybridForCausalLM(nn.Module):
 
     def forward(
         self,
-        batch: ForwardBatch,
+        batch: StepBatch,
         backend: HybridBackend,
         *,
         capture_layers: Sequence[int] = (),

@@ -27,7 +27,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, ForwardMode, HybridBackend
+from hyspec_attn_backends import (
+    CudaGraphRunner,
+    ForwardBatch,
+    ForwardMode,
+    HybridBackend,
+    MixedBatch,
+    StepBatch,
+)
 from hyspec_statepool.indices import ReqRows
 from torch import Tensor
 
@@ -48,6 +55,7 @@ class GraphCounts:
     decode_eager: int = 0
     verify_replays: int = 0
     verify_eager: int = 0
+    mixed: int = 0  # MIXED forwards (prompt chunks beside verify blocks): always eager
 
 
 class TargetGraphs:
@@ -95,7 +103,7 @@ class TargetGraphs:
         self.counts = GraphCounts()
         self.runner = CudaGraphRunner(backend, self._forward, enabled=enabled)
 
-    def _forward(self, batch: ForwardBatch) -> tuple[Tensor, ...]:
+    def _forward(self, batch: StepBatch) -> tuple[Tensor, ...]:
         out = self.model(batch, self.backend, capture_layers=self.capture_layers)
         return (out.hidden_states, *out.aux_hidden_states)  # [T, H] each
 
@@ -148,11 +156,15 @@ class TargetGraphs:
             req_rows=req_rows, block_tokens=block_tokens, prefix_lens=prefix_lens, tree_parents=tree_parents
         )
 
-    def run(self, batch: ForwardBatch) -> tuple[Tensor, tuple[Tensor, ...]]:
+    def run(self, batch: StepBatch) -> tuple[Tensor, tuple[Tensor, ...]]:
         """Replay (or run eagerly) -> (hidden [T_live, H], captured layers [T_live, H] each) of the live rows.
 
         After a replay these are views of the graph's static outputs: use them before the next forward.
         """
+        if isinstance(batch, MixedBatch):
+            self.counts.mixed += 1
+            hidden, *aux = self._forward(batch)
+            return hidden, tuple(aux)
         before = self.runner.num_replays
         outs = self.runner.run(batch)
         replayed = self.runner.num_replays > before

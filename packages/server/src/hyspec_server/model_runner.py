@@ -9,10 +9,12 @@ for padded batch sizes (`cuda_graph.py`); the graphed forward also returns the l
 so decode stays graphed with drafters on, and a model drafter's proposal forwards are captured at the same
 batch sizes (spec-workers' draft_graphs.py).
 
-With speculative decoding, the step's verify chunks (decoding requests) run a second forward after the
-prefill chunks: spec-workers' `SpeculativeRound`, to which this runner is the `VerifyTarget` (verify forward,
-logits, commit, plain decode). The pool is planned with the config's draft shape, so its verify scratch and
-request table fit the largest block (adaptive: largest candidate + 1).
+With speculative decoding, the step's verify chunks (decoding requests) go through spec-workers'
+`SpeculativeRound`, to which this runner is the `VerifyTarget` (verify forward, logits, commit, plain decode).
+The step's other chunks (prompt chunks, plain decodes) ride along in the round's one target forward
+(`_Riders`): beside the verify blocks as one MIXED forward (`HybridBackend.prepare_mixed`), or beside the
+round's rows when nobody drafted, so a step reads the weights once. The pool is planned with the config's
+draft shape, so its verify scratch and request table fit the largest block (adaptive: largest candidate + 1).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -32,7 +35,13 @@ from hyspec_models.loader import load_model
 from hyspec_spec_workers.constraint import TokenBitmask
 from hyspec_spec_workers.draft_graphs import GraphedDrafter
 from hyspec_spec_workers.round import RoundRow, SpeculativeRound, VerifiedTokens
-from hyspec_spec_workers.sampling import SampledToken, Sampler, sample_rows, to_sampled_tokens
+from hyspec_spec_workers.sampling import (
+    SampledToken,
+    Sampler,
+    SamplerOutput,
+    sample_rows,
+    to_sampled_tokens,
+)
 from hyspec_statepool.transfer import to_device
 
 from hyspec_server.config import EngineArgs, step_tokens
@@ -77,6 +86,34 @@ def checkpoint_dtype(model_dir: Path) -> str | None:
 
 def _text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+@dataclass(slots=True)
+class _Queued:
+    """A plain forward's sampling, queued on the device: its tokens are read by `read`."""
+
+    chunks: Sequence[ScheduledChunk]
+    out: SamplerOutput | None  # None when no chunk samples
+    prompt_logprobs: tuple[PromptLogprobRows | None, ...]
+
+    def read(self) -> list[SampledToken | None]:
+        """The sampled tokens spread over the chunks (one device read)."""
+        if self.out is None:
+            return [None] * len(self.chunks)
+        return spread_tokens(self.chunks, to_sampled_tokens(self.out, [c.request for c in self.sample]))
+
+    @property
+    def sample(self) -> list[ScheduledChunk]:
+        return [c for c in self.chunks if c.sample]
+
+
+@dataclass(slots=True)
+class _Riders:
+    """A speculative step's plain chunks (prompt chunks, plain decodes): they run in the round's one target
+    forward, whichever it is (`forward_verify` or `decode`), and `queued` holds their sampling once it ran."""
+
+    chunks: list[ScheduledChunk]
+    queued: _Queued | None = None
 
 
 class HyspecModelRunner:
@@ -160,6 +197,7 @@ class HyspecModelRunner:
             )
         # the next decode batch is built while the device runs this one (decode_ahead.py); on the CPU
         # there is nothing to overlap with, so only tests turn it on there
+        self._riders: _Riders | None = None  # a speculative step's plain chunks, until a forward runs them
         self.ahead = DecodeAhead(
             self.graphs,
             self.backend,
@@ -211,21 +249,28 @@ class HyspecModelRunner:
             return RunnerOutput(tuple(toks), prompt_logprobs=prompt_lp)
         plain = [i for i, c in enumerate(chunks) if not c.verify]
         ver = [i for i, c in enumerate(chunks) if c.verify]
+        rows = [self._round_row(chunks[i]) for i in ver]
         tokens: list[SampledToken | None] = [None] * len(chunks)
         verified: list[VerifiedTokens | None] = [None] * len(chunks)
         prompt_rows: tuple[PromptLogprobRows | None, ...] = ()
-        if plain:
-            toks, plain_lp = self._run_plain([chunks[i] for i in plain])
-            for i, tok in zip(plain, toks, strict=True):
+        # the plain chunks run in the round's forward (one target forward per step)
+        riders = self._riders = _Riders([chunks[i] for i in plain]) if plain else None
+        try:
+            results = self.spec.run(self, rows, shares_forward=self._riders is not None)
+        finally:
+            self._riders = None
+        for i, res in zip(ver, results, strict=True):
+            tokens[i], verified[i] = res.tokens[0], res
+        if riders is not None:
+            if riders.queued is None:
+                raise RuntimeError("the speculative round ran no target forward for the step's plain chunks")
+            for i, tok in zip(plain, riders.queued.read(), strict=True):
                 tokens[i] = tok
-            if plain_lp:
+            if riders.queued.prompt_logprobs:
                 spread: list[PromptLogprobRows | None] = [None] * len(chunks)
-                for i, lp in zip(plain, plain_lp, strict=True):
+                for i, lp in zip(plain, riders.queued.prompt_logprobs, strict=True):
                     spread[i] = lp
                 prompt_rows = tuple(spread)
-        rows = [self._round_row(chunks[i]) for i in ver]
-        for i, res in zip(ver, self.spec.run(self, rows), strict=True):
-            tokens[i], verified[i] = res.tokens[0], res
         return RunnerOutput(tuple(tokens), tuple(verified), prompt_rows)
 
     def _round_row(self, c: ScheduledChunk) -> RoundRow:
@@ -254,7 +299,13 @@ class HyspecModelRunner:
         return self.graphs.active
 
     def verify_block_size(self, num_rows: int, block_size: int, *, tree: bool) -> int:
+        if self._pending_riders() is not None:
+            return block_size  # a MIXED forward runs eagerly: no captured shape to meet
         return self.graphs.block_len(num_rows, block_size, tree=tree)
+
+    def _pending_riders(self) -> _Riders | None:
+        r = self._riders
+        return r if r is not None and r.queued is None else None
 
     def forward_verify(
         self,
@@ -268,16 +319,36 @@ class HyspecModelRunner:
         d = block_tokens.shape[1]
         # the scheduler reserved prefix + Dmax; this only allocates if a caller did not
         self.pool.ensure_kv_capacity(ids, [p + d for p in prefix_lens])
-        batch = self.graphs.prepare_verify(
+        riders = self._pending_riders()
+        if riders is None:
+            batch = self.graphs.prepare_verify(
+                req_rows=self.pool.req_rows(ids),
+                block_tokens=block_tokens,
+                prefix_lens=list(prefix_lens),
+                tree_parents=tree_parents,
+            )
+            hidden, aux = self.graphs.run(batch)  # [N * D, H] live rows (graph outputs: use before the next)
+            return batch, hidden, aux
+        # the step's plain chunks beside the verify blocks: one MIXED forward, eager
+        verify = self.backend.prepare_verify(
             req_rows=self.pool.req_rows(ids),
             block_tokens=block_tokens,
             prefix_lens=list(prefix_lens),
             tree_parents=tree_parents,
         )
-        hidden, aux = self.graphs.run(
-            batch
-        )  # [N * D, H] live rows (graph outputs: used before the next forward)
-        return batch, hidden, aux
+        inp = _PlainInputs.of(riders.chunks)
+        mixed = self.backend.prepare_mixed(
+            req_rows=self.pool.req_rows(inp.ids),
+            input_ids=inp.input_ids,
+            q_lens=inp.q_lens,
+            prefix_lens=inp.prefix,
+            verify=verify,
+        )
+        hidden, aux = self.graphs.run(mixed)  # [T_e + N * D, H]
+        h_plain, h_verify = mixed.split(hidden)
+        aux_parts = [mixed.split(a) for a in aux]
+        riders.queued = self._queue_sampling(inp, h_plain, tuple(a for a, _ in aux_parts))
+        return verify, h_verify, tuple(v for _, v in aux_parts)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.model.compute_logits(hidden)  # [T, V]
@@ -296,7 +367,18 @@ class HyspecModelRunner:
             ScheduledChunk(cast(Request, r.request), r.prefix_len, 1, verify=True, num_lookahead=r.max_drafts)
             for r in rows
         ]
-        out = self.run_plain(chunks)
+        riders = self._pending_riders()
+        if riders is not None:
+            # the step's plain chunks ride along: one forward for them and these rows
+            k = len(riders.chunks)
+            inp = _PlainInputs.of([*riders.chunks, *chunks])
+            queued = self._forward_plain(inp)
+            riders.queued = _Queued(
+                riders.chunks, queued.out, queued.prompt_logprobs[:k] if queued.prompt_logprobs else ()
+            )
+            out = queued.read()[k:]  # reads every row: the riders' tokens are read again later (host values)
+        else:
+            out = self.run_plain(chunks)
         if any(t is None for t in out):
             raise RuntimeError("a verify chunk's decode step sampled no token")
         return [t for t in out if t is not None]
@@ -311,29 +393,48 @@ class HyspecModelRunner:
         self, chunks: Sequence[ScheduledChunk]
     ) -> tuple[list[SampledToken | None], tuple[PromptLogprobRows | None, ...]]:
         """`run_plain`, with the prompt logprobs the forward scored (`prompt_logprob_rows`)."""
-        ids = [c.request.request_id for c in chunks]
-        rows = self.pool.req_rows(ids)
-        tokens = [t for c in chunks for t in c.request.token_slice(c.start, c.start + c.num_new)]
-        q_lens = [c.num_new for c in chunks]
-        prefix = [c.start for c in chunks]
-        input_ids = torch.tensor(tokens, dtype=torch.int64)
-        decode = all(q == 1 for q in q_lens)
+        queued = self._forward_plain(_PlainInputs.of(chunks))
+        out = queued.read()
+        self.ahead.sampled([0 if t is None else t.token_id for t in out])
+        return out, queued.prompt_logprobs
+
+    def _forward_plain(self, inp: _PlainInputs) -> _Queued:
+        """One forward of plain chunks (EXTEND, or DECODE when each brings one token), sampling queued."""
+        rows = self.pool.req_rows(inp.ids)
+        decode = all(q == 1 for q in inp.q_lens)
         # prepared during the previous step when it decoded these very requests (else None)
-        batch = self.ahead.take(req_ids=ids, prefix_lens=prefix, tokens=tokens)
+        batch = self.ahead.take(req_ids=inp.ids, prefix_lens=inp.prefix, tokens=inp.tokens)
         if batch is None and decode:
             # one token per request: recurrent decode kernels, replayed from a graph when one fits
-            batch = self.graphs.prepare_decode(req_rows=rows, input_ids=input_ids, prefix_lens=prefix)
+            batch = self.graphs.prepare_decode(req_rows=rows, input_ids=inp.input_ids, prefix_lens=inp.prefix)
         elif batch is None:
             batch = self.backend.prepare_extend(
-                req_rows=rows, input_ids=input_ids, q_lens=q_lens, prefix_lens=prefix
+                req_rows=rows, input_ids=inp.input_ids, q_lens=inp.q_lens, prefix_lens=inp.prefix
             )
         hidden, aux = self.graphs.run(batch)  # [T, H] of the live tokens (graph outputs: read them now)
+        queued = self._queue_sampling(inp, hidden, aux)
+        if decode and queued.out is not None and len(queued.sample) == len(inp.chunks):
+            # the device is still busy with this step: build the next one's batch now (decode_ahead.py)
+            self.ahead.build(
+                req_ids=inp.ids,
+                req_rows=rows,
+                prefix_lens=[p + 1 for p in inp.prefix],
+                next_tokens=queued.out.token_ids,
+            )
+        return queued
+
+    def _queue_sampling(
+        self, inp: _PlainInputs, hidden: torch.Tensor, aux: tuple[torch.Tensor, ...]
+    ) -> _Queued:
+        """After a forward of plain chunks ([T, H] hidden, the drafter's layers [T, H] each): the drafter's
+        feed, prompt logprobs, and a token for every sampling chunk, queued on the device."""
+        chunks = inp.chunks
         if self.spec is not None and self.spec.feed is not None:
-            tokens_dev = to_device(input_ids, dtype=torch.int64, device=hidden.device)  # [T], no sync
+            tokens_dev = to_device(inp.input_ids, dtype=torch.int64, device=hidden.device)  # [T], no sync
             self.spec.feed_forward(
-                req_ids=ids,
-                start_positions=prefix,
-                num_tokens=q_lens,
+                req_ids=inp.ids,
+                start_positions=inp.prefix,
+                num_tokens=inp.q_lens,
                 tokens=tokens_dev,
                 hidden=hidden,
                 aux=aux,
@@ -344,22 +445,38 @@ class HyspecModelRunner:
         )  # () unless a chunk scores prompt tokens
         sample = [i for i, c in enumerate(chunks) if c.sample]
         if not sample:
-            return [None] * len(chunks), prompt_lp
-        ends = list(itertools.accumulate(q_lens))  # packed end of each chunk
+            return _Queued(chunks, None, prompt_lp)
+        ends = list(itertools.accumulate(inp.q_lens))  # packed end of each chunk
         last = [ends[i] - 1 for i in sample]  # last packed token of each sampling chunk
-        if last == list(range(len(tokens))):
+        if last == list(range(len(inp.tokens))):
             picked = hidden  # every token samples (a decode step): the rows are already in order
         else:
             picked = hidden[to_device(last, dtype=torch.int64, device=hidden.device)]
         logits = self.model.compute_logits(picked)  # [n_sample, V]
         reqs = [chunks[i].request for i in sample]
         apply_grammar_masks(logits, reqs, self._masks)
-        out_s = sample_rows(self._sampler, logits, reqs)
-        if decode and len(sample) == len(chunks):
-            # the device is still busy with this step: build the next one's batch now (decode_ahead.py)
-            self.ahead.build(
-                req_ids=ids, req_rows=rows, prefix_lens=[p + 1 for p in prefix], next_tokens=out_s.token_ids
-            )
-        out = spread_tokens(chunks, to_sampled_tokens(out_s, reqs))  # reads the tokens
-        self.ahead.sampled([0 if t is None else t.token_id for t in out])
-        return out, prompt_lp
+        return _Queued(chunks, sample_rows(self._sampler, logits, reqs), prompt_lp)
+
+
+@dataclass(frozen=True, slots=True)
+class _PlainInputs:
+    """The host inputs of a forward over plain chunks."""
+
+    chunks: Sequence[ScheduledChunk]
+    ids: list[str]
+    tokens: list[int]  # packed chunk by chunk
+    q_lens: list[int]
+    prefix: list[int]
+    input_ids: torch.Tensor  # [T] int64, on the host
+
+    @staticmethod
+    def of(chunks: Sequence[ScheduledChunk]) -> _PlainInputs:
+        tokens = [t for c in chunks for t in c.request.token_slice(c.start, c.start + c.num_new)]
+        return _PlainInputs(
+            chunks=chunks,
+            ids=[c.request.request_id for c in chunks],
+            tokens=tokens,
+            q_lens=[c.num_new for c in chunks],
+            prefix=[c.start for c in chunks],
+            input_ids=torch.tensor(tokens, dtype=torch.int64),
+        )

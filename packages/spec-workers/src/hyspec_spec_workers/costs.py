@@ -212,8 +212,9 @@ class RoundTimer:
         if record is not None:
             record(time.perf_counter() - self._last_end)
 
-    def plain(self, seconds: float | None, *, rows: int, timing: bool) -> None:
-        """The round was a plain decode step of `rows` requests taking `seconds` (None: not timed)."""
+    def plain(self, seconds: float | None, *, rows: int, timing: bool, steady_next: bool = True) -> None:
+        """The round was a plain decode step of `rows` requests taking `seconds` (None: not timed);
+        `steady_next`: a plain step right after it is steady (False after a step that ran other work)."""
         if seconds is not None:
             steady = self._plain_before
             self._pending = lambda gap: self.costs.record_decode(
@@ -221,7 +222,7 @@ class RoundTimer:
             )
         if timing:
             self._timing_left -= 1
-        self._plain_before = True
+        self._plain_before = steady_next
 
     def drafted(self, num_drafts: int, block_size: int, drafting: float, rest: float | None) -> None:
         """The round drafted `num_drafts` steps (`drafting` seconds on the device) and verified a block of

@@ -152,6 +152,11 @@ class VerifyTarget(Protocol):
         ...
 
 
+# A round runs exactly one target forward: `forward_verify`, or `decode` when nobody drafted. A target may run
+# other work of the same engine step in that forward (a server's prompt chunks: one forward per step); the
+# caller says so with `SpeculativeRound.run(..., shares_forward=True)`, and the round is then not timed.
+
+
 class SpeculativeRound:
     """Drafter, adaptive lengths and measured costs of one engine; also the drafter's memory follower.
 
@@ -310,8 +315,15 @@ class SpeculativeRound:
         """The engine starts a step: call it first thing in every step, rounds or not (`RoundTimer`)."""
         self.timer.begin_step()
 
-    def run(self, target: VerifyTarget, rows: Sequence[RoundRow]) -> list[VerifiedTokens]:
-        """One speculative round over these decoding rows."""
+    def run(
+        self, target: VerifyTarget, rows: Sequence[RoundRow], *, shares_forward: bool = False
+    ) -> list[VerifiedTokens]:
+        """One speculative round over these decoding rows.
+
+        `shares_forward`: the target runs other work of the engine step in the round's forward; the round's
+        time is then no cost measurement (a timing round then only decodes: the timing waits for a round of
+        its own).
+        """
         self.timer.begin_step()  # records the last round if the caller's step did not (a loop without steps)
         n = len(rows)
         ids = [r.request.request_id for r in rows]
@@ -320,8 +332,8 @@ class SpeculativeRound:
         clock = DraftClock(target.device)
         draft: DraftOutput | None = None
         on_host: DraftOnHost | None = None  # constrained rounds: the draft on its way to the host
-        timed = True
         t0 = time.perf_counter()
+        timed = not shares_forward
         if max(steps) > 0:
             clock.start()
             roots = torch.tensor([r.root_token for r in rows], dtype=torch.int64)
@@ -335,7 +347,8 @@ class SpeculativeRound:
                 # round's block (a prompt, a long stretch without drafting) is a one-off forward that
                 # would inflate the per-round costs: such a round is timed as a catch-up instead (what a
                 # probe after rounds at 0 costs, see `AdaptiveConfig.probe_budget`)
-                timed = self.feed.flush(ids) <= self.max_draft_tokens
+                caught_up = self.feed.flush(ids) <= self.max_draft_tokens
+                timed = timed and caught_up
             draft = self.drafter.propose(
                 DraftBatch(root_tokens=roots, num_steps=steps, histories=hist, req_ids=ids)
             )
@@ -347,7 +360,11 @@ class SpeculativeRound:
             # nobody drafted: a plain decode step
             results = [VerifiedTokens((t,), 0, 0) for t in target.decode(rows)]
             drafting = 0.0 if draft is None else clock.seconds()
-            self.timer.plain(time.perf_counter() - t0 - drafting if timed else None, rows=n, timing=timing)
+            seconds = time.perf_counter() - t0 - drafting if timed else None
+            # after a step with other work the next plain step's batch was not built ahead: it is not steady
+            self.timer.plain(
+                seconds, rows=n, timing=timing and not shares_forward, steady_next=not shares_forward
+            )
             num_acc = [0] * n
         else:
             results, block = self._verify(target, rows, draft, on_host)
@@ -356,7 +373,7 @@ class SpeculativeRound:
             rest = time.perf_counter() - t0 - drafting
             self.timer.drafted(max(steps), block, drafting, rest if timed else None)
             num_acc = [r.num_accepted for r in results]
-        if not timed:
+        if not timed and not shares_forward:  # a catch-up round of its own
             self.timer.catch_up(time.perf_counter() - t0, max(steps))
         self.timer.end_round()
         if self.adaptive is not None and not timing:

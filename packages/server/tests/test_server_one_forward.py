@@ -1,0 +1,179 @@
+"""One target forward per engine step with speculative decoding.
+
+A step that mixes prompt chunks (or plain one-token decodes) with verify chunks runs them in the round's one
+target forward: a MIXED forward beside the verify blocks, or one plain forward beside the round's rows when
+nobody drafted. Requests arrive one step apart with prompts chunked over several steps, so steps of every
+kind occur; each must run the target exactly once, and greedy output must equal plain decoding's (fp32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hyspec_server import LLM, EngineArgs, LLMEngine, SamplingParams
+from hyspec_server.builder import build_engine
+from hyspec_server.speculative import DrafterContext, DrafterRegistry
+from hyspec_spec_workers.drafter import Drafter
+from hyspec_testing.spec import ForcedDrafter
+from hyspec_testing.tiny import VOCAB_SIZE
+
+NEW = 14
+S = 3
+# long enough to be chunked over several steps under the small token budget below, one of a single token
+PROMPTS: list[list[int]] = [
+    [5, 9, 17, 33, 2, 7, 5, 9, 11, 12, 13, 5, 9, 17, 33, 2, 7, 5],
+    [40, 41, 42, 40, 41, 42, 40, 41, 42, 40, 41, 42, 40, 41],
+    [1],
+    [7, 7, 7, 8, 7, 7, 7, 8, 7, 7, 7, 8, 7, 7, 7, 8, 7, 7, 7, 8, 7, 7],
+    [20, 30, 40, 20, 30, 40, 20, 30, 40, 20, 30],
+    [200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212],
+]
+BASE: dict[str, Any] = dict(max_num_seqs=4, page_size=4, max_model_len=64, max_num_batched_tokens=24)
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+
+
+def _staggered(
+    eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams] | None = None
+) -> tuple[list[Any], list[str]]:
+    """Adds one request per step (the rest as the engine drains); returns the outputs in prompt order and,
+    for every step that had both plain chunks and verify chunks, the mode of its one target forward. With
+    `params` the outputs are the final `RequestOutput`s, else their token ids."""
+    runner: Any = eng.runner
+    model, execute = runner.model, runner.execute
+    calls: list[str] = []
+    shared: list[str] = []
+    forwards: list[int] = []  # target forwards of every step
+    forward = model.forward
+
+    def counted(batch: Any, *args: Any, **kw: Any) -> Any:
+        calls.append(batch.mode.value)
+        return forward(batch, *args, **kw)
+
+    def step(sched: Any) -> Any:
+        calls.clear()
+        out = execute(sched)
+        # recorded, not raised here: the engine would retry a failed step request by request
+        forwards.append(len(calls))
+        if any(c.verify for c in sched.chunks) and not all(c.verify for c in sched.chunks):
+            shared.append(calls[0])
+        return out
+
+    model.forward, runner.execute = counted, step
+    ids: list[str] = []
+    done: dict[str, Any] = {}
+    queue = list(prompts)
+    todo = list(params) if params is not None else [_greedy()] * len(prompts)
+    try:
+        while queue or eng.has_unfinished():
+            if queue:
+                ids.append(eng.add_request(queue.pop(0), todo.pop(0)))
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out if params is not None else list(out.outputs[0].token_ids)
+    finally:
+        del model.forward, runner.execute
+    assert forwards and set(forwards) == {1}, forwards
+    return [done[i] for i in ids], shared
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_lfm2: Path, tiny_qwen3_5: Path) -> dict[str, list[list[int]]]:
+    out = {}
+    for name, path in (("lfm2", tiny_lfm2), ("qwen3_5", tiny_qwen3_5)):
+        eng = build_engine(EngineArgs(model=str(path), **BASE))
+        out[name] = [
+            o.outputs[0].token_ids
+            for o in LLM.from_engine(eng).generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy())
+        ]
+    return out
+
+
+def _forced(full: list[list[int]], vocab: int, tree: bool) -> Callable[[DrafterContext], Drafter]:
+    def build(ctx: DrafterContext) -> Drafter:
+        return ForcedDrafter(full, ctx.config.max_num_speculative_tokens, vocab, False, tree)
+
+    return build
+
+
+CASES = [
+    ("lfm2", "ngram"),
+    ("lfm2", "forced"),
+    ("lfm2", "forced_tree"),
+    ("lfm2", "adaptive"),
+    ("qwen3_5", "mtp"),
+    ("qwen3_5", "forced"),
+    ("qwen3_5", "forced_tree"),
+    ("qwen3_5", "adaptive_mtp"),
+]
+
+
+@pytest.mark.parametrize(("arch", "method"), CASES)
+def test_each_step_runs_the_target_once_and_output_equals_plain(
+    arch: str, method: str, refs: dict[str, list[list[int]]], request: pytest.FixtureRequest
+) -> None:
+    path: Path = request.getfixturevalue(f"tiny_{arch}")
+    reg = None
+    spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": S}
+    full = [p + r for p, r in zip(PROMPTS, refs[arch], strict=True)]
+    if method == "mtp":
+        spec = {"method": "mtp", "num_speculative_tokens": S}
+    elif method in ("forced", "forced_tree"):
+        tree = method == "forced_tree"
+        if tree:
+            spec = {"method": "mtp", "num_speculative_tokens": S, "topk": 2}
+        reg = DrafterRegistry({"mtp" if tree else "ngram": _forced(full, VOCAB_SIZE, tree)})
+    elif method.startswith("adaptive"):
+        spec = {
+            "method": "mtp" if method == "adaptive_mtp" else "ngram",
+            "num_speculative_tokens": S,
+            "adaptive": {"candidate_steps": [1, 3], "warmup_batches": 1, "update_interval": 1},
+        }
+    eng = build_engine(EngineArgs(model=str(path), speculative_config=spec, **BASE), drafters=reg)
+    outs, shared = _staggered(eng, PROMPTS)
+    assert outs == refs[arch]
+    # steps with prompt chunks and verify chunks ran them in one forward (asserted per step): beside verify
+    # blocks (MIXED) when someone drafted, else one plain forward
+    assert shared, "no step had prompt chunks and verify chunks"
+    if method in ("forced", "forced_tree", "mtp"):
+        assert "mixed" in shared, " ".join(shared)
+    eng.leak_check()
+
+
+def test_riders_keep_seeded_sampling_and_prompt_logprobs(tiny_qwen3_5: Path, refs: Any) -> None:
+    """Prompt chunks that ride in a MIXED forward sample and score their prompt as in a plain engine: seeded
+    sampling (a function of seed and position) and prompt logprobs equal a run without speculation."""
+    params = [
+        SamplingParams(max_tokens=NEW, temperature=0.8, seed=11 + i, ignore_eos=True, prompt_logprobs=2)
+        if i % 2
+        else SamplingParams(max_tokens=NEW, temperature=0.8, seed=11 + i, ignore_eos=True, logprobs=1)
+        for i in range(len(PROMPTS))
+    ]
+    full = [p + r for p, r in zip(PROMPTS, refs["qwen3_5"], strict=True)]
+    reg = DrafterRegistry({"ngram": _forced(full, VOCAB_SIZE, False)})
+    spec = {"method": "ngram", "num_speculative_tokens": S}
+    plain, _ = _staggered(build_engine(EngineArgs(model=str(tiny_qwen3_5), **BASE)), PROMPTS, params)
+    eng = build_engine(EngineArgs(model=str(tiny_qwen3_5), speculative_config=spec, **BASE), drafters=reg)
+    outs, shared = _staggered(eng, PROMPTS, params)
+    assert "mixed" in shared
+    for got, want in zip(outs, plain, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        if want.prompt_logprobs is not None:
+            assert got.prompt_logprobs is not None and len(got.prompt_logprobs) == len(want.prompt_logprobs)
+            for a, b in zip(got.prompt_logprobs, want.prompt_logprobs, strict=True):
+                if b is None:
+                    assert a is None
+                    continue
+                assert a is not None and a.keys() == b.keys()
+                for k in b:
+                    assert abs(a[k].logprob - b[k].logprob) < 1e-4
+        else:
+            lp_got, lp_want = got.outputs[0].logprobs, want.outputs[0].logprobs
+            assert lp_got is not None and lp_want is not None
+            assert [list(e) for e in lp_got] == [list(e) for e in lp_want]
+    eng.leak_check()
