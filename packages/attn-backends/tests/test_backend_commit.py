@@ -277,7 +277,7 @@ def test_mixed_batch_rejects_a_request_in_both_parts_and_wrong_parts() -> None:
         block_tokens=torch.zeros(2, 2, dtype=torch.long),
         prefix_lens=[lens[r] for r in ids],
     )
-    with pytest.raises(ValueError, match="req_rows"):
+    with pytest.raises(ValueError, match="in the verify part too"):
         be.prepare_mixed(
             req_rows=be.pool.req_rows(["r0"]),
             input_ids=torch.tensor([3]),

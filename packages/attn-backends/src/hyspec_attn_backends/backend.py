@@ -128,18 +128,9 @@ class HybridBackend:
             max_tokens=max_tokens,
             kernel_checks=self._kernel_checks,
         )
-        # a MIXED step's prompt chunks: their own buffers, beside the verify block in `builder`'s
-        self.mixed_builder = (
-            BatchBuilder(
-                pool,
-                kinds=self.kinds,
-                max_num_seqs=max_num_seqs,
-                max_tokens=max_tokens,
-                kernel_checks=self._kernel_checks,
-            )
-            if self.builder.max_verify_len
-            else None
-        )
+        # a MIXED step's prompt chunks: buffers of their own beside the verify block's, made on first use
+        self._mixed_builder: BatchBuilder | None = None
+        self._buffer_sizes = (max_num_seqs, max_tokens)
         # job 3, the commit after verify
         self.committer = VerifyCommitter(pool, kinds=self.kinds, kernel_checks=self._kernel_checks)
 
@@ -218,21 +209,20 @@ class HybridBackend:
         other requests (`verify`, from `prepare_verify` without padding, still the latest batch built in the
         backend's buffers) as one forward (`MixedBatch`). The chunks go into a second set of buffers, so
         both parts stay valid until the next `prepare_mixed` / `prepare_*`."""
-        if self.mixed_builder is None:
+        if not self.builder.max_verify_len:
             raise ValueError(
                 "prepare_mixed: the pool has no verify scratch (build its plan with a draft_shape)"
             )
-        if verify.req_rows is None:
-            raise ValueError("verify: expected a TARGET_VERIFY batch with request rows")
-        ver_rows = verify.req_rows.host_values
-        ver_set = set(ver_rows if ver_rows is not None else verify.req_rows.tolist())
-        ext_rows = req_rows.host_values
-        shared = ver_set & set(ext_rows if ext_rows is not None else req_rows.tolist())
-        if shared:
-            raise ValueError(
-                f"req_rows: rows {sorted(shared)} are in the verify part too (one part per request)"
+        if self._mixed_builder is None:
+            seqs, tokens = self._buffer_sizes
+            self._mixed_builder = BatchBuilder(
+                self.pool,
+                kinds=self.kinds,
+                max_num_seqs=seqs,
+                max_tokens=tokens,
+                kernel_checks=self._kernel_checks,
             )
-        extend = self.mixed_builder.prepare_extend(
+        extend = self._mixed_builder.prepare_extend(
             req_rows=req_rows, input_ids=input_ids, q_lens=q_lens, prefix_lens=prefix_lens
         )
         return MixedBatch(
@@ -339,47 +329,19 @@ class HybridBackend:
         q, k, v = torch.split(x, [hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
         g, beta = gdn_gating(A_log, a, b, dt_bias)  # [T, HV] fp32 each
-        state = st.recurrent
-        if state is None:
+        if st.recurrent is None:
             raise ValueError(f"layer {layer.layer_id}: the pool has no recurrent state")
-        assert batch.state_slots is not None and batch.batch_rows is not None
-        slots = batch.state_slots.tensor
-        if batch.mode is ForwardMode.DECODE:
-            # slots come from the pool (checked at prepare time): no per-layer host read of the indices
-            return gdn_decode(q, k, v, g, beta, state=state, state_slots=slots, check_indices=False)
-        if batch.mode is ForwardMode.TARGET_VERIFY:
-            if st.recurrent_scratch is None:
-                raise ValueError(
-                    "recurrent_scratch: the pool has no verify scratch (plan without a draft_shape)"
-                )
-            n, d = batch.num_seqs, batch.verify_len
-            o = gdn_verify(
-                q.reshape(n, d, hk, dk),
-                k.reshape(n, d, hk, dk),
-                v.reshape(n, d, hv, dv),
-                g.reshape(n, d, hv),
-                beta.reshape(n, d, hv),
-                state=state,
-                state_slots=slots,
-                scratch=st.recurrent_scratch,
-                scratch_rows=batch.batch_rows.tensor,
-                parents=batch.tree_parents,
-                check_indices=False,
-            )
-            return o.reshape(t, hv, dv)
-        out = gdn_prefill(
+        return _recurrence(
             q,
             k,
             v,
             g,
             beta,
-            cu_seqlens=batch.cu_seqlens_q,
-            state=state,
-            state_slots=slots,
-            has_initial_state=batch.has_initial_state,
+            state=st.recurrent,
+            scratch=st.recurrent_scratch,
+            batch=batch,
             check_indices=self._kernel_checks,
         )
-        return out.o
 
     def short_conv(
         self,
@@ -493,3 +455,55 @@ def _conv(
         activation=activation,  # type: ignore[arg-type]
         check_indices=check_indices,
     )
+
+
+def _recurrence(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    state: Tensor,
+    scratch: Tensor | None,
+    batch: ForwardBatch,
+    check_indices: bool | None,
+) -> Tensor:
+    """The gated delta rule of a GDN layer in the batch's mode. q/k [T, HK, K], v [T, HV, V], g/beta [T, HV]
+    fp32 -> o [T, HV, V]; `check_indices`: the backend's kernel-check setting."""
+    assert batch.state_slots is not None and batch.batch_rows is not None
+    slots = batch.state_slots.tensor
+    if batch.mode is ForwardMode.DECODE:
+        # slots come from the pool (checked at prepare time): no per-layer host read of the indices
+        return gdn_decode(q, k, v, g, beta, state=state, state_slots=slots, check_indices=False)
+    if batch.mode is ForwardMode.TARGET_VERIFY:
+        if scratch is None:
+            raise ValueError("recurrent_scratch: the pool has no verify scratch (plan without a draft_shape)")
+        n, d = batch.num_seqs, batch.verify_len
+        o = gdn_verify(
+            q.reshape(n, d, *q.shape[1:]),
+            k.reshape(n, d, *k.shape[1:]),
+            v.reshape(n, d, *v.shape[1:]),
+            g.reshape(n, d, -1),
+            beta.reshape(n, d, -1),
+            state=state,
+            state_slots=slots,
+            scratch=scratch,
+            scratch_rows=batch.batch_rows.tensor,
+            parents=batch.tree_parents,
+            check_indices=False,
+        )
+        return o.reshape(n * d, *v.shape[1:])
+    out = gdn_prefill(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        cu_seqlens=batch.cu_seqlens_q,
+        state=state,
+        state_slots=slots,
+        has_initial_state=batch.has_initial_state,
+        check_indices=check_indices,
+    )
+    return out.o

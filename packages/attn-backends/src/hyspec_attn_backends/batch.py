@@ -166,6 +166,12 @@ class MixedBatch:
                 f"verify: expected an unpadded TARGET_VERIFY batch, got {self.verify.mode} with "
                 f"{self.verify.num_padded} padded rows"
             )
+        rows = [set(_host_rows(p.req_rows)) for p in (self.extend, self.verify)]
+        if rows[0] & rows[1]:
+            raise ValueError(
+                f"extend: request rows {sorted(rows[0] & rows[1])} are in the verify part too (one part per "
+                "request)"
+            )
         t = self.extend.num_tokens + self.verify.num_tokens
         for name, value in (("input_ids", self.input_ids), ("positions", self.positions)):
             if tuple(value.shape) != (t,):
@@ -189,6 +195,13 @@ class MixedBatch:
         """A per-token tensor `[T, ...]` -> its extend part `[T_e, ...]`, its verify part `[N_v·D, ...]`."""
         t_e = self.extend.num_tokens
         return x[:t_e], x[t_e:]
+
+
+def _host_rows(rows: ReqRows | None) -> list[int]:
+    if rows is None:
+        return []
+    host = rows.host_values
+    return list(host) if host is not None else rows.tolist()
 
 
 StepBatch = ForwardBatch | MixedBatch

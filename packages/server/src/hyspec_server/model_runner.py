@@ -19,7 +19,6 @@ draft shape, so its verify scratch and request table fit the largest block (adap
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import sys
@@ -32,28 +31,23 @@ from typing import Any, cast
 import torch
 from hyspec_attn_backends import ForwardBatch, HybridBackend
 from hyspec_models.loader import load_model
-from hyspec_spec_workers.constraint import TokenBitmask
 from hyspec_spec_workers.draft_graphs import GraphedDrafter
 from hyspec_spec_workers.round import RoundRow, SpeculativeRound, VerifiedTokens
 from hyspec_spec_workers.sampling import (
     SampledToken,
     Sampler,
-    SamplerOutput,
-    sample_rows,
-    to_sampled_tokens,
 )
-from hyspec_statepool.transfer import to_device
 
 from hyspec_server.config import EngineArgs, step_tokens
 from hyspec_server.cuda_graph import TargetGraphs
 from hyspec_server.decode_ahead import DecodeAhead
+from hyspec_server.plain_forward import PlainForwards, PlainInputs, QueuedTokens
 from hyspec_server.pool_memory import StatePoolMemory
 from hyspec_server.request import Request
-from hyspec_server.runner import PromptLogprobRows, RunnerOutput, prompt_logprob_rows, spread_tokens
+from hyspec_server.runner import PromptLogprobRows, RunnerOutput
 from hyspec_server.runner_memory import build_memory
 from hyspec_server.scheduler import ScheduledChunk, SchedulerOutput
 from hyspec_server.speculative import DrafterRegistry
-from hyspec_server.structured import apply_grammar_masks
 
 log = logging.getLogger("hyspec.runner")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,31 +83,12 @@ def _text_config(config: Any) -> Any:
 
 
 @dataclass(slots=True)
-class _Queued:
-    """A plain forward's sampling, queued on the device: its tokens are read by `read`."""
-
-    chunks: Sequence[ScheduledChunk]
-    out: SamplerOutput | None  # None when no chunk samples
-    prompt_logprobs: tuple[PromptLogprobRows | None, ...]
-
-    def read(self) -> list[SampledToken | None]:
-        """The sampled tokens spread over the chunks (one device read)."""
-        if self.out is None:
-            return [None] * len(self.chunks)
-        return spread_tokens(self.chunks, to_sampled_tokens(self.out, [c.request for c in self.sample]))
-
-    @property
-    def sample(self) -> list[ScheduledChunk]:
-        return [c for c in self.chunks if c.sample]
-
-
-@dataclass(slots=True)
 class _Riders:
     """A speculative step's plain chunks (prompt chunks, plain decodes): they run in the round's one target
     forward, whichever it is (`forward_verify` or `decode`), and `queued` holds their sampling once it ran."""
 
     chunks: list[ScheduledChunk]
-    queued: _Queued | None = None
+    queued: QueuedTokens | None = None
 
 
 class HyspecModelRunner:
@@ -178,7 +153,6 @@ class HyspecModelRunner:
             max_tokens=max(step_tokens(args), max_num_seqs * dmax),
         )
         self._sampler = Sampler(self._device, seed=args.seed)
-        self._masks = TokenBitmask()  # structured outputs' masks
         self.graphs = TargetGraphs(
             self.model,
             self.backend,
@@ -204,6 +178,15 @@ class HyspecModelRunner:
             self.pool,
             enabled=self._device.type == "cuda",
             lookahead=self.num_lookahead_tokens,
+        )
+        self.plain = PlainForwards(
+            model=self.model,
+            graphs=self.graphs,
+            backend=self.backend,
+            pool=self.pool,
+            ahead=self.ahead,
+            sampler=self._sampler,
+            spec=self.spec,
         )
         if self.spec is not None and self.graphs.active and isinstance(self.spec.drafter, GraphedDrafter):
             # the drafter's proposal forwards (MTP / EAGLE-3 steps, the DFlash block) at the same batch sizes
@@ -245,7 +228,7 @@ class HyspecModelRunner:
             self.spec.begin_step()  # the last round's costs include the engine's work since it ended
         chunks = list(step.chunks)
         if self.spec is None or not any(c.verify for c in chunks):
-            toks, prompt_lp = self._run_plain(chunks)
+            toks, prompt_lp = self.plain.run(chunks)
             return RunnerOutput(tuple(toks), prompt_logprobs=prompt_lp)
         plain = [i for i, c in enumerate(chunks) if not c.verify]
         ver = [i for i, c in enumerate(chunks) if c.verify]
@@ -336,7 +319,7 @@ class HyspecModelRunner:
             prefix_lens=list(prefix_lens),
             tree_parents=tree_parents,
         )
-        inp = _PlainInputs.of(riders.chunks)
+        inp = PlainInputs.of(riders.chunks)
         mixed = self.backend.prepare_mixed(
             req_rows=self.pool.req_rows(inp.ids),
             input_ids=inp.input_ids,
@@ -347,7 +330,7 @@ class HyspecModelRunner:
         hidden, aux = self.graphs.run(mixed)  # [T_e + N * D, H]
         h_plain, h_verify = mixed.split(hidden)
         aux_parts = [mixed.split(a) for a in aux]
-        riders.queued = self._queue_sampling(inp, h_plain, tuple(a for a, _ in aux_parts))
+        riders.queued = self.plain.queue_sampling(inp, h_plain, tuple(a for a, _ in aux_parts))
         return verify, h_verify, tuple(v for _, v in aux_parts)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -371,112 +354,22 @@ class HyspecModelRunner:
         if riders is not None:
             # the step's plain chunks ride along: one forward for them and these rows
             k = len(riders.chunks)
-            inp = _PlainInputs.of([*riders.chunks, *chunks])
-            queued = self._forward_plain(inp)
-            riders.queued = _Queued(
+            # (riders first: their sampling rows are the first rows of the sampler's output)
+            queued = self.plain.forward(PlainInputs.of([*riders.chunks, *chunks]))
+            riders.queued = QueuedTokens(
                 riders.chunks, queued.out, queued.prompt_logprobs[:k] if queued.prompt_logprobs else ()
             )
-            out = queued.read()[k:]  # reads every row: the riders' tokens are read again later (host values)
+            out = self.plain.read(queued)[
+                k:
+            ]  # the riders' rows are read again after the round (done by then)
         else:
-            out = self.run_plain(chunks)
+            out = self.plain.run(chunks)[0]
         if any(t is None for t in out):
             raise RuntimeError("a verify chunk's decode step sampled no token")
         return [t for t in out if t is not None]
 
-    # ---------------------------------------------------------------- plain forwards
+    # ---------------------------------------------------------------- plain forwards (`plain_forward.py`)
 
     def run_plain(self, chunks: Sequence[ScheduledChunk]) -> list[SampledToken | None]:
         """Prefill chunks and one-token decodes in one forward; a token for every chunk that samples."""
-        return self._run_plain(chunks)[0]
-
-    def _run_plain(
-        self, chunks: Sequence[ScheduledChunk]
-    ) -> tuple[list[SampledToken | None], tuple[PromptLogprobRows | None, ...]]:
-        """`run_plain`, with the prompt logprobs the forward scored (`prompt_logprob_rows`)."""
-        queued = self._forward_plain(_PlainInputs.of(chunks))
-        out = queued.read()
-        self.ahead.sampled([0 if t is None else t.token_id for t in out])
-        return out, queued.prompt_logprobs
-
-    def _forward_plain(self, inp: _PlainInputs) -> _Queued:
-        """One forward of plain chunks (EXTEND, or DECODE when each brings one token), sampling queued."""
-        rows = self.pool.req_rows(inp.ids)
-        decode = all(q == 1 for q in inp.q_lens)
-        # prepared during the previous step when it decoded these very requests (else None)
-        batch = self.ahead.take(req_ids=inp.ids, prefix_lens=inp.prefix, tokens=inp.tokens)
-        if batch is None and decode:
-            # one token per request: recurrent decode kernels, replayed from a graph when one fits
-            batch = self.graphs.prepare_decode(req_rows=rows, input_ids=inp.input_ids, prefix_lens=inp.prefix)
-        elif batch is None:
-            batch = self.backend.prepare_extend(
-                req_rows=rows, input_ids=inp.input_ids, q_lens=inp.q_lens, prefix_lens=inp.prefix
-            )
-        hidden, aux = self.graphs.run(batch)  # [T, H] of the live tokens (graph outputs: read them now)
-        queued = self._queue_sampling(inp, hidden, aux)
-        if decode and queued.out is not None and len(queued.sample) == len(inp.chunks):
-            # the device is still busy with this step: build the next one's batch now (decode_ahead.py)
-            self.ahead.build(
-                req_ids=inp.ids,
-                req_rows=rows,
-                prefix_lens=[p + 1 for p in inp.prefix],
-                next_tokens=queued.out.token_ids,
-            )
-        return queued
-
-    def _queue_sampling(
-        self, inp: _PlainInputs, hidden: torch.Tensor, aux: tuple[torch.Tensor, ...]
-    ) -> _Queued:
-        """After a forward of plain chunks ([T, H] hidden, the drafter's layers [T, H] each): the drafter's
-        feed, prompt logprobs, and a token for every sampling chunk, queued on the device."""
-        chunks = inp.chunks
-        if self.spec is not None and self.spec.feed is not None:
-            tokens_dev = to_device(inp.input_ids, dtype=torch.int64, device=hidden.device)  # [T], no sync
-            self.spec.feed_forward(
-                req_ids=inp.ids,
-                start_positions=inp.prefix,
-                num_tokens=inp.q_lens,
-                tokens=tokens_dev,
-                hidden=hidden,
-                aux=aux,
-            )
-        # read now: `hidden` may be a graph's output buffer, valid until the next replay
-        prompt_lp = prompt_logprob_rows(
-            chunks, lambda rows: self.model.compute_logits(hidden[rows]), hidden.device
-        )  # () unless a chunk scores prompt tokens
-        sample = [i for i, c in enumerate(chunks) if c.sample]
-        if not sample:
-            return _Queued(chunks, None, prompt_lp)
-        ends = list(itertools.accumulate(inp.q_lens))  # packed end of each chunk
-        last = [ends[i] - 1 for i in sample]  # last packed token of each sampling chunk
-        if last == list(range(len(inp.tokens))):
-            picked = hidden  # every token samples (a decode step): the rows are already in order
-        else:
-            picked = hidden[to_device(last, dtype=torch.int64, device=hidden.device)]
-        logits = self.model.compute_logits(picked)  # [n_sample, V]
-        reqs = [chunks[i].request for i in sample]
-        apply_grammar_masks(logits, reqs, self._masks)
-        return _Queued(chunks, sample_rows(self._sampler, logits, reqs), prompt_lp)
-
-
-@dataclass(frozen=True, slots=True)
-class _PlainInputs:
-    """The host inputs of a forward over plain chunks."""
-
-    chunks: Sequence[ScheduledChunk]
-    ids: list[str]
-    tokens: list[int]  # packed chunk by chunk
-    q_lens: list[int]
-    prefix: list[int]
-    input_ids: torch.Tensor  # [T] int64, on the host
-
-    @staticmethod
-    def of(chunks: Sequence[ScheduledChunk]) -> _PlainInputs:
-        tokens = [t for c in chunks for t in c.request.token_slice(c.start, c.start + c.num_new)]
-        return _PlainInputs(
-            chunks=chunks,
-            ids=[c.request.request_id for c in chunks],
-            tokens=tokens,
-            q_lens=[c.num_new for c in chunks],
-            prefix=[c.start for c in chunks],
-            input_ids=torch.tensor(tokens, dtype=torch.int64),
-        )
+        return self.plain.run(chunks)[0]

@@ -1,0 +1,174 @@
+"""The target's plain forwards: prompt chunks and one-token decodes, and their sampling.
+
+`PlainForwards.run` is a plain engine step: one forward (DECODE when every chunk brings one token, replayed
+from a CUDA graph when one fits, else EXTEND), the drafter's feed, prompt logprobs, the sampler queued on
+the device, then one read of the tokens. The model runner also uses the parts: `forward` for a speculative
+step whose round decodes its rows beside the step's prompt chunks, `queue_sampling` for the prompt chunks
+of a MIXED forward (their tokens read after the round's).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hyspec_attn_backends import HybridBackend
+from hyspec_spec_workers.constraint import TokenBitmask
+from hyspec_spec_workers.round import SpeculativeRound
+from hyspec_spec_workers.sampling import SampledToken, Sampler, SamplerOutput, sample_rows, to_sampled_tokens
+from hyspec_statepool.pool import HybridStatePool
+from hyspec_statepool.transfer import to_device
+
+from hyspec_server.cuda_graph import TargetGraphs
+from hyspec_server.decode_ahead import DecodeAhead
+from hyspec_server.runner import PromptLogprobRows, prompt_logprob_rows, spread_tokens
+from hyspec_server.scheduler import ScheduledChunk
+from hyspec_server.structured import apply_grammar_masks
+
+
+@dataclass(frozen=True, slots=True)
+class PlainInputs:
+    """The host inputs of a forward over plain chunks."""
+
+    chunks: Sequence[ScheduledChunk]
+    ids: list[str]
+    tokens: list[int]  # packed chunk by chunk
+    q_lens: list[int]
+    prefix: list[int]
+    input_ids: torch.Tensor  # [T] int64, on the host
+
+    @staticmethod
+    def of(chunks: Sequence[ScheduledChunk]) -> PlainInputs:
+        tokens = [t for c in chunks for t in c.request.token_slice(c.start, c.start + c.num_new)]
+        return PlainInputs(
+            chunks=chunks,
+            ids=[c.request.request_id for c in chunks],
+            tokens=tokens,
+            q_lens=[c.num_new for c in chunks],
+            prefix=[c.start for c in chunks],
+            input_ids=torch.tensor(tokens, dtype=torch.int64),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedTokens:
+    """A plain forward's sampling, queued on the device: `read` reads the tokens.
+
+    `out` holds one row per sampling chunk of `chunks`, in order, and possibly more rows after them (a
+    forward shared with other chunks puts these first); None when no chunk samples.
+    """
+
+    chunks: Sequence[ScheduledChunk]
+    out: SamplerOutput | None
+    prompt_logprobs: tuple[PromptLogprobRows | None, ...]
+
+    def read(self) -> list[SampledToken | None]:
+        """The sampled tokens spread over the chunks (one device read)."""
+        if self.out is None:
+            return [None] * len(self.chunks)
+        reqs = [c.request for c in self.chunks if c.sample]
+        return spread_tokens(self.chunks, to_sampled_tokens(self.out, reqs))
+
+
+class PlainForwards:
+    """Plain forwards of one target model through its graphs, backend and pool.
+
+    Args:
+        model: the target (`compute_logits`).
+        graphs: the target's forwards, replayed from CUDA graphs where captured.
+        backend, pool: where its batches are built.
+        ahead: the decode batch built one step early (`decode_ahead.py`).
+        sampler: the target's one sampler.
+        spec: the speculative round whose drafter is fed every plain forward's tokens, or None.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Any,
+        graphs: TargetGraphs,
+        backend: HybridBackend,
+        pool: HybridStatePool,
+        ahead: DecodeAhead,
+        sampler: Sampler,
+        spec: SpeculativeRound | None,
+    ) -> None:
+        self.model, self.graphs, self.backend, self.pool = model, graphs, backend, pool
+        self.ahead, self.sampler, self.spec = ahead, sampler, spec
+        self._masks = TokenBitmask()  # structured outputs' masks
+
+    def run(
+        self, chunks: Sequence[ScheduledChunk]
+    ) -> tuple[list[SampledToken | None], tuple[PromptLogprobRows | None, ...]]:
+        """One forward of these chunks: a token for every chunk that samples (None for the others), and the
+        prompt logprobs it scored (`prompt_logprob_rows`)."""
+        queued = self.forward(PlainInputs.of(chunks))
+        return self.read(queued), queued.prompt_logprobs
+
+    def read(self, queued: QueuedTokens) -> list[SampledToken | None]:
+        """The tokens of a `forward` (one device read), told to the decode batch built ahead on them."""
+        out = queued.read()
+        self.ahead.sampled([0 if t is None else t.token_id for t in out])
+        return out
+
+    def forward(self, inp: PlainInputs) -> QueuedTokens:
+        """One forward of plain chunks (EXTEND, or DECODE when each brings one token), sampling queued."""
+        rows = self.pool.req_rows(inp.ids)
+        decode = all(q == 1 for q in inp.q_lens)
+        # prepared during the previous step when it decoded these very requests (else None)
+        batch = self.ahead.take(req_ids=inp.ids, prefix_lens=inp.prefix, tokens=inp.tokens)
+        if batch is None and decode:
+            # one token per request: recurrent decode kernels, replayed from a graph when one fits
+            batch = self.graphs.prepare_decode(req_rows=rows, input_ids=inp.input_ids, prefix_lens=inp.prefix)
+        elif batch is None:
+            batch = self.backend.prepare_extend(
+                req_rows=rows, input_ids=inp.input_ids, q_lens=inp.q_lens, prefix_lens=inp.prefix
+            )
+        hidden, aux = self.graphs.run(batch)  # [T, H] of the live tokens (graph outputs: read them now)
+        queued = self.queue_sampling(inp, hidden, aux)
+        if decode and queued.out is not None and all(c.sample for c in inp.chunks):
+            # the device is still busy with this step: build the next one's batch now (decode_ahead.py)
+            self.ahead.build(
+                req_ids=inp.ids,
+                req_rows=rows,
+                prefix_lens=[p + 1 for p in inp.prefix],
+                next_tokens=queued.out.token_ids,
+            )
+        return queued
+
+    def queue_sampling(
+        self, inp: PlainInputs, hidden: torch.Tensor, aux: tuple[torch.Tensor, ...]
+    ) -> QueuedTokens:
+        """After a forward of plain chunks ([T, H] hidden, the drafter's layers [T, H] each): the drafter's
+        feed, prompt logprobs, and a token for every sampling chunk, queued on the device."""
+        chunks = inp.chunks
+        if self.spec is not None and self.spec.feed is not None:
+            tokens_dev = to_device(inp.input_ids, dtype=torch.int64, device=hidden.device)  # [T], no sync
+            self.spec.feed_forward(
+                req_ids=inp.ids,
+                start_positions=inp.prefix,
+                num_tokens=inp.q_lens,
+                tokens=tokens_dev,
+                hidden=hidden,
+                aux=aux,
+            )
+        # read now: `hidden` may be a graph's output buffer, valid until the next replay
+        prompt_lp = prompt_logprob_rows(
+            chunks, lambda rows: self.model.compute_logits(hidden[rows]), hidden.device
+        )  # () unless a chunk scores prompt tokens
+        sample = [i for i, c in enumerate(chunks) if c.sample]
+        if not sample:
+            return QueuedTokens(chunks, None, prompt_lp)
+        ends = list(itertools.accumulate(inp.q_lens))  # packed end of each chunk
+        last = [ends[i] - 1 for i in sample]  # last packed token of each sampling chunk
+        if last == list(range(len(inp.tokens))):
+            picked = hidden  # every token samples (a decode step): the rows are already in order
+        else:
+            picked = hidden[to_device(last, dtype=torch.int64, device=hidden.device)]
+        logits = self.model.compute_logits(picked)  # [n_sample, V]
+        reqs = [chunks[i].request for i in sample]
+        apply_grammar_masks(logits, reqs, self._masks)
+        return QueuedTokens(chunks, sample_rows(self.sampler, logits, reqs), prompt_lp)
