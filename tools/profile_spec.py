@@ -106,7 +106,7 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
         ("    memory.grow", engine.scheduler.memory, "grow"),
         ("  execute", runner, "execute"),
         ("  finish", engine.scheduler, "finish"),
-        ("run_plain", runner, "run_plain"),
+        ("plain.run", runner.plain, "run"),
         ("  prepare_decode", runner.graphs, "prepare_decode"),
         ("  graphs.run", runner.graphs, "run"),
         ("  compute_logits", runner.model, "compute_logits"),

@@ -15,9 +15,11 @@ from hyspec_attn_backends import (
     CudaGraphRunner,
     ForwardBatch,
     ForwardMode,
+    GraphCounts,
     GraphKey,
     HybridBackend,
     batch_pointers,
+    capture_sizes,
     model_state_specs,
 )
 from hyspec_attn_backends.testing import (
@@ -351,3 +353,40 @@ def test_index_copy_into_buffer() -> None:
         pool.state_slots(rows).copy_into(torch.zeros(6, dtype=torch.int64))
     with pytest.raises(ValueError, match="buffer"):
         pool.state_slots(rows).copy_into(buf, pad_to=7)
+
+
+def test_runner_policy_counts_and_live_rows_without_a_gpu() -> None:
+    """What the one graph runner adds to capture and replay, on CPU: the configured shapes (checked against
+    Dmax and the verify scratch), the sizes `capture` got, `block_len` (no graph: each block at its own
+    size), per-mode counts, and `run` returning only the live rows of a padded batch."""
+    toy = Toy()
+    be, lens = _setup(toy)
+    pool = be.pool
+
+    def forward(batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        return (toy.run(be, batch),)
+
+    with pytest.raises(ValueError, match="verify: expected block sizes"):
+        CudaGraphRunner(be, forward, verify=[(be.max_verify_len + 1, False)])
+    runner = CudaGraphRunner(be, forward, verify=[(4, False), (3, True), (4, False)])
+    assert runner.verify == ((3, True), (4, False)) and runner.decode
+    with pytest.raises(ValueError, match="verify-scratch rows"):
+        runner.capture([1, pool.plan.scratch_rows + 1])  # padded rows would write past the scratch
+    runner.capture(capture_sizes(7))
+    assert runner.sizes == [1, 2, 4, 7] and not runner.active
+    assert runner.block_len(2, 3, tree=False) == 3  # nothing captured: eager at the block's own size
+    ids = ["r0", "r1"]
+    pool.ensure_kv_capacity(ids, [lens[r] + 4 for r in ids])
+    rows, prefix = pool.req_rows(ids), [lens[r] for r in ids]
+    padded = be.prepare_decode(req_rows=rows, input_ids=torch.tensor([3, 4]), prefix_lens=prefix, pad_to=4)
+    (out,) = runner.run(padded)
+    assert out.shape[0] == 2  # the two padded rows' outputs are not returned
+    verify = runner.prepare_verify(
+        req_rows=rows, block_tokens=torch.ones(2, 3, dtype=torch.long), prefix_lens=prefix
+    )
+    (out,) = runner.run(verify)
+    assert out.shape[0] == 6
+    c = runner.counts
+    assert (c.decode_eager, c.verify_eager, c.replays, c.eager) == (1, 1, 0, 2)
+    assert GraphCounts.total([c, c]).verify_eager == 2
+    assert capture_sizes(1) == [1] and capture_sizes(20) == [1, 2, 4, 8, 16, 20]

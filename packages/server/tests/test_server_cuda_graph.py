@@ -1,5 +1,5 @@
-"""The CUDA path (Triton kernels, bf16) and decode CUDA graphs (attn-backends' `CudaGraphRunner` behind the
-server's `TargetGraphs`); GPU only, but for the capture-size policy."""
+"""The CUDA path (Triton kernels, bf16) and decode CUDA graphs (attn-backends' `CudaGraphRunner`, the
+runner's `graphs`); GPU only, but for the capture-size policy."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hyspec_attn_backends import ForwardMode
+from hyspec_attn_backends import ForwardMode, capture_sizes
 from hyspec_server import LLM, SamplingParams
-from hyspec_server.cuda_graph import capture_sizes
 from hyspec_spec_workers.config import SpeculativeConfig
 
 PROMPTS = ["Hello, my name is", "The capital of France is Paris and", "a", "x" * 17, "graph", "b" * 40]
@@ -45,7 +44,7 @@ def test_cuda_graph_decode_equals_eager(arch_fixture: str, request: pytest.Fixtu
     graph = LLM(model=str(ckpt), device="cuda", dtype="bfloat16", enforce_eager=False, max_num_seqs=8)
     assert not eager.engine.runner.graphs.active  # type: ignore[attr-defined]
     graphs = graph.engine.runner.graphs  # type: ignore[attr-defined]
-    assert graphs.active and graphs.runner.captured_sizes(ForwardMode.DECODE) == [1, 2, 4, 8]
+    assert graphs.active and graphs.captured_sizes(ForwardMode.DECODE) == [1, 2, 4, 8]
     a = eager.generate(PROMPTS, params)
     b = graph.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]

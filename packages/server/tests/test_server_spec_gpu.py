@@ -100,8 +100,8 @@ class Run:
     tokens: list[list[int]]
     logprobs: list[list[dict[int, float]]]
     stats: list[Any]
-    graphs: Any  # the runner's TargetGraphs
-    draft_counts: Any  # a model drafter's DraftGraphCounts, else None
+    graphs: Any  # the runner's CudaGraphRunner
+    draft_counts: Any  # a model drafter's GraphCounts, else None
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +216,7 @@ def test_gpu_spec_bf16_lossless_with_and_without_graphs(
     else:
         assert g.active
         for d, tree in g.verify:
-            assert g.runner.captured_sizes(ForwardMode.TARGET_VERIFY, verify_len=d, tree=tree) == g.sizes
+            assert g.captured_sizes(ForwardMode.TARGET_VERIFY, verify_len=d, tree=tree) == g.sizes
         assert g.counts.verify_replays > 0 and g.counts.verify_eager == 0, g.counts
         assert g.counts.decode_eager == 0, g.counts
         assert ref.graphs.counts.decode_replays > 0 and ref.graphs.counts.decode_eager == 0

@@ -19,11 +19,10 @@ import httpx
 import openai
 import pytest
 import torch
-from hyspec_attn_backends import ForwardBatch, ForwardMode
+from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, ForwardMode, capture_sizes
 from hyspec_server import LLM, EngineArgs, LLMEngine, SamplingParams
 from hyspec_server.builder import build_engine
 from hyspec_server.cli import main
-from hyspec_server.cuda_graph import TargetGraphs
 from hyspec_server.metrics import EngineMetrics
 from hyspec_server.serve import ServerThread
 from hyspec_server.speculative import DrafterContext, DrafterRegistry, parse_speculative_config
@@ -526,7 +525,8 @@ def test_cli_speculative_generate_json_and_errors(
 
 @dataclass
 class GraphSpy:
-    """What reached `TargetGraphs.run` / `block_len` while every shape pretended to be captured."""
+    """What reached the target's `CudaGraphRunner.run` / `block_len` while every shape pretended to be
+    captured."""
 
     batches: list[tuple[ForwardMode, int, int]] = field(default_factory=list)  # mode, num_padded, D
     blocks: list[tuple[int, int]] = field(default_factory=list)  # drafted D -> D run
@@ -538,7 +538,7 @@ def _pretend_captured(eng: LLMEngine) -> GraphSpy:
     On CPU no graph is captured, so this is how the CPU suite covers what a replay sees: batches padded to a
     capture size (slot -1 rows) and verify blocks padded to a captured D, through the same code paths.
     """
-    graphs: TargetGraphs = eng.runner.graphs  # type: ignore[attr-defined]
+    graphs: CudaGraphRunner = eng.runner.graphs  # type: ignore[attr-defined]
     assert not graphs.active
     spy = GraphSpy()
 
@@ -549,7 +549,7 @@ def _pretend_captured(eng: LLMEngine) -> GraphSpy:
 
     run, block_len = graphs.run, graphs.block_len
 
-    def spy_run(batch: ForwardBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def spy_run(batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         spy.batches.append((batch.mode, batch.num_padded, batch.verify_len))
         return run(batch)
 
@@ -558,7 +558,7 @@ def _pretend_captured(eng: LLMEngine) -> GraphSpy:
         spy.blocks.append((d, out))
         return out
 
-    graphs.runner.padded_size = padded_size  # type: ignore[method-assign]
+    graphs.padded_size = padded_size  # type: ignore[method-assign]
     graphs.run = spy_run  # type: ignore[method-assign]
     graphs.block_len = spy_block_len  # type: ignore[method-assign]
     return spy
@@ -608,7 +608,7 @@ def test_graph_shapes_pad_batches_and_blocks_losslessly(
 
     plain, _, _ = run(False)
     padded, spy, eng = run(True)
-    graphs: TargetGraphs = eng.runner.graphs  # type: ignore[attr-defined]
+    graphs: CudaGraphRunner = eng.runner.graphs  # type: ignore[attr-defined]
     assert set(graphs.verify) == shapes
     got = [o.outputs[0].token_ids for o in padded]
     assert [got[i] for i in (0, 1, 2, 3, 5)] == [arch.refs[i][: budgets[i]] for i in (0, 1, 2, 3, 5)]
@@ -681,22 +681,24 @@ def test_multi_layer_mtp_chained_through_the_engine(tmp_path_factory: pytest.Tem
 def test_target_graphs_reject_shapes_the_pool_cannot_hold(arch: Arch) -> None:
     eng = arch.engine(_spec())
     runner: Any = eng.runner
-    kw: dict[str, Any] = {"enabled": False, "max_num_seqs": 8}
     dmax = runner.backend.max_verify_len
     assert dmax == S + 1 and runner.graphs.verify == ((S + 1, False),)
+    assert runner.graphs.sizes == capture_sizes(8)  # what the engine captures (nothing on CPU)
+
+    def graphs(verify: list[tuple[int, bool]]) -> CudaGraphRunner:
+        return CudaGraphRunner(runner.backend, runner.graphs.forward, enabled=False, verify=verify)
+
     with pytest.raises(ValueError, match="verify: expected block sizes"):
-        TargetGraphs(runner.model, runner.backend, verify=[(dmax + 1, False)], **kw)
+        graphs([(dmax + 1, False)])
     with pytest.raises(ValueError, match="max_num_seqs"):
-        TargetGraphs(runner.model, runner.backend, verify=[(dmax, False)], enabled=False, max_num_seqs=0)
+        capture_sizes(0)
     # padded verify rows write scratch rows: no graph may be larger than the scratch (bug class 21)
     rows = runner.pool.plan.scratch_rows
     with pytest.raises(ValueError, match="verify-scratch rows"):
-        TargetGraphs(
-            runner.model, runner.backend, verify=[(dmax, False)], enabled=False, max_num_seqs=rows + 1
-        )
+        graphs([(dmax, False)]).capture(capture_sizes(rows + 1))
     # on CPU nothing is captured: every block runs at its own size
-    g = TargetGraphs(runner.model, runner.backend, verify=[(dmax, False)], **kw)
-    g.capture()
+    g = graphs([(dmax, False)])
+    g.capture(capture_sizes(8))
     assert not g.active and g.block_len(3, 2, tree=False) == 2
 
 

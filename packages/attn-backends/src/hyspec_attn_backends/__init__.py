@@ -13,7 +13,14 @@ from hyspec_attn_backends.backend import (
     state_spec_of,
 )
 from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, MixedBatch, StepBatch, tree_ancestor_mask
-from hyspec_attn_backends.graphs import CudaGraphRunner, ForwardFn, GraphKey, batch_pointers
+from hyspec_attn_backends.graphs import (
+    CudaGraphRunner,
+    ForwardFn,
+    GraphCounts,
+    GraphKey,
+    batch_pointers,
+    capture_sizes,
+)
 from hyspec_attn_backends.layers import (
     LAYER_TYPE_KINDS,
     AttentionLayer,
@@ -35,6 +42,7 @@ __all__ = [
     "ForwardFn",
     "ForwardMode",
     "GDNLayer",
+    "GraphCounts",
     "GraphKey",
     "HybridBackend",
     "MixedBatch",
@@ -44,6 +52,7 @@ __all__ = [
     "ShortConvLayer",
     "StepBatch",
     "batch_pointers",
+    "capture_sizes",
     "check_routing",
     "model_state_specs",
     "state_spec_of",

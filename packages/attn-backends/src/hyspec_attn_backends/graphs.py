@@ -1,4 +1,5 @@
-"""CUDA graphs for DECODE and TARGET_VERIFY forwards, captured once per padded batch size.
+"""CUDA graphs for DECODE and TARGET_VERIFY forwards, captured once per padded batch size: the one graph
+runner of the repo (the server's target forward and every drafter's proposal forwards each have one).
 
 A CUDA graph replays the kernel launches of one forward with the addresses they were captured with. Every
 tensor of a `ForwardBatch` is a view at offset 0 of the backend's `BatchBuffers`, which `prepare_*` refill in
@@ -12,6 +13,11 @@ value checks while a graph is being captured; `prepare_*` validates instead, out
 
 On CPU, or with `enabled=False` (the server's `--enforce-eager`), nothing is captured and `run` calls the
 forward eagerly; callers use the same code either way.
+
+A runner is configured with what it captures (DECODE or not, and the (D, tree) verify shapes), captures them
+at the batch sizes `capture` gets (`capture_sizes(max_num_seqs)` for an engine), picks the captured shape a
+batch runs at (`prepare_*` pad the rows, `block_len` the verify block) and counts replays and eager runs
+per mode.
 """
 
 from __future__ import annotations
@@ -34,6 +40,45 @@ log = logging.getLogger(__name__)
 # what a graph captures: batch -> output tensors (e.g. hidden states, logits); the outputs of a replay are
 # the graph's own static tensors, overwritten by the next replay of the same graph
 ForwardFn = Callable[[ForwardBatch], tuple[Tensor, ...]]
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """The padded batch sizes an engine captures: 1, 2, 4, 8, then every multiple of 8 up to `max_num_seqs`
+    (always included)."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs: expected >= 1, got {max_num_seqs}")
+    sizes = {s for s in (1, 2, 4) if s <= max_num_seqs}
+    sizes |= set(range(8, max_num_seqs + 1, 8))
+    sizes.add(max_num_seqs)
+    return sorted(sizes)
+
+
+@dataclass(slots=True)
+class GraphCounts:
+    """Forwards of each graph-capturable mode: replayed from a graph, or run eagerly."""
+
+    decode_replays: int = 0
+    decode_eager: int = 0
+    verify_replays: int = 0
+    verify_eager: int = 0
+
+    @property
+    def replays(self) -> int:
+        return self.decode_replays + self.verify_replays
+
+    @property
+    def eager(self) -> int:
+        return self.decode_eager + self.verify_eager
+
+    @staticmethod
+    def total(counts: Sequence[GraphCounts]) -> GraphCounts:
+        """The counts of several runners (a drafter's) added up."""
+        return GraphCounts(
+            sum(c.decode_replays for c in counts),
+            sum(c.decode_eager for c in counts),
+            sum(c.verify_replays for c in counts),
+            sum(c.verify_eager for c in counts),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,21 +143,40 @@ class CudaGraphRunner:
         forward: batch -> output tensors; called eagerly for warm-up and fallback, and once under capture.
         enabled: False turns graphs off (eager everywhere). Graphs are also off on a non-CUDA pool.
         warmup_runs: eager runs before each capture (Triton compiles and autotunes there, not in the graph).
+        decode: `capture` captures DECODE graphs.
+        verify: the (D, tree) TARGET_VERIFY shapes `capture` captures (D within the backend's Dmax).
 
-    Usage (server step): `b = runner.padded_size(ForwardMode.DECODE, n)`; `batch =
-    backend.prepare_decode(..., pad_to=b)` (or `runner.prepare_decode(...)`, which does both); `outs =
-    runner.run(batch)`; use rows `[:batch.num_live]` (verify: `[:num_live * D]`) before the next replay.
+    Usage (an engine step): `runner.capture(capture_sizes(max_num_seqs))` at start-up; per step `batch =
+    runner.prepare_decode(...)` (padded to the captured size that fits), `outs = runner.run(batch)`: the
+    live rows' outputs, used before the next replay.
     """
 
     def __init__(
-        self, backend: HybridBackend, forward: ForwardFn, *, enabled: bool = True, warmup_runs: int = 2
+        self,
+        backend: HybridBackend,
+        forward: ForwardFn,
+        *,
+        enabled: bool = True,
+        warmup_runs: int = 2,
+        decode: bool = True,
+        verify: Sequence[tuple[int, bool]] = (),
     ) -> None:
         if warmup_runs < 1:
             raise ValueError(f"warmup_runs: expected >= 1, got {warmup_runs}")
+        for d, _ in verify:
+            if not 1 <= d <= backend.max_verify_len:
+                raise ValueError(
+                    f"verify: expected block sizes in [1, Dmax = {backend.max_verify_len}] (the verify "
+                    f"scratch the pool was planned for), got {d}"
+                )
         self.backend = backend
         self.forward = forward
         self.warmup_runs = warmup_runs
+        self.decode = decode
+        self.verify = tuple(sorted(set(verify)))
+        self.sizes: list[int] = []  # the batch sizes `capture` was given
         self.active = bool(enabled) and backend.pool.device.type == "cuda" and torch.cuda.is_available()
+        self.counts = GraphCounts()
         self.num_replays = 0
         self.num_eager = 0
         self._graphs: dict[GraphKey, _Captured] = {}
@@ -122,6 +186,19 @@ class CudaGraphRunner:
         self.on_capture: Callable[[GraphKey], None] | None = None
 
     # ------------------------------------------------------------------ capture
+
+    def capture(self, batch_sizes: Sequence[int]) -> None:
+        """Capture the configured shapes (DECODE if `decode`, every `verify` shape) at these padded batch
+        sizes; a failed capture leaves the runner eager (`capture_or_eager`)."""
+        rows = self.backend.pool.plan.scratch_rows
+        if self.verify and max(batch_sizes, default=0) > rows:
+            # padded verify rows write their own scratch rows: no graph may be larger (bug class 21)
+            raise ValueError(
+                f"batch_sizes: verify graphs of {max(batch_sizes)} rows need as many verify-scratch rows, "
+                f"the pool has {rows}"
+            )
+        self.sizes = sorted(set(batch_sizes))
+        self.capture_or_eager(self.sizes, decode=self.decode, verify=self.verify)
 
     def capture_decode(self, batch_sizes: Sequence[int]) -> None:
         """Capture DECODE graphs for these padded batch sizes (no-op when inactive)."""
@@ -262,6 +339,16 @@ class CudaGraphRunner:
             pad_to=pad_to,
         )
 
+    def block_len(self, num_seqs: int, d: int, *, tree: bool) -> int:
+        """The verify block size to run d-token blocks of `num_seqs` rows at: the smallest configured D >= d
+        with a graph for that many rows, else d (eager). A block run at a larger D is padded by the caller
+        with nodes no real node sees (spec-workers' `pad_block`)."""
+        for dd, tt in self.verify:
+            if tt == tree and dd >= d:
+                if self.padded_size(ForwardMode.TARGET_VERIFY, num_seqs, verify_len=dd, tree=tt) is not None:
+                    return dd
+        return d
+
     def can_replay(self, batch: ForwardBatch) -> bool:
         """A graph was captured for this batch's key, reading the very buffers this batch lives in."""
         key = GraphKey.of(batch)
@@ -269,19 +356,31 @@ class CudaGraphRunner:
         return captured is not None and captured.pointers == batch_pointers(batch)
 
     def run(self, batch: ForwardBatch) -> tuple[Tensor, ...]:
-        """Replay the graph captured for this batch, or run the forward eagerly when there is none.
+        """Replay the graph captured for this batch, or run the forward eagerly when there is none -> the
+        outputs of the live rows' tokens (`[:batch.num_live_tokens]` of each).
 
-        A replay returns the graph's static output tensors: read (or copy) them before the next replay.
+        After a replay these are views of the graph's static outputs: read (or copy) them before the next.
         """
         key = GraphKey.of(batch)
         captured = None if key is None else self._graphs.get(key)
-        if captured is not None and captured.pointers == batch_pointers(batch):
+        replay = captured is not None and captured.pointers == batch_pointers(batch)
+        if captured is not None and replay:
             captured.graph.replay()
             self.num_replays += 1
-            return captured.outputs
-        self.num_eager += 1
-        with torch.no_grad():
-            return tuple(self.forward(batch))
+            outs = captured.outputs
+        else:
+            self.num_eager += 1
+            with torch.no_grad():
+                outs = tuple(self.forward(batch))
+        c = self.counts
+        if batch.mode is ForwardMode.DECODE:
+            c.decode_replays += int(replay)
+            c.decode_eager += int(not replay)
+        elif batch.mode is ForwardMode.TARGET_VERIFY:
+            c.verify_replays += int(replay)
+            c.verify_eager += int(not replay)
+        live = batch.num_live_tokens
+        return tuple(o[:live] for o in outs)
 
     def release(self) -> None:
         """Drop every graph (and with the last reference, the memory they hold)."""

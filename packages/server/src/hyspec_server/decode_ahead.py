@@ -28,12 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from hyspec_attn_backends import ForwardBatch, HybridBackend
+from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, HybridBackend
 from hyspec_statepool.errors import PoolExhaustedError
 from hyspec_statepool.indices import ReqRows
 from hyspec_statepool.pool import HybridStatePool
-
-from hyspec_server.cuda_graph import TargetGraphs
 
 
 @dataclass(slots=True)
@@ -60,7 +58,7 @@ class DecodeAhead:
 
     def __init__(
         self,
-        graphs: TargetGraphs,
+        graphs: CudaGraphRunner,
         backend: HybridBackend,
         pool: HybridStatePool,
         *,

@@ -5,9 +5,10 @@ token, else EXTEND (prompt chunks and decode tokens packed together). It runs th
 for the last token of each sampling chunk and samples on device; requests with `prompt_logprobs` also get
 logits at the prompt positions their chunks computed (`runner.prompt_logprob_rows`, in bounded slices).
 On CUDA (unless `enforce_eager`), DECODE and TARGET_VERIFY forwards replay CUDA graphs captured at start-up
-for padded batch sizes (`cuda_graph.py`); the graphed forward also returns the layers a model drafter reads,
-so decode stays graphed with drafters on, and a model drafter's proposal forwards are captured at the same
-batch sizes (spec-workers' draft_graphs.py).
+(attn-backends' `CudaGraphRunner`, at `capture_sizes(max_num_seqs)` and the speculative config's
+`verify_shapes()`); the graphed forward also returns the layers a model drafter reads, so decode stays
+graphed with drafters on, and a model drafter's proposal forwards are captured at the same batch sizes
+(`GraphedDrafter.capture_graphs`).
 
 With speculative decoding, the step's verify chunks (decoding requests) go through spec-workers'
 `SpeculativeRound`, to which this runner is the `VerifyTarget` (verify forward, logits, commit, plain decode).
@@ -23,15 +24,15 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import torch
-from hyspec_attn_backends import ForwardBatch, HybridBackend
+from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, HybridBackend, StepBatch, capture_sizes
 from hyspec_models.loader import load_model
-from hyspec_spec_workers.draft_graphs import GraphedDrafter
+from hyspec_spec_workers.drafter import GraphedDrafter
 from hyspec_spec_workers.round import RoundRow, SpeculativeRound, VerifiedTokens
 from hyspec_spec_workers.sampling import (
     SampledToken,
@@ -39,7 +40,6 @@ from hyspec_spec_workers.sampling import (
 )
 
 from hyspec_server.config import EngineArgs, step_tokens
-from hyspec_server.cuda_graph import TargetGraphs
 from hyspec_server.decode_ahead import DecodeAhead
 from hyspec_server.plain_forward import PlainForwards, PlainInputs, QueuedTokens
 from hyspec_server.pool_memory import StatePoolMemory
@@ -89,6 +89,33 @@ class _Riders:
 
     chunks: list[ScheduledChunk]
     queued: QueuedTokens | None = None
+
+
+def _target_forward(
+    model: Any, backend: HybridBackend, capture_layers: Sequence[int]
+) -> Callable[[StepBatch], tuple[torch.Tensor, ...]]:
+    """The target's forward as the graph runner captures it: (hidden [T, H], each capture layer [T, H])."""
+    layers = tuple(capture_layers)
+
+    def forward(batch: StepBatch) -> tuple[torch.Tensor, ...]:
+        out = model(batch, backend, capture_layers=layers)
+        return (out.hidden_states, *out.aux_hidden_states)
+
+    return forward
+
+
+def _capture_with_progress(graphs: CudaGraphRunner, sizes: Sequence[int]) -> None:
+    """`graphs.capture(sizes)` with a progress bar where someone watches (a terminal), as vLLM shows one."""
+    from tqdm import tqdm
+
+    total = len(sizes) * (int(graphs.decode) + len(graphs.verify))
+    shown = graphs.active and sys.stderr.isatty()
+    with tqdm(total=total, desc="capturing CUDA graphs", unit="graph", disable=not shown) as bar:
+        graphs.on_capture = lambda _key: bar.update()
+        try:
+            graphs.capture(sizes)
+        finally:
+            graphs.on_capture = None
 
 
 class HyspecModelRunner:
@@ -153,16 +180,18 @@ class HyspecModelRunner:
             max_tokens=max(step_tokens(args), max_num_seqs * dmax),
         )
         self._sampler = Sampler(self._device, seed=args.seed)
-        self.graphs = TargetGraphs(
-            self.model,
+        # the target's forward returns the layers a model drafter reads too (decode stays graphed with one)
+        self._forward = _target_forward(
+            self.model, self.backend, () if self.spec is None else self.spec.capture_layers
+        )
+        self.graphs = CudaGraphRunner(
             self.backend,
-            capture_layers=() if self.spec is None else self.spec.capture_layers,
+            self._forward,
             enabled=self.use_graphs,
-            max_num_seqs=max_num_seqs,
             verify=() if spec_config is None else spec_config.verify_shapes(),
         )
         t0 = time.perf_counter()
-        self.graphs.capture()
+        _capture_with_progress(self.graphs, capture_sizes(max_num_seqs))
         if self.graphs.active:
             log.info(
                 "captured CUDA graphs for batch sizes %s in %.1f s",
@@ -310,8 +339,8 @@ class HyspecModelRunner:
                 prefix_lens=list(prefix_lens),
                 tree_parents=tree_parents,
             )
-            hidden, aux = self.graphs.run(batch)  # [N * D, H] live rows (graph outputs: use before the next)
-            return batch, hidden, aux
+            hidden, *aux = self.graphs.run(batch)  # [N * D, H] live rows (graph outputs: use before the next)
+            return batch, hidden, tuple(aux)
         # the step's plain chunks beside the verify blocks: one MIXED forward, eager
         verify = self.backend.prepare_verify(
             req_rows=self.pool.req_rows(ids),
@@ -327,7 +356,7 @@ class HyspecModelRunner:
             prefix_lens=inp.prefix,
             verify=verify,
         )
-        hidden, aux = self.graphs.run(mixed)  # [T_e + N * D, H]
+        hidden, *aux = self._forward(mixed)  # [T_e + N * D, H] each; eager: a MIXED forward has no graph
         h_plain, h_verify = mixed.split(hidden)
         aux_parts = [mixed.split(a) for a in aux]
         riders.queued = self.plain.queue_sampling(inp, h_plain, tuple(a for a, _ in aux_parts))

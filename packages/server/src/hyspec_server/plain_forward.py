@@ -15,14 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hyspec_attn_backends import HybridBackend
+from hyspec_attn_backends import CudaGraphRunner, HybridBackend
 from hyspec_spec_workers.constraint import TokenBitmask
 from hyspec_spec_workers.round import SpeculativeRound
 from hyspec_spec_workers.sampling import SampledToken, Sampler, SamplerOutput, sample_rows, to_sampled_tokens
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.transfer import to_device
 
-from hyspec_server.cuda_graph import TargetGraphs
 from hyspec_server.decode_ahead import DecodeAhead
 from hyspec_server.runner import PromptLogprobRows, prompt_logprob_rows, spread_tokens
 from hyspec_server.scheduler import ScheduledChunk
@@ -89,7 +88,7 @@ class PlainForwards:
         self,
         *,
         model: Any,
-        graphs: TargetGraphs,
+        graphs: CudaGraphRunner,
         backend: HybridBackend,
         pool: HybridStatePool,
         ahead: DecodeAhead,
@@ -127,8 +126,8 @@ class PlainForwards:
             batch = self.backend.prepare_extend(
                 req_rows=rows, input_ids=inp.input_ids, q_lens=inp.q_lens, prefix_lens=inp.prefix
             )
-        hidden, aux = self.graphs.run(batch)  # [T, H] of the live tokens (graph outputs: read them now)
-        queued = self.queue_sampling(inp, hidden, aux)
+        hidden, *aux = self.graphs.run(batch)  # [T, H] of the live tokens (graph outputs: read them now)
+        queued = self.queue_sampling(inp, hidden, tuple(aux))
         if decode and queued.out is not None and all(c.sample for c in inp.chunks):
             # the device is still busy with this step: build the next one's batch now (decode_ahead.py)
             self.ahead.build(

@@ -13,13 +13,13 @@ from hyspec_spec_workers.config import METHODS, AdaptiveConfig, Method, Speculat
 from hyspec_spec_workers.costs import CostEstimate, CostModel, CostTracker
 from hyspec_spec_workers.dflash import DFlashDraft, DFlashDrafter, build_dflash_drafter, load_dflash_draft
 from hyspec_spec_workers.draft_feed import DraftFeed
-from hyspec_spec_workers.draft_graphs import DraftGraphCounts, DraftGraphs, GraphedDrafter
 from hyspec_spec_workers.draft_kv import DraftKV, DraftMemory
 from hyspec_spec_workers.drafter import (
     CommittedTokens,
     DraftBatch,
     Drafter,
     DraftOutput,
+    GraphedDrafter,
     HiddenStateDraftModel,
     ModelDrafter,
     NgramDrafter,
@@ -66,8 +66,6 @@ __all__ = [
     "DFlashDrafter",
     "DraftBatch",
     "DraftFeed",
-    "DraftGraphCounts",
-    "DraftGraphs",
     "DraftKV",
     "DraftMemory",
     "DraftOutput",

@@ -24,7 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hyspec_attn_backends import AttentionLayer, ForwardBatch, ForwardMode, HybridBackend, MixerLayer
+from hyspec_attn_backends import (
+    AttentionLayer,
+    CudaGraphRunner,
+    ForwardBatch,
+    ForwardMode,
+    GraphCounts,
+    HybridBackend,
+    MixerLayer,
+)
 from hyspec_kernels.attention import store_kv
 from hyspec_models.layers import RMSNorm, RopeConfig, SwiGLU, apply_rope
 from hyspec_models.loader import SafetensorsCheckpoint, load_weights, materialize
@@ -33,7 +41,6 @@ from hyspec_models.weights import identity_sources
 from torch import Tensor, nn
 
 from hyspec_spec_workers.config import Method, SpeculativeConfig
-from hyspec_spec_workers.draft_graphs import DraftGraphCounts, DraftGraphs
 from hyspec_spec_workers.draft_kv import DraftKV, DraftMemory
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, DraftOutput
 from hyspec_spec_workers.tree import VerifyTree
@@ -232,7 +239,7 @@ class DFlashDrafter:
         self.kv = DraftKV(
             draft.mixer_layers(), memory=memory, max_block=b, dtype=param.dtype, device=param.device, lag=0
         )
-        self.graphs = DraftGraphs(self.kv.backend, self._block_forward, shapes=[(b, True)])
+        self.graphs = CudaGraphRunner(self.kv.backend, self._block_forward, decode=False, verify=[(b, True)])
 
     @property
     def method(self) -> Method:
@@ -253,7 +260,7 @@ class DFlashDrafter:
         self.graphs.capture(batch_sizes)
 
     @property
-    def graph_counts(self) -> DraftGraphCounts:
+    def graph_counts(self) -> GraphCounts:
         return self.graphs.counts
 
     def _block_forward(self, batch: ForwardBatch) -> tuple[Tensor]:

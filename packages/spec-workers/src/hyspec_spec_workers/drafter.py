@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
-from hyspec_attn_backends import ForwardBatch, HybridBackend, MixerLayer
+from hyspec_attn_backends import ForwardBatch, GraphCounts, HybridBackend, MixerLayer
 from torch import Tensor
 
 from hyspec_spec_workers.config import Method
@@ -146,6 +146,21 @@ class NgramDrafter:
         drafts, num = self._proposer.propose(batch.histories, batch.num_steps)
         root = batch.root_tokens.to(drafts.device)
         return DraftOutput(VerifyTree.chain(root, drafts, num))
+
+
+@runtime_checkable
+class GraphedDrafter(Protocol):
+    """A drafter whose proposal forwards run under CUDA graphs (this package's model drafters: each proposal
+    forward is a TARGET_VERIFY forward on the draft backend, captured by attn-backends' `CudaGraphRunner`;
+    every per-step input outside the batch lives in a persistent buffer of the drafter read at offset 0,
+    and a replay's outputs are consumed before the next replay)."""
+
+    def capture_graphs(self, batch_sizes: Sequence[int]) -> None:
+        """Capture every proposal forward shape for these padded batch sizes (no-op on CPU)."""
+        ...
+
+    @property
+    def graph_counts(self) -> GraphCounts: ...
 
 
 @runtime_checkable

@@ -14,8 +14,8 @@ feature. The K expanded nodes of the last step give top-k children; `TreeDraftBu
 by path probability (topk 1 is a chain). Recomputing the earlier nodes each step keeps the draft KV free of
 stale entries at no extra forwards; the node features live in a persistent buffer and every forward reads
 its features from one static input buffer (`features_in`), which is what its CUDA graph reads: step j's
-forward (1 + j·topk nodes) is captured per padded batch size by `capture_graphs` (draft_graphs.py), and a
-chained hidden state reaches the replay through that buffer.
+forward (1 + j·topk nodes) is captured per padded batch size by `capture_graphs` (attn-backends'
+`CudaGraphRunner`), and a chained hidden state reaches the replay through that buffer.
 
 Chains (topk 1) over one reused draft layer (MTP, EAGLE-3) take a shorter path (`_draft_chain`): node j
 depends only on nodes 0..j-1, whose K/V the earlier steps wrote with the same layer, so step j runs just
@@ -36,12 +36,11 @@ from collections.abc import Hashable, Sequence
 from functools import partial
 
 import torch
-from hyspec_attn_backends import ForwardBatch, ForwardMode
+from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, ForwardMode, GraphCounts
 from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
 from hyspec_spec_workers.config import Method
-from hyspec_spec_workers.draft_graphs import DraftGraphCounts, DraftGraphs
 from hyspec_spec_workers.draft_kv import DraftKV, DraftMemory
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, DraftOutput, HiddenStateDraftModel
 from hyspec_spec_workers.tree import TreeDraftBuilder, VerifyTree
@@ -111,17 +110,21 @@ class HiddenStateDrafter:
         # persistent per proposal: each tree node's input feature, then the packed static forward input
         self.node_features = torch.zeros(rows, self.max_nodes, f, dtype=dt, device=dev)  # [R, Nmax, F]
         self.features_in = torch.zeros(rows * self.max_nodes, f, dtype=dt, device=dev)  # [R * Nmax, F]
-        self.graphs = DraftGraphs(
-            self.kv.backend, self._step_forward, shapes=[(1 + j * k, k > 1) for j in range(s)]
+        self.graphs = CudaGraphRunner(
+            self.kv.backend, self._step_forward, decode=False, verify=[(1 + j * k, k > 1) for j in range(s)]
         )
         # a chain over one draft layer: its first step (root pair + pending pairs) and its one-token step
-        self.root_graphs: DraftGraphs | None = None
-        self.chain_graphs: dict[int, DraftGraphs] = {}
+        self.root_graphs: CudaGraphRunner | None = None
+        self.chain_graphs: dict[int, CudaGraphRunner] = {}
         if one_layer_chain:
             first = partial(self._root_step, layer=steps[0])
-            self.root_graphs = DraftGraphs(self.kv.backend, first, shapes=[(self.block0, False)])
+            self.root_graphs = CudaGraphRunner(
+                self.kv.backend, first, decode=False, verify=[(self.block0, False)]
+            )
             step = partial(self._chain_step, layer=steps[0])
-            self.chain_graphs[steps[0]] = DraftGraphs(self.kv.backend, step, shapes=[(1, False)])
+            self.chain_graphs[steps[0]] = CudaGraphRunner(
+                self.kv.backend, step, decode=False, verify=[(1, False)]
+            )
         self._root_index = torch.zeros(rows, dtype=torch.int64, device=dev)  # [R] root pair's block index
         # committed pairs not yet in the draft KV, per request: (tokens [q], features [q, F]) pieces that the
         # next proposal's first block writes (one-layer chains only)
@@ -155,12 +158,9 @@ class HiddenStateDrafter:
             g.capture(batch_sizes)
 
     @property
-    def graph_counts(self) -> DraftGraphCounts:
+    def graph_counts(self) -> GraphCounts:
         roots = [] if self.root_graphs is None else [self.root_graphs]
-        every = [self.graphs, *roots, *self.chain_graphs.values()]
-        return DraftGraphCounts(
-            replays=sum(g.counts.replays for g in every), eager=sum(g.counts.eager for g in every)
-        )
+        return GraphCounts.total([g.counts for g in (self.graphs, *roots, *self.chain_graphs.values())])
 
     @property
     def _fast_chain(self) -> bool:
