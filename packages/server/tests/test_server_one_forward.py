@@ -83,9 +83,18 @@ def _staggered(
 
 
 @pytest.fixture(scope="module")
-def refs(tiny_lfm2: Path, tiny_qwen3_5: Path) -> dict[str, list[list[int]]]:
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from hyspec_testing.tiny import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("one_forward")
+    # the MoE and Qwen3-Next families too: their dense layers (routed experts) run once over both parts
+    return {a: build_tiny_checkpoint(root / a, a, seed=0) for a in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def refs(ckpts: dict[str, Path]) -> dict[str, list[list[int]]]:
     out = {}
-    for name, path in (("lfm2", tiny_lfm2), ("qwen3_5", tiny_qwen3_5)):
+    for name, path in ckpts.items():
         eng = build_engine(EngineArgs(model=str(path), **BASE))
         out[name] = [
             o.outputs[0].token_ids
@@ -110,14 +119,18 @@ CASES = [
     ("qwen3_5", "forced"),
     ("qwen3_5", "forced_tree"),
     ("qwen3_5", "adaptive_mtp"),
+    ("qwen3_next", "mtp"),
+    ("qwen3_5_moe", "forced_tree"),
+    ("lfm2_moe", "forced"),
 ]
+ARCHS = sorted({a for a, _ in CASES})
 
 
 @pytest.mark.parametrize(("arch", "method"), CASES)
 def test_each_step_runs_the_target_once_and_output_equals_plain(
-    arch: str, method: str, refs: dict[str, list[list[int]]], request: pytest.FixtureRequest
+    arch: str, method: str, refs: dict[str, list[list[int]]], ckpts: dict[str, Path]
 ) -> None:
-    path: Path = request.getfixturevalue(f"tiny_{arch}")
+    path = ckpts[arch]
     reg = None
     spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": S}
     full = [p + r for p, r in zip(PROMPTS, refs[arch], strict=True)]
@@ -145,7 +158,7 @@ def test_each_step_runs_the_target_once_and_output_equals_plain(
     eng.leak_check()
 
 
-def test_riders_keep_seeded_sampling_and_prompt_logprobs(tiny_qwen3_5: Path, refs: Any) -> None:
+def test_riders_keep_seeded_sampling_and_prompt_logprobs(ckpts: dict[str, Path], refs: Any) -> None:
     """Prompt chunks that ride in a MIXED forward sample and score their prompt as in a plain engine: seeded
     sampling (a function of seed and position) and prompt logprobs equal a run without speculation."""
     params = [
@@ -157,8 +170,9 @@ def test_riders_keep_seeded_sampling_and_prompt_logprobs(tiny_qwen3_5: Path, ref
     full = [p + r for p, r in zip(PROMPTS, refs["qwen3_5"], strict=True)]
     reg = DrafterRegistry({"ngram": _forced(full, VOCAB_SIZE, False)})
     spec = {"method": "ngram", "num_speculative_tokens": S}
-    plain, _ = _staggered(build_engine(EngineArgs(model=str(tiny_qwen3_5), **BASE)), PROMPTS, params)
-    eng = build_engine(EngineArgs(model=str(tiny_qwen3_5), speculative_config=spec, **BASE), drafters=reg)
+    path = ckpts["qwen3_5"]
+    plain, _ = _staggered(build_engine(EngineArgs(model=str(path), **BASE)), PROMPTS, params)
+    eng = build_engine(EngineArgs(model=str(path), speculative_config=spec, **BASE), drafters=reg)
     outs, shared = _staggered(eng, PROMPTS, params)
     assert "mixed" in shared
     for got, want in zip(outs, plain, strict=True):

@@ -1,10 +1,10 @@
 """The one-token chain path of MTP / EAGLE-3 drafting equals the general path that recomputes every node.
 
-`HiddenStateDrafter` drafts a chain over one reused draft layer (`_draft_chain`) with a first block that also
-writes the pairs committed since the last proposal (the draft extend), then one token per step: each step
-reads the K/V that earlier steps wrote and advances its own batch, which is what lets a CUDA graph run the
-steps back to back. The general path recomputes the root and all earlier drafts at every step (it is what
-trees and multi-layer MTP use). Round by round over a whole batched generation, both propose the same
+`HiddenStateDrafter` drafts a chain over one reused draft layer (`OneLayerChain.draft`) with a first block
+that also writes the pairs committed since the last proposal (the draft extend), then one token per step:
+each step reads the K/V that earlier steps wrote and advances its own batch, which is what lets a CUDA graph
+run the steps back to back. The general path recomputes the root and all earlier drafts at every step (it is
+what trees and multi-layer MTP use). Round by round over a whole batched generation, both propose the same
 drafts, on NaN-poisoned debug pools where a read of an unwritten draft KV entry would show.
 """
 
@@ -64,7 +64,7 @@ def test_chain_path_proposes_what_the_general_path_proposes(
         spec["model"] = str(t.eagle3())
     fast, fast_shapes, drafter = _proposals(t, spec, general=False)
     slow, slow_shapes, _ = _proposals(t, spec, general=True)
-    assert drafter.chain_graphs  # the fast path exists for this drafter
+    assert drafter.chain is not None  # the fast path exists for this drafter
     assert len(fast) == len(slow) > 0
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)
@@ -80,4 +80,4 @@ def test_multi_layer_mtp_keeps_the_general_path(target: Callable[[str], Any]) ->
     cfg = SpeculativeConfig.from_dict({"method": "multi_layer_mtp", "num_speculative_tokens": S})
     drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
     # layer j at step j needs its own K/V at the earlier draft positions: no one-token chain
-    assert not drafter.chain_graphs
+    assert drafter.chain is None

@@ -1,0 +1,146 @@
+"""Chain proposals over one reused draft layer (MTP, EAGLE-3), the hidden-state drafter's fast path.
+
+Node j of a chain depends only on nodes 0..j-1, whose K/V the earlier steps wrote with the same layer, so
+step j runs just node j, one token per request at position L-1+j. A proposal is:
+
+1. a first block per row of [pending pairs (<= S + 1), root pair, padding] (`block0` = S + 2 tokens) at the
+   request's final draft length: the committed pairs since the last proposal become final there, at no
+   forward of their own, and the root pair gives the first draft;
+2. S - 1 one-token steps, each the same forward: the logits' argmax written as the next step's input token,
+   the output hidden state written to the static feature input (chained drafters), and
+   `HybridBackend.advance_one_token` moving the batch one position on. One captured graph does all of it, so
+   the steps are replays with no host work between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, GraphCounts
+from hyspec_statepool.transfer import to_device
+from torch import Tensor
+
+from hyspec_spec_workers.draft_pairs import DraftPairs
+from hyspec_spec_workers.drafter import HiddenStateDraftModel
+
+
+class OneLayerChain:
+    """The fast chain path of a hidden-state drafter whose S steps all run draft layer `layer`.
+
+    Args:
+        model: the draft network.
+        pairs: the drafter's committed pairs (draft KV, root features, pending pairs).
+        features_in: the drafter's static feature input `[R * Nmax, F]` (what the graphs read).
+        layer: the draft layer every step runs.
+        num_speculative_tokens: S.
+        chain_hidden: a step's feature is the previous step's output (else the root's target feature).
+    """
+
+    def __init__(
+        self,
+        model: HiddenStateDraftModel,
+        pairs: DraftPairs,
+        features_in: Tensor,
+        *,
+        layer: int,
+        num_speculative_tokens: int,
+        chain_hidden: bool,
+    ) -> None:
+        self.model, self.pairs, self.features_in = model, pairs, features_in
+        self.layer, self.chain_hidden = layer, chain_hidden
+        self.block0 = num_speculative_tokens + 2
+        backend = pairs.kv.backend
+        self.root_graphs = CudaGraphRunner(
+            backend, self._root_step, decode=False, verify=[(self.block0, False)]
+        )
+        self.step_graphs = CudaGraphRunner(backend, self._chain_step, decode=False, verify=[(1, False)])
+        rows = pairs.root_features.shape[0]
+        self._root_index = torch.zeros(rows, dtype=torch.int64, device=model.device)  # [R] root pair's index
+
+    def capture(self, batch_sizes: Sequence[int]) -> None:
+        self.root_graphs.capture(batch_sizes)
+        self.step_graphs.capture(batch_sizes)
+
+    @property
+    def counts(self) -> list[GraphCounts]:
+        return [self.root_graphs.counts, self.step_graphs.counts]
+
+    def draft(self, ids: list[Hashable], root: Tensor, s_run: int) -> Tensor:
+        """Chain drafts [N, s_run] int64 of these requests from their root tokens [N] (on the device)."""
+        n, e, kv, dev = len(ids), self.block0, self.pairs.kv, root.device
+        req_rows = kv.rows(ids)
+        rows = req_rows.tensor.long()
+        written = [kv.lengths[r] for r in ids]
+        pending = self.pairs.take_pending(ids)
+        q = [sum(int(t.shape[0]) for t, _ in p) for p in pending]  # each <= S + 1 (`DraftPairs.commit`)
+        # pages for the block at the final length and for the steps after the root (at written + q)
+        kv.pool.ensure_kv_capacity(ids, [w + max(e, k + s_run) for w, k in zip(written, q, strict=True)])
+        # block row i: its pending pairs, its root pair at block index q[i], then padding
+        block = torch.zeros(n * e, dtype=torch.int64, device=dev)  # [N * E]
+        feats = self.features_in[: n * e]  # [N * E, F]
+        at = torch.tensor([i * e + k for i in range(n) for k in range(q[i])], dtype=torch.int64)
+        if at.numel():
+            at = to_device(at, dtype=torch.int64, device=dev)
+            block[at] = torch.cat([t for p in pending for t, _ in p]).to(dev)
+            feats[at] = torch.cat([f for p in pending for _, f in p]).to(feats.dtype)
+        q_dev = to_device(q, dtype=torch.int64, device=dev)  # [N]
+        roots_at = torch.arange(n, device=dev) * e + q_dev  # [N]
+        block[roots_at] = root
+        feats[roots_at] = self.pairs.root_features[rows]
+        self._root_index[:n].copy_(q_dev)
+        drafts = torch.empty(n, s_run, dtype=torch.int64, device=dev)  # [N, s_run]
+        try:
+            fb = self.root_graphs.prepare_verify(
+                req_rows=req_rows, block_tokens=block.view(n, e), prefix_lens=written, tree_parents=None
+            )
+            tok, out = self.root_graphs.run(fb)  # [>= N], [>= N, F] (static outputs)
+            for r, w, k in zip(ids, written, q, strict=True):
+                kv.lengths[r] = w + k  # the pending pairs are final now
+            drafts[:, 0] = tok[:n]
+            if s_run > 1:
+                fb = self.step_graphs.prepare_verify(
+                    req_rows=req_rows,
+                    block_tokens=tok[:n, None],
+                    prefix_lens=[w + k + 1 for w, k in zip(written, q, strict=True)],
+                    tree_parents=None,
+                )
+                self.features_in[:n].copy_(out[:n] if self.chain_hidden else self.pairs.root_features[rows])
+                for j in range(1, s_run):
+                    (tok,) = self.step_graphs.run(fb)
+                    drafts[:, j] = tok  # enqueued before the next replay overwrites the static output
+        finally:
+            kv.release(ids)
+        return drafts
+
+    def _root_step(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
+        """The first step: a block per row of [pending pairs, root pair, padding] at the final length.
+
+        Writes the pending pairs' K/V (they become final) and the root pair's; the padding past the root
+        writes positions the next steps overwrite before anything reads them. Returns the first draft [N]
+        int64 and the root pair's output feature [N, F], taken at each row's `_root_index`.
+        """
+        n, e = batch.num_seqs, batch.verify_len
+        x = self.features_in[: n * e]
+        normed, out = self.model.run(batch, self.pairs.kv.backend, features=x, step=self.layer)
+        rows = torch.arange(n, device=normed.device)
+        at = self._root_index[:n]  # [N]
+        tok = self.model.logits(normed.view(n, e, -1)[rows, at]).argmax(dim=-1)  # [N]
+        return tok, out.view(n, e, -1)[rows, at]
+
+    def _chain_step(self, batch: ForwardBatch) -> tuple[Tensor]:
+        """One step on a one-token batch, leaving the next step's inputs in place (module docstring).
+
+        Reads the tokens in `batch.input_ids` and the features in `features_in`; writes the drafted tokens
+        back to `batch.input_ids`, the output hidden states to `features_in` (chained drafters) and moves
+        the batch one position on. Returns the drafted tokens [N] int64 (a graph's static output).
+        """
+        n = batch.num_seqs
+        backend = self.pairs.kv.backend
+        normed, out = self.model.run(batch, backend, features=self.features_in[:n], step=self.layer)
+        tok = self.model.logits(normed).argmax(dim=-1)  # [N] int64 (greedy draft: top-1 child)
+        batch.input_ids.copy_(tok)
+        if self.chain_hidden:
+            self.features_in[:n].copy_(out)
+        backend.advance_one_token(batch)
+        return (tok,)

@@ -1,0 +1,207 @@
+"""What a hidden-state drafter keeps per request between proposals: its committed (token, feature) pairs.
+
+Draft position p holds the draft layer's K/V for the pair (token x[p+1], target feature f[p]) (see
+hidden_state_drafter.py). With L tokens committed in the target, `DraftPairs` holds:
+
+- the draft KV (`DraftKV`): positions 0..L-2 written by a draft extend (`kv.lengths`), or some of them still
+  pending (below);
+- the root feature f[L-1] per request (`root_features`, a persistent buffer indexed by draft pool row), the
+  feature of the next proposal's root pair;
+- pending pairs: committed pairs not yet in the draft KV. A chain over one reused draft layer writes up to
+  `keep` of them inside its next proposal's first block (no forward of their own); anything more, and every
+  pair of the other drafters, is written at commit by one DRAFT_EXTEND forward (`write`).
+
+Only committed tokens with the target's features ever reach the draft KV: nothing computed from rejected
+drafts or from draft features stays there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+from hyspec_attn_backends import ForwardMode, MixerLayer
+from hyspec_statepool.transfer import to_device
+from torch import Tensor
+
+from hyspec_spec_workers.draft_kv import DraftKV, DraftMemory
+from hyspec_spec_workers.drafter import CommittedTokens, HiddenStateDraftModel
+
+Pending = list[tuple[Tensor, Tensor]]  # pieces of (tokens [q] int64, features [q, F]) in position order
+
+
+class DraftPairs:
+    """Committed pairs of every followed request: the draft KV, root features and pending pairs.
+
+    Args:
+        model: the draft network (its features and the DRAFT_EXTEND forward).
+        layers: its mixer layers (the draft KV pool's layout).
+        memory: sizing of the draft KV pool.
+        max_block: the largest proposal block written past a request's final length.
+        layer_steps: the `step` of `model.run` at each draft step; an extend runs each distinct one.
+        chain_hidden: a chained multi-layer draft feeds layer k the outputs of layer k - 1 in an extend too.
+    """
+
+    def __init__(
+        self,
+        model: HiddenStateDraftModel,
+        layers: Sequence[MixerLayer],
+        *,
+        memory: DraftMemory,
+        max_block: int,
+        layer_steps: Sequence[int],
+        chain_hidden: bool,
+    ) -> None:
+        self.model = model
+        self.layer_steps = tuple(layer_steps)
+        self.chain_hidden = chain_hidden
+        self.kv = DraftKV(
+            layers,
+            memory=memory,
+            max_block=max_block,
+            dtype=model.dtype,
+            device=model.device,
+            lag=1,  # position p pairs token p + 1 with the feature at p
+        )
+        rows, f = memory.max_num_seqs, model.feature_dim
+        self.root_features = torch.zeros(rows, f, dtype=model.dtype, device=model.device)  # [R, F]
+        self._pending: dict[Hashable, Pending] = {}
+
+    # ---------------------------------------------------------------- following requests
+
+    def add(self, req_ids: Sequence[Hashable]) -> None:
+        self.kv.add(req_ids)
+
+    def free(self, req_ids: Sequence[Hashable]) -> None:
+        for r in req_ids:
+            self._pending.pop(r, None)
+        self.kv.free(req_ids)
+
+    def start_at(
+        self, req_id: Hashable, position: int, token_ids: Sequence[int], *, salt: str | None
+    ) -> None:
+        """A request resumes at `position` from the target's prefix cache: pairs 0..position-2 come from the
+        draft's own cache (zeros where it has none), f[position-1] from a hit that covers them all (else
+        zeros)."""
+        hit = self.kv.resume(req_id, position, token_ids, salt=salt)
+        self._pending.pop(req_id, None)
+        row = self.kv.rows([req_id]).tensor.long()
+        if hit.payload is not None and hit.num_tokens == position - 1:
+            self.root_features[row] = hit.payload.to(self.root_features)
+        else:
+            self.root_features[row] = 0
+
+    def save(self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None) -> None:
+        """Saves a request's pairs in the draft's prefix cache, with f[L-1] as the payload."""
+        self.write([req_id])  # pending pairs first: the cache keeps written KV only
+        row = self.kv.rows([req_id]).tensor.long()
+        self.kv.save(req_id, token_ids, salt=salt, payload=self.root_features[row][0])  # f[L-1] [F]
+
+    # ---------------------------------------------------------------- committing
+
+    def commit(self, committed: CommittedTokens, *, keep: int | None) -> None:
+        """Newly committed tokens become pairs: pending while a request holds at most `keep` of them (a
+        one-layer chain's first block writes them), else (and always for `keep=None`) written now by one
+        draft extend."""
+        c = committed
+        ids = list(c.req_ids)
+        if not ids:
+            return
+        feats = self.model.features(c.hidden_states, c.aux_hidden_states)  # [T, F]
+        rows = self.kv.rows(ids).tensor.long()
+        prev = self.root_features[rows]  # [N, F] each row's feature before this commit (a gather: no sync)
+        starts, counts = c.start_positions.tolist(), c.num_tokens.tolist()
+        # every row's pairs (token t, feature before t) at once: indices into the tokens and into
+        # [prev; feats], so the whole commit is two gathers whatever the number of rows
+        n = len(ids)
+        tok_idx: list[int] = []
+        feat_idx: list[int] = []
+        spans: list[tuple[int, int]] = []  # per row: its pairs' first index and count
+        off = 0
+        for i, (s, q) in enumerate(zip(starts, counts, strict=True)):
+            begin = len(tok_idx)
+            if q and s == 0:
+                # the first token has no previous position: its pair does not exist
+                tok_idx.extend(range(off + 1, off + q))
+                feat_idx.extend(range(n + off, n + off + q - 1))
+            elif q:
+                tok_idx.extend(range(off, off + q))
+                feat_idx.append(i)  # the first token's previous feature is the row's root feature
+                feat_idx.extend(range(n + off, n + off + q - 1))
+            spans.append((begin, len(tok_idx) - begin))
+            off += q
+        dev = feats.device
+        pair_tok = c.tokens[to_device(tok_idx, dtype=torch.int64, device=c.tokens.device)]  # [P]
+        both = torch.cat([prev.to(feats.dtype), feats])  # [N + T, F]
+        pair_feat = both[to_device(feat_idx, dtype=torch.int64, device=dev)]  # [P, F]
+        now: list[Hashable] = []
+        last: list[int] = []  # per row with tokens: its last token's index in `feats`
+        off = 0
+        for r, s, q, (b, k) in zip(ids, starts, counts, spans, strict=True):
+            waiting = self._pending.pop(r, [])
+            have = self.kv.lengths[r] + _count(waiting)
+            if have != max(s - 1, 0):
+                raise ValueError(
+                    f"committed.start_positions: request {r!r} has {have + 1} committed tokens "
+                    f"in the draft, got a commit starting at {s}"
+                )
+            off += q
+            last.append(off - 1 if q else -1)
+            waiting.append((pair_tok[b : b + k], pair_feat[b : b + k]))
+            self._pending[r] = waiting
+            if keep is None or _count(waiting) > keep:
+                now.append(r)
+        upd = [i for i, at in enumerate(last) if at >= 0]
+        if upd:
+            dev = self.root_features.device
+            self.root_features[rows[to_device(upd, dtype=torch.int64, device=dev)]] = feats[
+                to_device([last[i] for i in upd], dtype=torch.int64, device=feats.device)
+            ].to(self.root_features.dtype)
+        self.write(now)
+
+    def take_pending(self, req_ids: Sequence[Hashable]) -> list[Pending]:
+        """The pending pairs of these requests, handed to a proposal that writes them (a chain's first
+        block); they count as written once it ran (the caller moves `kv.lengths`)."""
+        return [self._pending.pop(r, []) for r in req_ids]
+
+    def write(self, req_ids: Sequence[Hashable]) -> None:
+        """Eager draft extend over the pending pairs of these requests, in batches that fit the draft
+        backend's buffers (`DraftKV.extend_windows`)."""
+        ids = [r for r in req_ids if r in self._pending]
+        if not ids:
+            return
+        pieces = [self._pending.pop(r) for r in ids]
+        pair_tok = [torch.cat([t for t, _ in p]) for p in pieces]
+        pair_feat = [torch.cat([f for _, f in p]) for p in pieces]
+        for batch in self.kv.extend_windows([int(t.shape[0]) for t in pair_tok]):
+            self._extend(
+                [ids[i] for i, _, _ in batch],
+                [pair_tok[i][s : s + n] for i, s, n in batch],
+                [pair_feat[i][s : s + n] for i, s, n in batch],
+            )
+
+    def _extend(self, ids: list[Hashable], pair_tok: list[Tensor], pair_feat: list[Tensor]) -> None:
+        """One DRAFT_EXTEND forward writing these pairs after each request's final draft length."""
+        q_lens = [int(t.shape[0]) for t in pair_tok]
+        prefix = [self.kv.lengths[r] for r in ids]
+        total = [p + q for p, q in zip(prefix, q_lens, strict=True)]
+        self.kv.pool.ensure_kv_capacity(ids, total)
+        batch = self.kv.backend.prepare_extend(
+            req_rows=self.kv.rows(ids),
+            input_ids=torch.cat(pair_tok),
+            q_lens=q_lens,
+            prefix_lens=prefix,
+            mode=ForwardMode.DRAFT_EXTEND,
+        )
+        x = torch.cat(pair_feat).to(self.model.dtype)
+        with torch.no_grad():
+            for step in sorted(set(self.layer_steps)):
+                _, out = self.model.run(batch, self.kv.backend, features=x, step=step)
+                # chained multi-layer drafts feed layer k the outputs of layer k - 1 at the same positions
+                x = out if self.chain_hidden and len(set(self.layer_steps)) > 1 else x
+        for r, t in zip(ids, total, strict=True):
+            self.kv.lengths[r] = t
+
+
+def _count(pending: Pending) -> int:
+    return sum(int(t.shape[0]) for t, _ in pending)
