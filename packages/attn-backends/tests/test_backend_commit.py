@@ -30,7 +30,7 @@ LAYERS, TYPES, VOCAB = TOY_LAYERS, TOY_LAYER_TYPES, TOY_VOCAB
 Toy = ToyStack
 
 
-def _backend(num_state_slots: int = 9) -> HybridBackend:
+def _backend(num_state_slots: int = 9, *, mixed_steps: bool = False) -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
         max_context=32,
@@ -41,7 +41,8 @@ def _backend(num_state_slots: int = 9) -> HybridBackend:
         num_kv_pages=7 * 20,
         dtypes=F32,
     )
-    return HybridBackend(HybridStatePool(plan, debug=True), layers=LAYERS, layer_types=TYPES)
+    pool = HybridStatePool(plan, debug=True)
+    return HybridBackend(pool, layers=LAYERS, layer_types=TYPES, mixed_steps=mixed_steps)
 
 
 def _extend(toy: Toy, be: HybridBackend, seqs: dict[str, list[int]], lens: dict[str, int]) -> None:
@@ -92,8 +93,10 @@ def _sequential(toy: Toy, prompt: list[int], accepted: list[int]) -> HybridBacke
     return be
 
 
-def _setup(n: int) -> tuple[Toy, HybridBackend, list[str], dict[str, list[int]], dict[str, int]]:
-    toy, be = Toy(), _backend()
+def _setup(
+    n: int, *, mixed_steps: bool = False
+) -> tuple[Toy, HybridBackend, list[str], dict[str, list[int]], dict[str, int]]:
+    toy, be = Toy(), _backend(mixed_steps=mixed_steps)
     be.pool.alloc_detached_slots(2)  # so state slots and request rows differ
     g = torch.Generator().manual_seed(1)
     ids = [f"r{i}" for i in range(n)]
@@ -220,7 +223,7 @@ def _mixed_step(mixed: bool) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]
     blocks = torch.randint(0, VOCAB, (3, d), generator=g)
     num_accepted = torch.tensor([2, 0, 1])
     paths = torch.tensor([[0, 1, 3, -1], [0, -1, -1, -1], [0, 2, -1, -1]])
-    be = _backend()
+    be = _backend(mixed_steps=True)
     be.pool.alloc_detached_slots(3)  # state slots differ from request rows
     lens: dict[str, int] = {}
     _extend(toy, be, prompts, lens)
@@ -270,21 +273,19 @@ def test_mixed_forward_equals_its_parts_run_apart() -> None:
 
 
 def test_mixed_batch_rejects_a_request_in_both_parts_and_wrong_parts() -> None:
-    _, be, ids, _, lens = _setup(2)
+    _, be, ids, _, lens = _setup(2, mixed_steps=True)
     be.pool.ensure_kv_capacity(ids, [lens[r] + 2 for r in ids])
     vb = be.prepare_verify(
         req_rows=be.pool.req_rows(ids),
         block_tokens=torch.zeros(2, 2, dtype=torch.long),
         prefix_lens=[lens[r] for r in ids],
     )
+    one = {"input_ids": torch.tensor([3]), "q_lens": [1], "prefix_lens": [lens["r0"]], "verify": vb}
     with pytest.raises(ValueError, match="in the verify part too"):
-        be.prepare_mixed(
-            req_rows=be.pool.req_rows(["r0"]),
-            input_ids=torch.tensor([3]),
-            q_lens=[1],
-            prefix_lens=[lens["r0"]],
-            verify=vb,
-        )
+        be.prepare_mixed(req_rows=be.pool.req_rows(["r0"]), **one)
+    plain = HybridBackend(be.pool, layers=LAYERS, layer_types=TYPES)  # no second buffers
+    with pytest.raises(ValueError, match="mixed_steps"):
+        plain.prepare_mixed(req_rows=be.pool.req_rows(["r0"]), **one)
     eb = be.prepare_extend(
         req_rows=be.pool.req_rows(["r0"]), input_ids=torch.tensor([3]), q_lens=[1], prefix_lens=[lens["r0"]]
     )

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hyspec_server import LLM, EngineArgs, LLMEngine, SamplingParams
 from hyspec_server.builder import build_engine
 from hyspec_server.speculative import DrafterContext, DrafterRegistry
@@ -42,11 +43,13 @@ def _staggered(
     eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams] | None = None
 ) -> tuple[list[Any], list[str]]:
     """Adds one request per step (the rest as the engine drains); returns the outputs in prompt order and,
-    for every step that had both plain chunks and verify chunks, the mode of its one target forward. With
-    `params` the outputs are the final `RequestOutput`s, else their token ids."""
+    for every step that had both plain chunks and verify chunks, the mode of its one target forward (a round
+    that times a plain step for the adaptive cost model runs alone: its step may run two). With `params`
+    the outputs are the final `RequestOutput`s, else their token ids."""
     runner: Any = eng.runner
-    model, execute = runner.model, runner.execute
+    model, execute, spec = runner.model, runner.execute, runner.spec
     calls: list[str] = []
+    alone: list[bool] = []  # per step: its round timed a plain step, which runs alone
     shared: list[str] = []
     forwards: list[int] = []  # target forwards of every step
     forward = model.forward
@@ -55,16 +58,26 @@ def _staggered(
         calls.append(batch.mode.value)
         return forward(batch, *args, **kw)
 
+    spec_run = None if spec is None else spec.run
+
+    def run(target: Any, rows: Any, *, shares_forward: bool = False) -> Any:
+        assert spec is not None and spec_run is not None
+        alone.append(spec.timer.timing())
+        return spec_run(target, rows, shares_forward=shares_forward)
+
     def step(sched: Any) -> Any:
         calls.clear()
+        alone.clear()
         out = execute(sched)
         # recorded, not raised here: the engine would retry a failed step request by request
-        forwards.append(len(calls))
+        forwards.append(len(calls) - (1 if alone == [True] and len(calls) == 2 else 0))
         if any(c.verify for c in sched.chunks) and not all(c.verify for c in sched.chunks):
             shared.append(calls[0])
         return out
 
     model.forward, runner.execute = counted, step
+    if spec is not None:
+        spec.run = run
     ids: list[str] = []
     done: dict[str, Any] = {}
     queue = list(prompts)
@@ -78,6 +91,8 @@ def _staggered(
                     done[out.request_id] = out if params is not None else list(out.outputs[0].token_ids)
     finally:
         del model.forward, runner.execute
+        if spec is not None:
+            del spec.run
     assert forwards and set(forwards) == {1}, forwards
     return [done[i] for i in ids], shared
 
@@ -191,3 +206,82 @@ def test_riders_keep_seeded_sampling_and_prompt_logprobs(ckpts: dict[str, Path],
             assert lp_got is not None and lp_want is not None
             assert [list(e) for e in lp_got] == [list(e) for e in lp_want]
     eng.leak_check()
+
+
+def test_adaptive_drafting_survives_a_steady_stream_of_arrivals(ckpts: dict[str, Path]) -> None:
+    """Cost-aware adaptive lengths time plain steps before they draft. Those timing rounds run alone: were
+    they to share their forward with arriving prompts, they would not count, and with a new request every
+    other step the timing would never end and nothing would ever be drafted."""
+    path = ckpts["lfm2"]
+    base = dict(max_num_seqs=4, page_size=4, max_model_len=512, max_num_batched_tokens=64)
+    prompts = [[5, 9, 17, 33] * 4, [40, 41, 42] * 5]
+    greedy = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    plain = LLM.from_engine(build_engine(EngineArgs(model=str(path), **base)))
+    refs = [
+        o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    ]
+    full = [p + list(r) for p, r in zip(prompts, refs, strict=True)]
+    perfect = DrafterRegistry({"ngram": lambda ctx: ForcedDrafter(full, S, VOCAB_SIZE, True, False)})
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": S,
+        "adaptive": {"candidate_steps": [1, 3], "warmup_batches": 1, "update_interval": 1},
+    }
+    eng = build_engine(EngineArgs(model=str(path), speculative_config=spec, **base), drafters=perfect)
+    ids = [eng.add_request(p, greedy) for p in prompts]
+    done: dict[str, list[int]] = {}
+    steps = 0
+    while eng.has_unfinished() and steps < 400:
+        if steps % 2 == 1:  # a one-token request arrives every other step: most steps have a prompt chunk
+            eng.add_request([7, 8, 9], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+    assert [done[i] for i in ids] == refs
+    runner: Any = eng.runner
+    assert runner.spec.costs.has_decode and eng.stats.spec_num_drafts > 10, eng.stats.spec_num_drafts
+    assert runner.num_mixed > 0  # and drafting rounds shared their forward with the arrivals
+    eng.leak_check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["mtp", "forced_tree"])
+def test_one_forward_per_step_on_cuda_with_graphs(method: str, ckpts: dict[str, Path]) -> None:
+    """The CUDA path of MIXED steps, graphs on (bf16): every step runs the target once, MIXED forwards
+    happen, verify rounds without riders still replay their graphs, and the output is the same as the same
+    engine's with graphs off (an eager verify and a MIXED one run the same kernels)."""
+    path = ckpts["qwen3_5"]
+    spec: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": S}
+    full = [p + r for p, r in zip(PROMPTS, _cuda_refs(path), strict=True)]
+    reg = None
+    if method == "forced_tree":
+        spec["topk"] = 2
+        reg = DrafterRegistry({"mtp": _forced(full, VOCAB_SIZE, True)})
+    outs = {}
+    for eager in (True, False):
+        args = EngineArgs(
+            model=str(path),
+            speculative_config=spec,
+            device="cuda",
+            dtype="float32",
+            enforce_eager=eager,
+            **BASE,
+        )
+        eng = build_engine(args, drafters=reg)
+        outs[eager], shared = _staggered(eng, PROMPTS)
+        runner: Any = eng.runner
+        assert "mixed" in shared and runner.num_mixed > 0
+        if not eager:
+            assert runner.graphs.active and runner.graphs.counts.verify_replays > 0, runner.graphs.counts
+        eng.leak_check()
+    assert outs[False] == outs[True]
+
+
+def _cuda_refs(path: Path) -> list[list[int]]:
+    eng = build_engine(EngineArgs(model=str(path), device="cuda", dtype="float32", **BASE))
+    return [
+        o.outputs[0].token_ids
+        for o in LLM.from_engine(eng).generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy())
+    ]

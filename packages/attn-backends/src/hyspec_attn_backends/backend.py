@@ -101,6 +101,8 @@ class HybridBackend:
         layer_types: the config's `layer_types`; checked against the cores' types and the pool's specs.
         max_num_seqs, max_tokens: size of the preallocated batch buffers (default: the pool's max_num_seqs and
             max_num_seqs · max(Dmax, 256)).
+        mixed_steps: `prepare_mixed` is used (an engine step's prompt chunks beside its verify blocks): a
+            second set of batch buffers is allocated for the chunks (needs verify scratch).
 
     Batches are built by its `BatchBuilder` (how they share preallocated buffers and what `num_builds`
     counts: see there), the commit after verify is its `VerifyCommitter`'s; the layer routing is its own.
@@ -114,6 +116,7 @@ class HybridBackend:
         layer_types: Sequence[str],
         max_num_seqs: int | None = None,
         max_tokens: int | None = None,
+        mixed_steps: bool = False,
     ) -> None:
         self.pool = pool
         self.kinds = check_routing(layers, layer_types, pool.plan.specs)
@@ -128,9 +131,20 @@ class HybridBackend:
             max_tokens=max_tokens,
             kernel_checks=self._kernel_checks,
         )
-        # a MIXED step's prompt chunks: buffers of their own beside the verify block's, made on first use
-        self._mixed_builder: BatchBuilder | None = None
-        self._buffer_sizes = (max_num_seqs, max_tokens)
+        # a MIXED step's prompt chunks: buffers of their own beside the verify block's (`mixed_steps`)
+        if mixed_steps and not self.builder.max_verify_len:
+            raise ValueError("mixed_steps: MIXED forwards verify blocks, the pool has no verify scratch")
+        self._mixed_builder = (
+            BatchBuilder(
+                pool,
+                kinds=self.kinds,
+                max_num_seqs=max_num_seqs,
+                max_tokens=max_tokens,
+                kernel_checks=self._kernel_checks,
+            )
+            if mixed_steps
+            else None
+        )
         # job 3, the commit after verify
         self.committer = VerifyCommitter(pool, kinds=self.kinds, kernel_checks=self._kernel_checks)
 
@@ -209,19 +223,8 @@ class HybridBackend:
         other requests (`verify`, from `prepare_verify` without padding, still the latest batch built in the
         backend's buffers) as one forward (`MixedBatch`). The chunks go into a second set of buffers, so
         both parts stay valid until the next `prepare_mixed` / `prepare_*`."""
-        if not self.builder.max_verify_len:
-            raise ValueError(
-                "prepare_mixed: the pool has no verify scratch (build its plan with a draft_shape)"
-            )
         if self._mixed_builder is None:
-            seqs, tokens = self._buffer_sizes
-            self._mixed_builder = BatchBuilder(
-                self.pool,
-                kinds=self.kinds,
-                max_num_seqs=seqs,
-                max_tokens=tokens,
-                kernel_checks=self._kernel_checks,
-            )
+            raise ValueError("prepare_mixed: the backend was built without mixed_steps=True")
         extend = self._mixed_builder.prepare_extend(
             req_rows=req_rows, input_ids=input_ids, q_lens=q_lens, prefix_lens=prefix_lens
         )

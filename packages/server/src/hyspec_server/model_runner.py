@@ -178,6 +178,7 @@ class HyspecModelRunner:
             layer_types=self.model.layer_types,
             max_num_seqs=max_num_seqs,
             max_tokens=max(step_tokens(args), max_num_seqs * dmax),
+            mixed_steps=spec_config is not None,
         )
         self._sampler = Sampler(self._device, seed=args.seed)
         # the target's forward returns the layers a model drafter reads too (decode stays graphed with one)
@@ -201,6 +202,7 @@ class HyspecModelRunner:
         # the next decode batch is built while the device runs this one (decode_ahead.py); on the CPU
         # there is nothing to overlap with, so only tests turn it on there
         self._riders: _Riders | None = None  # a speculative step's plain chunks, until a forward runs them
+        self.num_mixed = 0  # MIXED forwards run (prompt chunks beside verify blocks)
         self.ahead = DecodeAhead(
             self.graphs,
             self.backend,
@@ -265,8 +267,13 @@ class HyspecModelRunner:
         tokens: list[SampledToken | None] = [None] * len(chunks)
         verified: list[VerifiedTokens | None] = [None] * len(chunks)
         prompt_rows: tuple[PromptLogprobRows | None, ...] = ()
-        # the plain chunks run in the round's forward (one target forward per step)
-        riders = self._riders = _Riders([chunks[i] for i in plain]) if plain else None
+        riders = _Riders([chunks[i] for i in plain]) if plain else None
+        if riders is not None and self.spec.may_share_forward():
+            self._riders = riders  # the plain chunks run in the round's forward (one target forward per step)
+        elif riders is not None:
+            # a round that times a plain step runs alone (a few per TIMING_EVERY rounds): the plain chunks go
+            # first, in a forward of their own
+            riders.queued = self.plain.forward(PlainInputs.of(riders.chunks))
         try:
             results = self.spec.run(self, rows, shares_forward=self._riders is not None)
         finally:
@@ -357,6 +364,7 @@ class HyspecModelRunner:
             verify=verify,
         )
         hidden, *aux = self._forward(mixed)  # [T_e + N * D, H] each; eager: a MIXED forward has no graph
+        self.num_mixed += 1
         h_plain, h_verify = mixed.split(hidden)
         aux_parts = [mixed.split(a) for a in aux]
         riders.queued = self.plain.queue_sampling(inp, h_plain, tuple(a for a, _ in aux_parts))

@@ -153,8 +153,9 @@ class VerifyTarget(Protocol):
 
 
 # A round runs exactly one target forward: `forward_verify`, or `decode` when nobody drafted. A target may run
-# other work of the same engine step in that forward (a server's prompt chunks: one forward per step); the
-# caller says so with `SpeculativeRound.run(..., shares_forward=True)`, and the round is then not timed.
+# other work of the same engine step in that forward (a server's prompt chunks: one forward per step) when
+# `SpeculativeRound.may_share_forward()`; the caller says so with `run(..., shares_forward=True)`, and the
+# round is then not timed.
 
 
 class SpeculativeRound:
@@ -311,6 +312,12 @@ class SpeculativeRound:
             return [0] * len(out)
         return out
 
+    def may_share_forward(self) -> bool:
+        """Whether the next round may run other work in its target forward (`run(shares_forward=True)`):
+        not while the cost model times plain steps, which run alone (a timing needs plain rounds of their
+        own, and would never finish while other work keeps arriving)."""
+        return not self.timer.timing()
+
     def begin_step(self) -> None:
         """The engine starts a step: call it first thing in every step, rounds or not (`RoundTimer`)."""
         self.timer.begin_step()
@@ -320,14 +327,15 @@ class SpeculativeRound:
     ) -> list[VerifiedTokens]:
         """One speculative round over these decoding rows.
 
-        `shares_forward`: the target runs other work of the engine step in the round's forward; the round's
-        time is then no cost measurement (a timing round then only decodes: the timing waits for a round of
-        its own).
+        `shares_forward`: the target runs other work of the engine step in the round's forward (allowed when
+        `may_share_forward()`); the round's time is then no cost measurement.
         """
         self.timer.begin_step()  # records the last round if the caller's step did not (a loop without steps)
         n = len(rows)
         ids = [r.request.request_id for r in rows]
         timing = self.timer.timing()
+        if shares_forward and timing:
+            raise ValueError("shares_forward: this round times a plain step, which must run alone")
         steps = self.draft_lengths(rows)
         clock = DraftClock(target.device)
         draft: DraftOutput | None = None
@@ -362,9 +370,7 @@ class SpeculativeRound:
             drafting = 0.0 if draft is None else clock.seconds()
             seconds = time.perf_counter() - t0 - drafting if timed else None
             # after a step with other work the next plain step's batch was not built ahead: it is not steady
-            self.timer.plain(
-                seconds, rows=n, timing=timing and not shares_forward, steady_next=not shares_forward
-            )
+            self.timer.plain(seconds, rows=n, timing=timing, steady_next=not shares_forward)
             num_acc = [0] * n
         else:
             results, block = self._verify(target, rows, draft, on_host)
