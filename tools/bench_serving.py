@@ -7,6 +7,12 @@ tokens in, `--output-len` out with ignore_eos, all requests queued at once, `--m
 
 Results: benchmarks/results/<device>-serving-sweep.{json,md}: TTFT / TPOT / ITL percentiles and output
 throughput per (budget, concurrency), and each setting's output throughput as a fraction of the best.
+
+With `--speculative-config` every server speculates (the checkpoint's random MTP head: drafts are mostly
+rejected, but every decoding step verifies a block, so steps that also prefill show what a speculative step
+costs); with `--sources A,B` (repository roots) each setting is served by each source tree in turn, its
+`packages/*/src` first on the server's PYTHONPATH, so a change is measured against the tree before it in one
+run (results `-serving-spec-ab` / `-serving-ab`).
 """
 
 from __future__ import annotations
@@ -63,7 +69,8 @@ def _bench(
 
 def _row(budget: int, conc: int, r: dict[str, Any], best: float) -> str:
     return (
-        f"| {budget} | {conc} | {r['completed']} | {r['median_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | "
+        f"| {r['source']} | {budget} | {conc} | {r['completed']} | {r['median_ttft_ms']:.0f} | "
+        f"{r['p99_ttft_ms']:.0f} | "
         f"{r['median_tpot_ms']:.1f} | {r['p99_itl_ms']:.1f} | {r['output_throughput']:.0f} | "
         f"{r['output_throughput'] / best:.2f} |"
     )
@@ -77,27 +84,35 @@ def _write(a: argparse.Namespace, device: str, runs: list[dict[str, Any]]) -> No
         "torch": torch.__version__,
         "args": vars(a) | {"out": str(a.out)},
     }
-    (a.out / f"{device}-serving-sweep.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    stem = f"{device}-serving-{_suffix(a)}"
+    (a.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
     lo, hi = round(a.input_len * (1 - a.range_ratio)), round(a.input_len * (1 + a.range_ratio))
     lines = [
         f"# Serving sweep over max_num_batched_tokens ({meta['device']})",
         "",
         f"Qwen3.5-9B-shaped random bf16 checkpoint ({a.layers} layers), `hyspec serve` with every other "
-        f"argument at its default (CUDA graphs, prefix caching on, no speculation), `hyspec bench serve`: "
+        f"argument at its default (CUDA graphs, prefix caching on, speculative config "
+        f"{a.speculative_config or 'none'}), `hyspec bench serve`: "
         f"{a.num_prompts} random prompts of {lo}-{hi} tokens, {a.output_len} output tokens (ignore_eos), all "
         f"queued at once, at most `conc` in flight.",
         "",
-        "| max_num_batched_tokens | conc | done | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p99 ms | "
-        "out tok/s | of best |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| source | max_num_batched_tokens | conc | done | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
+        "ITL p99 ms | out tok/s | of best |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for conc in concs:
         best = max(r["output_throughput"] for r in runs if r["max_concurrency"] == conc)
         lines += [
             _row(r["max_num_batched_tokens"], conc, r, best) for r in runs if r["max_concurrency"] == conc
         ]
-    (a.out / f"{device}-serving-sweep.md").write_text("\n".join(lines) + "\n")
+    (a.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _suffix(a: argparse.Namespace) -> str:
+    """The results' name: `sweep` as before; `spec` with speculation; `ab` when several trees are served."""
+    spec = "spec-" if a.speculative_config else ""
+    return f"{spec}ab" if "," in a.sources else f"{spec}sweep"
 
 
 def main() -> None:
@@ -111,6 +126,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--speculative-config", default=None, help="JSON, as `hyspec serve` takes it")
+    p.add_argument("--sources", default="", help="comma-separated repository roots to serve from, in turn")
     a = p.parse_args()
     device = torch.cuda.get_device_name().lower().replace(" ", "-")
     budgets = [int(x) for x in a.budgets.split(",")]
@@ -121,20 +138,32 @@ def main() -> None:
         ckpt = Path(tmp) / "ckpt"
         build_checkpoint(ckpt, a.layers)
         torch.cuda.empty_cache()  # the server subprocess gets the whole GPU
-        for budget in budgets:
+        sources = [Path(s) for s in a.sources.split(",") if s] or [None]
+        for budget, source in ((b, s) for b in budgets for s in sources):
             cmd = [sys.executable, "-m", "hyspec_server.cli", "serve", str(ckpt), "--port", str(a.port),
                    "--max-num-batched-tokens", str(budget)]  # fmt: skip
+            if a.speculative_config:
+                cmd += ["--speculative-config", a.speculative_config]
+            env = dict(os.environ)
+            if source is not None:
+                src = [str(p) for p in sorted((source / "packages").glob("*/src"))]
+                env["PYTHONPATH"] = os.pathsep.join([*src, env.get("PYTHONPATH", "")])
+            name = "" if source is None else source.name
             t0 = time.perf_counter()
-            proc = subprocess.Popen(
-                cmd, env=dict(os.environ), stderr=open(a.out / f"serve-{budget}.log", "wb")
-            )
+            proc = subprocess.Popen(cmd, env=env, stderr=open(a.out / f"serve-{budget}{name}.log", "wb"))
             try:
                 _wait_healthy(f"http://127.0.0.1:{a.port}", proc, 300)
                 start_s = time.perf_counter() - t0
                 for conc in concs:
-                    r = _bench(a.port, ckpt, conc, a, Path(tmp), f"b{budget}-c{conc}.json")
+                    r = _bench(a.port, ckpt, conc, a, Path(tmp), f"b{budget}-c{conc}{name}.json")
                     runs.append(
-                        {"max_num_batched_tokens": budget, "max_concurrency": conc, "startup_s": start_s, **r}
+                        {
+                            "source": str(source or "this tree"),
+                            "max_num_batched_tokens": budget,
+                            "max_concurrency": conc,
+                            "startup_s": start_s,
+                            **r,
+                        }
                     )
                     _write(a, device, runs)
                     print(json.dumps({k: runs[-1][k] for k in ("max_num_batched_tokens", "max_concurrency",
