@@ -245,8 +245,14 @@ def _mixed_step(mixed: bool) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]
         "tree_parents": torch.tensor([[-1, 0, 0, 1]] * 3),
     }
     if mixed:
-        vb = be.prepare_verify(**ver_args)
-        batch = be.prepare_mixed(**ext, verify=vb)
+        batch = be.prepare_mixed(
+            **ext,
+            verify_rows=ver_args["req_rows"],
+            block_tokens=blocks,
+            verify_prefix_lens=ver_args["prefix_lens"],
+            tree_parents=ver_args["tree_parents"],
+        )
+        vb = batch.verify
         assert batch.mode is ForwardMode.MIXED and batch.num_tokens == 4 + 3 * d
         out = toy.run(be, batch)
     else:
@@ -275,12 +281,14 @@ def test_mixed_forward_equals_its_parts_run_apart() -> None:
 def test_mixed_batch_rejects_a_request_in_both_parts_and_wrong_parts() -> None:
     _, be, ids, _, lens = _setup(2, mixed_steps=True)
     be.pool.ensure_kv_capacity(ids, [lens[r] + 2 for r in ids])
-    vb = be.prepare_verify(
-        req_rows=be.pool.req_rows(ids),
-        block_tokens=torch.zeros(2, 2, dtype=torch.long),
-        prefix_lens=[lens[r] for r in ids],
-    )
-    one = {"input_ids": torch.tensor([3]), "q_lens": [1], "prefix_lens": [lens["r0"]], "verify": vb}
+    one = {
+        "input_ids": torch.tensor([3]),
+        "q_lens": [1],
+        "prefix_lens": [lens["r0"]],
+        "verify_rows": be.pool.req_rows(ids),
+        "block_tokens": torch.zeros(2, 2, dtype=torch.long),
+        "verify_prefix_lens": [lens[r] for r in ids],
+    }
     with pytest.raises(ValueError, match="in the verify part too"):
         be.prepare_mixed(req_rows=be.pool.req_rows(["r0"]), **one)
     plain = HybridBackend(be.pool, layers=LAYERS, layer_types=TYPES)  # no second buffers

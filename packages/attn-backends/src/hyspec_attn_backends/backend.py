@@ -217,14 +217,24 @@ class HybridBackend:
         input_ids: Tensor,
         q_lens: Sequence[int],
         prefix_lens: Sequence[int],
-        verify: ForwardBatch,
+        verify_rows: ReqRows,
+        block_tokens: Tensor,
+        verify_prefix_lens: Sequence[int],
+        tree_parents: Tensor | None = None,
     ) -> MixedBatch:
-        """An engine step's prompt chunks (EXTEND, as `prepare_extend` takes them) and the verify blocks of
-        other requests (`verify`, from `prepare_verify` without padding, still the latest batch built in the
-        backend's buffers) as one forward (`MixedBatch`). The chunks go into a second set of buffers, so
-        both parts stay valid until the next `prepare_mixed` / `prepare_*`."""
+        """An engine step's prompt chunks (EXTEND: `req_rows`, `input_ids`, `q_lens`, `prefix_lens` as
+        `prepare_extend` takes them) and the verify blocks of other requests (`verify_rows`, `block_tokens`,
+        `verify_prefix_lens`, `tree_parents` as `prepare_verify` takes them, unpadded) as one forward
+        (`MixedBatch`). The chunks go into a second set of buffers, so both parts stay valid until the next
+        `prepare_*`; commit with `commit_after_verify(batch=mixed.verify, ...)`."""
         if self._mixed_builder is None:
             raise ValueError("prepare_mixed: the backend was built without mixed_steps=True")
+        verify = self.builder.prepare_verify(
+            req_rows=verify_rows,
+            block_tokens=block_tokens,
+            prefix_lens=verify_prefix_lens,
+            tree_parents=tree_parents,
+        )
         extend = self._mixed_builder.prepare_extend(
             req_rows=req_rows, input_ids=input_ids, q_lens=q_lens, prefix_lens=prefix_lens
         )

@@ -349,26 +349,23 @@ class HyspecModelRunner:
             hidden, *aux = self.graphs.run(batch)  # [N * D, H] live rows (graph outputs: use before the next)
             return batch, hidden, tuple(aux)
         # the step's plain chunks beside the verify blocks: one MIXED forward, eager
-        verify = self.backend.prepare_verify(
-            req_rows=self.pool.req_rows(ids),
-            block_tokens=block_tokens,
-            prefix_lens=list(prefix_lens),
-            tree_parents=tree_parents,
-        )
         inp = PlainInputs.of(riders.chunks)
         mixed = self.backend.prepare_mixed(
             req_rows=self.pool.req_rows(inp.ids),
             input_ids=inp.input_ids,
             q_lens=inp.q_lens,
             prefix_lens=inp.prefix,
-            verify=verify,
+            verify_rows=self.pool.req_rows(ids),
+            block_tokens=block_tokens,
+            verify_prefix_lens=list(prefix_lens),
+            tree_parents=tree_parents,
         )
         hidden, *aux = self._forward(mixed)  # [T_e + N * D, H] each; eager: a MIXED forward has no graph
         self.num_mixed += 1
         h_plain, h_verify = mixed.split(hidden)
         aux_parts = [mixed.split(a) for a in aux]
         riders.queued = self.plain.queue_sampling(inp, h_plain, tuple(a for a, _ in aux_parts))
-        return verify, h_verify, tuple(v for _, v in aux_parts)
+        return mixed.verify, h_verify, tuple(v for _, v in aux_parts)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.model.compute_logits(hidden)  # [T, V]
