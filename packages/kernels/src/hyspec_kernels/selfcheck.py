@@ -49,7 +49,7 @@ def build_cases(device: str) -> dict[str, Case]:
     from hyspec_kernels.commit import commit_states
     from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
     from hyspec_kernels.gating import gated_rmsnorm, gdn_gating, rms_norm
-    from hyspec_kernels.gdn import gdn_decode, gdn_prefill, gdn_verify
+    from hyspec_kernels.gdn import gdn_decode, gdn_prefill, gdn_replay, gdn_verify
 
     gen = torch.Generator().manual_seed(0)
 
@@ -128,6 +128,33 @@ def build_cases(device: str) -> dict[str, Case]:
             return {"o": o[[0, 2]], "scratch": scratch[[0, 2], :d], "state": state[[1, 3]]}
 
         cases[f"gdn_verify ({name}, Dmax > D)"] = gdn_verify_case
+
+    # the replay commit: stored inputs [rows, Dmax], a path per row (-1 past its end), a track token
+    k_in, v_in = rnd(4, d_max, hk, kd), rnd(4, d_max, hv, vd)
+    g_in, b_in = (
+        -torch.rand(4, d_max, hv, generator=gen).to(device),
+        torch.rand(4, d_max, hv, generator=gen).to(device),
+    )
+    paths = idx([0, 1, 2, -1, -1, -1, 0, -1, -1, -1, -1, -1, 0, 2, 3, 5, -1, -1])  # 3 rows of 6
+
+    def gdn_replay_case(be: Backend) -> Result:
+        state = gdn_pool.clone()
+        gdn_replay(
+            k_in,
+            v_in,
+            g_in,
+            b_in,
+            state=state,
+            state_slots=idx(slots),
+            rows=idx([2, 1, 0]),
+            paths=paths.view(3, 6),
+            track_slots=idx([0, -1, 4]),
+            track_steps=idx([1, -1, 3]),
+            backend=be,
+        )
+        return {"state": state[[0, 1, 3, 4]]}
+
+    cases["gdn_replay (paths, track slots)"] = gdn_replay_case
 
     ch, width = 12, 4
     xc, wc, bc = rnd(t, ch), rnd(ch, width), rnd(ch)

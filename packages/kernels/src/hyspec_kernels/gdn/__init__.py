@@ -1,10 +1,10 @@
-"""Gated delta rule (GDN): chunked prefill, recurrent decode and chain/tree verify.
+"""Gated delta rule (GDN): chunked prefill, recurrent decode, chain/tree verify and the replay commit.
 
 Each op has a token-by-token fp32 reference (`reference`), a vectorised torch path for CPU (`torch_impl`) and
 Triton kernels (`triton_recurrent`, `triton_chunk`), behind the validated wrappers re-exported here.
 """
 
-from .op import GDNPrefillOutput, gdn_decode, gdn_prefill, gdn_verify
+from .op import GDNPrefillOutput, gdn_decode, gdn_prefill, gdn_replay, gdn_verify
 from .reference import CHUNK_SIZE, gdn_reference_sequence, gdn_reference_tree
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "gdn_prefill",
     "gdn_reference_sequence",
     "gdn_reference_tree",
+    "gdn_replay",
     "gdn_verify",
 ]

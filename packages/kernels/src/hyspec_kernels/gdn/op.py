@@ -140,7 +140,13 @@ def _decode_triton(
     """Decode as a one-token verify block without scratch (the same recurrent kernel)."""
     one = (t.unsqueeze(1) for t in (q, k, v, g, beta))
     o = _verify_triton(
-        *one, state=state, state_slots=state_slots, scratch=None, scratch_rows=None, parents=None
+        *one,
+        state=state,
+        state_slots=state_slots,
+        scratch=None,
+        scratch_rows=None,
+        parents=None,
+        write_state=True,
     )
     return o.squeeze(1)
 
@@ -157,8 +163,10 @@ def _verify_triton(
     scratch: torch.Tensor | None,
     scratch_rows: torch.Tensor | None,
     parents: torch.Tensor | None,
+    write_state: bool = False,
 ) -> torch.Tensor:
-    """The recurrent kernel over [N, D] blocks; without scratch (decode) it writes the final state instead."""
+    """The recurrent kernel over [N, D] blocks: verify (the steps' states to scratch, or nothing without
+    scratch), or with `write_state` decode (the final state written back)."""
     from .triton_recurrent import launch_recurrent
 
     _check_triton_dims(q.shape[-1], v.shape[-1])
@@ -177,6 +185,7 @@ def _verify_triton(
         scratch_rows=scratch_rows,
         parents=None if parents is None else parents.contiguous(),
         out_dtype=q.dtype,
+        verify=not write_state,
     )
 
 
@@ -313,6 +322,39 @@ def _check_parents(
     return t
 
 
+def _verify_outputs_only(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    backend: Backend,
+    check_indices: bool | None,
+) -> torch.Tensor:
+    """`gdn_verify` of chains without scratch: the outputs, nothing written."""
+    dev, num_seqs = q.device, q.shape[0]
+    if _check_indices_now(check_indices, dev):
+        state_slots = check_index(
+            "state_slots", state_slots, (num_seqs,), low=0, high=state.shape[0], device=dev
+        )
+    else:
+        state_slots = check_tensor("state_slots", state_slots, (num_seqs,), dtypes=INDEX_DTYPES, device=dev)
+    fn = implementation(
+        backend,
+        dev,
+        reference=reference.reference_verify,
+        torch_path=torch_impl.torch_verify,
+        triton=lambda: _verify_triton,
+    )
+    o: torch.Tensor = fn(
+        q, k, v, g, beta, state=state, state_slots=state_slots, scratch=None, scratch_rows=None, parents=None
+    )
+    return o.to(q.dtype)
+
+
 def gdn_verify(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -322,8 +364,8 @@ def gdn_verify(
     *,
     state: torch.Tensor,
     state_slots: torch.Tensor,
-    scratch: torch.Tensor,
-    scratch_rows: torch.Tensor,
+    scratch: torch.Tensor | None,
+    scratch_rows: torch.Tensor | None,
     parents: torch.Tensor | None = None,
     backend: Backend = "auto",
     check_indices: bool | None = None,
@@ -336,7 +378,8 @@ def gdn_verify(
             starts from a zero state).
         scratch: [R, Dmax, HV, K, V] fp32/bf16 with Dmax >= D; the state after step j of sequence n is written
             to scratch[scratch_rows[n], j] (row strides from the allocated Dmax). scratch_rows: [N] in
-            [0, R) or -1 (no scratch write), distinct.
+            [0, R) or -1 (no scratch write), distinct. Both None (chains only): nothing is written, the
+            accepted steps are committed by replaying them (`gdn_replay`).
         parents: [N, D] in [-1, j) for token j: the block index of token j's parent, -1 for a root, which
             continues from the committed state. None means a chain. In tree mode a token's start state is
             re-read from scratch, so every row with a state slot needs a scratch row; rows with neither get
@@ -348,6 +391,14 @@ def gdn_verify(
     q, k, v, g, beta, _hk, head_k, hv, head_v = _check_qkv(q, k, v, g, beta, ("N", "D"))
     dev, num_seqs, block = q.device, q.shape[0], q.shape[1]
     state = _check_state(state, hv, head_k, head_v, dev)
+    if scratch is None or scratch_rows is None:
+        if scratch is not None or scratch_rows is not None or parents is not None:
+            raise ValueError(
+                "scratch, scratch_rows: expected both (a tree needs them: its tokens restart from their "
+                "parents' states) or neither (a chain committed by replay)"
+            )
+        return _verify_outputs_only(q, k, v, g, beta, state=state, state_slots=state_slots, backend=backend,
+                                    check_indices=check_indices)  # fmt: skip
     scratch = check_tensor(
         "scratch", scratch, (None, None, hv, head_k, head_v), dtypes=STATE_DTYPES, device=dev
     )
@@ -397,3 +448,119 @@ def gdn_verify(
         parents=parents,
     )
     return o.to(q.dtype)
+
+
+def _replay_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    rows: torch.Tensor,
+    paths: torch.Tensor,
+    track_slots: torch.Tensor | None,
+    track_steps: torch.Tensor | None,
+) -> None:
+    from .triton_recurrent import launch_replay
+
+    _check_triton_dims(k.shape[-1], v.shape[-1])
+    _check_blocks_contiguous("state", state, 3)
+    launch_replay(
+        k.contiguous(),
+        v.contiguous(),
+        g.contiguous(),
+        beta.contiguous(),
+        state=state,
+        state_slots=state_slots,
+        rows=rows,
+        paths=paths.contiguous(),
+        track_slots=track_slots,
+        track_steps=track_steps,
+    )
+
+
+def gdn_replay(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    rows: torch.Tensor,
+    paths: torch.Tensor,
+    track_slots: torch.Tensor | None = None,
+    track_steps: torch.Tensor | None = None,
+    backend: Backend = "auto",
+    check_indices: bool | None = None,
+) -> None:
+    """Commit after a verify by replaying the accepted tokens from the committed state (ReplaySSM): the
+    verify forward keeps only its tokens' inputs (a few KB per token) instead of a state per token.
+
+    For every n with `state_slots[n] >= 0`: state[slot] takes the tokens paths[n, 0], paths[n, 1], ... (block
+    indices, in order, until the first -1) of input row `rows[n]`, exactly as the verify forward ran them
+    (the same recurrence, q unused). With `track_slots` / `track_steps`: the state after token
+    `track_steps[n]`, when that token is on the path, also goes to `state[track_slots[n]]` (-1: none).
+
+    Args:
+        k: [R, Dmax, HK, K] fp32/bf16/fp16 (as given to the verify: normalised inside). v: [R, Dmax, HV, V],
+            same dtype. g, beta: [R, Dmax, HV] fp32.
+        state: [S, HV, K, V] fp32/bf16, updated in place. state_slots: [N] in [0, S) or -1 (skipped),
+            distinct. rows: [N] in [0, R).
+        paths: [N, L] block indices in [-1, Dmax): a path's tokens first, -1 after.
+        track_slots, track_steps: [N] each, both or neither; track slots distinct from every state slot.
+    """
+    k = check_tensor("k", k, ("R", "Dmax", "HK", "K"), dtypes=FLOAT_DTYPES)
+    dev = k.device
+    r, dmax, hk, head_k = k.shape
+    v = check_tensor("v", v, (r, dmax, None, None), dtypes=(k.dtype,), device=dev)
+    hv, head_v = v.shape[2], v.shape[3]
+    if hv % hk:
+        raise ValueError(f"v: expected HV a multiple of HK = {hk}, got HV = {hv}")
+    g = check_tensor("g", g, (r, dmax, hv), dtypes=FP32, device=dev)
+    beta = check_tensor("beta", beta, (r, dmax, hv), dtypes=FP32, device=dev)
+    state = _check_state(state, hv, head_k, head_v, dev)
+    if (track_slots is None) != (track_steps is None):
+        raise ValueError("track_slots, track_steps: expected both or neither")
+    state_slots = check_tensor("state_slots", state_slots, ("N",), dtypes=INDEX_DTYPES, device=dev)
+    n = state_slots.shape[0]
+    paths = check_tensor("paths", paths, (n, None), dtypes=INDEX_DTYPES, device=dev)
+    if _check_indices_now(check_indices, dev):
+        state_slots = check_index("state_slots", state_slots, (n,), low=0, high=state.shape[0], device=dev)
+        _check_distinct("state_slots", state_slots)
+        rows = check_index("rows", rows, (n,), low=0, high=r, device=dev)
+        if bool(((paths < -1) | (paths >= dmax)).any()):
+            raise ValueError(f"paths: expected block indices in [-1, {dmax}), got {paths.tolist()}")
+        if track_slots is not None and track_steps is not None:
+            track_slots = check_index(
+                "track_slots", track_slots, (n,), low=0, high=state.shape[0], device=dev
+            )
+            track_steps = check_tensor("track_steps", track_steps, (n,), dtypes=INDEX_DTYPES, device=dev)
+            both = torch.cat([state_slots[state_slots >= 0], track_slots[track_slots >= 0]])
+            _check_distinct("track_slots", both)
+    else:
+        rows = check_tensor("rows", rows, (n,), dtypes=INDEX_DTYPES, device=dev)
+        if track_slots is not None and track_steps is not None:
+            track_slots = check_tensor("track_slots", track_slots, (n,), dtypes=INDEX_DTYPES, device=dev)
+            track_steps = check_tensor("track_steps", track_steps, (n,), dtypes=INDEX_DTYPES, device=dev)
+    fn = implementation(
+        backend,
+        dev,
+        reference=reference.reference_replay,
+        torch_path=torch_impl.torch_replay,
+        triton=lambda: _replay_triton,
+    )
+    fn(
+        k,
+        v,
+        g,
+        beta,
+        state=state,
+        state_slots=state_slots,
+        rows=rows,
+        paths=paths,
+        track_slots=track_slots,
+        track_steps=track_steps,
+    )

@@ -229,8 +229,8 @@ def reference_verify(
     *,
     state: torch.Tensor,  # [S, HV, K, V]
     state_slots: torch.Tensor,  # [N]
-    scratch: torch.Tensor,  # [R, Dmax, HV, K, V]
-    scratch_rows: torch.Tensor,  # [N]
+    scratch: torch.Tensor | None,  # [R, Dmax, HV, K, V]; None: nothing written
+    scratch_rows: torch.Tensor | None,  # [N]
     parents: torch.Tensor | None,  # [N, D]; None = chain
 ) -> torch.Tensor:
     """Verify blocks: never writes `state`; the state after step j goes to scratch[scratch_rows[n], j].
@@ -244,7 +244,40 @@ def reference_verify(
         init = _initial(state, int(state_slots[n]), True)
         par = chain if parents is None else [int(p) for p in parents[n].tolist()]
         o[n], states = gdn_reference_tree(q[n], k[n], v[n], g[n], beta[n], par, init)
-        row = int(scratch_rows[n])
-        if row >= 0:
+        row = -1 if scratch_rows is None else int(scratch_rows[n])
+        if scratch is not None and row >= 0:
             scratch[row, :block] = states.to(scratch.dtype)
     return o
+
+
+def reference_replay(
+    k: torch.Tensor,  # [R, Dmax, HK, K]
+    v: torch.Tensor,  # [R, Dmax, HV, V]
+    g: torch.Tensor,  # [R, Dmax, HV]
+    beta: torch.Tensor,  # [R, Dmax, HV]
+    *,
+    state: torch.Tensor,  # [S, HV, K, V]
+    state_slots: torch.Tensor,  # [N]
+    rows: torch.Tensor,  # [N]
+    paths: torch.Tensor,  # [N, L]
+    track_slots: torch.Tensor | None,  # [N]
+    track_steps: torch.Tensor | None,  # [N]
+) -> None:
+    """Commit by replay: for each n with a slot, the committed state[slot] takes the block tokens
+    paths[n, 0], paths[n, 1], ... (until a -1) of input row rows[n], in order; the state after token
+    track_steps[n] (when it is on the path) also goes to state[track_slots[n]]."""
+    for n in range(state_slots.shape[0]):
+        slot, row = int(state_slots[n]), int(rows[n])
+        if slot < 0:
+            continue
+        s = state[slot].float().clone()  # [HV, K, V]
+        track = -1 if track_steps is None else int(track_steps[n])
+        for node in (int(x) for x in paths[n].tolist()):
+            if node < 0:
+                break
+            kk = k[row, node]  # [HK, K]; the output (q) is not needed: k stands in for it
+            s, _ = gdn_step(s, kk, kk, v[row, node], g[row, node], beta[row, node])
+            if node == track:
+                assert track_slots is not None
+                state[int(track_slots[n])] = s.to(state.dtype)
+        state[slot] = s.to(state.dtype)

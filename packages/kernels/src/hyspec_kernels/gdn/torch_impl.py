@@ -135,8 +135,8 @@ def torch_verify(
     *,
     state: torch.Tensor,  # [S, HV, K, V]
     state_slots: torch.Tensor,  # [N]
-    scratch: torch.Tensor,  # [R, Dmax, HV, K, V]
-    scratch_rows: torch.Tensor,  # [N]
+    scratch: torch.Tensor | None,  # [R, Dmax, HV, K, V]; None: nothing written
+    scratch_rows: torch.Tensor | None,  # [N]
     parents: torch.Tensor | None,  # [N, D]; None = chain
 ) -> torch.Tensor:
     """Verify blocks, batched over sequences, looping over the D steps. Returns o [N, D, HV, V] fp32."""
@@ -153,6 +153,40 @@ def torch_verify(
             # where() so the never-written post[:, p] picked for p = -1 cannot leak NaN
             prev = torch.where((p < 0)[:, None, None, None], s0, post[rows, p.clamp(min=0)])
         post[:, j], o[:, j] = gdn_step(prev, q[:, j], k[:, j], v[:, j], g[:, j], beta[:, j])
-    keep = scratch_rows >= 0
-    scratch[scratch_rows[keep].long(), :block] = post[keep].to(scratch.dtype)
+    if scratch is not None and scratch_rows is not None:
+        keep = scratch_rows >= 0
+        scratch[scratch_rows[keep].long(), :block] = post[keep].to(scratch.dtype)
     return o
+
+
+def torch_replay(
+    k: torch.Tensor,  # [R, Dmax, HK, K]
+    v: torch.Tensor,  # [R, Dmax, HV, V]
+    g: torch.Tensor,  # [R, Dmax, HV]
+    beta: torch.Tensor,  # [R, Dmax, HV]
+    *,
+    state: torch.Tensor,  # [S, HV, K, V]
+    state_slots: torch.Tensor,  # [N]
+    rows: torch.Tensor,  # [N]
+    paths: torch.Tensor,  # [N, L]
+    track_slots: torch.Tensor | None,  # [N]
+    track_steps: torch.Tensor | None,  # [N]
+) -> None:
+    """Commit by replay (`reference_replay`), batched over rows, looping over path positions."""
+    live = state_slots >= 0
+    s = _gather_states(state, state_slots, live)  # [N, HV, K, V] fp32
+    r = rows.long().clamp(min=0)
+    for j in range(paths.shape[1]):
+        node = paths[:, j].long()
+        act = live & (node >= 0)  # [N]
+        if not bool(act.any()):
+            break
+        at = node.clamp(min=0)
+        kk = k[r, at]  # [N, HK, K]
+        nxt, _ = gdn_step(s, kk, kk, v[r, at], g[r, at], beta[r, at])
+        s = torch.where(act[:, None, None, None], nxt, s)
+        if track_steps is not None and track_slots is not None:
+            hit = act & (node == track_steps.long())
+            if bool(hit.any()):
+                state[track_slots[hit].long()] = s[hit].to(state.dtype)
+    _scatter_states(state, state_slots, s)

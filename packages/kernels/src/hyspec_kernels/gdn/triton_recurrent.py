@@ -8,6 +8,7 @@ is one coalesced load; V tiles of 8-64 columns give enough programs at small bat
 - verify: never writes `state`; stores the state after step j at scratch[row, j] using the scratch tensor's
   own strides (so its allocated Dmax, not the runtime D); in tree mode, when parents[n, j] != j - 1, it
   reloads the parent's post-state from scratch (or the committed state for parent -1) before step j.
+- verify without scratch (chains committed by replay, `gdn_replay`): outputs only, nothing written.
 
 Token inputs and outputs are contiguous; each state slot and each scratch (row, step) entry is a contiguous
 [HV, K, V] block, so only the slot, row and step strides are passed (few arguments keep the launch cheap).
@@ -46,6 +47,7 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     BV: tl.constexpr,
     IS_VERIFY: tl.constexpr,
     IS_TREE: tl.constexpr,
+    STORE_STEPS: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -97,7 +99,7 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
         b_s = b_s + b_k[:, None] * b_u[None, :]
         b_o = tl.sum(b_s * b_q[:, None], 0)  # [BV]
         tl.store(o_ptr + ((tok + j) * HV + i_hv) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
-        if IS_VERIFY:
+        if STORE_STEPS:
             tl.store(p_scratch + j * s_xd, b_s.to(scratch_ptr.dtype.element_ty), mask=m_row)
     if not IS_VERIFY:
         tl.store(p_state, b_s.to(state_ptr.dtype.element_ty), mask=m_slot)
@@ -127,20 +129,23 @@ def launch_recurrent(
     *,
     state: torch.Tensor,  # [S, HV, K, V], each slot contiguous
     state_slots: torch.Tensor,  # [N]
-    scratch: torch.Tensor | None,  # [R, Dmax, HV, K, V], each entry contiguous; None = decode
+    scratch: torch.Tensor | None,  # [R, Dmax, HV, K, V], each entry contiguous; None: decode or replay verify
     scratch_rows: torch.Tensor | None,  # [N]
     parents: torch.Tensor | None,  # [N, D] contiguous
     out_dtype: torch.dtype,
     tiles: tuple[int, int] | None = None,  # (BV, num_warps) override, for tuning
+    verify: bool | None = None,  # default: scratch given; True without scratch writes nothing at all
 ) -> torch.Tensor:
-    """Runs decode (scratch None) or verify. Returns o [N, D, HV, V] in out_dtype."""
+    """Runs decode (not `verify`: the final state written back) or verify (scratch or nothing written).
+    Returns o [N, D, HV, V] in out_dtype."""
     num_seqs, steps, num_k_heads, head_k = q.shape
     num_v_heads, head_v = v.shape[2], v.shape[3]
     o = torch.empty(num_seqs, steps, num_v_heads, head_v, dtype=out_dtype, device=q.device)
     if num_seqs == 0 or steps == 0:
         return o
-    is_verify = scratch is not None
-    xs = scratch if scratch is not None else state  # an unused pointer for decode
+    is_verify = scratch is not None if verify is None else verify
+    store_steps = scratch is not None
+    xs = scratch if scratch is not None else state  # an unused pointer without scratch
     bv, num_warps = tiles if tiles is not None else default_tiles(num_seqs * num_v_heads, head_v)
     grid = (num_seqs * num_v_heads, triton.cdiv(head_v, bv))
     gdn_recurrent_fwd_kernel[grid](
@@ -159,7 +164,7 @@ def launch_recurrent(
         head_k**-0.5,
         state.stride(0),
         xs.stride(0),
-        xs.stride(1) if is_verify else 0,
+        xs.stride(1) if store_steps else 0,
         HK=num_k_heads,
         HV=num_v_heads,
         K=head_k,
@@ -168,6 +173,125 @@ def launch_recurrent(
         BV=bv,
         IS_VERIFY=is_verify,
         IS_TREE=parents is not None,
+        STORE_STEPS=store_steps,
         num_warps=num_warps,
     )
     return o
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def gdn_replay_kernel(  # type: ignore[no-untyped-def]
+    k_ptr,  # [R, Dmax, HK, K] contiguous
+    v_ptr,  # [R, Dmax, HV, V] contiguous
+    g_ptr,  # [R, Dmax, HV] fp32 contiguous
+    beta_ptr,  # [R, Dmax, HV] fp32 contiguous
+    state_ptr,  # [S, HV, K, V]
+    slots_ptr,  # [N]
+    rows_ptr,  # [N]
+    paths_ptr,  # [N, L] contiguous
+    track_slots_ptr,  # [N] (TRACK only)
+    track_steps_ptr,  # [N] (TRACK only)
+    path_len,
+    dmax,
+    s_sn,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    TRACK: tl.constexpr,
+):
+    """Commit by replay: one program per (sequence x value head, V tile) holds the committed state tile and
+    applies the stored inputs of the path's tokens in order (the recurrence of `gdn_recurrent_fwd_kernel`
+    without q), then writes the tile to its slot (and, at the track token, to the track slot)."""
+    i_nh = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_n = (i_nh // HV).to(tl.int64)
+    i_hv = i_nh % HV
+    i_hk = i_hv // (HV // HK)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    off_hkv = i_hv * K * V + o_k[:, None] * V + o_v[None, :]
+
+    slot = tl.load(slots_ptr + i_n).to(tl.int64)
+    m_slot = m_kv & ((tl.zeros_like(o_k) + slot) >= 0)[:, None]
+    p_state = state_ptr + tl.maximum(slot, 0) * s_sn + off_hkv
+    b_s = tl.load(p_state, mask=m_slot, other=0.0).to(tl.float32)  # [BK, BV]
+    row = tl.maximum(tl.load(rows_ptr + i_n).to(tl.int64), 0)
+    if TRACK:
+        track = tl.load(track_steps_ptr + i_n).to(tl.int64)
+        t_slot = tl.load(track_slots_ptr + i_n).to(tl.int64)
+    else:
+        track = slot * 0 - 1  # int64 scalars like the loaded ones: no token is the track token
+        t_slot = slot * 0 - 1
+    m_track = m_slot & ((tl.zeros_like(o_k) + t_slot) >= 0)[:, None]
+    p_track = state_ptr + tl.maximum(t_slot, 0) * s_sn + off_hkv
+
+    for j in range(path_len):
+        node = tl.load(paths_ptr + i_n * path_len + j).to(tl.int64)
+        if node >= 0:
+            tok = row * dmax + node  # the token's index in the [R * Dmax] flattening
+            b_k = tl.load(k_ptr + (tok * HK + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_v = tl.load(v_ptr + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_g = tl.load(g_ptr + tok * HV + i_hv).to(tl.float32)
+            b_beta = tl.load(beta_ptr + tok * HV + i_hv).to(tl.float32)
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+            b_s = b_s * tl.exp(b_g)
+            b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))  # [BV]
+            b_s = b_s + b_k[:, None] * b_u[None, :]
+            if TRACK:
+                if node == track:
+                    tl.store(p_track, b_s.to(state_ptr.dtype.element_ty), mask=m_track)
+    tl.store(p_state, b_s.to(state_ptr.dtype.element_ty), mask=m_slot)
+
+
+def launch_replay(
+    k: torch.Tensor,  # [R, Dmax, HK, K] contiguous
+    v: torch.Tensor,  # [R, Dmax, HV, V] contiguous
+    g: torch.Tensor,  # [R, Dmax, HV] fp32 contiguous
+    beta: torch.Tensor,  # [R, Dmax, HV] fp32 contiguous
+    *,
+    state: torch.Tensor,  # [S, HV, K, V], each slot contiguous
+    state_slots: torch.Tensor,  # [N]
+    rows: torch.Tensor,  # [N]
+    paths: torch.Tensor,  # [N, L] contiguous
+    track_slots: torch.Tensor | None,  # [N]
+    track_steps: torch.Tensor | None,  # [N]
+) -> None:
+    """Runs the replay commit in place on `state`."""
+    num_seqs, path_len = paths.shape
+    dmax, num_k_heads, head_k = k.shape[1], k.shape[2], k.shape[3]
+    num_v_heads, head_v = v.shape[2], v.shape[3]
+    if num_seqs == 0 or path_len == 0:
+        return
+    bv, num_warps = default_tiles(num_seqs * num_v_heads, head_v)
+    grid = (num_seqs * num_v_heads, triton.cdiv(head_v, bv))
+    track = track_slots is not None and track_steps is not None
+    gdn_replay_kernel[grid](
+        k,
+        v,
+        g,
+        beta,
+        state,
+        state_slots,
+        rows,
+        paths,
+        track_slots if track_slots is not None else state_slots,
+        track_steps if track_steps is not None else state_slots,
+        path_len,
+        dmax,
+        state.stride(0),
+        HK=num_k_heads,
+        HV=num_v_heads,
+        K=head_k,
+        V=head_v,
+        BK=triton.next_power_of_2(head_k),
+        BV=bv,
+        TRACK=track,
+        num_warps=num_warps,
+    )
