@@ -1,4 +1,5 @@
-"""Commit after verify, end to end on CPU with the kernels: each slot receives exactly the chosen step."""
+"""Commit after verify, end to end on CPU with the kernels: each slot receives exactly the chosen step (a copy
+of it for state kept per verify step, a replay of the accepted path's inputs for GDN states)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hyspec_kernels.gdn import gdn_reference_sequence
 from hyspec_statepool import (
     DraftShape,
     HybridStatePool,
@@ -27,11 +29,42 @@ MakePool = Callable[..., HybridStatePool]
 
 
 def _fill_distinct(pool: HybridStatePool) -> None:
-    """Every scratch element and every committed-state element gets a value found nowhere else."""
+    """Every state and state-per-step scratch element gets a value found nowhere else; the replay inputs get
+    random values a verify could have produced."""
     offset = 0.0
-    for t in [*pool.states.scratch.values(), *pool.states.states.values()]:
+    gen = torch.Generator().manual_seed(0)
+    for name, t in [*pool.states.scratch.items(), *pool.states.states.items()]:
+        if ".replay_" in name:
+            t.copy_(torch.randn(t.shape, generator=gen))
+            if name.endswith(("replay_g", "replay_beta")):
+                t.copy_(torch.rand(t.shape, generator=gen) * (-0.5 if name.endswith("g") else 1.0))
+            continue
         t.copy_(torch.arange(t.numel(), dtype=torch.float32).reshape(t.shape) + offset)
         offset += t.numel()
+
+
+def _expected(
+    pool: HybridStatePool, before: dict[str, torch.Tensor], commits: list[tuple[int, int, int, list[int]]]
+) -> dict[str, torch.Tensor]:
+    """Every state after each (destination slot, request's slot, batch row b, path) commit (block indices;
+    [] skips it): scratch copies of the path's last step for state kept per step, a replay of the path's
+    inputs from the request's committed state for GDN states."""
+    want = {name: t.clone() for name, t in before.items()}
+    for name, state in want.items():
+        group = name[len("state.") :].rsplit(".", 1)[0]
+        scratch = pool.states.scratch.get("scratch" + name[len("state") :])
+        for slot, own, b, path in commits:
+            if not path:
+                continue
+            if scratch is not None:
+                state[:, slot] = scratch[:, b, path[-1]]
+                continue
+            ins = [pool.states.scratch[f"scratch.{group}.replay_{x}"] for x in ("k", "v", "g", "beta")]
+            for layer in range(state.shape[0]):
+                k, v, g, beta = (t[layer, b, path] for t in ins)
+                ref = gdn_reference_sequence(k, k, v, g, beta, before[name][layer, own])
+                state[layer, slot] = ref.final_state
+    return want
 
 
 def _busy_pool(make_pool: MakePool) -> tuple[HybridStatePool, ReqRows]:
@@ -64,13 +97,9 @@ def test_chain_commit_copies_exactly_the_accepted_step(make_pool: MakePool, back
     )
     assert out.steps.tolist() == [2, 0, -1] and out.track_steps is None
     slots = pool.state_slots(rows).tolist()
+    want = _expected(pool, before, list(zip(slots, slots, range(3), [[0, 1, 2], [0], []], strict=True)))
     for name, state in pool.states.states.items():
-        scratch = pool.states.scratch["scratch" + name[len("state") :]]
-        expect = before[name].clone()
-        for b, (slot, step) in enumerate(zip(slots, out.steps.tolist(), strict=True)):
-            if step >= 0:
-                expect[:, slot] = scratch[:, b, step]
-        torch.testing.assert_close(state, expect, rtol=0, atol=0)
+        torch.testing.assert_close(state, want[name], rtol=1e-5, atol=1e-5)
         # the finished row's slot kept its old state
         assert torch.equal(state[:, slots[2]], before[name][:, slots[2]])
 
@@ -109,13 +138,11 @@ def test_tree_commit_with_track_copies(make_pool: MakePool, backend: str) -> Non
     assert out.steps.tolist() == [3, 1, 2]
     assert out.track_steps is not None and out.track_steps.tolist() == [2, -1, -1]
     slots = pool.state_slots(rows).tolist()
+    commits = list(zip(slots, slots, range(3), [[0, 2, 3], [0, 1], [0, 2]], strict=True))
+    # y's track slot: its state after node 2
+    want = _expected(pool, before, [*commits, (track[1], slots[0], 0, [0, 2])])
     for name, state in pool.states.states.items():
-        scratch = pool.states.scratch["scratch" + name[len("state") :]]
-        expect = before[name].clone()
-        for b, (slot, step) in enumerate(zip(slots, [3, 1, 2], strict=True)):
-            expect[:, slot] = scratch[:, b, step]
-        expect[:, track[1]] = scratch[:, 0, 2]
-        torch.testing.assert_close(state, expect, rtol=0, atol=0)
+        torch.testing.assert_close(state, want[name], rtol=1e-5, atol=1e-5)
 
 
 def test_commit_rejects_bad_arguments(make_pool: MakePool) -> None:

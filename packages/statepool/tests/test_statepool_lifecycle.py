@@ -222,7 +222,14 @@ def test_views_alias_the_pool_tensors(make_pool: MakePool, tiny_specs: ModelStat
     gdn = pool.layer_state(3)
     assert gdn.conv is not None and gdn.conv.shape == (7, 2 * 4 + 2 * 3, 3)
     assert gdn.recurrent is not None and gdn.recurrent.shape == (7, 2, 4, 3)
-    assert gdn.recurrent_scratch is not None and gdn.recurrent_scratch.shape == (5, 5, 2, 4, 3)
+    # a verify step keeps the replay's inputs, not a recurrent state
+    assert gdn.replay is not None
+    assert [t.shape for t in (gdn.replay.k, gdn.replay.v, gdn.replay.g, gdn.replay.beta)] == [
+        (5, 5, 1, 4),
+        (5, 5, 2, 3),
+        (5, 5, 2),
+        (5, 5, 2),
+    ]
     gdn.recurrent[2] = 5.0
     assert bool((pool.states.states["state.gdn0.recurrent"][1, 2] == 5.0).all())
     conv = pool.layer_state(2)
@@ -232,7 +239,7 @@ def test_views_alias_the_pool_tensors(make_pool: MakePool, tiny_specs: ModelStat
         pool.layer_state(1)
     with pytest.raises(ValueError, match="full-attention layer id"):
         pool.kv_cache(0)
-    assert len(pool.commit_pairs()) == 3
+    assert len(pool.commit_pairs()) == 2 and len(pool.replay_layers()) == 2  # conv windows; GDN layers 0, 3
 
 
 def test_no_scratch_without_speculation(make_pool: MakePool) -> None:

@@ -59,10 +59,14 @@ def _hand_bytes(
     scratch_rows = running + 1 if spec_on else 0
     if model == "qwen":
         conv_dim = 2 * 16 * 128 + 32 * 128
-        per_slot = conv_dim * 3 * 2 + 32 * 128 * 128 * 4  # bf16 conv window, fp32 recurrent state
+        conv = conv_dim * 3 * 2  # bf16 conv window
+        per_slot = conv + 32 * 128 * 128 * 4  # and the fp32 recurrent state
+        # a verify step keeps its conv window and, instead of the recurrent state, the inputs the commit's
+        # replay reads: fp32 k, v, g and beta
+        per_step = conv + (16 * 128 + 32 * 128 + 32 + 32) * 4
         return Expected(
             state=24 * (slots + 1) * per_slot,
-            scratch=24 * scratch_rows * dmax * per_slot,
+            scratch=24 * scratch_rows * dmax * per_step,
             kv_per_page=2 * 8 * ps * 4 * 256 * 2,
             table=table,
         )
@@ -91,7 +95,13 @@ def test_plan_matches_hand_bytes_and_allocation(model: str, draft: DraftShape | 
     specs = QWEN35_9B if model == "qwen" else LFM2_1B2
     running, ctx, ps, slots = 8, 8192, 16, 10
     hand = _hand_bytes(
-        model, slots=slots, running=running, dmax=dmax, spec_on=draft is not None, ps=ps, ctx=ctx
+        model,
+        slots=slots,
+        running=running,
+        dmax=dmax,
+        spec_on=draft is not None,
+        ps=ps,
+        ctx=ctx,
     )
     fixed = hand.state + hand.scratch + hand.table
     want_pages = 1000  # below the cap of 8 requests x 513 pages, so the budget decides
@@ -159,8 +169,9 @@ def test_bf16_recurrent_state_halves_that_part() -> None:
     assert fp32.state_bytes - bf16.state_bytes == recurrent_fp32 // 2
     pool = HybridStatePool(bf16, device="meta")
     assert pool.allocated_bytes() == bf16.total_bytes
-    assert pool.layer_state(0).recurrent_scratch is not None
-    assert pool.layer_state(0).recurrent_scratch.dtype == torch.bfloat16  # type: ignore[union-attr]
+    assert fp32.scratch_bytes == bf16.scratch_bytes  # the commit replays fp32 inputs: no state per step
+    st = pool.layer_state(0)
+    assert st.replay is not None and st.replay.k.dtype == torch.float32
 
 
 def test_budget_errors_name_the_knobs() -> None:

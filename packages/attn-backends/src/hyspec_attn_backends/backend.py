@@ -20,6 +20,7 @@ from hyspec_kernels.gdn import gdn_decode, gdn_prefill, gdn_verify
 from hyspec_statepool.indices import ReqRows, StateSlots
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.specs import AttentionSpec, GDNSpec, LayerStateSpec, ModelStateSpecs, ShortConvSpec
+from hyspec_statepool.state_pool import ReplayInputs
 from torch import Tensor
 
 from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, MixedBatch, StepBatch
@@ -351,7 +352,7 @@ class HybridBackend:
             g,
             beta,
             state=st.recurrent,
-            scratch=st.recurrent_scratch,
+            replay=st.replay,
             batch=batch,
             check_indices=self._kernel_checks,
         )
@@ -478,21 +479,30 @@ def _recurrence(
     beta: Tensor,
     *,
     state: Tensor,
-    scratch: Tensor | None,
+    replay: ReplayInputs | None,
     batch: ForwardBatch,
     check_indices: bool | None,
 ) -> Tensor:
     """The gated delta rule of a GDN layer in the batch's mode. q/k [T, HK, K], v [T, HV, V], g/beta [T, HV]
-    fp32 -> o [T, HV, V]; `check_indices`: the backend's kernel-check setting."""
+    fp32 -> o [T, HV, V]; `check_indices`: the backend's kernel-check setting.
+
+    A verify keeps, per (batch row, step), the step's inputs (`replay`: the commit replays the accepted
+    steps, `gdn_replay`), no state."""
     assert batch.state_slots is not None and batch.batch_rows is not None
     slots = batch.state_slots.tensor
     if batch.mode is ForwardMode.DECODE:
         # slots come from the pool (checked at prepare time): no per-layer host read of the indices
         return gdn_decode(q, k, v, g, beta, state=state, state_slots=slots, check_indices=False)
     if batch.mode is ForwardMode.TARGET_VERIFY:
-        if scratch is None:
-            raise ValueError("recurrent_scratch: the pool has no verify scratch (plan without a draft_shape)")
         n, d = batch.num_seqs, batch.verify_len
+        if replay is None:
+            raise ValueError("replay: the pool has no verify scratch (plan without a draft_shape)")
+        # the block tokens' inputs, for the commit's replay (batch rows are 0..N-1: rows [:N] are this
+        # batch's, padded ones included); no state is kept per step
+        replay.k[:n, :d].copy_(k.view(n, d, *k.shape[1:]))
+        replay.v[:n, :d].copy_(v.view(n, d, *v.shape[1:]))
+        replay.g[:n, :d].copy_(g.view(n, d, -1))
+        replay.beta[:n, :d].copy_(beta.view(n, d, -1))
         o = gdn_verify(
             q.reshape(n, d, *q.shape[1:]),
             k.reshape(n, d, *k.shape[1:]),
@@ -501,9 +511,9 @@ def _recurrence(
             beta.reshape(n, d, -1),
             state=state,
             state_slots=slots,
-            scratch=scratch,
-            scratch_rows=batch.batch_rows.tensor,
-            parents=batch.tree_parents,
+            scratch=None,
+            scratch_rows=None,
+            parents=batch.tree_parents,  # a tree's steps live in a workspace of the call
             check_indices=False,
         )
         return o.reshape(n * d, *v.shape[1:])

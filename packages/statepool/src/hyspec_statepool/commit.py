@@ -1,8 +1,10 @@
 """Commit after verify: turn the verify result into commit and track steps, then copy state from scratch.
 
 Verify never writes the committed state; it leaves the state after every block token in scratch, indexed by
-batch row and step. This is the one place that picks which step each request keeps and calls the kernels'
-`commit_states` for all linear layers at once.
+batch row and step, or, for GDN layers of a chain plan, the block tokens' inputs, from which the accepted
+steps are replayed (`gdn_replay`: a state per request read and written once instead of one per step). This
+is the one place that picks which step each request keeps and calls the kernels' `commit_states` for all
+scratch states at once and `gdn_replay` for each replayed layer.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Literal, NamedTuple
 import torch
 from hyspec_kernels import value_checks
 from hyspec_kernels.commit import commit_states
+from hyspec_kernels.gdn import gdn_replay
 
 from hyspec_statepool.commit_math import commit_steps, track_steps
 from hyspec_statepool.indices import BatchRows, ReqRows, StateSlots
@@ -99,15 +102,43 @@ def commit_accepted_states(
         # a row without a track slot copies nothing, whatever its boundary
         t_steps = torch.where(t_slots.to(t_steps.device) >= 0, t_steps, -1)
     device = slots.tensor.device
-    commit_states(
-        pairs=pool.commit_pairs(),
-        batch_rows=batch_rows.tensor,
-        state_slots=slots.tensor,
-        steps=steps.to(device),
-        track_slots=t_slots,
-        track_steps=None if t_steps is None else t_steps.to(device),
-        check_unique=check_unique,
-        backend=backend,
-        check_indices=checks,
-    )
+    steps_dev = steps.to(device)
+    t_steps_dev = None if t_steps is None else t_steps.to(device)
+    pairs = pool.commit_pairs()
+    if pairs:
+        commit_states(
+            pairs=pairs,
+            batch_rows=batch_rows.tensor,
+            state_slots=slots.tensor,
+            steps=steps_dev,
+            track_slots=t_slots,
+            track_steps=t_steps_dev,
+            check_unique=check_unique,
+            backend=backend,
+            check_indices=checks,
+        )
+    replayed = pool.replay_layers()
+    if replayed:
+        # the accepted path: a tree's, or a chain's steps 0..commit step; a skipped row (step -1) has none
+        if accept_paths is not None:
+            paths = accept_paths.to(device)  # [N, D]
+        else:
+            col = torch.arange(dmax, device=device)[None, :]
+            paths = torch.where(col <= steps_dev[:, None], col, -1)  # [N, Dmax]
+        live = torch.where(steps_dev >= 0, slots.tensor, -1)  # [N]
+        for state, inputs in replayed:
+            gdn_replay(
+                inputs.k,
+                inputs.v,
+                inputs.g,
+                inputs.beta,
+                state=state,
+                state_slots=live,
+                rows=batch_rows.tensor,
+                paths=paths,
+                track_slots=t_slots,
+                track_steps=t_steps_dev,
+                backend=backend,
+                check_indices=checks,
+            )
     return CommitIndices(steps, t_steps)

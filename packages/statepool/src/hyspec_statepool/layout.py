@@ -3,6 +3,11 @@
 Names: `kv.k`, `kv.v` `[Lkv, P, page_size, HKV, Dh]`; per group `g` of linear layers with one spec,
 `state.<g>.<name>` `[L, slots + 1, *E]` and `scratch.<g>.<name>` `[L, max_num_seqs + 1, Dmax, *E]`;
 `table.req_to_kv` `[R, width]`, `table.page_table` `[R, max_pages]`, `table.row_to_slot` `[R]` (int32).
+
+GDN layers commit a verify by replay (`hyspec_kernels.gdn.gdn_replay`): instead of a recurrent state per
+verify step (2 MiB a layer at the 9B shape), their scratch keeps each step's inputs, `scratch.<g>.replay_k`
+`[L, R, Dmax, HK, K]`, `replay_v` `[L, R, Dmax, HV, V]`, `replay_g` and `replay_beta` `[L, R, Dmax, HV]`, all
+fp32 (so the replay runs on exactly what the verify ran on: 25 KiB a layer at the 9B shape).
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from math import prod
 
 import torch
 
-from hyspec_statepool.specs import LayerStateSpec, ModelStateSpecs, StateDtypes
+from hyspec_statepool.specs import GDNSpec, LayerStateSpec, ModelStateSpecs, StateDtypes
+
+REPLAY_INPUTS = ("replay_k", "replay_v", "replay_g", "replay_beta")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,18 +86,29 @@ def state_tensors(groups: tuple[StateGroup, ...], *, num_slots: int, dtypes: Sta
 def scratch_tensors(
     groups: tuple[StateGroup, ...], *, rows: int, max_draft_tokens: int, dtypes: StateDtypes
 ) -> list[TensorSpec]:
-    """Verify scratch, `[L, rows, Dmax, *E]`, indexed by batch row; none when `rows` is 0 (no speculation)."""
+    """Verify scratch, `[L, rows, Dmax, *E]`, indexed by batch row; none when `rows` is 0 (no speculation).
+    GDN layers keep their steps' inputs instead of their recurrent states (module docstring)."""
     if rows == 0:
         return []
-    return [
-        TensorSpec(
-            f"scratch.{g.name}.{name}",
-            (len(g.layer_ids), rows, max_draft_tokens, *shape),
-            dtypes.for_state(name),
-        )
-        for g in groups
-        for name, shape in g.spec.state_shapes().items()
-    ]
+    out: list[TensorSpec] = []
+    for g in groups:
+        lead = (len(g.layer_ids), rows, max_draft_tokens)
+        for name, shape in g.spec.state_shapes().items():
+            if name == "recurrent" and isinstance(g.spec, GDNSpec):
+                out += [
+                    TensorSpec(f"scratch.{g.name}.{n}", (*lead, *e), torch.float32)
+                    for n, e in _replay(g.spec)
+                ]
+            else:
+                out.append(TensorSpec(f"scratch.{g.name}.{name}", (*lead, *shape), dtypes.for_state(name)))
+    return out
+
+
+def _replay(spec: GDNSpec) -> list[tuple[str, tuple[int, ...]]]:
+    """Per verify step, the inputs a GDN layer's replay reads: k, v, g, beta."""
+    hk, hv = spec.num_k_heads, spec.num_v_heads
+    shapes = ((hk, spec.head_k_dim), (hv, spec.head_v_dim), (hv,), (hv,))
+    return list(zip(REPLAY_INPUTS, shapes, strict=True))
 
 
 def table_tensors(*, rows: int, width: int, page_size: int) -> list[TensorSpec]:

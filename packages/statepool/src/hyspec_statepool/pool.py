@@ -23,7 +23,7 @@ from hyspec_statepool.kv_pool import KVPool
 from hyspec_statepool.leak import LeakReport, Owner, audit
 from hyspec_statepool.request_table import RequestTable
 from hyspec_statepool.sizing import MemoryPlan
-from hyspec_statepool.state_pool import LinearLayerState, RecurrentStatePool
+from hyspec_statepool.state_pool import LinearLayerState, RecurrentStatePool, ReplayInputs
 from hyspec_statepool.translate import IndexTranslator
 
 
@@ -276,8 +276,12 @@ class HybridStatePool:
         return self.states.layer(layer_id)
 
     def commit_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`(state [L, S + 1, *E], scratch [L, R, Dmax, *E])` pairs covering every linear layer."""
+        """`(state [L, S + 1, *E], scratch [L, R, Dmax, *E])` pairs of every state kept per verify step."""
         return self.states.commit_pairs()
+
+    def replay_layers(self) -> list[tuple[torch.Tensor, ReplayInputs]]:
+        """`(state [S + 1, HV, K, V], inputs)` of the GDN layers committed by replay (chain plans)."""
+        return self.states.replay_layers()
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the pool allocated, by the names of `layout.py`."""

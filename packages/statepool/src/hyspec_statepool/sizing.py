@@ -96,7 +96,10 @@ class MemoryPlan:
     def scratch_tensors(self) -> list[TensorSpec]:
         groups = group_linear_layers(self.specs)
         return scratch_tensors(
-            groups, rows=self.scratch_rows, max_draft_tokens=self.max_draft_tokens, dtypes=self.dtypes
+            groups,
+            rows=self.scratch_rows,
+            max_draft_tokens=self.max_draft_tokens,
+            dtypes=self.dtypes,
         )
 
     @property

@@ -4,7 +4,7 @@ Per group of linear layers with one spec (one group per kind in a real model), e
 with a leading layer dim: conv `[L, slots + 1, C, W - 1]`, GDN recurrent `[L, slots + 1, HV, K, V]`. Slot 0 is
 reserved: the allocator never hands it out, unmapped request rows point at it, and in debug mode it holds NaN
 so any read shows up. Verify scratch `[L, max_num_seqs + 1, Dmax, ...]` is indexed by batch row, never by
-slot.
+slot: conv windows, and the GDN layers' per-step inputs the commit replays (layout.py).
 """
 
 from __future__ import annotations
@@ -14,19 +14,32 @@ from dataclasses import dataclass
 import torch
 
 from hyspec_statepool.errors import DoubleFreeError, PoolExhaustedError
-from hyspec_statepool.layout import group_linear_layers
+from hyspec_statepool.layout import REPLAY_INPUTS, group_linear_layers
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)
+class ReplayInputs:
+    """A GDN layer's verify inputs per (batch row, step), for the commit by replay (fp32 each)."""
+
+    k: torch.Tensor  # [R, Dmax, HK, K]
+    v: torch.Tensor  # [R, Dmax, HV, V]
+    g: torch.Tensor  # [R, Dmax, HV]
+    beta: torch.Tensor  # [R, Dmax, HV]
+
+
+@dataclass(frozen=True, slots=True)
 class LinearLayerState:
-    """Views of one linear layer's tensors (None where the kind has no such state, or without speculation)."""
+    """Views of one linear layer's tensors (None where the kind has no such state, or without speculation).
+
+    A verify keeps the conv window after each step (`conv_scratch`) and, for a GDN layer, each step's inputs
+    (`replay`), from which the commit replays the accepted path: no recurrent state per step."""
 
     conv: torch.Tensor | None  # [S + 1, C, W - 1]
     recurrent: torch.Tensor | None  # [S + 1, HV, K, V]
     conv_scratch: torch.Tensor | None  # [R, Dmax, C, W - 1]
-    recurrent_scratch: torch.Tensor | None  # [R, Dmax, HV, K, V]
+    replay: ReplayInputs | None = None
 
 
 class RecurrentStatePool:
@@ -66,22 +79,36 @@ class RecurrentStatePool:
             tensor = (self.states if prefix == "state" else self.scratch).get(f"{prefix}.{group.name}.{name}")
             return None if tensor is None else tensor[i]
 
+        inputs = [view("scratch", name) for name in REPLAY_INPUTS]
+        k, v, g, beta = inputs
+        replay = None if k is None or v is None or g is None or beta is None else ReplayInputs(k, v, g, beta)
         return LinearLayerState(
             conv=view("state", "conv"),
             recurrent=view("state", "recurrent"),
             conv_scratch=view("scratch", "conv"),
-            recurrent_scratch=view("scratch", "recurrent"),
+            replay=replay,
         )
 
     def commit_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`(state [L, S + 1, *E], scratch [L, R, Dmax, *E])` for every state tensor, for `commit_states`."""
+        """`(state [L, S + 1, *E], scratch [L, R, Dmax, *E])` for every state kept per verify step (the conv
+        windows), for `commit_states`; GDN states are replayed instead (`replay_layers`)."""
         if not self.scratch:
             raise ValueError(
                 "commit needs verify scratch: build the pool with a draft_shape (speculation on)"
             )
-        return [
-            (state, self.scratch["scratch" + name[len("state") :]]) for name, state in self.states.items()
-        ]
+        pairs = (
+            (state, self.scratch.get("scratch" + name[len("state") :])) for name, state in self.states.items()
+        )
+        return [(state, scratch) for state, scratch in pairs if scratch is not None]
+
+    def replay_layers(self) -> list[tuple[torch.Tensor, ReplayInputs]]:
+        """`(recurrent state [S + 1, HV, K, V], its verify inputs)` of every GDN layer committed by replay."""
+        out = []
+        for lid in sorted(self._where):
+            st = self.layer(lid)
+            if st.replay is not None and st.recurrent is not None:
+                out.append((st.recurrent, st.replay))
+        return out
 
     def alloc(self, n: int) -> list[int]:
         """Hand out `n` slots, zeroed so a new request never sees a previous one's state."""

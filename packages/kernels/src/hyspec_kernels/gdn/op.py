@@ -378,8 +378,8 @@ def gdn_verify(
             starts from a zero state).
         scratch: [R, Dmax, HV, K, V] fp32/bf16 with Dmax >= D; the state after step j of sequence n is written
             to scratch[scratch_rows[n], j] (row strides from the allocated Dmax). scratch_rows: [N] in
-            [0, R) or -1 (no scratch write), distinct. Both None (chains only): nothing is written, the
-            accepted steps are committed by replaying them (`gdn_replay`).
+            [0, R) or -1 (no scratch write), distinct. Both None: nothing is kept (a tree's steps live in a
+            workspace of this call), the accepted steps are committed by replaying them (`gdn_replay`).
         parents: [N, D] in [-1, j) for token j: the block index of token j's parent, -1 for a root, which
             continues from the committed state. None means a chain. In tree mode a token's start state is
             re-read from scratch, so every row with a state slot needs a scratch row; rows with neither get
@@ -391,14 +391,15 @@ def gdn_verify(
     q, k, v, g, beta, _hk, head_k, hv, head_v = _check_qkv(q, k, v, g, beta, ("N", "D"))
     dev, num_seqs, block = q.device, q.shape[0], q.shape[1]
     state = _check_state(state, hv, head_k, head_v, dev)
-    if scratch is None or scratch_rows is None:
-        if scratch is not None or scratch_rows is not None or parents is not None:
-            raise ValueError(
-                "scratch, scratch_rows: expected both (a tree needs them: its tokens restart from their "
-                "parents' states) or neither (a chain committed by replay)"
-            )
+    if (scratch is None) != (scratch_rows is None):
+        raise ValueError("scratch, scratch_rows: expected both or neither")
+    if scratch is None and parents is None:
         return _verify_outputs_only(q, k, v, g, beta, state=state, state_slots=state_slots, backend=backend,
                                     check_indices=check_indices)  # fmt: skip
+    if scratch is None:
+        # a tree's tokens restart from their parents' states: a workspace for this call only holds them
+        scratch = torch.empty(num_seqs, block, hv, head_k, head_v, dtype=torch.float32, device=dev)
+        scratch_rows = torch.arange(num_seqs, dtype=torch.int64, device=dev)
     scratch = check_tensor(
         "scratch", scratch, (None, None, hv, head_k, head_v), dtypes=STATE_DTYPES, device=dev
     )
