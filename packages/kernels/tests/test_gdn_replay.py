@@ -159,3 +159,20 @@ def test_verify_without_scratch_writes_nothing_and_replay_commits(backend: str) 
     torch.testing.assert_close(tree_got, tree_want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="scratch, scratch_rows"):
         gdn_verify(q, k, v, g, beta, state=state, state_slots=slots, scratch=scratch, scratch_rows=None)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_replay_of_a_layer_group_in_one_call_equals_layer_by_layer(backend: str) -> None:
+    """With a leading layer dim every layer of a group replays in one call (one launch): each layer equals
+    its own single-layer replay, including the track slot."""
+    layers = [_case(False, seed=10 + i) for i in range(3)]
+    c0 = layers[0]
+    stack = {name: torch.stack([c[name] for c in layers]) for name in ("k", "v", "g", "beta", "state")}
+    kw = {"state_slots": c0["slots"], "rows": c0["rows"], "paths": c0["paths"]}
+    track = {"track_slots": torch.tensor([7, -1, -1, 0]), "track_steps": torch.tensor([1, -1, -1, 0])}
+    be: dict[str, str] = {"backend": backend}
+    gdn_replay(stack["k"], stack["v"], stack["g"], stack["beta"], state=stack["state"], **kw, **track, **be)  # type: ignore[arg-type]
+    for i, c in enumerate(layers):
+        one = c["state"].clone()
+        gdn_replay(c["k"], c["v"], c["g"], c["beta"], state=one, **kw, **track, **be)  # type: ignore[arg-type]
+        torch.testing.assert_close(stack["state"][i], one, rtol=1e-6, atol=1e-6, equal_nan=True)

@@ -280,7 +280,8 @@ class HybridStatePool:
         return self.states.commit_pairs()
 
     def replay_layers(self) -> list[tuple[torch.Tensor, ReplayInputs]]:
-        """`(state [S + 1, HV, K, V], inputs)` of the GDN layers committed by replay (chain plans)."""
+        """`(state [L, S + 1, HV, K, V], inputs [L, R, Dmax, ...])` per group of GDN layers, replayed by the
+        commit."""
         return self.states.replay_layers()
 
     def tensors(self) -> dict[str, torch.Tensor]:

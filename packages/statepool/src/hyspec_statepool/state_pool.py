@@ -21,12 +21,13 @@ from hyspec_statepool.transfer import to_device
 
 @dataclass(frozen=True, slots=True)
 class ReplayInputs:
-    """A GDN layer's verify inputs per (batch row, step), for the commit by replay (fp32 each)."""
+    """A GDN layer's verify inputs per (batch row, step), for the commit by replay (fp32 each); a group's
+    have a leading layer dim (`replay_layers`)."""
 
-    k: torch.Tensor  # [R, Dmax, HK, K]
-    v: torch.Tensor  # [R, Dmax, HV, V]
-    g: torch.Tensor  # [R, Dmax, HV]
-    beta: torch.Tensor  # [R, Dmax, HV]
+    k: torch.Tensor  # [(L,) R, Dmax, HK, K]
+    v: torch.Tensor  # [(L,) R, Dmax, HV, V]
+    g: torch.Tensor  # [(L,) R, Dmax, HV]
+    beta: torch.Tensor  # [(L,) R, Dmax, HV]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,12 +103,21 @@ class RecurrentStatePool:
         return [(state, scratch) for state, scratch in pairs if scratch is not None]
 
     def replay_layers(self) -> list[tuple[torch.Tensor, ReplayInputs]]:
-        """`(recurrent state [S + 1, HV, K, V], its verify inputs)` of every GDN layer committed by replay."""
+        """`(recurrent state [L, S + 1, HV, K, V], its verify inputs [L, R, Dmax, ...])` per group of GDN
+        layers, for the commit's replay (one launch per group)."""
         out = []
-        for lid in sorted(self._where):
-            st = self.layer(lid)
-            if st.replay is not None and st.recurrent is not None:
-                out.append((st.recurrent, st.replay))
+        for g in self.groups:
+            state = self.states.get(f"state.{g.name}.recurrent")
+            inputs = [self.scratch.get(f"scratch.{g.name}.{name}") for name in REPLAY_INPUTS]
+            k, v, gate, beta = inputs
+            if (
+                state is not None
+                and k is not None
+                and v is not None
+                and gate is not None
+                and beta is not None
+            ):
+                out.append((state, ReplayInputs(k, v, gate, beta)))
         return out
 
     def alloc(self, n: int) -> list[int]:

@@ -251,33 +251,34 @@ def reference_verify(
 
 
 def reference_replay(
-    k: torch.Tensor,  # [R, Dmax, HK, K]
-    v: torch.Tensor,  # [R, Dmax, HV, V]
-    g: torch.Tensor,  # [R, Dmax, HV]
-    beta: torch.Tensor,  # [R, Dmax, HV]
+    k: torch.Tensor,  # [L, R, Dmax, HK, K]
+    v: torch.Tensor,  # [L, R, Dmax, HV, V]
+    g: torch.Tensor,  # [L, R, Dmax, HV]
+    beta: torch.Tensor,  # [L, R, Dmax, HV]
     *,
-    state: torch.Tensor,  # [S, HV, K, V]
+    state: torch.Tensor,  # [L, S, HV, K, V]
     state_slots: torch.Tensor,  # [N]
     rows: torch.Tensor,  # [N]
-    paths: torch.Tensor,  # [N, L]
+    paths: torch.Tensor,  # [N, P]
     track_slots: torch.Tensor | None,  # [N]
     track_steps: torch.Tensor | None,  # [N]
 ) -> None:
-    """Commit by replay: for each n with a slot, the committed state[slot] takes the block tokens
-    paths[n, 0], paths[n, 1], ... (until a -1) of input row rows[n], in order; the state after token
-    track_steps[n] (when it is on the path) also goes to state[track_slots[n]]."""
-    for n in range(state_slots.shape[0]):
-        slot, row = int(state_slots[n]), int(rows[n])
-        if slot < 0:
-            continue
-        s = state[slot].float().clone()  # [HV, K, V]
-        track = -1 if track_steps is None else int(track_steps[n])
-        for node in (int(x) for x in paths[n].tolist()):
-            if node < 0:
-                break
-            kk = k[row, node]  # [HK, K]; the output (q) is not needed: k stands in for it
-            s, _ = gdn_step(s, kk, kk, v[row, node], g[row, node], beta[row, node])
-            if node == track:
-                assert track_slots is not None
-                state[int(track_slots[n])] = s.to(state.dtype)
-        state[slot] = s.to(state.dtype)
+    """Commit by replay, layer by layer: for each n with a slot, the committed state[l, slot] takes the
+    block tokens paths[n, 0], paths[n, 1], ... (until a -1) of input row rows[n], in order; the state after
+    token track_steps[n] (when it is on the path) also goes to state[l, track_slots[n]]."""
+    for layer in range(state.shape[0]):
+        for n in range(state_slots.shape[0]):
+            slot, row = int(state_slots[n]), int(rows[n])
+            if slot < 0:
+                continue
+            s = state[layer, slot].float().clone()  # [HV, K, V]
+            track = -1 if track_steps is None else int(track_steps[n])
+            for node in (int(x) for x in paths[n].tolist()):
+                if node < 0:
+                    break
+                kk = k[layer, row, node]  # [HK, K]; the output (q) is not needed: k stands in for it
+                s, _ = gdn_step(s, kk, kk, v[layer, row, node], g[layer, row, node], beta[layer, row, node])
+                if node == track:
+                    assert track_slots is not None
+                    state[layer, int(track_slots[n])] = s.to(state.dtype)
+            state[layer, slot] = s.to(state.dtype)

@@ -160,33 +160,35 @@ def torch_verify(
 
 
 def torch_replay(
-    k: torch.Tensor,  # [R, Dmax, HK, K]
-    v: torch.Tensor,  # [R, Dmax, HV, V]
-    g: torch.Tensor,  # [R, Dmax, HV]
-    beta: torch.Tensor,  # [R, Dmax, HV]
+    k: torch.Tensor,  # [L, R, Dmax, HK, K]
+    v: torch.Tensor,  # [L, R, Dmax, HV, V]
+    g: torch.Tensor,  # [L, R, Dmax, HV]
+    beta: torch.Tensor,  # [L, R, Dmax, HV]
     *,
-    state: torch.Tensor,  # [S, HV, K, V]
+    state: torch.Tensor,  # [L, S, HV, K, V]
     state_slots: torch.Tensor,  # [N]
     rows: torch.Tensor,  # [N]
-    paths: torch.Tensor,  # [N, L]
+    paths: torch.Tensor,  # [N, P]
     track_slots: torch.Tensor | None,  # [N]
     track_steps: torch.Tensor | None,  # [N]
 ) -> None:
-    """Commit by replay (`reference_replay`), batched over rows, looping over path positions."""
+    """Commit by replay (`reference_replay`), batched over rows, looping over layers and path positions."""
     live = state_slots >= 0
-    s = _gather_states(state, state_slots, live)  # [N, HV, K, V] fp32
     r = rows.long().clamp(min=0)
-    for j in range(paths.shape[1]):
-        node = paths[:, j].long()
-        act = live & (node >= 0)  # [N]
-        if not bool(act.any()):
-            break
-        at = node.clamp(min=0)
-        kk = k[r, at]  # [N, HK, K]
-        nxt, _ = gdn_step(s, kk, kk, v[r, at], g[r, at], beta[r, at])
-        s = torch.where(act[:, None, None, None], nxt, s)
-        if track_steps is not None and track_slots is not None:
-            hit = act & (node == track_steps.long())
-            if bool(hit.any()):
-                state[track_slots[hit].long()] = s[hit].to(state.dtype)
-    _scatter_states(state, state_slots, s)
+    for layer in range(state.shape[0]):
+        st = state[layer]  # [S, HV, K, V]
+        s = _gather_states(st, state_slots, live)  # [N, HV, K, V] fp32
+        for j in range(paths.shape[1]):
+            node = paths[:, j].long()
+            act = live & (node >= 0)  # [N]
+            if not bool(act.any()):
+                break
+            at = node.clamp(min=0)
+            kk = k[layer, r, at]  # [N, HK, K]
+            nxt, _ = gdn_step(s, kk, kk, v[layer, r, at], g[layer, r, at], beta[layer, r, at])
+            s = torch.where(act[:, None, None, None], nxt, s)
+            if track_steps is not None and track_slots is not None:
+                hit = act & (node == track_steps.long())
+                if bool(hit.any()):
+                    st[track_slots[hit].long()] = s[hit].to(st.dtype)
+        _scatter_states(st, state_slots, s)

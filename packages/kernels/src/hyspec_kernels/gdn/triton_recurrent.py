@@ -181,18 +181,21 @@ def launch_recurrent(
 
 @triton.jit  # type: ignore[untyped-decorator]
 def gdn_replay_kernel(  # type: ignore[no-untyped-def]
-    k_ptr,  # [R, Dmax, HK, K] contiguous
-    v_ptr,  # [R, Dmax, HV, V] contiguous
-    g_ptr,  # [R, Dmax, HV] fp32 contiguous
-    beta_ptr,  # [R, Dmax, HV] fp32 contiguous
-    state_ptr,  # [S, HV, K, V]
+    k_ptr,  # [L, R, Dmax, HK, K] contiguous
+    v_ptr,  # [L, R, Dmax, HV, V] contiguous
+    g_ptr,  # [L, R, Dmax, HV] fp32 contiguous
+    beta_ptr,  # [L, R, Dmax, HV] fp32 contiguous
+    state_ptr,  # [L, S, HV, K, V]
     slots_ptr,  # [N]
     rows_ptr,  # [N]
     paths_ptr,  # [N, L] contiguous
     track_slots_ptr,  # [N] (TRACK only)
     track_steps_ptr,  # [N] (TRACK only)
+    num_seqs,
     path_len,
+    num_rows,
     dmax,
+    s_sl,
     s_sn,
     HK: tl.constexpr,
     HV: tl.constexpr,
@@ -202,11 +205,14 @@ def gdn_replay_kernel(  # type: ignore[no-untyped-def]
     BV: tl.constexpr,
     TRACK: tl.constexpr,
 ):
-    """Commit by replay: one program per (sequence x value head, V tile) holds the committed state tile and
-    applies the stored inputs of the path's tokens in order (the recurrence of `gdn_recurrent_fwd_kernel`
-    without q), then writes the tile to its slot (and, at the track token, to the track slot)."""
-    i_nh = tl.program_id(0)
+    """Commit by replay: one program per (layer x sequence x value head, V tile) holds the committed state
+    tile and applies the stored inputs of the path's tokens in order (the recurrence of
+    `gdn_recurrent_fwd_kernel` without q), then writes the tile to its slot (and, at the track token, to the
+    track slot). Every layer of a group in one launch."""
+    i_lnh = tl.program_id(0)
     i_v = tl.program_id(1)
+    i_l = (i_lnh // (num_seqs * HV)).to(tl.int64)
+    i_nh = i_lnh % (num_seqs * HV)
     i_n = (i_nh // HV).to(tl.int64)
     i_hv = i_nh % HV
     i_hk = i_hv // (HV // HK)
@@ -220,9 +226,9 @@ def gdn_replay_kernel(  # type: ignore[no-untyped-def]
 
     slot = tl.load(slots_ptr + i_n).to(tl.int64)
     m_slot = m_kv & ((tl.zeros_like(o_k) + slot) >= 0)[:, None]
-    p_state = state_ptr + tl.maximum(slot, 0) * s_sn + off_hkv
+    p_state = state_ptr + i_l * s_sl + tl.maximum(slot, 0) * s_sn + off_hkv
     b_s = tl.load(p_state, mask=m_slot, other=0.0).to(tl.float32)  # [BK, BV]
-    row = tl.maximum(tl.load(rows_ptr + i_n).to(tl.int64), 0)
+    row = i_l * num_rows + tl.maximum(tl.load(rows_ptr + i_n).to(tl.int64), 0)  # in the [L * R] flattening
     if TRACK:
         track = tl.load(track_steps_ptr + i_n).to(tl.int64)
         t_slot = tl.load(track_slots_ptr + i_n).to(tl.int64)
@@ -230,12 +236,12 @@ def gdn_replay_kernel(  # type: ignore[no-untyped-def]
         track = slot * 0 - 1  # int64 scalars like the loaded ones: no token is the track token
         t_slot = slot * 0 - 1
     m_track = m_slot & ((tl.zeros_like(o_k) + t_slot) >= 0)[:, None]
-    p_track = state_ptr + tl.maximum(t_slot, 0) * s_sn + off_hkv
+    p_track = state_ptr + i_l * s_sl + tl.maximum(t_slot, 0) * s_sn + off_hkv
 
     for j in range(path_len):
         node = tl.load(paths_ptr + i_n * path_len + j).to(tl.int64)
         if node >= 0:
-            tok = row * dmax + node  # the token's index in the [R * Dmax] flattening
+            tok = row * dmax + node  # the token's index in the [L * R * Dmax] flattening
             b_k = tl.load(k_ptr + (tok * HK + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_v = tl.load(v_ptr + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
             b_g = tl.load(g_ptr + tok * HV + i_hv).to(tl.float32)
@@ -251,12 +257,12 @@ def gdn_replay_kernel(  # type: ignore[no-untyped-def]
 
 
 def launch_replay(
-    k: torch.Tensor,  # [R, Dmax, HK, K] contiguous
-    v: torch.Tensor,  # [R, Dmax, HV, V] contiguous
-    g: torch.Tensor,  # [R, Dmax, HV] fp32 contiguous
-    beta: torch.Tensor,  # [R, Dmax, HV] fp32 contiguous
+    k: torch.Tensor,  # [L, R, Dmax, HK, K] contiguous
+    v: torch.Tensor,  # [L, R, Dmax, HV, V] contiguous
+    g: torch.Tensor,  # [L, R, Dmax, HV] fp32 contiguous
+    beta: torch.Tensor,  # [L, R, Dmax, HV] fp32 contiguous
     *,
-    state: torch.Tensor,  # [S, HV, K, V], each slot contiguous
+    state: torch.Tensor,  # [L, S, HV, K, V], each slot contiguous
     state_slots: torch.Tensor,  # [N]
     rows: torch.Tensor,  # [N]
     paths: torch.Tensor,  # [N, L] contiguous
@@ -265,12 +271,12 @@ def launch_replay(
 ) -> None:
     """Runs the replay commit in place on `state`."""
     num_seqs, path_len = paths.shape
-    dmax, num_k_heads, head_k = k.shape[1], k.shape[2], k.shape[3]
-    num_v_heads, head_v = v.shape[2], v.shape[3]
-    if num_seqs == 0 or path_len == 0:
+    num_layers, num_rows, dmax, num_k_heads, head_k = k.shape
+    num_v_heads, head_v = v.shape[3], v.shape[4]
+    if num_seqs == 0 or path_len == 0 or num_layers == 0:
         return
-    bv, num_warps = default_tiles(num_seqs * num_v_heads, head_v)
-    grid = (num_seqs * num_v_heads, triton.cdiv(head_v, bv))
+    bv, num_warps = default_tiles(num_layers * num_seqs * num_v_heads, head_v)
+    grid = (num_layers * num_seqs * num_v_heads, triton.cdiv(head_v, bv))
     track = track_slots is not None and track_steps is not None
     gdn_replay_kernel[grid](
         k,
@@ -283,9 +289,12 @@ def launch_replay(
         paths,
         track_slots if track_slots is not None else state_slots,
         track_steps if track_steps is not None else state_slots,
+        num_seqs,
         path_len,
+        num_rows,
         dmax,
         state.stride(0),
+        state.stride(1),
         HK=num_k_heads,
         HV=num_v_heads,
         K=head_k,
