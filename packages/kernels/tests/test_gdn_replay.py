@@ -176,3 +176,43 @@ def test_replay_of_a_layer_group_in_one_call_equals_layer_by_layer(backend: str)
         one = c["state"].clone()
         gdn_replay(c["k"], c["v"], c["g"], c["beta"], state=one, **kw, **track, **be)  # type: ignore[arg-type]
         torch.testing.assert_close(stack["state"][i], one, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+@pytest.mark.parametrize("tree", [False, True])
+def test_verify_keeps_the_inputs_a_replay_reads(backend: str, tree: bool) -> None:
+    """`keep_inputs`: the verify itself stores each token's raw k, v, g, beta at its input row (a row of -1
+    stores nothing, steps past D keep their poison), and replaying from them commits the scratch state."""
+    gen = torch.Generator().manual_seed(6)
+    n_seq, d, d_max, r = 3, 4, 6, 5
+    q, k = torch.randn(n_seq, d, HK, DK, generator=gen), torch.randn(n_seq, d, HK, DK, generator=gen)
+    v = torch.randn(n_seq, d, HV, DV, generator=gen)
+    g, beta = -torch.rand(n_seq, d, HV, generator=gen) * 0.5, torch.rand(n_seq, d, HV, generator=gen)
+    state = torch.full((4, HV, DK, DV), NAN)
+    slots = torch.tensor([3, 1, -1])
+    for s in (3, 1):
+        state[s] = torch.randn(HV, DK, DV, generator=gen) * 0.5
+    bufs = (
+        torch.full((r, d_max, HK, DK), NAN),
+        torch.full((r, d_max, HV, DV), NAN),
+        torch.full((r, d_max, HV), NAN),
+        torch.full((r, d_max, HV), NAN),
+    )
+    in_rows = torch.tensor([4, 0, -1])
+    parents = torch.tensor([[-1, 0, 0, 2]] * n_seq) if tree else None
+    scratch = torch.full((n_seq, d, HV, DK, DV), NAN)
+    want = gdn_verify(q, k, v, g, beta, state=state.clone(), state_slots=slots, scratch=scratch,
+                      scratch_rows=torch.arange(n_seq), parents=parents, backend="reference")  # fmt: skip
+    be: dict[str, str] = {"backend": backend}
+    got = gdn_verify(q, k, v, g, beta, state=state, state_slots=slots, scratch=None, scratch_rows=None,
+                     parents=parents, keep_inputs=bufs, input_rows=in_rows, **be)  # type: ignore[arg-type]  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for buf, x in zip(bufs, (k, v, g, beta), strict=True):
+        torch.testing.assert_close(buf[4, :d], x[0].float())
+        torch.testing.assert_close(buf[0, :d], x[1].float())
+        assert bool(buf[[1, 2, 3]].isnan().all()) and bool(buf[:, d:].isnan().all())
+    path = [[0, 2, 3], [0, 1], []] if tree else [[0, 1, 2], [0, 1], []]  # the third row has no slot
+    paths = torch.tensor([p + [-1] * (d - len(p)) for p in path])
+    gdn_replay(*bufs, state=state, state_slots=slots, rows=in_rows.clamp(min=0), paths=paths, **be)  # type: ignore[arg-type]
+    for n in range(2):
+        torch.testing.assert_close(state[int(slots[n])], scratch[n, path[n][-1]], rtol=1e-5, atol=1e-5)

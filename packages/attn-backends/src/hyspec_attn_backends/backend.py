@@ -497,12 +497,8 @@ def _recurrence(
         n, d = batch.num_seqs, batch.verify_len
         if replay is None:
             raise ValueError("replay: the pool has no verify scratch (plan without a draft_shape)")
-        # the block tokens' inputs, for the commit's replay (batch rows are 0..N-1: rows [:N] are this
-        # batch's, padded ones included); no state is kept per step
-        replay.k[:n, :d].copy_(k.view(n, d, *k.shape[1:]))
-        replay.v[:n, :d].copy_(v.view(n, d, *v.shape[1:]))
-        replay.g[:n, :d].copy_(g.view(n, d, -1))
-        replay.beta[:n, :d].copy_(beta.view(n, d, -1))
+        # no state is kept per step: the kernel stores the block tokens' inputs at their batch rows, for the
+        # commit's replay
         o = gdn_verify(
             q.reshape(n, d, *q.shape[1:]),
             k.reshape(n, d, *k.shape[1:]),
@@ -514,6 +510,8 @@ def _recurrence(
             scratch=None,
             scratch_rows=None,
             parents=batch.tree_parents,  # a tree's steps live in a workspace of the call
+            keep_inputs=(replay.k, replay.v, replay.g, replay.beta),
+            input_rows=batch.batch_rows.tensor,
             check_indices=False,
         )
         return o.reshape(n * d, *v.shape[1:])

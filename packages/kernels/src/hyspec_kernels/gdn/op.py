@@ -164,6 +164,8 @@ def _verify_triton(
     scratch_rows: torch.Tensor | None,
     parents: torch.Tensor | None,
     write_state: bool = False,
+    keep_inputs: reference.Inputs | None = None,
+    input_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The recurrent kernel over [N, D] blocks: verify (the steps' states to scratch, or nothing without
     scratch), or with `write_state` decode (the final state written back)."""
@@ -186,6 +188,8 @@ def _verify_triton(
         parents=None if parents is None else parents.contiguous(),
         out_dtype=q.dtype,
         verify=not write_state,
+        keep_inputs=keep_inputs,
+        input_rows=input_rows,
     )
 
 
@@ -322,6 +326,35 @@ def _check_parents(
     return t
 
 
+def _check_keep_inputs(
+    keep_inputs: object, input_rows: object, k: torch.Tensor, v: torch.Tensor, check_indices: bool | None
+) -> tuple[reference.Inputs, torch.Tensor]:
+    """A replay's input buffers for [N, D] blocks: fp32 k [R, Dmax, HK, K], v [R, Dmax, HV, V], g and beta
+    [R, Dmax, HV], contiguous, with Dmax >= D; rows [N] in [0, R) or -1."""
+    if not isinstance(keep_inputs, tuple) or len(keep_inputs) != 4:
+        raise ValueError("keep_inputs: expected a (k, v, g, beta) tuple of tensors")
+    n, d, hk, head_k = k.shape
+    hv, head_v, dev = v.shape[2], v.shape[3], k.device
+    kb = check_tensor("keep_inputs[0] (k)", keep_inputs[0], ("R", None, hk, head_k), dtypes=FP32, device=dev)
+    r, dmax = kb.shape[0], kb.shape[1]
+    if dmax < d:
+        raise ValueError(f"keep_inputs: expected Dmax >= D = {d} steps, got {dmax}")
+    vb = check_tensor("keep_inputs[1] (v)", keep_inputs[1], (r, dmax, hv, head_v), dtypes=FP32, device=dev)
+    gb = check_tensor("keep_inputs[2] (g)", keep_inputs[2], (r, dmax, hv), dtypes=FP32, device=dev)
+    bb = check_tensor("keep_inputs[3] (beta)", keep_inputs[3], (r, dmax, hv), dtypes=FP32, device=dev)
+    for name, t in (("k", kb), ("v", vb), ("g", gb), ("beta", bb)):
+        if not t.is_contiguous():
+            raise ValueError(
+                f"keep_inputs ({name}): expected a contiguous buffer, got strides {list(t.stride())}"
+            )
+    if _check_indices_now(check_indices, dev):
+        rows = check_index("input_rows", input_rows, (n,), low=0, high=r, device=dev)
+        _check_distinct("input_rows", rows)
+    else:
+        rows = check_tensor("input_rows", input_rows, (n,), dtypes=INDEX_DTYPES, device=dev)
+    return (kb, vb, gb, bb), rows
+
+
 def _verify_outputs_only(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -333,8 +366,10 @@ def _verify_outputs_only(
     state_slots: torch.Tensor,
     backend: Backend,
     check_indices: bool | None,
+    keep_inputs: reference.Inputs | None,
+    input_rows: torch.Tensor | None,
 ) -> torch.Tensor:
-    """`gdn_verify` of chains without scratch: the outputs, nothing written."""
+    """`gdn_verify` of chains without scratch: the outputs (and the kept inputs), no state."""
     dev, num_seqs = q.device, q.shape[0]
     if _check_indices_now(check_indices, dev):
         state_slots = check_index(
@@ -350,7 +385,18 @@ def _verify_outputs_only(
         triton=lambda: _verify_triton,
     )
     o: torch.Tensor = fn(
-        q, k, v, g, beta, state=state, state_slots=state_slots, scratch=None, scratch_rows=None, parents=None
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state=state,
+        state_slots=state_slots,
+        scratch=None,
+        scratch_rows=None,
+        parents=None,
+        keep_inputs=keep_inputs,
+        input_rows=input_rows,
     )
     return o.to(q.dtype)
 
@@ -367,6 +413,8 @@ def gdn_verify(
     scratch: torch.Tensor | None,
     scratch_rows: torch.Tensor | None,
     parents: torch.Tensor | None = None,
+    keep_inputs: reference.Inputs | None = None,
+    input_rows: torch.Tensor | None = None,
     backend: Backend = "auto",
     check_indices: bool | None = None,
 ) -> torch.Tensor:
@@ -380,6 +428,8 @@ def gdn_verify(
             to scratch[scratch_rows[n], j] (row strides from the allocated Dmax). scratch_rows: [N] in
             [0, R) or -1 (no scratch write), distinct. Both None: nothing is kept (a tree's steps live in a
             workspace of this call), the accepted steps are committed by replaying them (`gdn_replay`).
+        keep_inputs: (k [R, Dmax, HK, K], v [R, Dmax, HV, V], g [R, Dmax, HV], beta [R, Dmax, HV]) fp32
+            buffers: token j's raw inputs go to row `input_rows[n]` ([N], -1: none), step j, for the replay.
         parents: [N, D] in [-1, j) for token j: the block index of token j's parent, -1 for a root, which
             continues from the committed state. None means a chain. In tree mode a token's start state is
             re-read from scratch, so every row with a state slot needs a scratch row; rows with neither get
@@ -393,9 +443,14 @@ def gdn_verify(
     state = _check_state(state, hv, head_k, head_v, dev)
     if (scratch is None) != (scratch_rows is None):
         raise ValueError("scratch, scratch_rows: expected both or neither")
+    if (keep_inputs is None) != (input_rows is None):
+        raise ValueError("keep_inputs, input_rows: expected both or neither")
+    if keep_inputs is not None and input_rows is not None:
+        keep_inputs, input_rows = _check_keep_inputs(keep_inputs, input_rows, k, v, check_indices)
     if scratch is None and parents is None:
         return _verify_outputs_only(q, k, v, g, beta, state=state, state_slots=state_slots, backend=backend,
-                                    check_indices=check_indices)  # fmt: skip
+                                    check_indices=check_indices, keep_inputs=keep_inputs,
+                                    input_rows=input_rows)  # fmt: skip
     if scratch is None:
         # a tree's tokens restart from their parents' states: a workspace for this call only holds them
         scratch = torch.empty(num_seqs, block, hv, head_k, head_v, dtype=torch.float32, device=dev)
@@ -447,6 +502,8 @@ def gdn_verify(
         scratch=scratch,
         scratch_rows=scratch_rows,
         parents=parents,
+        keep_inputs=keep_inputs,
+        input_rows=input_rows,
     )
     return o.to(q.dtype)
 

@@ -220,6 +220,27 @@ def reference_decode(
     return torch.stack(outs)
 
 
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""A replay's input buffers: k [R, Dmax, HK, K], v [R, Dmax, HV, V], g and beta [R, Dmax, HV], fp32."""
+
+
+def store_inputs(
+    keep_inputs: Inputs | None,
+    input_rows: torch.Tensor | None,  # [N]
+    k: torch.Tensor,  # [N, D, HK, K]
+    v: torch.Tensor,  # [N, D, HV, V]
+    g: torch.Tensor,  # [N, D, HV]
+    beta: torch.Tensor,  # [N, D, HV]
+) -> None:
+    """The block tokens' raw inputs into `keep_inputs` at row `input_rows[n]`, steps 0..D-1 (-1: no row)."""
+    if keep_inputs is None or input_rows is None:
+        return
+    keep = input_rows >= 0
+    rows, d = input_rows[keep].long(), k.shape[1]
+    for buf, x in zip(keep_inputs, (k, v, g, beta), strict=True):
+        buf[rows, :d] = x[keep].float()
+
+
 def reference_verify(
     q: torch.Tensor,  # [N, D, HK, K]
     k: torch.Tensor,  # [N, D, HK, K]
@@ -232,12 +253,16 @@ def reference_verify(
     scratch: torch.Tensor | None,  # [R, Dmax, HV, K, V]; None: nothing written
     scratch_rows: torch.Tensor | None,  # [N]
     parents: torch.Tensor | None,  # [N, D]; None = chain
+    keep_inputs: Inputs | None = None,
+    input_rows: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
-    """Verify blocks: never writes `state`; the state after step j goes to scratch[scratch_rows[n], j].
+    """Verify blocks: never writes `state`; the state after step j goes to scratch[scratch_rows[n], j]; with
+    `keep_inputs` the tokens' raw inputs go there (`store_inputs`).
 
     Returns o [N, D, HV, V] fp32.
     """
     num_seqs, block = q.shape[0], q.shape[1]
+    store_inputs(keep_inputs, input_rows, k, v, g, beta)
     o = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     chain = list(range(-1, block - 1))
     for n in range(num_seqs):

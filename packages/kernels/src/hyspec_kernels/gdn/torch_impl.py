@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import CHUNK_SIZE, expand_key_heads, gdn_step, l2norm
+from .reference import CHUNK_SIZE, Inputs, expand_key_heads, gdn_step, l2norm, store_inputs
 
 
 def _gather_states(state: torch.Tensor, slots: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
@@ -138,9 +138,12 @@ def torch_verify(
     scratch: torch.Tensor | None,  # [R, Dmax, HV, K, V]; None: nothing written
     scratch_rows: torch.Tensor | None,  # [N]
     parents: torch.Tensor | None,  # [N, D]; None = chain
+    keep_inputs: Inputs | None = None,
+    input_rows: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
     """Verify blocks, batched over sequences, looping over the D steps. Returns o [N, D, HV, V] fp32."""
     num_seqs, block = q.shape[0], q.shape[1]
+    store_inputs(keep_inputs, input_rows, k, v, g, beta)
     s0 = _gather_states(state, state_slots, state_slots >= 0)  # [N, HV, K, V]
     post = torch.empty(num_seqs, block, *s0.shape[1:], dtype=torch.float32, device=q.device)
     o = torch.empty(v.shape, dtype=torch.float32, device=q.device)

@@ -8,7 +8,8 @@ is one coalesced load; V tiles of 8-64 columns give enough programs at small bat
 - verify: never writes `state`; stores the state after step j at scratch[row, j] using the scratch tensor's
   own strides (so its allocated Dmax, not the runtime D); in tree mode, when parents[n, j] != j - 1, it
   reloads the parent's post-state from scratch (or the committed state for parent -1) before step j.
-- verify without scratch (chains committed by replay, `gdn_replay`): outputs only, nothing written.
+- verify without scratch (chains committed by replay, `gdn_replay`): no state written; with `keep_inputs`
+  each token's raw k, v, g and beta go to those buffers at its input row and step, for the replay.
 
 Token inputs and outputs are contiguous; each state slot and each scratch (row, step) entry is a contiguous
 [HV, K, V] block, so only the slot, row and step strides are passed (few arguments keep the launch cheap).
@@ -34,11 +35,17 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     scratch_ptr,  # [R, Dmax, HV, K, V] (verify only)
     rows_ptr,  # [N] (verify only)
     parents_ptr,  # [N, D] (tree only)
+    kin_ptr,  # [R, Dmax, HK, K] fp32 (STORE_INPUTS only)
+    vin_ptr,  # [R, Dmax, HV, V] fp32
+    gin_ptr,  # [R, Dmax, HV] fp32
+    bin_ptr,  # [R, Dmax, HV] fp32
+    in_rows_ptr,  # [N]
     num_steps,
     scale,
     s_sn,
     s_xr,
     s_xd,
+    in_dmax,
     HK: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -48,6 +55,7 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     IS_VERIFY: tl.constexpr,
     IS_TREE: tl.constexpr,
     STORE_STEPS: tl.constexpr,
+    STORE_INPUTS: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -76,6 +84,7 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     p_scratch = scratch_ptr + tl.maximum(row, 0) * s_xr + off_hkv
 
     tok = i_n * num_steps  # token index of step 0 in the [N * D] flattening
+    in_row = tl.load(in_rows_ptr + i_n).to(tl.int64)
     for j in range(num_steps):
         if IS_TREE:
             parent = tl.load(parents_ptr + tok + j).to(tl.int64)
@@ -91,6 +100,17 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
         b_v = tl.load(v_ptr + ((tok + j) * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_g = tl.load(g_ptr + (tok + j) * HV + i_hv).to(tl.float32)
         b_beta = tl.load(beta_ptr + (tok + j) * HV + i_hv).to(tl.float32)
+        if STORE_INPUTS:
+            # the token's inputs, for the commit's replay: every program its V tile, the first V tile's
+            # programs the gates and (one per key head) the key
+            if in_row >= 0:
+                in_tok = in_row * in_dmax + j
+                tl.store(vin_ptr + (in_tok * HV + i_hv) * V + o_v, b_v, mask=m_v)
+                if i_v == 0:
+                    tl.store(gin_ptr + in_tok * HV + i_hv, b_g)
+                    tl.store(bin_ptr + in_tok * HV + i_hv, b_beta)
+                    if i_hv % (HV // HK) == 0:
+                        tl.store(kin_ptr + (in_tok * HK + i_hk) * K + o_k, b_k, mask=m_k)
         b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
 
@@ -135,6 +155,8 @@ def launch_recurrent(
     out_dtype: torch.dtype,
     tiles: tuple[int, int] | None = None,  # (BV, num_warps) override, for tuning
     verify: bool | None = None,  # default: scratch given; True without scratch writes nothing at all
+    keep_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # k, v, g, beta
+    input_rows: torch.Tensor | None = None,  # [N] rows of keep_inputs (-1: none)
 ) -> torch.Tensor:
     """Runs decode (not `verify`: the final state written back) or verify (scratch or nothing written).
     Returns o [N, D, HV, V] in out_dtype."""
@@ -146,6 +168,7 @@ def launch_recurrent(
     is_verify = scratch is not None if verify is None else verify
     store_steps = scratch is not None
     xs = scratch if scratch is not None else state  # an unused pointer without scratch
+    kin, vin, gin, bin_ = keep_inputs if keep_inputs is not None else (state, state, state, state)
     bv, num_warps = tiles if tiles is not None else default_tiles(num_seqs * num_v_heads, head_v)
     grid = (num_seqs * num_v_heads, triton.cdiv(head_v, bv))
     gdn_recurrent_fwd_kernel[grid](
@@ -160,11 +183,17 @@ def launch_recurrent(
         xs,
         scratch_rows if scratch_rows is not None else state_slots,
         parents if parents is not None else state_slots,
+        kin,
+        vin,
+        gin,
+        bin_,
+        input_rows if input_rows is not None else state_slots,
         steps,
         head_k**-0.5,
         state.stride(0),
         xs.stride(0),
         xs.stride(1) if store_steps else 0,
+        kin.shape[1] if keep_inputs is not None else 0,
         HK=num_k_heads,
         HV=num_v_heads,
         K=head_k,
@@ -174,6 +203,7 @@ def launch_recurrent(
         IS_VERIFY=is_verify,
         IS_TREE=parents is not None,
         STORE_STEPS=store_steps,
+        STORE_INPUTS=keep_inputs is not None,
         num_warps=num_warps,
     )
     return o
