@@ -111,7 +111,8 @@ def test_serve_random_counts_what_the_server_counts(
     assert 1 <= res["peak_concurrent_requests"] <= 4
     # at most a gap between each two of the 16 tokens (a chunk can carry several), within the latency
     for itls, ttft, e2el in zip(res["itls"], res["ttfts"], res["e2els"]):
-        assert 1 <= len(itls) <= 15 and ttft + sum(itls) <= e2el
+        # a busy client may get every token in one chunk (outputs waiting for a reader merge): no gap then
+        assert len(itls) <= 15 and ttft + sum(itls) <= e2el
     assert res["peak_output_throughput"] >= res["output_throughput"] * (1 - 1e-9)
     out = capsys.readouterr().out
     assert "Serving Benchmark Result" in out and "P99 TPOT (ms):" in out and "Request goodput" in out
