@@ -351,6 +351,78 @@ def test_min_tokens_with_speculation_is_lossless(qwen_ckpt: Path) -> None:
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want], spec
 
 
+@pytest.mark.parametrize("spec", [None, {"method": "mtp", "num_speculative_tokens": 3}], ids=["plain", "mtp"])
+def test_min_tokens_past_the_constraint_end_finishes_at_the_end(qwen_ckpt: Path, spec: Any) -> None:
+    """min_tokens longer than the constraint allows: once the constraint is complete its end tokens are all
+    it allows, so it ends the request there (holding them back too left no token: token 0 was sampled and
+    the engine step raised). A free request beside it is unharmed."""
+    llm = LLM(model=str(qwen_ckpt), max_num_seqs=4, speculative_config=spec)
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    bound = SamplingParams(max_tokens=12, temperature=0, min_tokens=10, structured_outputs=so)
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [5, 9, 17]}, {"prompt_token_ids": [5, 9, 17]}], [bound, free])
+    assert out[0].outputs[0].text in ("yes", "no") and out[0].outputs[0].finish_reason == "stop"
+    assert len(out[1].outputs[0].token_ids) == 12
+    llm.leak_check()
+
+
+def test_a_request_failing_after_its_step_is_aborted_alone(qwen_ckpt: Path) -> None:
+    """A request whose bookkeeping after the model step raises is aborted alone: the engine reports it with
+    the step's outputs of the others, which go on to their normal ends; over HTTP the engine thread lives."""
+    from hyspec_server.engine import EngineStepError
+    from hyspec_server.request import Request
+
+    eng = build_engine(EngineArgs(model=str(qwen_ckpt), max_num_seqs=4, max_model_len=64))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    good = eng.add_request([5, 9, 17], params)
+    bad = eng.add_request([6, 9, 17], params)
+    append = Request.append_token
+
+    def poisoned(self: Request, token_id: int, **kw: Any) -> bool:
+        if self.request_id == bad and len(self.output_token_ids) == 2:
+            raise RuntimeError("bookkeeping failed")
+        return append(self, token_id, **kw)
+
+    Request.append_token = poisoned  # type: ignore[method-assign]
+    try:
+        seen: dict[str, int] = {}
+        errors: list[EngineStepError] = []
+        while eng.has_unfinished():
+            try:
+                outs = eng.step()
+            except EngineStepError as e:
+                errors.append(e)
+                outs = e.step_outputs
+            for o in outs:
+                seen[o.request_id] = len(o.outputs[0].token_ids)
+    finally:
+        Request.append_token = append  # type: ignore[method-assign]
+    assert [e.request_ids for e in errors] == [[bad]]
+    assert [o.request_id for o in errors[0].step_outputs] == [good]
+    assert seen[good] == 6
+    eng.leak_check()
+    # over HTTP: the failing request gets an error, the engine thread serves the next one
+    srv = ServerThread(
+        build_engine(EngineArgs(model=str(qwen_ckpt), max_num_seqs=4, max_model_len=64)), model_name="q"
+    ).start()
+
+    def poisoned_prompt(self: Request, token_id: int, **kw: Any) -> bool:
+        if self.prompt_token_ids[0] == 6:
+            raise RuntimeError("bookkeeping failed")
+        return append(self, token_id, **kw)
+
+    Request.append_token = poisoned_prompt  # type: ignore[method-assign]
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+            body = {"model": "q", "max_tokens": 4, "temperature": 0}
+            assert c.post("/v1/completions", json={**body, "prompt": [6, 9, 17]}).status_code >= 400
+            assert c.post("/v1/completions", json={**body, "prompt": [5, 9, 17]}).status_code == 200
+            assert srv.async_engine.is_alive()
+    finally:
+        Request.append_token = append  # type: ignore[method-assign]
+        srv.stop()
+
+
 def test_grammar_compile_does_not_stall_other_streams() -> None:
     """While a constrained request's grammar compiles (held here until the test says so), a running stream
     keeps getting tokens: compiling happens off the engine thread. Compiled on the engine thread, the

@@ -271,7 +271,7 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 for rid in e.request_ids:
                     self._deliver(RuntimeError(f"engine step failed for request {rid}"), rid)
-                outputs = []
+                outputs = e.step_outputs  # the step served every other request
             for out in outputs:
                 self._deliver(out, out.request_id)
             self.metrics.observe(eng, memory=False)

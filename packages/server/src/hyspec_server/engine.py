@@ -40,12 +40,19 @@ class TokensPrompt:
 
 
 class EngineStepError(RuntimeError):
-    """The model step failed; the requests of that step were aborted and freed."""
+    """A step failed for these requests; they were aborted and freed (`outputs`: theirs). `step_outputs`: the
+    step's outputs of every other request, which it served normally (deliver them too)."""
 
-    def __init__(self, request_ids: list[str], outputs: list[RequestOutput]) -> None:
+    def __init__(
+        self,
+        request_ids: list[str],
+        outputs: list[RequestOutput],
+        step_outputs: Sequence[RequestOutput] = (),
+    ) -> None:
         super().__init__(f"model step failed; aborted requests {request_ids}")
         self.request_ids = request_ids
         self.outputs = outputs
+        self.step_outputs = list(step_outputs)
 
 
 log = logging.getLogger("hyspec.engine")
@@ -217,6 +224,7 @@ class LLMEngine:
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         done: list[Request] = []
+        failed: list[Request] = []  # requests whose own bookkeeping failed: aborted alone, the rest go on
         verified = result.verified or (None,) * len(sched.chunks)
         for chunk, rows in zip(sched.chunks, result.prompt_logprobs):
             if rows is not None:
@@ -229,20 +237,28 @@ class LLMEngine:
             if req.last_token_time is not None:
                 self.stats.itl.append(now - req.last_token_time)
             req.last_token_time = now
-            if ver is None:
-                finished = self._append(req, tok, now)
-            else:
-                # the block's root and the accepted drafts are in memory now; the bonus is the next root
-                req.num_computed_tokens = chunk.start + ver.num_accepted + 1
-                finished = self._append_verified(req, ver, now)
+            try:
+                if ver is None:
+                    finished = self._append(req, tok, now)
+                else:
+                    # the block's root and the accepted drafts are in memory now; the bonus is the next root
+                    req.num_computed_tokens = chunk.start + ver.num_accepted + 1
+                    finished = self._append_verified(req, ver, now)
+            except Exception:
+                log.exception("request %s failed after its model step; aborting it", req.request_id)
+                failed.append(req)
+                continue
             if finished:
                 done.append(req)
                 self._record_finished(req, now)
             outputs.append(req.make_output())
-        self.scheduler.after_step(sched.chunks)
+        self.scheduler.after_step([c for c in sched.chunks if c.request not in failed])
         self.scheduler.finish(done, cache=True)
         for req in done:
             self.requests.pop(req.request_id, None)
+        if failed:
+            outs = [out for r in failed if (out := self.abort(r.request_id)) is not None]
+            raise EngineStepError([r.request_id for r in failed], outs, outputs)
         return outputs
 
     def _append(self, req: Request, tok: SampledToken, now: float) -> bool:

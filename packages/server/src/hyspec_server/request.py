@@ -103,8 +103,11 @@ class Request:
 
     @property
     def all_stop_token_ids(self) -> frozenset[int]:
-        """EOS (unless ignored) and the stop token ids: what `min_tokens` holds back."""
-        return self.eos_token_ids | self.params.stop_token_set
+        """EOS (unless ignored) and the stop token ids: what `min_tokens` holds back. Not the tokens that end
+        a structured-output constraint: once the constraint is complete they are all it allows, so it ends
+        the request before `min_tokens` (holding them back too would leave no token to sample)."""
+        ids = self.eos_token_ids | self.params.stop_token_set
+        return ids - self.grammar.stop_token_ids if self.grammar is not None else ids
 
     @property
     def finished(self) -> bool:
