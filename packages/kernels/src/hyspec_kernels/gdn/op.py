@@ -355,52 +355,6 @@ def _check_keep_inputs(
     return (kb, vb, gb, bb), rows
 
 
-def _verify_outputs_only(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    state: torch.Tensor,
-    state_slots: torch.Tensor,
-    backend: Backend,
-    check_indices: bool | None,
-    keep_inputs: reference.Inputs | None,
-    input_rows: torch.Tensor | None,
-) -> torch.Tensor:
-    """`gdn_verify` of chains without scratch: the outputs (and the kept inputs), no state."""
-    dev, num_seqs = q.device, q.shape[0]
-    if _check_indices_now(check_indices, dev):
-        state_slots = check_index(
-            "state_slots", state_slots, (num_seqs,), low=0, high=state.shape[0], device=dev
-        )
-    else:
-        state_slots = check_tensor("state_slots", state_slots, (num_seqs,), dtypes=INDEX_DTYPES, device=dev)
-    fn = implementation(
-        backend,
-        dev,
-        reference=reference.reference_verify,
-        torch_path=torch_impl.torch_verify,
-        triton=lambda: _verify_triton,
-    )
-    o: torch.Tensor = fn(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        state=state,
-        state_slots=state_slots,
-        scratch=None,
-        scratch_rows=None,
-        parents=None,
-        keep_inputs=keep_inputs,
-        input_rows=input_rows,
-    )
-    return o.to(q.dtype)
-
-
 def gdn_verify(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -447,37 +401,37 @@ def gdn_verify(
         raise ValueError("keep_inputs, input_rows: expected both or neither")
     if keep_inputs is not None and input_rows is not None:
         keep_inputs, input_rows = _check_keep_inputs(keep_inputs, input_rows, k, v, check_indices)
-    if scratch is None and parents is None:
-        return _verify_outputs_only(q, k, v, g, beta, state=state, state_slots=state_slots, backend=backend,
-                                    check_indices=check_indices, keep_inputs=keep_inputs,
-                                    input_rows=input_rows)  # fmt: skip
-    if scratch is None:
+    if scratch is None and parents is not None:
         # a tree's tokens restart from their parents' states: a workspace for this call only holds them
         scratch = torch.empty(num_seqs, block, hv, head_k, head_v, dtype=torch.float32, device=dev)
         scratch_rows = torch.arange(num_seqs, dtype=torch.int64, device=dev)
-    scratch = check_tensor(
-        "scratch", scratch, (None, None, hv, head_k, head_v), dtypes=STATE_DTYPES, device=dev
-    )
-    if scratch.shape[1] < block:
-        raise ValueError(
-            f"scratch: expected shape [R, Dmax, {hv}, {head_k}, {head_v}] with Dmax >= D = {block}, "
-            f"got {list(scratch.shape)}"
-        )
     check = _check_indices_now(check_indices, dev)
     if check:
         state_slots = check_index(
             "state_slots", state_slots, (num_seqs,), low=0, high=state.shape[0], device=dev
         )
-        scratch_rows = check_index(
-            "scratch_rows", scratch_rows, (num_seqs,), low=0, high=scratch.shape[0], device=dev
-        )
-        _check_distinct("scratch_rows", scratch_rows)
     else:
         state_slots = check_tensor("state_slots", state_slots, (num_seqs,), dtypes=INDEX_DTYPES, device=dev)
-        scratch_rows = check_tensor(
-            "scratch_rows", scratch_rows, (num_seqs,), dtypes=INDEX_DTYPES, device=dev
+    if scratch is not None and scratch_rows is not None:  # else a chain keeping no state
+        scratch = check_tensor(
+            "scratch", scratch, (None, None, hv, head_k, head_v), dtypes=STATE_DTYPES, device=dev
         )
+        if scratch.shape[1] < block:
+            raise ValueError(
+                f"scratch: expected shape [R, Dmax, {hv}, {head_k}, {head_v}] with Dmax >= D = {block}, "
+                f"got {list(scratch.shape)}"
+            )
+        if check:
+            scratch_rows = check_index(
+                "scratch_rows", scratch_rows, (num_seqs,), low=0, high=scratch.shape[0], device=dev
+            )
+            _check_distinct("scratch_rows", scratch_rows)
+        else:
+            scratch_rows = check_tensor(
+                "scratch_rows", scratch_rows, (num_seqs,), dtypes=INDEX_DTYPES, device=dev
+            )
     if parents is not None:
+        assert scratch_rows is not None
         parents = _check_parents(parents, num_seqs, block, dev, check)
         if check and bool(((state_slots >= 0) & (scratch_rows < 0)).any()):
             raise ValueError(
