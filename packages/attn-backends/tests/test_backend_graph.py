@@ -321,6 +321,11 @@ def test_failed_capture_leaves_the_runner_eager() -> None:
     )
     (out,) = runner.run(batch)
     assert out.tolist() == [5.0] and (runner.num_eager, runner.num_replays) == (1, 0)
+    # the failed capture left the device's random ops working, seeded as before
+    torch.cuda.manual_seed(7)
+    a = torch.randn(4, device="cuda")
+    torch.cuda.manual_seed(7)
+    assert torch.equal(a, torch.randn(4, device="cuda"))
 
 
 def test_graph_key_validation() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -57,6 +58,29 @@ def test_shared_system_prompt_together_then_one_after_another(system_len: int) -
         (cached,) = _check(llm, [p])
         assert cached >= system_len - system_len % 8
     llm.leak_check()
+
+
+def test_the_saves_of_one_step_reach_the_memory_together() -> None:
+    """Prompts that end in one step, and requests that finish in one step, are saved in one call each (a
+    drafter then catches up on all of them in one draft forward, not one per request)."""
+    rng = random.Random(5)
+    eng = _engine()
+    memory: Any = eng.scheduler.memory
+    inner = memory.save_prefixes
+    calls: list[list[str]] = []
+
+    def save_prefixes(saves: Any) -> None:
+        calls.append(sorted(str(s.req_id) for s in saves))
+        inner(saves)
+
+    memory.save_prefixes = save_prefixes
+    prompts = [_rand(rng, 6) for _ in range(3)]
+    _check(LLM.from_engine(eng), prompts)
+    del memory.save_prefixes
+    everyone = sorted({r for c in calls for r in c})
+    # the prompts' ends, the interval position 8 (in decode), the finishes: each once for all three
+    assert len(everyone) == 3 and calls == [everyone] * 3, calls
+    eng.leak_check()
 
 
 @pytest.mark.parametrize("prompt_len", [21, 5, 30])

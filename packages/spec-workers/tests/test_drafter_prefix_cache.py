@@ -12,6 +12,7 @@ import pytest
 import torch
 from hyspec_spec_workers import CommittedTokens, DraftBatch, SpeculativeConfig
 from hyspec_spec_workers.factory import build_drafter
+from hyspec_statepool.prefix_cache import PrefixSave
 
 S = 3
 CASES: list[tuple[str, dict[str, Any]]] = [
@@ -95,7 +96,7 @@ def test_a_hit_resumes_the_drafters_kv(
     drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=memory)
     drafter.add_requests(["burn", "a"])  # rows and slots differ from the reference's
     _commit(drafter, "a", 0, whole[:cached], *part(0, cached))
-    drafter.save_prefix("a", whole[:cached], salt=None)
+    drafter.save_prefixes([PrefixSave("a", whole[:cached], None)])
     drafter.free_requests(["a"])
     for salt, hit in ((None, True), ("other", False)):
         drafter.add_requests(["b"])
@@ -126,8 +127,38 @@ def test_a_draft_that_holds_other_tokens_saves_nothing(target: Callable[[str], A
     drafter.add_requests(["a"])
     hidden = torch.zeros(8, t.model.config.hidden_size)
     _commit(drafter, "a", 0, PROMPT[:8], hidden, [])
-    drafter.save_prefix("a", PROMPT[:9], salt=None)  # one token more than it holds
+    drafter.save_prefixes([PrefixSave("a", PROMPT[:9], None)])  # one token more than it holds
     assert drafter.kv.cache.stats().num_snapshots == 0
-    drafter.save_prefix("a", PROMPT[:8], salt=None)
+    drafter.save_prefixes([PrefixSave("a", PROMPT[:8], None)])
     assert drafter.kv.cache.stats().num_snapshots == 1
     drafter.free_requests(["a"])
+
+
+def test_saves_of_one_step_write_what_they_wait_for_in_one_extend(target: Callable[[str], Any]) -> None:
+    """Requests saved together (an engine step's saves) catch their drafts up in one DRAFT_EXTEND forward,
+    not one per request, and each is saved at its own length."""
+    t = target("qwen3_5")
+    cfg = SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": S})
+    drafter: Any = build_drafter(
+        cfg, t.model, target_path=t.path, memory=dataclasses.replace(t.memory(), num_snapshots=4)
+    )
+    hidden = torch.randn(len(PROMPT), t.model.config.hidden_size)
+    lens = {"a": 10, "b": 12, "c": 9}  # 2, 4 and 1 tokens after the first 8: at most S + 1 wait
+    drafter.add_requests(list(lens))
+    for rid, n in lens.items():
+        _commit(drafter, rid, 0, PROMPT[:8], hidden[:8], [])
+        _commit(drafter, rid, 8, PROMPT[8:n], hidden[8:n], [])  # a few tokens: they wait for the next draft
+    assert all(drafter.pairs._pending.get(r) for r in lens)
+    calls: list[list[Any]] = []
+    extend = drafter.pairs._extend
+
+    def counted(ids: list[Any], *args: Any) -> None:
+        calls.append(list(ids))
+        extend(ids, *args)
+
+    drafter.pairs._extend = counted
+    drafter.save_prefixes([PrefixSave(r, PROMPT[:n], None) for r, n in lens.items()])
+    assert calls == [list(lens)]
+    assert drafter.kv.cache.stats().num_snapshots == len(lens)
+    assert {r: drafter.kv.lengths[r] for r in lens} == {r: n - 1 for r, n in lens.items()}
+    drafter.free_requests(list(lens))

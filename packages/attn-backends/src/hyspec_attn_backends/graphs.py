@@ -37,6 +37,20 @@ from hyspec_attn_backends.modes import ForwardMode
 
 log = logging.getLogger(__name__)
 
+
+def _release_default_generators() -> None:
+    """Free each device's default CUDA generator from a capture that failed part-way.
+
+    torch registers the default generators with a graph when its capture begins and releases them only when
+    the capture ends well; after a failed one every later random op on the device (`torch.randn`,
+    `torch.multinomial` without a generator) raises "Offset increment outside graph capture". A fresh copy
+    of the generator's state (same seed and offset, not registered with any graph) replaces the stuck one.
+    """
+    for i in range(torch.cuda.device_count()):
+        gen = torch.cuda.default_generators[i]
+        gen.graphsafe_set_state(gen.clone_state())
+
+
 # what a graph captures: batch -> output tensors (e.g. hidden states, logits); the outputs of a replay are
 # the graph's own static tensors, overwritten by the next replay of the same graph
 ForwardFn = Callable[[ForwardBatch], tuple[Tensor, ...]]
@@ -284,6 +298,7 @@ class CudaGraphRunner:
                 with torch.cuda.graph(graph, pool=self._mempool):
                     outputs = tuple(self.forward(batch))
             except RuntimeError as exc:
+                _release_default_generators()
                 raise RuntimeError(
                     f"CUDA graph capture of {key} failed (a host sync or host-to-device copy inside the "
                     f"forward?): {exc}"

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from hyspec_statepool.prefix_cache import PrefixCacheStats
+from hyspec_statepool.prefix_cache import PrefixCacheStats, PrefixSave
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +67,9 @@ class RequestMemory(Protocol):
         state and followers' memory as if those tokens were computed. Returns their count (0: none)."""
         ...
 
-    def save_prefix(self, request_id: str, token_ids: Sequence[int], *, salt: str | None) -> None:
-        """Caches the request's committed state and KV: `token_ids` is exactly what they hold."""
+    def save_prefixes(self, saves: Sequence[PrefixSave]) -> None:
+        """Caches each request's committed state and KV (`token_ids` is exactly what they hold), every save
+        of a step in one call."""
         ...
 
     def reset_prefix_cache(self) -> bool:

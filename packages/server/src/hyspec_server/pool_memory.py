@@ -7,7 +7,7 @@ from typing import Protocol
 
 from hyspec_statepool.errors import PoolExhaustedError
 from hyspec_statepool.pool import HybridStatePool
-from hyspec_statepool.prefix_cache import PrefixCache, PrefixCacheStats
+from hyspec_statepool.prefix_cache import PrefixCache, PrefixCacheStats, PrefixSave
 
 from hyspec_server.memory import MemoryUsage
 
@@ -26,9 +26,9 @@ class MemoryFollower(Protocol):
         `token_ids[:num_tokens]`, come from the prefix cache, not from a forward)."""
         ...
 
-    def on_prefix_save(self, request_id: str, token_ids: Sequence[int], *, salt: str | None) -> None:
-        """The pool just saved the request's committed tokens `token_ids` for the prefix cache: save what the
-        follower keeps for them too."""
+    def on_prefix_saves(self, saves: Sequence[PrefixSave]) -> None:
+        """The pool just saved these requests' committed tokens for the prefix cache: save what the follower
+        keeps for them too."""
         ...
 
     def on_prefix_reset(self) -> None:
@@ -117,11 +117,14 @@ class StatePoolMemory:
                 f.on_prefix_hit(request_id, n, token_ids, salt=salt)
         return n
 
-    def save_prefix(self, request_id: str, token_ids: Sequence[int], *, salt: str | None) -> None:
-        if self.prefix_cache is not None and token_ids:
-            self.prefix_cache.save(request_id, token_ids, salt=salt, num_tokens=len(token_ids))
-            for f in self.followers:
-                f.on_prefix_save(request_id, token_ids, salt=salt)
+    def save_prefixes(self, saves: Sequence[PrefixSave]) -> None:
+        saves = [s for s in saves if s.token_ids]
+        if self.prefix_cache is None or not saves:
+            return
+        for s in saves:
+            self.prefix_cache.save(s.req_id, s.token_ids, salt=s.salt, num_tokens=len(s.token_ids))
+        for f in self.followers:
+            f.on_prefix_saves(saves)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (live requests keep their pages); False when caching is off."""

@@ -18,6 +18,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from hyspec_statepool.prefix_cache import PrefixSave
+
 from hyspec_server.memory import RequestMemory
 from hyspec_server.request import Request, RequestStatus
 
@@ -246,6 +248,7 @@ class Scheduler:
         every = self.memory.snapshot_interval
         if not every:
             return
+        saves: list[PrefixSave] = []
         for c in chunks:
             req = c.request
             if c.verify or req.finished:
@@ -255,12 +258,14 @@ class Scheduler:
             sampled = c.end == req.num_tokens - 1
             prefill_end = sampled and (c.num_new > 1 or c.start < req.num_prompt_tokens)
             if c.end % every == 0 or prefill_end:
-                self._save(req, c.end)
+                saves.append(self._save(req, c.end))
+        if saves:
+            self.memory.save_prefixes(saves)
 
-    def _save(self, req: Request, num_tokens: int) -> None:
-        """Caches `req`'s committed state, which holds exactly its first `num_tokens` tokens (caching on)."""
-        if self.memory.snapshot_interval:
-            self.memory.save_prefix(req.request_id, req.token_slice(0, num_tokens), salt=req.cache_salt)
+    @staticmethod
+    def _save(req: Request, num_tokens: int) -> PrefixSave:
+        """What caches `req`'s committed state, which holds exactly its first `num_tokens` tokens."""
+        return PrefixSave(req.request_id, req.token_slice(0, num_tokens), req.cache_salt)
 
     @staticmethod
     def _is_decoding(req: Request) -> bool:
@@ -271,7 +276,7 @@ class Scheduler:
         n = req.num_computed_tokens
         if 0 < n < req.num_tokens:
             # its recompute resumes from here (unless the pages it frees are reclaimed first)
-            self._save(req, n)
+            self.memory.save_prefixes([self._save(req, n)])
         self.memory.free(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -288,13 +293,17 @@ class Scheduler:
         done = {id(r) for r in requests}
         if not done:
             return
-        for req in self.running:
-            if id(req) in done:
-                # the state holds exactly the first num_computed_tokens tokens unless a stop string cut
-                # tokens the state had already seen
-                n = req.num_computed_tokens
-                if cache and n and req.num_tokens == n + 1:
-                    self._save(req, n)
-                self.memory.free(req.request_id)
+        ending = [req for req in self.running if id(req) in done]
+        # the state holds exactly the first num_computed_tokens tokens unless a stop string cut tokens the
+        # state had already seen
+        saves = [
+            self._save(req, req.num_computed_tokens)
+            for req in ending
+            if req.num_computed_tokens and req.num_tokens == req.num_computed_tokens + 1
+        ]
+        if cache and saves and self.memory.snapshot_interval:
+            self.memory.save_prefixes(saves)
+        for req in ending:
+            self.memory.free(req.request_id)
         self.running = [r for r in self.running if id(r) not in done]
         self.waiting = deque(r for r in self.waiting if id(r) not in done)

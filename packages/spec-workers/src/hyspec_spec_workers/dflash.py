@@ -38,6 +38,7 @@ from hyspec_models.layers import RMSNorm, RopeConfig, SwiGLU, apply_rope
 from hyspec_models.loader import SafetensorsCheckpoint, load_weights, materialize
 from hyspec_models.protocol import HybridCausalLM
 from hyspec_models.weights import identity_sources
+from hyspec_statepool.prefix_cache import PrefixSave
 from torch import Tensor, nn
 
 from hyspec_spec_workers.config import Method, SpeculativeConfig
@@ -272,8 +273,9 @@ class DFlashDrafter:
         # context K/V of the cached tokens from the draft's prefix cache (zeros where it has none)
         self.kv.resume(req_id, position, token_ids, salt=salt)
 
-    def save_prefix(self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None) -> None:
-        self.kv.save(req_id, token_ids, salt=salt)
+    def save_prefixes(self, saves: Sequence[PrefixSave]) -> None:
+        for s in saves:
+            self.kv.save(s.req_id, s.token_ids, salt=s.salt)
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_cache()

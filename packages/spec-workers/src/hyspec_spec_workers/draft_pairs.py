@@ -21,6 +21,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 from hyspec_attn_backends import ForwardMode, MixerLayer
+from hyspec_statepool.prefix_cache import PrefixSave
 from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
@@ -91,11 +92,12 @@ class DraftPairs:
         else:
             self.root_features[row] = 0
 
-    def save(self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None) -> None:
-        """Saves a request's pairs in the draft's prefix cache, with f[L-1] as the payload."""
-        self.write([req_id])  # pending pairs first: the cache keeps written KV only
-        row = self.kv.rows([req_id]).tensor.long()
-        self.kv.save(req_id, token_ids, salt=salt, payload=self.root_features[row][0])  # f[L-1] [F]
+    def save(self, saves: Sequence[PrefixSave]) -> None:
+        """Saves these requests' pairs in the draft's prefix cache, each with its f[L-1] as the payload."""
+        self.write([s.req_id for s in saves])  # pending pairs first (one extend): the cache keeps written KV
+        for s in saves:
+            row = self.kv.rows([s.req_id]).tensor.long()
+            self.kv.save(s.req_id, s.token_ids, salt=s.salt, payload=self.root_features[row][0])  # f[L-1] [F]
 
     # ---------------------------------------------------------------- committing
 

@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from hyspec_attn_backends import ForwardBatch, GraphCounts, HybridBackend, MixerLayer
+from hyspec_statepool.prefix_cache import PrefixSave
 from torch import Tensor
 
 from hyspec_spec_workers.config import Method
@@ -196,10 +197,11 @@ class ModelDrafter(Protocol):
         never the output, which verification decides."""
         ...
 
-    def save_prefix(self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None) -> None:
-        """Cache what the draft holds for the request's committed tokens `token_ids` (all of them, every
-        waiting commit already made), for later requests that resume there (`start_at`). Nothing is saved
-        when the draft holds other tokens than these."""
+    def save_prefixes(self, saves: Sequence[PrefixSave]) -> None:
+        """Cache what the draft holds for each request's committed tokens `token_ids` (all of them, every
+        waiting commit already made), for later requests that resume there (`start_at`); the draft extend
+        that writes what they still wait for runs once for them all. Nothing is saved for a request whose
+        draft holds other tokens than these."""
         ...
 
     def reset_prefix_cache(self) -> None:

@@ -37,6 +37,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, GraphCounts
+from hyspec_statepool.prefix_cache import PrefixSave
 from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
@@ -181,8 +182,8 @@ class HiddenStateDrafter:
     ) -> None:
         self.pairs.start_at(req_id, position, token_ids, salt=salt)
 
-    def save_prefix(self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None) -> None:
-        self.pairs.save(req_id, token_ids, salt=salt)
+    def save_prefixes(self, saves: Sequence[PrefixSave]) -> None:
+        self.pairs.save(saves)
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_cache()

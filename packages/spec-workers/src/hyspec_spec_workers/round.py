@@ -32,6 +32,7 @@ from typing import Protocol
 
 import torch
 from hyspec_attn_backends import ForwardBatch
+from hyspec_statepool.prefix_cache import PrefixSave
 from hyspec_statepool.transfer import to_device
 
 from hyspec_spec_workers.adaptive import AdaptiveController, AdaptiveDraftLength
@@ -231,11 +232,13 @@ class SpeculativeRound:
             assert self.model_drafter is not None
             self.model_drafter.start_at(request_id, num_tokens, token_ids, salt=salt)
 
-    def on_prefix_save(self, request_id: str, token_ids: Sequence[int], *, salt: str | None) -> None:
-        if request_id in self._followed:
+    def on_prefix_saves(self, saves: Sequence[PrefixSave]) -> None:
+        followed = [s for s in saves if s.req_id in self._followed]
+        if followed:
             assert self.model_drafter is not None and self.feed is not None
-            self.feed.flush([request_id])  # the tokens the target's snapshot holds reach the draft first
-            self.model_drafter.save_prefix(request_id, token_ids, salt=salt)
+            # the tokens the target's snapshots hold reach the draft first: one draft extend for them all
+            self.feed.flush([str(s.req_id) for s in followed])
+            self.model_drafter.save_prefixes(followed)
 
     def on_prefix_reset(self) -> None:
         if self.model_drafter is not None:

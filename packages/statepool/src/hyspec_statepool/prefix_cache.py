@@ -86,6 +86,17 @@ class PrefixHit:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixSave:
+    """One request's committed tokens to cache: `token_ids` is exactly what its state and KV hold. Saves
+    travel in lists (every save of an engine step together), so that followers (a drafter) catch up on all
+    of them in one forward."""
+
+    req_id: Hashable
+    token_ids: Sequence[int]
+    salt: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixCacheStats:
     """Counters since start, in tokens, as vLLM reports them, and what the cache holds now."""
 
