@@ -172,6 +172,21 @@ def bench_verify(batches: list[int], d: int, d_max: int) -> list[dict[str, Any]]
                 **x, state=pool, state_slots=slots, scratch=None, scratch_rows=None, check_indices=False
             )
         )
+        # a tree of D nodes (root, its two children, then a chain under the first child), no state writes:
+        # its steps' states live in a workspace of the call
+        parents = torch.tensor([-1, 0, 0, *range(1, d - 2)][:d], device=DEV, dtype=torch.int32)
+        tree = parents.expand(b, d).contiguous()
+        _, t_graph = both(
+            lambda: gdn_verify(
+                **x,
+                state=pool,
+                state_slots=slots,
+                scratch=None,
+                scratch_rows=None,
+                parents=tree,
+                check_indices=False,
+            )
+        )
         ins = {
             "k": x["k"].float(),
             "v": x["v"].float(),
@@ -196,6 +211,8 @@ def bench_verify(batches: list[int], d: int, d_max: int) -> list[dict[str, Any]]
             "verify_no_states_graph_us": None if n_graph is None else n_graph * 1e3,
             "replay_commit_graph_us": None if r_graph is None else r_graph * 1e3,
             "verify_no_states_over_decode_graph": _ratio(n_graph, d_graph),
+            "tree_no_states_graph_us": None if t_graph is None else t_graph * 1e3,
+            "tree_no_states_over_decode_graph": _ratio(t_graph, d_graph),
         }
         rows.append(row)
         print("verify", row, flush=True)
@@ -315,6 +332,12 @@ def goals(res: dict[str, Any]) -> list[str]:
             out.append(
                 f"verify D={r['D']} B={r['B']} without state writes (the engine's, commit by replay) under "
                 f"1.5x decode: {_verdict(lean < 1.5)} ({lean:.2f}x)"
+            )
+        tree = r.get("tree_no_states_over_decode_graph")
+        if tree is not None:
+            out.append(
+                f"tree verify of {r['D']} nodes B={r['B']} without state writes under 1.5x decode: "
+                f"{_verdict(tree < 1.5)} ({tree:.2f}x)"
             )
     for r in res["gdn_prefill"]:
         if "time_vs_fla" in r:

@@ -136,20 +136,19 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
 
 
 # (fewest (sequence, value head) pairs, BV, num_warps), first match; tuned on an H100 at K = V = 128
-_DECODE_TILES = ((512, 64, 2), (128, 32, 1), (0, 16, 1))
-_BLOCK_TILES = ((512, 32, 2), (256, 32, 1), (0, 16, 1))
+_TILES = ((512, 64, 2), (128, 32, 1), (0, 16, 1))
 
 
-def default_tiles(num_seq_heads: int, head_v: int, *, steps: int = 1) -> tuple[int, int]:
-    """(BV, num_warps) by (sequence, value head) pairs and steps per program.
+def default_tiles(num_seq_heads: int, head_v: int) -> tuple[int, int]:
+    """(BV, num_warps) by (sequence, value head) pairs, for decode, verify and replay alike.
 
     Wide tiles once there are enough pairs to fill the GPU (fewer, longer programs stream the state best),
-    narrow ones at small batch so more SMs share the work. A block of several steps (verify, replay) does
-    that many times the arithmetic per state byte, so it keeps narrower tiles to a larger batch (H100,
-    D = 4: 13% faster at 32 sequences than the decode tiles).
+    narrow ones at small batch so more SMs share the work. Verify and replay take the tiles decode takes at
+    the same batch, never tiles of their own: the tile shape sets the order of the K reductions, so equal
+    tiles keep a committed state bit for bit what plain decoding computes (narrower verify tiles were 13%
+    faster at 32 sequences on an H100, but made bf16 speculation part from plain decoding at near-ties).
     """
-    table = _BLOCK_TILES if steps > 1 else _DECODE_TILES
-    bv, warps = next((bv, w) for least, bv, w in table if num_seq_heads >= least)
+    bv, warps = next((bv, w) for least, bv, w in _TILES if num_seq_heads >= least)
     return min(bv, triton.next_power_of_2(head_v)), warps
 
 
@@ -182,7 +181,7 @@ def launch_recurrent(
     store_steps = scratch is not None
     xs = scratch if scratch is not None else state  # an unused pointer without scratch
     kin, vin, gin, bin_ = keep_inputs if keep_inputs is not None else (state, state, state, state)
-    bv, num_warps = tiles if tiles is not None else default_tiles(num_seqs * num_v_heads, head_v, steps=steps)
+    bv, num_warps = tiles if tiles is not None else default_tiles(num_seqs * num_v_heads, head_v)
     grid = (num_seqs * num_v_heads, triton.cdiv(head_v, bv))
     gdn_recurrent_fwd_kernel[grid](
         q,
@@ -327,7 +326,8 @@ def launch_replay(
     num_v_heads, head_v = v.shape[3], v.shape[4]
     if num_seqs == 0 or path_len == 0 or num_layers == 0:
         return
-    bv, num_warps = default_tiles(num_layers * num_seqs * num_v_heads, head_v, steps=path_len)
+    # tiles by sequence, not by layer x sequence: the decode tiles of this batch (`default_tiles`)
+    bv, num_warps = default_tiles(num_seqs * num_v_heads, head_v)
     grid = (num_layers * num_seqs * num_v_heads, triton.cdiv(head_v, bv))
     track = track_slots is not None and track_steps is not None
     gdn_replay_kernel[grid](
