@@ -150,8 +150,9 @@ def test_verify_without_scratch_writes_nothing_and_replay_commits(backend: str) 
     for n, slot in enumerate(slots.tolist()):
         if slot >= 0:
             torch.testing.assert_close(state[slot], scratch[int(rows[n]), int(acc[n])], rtol=1e-5, atol=1e-5)
-    # a tree without scratch: its steps' states live in a workspace of the call
-    parents = torch.tensor([[-1, 0, 0, 1, 1]] * n_seq)
+    # a tree without scratch: its steps' states live in a workspace of the call (Triton stores only those a
+    # later token restarts from); rows with their own shapes, a second root among them
+    parents = torch.tensor([[-1, 0, 0, 1, 1], [-1, 0, 1, 0, 3], [-1, -1, 1, 0, 2]])
     tree_want = gdn_verify(q, k, v, g, beta, state=before.clone(), state_slots=slots, scratch=scratch,
                            scratch_rows=rows, parents=parents, backend="reference")  # fmt: skip
     tree_got = gdn_verify(q, k, v, g, beta, state=before, state_slots=slots, scratch=None, scratch_rows=None,

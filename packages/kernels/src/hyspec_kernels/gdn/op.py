@@ -166,9 +166,11 @@ def _verify_triton(
     write_state: bool = False,
     keep_inputs: reference.Inputs | None = None,
     input_rows: torch.Tensor | None = None,
+    workspace: bool = False,
 ) -> torch.Tensor:
     """The recurrent kernel over [N, D] blocks: verify (the steps' states to scratch, or nothing without
-    scratch), or with `write_state` decode (the final state written back)."""
+    scratch), or with `write_state` decode (the final state written back). `workspace`: the scratch is a
+    tree's workspace for this call, so only the states a later token restarts from are written."""
     from .triton_recurrent import launch_recurrent
 
     _check_triton_dims(q.shape[-1], v.shape[-1])
@@ -190,6 +192,7 @@ def _verify_triton(
         verify=not write_state,
         keep_inputs=keep_inputs,
         input_rows=input_rows,
+        branch_states_only=workspace,
     )
 
 
@@ -401,7 +404,8 @@ def gdn_verify(
         raise ValueError("keep_inputs, input_rows: expected both or neither")
     if keep_inputs is not None and input_rows is not None:
         keep_inputs, input_rows = _check_keep_inputs(keep_inputs, input_rows, k, v, check_indices)
-    if scratch is None and parents is not None:
+    workspace = scratch is None and parents is not None
+    if workspace:
         # a tree's tokens restart from their parents' states: a workspace for this call only holds them
         scratch = torch.empty(num_seqs, block, hv, head_k, head_v, dtype=torch.float32, device=dev)
         scratch_rows = torch.arange(num_seqs, dtype=torch.int64, device=dev)
@@ -443,7 +447,8 @@ def gdn_verify(
         dev,
         reference=reference.reference_verify,
         torch_path=torch_impl.torch_verify,
-        triton=lambda: _verify_triton,
+        # the Triton kernel writes to a workspace only the states a later token restarts from
+        triton=lambda: partial(_verify_triton, workspace=workspace),
     )
     o = fn(
         q,

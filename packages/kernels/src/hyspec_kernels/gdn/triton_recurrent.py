@@ -56,6 +56,8 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     IS_TREE: tl.constexpr,
     STORE_STEPS: tl.constexpr,
     STORE_INPUTS: tl.constexpr,
+    BRANCHES_ONLY: tl.constexpr,  # a tree's workspace: store only the states a later non-successor reads
+    BD: tl.constexpr,  # next power of two of num_steps (BRANCHES_ONLY)
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -85,6 +87,9 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
 
     tok = i_n * num_steps  # token index of step 0 in the [N * D] flattening
     in_row = tl.load(in_rows_ptr + i_n).to(tl.int64)
+    if BRANCHES_ONLY:
+        o_d = tl.arange(0, BD)
+        b_par = tl.load(parents_ptr + tok + o_d, mask=o_d < num_steps, other=-1).to(tl.int64)  # [BD]
     # each step's inputs are loaded one step ahead: at small batch a block is bound by load latency, and the
     # next token's loads do not wait for this token's state update (the last step reloads its own: no
     # access past the block)
@@ -130,7 +135,13 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
         b_o = tl.sum(b_s * b_q[:, None], 0)  # [BV]
         tl.store(o_ptr + ((tok + j) * HV + i_hv) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
         if STORE_STEPS:
-            tl.store(p_scratch + j * s_xd, b_s.to(scratch_ptr.dtype.element_ty), mask=m_row)
+            if BRANCHES_ONLY:
+                # token j's state is read back only by a later token whose parent it is and that does not
+                # follow it directly (a direct successor keeps the state in registers)
+                if tl.sum(((b_par == j) & (o_d > j + 1)).to(tl.int32)) > 0:
+                    tl.store(p_scratch + j * s_xd, b_s.to(scratch_ptr.dtype.element_ty), mask=m_row)
+            else:
+                tl.store(p_scratch + j * s_xd, b_s.to(scratch_ptr.dtype.element_ty), mask=m_row)
     if not IS_VERIFY:
         tl.store(p_state, b_s.to(state_ptr.dtype.element_ty), mask=m_slot)
 
@@ -169,6 +180,7 @@ def launch_recurrent(
     verify: bool | None = None,  # default: scratch given; True without scratch writes nothing at all
     keep_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # k, v, g, beta
     input_rows: torch.Tensor | None = None,  # [N] rows of keep_inputs (-1: none)
+    branch_states_only: bool = False,  # the scratch is a tree's workspace: only states read back are stored
 ) -> torch.Tensor:
     """Runs decode (not `verify`: the final state written back) or verify (scratch or nothing written).
     Returns o [N, D, HV, V] in out_dtype."""
@@ -216,6 +228,8 @@ def launch_recurrent(
         IS_TREE=parents is not None,
         STORE_STEPS=store_steps,
         STORE_INPUTS=keep_inputs is not None,
+        BRANCHES_ONLY=branch_states_only and parents is not None,
+        BD=triton.next_power_of_2(steps),
         num_warps=num_warps,
     )
     return o
