@@ -24,14 +24,20 @@ from .._checks import (
     check_index,
     check_tensor,
     implementation,
-    value_checks,
 )
 from . import reference, torch_impl
-
-STATE_DTYPES = (torch.float32, torch.bfloat16)
-FP32 = (torch.float32,)
-# the Triton kernels hold a whole K row (and V row in the WY stage) in registers
-MAX_TRITON_HEAD_DIM = 256
+from .checks import (
+    FP32,
+    STATE_DTYPES,
+    check_blocks_contiguous,
+    check_distinct,
+    check_indices_now,
+    check_keep_inputs,
+    check_parents,
+    check_qkv,
+    check_state,
+    check_triton_dims,
+)
 
 
 class GDNPrefillOutput(NamedTuple):
@@ -39,60 +45,6 @@ class GDNPrefillOutput(NamedTuple):
     chunk_states: (
         torch.Tensor | None
     )  # [total_chunks, HV, K, V] fp32: state at the start of each 64-token chunk
-
-
-def _check_indices_now(check_indices: bool | None, device: torch.device) -> bool:
-    # the rule of every value check: by default on the CPU only (a sync on CUDA), never while capturing
-    return value_checks(device, check_indices)
-
-
-def _check_distinct(name: str, t: torch.Tensor) -> None:
-    used = t[t >= 0]
-    if used.numel() != torch.unique(used).numel():
-        raise ValueError(f"{name}: expected distinct values (besides -1), got {t.tolist()}")
-
-
-def _check_qkv(
-    q: object, k: object, v: object, g: object, beta: object, lead: tuple[str, ...]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int, int]:
-    """Shapes [*lead, HK, K] for q and k, [*lead, HV, V] for v, [*lead, HV] fp32 for g and beta."""
-    q = check_tensor("q", q, (*lead, "HK", "K"), dtypes=FLOAT_DTYPES)
-    dev = q.device
-    lead_sizes = tuple(q.shape[: len(lead)])
-    num_k_heads, head_k = q.shape[-2], q.shape[-1]
-    k = check_tensor("k", k, (*lead_sizes, num_k_heads, head_k), dtypes=(q.dtype,), device=dev)
-    v = check_tensor("v", v, (*lead_sizes, None, None), dtypes=(q.dtype,), device=dev)
-    num_v_heads, head_v = v.shape[-2], v.shape[-1]
-    if num_k_heads == 0 or num_v_heads % num_k_heads != 0:
-        raise ValueError(f"v: expected HV a multiple of HK = {num_k_heads}, got shape {list(v.shape)}")
-    g = check_tensor("g", g, (*lead_sizes, num_v_heads), dtypes=FP32, device=dev)
-    beta = check_tensor("beta", beta, (*lead_sizes, num_v_heads), dtypes=FP32, device=dev)
-    return q, k, v, g, beta, num_k_heads, head_k, num_v_heads, head_v
-
-
-def _check_state(state: object, hv: int, hk: int, vv: int, device: torch.device) -> torch.Tensor:
-    return check_tensor("state", state, (None, hv, hk, vv), dtypes=STATE_DTYPES, device=device)
-
-
-def _check_triton_dims(head_k: int, head_v: int) -> None:
-    if head_k > MAX_TRITON_HEAD_DIM or head_v > MAX_TRITON_HEAD_DIM:
-        raise ValueError(
-            f"q, v: the Triton backend supports K, V <= {MAX_TRITON_HEAD_DIM}, got K={head_k}, V={head_v}"
-        )
-
-
-def _check_blocks_contiguous(name: str, t: torch.Tensor, inner: int) -> None:
-    """The recurrent kernel addresses each trailing [HV, K, V] block as one contiguous piece."""
-    want, size = [], 1
-    for n in reversed(t.shape[-inner:]):
-        want.append(size)
-        size *= n
-    got = t.stride()[-inner:]
-    if any(n > 1 and s != w for n, s, w in zip(t.shape[-inner:], got, reversed(want), strict=True)):
-        raise ValueError(
-            f"{name}: the Triton backend needs each trailing {list(t.shape[-inner:])} block contiguous, "
-            f"got strides {list(t.stride())}"
-        )
 
 
 def _prefill_triton(
@@ -112,7 +64,7 @@ def _prefill_triton(
     """The chunked Triton prefill, launched over the offsets the wrapper already read to the host."""
     from .triton_chunk import launch_chunk_prefill
 
-    _check_triton_dims(q.shape[-1], v.shape[-1])
+    check_triton_dims(q.shape[-1], v.shape[-1])
     return launch_chunk_prefill(
         q.contiguous(),
         k.contiguous(),
@@ -173,10 +125,10 @@ def _verify_triton(
     tree's workspace for this call, so only the states a later token restarts from are written."""
     from .triton_recurrent import launch_recurrent
 
-    _check_triton_dims(q.shape[-1], v.shape[-1])
-    _check_blocks_contiguous("state", state, 3)
+    check_triton_dims(q.shape[-1], v.shape[-1])
+    check_blocks_contiguous("state", state, 3)
     if scratch is not None:
-        _check_blocks_contiguous("scratch", scratch, 3)
+        check_blocks_contiguous("scratch", scratch, 3)
     return launch_recurrent(
         q.contiguous(),
         k.contiguous(),
@@ -226,9 +178,9 @@ def gdn_prefill(
     Returns:
         GDNPrefillOutput(o [T, HV, V] in q's dtype, chunk_states [total_chunks, HV, K, V] fp32 or None).
     """
-    q, k, v, g, beta, _hk, head_k, hv, head_v = _check_qkv(q, k, v, g, beta, ("T",))
+    q, k, v, g, beta, _hk, head_k, hv, head_v = check_qkv(q, k, v, g, beta, ("T",))
     dev, num_tokens = q.device, q.shape[0]
-    state = _check_state(state, hv, head_k, head_v, dev)
+    state = check_state(state, hv, head_k, head_v, dev)
     cu_seqlens = check_tensor("cu_seqlens", cu_seqlens, (None,), dtypes=INDEX_DTYPES, device=dev)
     # one host read serves both the checks and the Triton launch grids
     cu_host = [int(x) for x in cu_seqlens.tolist()]
@@ -237,12 +189,12 @@ def gdn_prefill(
     if any(b < a for a, b in itertools.pairwise(cu_host)):
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {cu_host}")
     num_seqs = len(cu_host) - 1
-    check = _check_indices_now(check_indices, dev)
+    check = check_indices_now(check_indices, dev)
     if check:
         state_slots = check_index(
             "state_slots", state_slots, (num_seqs,), low=0, high=state.shape[0], device=dev
         )
-        _check_distinct("state_slots", state_slots)
+        check_distinct("state_slots", state_slots)
     else:
         state_slots = check_tensor("state_slots", state_slots, (num_seqs,), dtypes=INDEX_DTYPES, device=dev)
     has_initial_state = check_tensor(
@@ -292,14 +244,14 @@ def gdn_decode(
     Returns:
         o: [N, HV, V] in q's dtype.
     """
-    q, k, v, g, beta, _hk, head_k, hv, head_v = _check_qkv(q, k, v, g, beta, ("N",))
+    q, k, v, g, beta, _hk, head_k, hv, head_v = check_qkv(q, k, v, g, beta, ("N",))
     dev, num_seqs = q.device, q.shape[0]
-    state = _check_state(state, hv, head_k, head_v, dev)
-    if _check_indices_now(check_indices, dev):
+    state = check_state(state, hv, head_k, head_v, dev)
+    if check_indices_now(check_indices, dev):
         state_slots = check_index(
             "state_slots", state_slots, (num_seqs,), low=0, high=state.shape[0], device=dev
         )
-        _check_distinct("state_slots", state_slots)
+        check_distinct("state_slots", state_slots)
     else:
         state_slots = check_tensor("state_slots", state_slots, (num_seqs,), dtypes=INDEX_DTYPES, device=dev)
     fn = implementation(
@@ -311,51 +263,6 @@ def gdn_decode(
     )
     o: torch.Tensor = fn(q, k, v, g, beta, state=state, state_slots=state_slots)
     return o.to(q.dtype)
-
-
-def _check_parents(
-    parents: object, num_seqs: int, block: int, device: torch.device, check: bool
-) -> torch.Tensor:
-    t = check_tensor("parents", parents, (num_seqs, block), dtypes=INDEX_DTYPES, device=device)
-    if check and t.numel() > 0:
-        step = torch.arange(block, device=device)
-        bad = (t < -1) | (t >= step)
-        if bool(bad.any()):
-            n, j = (int(x) for x in torch.nonzero(bad)[0])
-            raise ValueError(
-                f"parents: expected parents[n, j] in [-1, j) (parents precede children), "
-                f"got parents[{n}, {j}] = {int(t[n, j])}"
-            )
-    return t
-
-
-def _check_keep_inputs(
-    keep_inputs: object, input_rows: object, k: torch.Tensor, v: torch.Tensor, check_indices: bool | None
-) -> tuple[reference.Inputs, torch.Tensor]:
-    """A replay's input buffers for [N, D] blocks: fp32 k [R, Dmax, HK, K], v [R, Dmax, HV, V], g and beta
-    [R, Dmax, HV], contiguous, with Dmax >= D; rows [N] in [0, R) or -1."""
-    if not isinstance(keep_inputs, tuple) or len(keep_inputs) != 4:
-        raise ValueError("keep_inputs: expected a (k, v, g, beta) tuple of tensors")
-    n, d, hk, head_k = k.shape
-    hv, head_v, dev = v.shape[2], v.shape[3], k.device
-    kb = check_tensor("keep_inputs[0] (k)", keep_inputs[0], ("R", None, hk, head_k), dtypes=FP32, device=dev)
-    r, dmax = kb.shape[0], kb.shape[1]
-    if dmax < d:
-        raise ValueError(f"keep_inputs: expected Dmax >= D = {d} steps, got {dmax}")
-    vb = check_tensor("keep_inputs[1] (v)", keep_inputs[1], (r, dmax, hv, head_v), dtypes=FP32, device=dev)
-    gb = check_tensor("keep_inputs[2] (g)", keep_inputs[2], (r, dmax, hv), dtypes=FP32, device=dev)
-    bb = check_tensor("keep_inputs[3] (beta)", keep_inputs[3], (r, dmax, hv), dtypes=FP32, device=dev)
-    for name, t in (("k", kb), ("v", vb), ("g", gb), ("beta", bb)):
-        if not t.is_contiguous():
-            raise ValueError(
-                f"keep_inputs ({name}): expected a contiguous buffer, got strides {list(t.stride())}"
-            )
-    if _check_indices_now(check_indices, dev):
-        rows = check_index("input_rows", input_rows, (n,), low=0, high=r, device=dev)
-        _check_distinct("input_rows", rows)
-    else:
-        rows = check_tensor("input_rows", input_rows, (n,), dtypes=INDEX_DTYPES, device=dev)
-    return (kb, vb, gb, bb), rows
 
 
 def gdn_verify(
@@ -395,21 +302,21 @@ def gdn_verify(
     Returns:
         o: [N, D, HV, V] in q's dtype.
     """
-    q, k, v, g, beta, _hk, head_k, hv, head_v = _check_qkv(q, k, v, g, beta, ("N", "D"))
+    q, k, v, g, beta, _hk, head_k, hv, head_v = check_qkv(q, k, v, g, beta, ("N", "D"))
     dev, num_seqs, block = q.device, q.shape[0], q.shape[1]
-    state = _check_state(state, hv, head_k, head_v, dev)
+    state = check_state(state, hv, head_k, head_v, dev)
     if (scratch is None) != (scratch_rows is None):
         raise ValueError("scratch, scratch_rows: expected both or neither")
     if (keep_inputs is None) != (input_rows is None):
         raise ValueError("keep_inputs, input_rows: expected both or neither")
     if keep_inputs is not None and input_rows is not None:
-        keep_inputs, input_rows = _check_keep_inputs(keep_inputs, input_rows, k, v, check_indices)
+        keep_inputs, input_rows = check_keep_inputs(keep_inputs, input_rows, k, v, check_indices)
     workspace = scratch is None and parents is not None
     if workspace:
         # a tree's tokens restart from their parents' states: a workspace for this call only holds them
         scratch = torch.empty(num_seqs, block, hv, head_k, head_v, dtype=torch.float32, device=dev)
         scratch_rows = torch.arange(num_seqs, dtype=torch.int64, device=dev)
-    check = _check_indices_now(check_indices, dev)
+    check = check_indices_now(check_indices, dev)
     if check:
         state_slots = check_index(
             "state_slots", state_slots, (num_seqs,), low=0, high=state.shape[0], device=dev
@@ -429,14 +336,14 @@ def gdn_verify(
             scratch_rows = check_index(
                 "scratch_rows", scratch_rows, (num_seqs,), low=0, high=scratch.shape[0], device=dev
             )
-            _check_distinct("scratch_rows", scratch_rows)
+            check_distinct("scratch_rows", scratch_rows)
         else:
             scratch_rows = check_tensor(
                 "scratch_rows", scratch_rows, (num_seqs,), dtypes=INDEX_DTYPES, device=dev
             )
     if parents is not None:
         assert scratch_rows is not None
-        parents = _check_parents(parents, num_seqs, block, dev, check)
+        parents = check_parents(parents, num_seqs, block, dev, check)
         if check and bool(((state_slots >= 0) & (scratch_rows < 0)).any()):
             raise ValueError(
                 f"scratch_rows: tree verify needs a scratch row (>= 0) for every row with a state slot, "
@@ -482,8 +389,8 @@ def _replay_triton(
 ) -> None:
     from .triton_recurrent import launch_replay
 
-    _check_triton_dims(k.shape[-1], v.shape[-1])
-    _check_blocks_contiguous("state", state, 3)  # [L, S, HV, K, V]: any layer and slot strides
+    check_triton_dims(k.shape[-1], v.shape[-1])
+    check_blocks_contiguous("state", state, 3)  # [L, S, HV, K, V]: any layer and slot strides
     launch_replay(
         k.contiguous(),
         v.contiguous(),
@@ -552,9 +459,9 @@ def gdn_replay(
     state_slots = check_tensor("state_slots", state_slots, ("N",), dtypes=INDEX_DTYPES, device=dev)
     n = state_slots.shape[0]
     paths = check_tensor("paths", paths, (n, None), dtypes=INDEX_DTYPES, device=dev)
-    if _check_indices_now(check_indices, dev):
+    if check_indices_now(check_indices, dev):
         state_slots = check_index("state_slots", state_slots, (n,), low=0, high=num_slots, device=dev)
-        _check_distinct("state_slots", state_slots)
+        check_distinct("state_slots", state_slots)
         rows = check_index("rows", rows, (n,), low=0, high=r, device=dev)
         if bool(((paths < -1) | (paths >= dmax)).any()):
             raise ValueError(f"paths: expected block indices in [-1, {dmax}), got {paths.tolist()}")
@@ -562,7 +469,7 @@ def gdn_replay(
             track_slots = check_index("track_slots", track_slots, (n,), low=0, high=num_slots, device=dev)
             track_steps = check_tensor("track_steps", track_steps, (n,), dtypes=INDEX_DTYPES, device=dev)
             both = torch.cat([state_slots[state_slots >= 0], track_slots[track_slots >= 0]])
-            _check_distinct("track_slots", both)
+            check_distinct("track_slots", both)
     else:
         rows = check_tensor("rows", rows, (n,), dtypes=INDEX_DTYPES, device=dev)
         if track_slots is not None and track_steps is not None:
