@@ -14,13 +14,10 @@ from collections.abc import Sequence
 
 import torch
 from hyspec_kernels.attention import paged_attention, store_kv
-from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
 from hyspec_kernels.gating import gdn_gating
-from hyspec_kernels.gdn import gdn_decode, gdn_prefill, gdn_verify
 from hyspec_statepool.indices import ReqRows, StateSlots
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.specs import AttentionSpec, GDNSpec, LayerStateSpec, ModelStateSpecs, ShortConvSpec
-from hyspec_statepool.state_pool import ReplayInputs
 from torch import Tensor
 
 from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, MixedBatch, StepBatch
@@ -33,6 +30,7 @@ from hyspec_attn_backends.layers import (
     MixerLayer,
     ShortConvLayer,
 )
+from hyspec_attn_backends.mode_kernels import mode_conv, mode_recurrence
 from hyspec_attn_backends.modes import ForwardMode
 from hyspec_attn_backends.verify_commit import VerifyCommitter
 
@@ -330,7 +328,7 @@ class HybridBackend:
         if t == 0:
             return mixed_qkv.new_empty((0, hv, dv))
         st = self.pool.layer_state(layer.layer_id)
-        x = _conv(
+        x = mode_conv(
             mixed_qkv,
             conv_weight,
             None,
@@ -345,7 +343,7 @@ class HybridBackend:
         g, beta = gdn_gating(A_log, a, b, dt_bias)  # [T, HV] fp32 each
         if st.recurrent is None:
             raise ValueError(f"layer {layer.layer_id}: the pool has no recurrent state")
-        return _recurrence(
+        return mode_recurrence(
             q,
             k,
             v,
@@ -379,7 +377,7 @@ class HybridBackend:
         if batch.num_tokens == 0:
             return x.new_empty((0, layer.channels))
         st = self.pool.layer_state(layer.layer_id)
-        return _conv(
+        return mode_conv(
             x,
             conv_weight,
             conv_bias,
@@ -409,122 +407,3 @@ class HybridBackend:
             track_slots=track_slots,
             track_interval=track_interval,
         )
-
-
-def _conv(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    *,
-    conv_state: Tensor | None,
-    conv_scratch: Tensor | None,
-    activation: str | None,
-    batch: ForwardBatch,
-    check_indices: bool | None,
-) -> Tensor:
-    """The conv of a linear layer in the batch's mode. x [T, C] -> [T, C]; `check_indices`: the backend's
-    kernel-check setting."""
-    if conv_state is None:
-        raise ValueError("conv_state: the pool has no conv state for this layer")
-    assert batch.state_slots is not None and batch.batch_rows is not None
-    slots = batch.state_slots.tensor
-    w = weight.reshape(weight.shape[0], weight.shape[-1]).to(x.dtype)  # [C, W]
-    bias = None if bias is None else bias.to(x.dtype)
-    state = conv_state
-    if batch.mode is ForwardMode.DECODE:
-        return conv_decode(
-            x,
-            w,
-            bias,
-            conv_state=state,
-            state_slots=slots,
-            activation=activation,  # type: ignore[arg-type]
-            check_indices=check_indices,
-        )
-    if batch.mode is ForwardMode.TARGET_VERIFY:
-        if conv_scratch is None:
-            raise ValueError("conv_scratch: the pool has no verify scratch (plan without a draft_shape)")
-        n, d = batch.num_seqs, batch.verify_len
-        y = conv_verify(
-            x.reshape(n, d, -1),
-            w,
-            bias,
-            conv_state=state,
-            state_slots=slots,
-            scratch=conv_scratch,
-            scratch_rows=batch.batch_rows.tensor,
-            parents=batch.tree_parents,
-            activation=activation,  # type: ignore[arg-type]
-            check_indices=check_indices,
-        )
-        return y.reshape(n * d, -1)
-    return conv_prefill(
-        x,
-        w,
-        bias,
-        cu_seqlens=batch.cu_seqlens_q,
-        conv_state=state,
-        state_slots=slots,
-        has_initial_state=batch.has_initial_state,
-        activation=activation,  # type: ignore[arg-type]
-        check_indices=check_indices,
-    )
-
-
-def _recurrence(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    *,
-    state: Tensor,
-    replay: ReplayInputs | None,
-    batch: ForwardBatch,
-    check_indices: bool | None,
-) -> Tensor:
-    """The gated delta rule of a GDN layer in the batch's mode. q/k [T, HK, K], v [T, HV, V], g/beta [T, HV]
-    fp32 -> o [T, HV, V]; `check_indices`: the backend's kernel-check setting.
-
-    A verify keeps, per (batch row, step), the step's inputs (`replay`: the commit replays the accepted
-    steps, `gdn_replay`), no state."""
-    assert batch.state_slots is not None and batch.batch_rows is not None
-    slots = batch.state_slots.tensor
-    if batch.mode is ForwardMode.DECODE:
-        # slots come from the pool (checked at prepare time): no per-layer host read of the indices
-        return gdn_decode(q, k, v, g, beta, state=state, state_slots=slots, check_indices=False)
-    if batch.mode is ForwardMode.TARGET_VERIFY:
-        n, d = batch.num_seqs, batch.verify_len
-        if replay is None:
-            raise ValueError("replay: the pool has no verify scratch (plan without a draft_shape)")
-        # no state is kept per step: the kernel stores the block tokens' inputs at their batch rows, for the
-        # commit's replay
-        o = gdn_verify(
-            q.reshape(n, d, *q.shape[1:]),
-            k.reshape(n, d, *k.shape[1:]),
-            v.reshape(n, d, *v.shape[1:]),
-            g.reshape(n, d, -1),
-            beta.reshape(n, d, -1),
-            state=state,
-            state_slots=slots,
-            scratch=None,
-            scratch_rows=None,
-            parents=batch.tree_parents,  # a tree's steps live in a workspace of the call
-            keep_inputs=(replay.k, replay.v, replay.g, replay.beta),
-            input_rows=batch.batch_rows.tensor,
-            check_indices=False,
-        )
-        return o.reshape(n * d, *v.shape[1:])
-    out = gdn_prefill(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        cu_seqlens=batch.cu_seqlens_q,
-        state=state,
-        state_slots=slots,
-        has_initial_state=batch.has_initial_state,
-        check_indices=check_indices,
-    )
-    return out.o
