@@ -81,8 +81,11 @@ def _busy_pool(make_pool: MakePool) -> tuple[HybridStatePool, ReqRows]:
     return pool, rows
 
 
+@pytest.mark.parametrize("verify_len", [None, 3])  # the block verified: Dmax (4) or shorter
 @pytest.mark.parametrize("backend", ["torch", TRITON, "reference"])
-def test_chain_commit_copies_exactly_the_accepted_step(make_pool: MakePool, backend: str) -> None:
+def test_chain_commit_copies_exactly_the_accepted_step(
+    make_pool: MakePool, backend: str, verify_len: int | None
+) -> None:
     pool, rows = _busy_pool(make_pool)
     _fill_distinct(pool)
     before = {name: t.clone() for name, t in pool.states.states.items()}
@@ -94,6 +97,7 @@ def test_chain_commit_copies_exactly_the_accepted_step(make_pool: MakePool, back
         batch_rows=batch,
         num_accepted=num_accepted,
         backend=backend,  # type: ignore[arg-type]
+        verify_len=verify_len,
     )
     assert out.steps.tolist() == [2, 0, -1] and out.track_steps is None
     slots = pool.state_slots(rows).tolist()
@@ -152,10 +156,23 @@ def test_commit_rejects_bad_arguments(make_pool: MakePool) -> None:
         commit_accepted_states(
             pool=pool, req_rows=rows, batch_rows=pool.batch_rows(2), num_accepted=torch.tensor([0, 0, 0])
         )
-    with pytest.raises(ValueError, match="num_accepted: expected values < Dmax = 4"):
+    with pytest.raises(ValueError, match="num_accepted: expected values < the block length 4"):
         commit_accepted_states(
             pool=pool, req_rows=rows, batch_rows=batch, num_accepted=torch.tensor([4, 0, 0])
         )
+    with pytest.raises(ValueError, match="num_accepted: expected values < the block length 2"):
+        commit_accepted_states(
+            pool=pool, req_rows=rows, batch_rows=batch, num_accepted=torch.tensor([2, 0, 0]), verify_len=2
+        )
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="verify_len"):
+            commit_accepted_states(
+                pool=pool,
+                req_rows=rows,
+                batch_rows=batch,
+                num_accepted=torch.tensor([0, 0, 0]),
+                verify_len=bad,
+            )
     with pytest.raises(ValueError, match="expected all three or none"):
         commit_accepted_states(
             pool=pool, req_rows=rows, batch_rows=batch, num_accepted=torch.tensor([0, 0, 0]), track_interval=8

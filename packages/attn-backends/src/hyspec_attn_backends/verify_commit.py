@@ -101,6 +101,7 @@ class VerifyCommitter:
                 track_slots=track_slots,
                 track_interval=track_interval,
                 check_unique=self.pool.debug,
+                verify_len=batch.verify_len,
             ).steps
         else:
             steps = commit_steps(num_accepted=num_accepted, accept_paths=accept_paths)

@@ -40,6 +40,7 @@ def commit_accepted_states(
     track_interval: int | None = None,
     check_unique: bool = False,
     backend: Literal["auto", "triton", "torch", "reference"] = "auto",
+    verify_len: int | None = None,
 ) -> CommitIndices:
     """Copy each request's accepted verify step into its state slot (and a boundary step into its track slot).
 
@@ -55,6 +56,7 @@ def commit_accepted_states(
         track_interval: track interval; needed with track slots, at least the verify block size.
         check_unique: have the kernel check that no two rows target the same slot (costs a sync).
         backend: kernel backend passed to `commit_states`.
+        verify_len: the verified block's length D (default Dmax): a chain's replay walks D steps, not Dmax.
     Returns:
         The commit and track steps actually used.
     """
@@ -66,18 +68,23 @@ def commit_accepted_states(
             f"batch_rows: built for {batch_rows.bound} batch rows, this pool has {pool.plan.max_num_seqs + 1}"
         )
     dmax = pool.plan.max_draft_tokens
+    if verify_len is not None and not 0 < verify_len <= dmax:
+        raise ValueError(f"verify_len: expected a block length in [1, Dmax = {dmax}], got {verify_len}")
     if accept_paths is not None and accept_paths.dim() == 2 and accept_paths.shape[1] > dmax:
         raise ValueError(
             f"accept_paths: expected at most Dmax = {dmax} columns, got {list(accept_paths.shape)}"
         )
     # value checks read the device: on the CPU always, on CUDA only for a debug pool (each is a sync there)
     checks: bool | None = True if pool.debug else None
+    bound = verify_len or dmax
     if (
         isinstance(num_accepted, torch.Tensor)
         and value_checks(num_accepted.device, checks)
-        and bool((num_accepted >= dmax).any())
+        and bool((num_accepted >= bound).any())
     ):
-        raise ValueError(f"num_accepted: expected values < Dmax = {dmax}, got {num_accepted.tolist()}")
+        raise ValueError(
+            f"num_accepted: expected values < the block length {bound}, got {num_accepted.tolist()}"
+        )
     tracking = (track_slots is not None, seq_lens_before is not None, track_interval is not None)
     if any(tracking) and not all(tracking):
         raise ValueError("track_slots, seq_lens_before, track_interval: expected all three or none")
@@ -123,8 +130,9 @@ def commit_accepted_states(
         if accept_paths is not None:
             paths = accept_paths.to(device)  # [N, D]
         else:
-            col = torch.arange(dmax, device=device)[None, :]
-            paths = torch.where(col <= steps_dev[:, None], col, -1)  # [N, Dmax]
+            # a chain's path is its first steps: as wide as the block (the replay walks every column)
+            col = torch.arange(verify_len or dmax, device=device)[None, :]
+            paths = torch.where(col <= steps_dev[:, None], col, -1)  # [N, D]
         live = torch.where(steps_dev >= 0, slots.tensor, -1)  # [N]
         for state, inputs in replayed:
             gdn_replay(
