@@ -5,6 +5,9 @@
 #   bash tools/dev.sh test       # set up, then pytest (all packages) + mypy --strict + ruff
 #   bash tools/dev.sh selfcheck  # set up, then run every kernel against its PyTorch reference
 #   bash tools/dev.sh setup      # set up only
+#   bash tools/dev.sh device-wheels  # here: download into .whl the wheels the lent GPU machine's image lacks
+#   bash tools/dev.sh gpu [cmd..]    # there (carry .whl): install them into /tmp/site, then run cmd with the
+#                                    # packages on PYTHONPATH (default: selfcheck + every GPU test in one process)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -61,5 +64,35 @@ case "$cmd" in
     "$VENV/bin/python" -m ruff check packages tools
     "$VENV/bin/python" -m ruff format --check packages tools
     ;;
-  *) echo "usage: bash tools/dev.sh {demo|test|selfcheck|setup} [args]" >&2; exit 2 ;;
+  device-wheels)
+    # the server's and the tests' pure-Python (and a few binary) dependencies missing from the GPU image,
+    # pinned to this venv's versions (see .library/device/README.md on carrying wheels)
+    setup
+    mkdir -p .whl
+    plat=()
+    for n in 2_17 2_24 2_27 2_28 2_31 2_34 2_35; do plat+=(--platform "manylinux_${n}_x86_64"); done
+    plat+=(--platform manylinux2014_x86_64)
+    for name in fastapi starlette pydantic pydantic_core annotated-types annotated-doc typing-inspection \
+      uvicorn xgrammar apache-tvm-ffi openai jiter distro sniffio httpx2 httpcore2 truststore \
+      opentelemetry-api importlib_metadata jsonschema jsonschema-specifications referencing rpds-py \
+      flash-linear-attention fla-core; do
+      version=$("$VENV/bin/python" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+      "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${plat[@]}" -d .whl "$name${version:+==$version}" 2>&1 | grep -v '^WARNING' || true
+    done
+    ls .whl
+    ;;
+  gpu)
+    # on the lent GPU machine: its python3 has torch, triton and transformers; the rest comes from .whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl >/dev/null
+    PYTHONPATH=/tmp/site:$(printf '%s:' "$ROOT"/packages/*/src)
+    export PYTHONPATH PYTHONUNBUFFERED=1
+    if [ "$#" -eq 0 ]; then
+      python3 -m hyspec_kernels.selfcheck
+      exec python3 -m pytest packages -m gpu -q -rf -p no:cacheprovider
+    fi
+    exec "$@"
+    ;;
+  *) echo "usage: bash tools/dev.sh {demo|test|selfcheck|setup|device-wheels|gpu} [args]" >&2; exit 2 ;;
 esac
