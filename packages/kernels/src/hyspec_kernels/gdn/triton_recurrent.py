@@ -22,6 +22,22 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _l2norm(x):  # type: ignore[no-untyped-def]
+    """x / ||x|| over a [BK] vector (the ops' q and k normalisation), fp32."""
+    return x * tl.rsqrt(tl.sum(x * x) + 1e-6)
+
+
+@triton.jit
+def _delta_step(b_s, b_k, b_v, b_g, b_beta):  # type: ignore[no-untyped-def]
+    """One gated-delta-rule step on a [BK, BV] fp32 state tile: decay by exp(g), then the delta write of
+    (k, v) with strength beta (k normalised). The verify and the commit's replay both call it, so a replayed
+    state is computed by the very ops that verified it."""
+    b_s = b_s * tl.exp(b_g)
+    b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))  # [BV]
+    return b_s + b_k[:, None] * b_u[None, :]
+
+
 @triton.jit  # type: ignore[untyped-decorator]
 def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     q_ptr,  # [N, D, HK, K]
@@ -126,12 +142,8 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
                     tl.store(bin_ptr + in_tok * HV + i_hv, b_beta)
                     if i_hv % (HV // HK) == 0:
                         tl.store(kin_ptr + (in_tok * HK + i_hk) * K + o_k, b_k, mask=m_k)
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-
-        b_s = b_s * tl.exp(b_g)
-        b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))  # [BV]
-        b_s = b_s + b_k[:, None] * b_u[None, :]
+        b_q = _l2norm(b_q) * scale
+        b_s = _delta_step(b_s, _l2norm(b_k), b_v, b_g, b_beta)
         b_o = tl.sum(b_s * b_q[:, None], 0)  # [BV]
         tl.store(o_ptr + ((tok + j) * HV + i_hv) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
         if STORE_STEPS:
@@ -311,10 +323,7 @@ def gdn_replay_kernel(  # type: ignore[no-untyped-def]
         n_g = tl.load(g_ptr + n_tok * HV + i_hv).to(tl.float32)
         n_beta = tl.load(beta_ptr + n_tok * HV + i_hv).to(tl.float32)
         if node >= 0:
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-            b_s = b_s * tl.exp(b_g)
-            b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))  # [BV]
-            b_s = b_s + b_k[:, None] * b_u[None, :]
+            b_s = _delta_step(b_s, _l2norm(b_k), b_v, b_g, b_beta)
             if TRACK:
                 if node == track:
                     tl.store(p_track, b_s.to(state_ptr.dtype.element_ty), mask=m_track)
