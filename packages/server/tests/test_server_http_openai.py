@@ -379,6 +379,8 @@ CHAT = {"model": "toy", "messages": [{"role": "user", "content": "ok"}], "max_to
         ("/v1/completions", {**GOOD, "prompt": [-1]}, "prompt"),
         ("/v1/completions", {**GOOD, "prompt": ["fine", "x" * 300]}, "max_tokens"),
         ("/v1/completions", {**GOOD, "prompt": ["fine", ""]}, "prompt"),
+        ("/v1/completions", {**GOOD, "stop": ["x" * 1025]}, "stop"),
+        ("/v1/chat/completions", {**CHAT, "stop": [str(i) for i in range(65)]}, "stop"),
         ("/v1/chat/completions", {**CHAT, "n": 0}, "n"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": "5"}, "max_completion_tokens"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 1000}, "max_tokens"),

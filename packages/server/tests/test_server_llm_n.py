@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -13,7 +14,7 @@ from hyspec_server.outputs import CompletionOutput
 from hyspec_server.protocol import derived_seed as protocol_derived_seed
 from hyspec_server.sampling_params import MAX_N, derived_seed
 from hyspec_server.serve import ServerThread
-from hyspec_testing.server import ByteTokenizer, toy_engine, toy_greedy
+from hyspec_testing.server import TOY_VOCAB, ByteTokenizer, toy_engine, toy_greedy
 
 TOK = ByteTokenizer()
 
@@ -74,6 +75,29 @@ def test_seeded_determinism_and_greedy_copies() -> None:
     assert token_ids(g.outputs) == [want] * 4
     assert [c.text for c in g.outputs] == [TOK.decode(want)] * 4
     llm.leak_check()
+
+
+def test_bad_arguments_name_themselves_and_lose_nothing() -> None:
+    """Wrong types and token ids the model has no embedding for are ValueErrors naming the argument, raised
+    before anything runs; a good prompt in the same call is not started, and the engine serves on."""
+    llm = LLM.from_engine(toy_engine())
+    bad: list[tuple[Any, Any, str]] = [
+        (None, None, "prompts"),
+        (5, None, "prompts"),
+        ("fine", {"max_tokens": 3}, "sampling_params"),
+        ("fine", [SamplingParams(), {"max_tokens": 3}], "sampling_params"),
+        (["fine", {"prompt_token_ids": [5, TOY_VOCAB]}], None, "prompt_token_ids"),
+        (["fine", {"prompt_token_ids": [5, -1]}], None, "prompt_token_ids"),
+    ]
+    for prompts, params, name in bad:
+        with pytest.raises(ValueError, match=name):
+            llm.generate(prompts, params)
+        assert not llm.engine.requests
+        llm.leak_check()
+    with pytest.raises(ValueError, match=f"prompt_token_ids: expected token ids in \\[0, {TOY_VOCAB}\\)"):
+        llm.engine.add_request([1, TOY_VOCAB + 7], SamplingParams())
+    out = llm.generate({"prompt_token_ids": [5, TOY_VOCAB - 1]}, sampled(2, 1))
+    assert len(out[0].outputs) == 2
 
 
 def test_bad_prompt_after_a_fanned_out_one_aborts_every_sample() -> None:

@@ -86,3 +86,13 @@ def test_bad_draft_checkpoints_name_the_field(target: Callable[[str], Any], tmp_
     q = target("qwen3_5")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         build_drafter(too_deep, q.model, target_path=q.path, memory=q.memory())
+    # adaptive: the default candidates fit the checkpoint's 3 layers; a candidate past them names its field
+    fits = SpeculativeConfig.from_dict(
+        {"method": "multi_layer_mtp", "num_speculative_tokens": 3, "adaptive": True}
+    )
+    build_drafter(fits, q.model, target_path=q.path, memory=q.memory())
+    deep_candidate = SpeculativeConfig.from_dict(
+        {"method": "multi_layer_mtp", "num_speculative_tokens": 3, "adaptive": {"candidate_steps": [1, 7]}}
+    )
+    with pytest.raises(ValueError, match=r"adaptive\.candidate_steps"):
+        build_drafter(deep_candidate, q.model, target_path=q.path, memory=q.memory())

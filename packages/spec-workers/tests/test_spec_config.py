@@ -86,6 +86,22 @@ def test_adaptive_candidates_insert_sort_dedup_and_sizing() -> None:
         AdaptiveConfig(candidate_steps=(3, 1))
 
 
+def test_multi_layer_mtp_adaptive_defaults_stop_at_the_steps_asked_for() -> None:
+    """multi_layer_mtp runs MTP layer j at step j: `adaptive: true` must work on a checkpoint with as many
+    layers as `num_speculative_tokens` (a released Qwen3-Next has one), so its default candidates stop
+    there; candidates given explicitly are kept (the drafter checks them against the checkpoint)."""
+    for s, want in ((3, (1, 3)), (1, (1,)), (2, (1, 2))):
+        c = SpeculativeConfig.from_dict(
+            {"method": "multi_layer_mtp", "num_speculative_tokens": s, "adaptive": True}
+        )
+        assert c.adaptive is not None and c.adaptive.candidate_steps == want
+        assert c.max_num_speculative_tokens == s
+    c = SpeculativeConfig.from_dict(
+        {"method": "multi_layer_mtp", "num_speculative_tokens": 1, "adaptive": {"candidate_steps": [1, 7]}}
+    )
+    assert c.adaptive is not None and c.adaptive.candidate_steps == (1, 7)
+
+
 @pytest.mark.parametrize(
     "d",
     [

@@ -432,7 +432,8 @@ def _samples(
             for j in range(count)
         ]
     except ValueError as e:
-        first = str(e).split(" ", 1)[0]
+        # the message names the field first ("stop: ...", "max_tokens must ...")
+        first = str(e).split(" ", 1)[0].rstrip(":")
         raise APIError(400, str(e), param=first if first in _SAMPLING_FIELDS else None) from e
 
 

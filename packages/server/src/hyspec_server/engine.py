@@ -140,6 +140,14 @@ class LLMEngine:
             text, ids = None, [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt must have at least one token")
+        vocab = self.runner.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            # checked here, not in the model: an id past the embedding fails the whole step (on a GPU, a
+            # device-side assert that can end the process)
+            raise ValueError(
+                f"prompt_token_ids: expected token ids in [0, {vocab}) for this model, got {bad}"
+            )
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) is over the model's "

@@ -136,15 +136,29 @@ class LLM:
                 server does) and its output's `outputs` holds the n completions, ordered by `index`.
             use_tqdm: a progress bar (requests done, tokens/s in and out) on stderr, as vLLM shows.
         """
-        items: list[PromptType] = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        if isinstance(prompts, str | dict):
+            items: list[PromptType] = [prompts]
+        elif isinstance(prompts, list | tuple):
+            items = list(prompts)
+        else:
+            raise ValueError(
+                f"prompts: expected a string, a prompt dict or a list of those, got {type(prompts).__name__}"
+            )
         if sampling_params is None:
             params = [self.get_default_sampling_params()] * len(items)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(items)
-        else:
+        elif isinstance(sampling_params, list | tuple) and all(
+            isinstance(p, SamplingParams) for p in sampling_params
+        ):
             params = list(sampling_params)
             if len(params) != len(items):
                 raise ValueError(f"sampling_params: expected 1 or {len(items)} entries, got {len(params)}")
+        else:
+            raise ValueError(
+                "sampling_params: expected a SamplingParams, a list of them or None, got "
+                f"{type(sampling_params).__name__}"
+            )
         eng = self.engine
         # per prompt, the engine request ids of its samples 0..n-1 and the id of the merged output
         groups: list[tuple[str, list[str]]] = []

@@ -67,6 +67,11 @@ class ModelRunner(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model embeds: [0, vocab_size)."""
+        ...
+
     def execute(self, step: SchedulerOutput) -> RunnerOutput: ...
 
 

@@ -101,8 +101,11 @@ class AdaptiveConfig:
             raise _err("adaptive.probe_budget", f"expected a number in (0, 1], got {b!r}")
 
     @staticmethod
-    def from_value(value: object, *, initial_steps: int) -> AdaptiveConfig | None:
-        """`False`/None -> None, `True` -> defaults, a dict -> those fields; `initial_steps` is inserted."""
+    def from_value(
+        value: object, *, initial_steps: int, max_default_steps: int | None = None
+    ) -> AdaptiveConfig | None:
+        """`False`/None -> None, `True` -> defaults, a dict -> those fields; `initial_steps` is inserted.
+        `max_default_steps`: default candidates above it are left out (a drafter that cannot draft more)."""
         if value is None or value is False:
             return None
         if value is True:
@@ -115,7 +118,10 @@ class AdaptiveConfig:
         for k in d:
             if k not in known:
                 raise _err(f"adaptive.{k}", f"unknown key; expected one of {sorted(known)}")
-        raw = d.pop("candidate_steps", DEFAULT_CANDIDATE_STEPS)
+        default = tuple(
+            s for s in DEFAULT_CANDIDATE_STEPS if max_default_steps is None or s <= max_default_steps
+        )
+        raw = d.pop("candidate_steps", default)
         if isinstance(raw, str) or not hasattr(raw, "__iter__"):
             raise _err("adaptive.candidate_steps", f"expected a list of integers, got {raw!r}")
         steps: list[Any] = list(raw)
@@ -298,5 +304,12 @@ class SpeculativeConfig:
             chain_hidden_states=chain,
             prompt_lookup_min=0 if lo is None else lo,
             prompt_lookup_max=0 if hi is None else hi,
-            adaptive=AdaptiveConfig.from_value(d.get("adaptive"), initial_steps=s),
+            # multi_layer_mtp runs layer j at step j: the default candidates stop at the steps asked for (a
+            # checkpoint's MTP layers, which the config cannot see; candidates given explicitly are checked
+            # against them when the drafter is built)
+            adaptive=AdaptiveConfig.from_value(
+                d.get("adaptive"),
+                initial_steps=s,
+                max_default_steps=s if method == "multi_layer_mtp" else None,
+            ),
         )

@@ -87,10 +87,12 @@ def mtp_drafter(draft: MTPDraft, config: SpeculativeConfig, *, memory: DraftMemo
     if config.method != "multi_layer_mtp":
         raise ValueError(f"config.method: expected 'mtp' or 'multi_layer_mtp', got {config.method!r}")
     if s > model.num_layers:
+        # the largest step count comes from the steps asked for, or else from the adaptive candidates
+        over = config.num_speculative_tokens > model.num_layers
+        field = "num_speculative_tokens" if over else "adaptive.candidate_steps"
         raise ValueError(
-            f"speculative_config.num_speculative_tokens: multi_layer_mtp runs MTP layer j at step j, so at "
-            f"most {model.num_layers} steps (the checkpoint's MTP layers; adaptive: the largest candidate), "
-            f"got {s}"
+            f"speculative_config.{field}: multi_layer_mtp runs MTP layer j at step j, so at most "
+            f"{model.num_layers} steps (the checkpoint's MTP layers), got {s}"
         )
     return HiddenStateDrafter(
         model,

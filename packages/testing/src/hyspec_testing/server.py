@@ -170,6 +170,10 @@ class ToyModelRunner:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return TOY_VOCAB
+
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         if self.fail_next_step:
             self.fail_next_step = False
