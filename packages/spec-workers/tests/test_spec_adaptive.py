@@ -651,3 +651,10 @@ def test_a_round_is_charged_the_engine_work_until_the_next_step(monkeypatch: pyt
         now[0] += gap  # the engine emits the tokens and schedules the next step
         spec.begin_step()
     assert recorded == [1.25, 1.5, 1.0, 1.0]
+    # one-off work in the gap that no round caused (prefix-cache saves) is left out of the charge
+    spec.run(Target(), rows)  # type: ignore[arg-type]
+    now[0] += 0.25
+    now[0] += 0.5
+    spec.timer.exclude(0.5)
+    spec.begin_step()
+    assert recorded[-1] == 1.25

@@ -246,6 +246,12 @@ class RoundTimer:
     def end_round(self) -> None:
         self._last_end = time.perf_counter()
 
+    def exclude(self, seconds: float) -> None:
+        """`seconds` of one-off engine work since the last round that no round caused (prefix-cache saves
+        and the draft extend they run): left out of the gap the round is charged."""
+        if self._pending is not None:
+            self._last_end += seconds
+
 
 def _share(gap: float, seconds: float) -> float:
     """The engine's time between a round and the next step that the round is charged: all of it, unless

@@ -236,9 +236,12 @@ class SpeculativeRound:
         followed = [s for s in saves if s.req_id in self._followed]
         if followed:
             assert self.model_drafter is not None and self.feed is not None
+            t0 = time.perf_counter()
             # the tokens the target's snapshots hold reach the draft first: one draft extend for them all
             self.feed.flush([str(s.req_id) for s in followed])
             self.model_drafter.save_prefixes(followed)
+            # a prompt's end or a request's finish, whether or not rounds draft: no round's cost
+            self.timer.exclude(time.perf_counter() - t0)
 
     def on_prefix_reset(self) -> None:
         if self.model_drafter is not None:
