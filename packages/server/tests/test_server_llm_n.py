@@ -96,6 +96,8 @@ def test_bad_arguments_name_themselves_and_lose_nothing() -> None:
         llm.leak_check()
     with pytest.raises(ValueError, match=f"prompt_token_ids: expected token ids in \\[0, {TOY_VOCAB}\\)"):
         llm.engine.add_request([1, TOY_VOCAB + 7], SamplingParams())
+    # any iterable of prompts works (a generator, a dataset column)
+    assert len(llm.generate((p for p in ["a", "b"]), sampled(1, 1))) == 2
     out = llm.generate({"prompt_token_ids": [5, TOY_VOCAB - 1]}, sampled(2, 1))
     assert len(out[0].outputs) == 2
 

@@ -102,6 +102,7 @@ class VerifyCommitter:
                 track_interval=track_interval,
                 check_unique=self.pool.debug,
                 verify_len=batch.verify_len,
+                tile_seqs=batch.num_seqs,
             ).steps
         else:
             steps = commit_steps(num_accepted=num_accepted, accept_paths=accept_paths)

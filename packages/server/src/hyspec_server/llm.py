@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from hyspec_server.config import engine_args_from
@@ -138,7 +138,7 @@ class LLM:
         """
         if isinstance(prompts, str | dict):
             items: list[PromptType] = [prompts]
-        elif isinstance(prompts, list | tuple):
+        elif isinstance(prompts, Iterable) and not isinstance(prompts, bytes | Mapping):
             items = list(prompts)
         else:
             raise ValueError(

@@ -41,6 +41,7 @@ def commit_accepted_states(
     check_unique: bool = False,
     backend: Literal["auto", "triton", "torch", "reference"] = "auto",
     verify_len: int | None = None,
+    tile_seqs: int | None = None,
 ) -> CommitIndices:
     """Copy each request's accepted verify step into its state slot (and a boundary step into its track slot).
 
@@ -57,6 +58,8 @@ def commit_accepted_states(
         check_unique: have the kernel check that no two rows target the same slot (costs a sync).
         backend: kernel backend passed to `commit_states`.
         verify_len: the verified block's length D (default Dmax): a chain's replay walks D steps, not Dmax.
+        tile_seqs: the verify's batch size, padding included: the replay kernel picks its tiles (and so its
+            reduction order) for it, as the verify and decode kernels did.
     Returns:
         The commit and track steps actually used.
     """
@@ -148,5 +151,6 @@ def commit_accepted_states(
                 track_steps=t_steps_dev,
                 backend=backend,
                 check_indices=checks,
+                tile_seqs=tile_seqs,
             )
     return CommitIndices(steps, t_steps)

@@ -386,6 +386,7 @@ def _replay_triton(
     paths: torch.Tensor,
     track_slots: torch.Tensor | None,
     track_steps: torch.Tensor | None,
+    tile_seqs: int | None = None,
 ) -> None:
     from .triton_recurrent import launch_replay
 
@@ -402,6 +403,7 @@ def _replay_triton(
         paths=paths.contiguous(),
         track_slots=track_slots,
         track_steps=track_steps,
+        tile_seqs=tile_seqs,
     )
 
 
@@ -419,6 +421,7 @@ def gdn_replay(
     track_steps: torch.Tensor | None = None,
     backend: Backend = "auto",
     check_indices: bool | None = None,
+    tile_seqs: int | None = None,
 ) -> None:
     """Commit after a verify by replaying the accepted tokens from the committed state (ReplaySSM): the
     verify forward keeps only its tokens' inputs (a few KB per token) instead of a state per token.
@@ -480,7 +483,8 @@ def gdn_replay(
         dev,
         reference=reference.reference_replay,
         torch_path=torch_impl.torch_replay,
-        triton=lambda: _replay_triton,
+        # Triton tiles as the verify's (its padded batch): the same K-reduction order as the verify and decode
+        triton=lambda: partial(_replay_triton, tile_seqs=tile_seqs),
     )
     fn(
         k,

@@ -241,7 +241,8 @@ def launch_recurrent(
         STORE_STEPS=store_steps,
         STORE_INPUTS=keep_inputs is not None,
         BRANCHES_ONLY=branch_states_only and parents is not None,
-        BD=triton.next_power_of_2(steps),
+        # only the tree workspace reads BD: a chain keeps one compiled kernel for every block length
+        BD=triton.next_power_of_2(steps) if branch_states_only and parents is not None else 1,
         num_warps=num_warps,
     )
     return o
@@ -342,6 +343,7 @@ def launch_replay(
     paths: torch.Tensor,  # [N, L] contiguous
     track_slots: torch.Tensor | None,  # [N]
     track_steps: torch.Tensor | None,  # [N]
+    tile_seqs: int | None = None,  # sequences the tiles are chosen for (the verify's padded batch; default N)
 ) -> None:
     """Runs the replay commit in place on `state`."""
     num_seqs, path_len = paths.shape
@@ -350,7 +352,7 @@ def launch_replay(
     if num_seqs == 0 or path_len == 0 or num_layers == 0:
         return
     # tiles by sequence, not by layer x sequence: the decode tiles of this batch (`default_tiles`)
-    bv, num_warps = default_tiles(num_seqs * num_v_heads, head_v)
+    bv, num_warps = default_tiles((tile_seqs or num_seqs) * num_v_heads, head_v)
     grid = (num_layers * num_seqs * num_v_heads, triton.cdiv(head_v, bv))
     track = track_slots is not None and track_steps is not None
     gdn_replay_kernel[grid](
