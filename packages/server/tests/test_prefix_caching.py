@@ -83,6 +83,58 @@ def test_the_saves_of_one_step_reach_the_memory_together() -> None:
     eng.leak_check()
 
 
+def test_prefill_saves_run_while_the_forward_is_queued(tiny_qwen3_5: Path) -> None:
+    """On the real runner the snapshots of a step's prefill chunks are saved once its forward is queued and
+    before its tokens are read (the host work overlaps the device's), and they hold the state that forward
+    computed: a second request with the same prompt resumes from them with the same output."""
+    from hyspec_server.builder import build_engine
+
+    eng = build_engine(
+        EngineArgs(
+            model=str(tiny_qwen3_5),
+            max_num_seqs=4,
+            page_size=4,
+            max_model_len=64,
+            prefix_cache_snapshot_interval=8,
+        )
+    )
+    order: list[str] = []
+    runner: Any = eng.runner
+    read, save = runner.plain.read, eng.scheduler.memory.save_prefixes
+
+    def reading(queued: Any) -> Any:
+        order.append("read")
+        return read(queued)
+
+    def saving(saves: Any) -> None:
+        order.append("save " + ",".join(str(len(s.token_ids)) for s in saves))
+        save(saves)
+
+    runner.plain.read = reading
+    eng.scheduler.memory.save_prefixes = saving  # type: ignore[method-assign]
+    llm = LLM.from_engine(eng)
+    rng = random.Random(3)
+    prompts = [_rand(rng, 10), _rand(rng, 10)]
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(3))
+    # step 1: both prompts up to the interval (8), step 2: their last 2 tokens (sampling), step 3: a decode,
+    # step 4: the last decode, then the finishes' saves
+    assert order[:5] == ["save 8,8", "read", "save 10,10", "read", "read"], order
+    # prompts that extend them resume from their prompt-end snapshots, with the output of caching off
+    longer = [{"prompt_token_ids": [*p, 33, 34, 35]} for p in prompts]
+    again = llm.generate(longer, _params(3))
+    assert [o.num_cached_tokens for o in again] == [10, 10]
+    off = LLM.from_engine(
+        build_engine(
+            EngineArgs(model=str(tiny_qwen3_5), max_num_seqs=4, page_size=4, enable_prefix_caching=False)
+        )
+    )
+    assert [o.outputs[0].token_ids for o in again] == [
+        o.outputs[0].token_ids for o in off.generate(longer, _params(3))
+    ]
+    assert first[0].outputs[0].token_ids  # (the first run's tokens were read)
+    llm.leak_check()
+
+
 @pytest.mark.parametrize("prompt_len", [21, 5, 30])
 def test_a_prompt_end_off_the_interval_leaves_a_snapshot(prompt_len: int) -> None:
     """The end of every prompt is saved, not only interval multiples: a later prompt that extends it resumes

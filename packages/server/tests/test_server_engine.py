@@ -1,4 +1,5 @@
 import random
+from collections.abc import Callable
 
 import pytest
 from hyspec_server import LLM, EngineArgs, SamplingParams
@@ -176,10 +177,12 @@ class PoisonRunner(ToyModelRunner):
     """Fails every step that holds a request whose prompt starts with POISON (a request that breaks the
     model step, as `top_k: 2**63` once did)."""
 
-    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+    def execute(
+        self, step: SchedulerOutput, *, while_queued: Callable[[], None] | None = None
+    ) -> RunnerOutput:
         if any(c.request.prompt_token_ids[0] == POISON for c in step.chunks):
             raise RuntimeError("toy runner: poisoned batch")
-        return super().execute(step)
+        return super().execute(step, while_queued=while_queued)
 
 
 POISON = 7

@@ -195,9 +195,9 @@ def test_malformed_json_auth_and_unknown_route(toy_server: ServerThread) -> None
 
 
 class SlowToy(ToyModelRunner):
-    def execute(self, step: Any) -> Any:
+    def execute(self, step: Any, *, while_queued: Any = None) -> Any:
         time.sleep(0.02)
-        return super().execute(step)
+        return super().execute(step, while_queued=while_queued)
 
 
 def test_full_queue_answers_429() -> None:

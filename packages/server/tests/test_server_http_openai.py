@@ -420,9 +420,9 @@ def test_openai_client_raises_bad_request_with_param(toy_server: ServerThread) -
 
 
 class SlowToy(ToyModelRunner):
-    def execute(self, step: Any) -> Any:
+    def execute(self, step: Any, *, while_queued: Any = None) -> Any:
         time.sleep(0.01)
-        return super().execute(step)
+        return super().execute(step, while_queued=while_queued)
 
 
 def _ended(srv: ServerThread, reason: str) -> float:

@@ -65,11 +65,11 @@ def _staggered(
         alone.append(spec.timer.timing())
         return spec_run(target, rows, shares_forward=shares_forward)
 
-    def step(sched: Any) -> Any:
+    def step(sched: Any, **kw: Any) -> Any:
         calls.clear()
         alone.clear()
         replays = runner.graphs.counts.replays
-        out = execute(sched)
+        out = execute(sched, **kw)
         # a graph replay runs the target without calling `model.forward`: it counts as one forward
         calls.extend(["replay"] * (runner.graphs.counts.replays - replays))
         # recorded, not raised here: the engine would retry a failed step request by request

@@ -822,12 +822,12 @@ def test_a_failed_speculative_step_is_retried_losslessly(arch: Arch) -> None:
     real = eng.runner.execute
     calls = [0]
 
-    def flaky(step: Any) -> Any:
+    def flaky(step: Any, **kw: Any) -> Any:
         calls[0] += 1
         if calls[0] == 6:
             assert len({c.request.request_id for c in step.chunks}) > 1
             raise RuntimeError("injected")
-        return real(step)
+        return real(step, **kw)
 
     eng.runner.execute = flaky  # type: ignore[method-assign]
     outs = LLM.from_engine(eng).generate(_ids(PROMPTS), _greedy())

@@ -309,3 +309,49 @@ def test_eviction_scans_past_pages_in_use_once_per_call(monkeypatch: pytest.Monk
     pool.free(["keep"])
     cache.reset()
     _idle(pool)
+
+
+def test_a_save_hashes_only_the_pages_the_cache_does_not_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request's full pages that the cache already holds (its prompt-end save, or pages it adopted at a hit)
+    are named by their hashes: its later save hashes only the pages after them, and caches exactly what a
+    save hashing every page would (a request after it resumes from the later save)."""
+    import hyspec_statepool.prefix_cache as pc
+
+    pool = _pool(pages=48, seqs=3, snapshots=4)
+    cache = PrefixCache(pool, num_snapshots=4)
+    hashed: list[int] = []
+    inner = pc.page_hashes
+
+    def counting(parent: bytes, tokens: list[int], page_size: int) -> list[bytes]:
+        hashed.append(len(tokens) // page_size)
+        return inner(parent, tokens, page_size)
+
+    monkeypatch.setattr(pc, "page_hashes", counting)
+    prompt = list(range(300, 300 + PS * 3 + 1))  # 3 full pages and one token
+    out = list(range(50, 50 + PS * 2))  # the request's output: 2 more full pages
+    pool.alloc(["a"])
+    _compute(pool, "a", prompt)
+    cache.save("a", prompt, salt="s", num_tokens=len(prompt))
+    _compute(pool, "a", prompt + out, start=len(prompt))
+    cache.save("a", prompt + out, salt="s", num_tokens=len(prompt + out))  # the finish
+    assert hashed == [3, 2]  # the prompt's pages once; the finish hashes only its 2 new pages
+    conv_a = _conv(pool, "a")
+    pool.free(["a"])
+    # the next turn resumes after the finished request's output, pages and state equal
+    turn = prompt + out + [7, 8, 9]
+    pool.alloc(["b"])
+    assert cache.attach_longest("b", turn, salt="s", max_tokens=len(turn) - 1) == len(prompt + out)
+    assert _history(pool, "b", len(prompt + out)) == prompt + out
+    assert torch.equal(_conv(pool, "b"), conv_a)
+    # b adopted 5 cached pages (and a copy of the tail page, which no hash names): its own save hashes
+    # only its 2 full pages after them
+    hashed.clear()
+    _compute(pool, "b", turn + [1] * PS, start=len(prompt + out))
+    cache.save("b", turn + [1] * PS, salt="s", num_tokens=len(turn) + PS)
+    assert hashed == [2]
+    # another salt shares nothing
+    pool.alloc(["c"])
+    assert cache.attach_longest("c", turn, salt=None, max_tokens=len(turn) - 1) == 0
+    pool.free(["b", "c"])
+    cache.reset()
+    _idle(pool)

@@ -214,8 +214,18 @@ class LLMEngine:
         self.stats.num_preemptions += len(sched.preempted)
         if not sched.chunks:
             return []
+        saved = False
+
+        def save_snapshots() -> None:
+            # the prefix-cache saves of the step's prefill chunks, while the device runs its forward
+            nonlocal saved
+            if not saved:
+                saved = True
+                self.scheduler.save_snapshots(sched.chunks)
+
         try:
-            result = self.runner.execute(sched)
+            result = self.runner.execute(sched, while_queued=save_snapshots)
+            save_snapshots()  # a runner with nothing to overlap may not call it; before the appends below
         except Exception as e:
             reqs = list(dict.fromkeys(c.request for c in sched.chunks))
             if len(reqs) > 1:
@@ -260,7 +270,6 @@ class LLMEngine:
                 done.append(req)
                 self._record_finished(req, now)
             outputs.append(req.make_output())
-        self.scheduler.after_step([c for c in sched.chunks if c.request not in failed])
         self.scheduler.finish(done, cache=True)
         for req in done:
             self.requests.pop(req.request_id, None)

@@ -254,13 +254,17 @@ class HyspecModelRunner:
         return self._sampler
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+    def execute(
+        self, step: SchedulerOutput, *, while_queued: Callable[[], None] | None = None
+    ) -> RunnerOutput:
         if self.spec is not None:
             self.spec.begin_step()  # the last round's costs include the engine's work since it ended
         chunks = list(step.chunks)
         if self.spec is None or not any(c.verify for c in chunks):
-            toks, prompt_lp = self.plain.run(chunks)
-            return RunnerOutput(tuple(toks), prompt_logprobs=prompt_lp)
+            queued = self.plain.forward(PlainInputs.of(chunks))
+            if while_queued is not None:
+                while_queued()  # the device runs the forward meanwhile
+            return RunnerOutput(tuple(self.plain.read(queued)), prompt_logprobs=queued.prompt_logprobs)
         plain = [i for i, c in enumerate(chunks) if not c.verify]
         ver = [i for i, c in enumerate(chunks) if c.verify]
         rows = [self._round_row(chunks[i]) for i in ver]
@@ -278,6 +282,8 @@ class HyspecModelRunner:
             results = self.spec.run(self, rows, shares_forward=self._riders is not None)
         finally:
             self._riders = None
+        if while_queued is not None:
+            while_queued()  # the round has read its outcome: no overlap left, but before the riders' read
         for i, res in zip(ver, results, strict=True):
             tokens[i], verified[i] = res.tokens[0], res
         if riders is not None:

@@ -72,7 +72,13 @@ class ModelRunner(Protocol):
         """Token ids the model embeds: [0, vocab_size)."""
         ...
 
-    def execute(self, step: SchedulerOutput) -> RunnerOutput: ...
+    def execute(
+        self, step: SchedulerOutput, *, while_queued: Callable[[], None] | None = None
+    ) -> RunnerOutput:
+        """Runs the step. `while_queued`: the engine's host work for the step (prefix-cache saves) that may
+        overlap the device: called once, after the step's forward is queued and before its outcome is
+        read (or after the run, by a runner with nothing to overlap)."""
+        ...
 
 
 def spread_tokens(

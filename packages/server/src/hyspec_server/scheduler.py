@@ -8,8 +8,9 @@ the waiting queue, to be recomputed from its prompt and generated tokens. No oth
 
 Prefix caching: an admitted request resumes from the longest cached prefix of its tokens (never its last
 token, whose logits give the next one). Prefill chunks end at multiples of the memory's snapshot interval,
-and after the step a snapshot of the committed state is saved there, at the end of each prefill and at the end
-of each finished request (`after_step`, `finish`), so later requests with the same prefix skip it.
+and a snapshot of the committed state is saved there and at the end of each prefill as soon as the step's
+forward is queued (`save_snapshots`: the host work overlaps the device's), and at the end of each finished
+request (`finish`), so later requests with the same prefix skip it.
 """
 
 from __future__ import annotations
@@ -242,9 +243,12 @@ class Scheduler:
             n = min(n, (start // every + 1) * every - start)
         return n
 
-    def after_step(self, chunks: Iterable[ScheduledChunk]) -> None:
-        """Saves prefix-cache snapshots where this step's prefill chunks ended: at a snapshot interval and at
-        the end of a prefill (call it once the step's tokens are appended)."""
+    def save_snapshots(self, chunks: Iterable[ScheduledChunk]) -> None:
+        """Saves prefix-cache snapshots where this step's prefill chunks end: at a snapshot interval and at
+        the end of a prefill. Call it once the step's forward is queued and before its tokens are appended
+        (the engine does it while the device runs the forward): the copies queue behind the forward that
+        computes the state, the tokens they hold are known before it runs, and the host work of the saves
+        overlaps the device's instead of adding to the step."""
         every = self.memory.snapshot_interval
         if not every:
             return
@@ -253,10 +257,9 @@ class Scheduler:
             req = c.request
             if c.verify or req.finished:
                 continue
-            # the chunk sampled: the token its logits gave is appended by now (`c.sample`, read after the
-            # append, would be False); a prefill chunk that sampled ended the prompt (or a recompute)
-            sampled = c.end == req.num_tokens - 1
-            prefill_end = sampled and (c.num_new > 1 or c.start < req.num_prompt_tokens)
+            # a prefill chunk that samples ends the prompt (or a recompute); a decode chunk saves only at an
+            # interval
+            prefill_end = c.sample and (c.num_new > 1 or c.start < req.num_prompt_tokens)
             if c.end % every == 0 or prefill_end:
                 saves.append(self._save(req, c.end))
         if saves:

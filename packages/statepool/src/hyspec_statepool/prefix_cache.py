@@ -125,6 +125,9 @@ class PrefixCache:
         self.num_snapshot_slots = num_snapshots
         self._free_slots = pool.alloc_detached_slots(num_snapshots).tolist()
         self._pages: OrderedDict[_PageKey, int] = OrderedDict()  # LRU order: the first is evicted first
+        # the same map the other way: a request's page the cache holds is named by its hash, so a save
+        # hashes only the pages after those (a finished request's save repeats its prompt's)
+        self._page_keys: dict[int, _PageKey] = {}
         self._snapshots: OrderedDict[_SnapKey, _Snapshot] = OrderedDict()
         self._tails: dict[_PageKey, set[tuple[int, ...]]] = {}  # snapshot tails by their parent hash
         self._pinned: _SnapKey | None = None
@@ -227,7 +230,8 @@ class PrefixCache:
         if len(own) < -(-c // ps):
             raise ValueError(f"request {req_id!r} holds {len(own)} KV pages, fewer than {c} tokens need")
         root = h = root_hash(salt)
-        chain = page_hashes(h, token_ids[: k * ps], ps)
+        chain = self._known_hashes(own, k)
+        chain += page_hashes(chain[-1] if chain else root, token_ids[len(chain) * ps : k * ps], ps)
         # the snapshots this request passed (a shared system prompt's, the previous chat turn's) become more
         # recent than every other but the new one, before the new one may evict the least recently used
         for ancestor in self._ancestors(root, chain, token_ids, c):
@@ -236,6 +240,7 @@ class PrefixCache:
         self.pool.kv.share([own[i] for i in new])  # one call: this runs for every request that finishes
         for i in new:
             self._pages[chain[i]] = own[i]
+            self._page_keys[own[i]] = chain[i]
         if chain:
             h = chain[-1]
         tail = tuple(token_ids[k * ps : c])
@@ -294,7 +299,9 @@ class PrefixCache:
                 # dropped snapshots' tail pages may have been enough
                 if kv.num_free + len(freed) >= num_pages:
                     break
-                freed.append(self._pages.pop(victim))
+                page = self._pages.pop(victim)
+                del self._page_keys[page]
+                freed.append(page)
                 # snapshots right after this page can no longer be reached
                 for tail in list(self._tails.get(victim, ())):
                     self._drop(self._snapshots[(victim, tail)])
@@ -317,6 +324,7 @@ class PrefixCache:
         if self._pages:
             self.pool.kv.free(list(self._pages.values()))
             self._pages.clear()
+            self._page_keys.clear()
 
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(
@@ -338,6 +346,21 @@ class PrefixCache:
         if snap.tail_page is not None:
             self.pool.kv.free([snap.tail_page])
         self._free_slots.append(snap.slot)
+
+    def _known_hashes(self, own: list[int], num_pages: int) -> list[_PageKey]:
+        """The hashes of the request's first full pages that the cache holds, up to the first it does not.
+
+        A page the cache holds under hash h holds the KV of the prefix h names: the request's own prefix,
+        whether its earlier save put the page there or it adopted the page at a hit (a full page is never
+        written again, and a cached page is never freed under a request that maps it)."""
+        out: list[_PageKey] = []
+        keys = self._page_keys
+        for page in own[:num_pages]:
+            key = keys.get(page)
+            if key is None:
+                break
+            out.append(key)
+        return out
 
     def _ancestors(
         self, root: _PageKey, chain: list[_PageKey], tokens: Sequence[int], limit: int

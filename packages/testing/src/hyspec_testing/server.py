@@ -8,7 +8,7 @@ slot (one short-conv layer). A wrong KV slot, page, state slot or chunk boundary
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -174,7 +174,9 @@ class ToyModelRunner:
     def vocab_size(self) -> int:
         return TOY_VOCAB
 
-    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+    def execute(
+        self, step: SchedulerOutput, *, while_queued: Callable[[], None] | None = None
+    ) -> RunnerOutput:
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("toy runner: injected failure")
@@ -217,6 +219,8 @@ class ToyModelRunner:
                 ).tensor.long()
                 total = int(k_flat[hist].sum().item())
                 targets.append(_target(total, h, c.end))
+        if while_queued is not None:
+            while_queued()  # the step's state is computed: what a device forward queued would leave
         vocab = torch.arange(TOY_VOCAB, dtype=torch.float32, device=dev)
         at_dev = torch.tensor(at, dtype=torch.float32, device=dev)  # [T]
         prompt_lp = prompt_logprob_rows(
