@@ -26,7 +26,8 @@ Counting (architecture.md): `num_accepted` counts accepted drafts, bonus exclude
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -187,12 +188,44 @@ class SpeculativeRound:
         self.model_drafter = drafter if isinstance(drafter, ModelDrafter) else None
         self.feed = None if self.model_drafter is None else DraftFeed(self.model_drafter)
         self.max_draft_tokens = drafter.max_draft_tokens if max_draft_tokens is None else max_draft_tokens
-        self.adaptive = None if adaptive is None else AdaptiveController(adaptive, num_speculative_tokens)
-        self.costs = CostTracker()
-        self.timer = RoundTimer(self.costs, cost_aware=adaptive is not None and adaptive.cost_aware)
+        self._adaptive_config = adaptive
         self._lengths: dict[str, AdaptiveDraftLength] = {}
+        self._start_up_catch_up: float | None = None  # `warm_up`'s timing, kept across `reset_measurements`
+        self._forced: int | None = None  # `forced_length`
+        self.reset_measurements()
         self._followed: set[str] = set()
         self.masks = TokenBitmask()  # structured outputs' masks at verify nodes
+
+    def reset_measurements(self) -> None:
+        """Forget the measured costs, the adaptive evidence and every request's length (the start-up warm-up's
+        rounds, with their first-use work, must not weigh in the first served ones)."""
+        cfg, s = self._adaptive_config, self.num_speculative_tokens
+        self.adaptive = None if cfg is None else AdaptiveController(cfg, s)
+        self.costs = CostTracker()
+        self.timer = RoundTimer(self.costs, cost_aware=cfg is not None and cfg.cost_aware)
+        self._lengths.clear()
+        if self._start_up_catch_up is not None:
+            self.costs.record_catch_up(self._start_up_catch_up)
+
+    def warm_up_lengths(self) -> tuple[int, ...]:
+        """Every draft length a round may run: the adaptive candidates, or S (a tree drafts all S or none)."""
+        if self.adaptive is not None and not self.is_tree:
+            return self.adaptive.config.candidate_steps
+        return (self.num_speculative_tokens,)
+
+    @contextmanager
+    def forced_length(self, steps: int) -> Iterator[None]:
+        """Within it every row drafts `steps` (capped by its room and budget as always), whatever its adaptive
+        length, and no round times a plain step: the start-up warm-up (`hyspec_server.warm_up`) runs each
+        length the engine may choose before anything is served. On exit the measurements start afresh."""
+        if steps not in self.warm_up_lengths():
+            raise ValueError(f"steps: expected one of {self.warm_up_lengths()}, got {steps}")
+        self._forced = steps
+        try:
+            yield
+        finally:
+            self._forced = None
+            self.reset_measurements()
 
     @staticmethod
     def from_config(config: SpeculativeConfig, drafter: Drafter) -> SpeculativeRound:
@@ -292,11 +325,17 @@ class SpeculativeRound:
             seconds = self.feed.warm_up(
                 hidden_size=hidden_size, dtype=dtype, device=device, max_model_len=max_model_len
             )
+            self._start_up_catch_up = seconds
             self.costs.record_catch_up(seconds)
 
     # ---------------------------------------------------------------- one round
 
     def draft_lengths(self, rows: Sequence[RoundRow]) -> list[int]:
+        if self._forced is not None:
+            k = self._forced
+            if self.is_tree:
+                return [k if r.max_new_tokens > 1 and r.max_drafts > 0 else 0 for r in rows]
+            return [max(0, min(k, r.max_drafts, r.max_new_tokens - 1)) for r in rows]
         out: list[int] = []
         for r in rows:
             if self.is_tree:
@@ -322,7 +361,7 @@ class SpeculativeRound:
         """Whether the next round may run other work in its target forward (`run(shares_forward=True)`):
         not while the cost model times plain steps, which run alone (a timing needs plain rounds of their
         own, and would never finish while other work keeps arriving)."""
-        return not self.timer.timing()
+        return self._forced is not None or not self.timer.timing()
 
     def begin_step(self) -> None:
         """The engine starts a step: call it first thing in every step, rounds or not (`RoundTimer`)."""
@@ -339,7 +378,7 @@ class SpeculativeRound:
         self.timer.begin_step()  # records the last round if the caller's step did not (a loop without steps)
         n = len(rows)
         ids = [r.request.request_id for r in rows]
-        timing = self.timer.timing()
+        timing = self.timer.timing() and self._forced is None
         if shares_forward and timing:
             raise ValueError("shares_forward: this round times a plain step, which must run alone")
         steps = self.draft_lengths(rows)
@@ -388,7 +427,7 @@ class SpeculativeRound:
         if not timed and not shares_forward:  # a catch-up round of its own
             self.timer.catch_up(time.perf_counter() - t0, max(steps))
         self.timer.end_round()
-        if self.adaptive is not None and not timing:
+        if self.adaptive is not None and not timing and self._forced is None:
             cost = self.costs if self.costs.ready else None
             for rid, k in zip(ids, num_acc, strict=True):
                 st = self._lengths[rid]

@@ -166,7 +166,9 @@ def gdn_gating_triton(
     if num_tokens == 0:
         return g, beta
     block_h = int(triton.next_power_of_2(num_heads))
-    block_t = max(1, min(int(triton.next_power_of_2(num_tokens)), _TILE_ELEMENTS // 4 // block_h))
+    # one tile height for every token count: a height per power of two of the count compiled a new kernel at
+    # the first prefill of each size, inside a served step (masked rows cost nothing here)
+    block_t = max(1, _TILE_ELEMENTS // 4 // block_h)
     _gdn_gating_kernel[(triton.cdiv(num_tokens, block_t),)](
         A_log, a, b, dt_bias, g, beta, num_tokens, num_heads,
         A_log.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), dt_bias.stride(0),

@@ -1,0 +1,73 @@
+"""The start-up warm-up of a speculative engine (warm_up.py), on the CPU with a tiny real checkpoint.
+
+On a GPU the builder runs it so that no served round pays a kernel's first compile; here it is called
+directly: it must run every (batch size, draft length) round shape, then leave nothing behind (requests,
+statistics, prefix cache, the round's measured costs and adaptive evidence), and change no output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hyspec_server import LLM, EngineArgs, SamplingParams
+from hyspec_server.builder import build_engine
+from hyspec_server.engine import LLMEngine
+from hyspec_server.warm_up import warm_up_rounds
+
+SPEC: dict[str, Any] = {
+    "method": "mtp",
+    "num_speculative_tokens": 3,
+    "adaptive": {"candidate_steps": [1, 3]},
+}
+PROMPTS = [[5, 9, 17, 33, 2, 7], [40, 41], [7, 7, 7, 8]]
+
+
+def _engine(path: Path) -> LLMEngine:
+    return build_engine(
+        EngineArgs(model=str(path), speculative_config=SPEC, max_num_seqs=4, page_size=4, max_model_len=64)
+    )
+
+
+def _outputs(eng: LLMEngine) -> list[list[int]]:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = LLM.from_engine(eng).generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_warm_up_runs_every_round_shape_and_leaves_nothing_behind(tiny_qwen3_5: Path) -> None:
+    ref = _outputs(_engine(tiny_qwen3_5))
+    eng = _engine(tiny_qwen3_5)
+    runner: Any = eng.runner
+    spec = runner.spec
+    shapes: set[tuple[int, int]] = set()
+    verify = runner.forward_verify
+
+    def recording(**kw: Any) -> Any:
+        shapes.add((len(kw["req_ids"]), int(kw["block_tokens"].shape[1])))
+        return verify(**kw)
+
+    runner.forward_verify = recording
+    steps = warm_up_rounds(eng, spec, [1, 3])
+    del runner.forward_verify
+    # every batch size drafted every candidate length: blocks of k + 1 tokens
+    assert {(1, 2), (3, 2), (1, 4), (3, 4)} <= shapes, shapes
+    assert steps > 0 and not eng.has_unfinished()
+    assert eng.stats.num_steps == 0 and eng.stats.num_prompt_tokens == 0
+    stats = runner.memory.prefix_cache_stats()
+    assert stats.num_cached_pages == 0 and stats.num_snapshots == 0
+    # the round learns its costs and its drafter's acceptance from served rounds only
+    assert not spec.costs.ready and not spec.costs.has_decode
+    assert spec.adaptive is not None and spec.adaptive.shared.accepted == 0.0
+    eng.leak_check()
+    assert eng.new_request_id() == "req-0"
+    assert _outputs(eng) == ref
+    eng.leak_check()
+
+
+def test_a_forced_length_must_be_one_the_round_may_choose(tiny_qwen3_5: Path) -> None:
+    spec: Any = _engine(tiny_qwen3_5).runner.spec  # type: ignore[attr-defined]
+    assert spec.warm_up_lengths() == (1, 3)
+    with pytest.raises(ValueError, match="steps"), spec.forced_length(2):
+        pass
