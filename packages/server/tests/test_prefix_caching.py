@@ -135,6 +135,40 @@ def test_prefill_saves_run_while_the_forward_is_queued(tiny_qwen3_5: Path) -> No
     llm.leak_check()
 
 
+def test_a_step_that_fails_after_its_saves_leaves_nothing_cached() -> None:
+    """The snapshots of a step are saved while its forward runs; when the step then fails, the engine
+    cannot tell what the failure half-wrote: the cache is reset, and the requests, retried alone, still
+    give caching-off outputs."""
+    eng = _engine()
+    runner: Any = eng.runner
+    inner = runner.execute
+    failed = [False]
+
+    def failing(step: Any, *, while_queued: Any = None) -> Any:
+        if not failed[0] and len(step.chunks) > 1 and while_queued is not None:
+            failed[0] = True
+            inner(step, while_queued=while_queued)  # saves, then the step "fails"
+            raise RuntimeError("injected after the saves")
+        return inner(step, while_queued=while_queued)
+
+    runner.execute = failing
+    memory = runner.memory
+    reset = memory.reset_prefix_cache
+    resets: list[int] = []
+
+    def counting(**kw: Any) -> bool:
+        resets.append(memory.prefix_cache_stats().num_snapshots)
+        return bool(reset(**kw))
+
+    memory.reset_prefix_cache = counting
+    rng = random.Random(9)
+    prompts = [_rand(rng, 12), _rand(rng, 12)]
+    assert _check(LLM.from_engine(eng), prompts) == [0, 0]
+    # once, right after the failed step, which had saved both requests' interval snapshots
+    assert failed[0] and resets == [2]
+    eng.leak_check()
+
+
 @pytest.mark.parametrize("prompt_len", [21, 5, 30])
 def test_a_prompt_end_off_the_interval_leaves_a_snapshot(prompt_len: int) -> None:
     """The end of every prompt is saved, not only interval multiples: a later prompt that extends it resumes

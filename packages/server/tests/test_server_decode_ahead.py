@@ -53,8 +53,30 @@ def test_plain_decode_with_batches_prepared_ahead_equals_without(
     assert _run(eng) == ref
     ahead = _ahead(eng)
     # one prefill step, then 29 decode steps: the first has nothing prepared (a prefill is no decode), the
-    # 4 right after a request finished drop theirs, the other 24 take theirs
-    assert (ahead.num_used, ahead.num_dropped) == (24, 4)
+    # other 28 take theirs, also the 4 right after a request finished: by its token budget, which the batch
+    # built during its last step already left out
+    assert (ahead.num_used, ahead.num_dropped) == (28, 0)
+    eng.leak_check()
+
+
+def test_a_request_stopped_by_a_token_drops_the_prepared_batch(tiny_qwen3_5: Path) -> None:
+    """A stop token ends a request in a way no batch built before the token was read can know: the step
+    after it drops its prepared batch, and the outputs stay those of building every batch on time."""
+    ref = _run(_engine(tiny_qwen3_5, ahead=False))
+    stop = ref[2][4]  # request 2 stops at its fifth token (or earlier, if it came before)
+    params = [
+        SamplingParams(
+            max_tokens=m, temperature=0, ignore_eos=True, stop_token_ids=[stop] if i == 2 else None
+        )
+        for i, m in enumerate(BUDGETS)
+    ]
+    for ahead_on in (False, True):
+        eng = _engine(tiny_qwen3_5, ahead=ahead_on)
+        outs = LLM.from_engine(eng).generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        got = [o.outputs[0].token_ids for o in outs]
+        assert got[:2] + got[3:] == ref[:2] + ref[3:]
+        assert got[2] == ref[2][: ref[2].index(stop) + 1]
+    assert _ahead(eng).num_dropped == 1 and _ahead(eng).num_used > 0
     eng.leak_check()
 
 
@@ -130,7 +152,9 @@ def _decoding(path: Path) -> tuple[LLMEngine, DecodeAhead, Any]:
 
 def _build(ahead: DecodeAhead, runner: Any, prefix: list[int], tokens: list[int]) -> None:
     rows = runner.pool.req_rows(["a", "b"])
-    ahead.build(req_ids=["a", "b"], req_rows=rows, prefix_lens=prefix, next_tokens=torch.tensor(tokens))
+    ahead.build(
+        req_ids=["a", "b"], req_rows=rows, prefix_lens=prefix, next_tokens=torch.tensor(tokens), keep=[0, 1]
+    )
     ahead.sampled(tokens)
 
 
@@ -159,6 +183,25 @@ def test_a_prepared_batch_is_the_batch_the_step_would_prepare(tiny_lfm2: Path) -
         assert torch.equal(kept[name], value), name
     # used once
     assert ahead.take(req_ids=["a", "b"], prefix_lens=[5, 3], tokens=[11, 12]) is None
+
+
+def test_another_requests_row_may_change_under_a_prepared_batch(tiny_lfm2: Path) -> None:
+    """A batch holds copies of its own requests' rows only: another request allocated, grown and freed in
+    between (a request that finished, one that joined) leaves it valid, and it is what the step would
+    prepare."""
+    _, ahead, runner = _decoding(tiny_lfm2)
+    pool = runner.pool
+    _build(ahead, runner, [5, 3], [11, 12])
+    pool.alloc(["c"])
+    pool.ensure_kv_capacity(["c"], [8])
+    pool.free(["c"])
+    got = ahead.take(req_ids=["a", "b"], prefix_lens=[5, 3], tokens=[11, 12])
+    assert got is not None
+    kept = _tensors(got)
+    rows = pool.req_rows(["a", "b"])
+    fresh = runner.graphs.prepare_decode(req_rows=rows, input_ids=torch.tensor([11, 12]), prefix_lens=[5, 3])
+    for name, value in _tensors(fresh).items():
+        assert torch.equal(kept[name], value), name
 
 
 @pytest.mark.parametrize("change", ["pages", "slot", "buffers", "tokens", "positions", "requests"])

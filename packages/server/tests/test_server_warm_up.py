@@ -14,7 +14,7 @@ import pytest
 from hyspec_server import LLM, EngineArgs, SamplingParams
 from hyspec_server.builder import build_engine
 from hyspec_server.engine import LLMEngine
-from hyspec_server.warm_up import warm_up_rounds
+from hyspec_server.warm_up import warm_up_engine
 
 SPEC: dict[str, Any] = {
     "method": "mtp",
@@ -49,7 +49,7 @@ def test_warm_up_runs_every_round_shape_and_leaves_nothing_behind(tiny_qwen3_5: 
         return verify(**kw)
 
     runner.forward_verify = recording
-    steps = warm_up_rounds(eng, spec, [1, 3])
+    steps = warm_up_engine(eng, spec, [1, 3])
     del runner.forward_verify
     # every batch size drafted every candidate length: blocks of k + 1 tokens
     assert {(1, 2), (3, 2), (1, 4), (3, 4)} <= shapes, shapes
@@ -57,6 +57,7 @@ def test_warm_up_runs_every_round_shape_and_leaves_nothing_behind(tiny_qwen3_5: 
     assert eng.stats.num_steps == 0 and eng.stats.num_prompt_tokens == 0
     stats = runner.memory.prefix_cache_stats()
     assert stats.num_cached_pages == 0 and stats.num_snapshots == 0
+    assert stats.num_queries == 0 and stats.num_hits == 0  # /metrics counts served prompts only
     # the round learns its costs and its drafter's acceptance from served rounds only
     assert not spec.costs.ready and not spec.costs.has_decode
     assert spec.adaptive is not None and spec.adaptive.shared.accepted == 0.0
@@ -71,3 +72,41 @@ def test_a_forced_length_must_be_one_the_round_may_choose(tiny_qwen3_5: Path) ->
     assert spec.warm_up_lengths() == (1, 3)
     with pytest.raises(ValueError, match="steps"), spec.forced_length(2):
         pass
+
+
+def test_a_plain_engine_warms_its_prefills_and_keeps_nothing(tiny_lfm2: Path) -> None:
+    """Without speculation the warm-up runs its prompts only (every prefill tile height class, a decode)
+    and leaves no request, figure or cache entry; outputs are unchanged."""
+    args = EngineArgs(model=str(tiny_lfm2), max_num_seqs=4, page_size=4, max_model_len=64)
+    ref = _outputs(build_engine(args))
+    eng = build_engine(args)
+    lens: list[int] = []
+    add = eng.add_request
+
+    def recording(prompt: Any, params: Any, **kw: Any) -> str:
+        lens.append(len(prompt))
+        return add(prompt, params, **kw)
+
+    eng.add_request = recording  # type: ignore[method-assign]
+    assert warm_up_engine(eng, None, [1, 3]) > 0
+    del eng.add_request
+    assert lens == [2, 7]  # the long prompt does not fit max_model_len 64 with its two tokens
+    assert eng.stats.num_steps == 0 and not eng.has_unfinished()
+    stats = eng.runner.memory.prefix_cache_stats()
+    assert stats is not None and stats.num_cached_pages == 0
+    assert _outputs(eng) == ref
+    eng.leak_check()
+
+
+@pytest.mark.parametrize("limit", ["max_waiting", "max_model_len"])
+def test_the_warm_up_fits_any_engine_it_may_run_on(tiny_qwen3_5: Path, limit: str) -> None:
+    """A waiting queue shorter than a captured batch, and a max_model_len too short for a long prompt or
+    even for the longest draft, start up all the same (the rounds that cannot run are skipped)."""
+    kw: dict[str, Any] = {"max_waiting": 2} if limit == "max_waiting" else {"max_model_len": 7}
+    args: dict[str, Any] = dict(model=str(tiny_qwen3_5), speculative_config=SPEC, max_num_seqs=4, page_size=4)
+    args.setdefault("max_model_len", 64)
+    args.update(kw)
+    eng = build_engine(EngineArgs(**args))
+    assert warm_up_engine(eng, eng.runner.spec, [1, 4]) > 0  # type: ignore[attr-defined]
+    assert not eng.has_unfinished()
+    eng.leak_check()

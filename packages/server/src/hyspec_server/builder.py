@@ -15,7 +15,7 @@ from hyspec_server.engine import LLMEngine
 from hyspec_server.scheduler import SchedulerConfig
 from hyspec_server.speculative import DrafterRegistry
 from hyspec_server.tokenizer import HFTokenizer
-from hyspec_server.warm_up import warm_up_rounds
+from hyspec_server.warm_up import warm_up_engine
 
 log = logging.getLogger("hyspec.builder")
 
@@ -97,10 +97,10 @@ def build_engine(args: EngineArgs, *, drafters: DrafterRegistry | None = None) -
         num_lookahead_tokens=0 if spec is None else spec.max_draft_tokens - 1,
     )
     engine = LLMEngine(runner, tokenizer, config)
-    if runner.spec is not None and runner.device.type == "cuda":
-        # every round shape runs once now, so no served round pays a kernel's first compile (warm_up.py)
+    if runner.device.type == "cuda":
+        # prefills and every round shape run once now, so no served request pays a kernel's first compile
         sizes = runner.graphs.sizes if runner.graphs.active else capture_sizes(runner.max_num_seqs)
-        warm_up_rounds(engine, runner.spec, sizes)
+        warm_up_engine(engine, runner.spec, sizes)
     engine.default_sampling = generation_defaults(model_dir)
     if engine.default_sampling:
         log.info(

@@ -12,14 +12,17 @@ copied from the sampler's output on the device.
 The next step takes the prepared batch only if nothing it was built from has changed since:
 
 - the same requests in the same order, each at the predicted position, each fed the token that was sampled;
-- the pool's request table unchanged (`HybridStatePool.layout_version`: no row, state slot or KV page mapped
-  or unmapped since: the batch holds copies of those indices);
+- their rows of the pool's request table unchanged (`HybridStatePool.row_layout`: no state slot or KV page
+  of theirs mapped or unmapped since: the batch holds copies of those indices); other rows may have changed;
 - nothing else written into the backend's batch buffers since (`HybridBackend.num_builds`: every batch,
   graphed or not, lives in the same buffers).
 
-Anything else (a request finished, joined or was preempted, a verify or prefill forward ran) drops it, and
-the step prepares its batch as before. A prepared batch is used once. A request whose next position starts
-a new KV page gets that page when its batch is prepared, one step before the scheduler would add it.
+The batch leaves out the requests that the step ends by their token budget (`max_tokens`: known before the
+tokens are read), so a step after some requests finished by length, the common case under load, still takes
+it. Anything else (a request stopped at EOS or a stop string, joined or was preempted, a verify or prefill
+forward ran) drops it, and the step prepares its batch as before. A prepared batch is used once. A request
+whose next position starts a new KV page gets that page when its batch is prepared, one step before the
+scheduler would add it.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ class _Prepared:
     req_ids: tuple[str, ...]
     prefix_lens: tuple[int, ...]
     batch: ForwardBatch
-    layout_version: int
+    layout: tuple[tuple[int, int], ...]  # `HybridStatePool.row_layout` of its requests
     num_builds: int
+    keep: tuple[int, ...]  # the building step's rows (indices) that it holds, in order
     tokens: tuple[int, ...] | None = None  # the sampled tokens it was built for, once the host read them
 
 
@@ -81,11 +85,13 @@ class DecodeAhead:
         req_rows: ReqRows,
         prefix_lens: Sequence[int],
         next_tokens: torch.Tensor,
+        keep: Sequence[int],
     ) -> None:
         """Queue the batch that decodes `next_tokens` ([N] on the device, not yet read) at `prefix_lens`
-        (this step's positions + 1); skipped when the pool has no page left for a next position."""
+        (this step's positions + 1) for these requests, which are rows `keep` of the building step (the
+        others end with it); skipped when the pool has no page left for a next position."""
         self._drop()
-        if not self.enabled:
+        if not self.enabled or not req_ids:
             return
         width = self.pool.plan.table_width
         if max(prefix_lens, default=0) + 1 > width:
@@ -102,13 +108,19 @@ class DecodeAhead:
         )
         batch.input_ids[:n].copy_(next_tokens)  # queued after the sampler that writes them
         self._prepared = _Prepared(
-            tuple(req_ids), tuple(prefix_lens), batch, self.pool.layout_version, self.backend.num_builds
+            tuple(req_ids),
+            tuple(prefix_lens),
+            batch,
+            self.pool.row_layout(req_ids),
+            self.backend.num_builds,
+            tuple(keep),
         )
 
     def sampled(self, tokens: Sequence[int]) -> None:
-        """The host has read the tokens the prepared batch feeds (the step's outcome)."""
-        if self._prepared is not None:
-            self._prepared.tokens = tuple(tokens)
+        """The host has read the building step's tokens (one per row), which the prepared batch feeds."""
+        p = self._prepared
+        if p is not None:
+            p.tokens = tuple(tokens[i] for i in p.keep)
 
     def take(
         self, *, req_ids: Sequence[str], prefix_lens: Sequence[int], tokens: Sequence[int]
@@ -121,7 +133,7 @@ class DecodeAhead:
             p.req_ids == tuple(req_ids)
             and p.prefix_lens == tuple(prefix_lens)
             and p.tokens == tuple(tokens)
-            and p.layout_version == self.pool.layout_version
+            and p.layout == self.pool.row_layout(req_ids)
             and p.num_builds == self.backend.num_builds
         )
         if not ok:

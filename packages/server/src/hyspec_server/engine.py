@@ -227,6 +227,11 @@ class LLMEngine:
             result = self.runner.execute(sched, while_queued=save_snapshots)
             save_snapshots()  # a runner with nothing to overlap may not call it; before the appends below
         except Exception as e:
+            if saved:
+                # the step's snapshots were saved while its forward ran, before it failed: keep nothing a
+                # failed step may have half-written (rare; the cache refills)
+                log.warning("model step failed after saving prefix-cache snapshots; resetting the cache")
+                self.runner.memory.reset_prefix_cache()
             reqs = list(dict.fromkeys(c.request for c in sched.chunks))
             if len(reqs) > 1:
                 # not attributable yet: each request is recomputed alone; one that fails alone is the cause

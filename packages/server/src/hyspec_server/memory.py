@@ -72,8 +72,9 @@ class RequestMemory(Protocol):
         of a step in one call."""
         ...
 
-    def reset_prefix_cache(self) -> bool:
-        """Forgets every cached prefix; False when caching is off."""
+    def reset_prefix_cache(self, *, counters: bool = False) -> bool:
+        """Forgets every cached prefix (and with `counters` its query and hit counts: before anything is
+        served); False when caching is off."""
         ...
 
     def prefix_cache_stats(self) -> PrefixCacheStats | None: ...

@@ -282,13 +282,14 @@ class HyspecModelRunner:
             results = self.spec.run(self, rows, shares_forward=self._riders is not None)
         finally:
             self._riders = None
+        if riders is not None and riders.queued is None:
+            raise RuntimeError("the speculative round ran no target forward for the step's plain chunks")
         if while_queued is not None:
             while_queued()  # the round has read its outcome: no overlap left, but before the riders' read
         for i, res in zip(ver, results, strict=True):
             tokens[i], verified[i] = res.tokens[0], res
         if riders is not None:
-            if riders.queued is None:
-                raise RuntimeError("the speculative round ran no target forward for the step's plain chunks")
+            assert riders.queued is not None
             for i, tok in zip(plain, riders.queued.read(), strict=True):
                 tokens[i] = tok
             if riders.queued.prompt_logprobs:

@@ -23,6 +23,7 @@ from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.transfer import to_device
 
 from hyspec_server.decode_ahead import DecodeAhead
+from hyspec_server.request import Request
 from hyspec_server.runner import PromptLogprobRows, prompt_logprob_rows, spread_tokens
 from hyspec_server.scheduler import ScheduledChunk
 from hyspec_server.structured import apply_grammar_masks
@@ -129,13 +130,20 @@ class PlainForwards:
         hidden, *aux = self.graphs.run(batch)  # [T, H] of the live tokens (graph outputs: read them now)
         queued = self.queue_sampling(inp, hidden, tuple(aux))
         if decode and queued.out is not None and all(c.sample for c in inp.chunks):
-            # the device is still busy with this step: build the next one's batch now (decode_ahead.py)
-            self.ahead.build(
-                req_ids=inp.ids,
-                req_rows=rows,
-                prefix_lens=[p + 1 for p in inp.prefix],
-                next_tokens=queued.out.token_ids,
-            )
+            # the device is still busy with this step: build the next one's batch now (decode_ahead.py),
+            # without the requests this step's token ends by their budget
+            keep = [i for i, c in enumerate(inp.chunks) if not _last_token(c.request)]
+            if keep:
+                whole = len(keep) == len(inp.chunks)
+                ids = [inp.ids[i] for i in keep]
+                nxt = queued.out.token_ids[: len(inp.chunks)]  # [N] int64 on the device
+                self.ahead.build(
+                    req_ids=ids,
+                    req_rows=rows if whole else self.pool.req_rows(ids),
+                    prefix_lens=[inp.prefix[i] + 1 for i in keep],
+                    next_tokens=nxt if whole else nxt[to_device(keep, dtype=torch.int64, device=nxt.device)],
+                    keep=keep,
+                )
         return queued
 
     def queue_sampling(
@@ -171,3 +179,8 @@ class PlainForwards:
         reqs = [chunks[i].request for i in sample]
         apply_grammar_masks(logits, reqs, self._masks)
         return QueuedTokens(chunks, sample_rows(self.sampler, logits, reqs), prompt_lp)
+
+
+def _last_token(req: Request) -> bool:
+    """The token this step samples for `req` is its last: its `max_tokens` budget ends there."""
+    return len(req.output_token_ids) + 1 >= req.params.max_tokens

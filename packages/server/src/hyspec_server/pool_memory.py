@@ -126,11 +126,11 @@ class StatePoolMemory:
         for f in self.followers:
             f.on_prefix_saves(saves)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, *, counters: bool = False) -> bool:
         """Forgets every cached prefix (live requests keep their pages); False when caching is off."""
         if self.prefix_cache is None:
             return False
-        self.prefix_cache.reset()
+        self.prefix_cache.reset(counters=counters)
         for f in self.followers:
             f.on_prefix_reset()
         return True

@@ -192,7 +192,8 @@ class Scheduler:
 
     def quarantine(self, requests: Iterable[Request]) -> None:
         """The requests of a failed step go back to the front of the queue, memory freed, to be recomputed
-        one at a time. Nothing of theirs is cached: the failed step may have half-written their state."""
+        one at a time. Nothing of theirs is cached: the failed step may have half-written their state (the
+        engine resets the prefix cache when the step's snapshots were already saved)."""
         reqs = [r for r in requests if r in self.running]
         for req in reversed(reqs):
             self.running.remove(req)

@@ -1,18 +1,25 @@
-"""Start-up warm-up of a speculative engine: throwaway requests run every round shape before serving.
+"""Start-up warm-up: throwaway requests run the engine's kernels before anything is served.
 
-A CUDA graph captures the target's verify forward at start-up, but a round also runs kernels outside it
-(acceptance, the commit's replay of the accepted steps, the drafter's extend), and a Triton kernel compiles
-at its first launch for each specialization: the replay picks its tiles from the padded batch size, the
-acceptance its block from the draft length. Left to the first served rounds, each such compile (0.1-0.5 s on
-an H200) lands inside a round, which also makes the adaptive length time that round's cost as hundreds of
-milliseconds and stop drafting. So before serving, the engine runs, for every captured batch size and every
-draft length the round may choose, one batch of short requests whose rounds draft that length
-(`SpeculativeRound.forced_length`), and one long request per length (split-KV attention); then its
-statistics, prefix cache and the round's measurements start afresh.
+A Triton kernel compiles at its first launch for each specialization (its constexprs: tile shapes picked
+from the shape of the work), 0.1-2.5 s each on an H200. CUDA graphs capture the decode and verify forwards at
+start-up, which compiles theirs, but prefill chunks and much of a speculative round run outside graphs. Left
+to the first served requests, those compiles land in their time to first token (about 5 s for a fresh demo
+engine's first prompt), and in a speculative round they also make the adaptive length time the round's cost
+as hundreds of milliseconds and stop drafting.
+
+So on CUDA the builder runs, before serving (`warm_up_engine`):
+- every engine: prompts of 2, 7 and `LONG_PROMPT` tokens together, two tokens each (prefill tiles of each
+  height class, a mixed step, a decode step, attention over a context long enough to split its KV);
+- a speculative engine, for every captured batch size and every draft length its round may choose, a batch of
+  short requests whose rounds draft that length (`SpeculativeRound.forced_length`: acceptance, the commit's
+  replay, whose tiles follow the padded batch size, the drafter's extend), and one long request per length.
+
+Then its statistics, prefix cache and the round's measured costs and adaptive evidence start afresh.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -21,47 +28,71 @@ from hyspec_spec_workers.round import SpeculativeRound
 
 from hyspec_server.engine import EngineStats, LLMEngine
 from hyspec_server.sampling_params import SamplingParams
+from hyspec_server.scheduler import QueueFullError
 
 log = logging.getLogger("hyspec.warm_up")
 
 PROMPT = (1, 2)  # two tokens: a prefill chunk, then rounds from the first decoding step on
-# and one request this long per draft length: attention over a context this long splits its KV (flash-
-# decoding), a kernel variant of its own, which the drafter's extend otherwise compiled mid-request (1 s)
+# attention over a context this long splits its KV (flash-decoding), a kernel variant of its own
 LONG_PROMPT = 320
+PLAIN_PROMPT_LENS = (2, 7, LONG_PROMPT)
 
 
-def warm_up_rounds(engine: LLMEngine, spec: SpeculativeRound, batch_sizes: Sequence[int]) -> int:
-    """Runs `len(batch_sizes) x len(spec.warm_up_lengths())` throwaway batches (see the module docstring);
-    returns the engine steps they took. Call it before any request is added."""
+def warm_up_engine(engine: LLMEngine, spec: SpeculativeRound | None, batch_sizes: Sequence[int]) -> int:
+    """Runs the throwaway requests of the module docstring (the rounds only with `spec`) and returns the
+    engine steps they took. Call it before any request is added."""
     if engine.has_unfinished():
-        raise RuntimeError("warm_up_rounds: the engine already has requests")
+        raise RuntimeError("warm_up_engine: the engine already has requests")
     t0 = time.perf_counter()
-    steps = 0
-    n = 0
-    for k in spec.warm_up_lengths():
+    ids = (f"warm-up-{i}" for i in itertools.count())
+
+    def drain(prompts: Sequence[list[int]], params: SamplingParams) -> int:
+        """Runs the prompts to completion; a waiting queue shorter than the batch takes them as it frees."""
+        pending = list(prompts)
+        n = 0
+        while pending or engine.has_unfinished():
+            while pending:
+                try:
+                    engine.add_request(pending[0], params, request_id=next(ids))
+                except QueueFullError:
+                    break
+                pending.pop(0)
+            engine.step()
+            n += 1
+        return n
+
+    def prompt(n: int) -> list[int]:
+        return [1 + i % 7 for i in range(n)]
+
+    two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    lens = [n for n in PLAIN_PROMPT_LENS if n + 2 <= engine.max_model_len]
+    steps = drain([prompt(n) for n in lens], two)
+    for k in () if spec is None else spec.warm_up_lengths():
+        assert spec is not None
         # enough tokens that the first round may draft k (a round never emits past the budget)
         params = SamplingParams(max_tokens=k + 2, temperature=0.0, ignore_eos=True)
         long = min(LONG_PROMPT, engine.max_model_len - params.max_tokens)
-        prompts = [[list(PROMPT)] * b for b in batch_sizes]
-        if long > len(PROMPT):
-            prompts.append([[1 + i % 7 for i in range(long)]])
+        if len(PROMPT) > long:
+            continue  # no request that drafts k fits max_model_len: the round never runs k
         with spec.forced_length(k):
-            for batch in prompts:
-                for prompt in batch:
-                    engine.add_request(prompt, params, request_id=f"warm-up-{n}")
-                    n += 1
-                while engine.has_unfinished():
-                    engine.step()
-                    steps += 1
-    # nothing of the warm-up stays: its prompts' snapshots, its figures, its costs (`forced_length`)
-    engine.runner.memory.reset_prefix_cache()
+            for b in batch_sizes:
+                steps += drain([list(PROMPT)] * b, params)
+            if long > len(PROMPT):
+                steps += drain([prompt(long)], params)
+    # nothing of the warm-up stays: its prompts' snapshots, its figures, its costs
+    engine.runner.memory.reset_prefix_cache(counters=True)
     engine.stats = EngineStats()
     engine.scheduler.num_preemptions = 0
+    if spec is not None:
+        spec.reset_measurements()
     log.info(
-        "warmed up speculative rounds at batch sizes %s, draft lengths %s: %d steps in %.1f s",
-        list(batch_sizes),
-        list(spec.warm_up_lengths()),
-        steps,
+        "warmed up in %.1f s (%d steps): prompts of %s tokens%s",
         time.perf_counter() - t0,
+        steps,
+        lens,
+        ""
+        if spec is None
+        else f"; speculative rounds at batch sizes {list(batch_sizes)}, draft lengths "
+        f"{list(spec.warm_up_lengths())}",
     )
     return steps

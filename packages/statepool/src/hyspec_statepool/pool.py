@@ -120,6 +120,12 @@ class HybridStatePool:
         pages, truncation): a batch prepared at one version may be reused while the version holds."""
         return self.table.version
 
+    def row_layout(self, req_ids: Sequence[Hashable]) -> tuple[tuple[int, int], ...]:
+        """(row, row version) of each live request: equal tuples mean none of these rows was remapped (its
+        state slot or KV pages) in between, whatever happened to other rows."""
+        versions = self.table.row_versions
+        return tuple((row, versions[row]) for row in (self._get(r).row for r in req_ids))
+
     def is_live(self, req_id: Hashable) -> bool:
         return req_id in self._live
 

@@ -316,9 +316,11 @@ class PrefixCache:
                 return
             self._drop(snap)
 
-    def reset(self) -> None:
-        """Forget everything cached (requests keep the pages they map); the counters go on (Prometheus
-        counters never go back)."""
+    def reset(self, *, counters: bool = False) -> None:
+        """Forget everything cached (requests keep the pages they map). The counters go on (Prometheus
+        counters never go back) unless `counters`: before anything is served (a start-up warm-up's)."""
+        if counters:
+            self._queries = self._hits = 0
         for snap in list(self._snapshots.values()):
             self._drop(snap)
         if self._pages:
