@@ -61,8 +61,10 @@ def warm_up_engine(engine: LLMEngine, spec: SpeculativeRound | None, batch_sizes
             n += 1
         return n
 
+    vocab = engine.runner.vocab_size
+
     def prompt(n: int) -> list[int]:
-        return [1 + i % 7 for i in range(n)]
+        return [(1 + i % 7) % vocab for i in range(n)]  # any ids the model embeds
 
     two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     lens = [n for n in PLAIN_PROMPT_LENS if n + 2 <= engine.max_model_len]
@@ -76,7 +78,7 @@ def warm_up_engine(engine: LLMEngine, spec: SpeculativeRound | None, batch_sizes
             continue  # no request that drafts k fits max_model_len: the round never runs k
         with spec.forced_length(k):
             for b in batch_sizes:
-                steps += drain([list(PROMPT)] * b, params)
+                steps += drain([[t % vocab for t in PROMPT]] * b, params)
             if long > len(PROMPT):
                 steps += drain([prompt(long)], params)
     # nothing of the warm-up stays: its prompts' snapshots, its figures, its costs
