@@ -87,3 +87,35 @@ def test_incremental_draft_extend_equals_one_shot(
         torch.testing.assert_close(g, w, atol=2e-4, rtol=2e-4)
     fresh.free_requests(ids)
     pool.free(ids)
+
+
+def test_a_proposal_keeps_its_block_room_for_the_next(target: Callable[[str], Any]) -> None:
+    """A chain proposal writes past a request's final draft length; the pages for that block stay with the
+    request (at most one block past its final length), so the rounds after it neither free nor re-allocate
+    pages (page size 4, blocks of S + 2 = 5: before, most proposals crossed a page and gave it back). The
+    incremental-equals-one-shot test above checks that nothing stale is read from them."""
+    t = target("qwen3_5")
+    cfg = t.speculative_config({"method": "mtp"}, S)
+    drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
+    kv = drafter.kv
+    pool = kv.pool
+    frees = [0]
+    inner_free, inner_propose = pool.kv.free, drafter.propose
+
+    def free(pages: list[int]) -> None:
+        frees[0] += 1
+        inner_free(pages)
+
+    def propose(batch: DraftBatch) -> Any:
+        out = inner_propose(batch)
+        ps = pool.plan.page_size
+        for r in batch.req_ids:
+            held = len(pool.request_pages(r))
+            assert held <= -(-(kv.lengths[r] + kv.max_block) // ps), (r, held, kv.lengths[r])
+        return out
+
+    pool.kv.free, drafter.propose = free, propose
+    backend, target_pool = t.stack(cfg.draft_shape())
+    generate(t.model, backend, target_pool, t.prompts, max_new_tokens=14, drafter=drafter, num_steps=S)
+    # the only frees: each request's pages when it finished
+    assert frees[0] <= len(t.prompts), frees[0]
