@@ -90,7 +90,8 @@ def test_a_plain_engine_warms_its_prefills_and_keeps_nothing(tiny_lfm2: Path) ->
     eng.add_request = recording  # type: ignore[method-assign]
     assert warm_up_engine(eng, None, [1, 3]) > 0
     del eng.add_request
-    assert lens == [2, 7]  # the long prompt does not fit max_model_len 64 with its two tokens
+    # each alone, then together; the long prompt does not fit max_model_len 64 with its two tokens
+    assert lens == [1, 2, 7, 1, 2, 7]
     assert eng.stats.num_steps == 0 and not eng.has_unfinished()
     stats = eng.runner.memory.prefix_cache_stats()
     assert stats is not None and stats.num_cached_pages == 0

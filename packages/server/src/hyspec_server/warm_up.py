@@ -8,8 +8,10 @@ engine's first prompt), and in a speculative round they also make the adaptive l
 as hundreds of milliseconds and stop drafting.
 
 So on CUDA the builder runs, before serving (`warm_up_engine`):
-- every engine: prompts of 2, 7 and `LONG_PROMPT` tokens together, two tokens each (prefill tiles of each
-  height class, a mixed step, a decode step, attention over a context long enough to split its KV);
+- every engine: prompts of 1, 2, 7 and `LONG_PROMPT` tokens, each alone and then all together, two tokens
+  each (prefill tiles of each height class, a mixed step, a decode step, attention over a context long
+  enough to split its KV; alone and together because Triton also specializes a kernel on integer
+  arguments equal to 1 or divisible by 16, such as a batch's sequence and token counts);
 - a speculative engine, for every captured batch size and every draft length its round may choose, a batch of
   short requests whose rounds draft that length (`SpeculativeRound.forced_length`: acceptance, the commit's
   replay, whose tiles follow the padded batch size, the drafter's extend), and one long request per length.
@@ -35,7 +37,7 @@ log = logging.getLogger("hyspec.warm_up")
 PROMPT = (1, 2)  # two tokens: a prefill chunk, then rounds from the first decoding step on
 # attention over a context this long splits its KV (flash-decoding), a kernel variant of its own
 LONG_PROMPT = 320
-PLAIN_PROMPT_LENS = (2, 7, LONG_PROMPT)
+PLAIN_PROMPT_LENS = (1, 2, 7, LONG_PROMPT)
 
 
 def warm_up_engine(engine: LLMEngine, spec: SpeculativeRound | None, batch_sizes: Sequence[int]) -> int:
@@ -68,7 +70,7 @@ def warm_up_engine(engine: LLMEngine, spec: SpeculativeRound | None, batch_sizes
 
     two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     lens = [n for n in PLAIN_PROMPT_LENS if n + 2 <= engine.max_model_len]
-    steps = drain([prompt(n) for n in lens], two)
+    steps = sum(drain([prompt(n)], two) for n in lens) + drain([prompt(n) for n in lens], two)
     for k in () if spec is None else spec.warm_up_lengths():
         assert spec is not None
         # enough tokens that the first round may draft k (a round never emits past the budget)
