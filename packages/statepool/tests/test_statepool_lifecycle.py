@@ -137,14 +137,15 @@ def test_kv_growth_truncation_and_slots(make_pool: MakePool) -> None:
     assert pool.leak_check().clean
 
 
-def test_layout_version_moves_exactly_when_a_mapping_changes(make_pool: MakePool) -> None:
-    """A batch prepared ahead is reused only while `layout_version` holds: every change of a row's slot or
-    pages must move it, and calls that change nothing must not (or nothing prepared ahead would survive)."""
+def test_row_layout_moves_exactly_when_a_mapping_changes(make_pool: MakePool) -> None:
+    """A batch prepared ahead is reused only while its rows' versions hold (`row_layout`): every change of a
+    row's slot or pages must move that row's version, and calls that change nothing must not (or nothing
+    prepared ahead would survive)."""
     pool = make_pool(page_size=4, num_kv_pages=8, max_context=10)
-    seen = [pool.layout_version]
+    seen = [tuple(pool.table.row_versions)]
 
     def moved() -> bool:
-        seen.append(pool.layout_version)
+        seen.append(tuple(pool.table.row_versions))
         return seen[-1] != seen[-2]
 
     pool.alloc(["a", "b"])
@@ -157,15 +158,20 @@ def test_layout_version_moves_exactly_when_a_mapping_changes(make_pool: MakePool
     assert not moved()
     pool.truncate_kv("a", 5)  # still needs both pages
     assert not moved()
+    a, b = pool.row_layout(["a"]), pool.row_layout(["b"])
     pool.truncate_kv("a", 4)
     assert moved()
+    assert pool.row_layout(["a"]) != a and pool.row_layout(["b"]) == b  # a's row only
     slots = pool.alloc_detached_slots(1)  # owned by no row: the table is unchanged
     assert not moved()
     pool.free_detached_slots(slots)
+    a = pool.row_layout(["a"])
     pool.free(["b"])
     assert moved()
+    assert pool.row_layout(["a"]) == a  # another row freed: a's batch still holds
     pool.alloc(["c"])  # b's row, a new slot
     assert moved()
+    assert pool.row_layout(["c"]) != b and pool.row_layout(["a"]) == a
 
 
 def test_page_size_one(make_pool: MakePool) -> None:

@@ -71,7 +71,8 @@ def warm_up_engine(engine: LLMEngine, spec: SpeculativeRound | None, batch_sizes
     two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     lens = [n for n in PLAIN_PROMPT_LENS if n + 2 <= engine.max_model_len]
     steps = sum(drain([prompt(n)], two) for n in lens) + drain([prompt(n) for n in lens], two)
-    for k in () if spec is None else spec.warm_up_lengths():
+    lengths = () if spec is None else spec.warm_up_lengths()
+    for k in lengths:
         assert spec is not None
         # enough tokens that the first round may draft k (a round never emits past the budget)
         params = SamplingParams(max_tokens=k + 2, temperature=0.0, ignore_eos=True)
@@ -94,9 +95,8 @@ def warm_up_engine(engine: LLMEngine, spec: SpeculativeRound | None, batch_sizes
         time.perf_counter() - t0,
         steps,
         lens,
-        ""
-        if spec is None
-        else f"; speculative rounds at batch sizes {list(batch_sizes)}, draft lengths "
-        f"{list(spec.warm_up_lengths())}",
+        f"; speculative rounds at batch sizes {list(batch_sizes)}, draft lengths {list(lengths)}"
+        if lengths
+        else "",
     )
     return steps

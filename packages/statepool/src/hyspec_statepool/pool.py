@@ -114,12 +114,6 @@ class HybridStatePool:
         # an unmapped row points at the dummy slot 0, so a stale row can never reach a reused slot
         self.table.map_slot(freed_rows, [0] * len(freed_rows))
 
-    @property
-    def layout_version(self) -> int:
-        """Grows whenever a request row, state slot mapping or KV page mapping changes (alloc, free, new
-        pages, truncation): a batch prepared at one version may be reused while the version holds."""
-        return self.table.version
-
     def row_layout(self, req_ids: Sequence[Hashable]) -> tuple[tuple[int, int], ...]:
         """(row, row version) of each live request: equal tuples mean none of these rows was remapped (its
         state slot or KV pages) in between, whatever happened to other rows."""

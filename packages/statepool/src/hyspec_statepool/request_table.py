@@ -5,9 +5,9 @@
 holding positions `[j * page_size, (j + 1) * page_size)`, the layout paged attention reads. `row_to_slot[row]`
 is the row's state slot, 0 (the reserved dummy) while the row is unmapped.
 
-`version` counts the changes to any of the three, `row_versions[row]` those to one row: a forward batch
-prepared from the table (its KV slots, page table rows and state slots are copies of its rows') is still
-valid only while its rows' versions hold (other rows may change: a request freed, another allocated).
+`row_versions[row]` counts the changes to one row's three: a forward batch prepared from the table (its KV
+slots, page table rows and state slots are copies of its rows') is still valid only while its rows' versions
+hold (other rows may change: a request freed, another allocated).
 
 Host mirrors: every write starts from host values, so the table keeps the same values on the host, written in
 the same methods: `host_row_to_slot` (a list), `host_page_table` (a CPU tensor, for vectorised gathers) and
@@ -39,13 +39,11 @@ class RequestTable:
         self.host_page_table = torch.full((self.num_rows, self.max_pages), -1, dtype=torch.int32)  # CPU
         # host_pages[row] == page_table[row, :k] as a list, and page_table[row, k:] is -1
         self.host_pages: list[list[int]] = [[] for _ in range(self.num_rows)]
-        self.version = 0
         # per row: changes to that row's slot or pages (a batch holds copies of its own rows' only)
         self.row_versions = [0] * self.num_rows
 
     def map_slot(self, rows: list[int], slots: list[int]) -> None:
         if rows:
-            self.version += 1
             for row in rows:
                 self.row_versions[row] += 1
             device = self.row_to_slot.device
@@ -64,7 +62,6 @@ class RequestTable:
         updates = [u for u in updates if u[2]]
         if not updates:
             return
-        self.version += 1
         rows: list[int] = []
         cols: list[int] = []
         ids: list[int] = []
@@ -93,7 +90,6 @@ class RequestTable:
 
     def clear_pages(self, row: int, first: int) -> None:
         """Forget the row's pages from number `first` on."""
-        self.version += 1
         self.row_versions[row] += 1
         self.page_table[row, first:] = -1
         self.host_page_table[row, first:] = -1
