@@ -267,6 +267,9 @@ def main() -> None:
     )
     ap.add_argument("--demo", action="store_true", help="the shipped demo Qwen3.5 instead of a 9B-wide model")
     ap.add_argument("--only", default=None, help="runs to make in this order, comma-separated (default: all)")
+    ap.add_argument(
+        "--dump", type=Path, default=None, help="cprofile mode: also write <dump>/<run>-b<batch>.prof"
+    )
     a = ap.parse_args()
     a.modes = a.mode.split(",")
     if not set(a.modes) <= set(MODES):
@@ -352,6 +355,9 @@ def profile(ckpt: Path, a: argparse.Namespace) -> None:
                 run()
                 pr.disable()
                 st = pstats.Stats(pr)
+                if a.dump is not None:
+                    a.dump.mkdir(parents=True, exist_ok=True)
+                    st.dump_stats(str(a.dump / f"{name}-b{a.batch}.prof"))
                 st.sort_stats("cumulative").print_stats(a.top)
                 st.sort_stats("tottime").print_stats(a.top)
         free(llm)

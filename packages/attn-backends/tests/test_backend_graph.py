@@ -237,10 +237,15 @@ def test_padded_verify_and_commit_equal_unpadded(tree: bool) -> None:
     # verify alone: committed state untouched everywhere, scratch of the live rows as unpadded
     _assert_only_changed(be, before, slots=[], kv_slots=_new_kv_slots(padded))
     with pytest.raises(ValueError, match="num_accepted"):
-        be.commit_after_verify(
-            batch=padded, num_accepted=torch.tensor([2, 1, -1, -1, -1]), accept_paths=paths
-        )
-    be.commit_after_verify(batch=padded, num_accepted=num_accepted, accept_paths=paths)
+        be.commit_after_verify(batch=padded, num_accepted=torch.tensor([2, 1, -1]), accept_paths=paths)
+    every_row = torch.tensor([2, 1, -1, -1, -1])  # a commit graph's form: every row, padded rows -1
+    if tree:
+        with pytest.raises(ValueError, match="num_accepted: a tree commit takes the live rows only"):
+            be.commit_after_verify(batch=padded, num_accepted=every_row, accept_paths=paths)
+        be.commit_after_verify(batch=padded, num_accepted=num_accepted, accept_paths=paths)
+    else:
+        steps = be.commit_after_verify(batch=padded, num_accepted=every_row)
+        assert steps.tolist() == [2, 1, -1, -1, -1]
     _assert_only_changed(be, before, slots=_live_slots(be, ids), kv_slots=_new_kv_slots(padded))
     for name, t in be.pool.tensors().items():
         if any(s in name for s in SCRATCH):
@@ -391,7 +396,12 @@ def test_runner_policy_counts_and_live_rows_without_a_gpu() -> None:
     )
     (out,) = runner.run(verify)
     assert out.shape[0] == 6
+    # no graph: the commit runs eagerly, over the live rows
+    with pytest.raises(ValueError, match="num_accepted"):
+        runner.commit(verify, num_accepted=torch.tensor([1, 0, 2]), accept_paths=None)
+    assert runner.commit(verify, num_accepted=torch.tensor([2, -1]), accept_paths=None).tolist() == [2, -1]
     c = runner.counts
     assert (c.decode_eager, c.verify_eager, c.replays, c.eager) == (1, 1, 0, 2)
-    assert GraphCounts.total([c, c]).verify_eager == 2
+    assert (c.commit_eager, c.commit_replays) == (1, 0)
+    assert GraphCounts.total([c, c]).verify_eager == 2 and GraphCounts.total([c, c]).commit_eager == 2
     assert capture_sizes(1) == [1] and capture_sizes(20) == [1, 2, 4, 8, 16, 20]

@@ -75,6 +75,8 @@ class GraphCounts:
     decode_eager: int = 0
     verify_replays: int = 0
     verify_eager: int = 0
+    commit_replays: int = 0  # commits after a verify (`CudaGraphRunner.commit`): not forwards
+    commit_eager: int = 0
 
     @property
     def replays(self) -> int:
@@ -92,6 +94,8 @@ class GraphCounts:
             sum(c.decode_eager for c in counts),
             sum(c.verify_replays for c in counts),
             sum(c.verify_eager for c in counts),
+            sum(c.commit_replays for c in counts),
+            sum(c.commit_eager for c in counts),
         )
 
 
@@ -143,10 +147,20 @@ def batch_pointers(batch: ForwardBatch) -> tuple[int, ...]:
 
 
 @dataclass(slots=True)
+class _Commit:
+    """A chain verify key's commit, captured over every row of its batch size (`CudaGraphRunner.commit`)."""
+
+    graph: torch.cuda.CUDAGraph
+    accepted: Tensor  # [B] int64 static input: accepted drafts per row, -1 on padded rows
+    steps: Tensor  # [B] int64 static output: the committed step per row
+
+
+@dataclass(slots=True)
 class _Captured:
     graph: torch.cuda.CUDAGraph
     outputs: tuple[Tensor, ...]
     pointers: tuple[int, ...]
+    commit: _Commit | None = None
 
 
 class CudaGraphRunner:
@@ -159,6 +173,8 @@ class CudaGraphRunner:
         warmup_runs: eager runs before each capture (Triton compiles and autotunes there, not in the graph).
         decode: `capture` captures DECODE graphs.
         verify: the (D, tree) TARGET_VERIFY shapes `capture` captures (D within the backend's Dmax).
+        commit: with each chain verify graph also capture its commit (`backend.commit_after_verify` over every
+            row of the batch size), which `commit` replays: a target's verify, not a drafter's.
 
     Usage (an engine step): `runner.capture(capture_sizes(max_num_seqs))` at start-up; per step `batch =
     runner.prepare_decode(...)` (padded to the captured size that fits), `outs = runner.run(batch)`: the
@@ -174,6 +190,7 @@ class CudaGraphRunner:
         warmup_runs: int = 2,
         decode: bool = True,
         verify: Sequence[tuple[int, bool]] = (),
+        commit: bool = False,
     ) -> None:
         if warmup_runs < 1:
             raise ValueError(f"warmup_runs: expected >= 1, got {warmup_runs}")
@@ -188,6 +205,7 @@ class CudaGraphRunner:
         self.warmup_runs = warmup_runs
         self.decode = decode
         self.verify = tuple(sorted(set(verify)))
+        self.commit_graphs = commit
         self.sizes: list[int] = []  # the batch sizes `capture` was given
         self.active = bool(enabled) and backend.pool.device.type == "cuda" and torch.cuda.is_available()
         self.counts = GraphCounts()
@@ -303,7 +321,29 @@ class CudaGraphRunner:
                     f"CUDA graph capture of {key} failed (a host sync or host-to-device copy inside the "
                     f"forward?): {exc}"
                 ) from exc
-        return _Captured(graph, outputs, batch_pointers(batch))
+            commit = None
+            if self.commit_graphs and key.mode is ForwardMode.TARGET_VERIFY and not key.tree:
+                commit = self._capture_commit(key, batch)
+        return _Captured(graph, outputs, batch_pointers(batch), commit)
+
+    def _capture_commit(self, key: GraphKey, batch: ForwardBatch) -> _Commit:
+        """The commit after a verify of `key`, over all its rows: the verify batch's own state slots and
+        batch rows (-1 slots on the padded ones) and a static accepted count per row."""
+        accepted = torch.full((key.batch_size,), -1, dtype=torch.int64, device=self.backend.pool.device)
+        side = self._side
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup_runs):  # every row -1: loads the kernels, commits nothing
+                self.backend.commit_after_verify(batch=batch, num_accepted=accepted)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._mempool):
+                steps = self.backend.commit_after_verify(batch=batch, num_accepted=accepted)
+        except RuntimeError as exc:
+            _release_default_generators()
+            raise RuntimeError(f"CUDA graph capture of {key}'s commit failed: {exc}") from exc
+        return _Commit(graph, accepted, steps)
 
     # ------------------------------------------------------------------ replay
 
@@ -396,6 +436,32 @@ class CudaGraphRunner:
             c.verify_eager += int(not replay)
         live = batch.num_live_tokens
         return tuple(o[:live] for o in outs)
+
+    def commit(self, batch: ForwardBatch, *, num_accepted: Tensor, accept_paths: Tensor | None) -> Tensor:
+        """`backend.commit_after_verify` after `run(batch)` (a TARGET_VERIFY batch): replayed from the graph
+        captured with the batch's verify graph when there is one (a chain's), else run eagerly -> [N] int64
+        committed step per live row.
+
+        `num_accepted`: [N] int accepted drafts per live row (-1 skips one), on the device.
+        """
+        n = batch.num_live
+        key = GraphKey.of(batch)
+        captured = None if key is None else self._graphs.get(key)
+        c = None if captured is None or captured.pointers != batch_pointers(batch) else captured.commit
+        if c is None or accept_paths is not None:
+            steps = self.backend.commit_after_verify(
+                batch=batch, num_accepted=num_accepted, accept_paths=accept_paths
+            )
+            self.counts.commit_eager += 1
+            return steps
+        if tuple(num_accepted.shape) != (n,):
+            raise ValueError(f"num_accepted: expected shape [{n}], got {list(num_accepted.shape)}")
+        c.accepted[:n].copy_(num_accepted, non_blocking=True)
+        if n < c.accepted.shape[0]:
+            c.accepted[n:].fill_(-1)  # padded rows commit nothing
+        c.graph.replay()
+        self.counts.commit_replays += 1
+        return c.steps[:n]
 
     def release(self) -> None:
         """Drop every graph (and with the last reference, the memory they hold)."""

@@ -57,7 +57,8 @@ class VerifyCommitter:
         Args:
             batch: the TARGET_VERIFY batch that was just run.
             num_accepted: [N] int accepted drafts per request (bonus excluded); -1 skips a row. N counts the
-                live rows only: a padded batch's padding rows commit nothing.
+                live rows, or every row of a padded batch (its padded rows -1: a CUDA graph of the commit,
+                `CudaGraphRunner.commit`, covers its batch size; chains only); padded rows commit nothing.
             accept_paths: [N, D] int block indices of the accepted path, root first, -1 past its end; required
                 for a tree batch, must be None for a chain.
             track_slots, track_interval: prefix-cache track destinations (both or neither).
@@ -66,7 +67,9 @@ class VerifyCommitter:
         """
         if batch.mode is not ForwardMode.TARGET_VERIFY:
             raise ValueError(f"batch: expected a TARGET_VERIFY batch, got {batch.mode}")
-        n, d = batch.num_live, batch.verify_len
+        d = batch.verify_len
+        every_row = num_accepted.dim() == 1 and num_accepted.shape[0] == batch.num_seqs
+        n = batch.num_seqs if every_row else batch.num_live
         if (accept_paths is None) == batch.is_tree:
             raise ValueError(
                 "accept_paths: required for a tree verify batch and must be None for a chain "
@@ -84,16 +87,24 @@ class VerifyCommitter:
                 f"num_accepted: expected [{n}] ints in [-1, {d - 1}], got {num_accepted.tolist()}"
             )
         if accept_paths is not None:
+            if n != batch.num_live:
+                # padded rows' KV slots are -1: their (no-op) moves would alias a real slot in the scatter
+                raise ValueError("num_accepted: a tree commit takes the live rows only")
             accept_paths = accept_paths.to(dev)
-            self._check_paths(batch, num_accepted, accept_paths)
-        assert batch.req_rows is not None and batch.batch_rows is not None
+            self._check_paths(batch, n, num_accepted, accept_paths)
+        assert batch.state_slots is not None and batch.batch_rows is not None
         tracking = track_slots is not None
-        # live rows come first and batch rows are 0..N-1, so the live rows' batch rows are 0..n-1
+        if tracking and n != batch.num_live:
+            raise ValueError(
+                "track_slots: a commit over padded rows tracks nothing (pass the live rows only)"
+            )
+        # live rows come first and batch rows are 0..N-1, so the live rows' batch rows are 0..n-1; the
+        # batch's own state slots are the pool's translation of its request rows (-1 on padded rows)
         batch_rows = batch.batch_rows.head(n)
         if any(kind is not MixerKind.ATTENTION for kind in self.kinds):
             steps = commit_accepted_states(
                 pool=self.pool,
-                req_rows=batch.req_rows,
+                state_slots=batch.state_slots.head(n),
                 batch_rows=batch_rows,
                 num_accepted=num_accepted,
                 accept_paths=accept_paths,
@@ -107,11 +118,11 @@ class VerifyCommitter:
         else:
             steps = commit_steps(num_accepted=num_accepted, accept_paths=accept_paths)
         if accept_paths is not None:
-            self._move_tree_kv(batch, num_accepted, accept_paths)
+            self._move_tree_kv(batch, n, num_accepted, accept_paths)
         return steps
 
-    def _check_paths(self, batch: ForwardBatch, num_accepted: Tensor, paths: Tensor) -> None:
-        n, d = batch.num_live, batch.verify_len
+    def _check_paths(self, batch: ForwardBatch, n: int, num_accepted: Tensor, paths: Tensor) -> None:
+        d = batch.verify_len
         if paths.dtype not in (torch.int32, torch.int64) or tuple(paths.shape) != (n, d):
             raise ValueError(
                 f"accept_paths: expected an int tensor of shape [{n}, {d}], "
@@ -134,7 +145,7 @@ class VerifyCommitter:
                 f"{num_accepted.tolist()}"
             )
 
-    def _move_tree_kv(self, batch: ForwardBatch, num_accepted: Tensor, paths: Tensor) -> None:
+    def _move_tree_kv(self, batch: ForwardBatch, n: int, num_accepted: Tensor, paths: Tensor) -> None:
         """Copy accepted node `paths[i, j]`'s K/V to block position j, for every attention layer.
 
         Every block position is written, the ones that keep their K/V (past the accepted path, or already in
@@ -142,7 +153,7 @@ class VerifyCommitter:
         Destinations are distinct block positions, and all sources are read before any is written.
         """
         assert batch.kv_slots is not None
-        n, d = batch.num_live, batch.verify_len
+        d = batch.verify_len
         block_slots = batch.kv_slots.tensor[: n * d].long().reshape(n, d)  # [N, D] slot of block position j
         depth = torch.arange(d, device=paths.device)[None, :]
         moved = (depth <= num_accepted[:, None]) & (paths.long() != depth)  # [N, D]

@@ -190,6 +190,7 @@ class HyspecModelRunner:
             self._forward,
             enabled=self.use_graphs,
             verify=() if spec_config is None else spec_config.verify_shapes(),
+            commit=True,  # a chain verify's commit replays a graph too (`CudaGraphRunner.commit`)
         )
         t0 = time.perf_counter()
         _capture_with_progress(self.graphs, capture_sizes(max_num_seqs))
@@ -381,9 +382,7 @@ class HyspecModelRunner:
     def commit_after_verify(
         self, *, batch: ForwardBatch, num_accepted: torch.Tensor, accept_paths: torch.Tensor | None
     ) -> torch.Tensor:
-        return self.backend.commit_after_verify(
-            batch=batch, num_accepted=num_accepted, accept_paths=accept_paths
-        )
+        return self.graphs.commit(batch, num_accepted=num_accepted, accept_paths=accept_paths)
 
     def decode(self, rows: Sequence[RoundRow]) -> list[SampledToken]:
         # the round's rows are this runner's own requests (`_round_row`)

@@ -31,7 +31,8 @@ class CommitIndices(NamedTuple):
 def commit_accepted_states(
     *,
     pool: HybridStatePool,
-    req_rows: ReqRows,
+    req_rows: ReqRows | None = None,
+    state_slots: StateSlots | None = None,
     batch_rows: BatchRows,
     num_accepted: torch.Tensor,
     accept_paths: torch.Tensor | None = None,
@@ -48,6 +49,8 @@ def commit_accepted_states(
     Args:
         pool: the pool whose scratch the verify wrote.
         req_rows: `[N]` request rows of the verified requests; their state slots come from `pool.state_slots`.
+        state_slots: instead of `req_rows`, the rows' state slots themselves (a verify batch's own, -1 on its
+            padded rows: a CUDA graph of the commit covers every row of its batch size).
         batch_rows: `[N]` batch rows the verify wrote scratch at.
         num_accepted: `[N]` int, accepted drafts, bonus excluded (tokens committed = num_accepted + 1);
             -1 skips a row (for example a request finished or aborted while its verify was in flight).
@@ -63,7 +66,9 @@ def commit_accepted_states(
     Returns:
         The commit and track steps actually used.
     """
-    n = len(req_rows)
+    if (req_rows is None) == (state_slots is None):
+        raise ValueError("req_rows, state_slots: expected exactly one")
+    n = len(req_rows) if req_rows is not None else len(state_slots) if state_slots is not None else 0
     if len(batch_rows) != n:
         raise ValueError(f"batch_rows: expected {n} rows (one per request row), got {len(batch_rows)}")
     if batch_rows.bound != pool.plan.max_num_seqs + 1:
@@ -95,7 +100,13 @@ def commit_accepted_states(
         raise ValueError(f"track_interval: expected >= Dmax = {dmax} so a round crosses at most one boundary")
 
     steps = commit_steps(num_accepted=num_accepted, accept_paths=accept_paths, check_values=checks)  # [N]
-    slots = pool.state_slots(req_rows)
+    if state_slots is not None:
+        if state_slots.bound != pool.plan.num_state_slots + 1:
+            raise ValueError(f"state_slots: expected slots of this pool, got {state_slots!r}")
+        slots = state_slots
+    else:
+        assert req_rows is not None
+        slots = pool.state_slots(req_rows)
     t_steps: torch.Tensor | None = None
     t_slots: torch.Tensor | None = None
     if track_slots is not None and seq_lens_before is not None and track_interval is not None:
