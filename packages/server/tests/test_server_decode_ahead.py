@@ -127,6 +127,40 @@ def test_rounds_without_drafts_take_their_batches_like_plain_decoding(tiny_qwen3
     eng.leak_check()
 
 
+def test_steps_whose_adaptive_lengths_are_zero_are_plain_engine_steps(tiny_qwen3_5: Path) -> None:
+    """Adaptive lengths at 0 (a drafter that does not pay): the step runs as a plain engine's
+    (`SpeculativeRound.plain_round`: no round, no round rows, the decode batch prepared ahead exactly as
+    without speculation), the requests' lengths count those rounds at 0 (their wait to the next probe) and
+    the cost model times plain steps; outputs equal plain decoding."""
+    spec = {
+        "method": "mtp",
+        "num_speculative_tokens": 3,
+        "adaptive": {"candidate_steps": [1, 3], "warmup_batches": 0, "update_interval": 1},
+    }
+    eng = _engine(tiny_qwen3_5, ahead=True, spec=spec)
+    rnd: Any = eng.runner.spec  # type: ignore[attr-defined]
+    made: list[Any] = []
+    new_request = rnd.adaptive.new_request
+
+    def at_zero(costs: Any = None) -> Any:
+        st = new_request(costs)
+        st.steps, st._probe_wait = 0, 10**6  # never probes within the test
+        made.append(st)
+        return st
+
+    rnd.adaptive.new_request = at_zero
+    rounds: list[int] = []
+    run = rnd.run
+    rnd.run = lambda target, rows, **kw: rounds.append(len(rows)) or run(target, rows, **kw)
+    plain = _engine(tiny_qwen3_5, ahead=True)
+    assert _run(eng) == _run(plain)
+    assert rounds == [] and eng.stats.spec_num_drafts == 0
+    assert (_ahead(eng).num_used, _ahead(eng).num_dropped) == (_ahead(plain).num_used, 0)
+    assert len(made) == len(PROMPTS) and all(st._zero_rounds > 0 for st in made)
+    assert rnd.costs.has_decode  # the timing rounds ran as plain steps too
+    eng.leak_check()
+
+
 def test_preemption_drops_prepared_batches(tiny_lfm2: Path) -> None:
     probe = _engine(tiny_lfm2, ahead=False)
     plan = probe.runner.memory.pool.plan  # type: ignore[attr-defined]

@@ -658,3 +658,84 @@ def test_a_round_is_charged_the_engine_work_until_the_next_step(monkeypatch: pyt
     spec.timer.exclude(0.5)
     spec.begin_step()
     assert recorded[-1] == 1.25
+
+
+def test_plain_round_counts_and_times_like_a_round_without_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`plain_round` (the engine's plain step when nobody drafts) must leave the same trace as `run` of a
+    round without drafts: the same timing rounds and recorded plain-step costs, the same rounds at 0 for
+    the adaptive lengths; and it refuses a round in which some request drafts, or other work in a timed
+    step."""
+    import torch
+    from hyspec_spec_workers import round as round_mod
+    from hyspec_spec_workers.round import RoundRow, SpeculativeRound
+    from hyspec_spec_workers.sampling import SampledToken
+
+    now = [0.0]
+    monkeypatch.setattr(round_mod.time, "perf_counter", lambda: now[0])
+
+    @dataclass
+    class Req:
+        request_id: str
+
+    class Target:
+        device = torch.device("cpu")
+
+        def decode(self, rows: list[RoundRow]) -> list[SampledToken]:
+            now[0] += 1.0
+            return [SampledToken(1, None, None) for _ in rows]
+
+    class Drafter:
+        max_draft_tokens = 2
+
+    def engine() -> tuple[SpeculativeRound, list[float]]:
+        spec = SpeculativeRound(Drafter(), num_speculative_tokens=1, adaptive=AdaptiveConfig())  # type: ignore[arg-type]
+        assert spec.adaptive is not None
+        new_request = spec.adaptive.new_request
+
+        def at_zero(known: object = None) -> object:
+            st = new_request(None)
+            st.steps, st._probe_wait = 0, 10**6
+            return st
+
+        monkeypatch.setattr(spec.adaptive, "new_request", at_zero)
+        recorded: list[float] = []
+        record = spec.costs.record_decode
+        monkeypatch.setattr(
+            spec.costs,
+            "record_decode",
+            lambda seconds, rows=1, *, steady=True: (
+                recorded.append(seconds),
+                record(seconds, rows, steady=steady),
+            ),
+        )
+        return spec, recorded
+
+    ids = ["a", "b"]
+    rows = [RoundRow(Req(r), 10, 1, 1, 1000, frozenset()) for r in ids]  # type: ignore[arg-type]
+    by_run, rec_run = engine()
+    by_plain, rec_plain = engine()
+
+    def plain_step() -> list[SampledToken]:
+        now[0] += 1.0
+        return [SampledToken(1, None, None)] * 2
+
+    for _ in range(6):
+        by_run.run(Target(), rows)  # type: ignore[arg-type]
+        now[0] += 0.25
+        by_run.begin_step()
+        assert by_plain.drafts_nothing(ids)
+        by_plain.plain_round(ids, plain_step, shares_forward=False)
+        now[0] += 0.25
+        by_plain.begin_step()
+    assert rec_run == rec_plain and len(rec_run) >= 2
+    assert [by_run._lengths[r]._zero_rounds for r in ids] == [by_plain._lengths[r]._zero_rounds for r in ids]
+    assert by_plain._lengths["a"]._zero_rounds > 0
+
+    fresh, _ = engine()
+    assert fresh.timer.timing()  # the first rounds time plain steps: they run alone
+    with pytest.raises(ValueError, match="shares_forward"):
+        fresh.plain_round(ids, plain_step, shares_forward=True)
+    by_plain._lengths["b"].steps = 1  # "b" drafts again
+    assert not by_plain.drafts_nothing(ids)
+    with pytest.raises(ValueError, match="request_ids"):
+        by_plain.plain_round(ids, plain_step, shares_forward=False)

@@ -262,10 +262,14 @@ class HyspecModelRunner:
             self.spec.begin_step()  # the last round's costs include the engine's work since it ended
         chunks = list(step.chunks)
         if self.spec is None or not any(c.verify for c in chunks):
-            queued = self.plain.forward(PlainInputs.of(chunks))
-            if while_queued is not None:
-                while_queued()  # the device runs the forward meanwhile
-            return RunnerOutput(tuple(self.plain.read(queued)), prompt_logprobs=queued.prompt_logprobs)
+            return self._plain_step(chunks, while_queued)
+        ids = [c.request.request_id for c in chunks if c.verify]
+        alone = len(ids) == len(chunks)
+        if self.spec.drafts_nothing(ids) and (alone or self.spec.may_share_forward()):
+            # nobody drafts (adaptive lengths at 0): a plain engine's step, decode batch built ahead included
+            return self.spec.plain_round(
+                ids, lambda: self._plain_step(chunks, while_queued), shares_forward=not alone
+            )
         plain = [i for i, c in enumerate(chunks) if not c.verify]
         ver = [i for i, c in enumerate(chunks) if c.verify]
         rows = [self._round_row(chunks[i]) for i in ver]
@@ -299,6 +303,15 @@ class HyspecModelRunner:
                     spread[i] = lp
                 prompt_rows = tuple(spread)
         return RunnerOutput(tuple(tokens), tuple(verified), prompt_rows)
+
+    def _plain_step(
+        self, chunks: list[ScheduledChunk], while_queued: Callable[[], None] | None
+    ) -> RunnerOutput:
+        """One plain forward of these chunks (verify chunks decode their current token), sampled."""
+        queued = self.plain.forward(PlainInputs.of(chunks))
+        if while_queued is not None:
+            while_queued()  # the device runs the forward meanwhile
+        return RunnerOutput(tuple(self.plain.read(queued)), prompt_logprobs=queued.prompt_logprobs)
 
     def _round_row(self, c: ScheduledChunk) -> RoundRow:
         """A verify chunk as a row of the speculative round."""

@@ -97,9 +97,11 @@ class CommittedTokens:
             t = getattr(self, name)
             if tuple(t.shape) != (n,):
                 raise ValueError(f"{name}: expected shape [N] = [{n}], got {list(t.shape)}")
-        if n and (int(self.num_tokens.min()) < 0 or int(self.start_positions.min()) < 0):
+        # host tensors (callers keep them there): one read each, then Python, cheaper than tensor ops
+        counts, starts = self.num_tokens.tolist(), self.start_positions.tolist()
+        if n and (min(counts) < 0 or min(starts) < 0):
             raise ValueError("num_tokens, start_positions: expected values >= 0")
-        total = int(self.num_tokens.sum()) if n else 0
+        total = sum(counts)
         if tuple(self.tokens.shape) != (total,):
             raise ValueError(
                 f"tokens: expected shape [sum(num_tokens)] = [{total}], got {list(self.tokens.shape)}"

@@ -26,10 +26,10 @@ Counting (architecture.md): `num_accepted` counts accepted drafts, bonus exclude
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from hyspec_attn_backends import ForwardBatch
@@ -51,6 +51,8 @@ from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
 from hyspec_spec_workers.sampling import SampledToken, Sampler, SamplingRequest, chosen_ranks
 from hyspec_spec_workers.tree import VerifyTree, pad_block, resized_chain
+
+_T = TypeVar("_T")
 
 
 class RoundRequest(SamplingRequest, Protocol):
@@ -330,6 +332,47 @@ class SpeculativeRound:
 
     # ---------------------------------------------------------------- one round
 
+    def _length(self, request_id: str) -> AdaptiveDraftLength:
+        """A request's adaptive length state (adaptive rounds), made at its first round."""
+        assert self.adaptive is not None
+        st = self._lengths.get(request_id)
+        if st is None:
+            # with measured costs a request may start at 0: the engine's earlier requests showed that its
+            # drafts do not pay (`AdaptiveController.shared`)
+            known = self.costs if self.costs.ready and self.costs.has_decode else None
+            st = self._lengths[request_id] = self.adaptive.new_request(known)
+        return st
+
+    def drafts_nothing(self, request_ids: Sequence[str]) -> bool:
+        """Whether a round over these requests would draft for none of them, whatever their rows: adaptive
+        lengths all at 0 (a drafter that does not pay), or a timing round. The caller may then run the step
+        as a plain engine does, through `plain_round`, instead of `run` (the same outcome, at a plain step's
+        cost: no round rows, no verify results)."""
+        if self.adaptive is None or self.is_tree or self._forced is not None:
+            return False
+        return self.timer.timing() or all(self._length(rid).steps == 0 for rid in request_ids)
+
+    def plain_round(self, request_ids: Sequence[str], step: Callable[[], _T], *, shares_forward: bool) -> _T:
+        """A step that drafts nothing (`drafts_nothing`), run by `step` (the caller's plain forward of these
+        requests' current tokens, and of its other work when `shares_forward`): timed and counted as `run`
+        times and counts a round without drafts, so the adaptive lengths and costs see the same rounds."""
+        if not self.drafts_nothing(request_ids):
+            raise ValueError("request_ids: some of these requests draft this round (use run)")
+        self.timer.begin_step()
+        timing = self.timer.timing()
+        if shares_forward and timing:
+            raise ValueError("shares_forward: this round times a plain step, which must run alone")
+        t0 = time.perf_counter()
+        out = step()
+        seconds = None if shares_forward else time.perf_counter() - t0
+        self.timer.plain(seconds, rows=len(request_ids), timing=timing, steady_next=not shares_forward)
+        self.timer.end_round()
+        if self.adaptive is not None and not timing:
+            cost = self.costs if self.costs.ready else None
+            for rid in request_ids:
+                self._lengths[rid].observe(0, cost)
+        return out
+
     def draft_lengths(self, rows: Sequence[RoundRow]) -> list[int]:
         if self._forced is not None:
             k = self._forced
@@ -344,14 +387,7 @@ class SpeculativeRound:
                 continue
             want = self.num_speculative_tokens
             if self.adaptive is not None:
-                rid = r.request.request_id
-                st = self._lengths.get(rid)
-                if st is None:
-                    # with measured costs a request may start at 0: the engine's earlier requests showed
-                    # that its drafts do not pay (`AdaptiveController.shared`)
-                    known = self.costs if self.costs.ready and self.costs.has_decode else None
-                    st = self._lengths[rid] = self.adaptive.new_request(known)
-                want = st.steps
+                want = self._length(r.request.request_id).steps
             out.append(max(0, min(want, r.max_drafts, r.max_new_tokens - 1)))
         if self.timer.timing():
             return [0] * len(out)
