@@ -2,6 +2,7 @@ import itertools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hyspec_spec_workers import AdaptiveConfig, AdaptiveController, CostEstimate, CostTracker
@@ -618,29 +619,10 @@ def test_rounds_time_plain_steps_in_a_row_at_start_and_every_timing_interval(
 def test_a_round_is_charged_the_engine_work_until_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plain step's recorded cost is the round plus the engine's time until the next step begins
     (`begin_step`), unless that gap is longer than the round (an idle engine): then the round alone."""
-    import torch
-    from hyspec_spec_workers import round as round_mod
     from hyspec_spec_workers.round import RoundRow, SpeculativeRound
-    from hyspec_spec_workers.sampling import SampledToken
 
-    now = [0.0]
-    monkeypatch.setattr(round_mod.time, "perf_counter", lambda: now[0])
-
-    @dataclass
-    class Req:
-        request_id: str
-
-    class Target:
-        device = torch.device("cpu")
-
-        def decode(self, rows: list[RoundRow]) -> list[SampledToken]:
-            now[0] += 1.0  # the round's own work
-            return [SampledToken(1, None, None) for _ in rows]
-
-    class Drafter:
-        max_draft_tokens = 2
-
-    spec = SpeculativeRound(Drafter(), num_speculative_tokens=1)  # type: ignore[arg-type]
+    now, Req, Target, Drafter = _clocked_round_parts(monkeypatch)
+    spec = SpeculativeRound(Drafter(), num_speculative_tokens=1)
     rows = [RoundRow(Req("a"), 10, 1, 0, 1000, frozenset())]  # no KV room for drafts: plain steps
     recorded: list[float] = []
     monkeypatch.setattr(
@@ -665,30 +647,13 @@ def test_plain_round_counts_and_times_like_a_round_without_drafts(monkeypatch: p
     round without drafts: the same timing rounds and recorded plain-step costs, the same rounds at 0 for
     the adaptive lengths; and it refuses a round in which some request drafts, or other work in a timed
     step."""
-    import torch
-    from hyspec_spec_workers import round as round_mod
     from hyspec_spec_workers.round import RoundRow, SpeculativeRound
     from hyspec_spec_workers.sampling import SampledToken
 
-    now = [0.0]
-    monkeypatch.setattr(round_mod.time, "perf_counter", lambda: now[0])
-
-    @dataclass
-    class Req:
-        request_id: str
-
-    class Target:
-        device = torch.device("cpu")
-
-        def decode(self, rows: list[RoundRow]) -> list[SampledToken]:
-            now[0] += 1.0
-            return [SampledToken(1, None, None) for _ in rows]
-
-    class Drafter:
-        max_draft_tokens = 2
+    now, Req, Target, Drafter = _clocked_round_parts(monkeypatch)
 
     def engine() -> tuple[SpeculativeRound, list[float]]:
-        spec = SpeculativeRound(Drafter(), num_speculative_tokens=1, adaptive=AdaptiveConfig())  # type: ignore[arg-type]
+        spec = SpeculativeRound(Drafter(), num_speculative_tokens=1, adaptive=AdaptiveConfig())
         assert spec.adaptive is not None
         new_request = spec.adaptive.new_request
 
@@ -739,3 +704,30 @@ def test_plain_round_counts_and_times_like_a_round_without_drafts(monkeypatch: p
     assert not by_plain.drafts_nothing(ids)
     with pytest.raises(ValueError, match="request_ids"):
         by_plain.plain_round(ids, plain_step, shares_forward=False)
+
+
+def _clocked_round_parts(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], Any, Any, Any]:
+    """A fake clock for the round module (`now[0]` seconds) and the least a round without drafts needs: a
+    request type, a target whose plain decode takes 1 s of that clock, and a drafter."""
+    import torch
+    from hyspec_spec_workers import round as round_mod
+    from hyspec_spec_workers.sampling import SampledToken
+
+    now = [0.0]
+    monkeypatch.setattr(round_mod.time, "perf_counter", lambda: now[0])
+
+    @dataclass
+    class Req:
+        request_id: str
+
+    class Target:
+        device = torch.device("cpu")
+
+        def decode(self, rows: list[Any]) -> list[SampledToken]:
+            now[0] += 1.0  # the round's own work
+            return [SampledToken(1, None, None) for _ in rows]
+
+    class Drafter:
+        max_draft_tokens = 2
+
+    return now, Req, Target, Drafter
