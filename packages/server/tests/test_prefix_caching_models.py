@@ -93,9 +93,10 @@ def test_caching_on_equals_caching_off(case: DrafterCase, checkpoints: dict[str,
         assert cached >= 3 * len(SYSTEM) - PAGE, (case.name, max_num_seqs, cached)
         drafter = None if llm.engine.runner.spec is None else llm.engine.runner.spec.model_drafter
         draft_kv = getattr(drafter, "kv", None)
-        if draft_kv is not None:
+        if draft_kv is not None and not spec.get("adaptive"):
             # the drafter resumed its own KV from its prefix cache, not zeros: its drafts after a hit are
-            # the ones it makes without caching, so the same drafts are accepted
+            # the ones it makes without caching, so the same drafts are accepted (with adaptive lengths a
+            # request at 0, whose drafts the measured costs say do not pay, saves no draft KV)
             stats = draft_kv.cache.stats()
             assert stats.num_hits >= cached - 4 * len(USER_TURNS + SUFFIXES), (case.name, stats, cached)
         if not spec.get("adaptive"):  # (adaptive lengths follow measured costs)

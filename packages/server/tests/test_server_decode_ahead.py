@@ -131,7 +131,8 @@ def test_steps_whose_adaptive_lengths_are_zero_are_plain_engine_steps(tiny_qwen3
     """Adaptive lengths at 0 (a drafter that does not pay): the step runs as a plain engine's
     (`SpeculativeRound.plain_round`: no round, no round rows, the decode batch prepared ahead exactly as
     without speculation), the requests' lengths count those rounds at 0 (their wait to the next probe) and
-    the cost model times plain steps; outputs equal plain decoding."""
+    the cost model times plain steps; their prompt ends and finishes save no draft KV (no eager draft
+    extend for a drafter that does not pay); outputs equal plain decoding."""
     spec = {
         "method": "mtp",
         "num_speculative_tokens": 3,
@@ -149,12 +150,16 @@ def test_steps_whose_adaptive_lengths_are_zero_are_plain_engine_steps(tiny_qwen3
         return st
 
     rnd.adaptive.new_request = at_zero
+    saved: list[int] = []  # the drafter's prefix saves: none for requests that do not draft
+    save_prefixes = rnd.model_drafter.save_prefixes
+    rnd.model_drafter.save_prefixes = lambda saves: saved.append(len(saves)) or save_prefixes(saves)
     rounds: list[int] = []
     run = rnd.run
     rnd.run = lambda target, rows, **kw: rounds.append(len(rows)) or run(target, rows, **kw)
     plain = _engine(tiny_qwen3_5, ahead=True)
     assert _run(eng) == _run(plain)
-    assert rounds == [] and eng.stats.spec_num_drafts == 0
+    assert rounds == [] and saved == [] and eng.stats.spec_num_drafts == 0
+    assert eng.scheduler.memory.snapshot_interval  # prefix caching on: the target saved its prefixes
     assert (_ahead(eng).num_used, _ahead(eng).num_dropped) == (_ahead(plain).num_used, 0)
     assert len(made) == len(PROMPTS) and all(st._zero_rounds > 0 for st in made)
     assert rnd.costs.has_decode  # the timing rounds ran as plain steps too

@@ -268,7 +268,14 @@ class SpeculativeRound:
             self.model_drafter.start_at(request_id, num_tokens, token_ids, salt=salt)
 
     def on_prefix_saves(self, saves: Sequence[PrefixSave]) -> None:
-        followed = [s for s in saves if s.req_id in self._followed]
+        # a request whose adaptive length is 0 (its drafts do not pay) saves no draft KV: writing its pending
+        # tokens now would be an eager draft extend at every prompt end and finish for nothing (a later hit
+        # on its prefix resumes the draft from zeros, which costs acceptance, never correctness)
+        followed = [
+            s
+            for s in saves
+            if s.req_id in self._followed and (self.adaptive is None or self._length(str(s.req_id)).steps > 0)
+        ]
         if followed:
             assert self.model_drafter is not None and self.feed is not None
             t0 = time.perf_counter()
