@@ -37,6 +37,42 @@ def test_verify_shapes_cover_every_block_the_config_produces() -> None:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("arch_fixture", ["tiny_lfm2", "tiny_qwen3_5"])
+def test_graphed_greedy_tail_equals_plain_decoding(arch_fixture: str, request: pytest.FixtureRequest) -> None:
+    """All-greedy chain rounds replay the greedy tail captured after each verify graph (token choice, stop
+    and budget cut, commit in one replay), padded rows included (6 requests in graphs of 8): fp32 greedy
+    output equals plain decoding's, with budgets and a stop token ending rows inside accepted runs."""
+    ckpt: Path = request.getfixturevalue(arch_fixture)
+    kw = dict(model=str(ckpt), device="cuda", dtype="float32", max_num_seqs=8, enable_prefix_caching=False)
+    plain = LLM(**kw)  # type: ignore[arg-type]
+    budgets = [24, 7, 24, 13, 24, 19]
+    ref = [
+        o.outputs[0].token_ids
+        for o in plain.generate(
+            PROMPTS, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in budgets]
+        )
+    ]
+    stop = ref[5][9]
+    params = [
+        SamplingParams(
+            max_tokens=m, temperature=0, ignore_eos=True, stop_token_ids=[stop] if i == 5 else None
+        )
+        for i, m in enumerate(budgets)
+    ]
+    del plain
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = LLM(**kw, speculative_config=spec)  # type: ignore[arg-type]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    want = [r[: r.index(stop) + 1] if i == 5 else r for i, r in enumerate(ref)]
+    assert got == want
+    counts = llm.engine.runner.graphs.counts  # type: ignore[attr-defined]
+    assert counts.tail_replays > 0 and counts.verify_eager == 0, counts
+    assert llm.engine.stats.spec_num_accepted_tokens > 0
+    llm.leak_check()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("arch_fixture", ["tiny_lfm2", "tiny_qwen3_5"])
 def test_cuda_graph_decode_equals_eager(arch_fixture: str, request: pytest.FixtureRequest) -> None:
     ckpt: Path = request.getfixturevalue(arch_fixture)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -9,6 +9,7 @@ Storage is fp32 (the runner stores KV / conv state in the model dtype), so verif
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -119,6 +120,42 @@ def test_forced_acceptance_every_accept_length_and_budgets(arch: Arch) -> None:
     total_acc = sum(s.num_accepted_tokens for s in st if s)
     assert total_acc == eng.stats.spec_num_accepted_tokens > 0
     assert all(s.num_accepted_tokens <= s.num_draft_tokens for s in st if s)
+    eng.leak_check()
+
+
+def test_all_greedy_rounds_take_the_greedy_tail_and_others_the_general_path(
+    arch: Arch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round whose rows are all plain greedy chooses and commits through the greedy tail (what a GPU
+    replays from a graph; run eagerly here); one row asking for logprobs sends the round down the general
+    path (`choose_tokens`). Outputs are plain decoding's either way."""
+    from hyspec_spec_workers import round as round_mod
+    from hyspec_spec_workers.greedy_tail import GreedyTail
+
+    calls = {"tail": 0, "choose": 0}
+    tail_call, choose = GreedyTail.__call__, round_mod.choose_tokens
+
+    def counted_tail(self: GreedyTail, *a: Any) -> Any:
+        calls["tail"] += 1
+        return tail_call(self, *a)
+
+    def counted_choose(*a: Any, **kw: Any) -> Any:
+        calls["choose"] += 1
+        return choose(*a, **kw)
+
+    monkeypatch.setattr(GreedyTail, "__call__", counted_tail)
+    monkeypatch.setattr(round_mod, "choose_tokens", counted_choose)
+    reg, _ = arch.forced()
+    eng = arch.engine(_spec(), reg)
+    outs = LLM.from_engine(eng).generate(_ids(PROMPTS), _greedy())
+    assert [o.outputs[0].token_ids for o in outs] == arch.refs
+    assert calls["tail"] > 0 and calls["choose"] == 0, calls
+    calls.update(tail=0, choose=0)
+    params = [_greedy() for _ in PROMPTS]
+    params[2] = dataclasses.replace(params[2], logprobs=1)
+    outs = LLM.from_engine(eng).generate(_ids(PROMPTS), params)
+    assert [o.outputs[0].token_ids for o in outs] == arch.refs
+    assert calls["choose"] > 0, calls
     eng.leak_check()
 
 

@@ -18,6 +18,7 @@ from hyspec_attn_backends.graphs import (
     ForwardFn,
     GraphCounts,
     GraphKey,
+    VerifyTail,
     batch_pointers,
     capture_sizes,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "RoutingError",
     "ShortConvLayer",
     "StepBatch",
+    "VerifyTail",
     "batch_pointers",
     "capture_sizes",
     "check_routing",

@@ -25,10 +25,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from hyspec_statepool.indices import ReqRows
+from hyspec_statepool.transfer import write_into
 from torch import Tensor
 
 from hyspec_attn_backends.backend import HybridBackend
@@ -56,6 +57,20 @@ def _release_default_generators() -> None:
 ForwardFn = Callable[[ForwardBatch], tuple[Tensor, ...]]
 
 
+class VerifyTail(Protocol):
+    """Work captured after each chain verify forward, in a graph of its own (`CudaGraphRunner.run_tail`):
+    a function of the batch, the forward's outputs and static inputs the caller fills before each replay
+    (spec-workers' greedy tail: logits, token choice and commit)."""
+
+    def static_inputs(self, batch_size: int, verify_len: int, device: torch.device) -> tuple[Tensor, ...]:
+        """Fresh input tensors for a graph of this shape, holding what its padded rows need."""
+        ...
+
+    def __call__(
+        self, batch: ForwardBatch, outputs: tuple[Tensor, ...], inputs: tuple[Tensor, ...]
+    ) -> tuple[Tensor, ...]: ...
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """The padded batch sizes an engine captures: 1, 2, 4, 8, then every multiple of 8 up to `max_num_seqs`
     (always included)."""
@@ -77,6 +92,7 @@ class GraphCounts:
     verify_eager: int = 0
     commit_replays: int = 0  # commits after a verify (`CudaGraphRunner.commit`): not forwards
     commit_eager: int = 0
+    tail_replays: int = 0  # verify tails (`CudaGraphRunner.run_tail`): not forwards either
 
     @property
     def replays(self) -> int:
@@ -96,6 +112,7 @@ class GraphCounts:
             sum(c.verify_eager for c in counts),
             sum(c.commit_replays for c in counts),
             sum(c.commit_eager for c in counts),
+            sum(c.tail_replays for c in counts),
         )
 
 
@@ -156,11 +173,21 @@ class _Commit:
 
 
 @dataclass(slots=True)
+class _Tail:
+    """A chain verify key's tail (`VerifyTail`), captured over every row of its batch size."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[Tensor, ...]  # static, filled before each replay
+    outputs: tuple[Tensor, ...]  # static, every row
+
+
+@dataclass(slots=True)
 class _Captured:
     graph: torch.cuda.CUDAGraph
     outputs: tuple[Tensor, ...]
     pointers: tuple[int, ...]
     commit: _Commit | None = None
+    tail: _Tail | None = None
 
 
 class CudaGraphRunner:
@@ -175,6 +202,7 @@ class CudaGraphRunner:
         verify: the (D, tree) TARGET_VERIFY shapes `capture` captures (D within the backend's Dmax).
         commit: with each chain verify graph also capture its commit (`backend.commit_after_verify` over every
             row of the batch size), which `commit` replays: a target's verify, not a drafter's.
+        tail: with each chain verify graph also capture this tail, which `run_tail` replays.
 
     Usage (an engine step): `runner.capture(capture_sizes(max_num_seqs))` at start-up; per step `batch =
     runner.prepare_decode(...)` (padded to the captured size that fits), `outs = runner.run(batch)`: the
@@ -191,6 +219,7 @@ class CudaGraphRunner:
         decode: bool = True,
         verify: Sequence[tuple[int, bool]] = (),
         commit: bool = False,
+        tail: VerifyTail | None = None,
     ) -> None:
         if warmup_runs < 1:
             raise ValueError(f"warmup_runs: expected >= 1, got {warmup_runs}")
@@ -206,6 +235,7 @@ class CudaGraphRunner:
         self.decode = decode
         self.verify = tuple(sorted(set(verify)))
         self.commit_graphs = commit
+        self.tail = tail
         self.sizes: list[int] = []  # the batch sizes `capture` was given
         self.active = bool(enabled) and backend.pool.device.type == "cuda" and torch.cuda.is_available()
         self.counts = GraphCounts()
@@ -321,10 +351,32 @@ class CudaGraphRunner:
                     f"CUDA graph capture of {key} failed (a host sync or host-to-device copy inside the "
                     f"forward?): {exc}"
                 ) from exc
-            commit = None
-            if self.commit_graphs and key.mode is ForwardMode.TARGET_VERIFY and not key.tree:
-                commit = self._capture_commit(key, batch)
-        return _Captured(graph, outputs, batch_pointers(batch), commit)
+            commit = tail = None
+            if key.mode is ForwardMode.TARGET_VERIFY and not key.tree:
+                commit = self._capture_commit(key, batch) if self.commit_graphs else None
+                tail = None if self.tail is None else self._capture_tail(key, batch, outputs, self.tail)
+        return _Captured(graph, outputs, batch_pointers(batch), commit, tail)
+
+    def _capture_tail(
+        self, key: GraphKey, batch: ForwardBatch, outputs: tuple[Tensor, ...], tail: VerifyTail
+    ) -> _Tail:
+        """`tail` after the verify graph of `key`, reading its static outputs and fresh static inputs (whose
+        rows are all padded ones: the warm-up runs commit nothing)."""
+        inputs = tail.static_inputs(key.batch_size, key.verify_len, self.backend.pool.device)
+        side = self._side
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup_runs):
+                tail(batch, outputs, inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._mempool):
+                outs = tuple(tail(batch, outputs, inputs))
+        except RuntimeError as exc:
+            _release_default_generators()
+            raise RuntimeError(f"CUDA graph capture of {key}'s tail failed: {exc}") from exc
+        return _Tail(graph, inputs, outs)
 
     def _capture_commit(self, key: GraphKey, batch: ForwardBatch) -> _Commit:
         """The commit after a verify of `key`, over all its rows: the verify batch's own state slots and
@@ -462,6 +514,26 @@ class CudaGraphRunner:
         c.graph.replay()
         self.counts.commit_replays += 1
         return c.steps[:n]
+
+    def run_tail(self, batch: ForwardBatch, inputs: Sequence[Tensor]) -> tuple[Tensor, ...] | None:
+        """Replay the tail captured with `batch`'s verify graph (after `run(batch)` replayed it) on these
+        inputs (host tensors shaped as its static ones: every row, padded ones included) -> its outputs,
+        every row (graph outputs: read them before the next replay); None when there is no such tail."""
+        key = GraphKey.of(batch)
+        captured = None if key is None else self._graphs.get(key)
+        t = None if captured is None or captured.pointers != batch_pointers(batch) else captured.tail
+        if t is None:
+            return None
+        if len(inputs) != len(t.inputs) or any(
+            a.shape != b.shape for a, b in zip(inputs, t.inputs, strict=True)
+        ):
+            got = [list(a.shape) for a in inputs]
+            raise ValueError(f"inputs: expected shapes {[list(b.shape) for b in t.inputs]}, got {got}")
+        for buffer, values in zip(t.inputs, inputs, strict=True):
+            write_into(buffer, values)  # pinned, non-blocking
+        t.graph.replay()
+        self.counts.tail_replays += 1
+        return t.outputs
 
     def release(self) -> None:
         """Drop every graph (and with the last reference, the memory they hold)."""

@@ -33,6 +33,7 @@ import torch
 from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, HybridBackend, StepBatch, capture_sizes
 from hyspec_models.loader import load_model
 from hyspec_spec_workers.drafter import GraphedDrafter
+from hyspec_spec_workers.greedy_tail import GreedyTail
 from hyspec_spec_workers.round import RoundRow, SpeculativeRound, VerifiedTokens
 from hyspec_spec_workers.sampling import (
     SampledToken,
@@ -191,6 +192,11 @@ class HyspecModelRunner:
             enabled=self.use_graphs,
             verify=() if spec_config is None else spec_config.verify_shapes(),
             commit=True,  # a chain verify's commit replays a graph too (`CudaGraphRunner.commit`)
+            # and so do an all-greedy round's token choice and commit (spec-workers' greedy tail); inside
+            # the graph it commits through the backend itself, not through `commit_after_verify` below
+            tail=None
+            if spec_config is None or spec_config.is_tree
+            else GreedyTail(self.model.compute_logits, self.backend.commit_after_verify),
         )
         t0 = time.perf_counter()
         _capture_with_progress(self.graphs, capture_sizes(max_num_seqs))
@@ -396,6 +402,11 @@ class HyspecModelRunner:
         self, *, batch: ForwardBatch, num_accepted: torch.Tensor, accept_paths: torch.Tensor | None
     ) -> torch.Tensor:
         return self.graphs.commit(batch, num_accepted=num_accepted, accept_paths=accept_paths)
+
+    def replay_greedy_tail(
+        self, batch: ForwardBatch, packed: torch.Tensor
+    ) -> tuple[torch.Tensor, ...] | None:
+        return self.graphs.run_tail(batch, (packed,))
 
     def decode(self, rows: Sequence[RoundRow]) -> list[SampledToken]:
         # the round's rows are this runner's own requests (`_round_row`)

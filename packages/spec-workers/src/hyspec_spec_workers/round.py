@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 from hyspec_attn_backends import ForwardBatch
@@ -49,8 +49,10 @@ from hyspec_spec_workers.constraint import (
 from hyspec_spec_workers.costs import CostTracker, DraftClock, RoundTimer
 from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
+from hyspec_spec_workers.greedy_tail import GreedyTail
 from hyspec_spec_workers.sampling import SampledToken, Sampler, SamplingRequest, chosen_ranks
 from hyspec_spec_workers.tree import VerifyTree, pad_block, resized_chain
+from hyspec_spec_workers.verify import VerifyResult
 
 _T = TypeVar("_T")
 
@@ -153,6 +155,18 @@ class VerifyTarget(Protocol):
     def decode(self, rows: Sequence[RoundRow]) -> list[SampledToken]:
         """A plain decode step of these rows (their root tokens). Like every plain forward of the target it
         hands its tokens and features to the round's `feed_forward`."""
+        ...
+
+
+@runtime_checkable
+class GreedyTailTarget(Protocol):
+    """A target that captured the greedy tail (`greedy_tail.GreedyTail`) after its chain verify graphs."""
+
+    def replay_greedy_tail(
+        self, batch: ForwardBatch, packed: torch.Tensor
+    ) -> tuple[torch.Tensor, ...] | None:
+        """The tail captured with `batch`'s verify graph, replayed on `packed` ([batch.num_seqs, width] int64
+        on the host, `GreedyTail.pack`) -> its outputs for every row; None when there is none."""
         ...
 
 
@@ -509,6 +523,18 @@ class SpeculativeRound:
             prefix_lens=prefix,
             tree_parents=tree.parents if as_tree else None,
         )
+        stop_ids = _stop_ids(rows)
+        budgets = torch.tensor([r.max_new_tokens for r in rows], dtype=torch.int64)
+        if not as_tree and all(_plain_greedy(r) for r in rows):
+            # token choice and commit as one function of tensors: a graphed target replays it
+            tail = _greedy_tail(target, batch, hidden, nodes, stop_ids, budgets)
+            if tail is not None:
+                host = HostRound.read(tail, with_paths=False)  # the round's one read of its outcome
+                if self.feed is not None:
+                    self.feed.add(
+                        accepted_path(hidden, aux, tree, tail, ids, prefix, num_accepted=host.num_accepted)
+                    )
+                return _to_verified(host, None, rows, num_nodes=nodes), d
         logits = target.compute_logits(hidden).reshape(n, d, -1)  # [N, D, V]
         if on_host is not None:
             # the forward is queued: the masks fill on the host while the device runs it
@@ -523,8 +549,8 @@ class SpeculativeRound:
             [r.request for r in rows],
             nodes=nodes,
             sampler=target.sampler,
-            stop_token_ids=_stop_ids(rows),
-            max_new_tokens=torch.tensor([r.max_new_tokens for r in rows], dtype=torch.int64),
+            stop_token_ids=stop_ids,
+            max_new_tokens=budgets,
         )
         target.commit_after_verify(
             batch=batch,
@@ -538,6 +564,39 @@ class SpeculativeRound:
                 accepted_path(hidden, aux, tree, result, ids, prefix, num_accepted=host.num_accepted)
             )
         return _to_verified(host, logits, rows, num_nodes=nodes), d
+
+
+def _plain_greedy(row: RoundRow) -> bool:
+    """The row's tokens are the argmax of the raw logits, and nothing but the tokens is asked of them."""
+    p = row.request.params
+    return p.temperature == 0 and not p.has_penalties and p.logprobs is None and row.constraint is None
+
+
+def _greedy_tail(
+    target: VerifyTarget,
+    batch: ForwardBatch,
+    hidden: torch.Tensor,
+    nodes: list[int],
+    stop_ids: torch.Tensor,
+    budgets: torch.Tensor,
+) -> VerifyResult | None:
+    """The greedy tail (`greedy_tail.py`) of a chain verify whose rows are all plain greedy: replayed by a
+    target that captured it for this batch, else run eagerly on the live rows -> the live rows' result; None
+    when a row carries more stop ids than the tail holds (the caller takes the general path)."""
+    n = len(nodes)
+    gt = GreedyTail(target.compute_logits, target.commit_after_verify)
+    if isinstance(target, GreedyTailTarget):
+        packed = gt.pack(nodes, stop_ids, budgets, rows=batch.num_seqs)
+        if packed is None:
+            return None
+        outs = target.replay_greedy_tail(batch, packed)
+        if outs is not None:
+            return GreedyTail.result(outs, n)
+    packed = gt.pack(nodes, stop_ids, budgets, rows=n)
+    if packed is None:
+        return None
+    packed_dev = to_device(packed, dtype=torch.int64, device=hidden.device)
+    return GreedyTail.result(gt(batch, (hidden,), (packed_dev,)), n)
 
 
 def _stop_ids(rows: Sequence[RoundRow]) -> torch.Tensor:
@@ -567,7 +626,7 @@ def trim_draft(draft: DraftOutput, n: int, dmax: int) -> DraftOutput:
 
 
 def _to_verified(
-    host: HostRound, logits: torch.Tensor, rows: Sequence[RoundRow], *, num_nodes: list[int]
+    host: HostRound, logits: torch.Tensor | None, rows: Sequence[RoundRow], *, num_nodes: list[int]
 ) -> list[VerifiedTokens]:
     """Python results, with logprobs (of the raw target distribution) for requests that asked.
 
@@ -581,6 +640,7 @@ def _to_verified(
     if want:
         paths = host.paths
         assert paths is not None, "read the round with_paths when a request wants logprobs"
+        assert logits is not None, "a request that wants logprobs needs the verify logits"
         for i in want:
             k = rows[i].request.params.logprobs or 0
             nodes = paths[i][: acc[i] + 1]  # emitted token e comes from the logits after node nodes[e]

@@ -1,0 +1,110 @@
+"""The greedy tail of a chain verify: logits, argmax, the accept walk with its stop / budget cut, the commit.
+
+When every row of a round is greedy without penalties, logprobs or a grammar, and the block is a chain, the
+round's token choice needs nothing from the host but three numbers per row (real nodes, token budget, stop
+ids). `GreedyTail` is that work as one function of tensors, so a graphed target captures it after each chain
+verify graph (attn-backends' `VerifyTail`: one replay instead of about twenty eager launches of host time)
+and the round runs the very same function eagerly otherwise: the tokens are `choose_tokens`' for such rows
+(argmax of the unpenalised logits, walked and cut by `hyspec_kernels.accept_walk`), and the commit is
+`commit_after_verify`'s.
+
+Its one input is packed per row, so that a round fills it with one host-to-device copy:
+`[num_nodes, budget, stop id 0, ..., stop id M-1]` int64 (`pack`), -1 padded stop ids; padded rows of a
+graph's batch get one node, budget 1 and no stop ids (their state slots are -1: they commit nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from hyspec_attn_backends import ForwardBatch
+from hyspec_kernels.accept import accept_walk
+from torch import Tensor
+
+from hyspec_spec_workers.verify import VerifyResult
+
+# stop ids a row may carry into the tail (EOS ids and a request's stop_token_ids); more take the general path
+MAX_TAIL_STOP_IDS = 8
+
+LogitsFn = Callable[[Tensor], Tensor]  # hidden [T, H] -> logits [T, V]
+CommitFn = Callable[..., Tensor]  # commit_after_verify(batch=, num_accepted=, accept_paths=) -> steps
+
+
+class GreedyTail:
+    """Greedy choice and commit after a chain verify forward (module docstring).
+
+    Args:
+        compute_logits: the target's logits of hidden states.
+        commit: the target backend's `commit_after_verify` (inside a graph: the backend's own, not a wrapper
+            that replays another graph).
+        max_stop_ids: M, the stop ids per row the packed input holds.
+    """
+
+    def __init__(
+        self, compute_logits: LogitsFn, commit: CommitFn, *, max_stop_ids: int = MAX_TAIL_STOP_IDS
+    ) -> None:
+        if max_stop_ids < 1:
+            raise ValueError(f"max_stop_ids: expected >= 1, got {max_stop_ids}")
+        self.compute_logits, self.commit, self.max_stop_ids = compute_logits, commit, max_stop_ids
+
+    @property
+    def width(self) -> int:
+        """Columns of the packed input: num_nodes, budget, then the stop ids."""
+        return 2 + self.max_stop_ids
+
+    def static_inputs(self, batch_size: int, verify_len: int, device: torch.device) -> tuple[Tensor, ...]:
+        """A graph's packed input, every row a padded one: `([batch_size, width] int64,)`."""
+        packed = torch.full((batch_size, self.width), -1, dtype=torch.int64, device=device)
+        packed[:, :2] = 1
+        return (packed,)
+
+    def pack(
+        self, num_nodes: Sequence[int], stop_token_ids: Tensor, max_new_tokens: Tensor, *, rows: int
+    ) -> Tensor | None:
+        """The packed input of a round's rows, then padded rows up to `rows` (a graph's batch size), on the
+        host; None when a row carries more stop ids than the tail holds.
+
+        Args:
+            num_nodes: [N] real verify-block nodes per row (root included).
+            stop_token_ids: [N, M'] int64 stop ids per row, -1 padded, on the host.
+            max_new_tokens: [N] int64 token budgets, on the host.
+        """
+        n = len(num_nodes)
+        stops = stop_token_ids[:, (stop_token_ids >= 0).any(dim=0)]  # drop columns no row uses
+        if stops.shape[1] > self.max_stop_ids:
+            return None
+        packed = torch.full((rows, self.width), -1, dtype=torch.int64)
+        packed[:, :2] = 1
+        packed[:n, 0] = torch.tensor(list(num_nodes), dtype=torch.int64)
+        packed[:n, 1] = max_new_tokens
+        packed[:n, 2 : 2 + stops.shape[1]] = stops
+        return packed
+
+    def __call__(
+        self, batch: ForwardBatch, outputs: tuple[Tensor, ...], inputs: tuple[Tensor, ...]
+    ) -> tuple[Tensor, ...]:
+        """After the verify forward of `batch` (its `outputs`: hidden states first, [rows * D, H]): the tokens
+        of every row of the packed input, committed -> the `VerifyResult` fields, each [rows, ...]."""
+        (packed,) = inputs  # [rows, width] int64 on the device
+        rows, d = packed.shape[0], batch.verify_len
+        logits = self.compute_logits(outputs[0][: rows * d]).view(rows, d, -1)  # [rows, D, V]
+        choice = logits.argmax(dim=-1)  # [rows, D] int64
+        col = torch.arange(d, device=packed.device)
+        # a chain: node j's only child is j + 1 when that node is real (`VerifyTree.chain`)
+        first_child = torch.where(col[None, :] + 1 < packed[:, :1], col[None, :] + 1, -1)  # [rows, D]
+        r = accept_walk(
+            choice=choice,
+            tokens=batch.input_ids[: rows * d].view(rows, d),
+            first_child=first_child,
+            next_sibling=torch.full_like(first_child, -1),
+            stop_ids=packed[:, 2:],
+            budget=packed[:, 1],
+        )
+        self.commit(batch=batch, num_accepted=r.num_accepted, accept_paths=None)
+        return (r.num_accepted, r.accept_index, r.output_tokens, r.bonus, r.commit_steps, r.finished)
+
+    @staticmethod
+    def result(outputs: tuple[Tensor, ...], n: int) -> VerifyResult:
+        """The live rows' `VerifyResult` of the tail's outputs (the first `n` rows)."""
+        return VerifyResult(*(o[:n] for o in outputs))

@@ -1,0 +1,117 @@
+"""The greedy tail (`greedy_tail.py`) against the general path it replaces for plain greedy rows.
+
+`GreedyTail` must choose exactly the tokens `choose_tokens` chooses (argmax walk, cut at the first stop id and
+at the budget) and hand the commit exactly its accepted counts, for chains of every node count, in both of
+its forms: the live rows (eager) and every row of a padded graph batch (padded rows one node, budget 1, no
+stop ids).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from hyspec_spec_workers.choose import choose_tokens
+from hyspec_spec_workers.greedy_tail import MAX_TAIL_STOP_IDS, GreedyTail
+from hyspec_spec_workers.sampling import Sampler
+from hyspec_spec_workers.tree import VerifyTree
+
+V = 11
+
+
+@dataclass
+class Params:
+    temperature: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None
+    has_penalties: bool = False
+
+
+@dataclass
+class Req:
+    params: Params
+
+
+def _case(
+    seed: int, n: int, d: int
+) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks whose drafts often equal the argmax (long accepted runs), node counts, stop ids and budgets."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    logits = torch.randn(n, d, V, generator=g)  # [N, D, V]
+    choice = logits.argmax(-1)
+    tokens = torch.randint(0, V, (n, d), generator=g)
+    for i in range(n):
+        for j in range(1, d):
+            if rnd.random() < 0.75:
+                tokens[i, j] = choice[i, j - 1]  # the target's own next token: accepted
+    nodes = [rnd.randint(1, d) for _ in range(n)]
+    m = rnd.randint(1, 3)
+    stops = torch.full((n, m), -1, dtype=torch.int64)
+    for i in range(n):
+        for k in range(rnd.randint(0, m)):
+            stops[i, k] = rnd.randrange(V)
+    budgets = torch.tensor([rnd.randint(1, d + 1) for _ in range(n)], dtype=torch.int64)
+    return logits, nodes, tokens, stops, budgets
+
+
+@pytest.mark.parametrize("padded", [0, 3], ids=["live-rows", "graph-rows"])
+@pytest.mark.parametrize("seed", range(12))
+def test_tail_equals_choose_tokens_and_commits_its_counts(seed: int, padded: int) -> None:
+    n, d = 5, 4
+    logits, nodes, tokens, stops, budgets = _case(seed, n, d)
+    tree = VerifyTree.chain(tokens[:, 0], tokens[:, 1:], torch.tensor(nodes) - 1)
+    want = choose_tokens(
+        tree,
+        logits,
+        None,
+        [Req(Params()) for _ in range(n)],
+        nodes=nodes,
+        sampler=Sampler(torch.device("cpu")),
+        stop_token_ids=stops,
+        max_new_tokens=budgets,
+    )
+
+    rows = n + padded
+    hidden = torch.cat([logits.reshape(n * d, V), torch.randn(padded * d, V)])  # identity "logits" of hidden
+    input_ids = torch.cat([tokens.reshape(-1), torch.zeros(padded * d, dtype=torch.int64)])
+    batch: Any = SimpleNamespace(verify_len=d, input_ids=input_ids, num_seqs=rows)
+    committed: list[torch.Tensor] = []
+
+    def commit(*, batch: Any, num_accepted: torch.Tensor, accept_paths: Any) -> torch.Tensor:
+        assert accept_paths is None
+        committed.append(num_accepted.clone())
+        return num_accepted
+
+    tail = GreedyTail(lambda h: h, commit)
+    packed = tail.pack(nodes, stops, budgets, rows=rows)
+    assert packed is not None and packed.shape == (rows, tail.width)
+    assert packed[n:, :2].tolist() == [[1, 1]] * padded and (packed[n:, 2:] == -1).all()
+    got = GreedyTail.result(tail(batch, (hidden,), (packed,)), n)
+    for name in ("num_accepted", "accept_index", "output_tokens", "bonus", "commit_steps", "finished"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    (acc,) = committed
+    assert acc.shape == (rows,) and torch.equal(acc[:n], want.num_accepted)
+    assert (acc[n:] == 0).all()  # a padded row: its root only (and its state slot -1 commits nothing)
+
+
+def test_static_inputs_are_padded_rows_and_too_many_stop_ids_take_the_general_path() -> None:
+    tail = GreedyTail(lambda h: h, lambda **kw: kw["num_accepted"])
+    (static,) = tail.static_inputs(4, 3, torch.device("cpu"))
+    assert (
+        static.shape == (4, 2 + MAX_TAIL_STOP_IDS)
+        and static[:, :2].eq(1).all()
+        and static[:, 2:].eq(-1).all()
+    )
+    many = torch.arange(MAX_TAIL_STOP_IDS + 1)[None, :]
+    assert tail.pack([2], many, torch.tensor([5]), rows=1) is None
+    # unused stop-id columns (every row -1) do not count against the width
+    wide = torch.cat([torch.tensor([[3]]), torch.full((1, 20), -1)], dim=1)
+    packed = tail.pack([2], wide, torch.tensor([5]), rows=2)
+    assert packed is not None and packed[0, :3].tolist() == [2, 5, 3]
+    with pytest.raises(ValueError, match="max_stop_ids"):
+        GreedyTail(lambda h: h, lambda **kw: kw["num_accepted"], max_stop_ids=0)
