@@ -4,6 +4,7 @@ runner's `graphs`); GPU only, but for the capture-size policy."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -40,17 +41,24 @@ def test_verify_shapes_cover_every_block_the_config_produces() -> None:
 def test_graphed_greedy_tail_equals_plain_decoding(arch_fixture: str, request: pytest.FixtureRequest) -> None:
     """All-greedy chain rounds replay the greedy tail captured after each verify graph (token choice, stop
     and budget cut, commit in one replay), padded rows included (6 requests in graphs of 8): fp32 greedy
-    output equals plain decoding's, with budgets and a stop token ending rows inside accepted runs."""
+    output equals plain decoding's with drafts that meet every accept length, budgets and a stop token
+    ending rows inside accepted runs."""
+    from hyspec_server import EngineArgs
+    from hyspec_server.builder import build_engine
+    from hyspec_server.speculative import DrafterRegistry
+    from hyspec_testing.spec import ForcedDrafter
+    from hyspec_testing.tiny import VOCAB_SIZE
+
     ckpt: Path = request.getfixturevalue(arch_fixture)
-    kw = dict(model=str(ckpt), device="cuda", dtype="float32", max_num_seqs=8, enable_prefix_caching=False)
-    plain = LLM(**kw)  # type: ignore[arg-type]
+    kw: dict[str, Any] = dict(
+        model=str(ckpt), device="cuda", dtype="float32", max_num_seqs=8, enable_prefix_caching=False
+    )
+    ids = [[5 + i, 9, 17, 33, 2, 7][: 6 - i] for i in range(6)]
     budgets = [24, 7, 24, 13, 24, 19]
-    ref = [
-        o.outputs[0].token_ids
-        for o in plain.generate(
-            PROMPTS, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in budgets]
-        )
-    ]
+    greedy = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in budgets]
+    plain = LLM.from_engine(build_engine(EngineArgs(**kw)))
+    ref = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in ids], greedy)]
+    del plain
     stop = ref[5][9]
     params = [
         SamplingParams(
@@ -58,16 +66,20 @@ def test_graphed_greedy_tail_equals_plain_decoding(arch_fixture: str, request: p
         )
         for i, m in enumerate(budgets)
     ]
-    del plain
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    llm = LLM(**kw, speculative_config=spec)  # type: ignore[arg-type]
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    full = [p + r for p, r in zip(ids, ref, strict=True)]
+    reg = DrafterRegistry({"ngram": lambda ctx: ForcedDrafter(full, 3, VOCAB_SIZE)})
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    eng = build_engine(EngineArgs(**kw, speculative_config=spec), drafters=reg)
+    got = [
+        o.outputs[0].token_ids
+        for o in LLM.from_engine(eng).generate([{"prompt_token_ids": p} for p in ids], params)
+    ]
     want = [r[: r.index(stop) + 1] if i == 5 else r for i, r in enumerate(ref)]
     assert got == want
-    counts = llm.engine.runner.graphs.counts  # type: ignore[attr-defined]
+    counts = eng.runner.graphs.counts  # type: ignore[attr-defined]
     assert counts.tail_replays > 0 and counts.verify_eager == 0, counts
-    assert llm.engine.stats.spec_num_accepted_tokens > 0
-    llm.leak_check()
+    assert set(eng.stats.accept_lengths) == {1, 2, 3, 4}  # every accept length, bonus included
+    eng.leak_check()
 
 
 @pytest.mark.gpu

@@ -515,14 +515,18 @@ class CudaGraphRunner:
         self.counts.commit_replays += 1
         return c.steps[:n]
 
-    def run_tail(self, batch: ForwardBatch, inputs: Sequence[Tensor]) -> tuple[Tensor, ...] | None:
-        """Replay the tail captured with `batch`'s verify graph (after `run(batch)` replayed it) on these
-        inputs (host tensors shaped as its static ones: every row, padded ones included) -> its outputs,
-        every row (graph outputs: read them before the next replay); None when there is no such tail."""
+    def run_tail(
+        self, batch: ForwardBatch, hidden: Tensor, inputs: Sequence[Tensor]
+    ) -> tuple[Tensor, ...] | None:
+        """Replay the tail captured with `batch`'s verify graph on these inputs (host tensors shaped as its
+        static ones: every row, padded ones included) -> its outputs, every row (graph outputs: read them
+        before the next replay); None when there is no such tail, or when `hidden` (the verify forward's
+        first output) is not that graph's own output: a forward that ran eagerly (a MIXED step's verify part
+        lives in the same buffers, so its batch can look replayable) left the tail nothing to read."""
         key = GraphKey.of(batch)
         captured = None if key is None else self._graphs.get(key)
         t = None if captured is None or captured.pointers != batch_pointers(batch) else captured.tail
-        if t is None:
+        if t is None or captured is None or hidden.data_ptr() != captured.outputs[0].data_ptr():
             return None
         if len(inputs) != len(t.inputs) or any(
             a.shape != b.shape for a, b in zip(inputs, t.inputs, strict=True)

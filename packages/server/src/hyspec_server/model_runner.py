@@ -404,9 +404,9 @@ class HyspecModelRunner:
         return self.graphs.commit(batch, num_accepted=num_accepted, accept_paths=accept_paths)
 
     def replay_greedy_tail(
-        self, batch: ForwardBatch, packed: torch.Tensor
+        self, batch: ForwardBatch, hidden: torch.Tensor, packed: torch.Tensor
     ) -> tuple[torch.Tensor, ...] | None:
-        return self.graphs.run_tail(batch, (packed,))
+        return self.graphs.run_tail(batch, hidden, (packed,))
 
     def decode(self, rows: Sequence[RoundRow]) -> list[SampledToken]:
         # the round's rows are this runner's own requests (`_round_row`)

@@ -163,10 +163,11 @@ class GreedyTailTarget(Protocol):
     """A target that captured the greedy tail (`greedy_tail.GreedyTail`) after its chain verify graphs."""
 
     def replay_greedy_tail(
-        self, batch: ForwardBatch, packed: torch.Tensor
+        self, batch: ForwardBatch, hidden: torch.Tensor, packed: torch.Tensor
     ) -> tuple[torch.Tensor, ...] | None:
         """The tail captured with `batch`'s verify graph, replayed on `packed` ([batch.num_seqs, width] int64
-        on the host, `GreedyTail.pack`) -> its outputs for every row; None when there is none."""
+        on the host, `GreedyTail.pack`) -> its outputs for every row; None when there is none, or when
+        `hidden` (what `forward_verify` returned) is not that graph's output (the forward ran eagerly)."""
         ...
 
 
@@ -589,7 +590,7 @@ def _greedy_tail(
         packed = gt.pack(nodes, stop_ids, budgets, rows=batch.num_seqs)
         if packed is None:
             return None
-        outs = target.replay_greedy_tail(batch, packed)
+        outs = target.replay_greedy_tail(batch, hidden, packed)
         if outs is not None:
             return GreedyTail.result(outs, n)
     packed = gt.pack(nodes, stop_ids, budgets, rows=n)
