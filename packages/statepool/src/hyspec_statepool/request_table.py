@@ -100,11 +100,14 @@ class RequestTable:
         """`req_to_kv[row, start : start + count]` from the host mirror, as a list (-1 where no page); the
         positions must lie below the table width."""
         pages, size = self.host_pages[row], self.page_size
-        out = []
-        for pos in range(start, start + count):
-            j = pos // size
+        out: list[int] = []
+        pos, end = start, start + count
+        while pos < end:  # a page at a time: a verify block or a draft block spans one or two
+            j, off = divmod(pos, size)
+            k = min(end - pos, size - off)
             page = pages[j] if j < len(pages) else -1
-            out.append(page * size + pos % size if page >= 0 else -1)
+            out.extend(range(page * size + off, page * size + off + k) if page >= 0 else [-1] * k)
+            pos += k
         return out
 
     def host_kv_slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
