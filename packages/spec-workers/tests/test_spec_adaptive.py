@@ -539,7 +539,8 @@ def test_rounds_time_plain_steps_in_a_row_at_start_and_every_timing_interval(
     import torch
     from hyspec_spec_workers import DraftOutput, VerifyTree
     from hyspec_spec_workers import costs as costs_mod
-    from hyspec_spec_workers.round import RoundRow, SpeculativeRound, VerifiedTokens
+    from hyspec_spec_workers.round import SpeculativeRound
+    from hyspec_spec_workers.round_types import RoundRow, VerifiedTokens
     from hyspec_spec_workers.sampling import SampledToken
 
     monkeypatch.setattr(costs_mod, "TIMING_EVERY", 5)
@@ -619,7 +620,8 @@ def test_rounds_time_plain_steps_in_a_row_at_start_and_every_timing_interval(
 def test_a_round_is_charged_the_engine_work_until_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plain step's recorded cost is the round plus the engine's time until the next step begins
     (`begin_step`), unless that gap is longer than the round (an idle engine): then the round alone."""
-    from hyspec_spec_workers.round import RoundRow, SpeculativeRound
+    from hyspec_spec_workers.round import SpeculativeRound
+    from hyspec_spec_workers.round_types import RoundRow
 
     now, Req, Target, Drafter = _clocked_round_parts(monkeypatch)
     spec = SpeculativeRound(Drafter(), num_speculative_tokens=1)
@@ -647,7 +649,8 @@ def test_plain_round_counts_and_times_like_a_round_without_drafts(monkeypatch: p
     round without drafts: the same timing rounds and recorded plain-step costs, the same rounds at 0 for
     the adaptive lengths; and it refuses a round in which some request drafts, or other work in a timed
     step."""
-    from hyspec_spec_workers.round import RoundRow, SpeculativeRound
+    from hyspec_spec_workers.round import SpeculativeRound
+    from hyspec_spec_workers.round_types import RoundRow
     from hyspec_spec_workers.sampling import SampledToken
 
     now, Req, Target, Drafter = _clocked_round_parts(monkeypatch)

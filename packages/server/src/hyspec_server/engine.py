@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from hyspec_spec_workers.round import VerifiedTokens
+from hyspec_spec_workers.round_types import VerifiedTokens
 from hyspec_spec_workers.sampling import SampledToken
 from hyspec_statepool.prefix_cache import PrefixCacheStats
 

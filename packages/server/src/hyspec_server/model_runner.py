@@ -34,7 +34,8 @@ from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, HybridBackend, S
 from hyspec_models.loader import load_model
 from hyspec_spec_workers.drafter import GraphedDrafter
 from hyspec_spec_workers.greedy_tail import GreedyTail
-from hyspec_spec_workers.round import RoundRow, SpeculativeRound, VerifiedTokens
+from hyspec_spec_workers.round import SpeculativeRound
+from hyspec_spec_workers.round_types import RoundRow, VerifiedTokens
 from hyspec_spec_workers.sampling import (
     SampledToken,
     Sampler,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from hyspec_spec_workers.round import VerifiedTokens
+from hyspec_spec_workers.round_types import VerifiedTokens
 from hyspec_spec_workers.sampling import SampledToken, chosen_ranks
 from hyspec_statepool.transfer import to_device
 

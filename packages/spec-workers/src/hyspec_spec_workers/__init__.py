@@ -26,19 +26,13 @@ from hyspec_spec_workers.drafter import (
 )
 from hyspec_spec_workers.eagle3 import Eagle3Draft, build_eagle3_drafter, load_eagle3_draft
 from hyspec_spec_workers.factory import build_drafter
-from hyspec_spec_workers.greedy_tail import GreedyTail
+from hyspec_spec_workers.greedy_tail import GreedyTail, GreedyTailTarget
 from hyspec_spec_workers.hidden_state_drafter import HiddenStateDrafter
 from hyspec_spec_workers.mtp_drafter import MTPDraftModel, build_mtp_drafter, mtp_drafter
 from hyspec_spec_workers.ngram import NgramProposer
 from hyspec_spec_workers.penalties import PenaltyTensors
-from hyspec_spec_workers.round import (
-    GreedyTailTarget,
-    RoundRequest,
-    RoundRow,
-    SpeculativeRound,
-    VerifiedTokens,
-    VerifyTarget,
-)
+from hyspec_spec_workers.round import SpeculativeRound
+from hyspec_spec_workers.round_types import RoundRequest, RoundRow, VerifiedTokens, VerifyTarget
 from hyspec_spec_workers.sampling import (
     SampledToken,
     Sampler,

@@ -17,9 +17,12 @@ from hyspec_kernels.accept import accept_walk
 from hyspec_statepool.transfer import to_device
 
 from hyspec_spec_workers.drafter import CommittedTokens
+from hyspec_spec_workers.round_types import RoundRow, VerifiedTokens
 from hyspec_spec_workers.sampling import (
+    SampledToken,
     Sampler,
     SamplingRequest,
+    chosen_ranks,
     filtered_block_probs,
     key_tensors,
     keyed_exponential,
@@ -254,3 +257,43 @@ def accepted_path(
         hidden_states=gather(hidden),
         aux_hidden_states=tuple(gather(a) for a in aux),
     )
+
+
+def to_verified(
+    host: HostRound, logits: torch.Tensor | None, rows: Sequence[RoundRow], *, num_nodes: list[int]
+) -> list[VerifiedTokens]:
+    """Python results, with logprobs (of the raw target distribution) for requests that asked.
+
+    `num_nodes`: real verify-block nodes per row (root included), so drafts = num_nodes - 1.
+    """
+    toks = host.tokens
+    acc = host.num_accepted
+    drafts = [k - 1 for k in num_nodes]
+    want = [i for i, r in enumerate(rows) if r.request.params.logprobs is not None]
+    lp_rows: dict[int, tuple[list[float], list[dict[int, float] | None], list[int]]] = {}
+    if want:
+        paths = host.paths
+        assert paths is not None, "read the round with_paths when a request wants logprobs"
+        assert logits is not None, "a request that wants logprobs needs the verify logits"
+        for i in want:
+            k = rows[i].request.params.logprobs or 0
+            nodes = paths[i][: acc[i] + 1]  # emitted token e comes from the logits after node nodes[e]
+            lp = torch.log_softmax(logits[i, nodes].float(), dim=-1)  # [e, V]
+            emitted = to_device(toks[i], dtype=torch.int64, device=lp.device)  # [e]
+            chosen_t = lp.gather(1, emitted[:, None])[:, 0]  # [e] fp32
+            ranks = chosen_ranks(lp, chosen_t).tolist()
+            chosen = chosen_t.tolist()
+            tops: list[dict[int, float] | None] = [None] * len(nodes)
+            if k > 0:
+                tv, ti = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
+                tops = [dict(zip(a, b)) for a, b in zip(ti.tolist(), tv.tolist())]
+            lp_rows[i] = (chosen, tops, ranks)
+    out: list[VerifiedTokens] = []
+    for i, row in enumerate(toks):
+        if i in lp_rows:
+            chosen, tops, ranks = lp_rows[i]
+            sampled = tuple(SampledToken(t, chosen[e], tops[e], ranks[e]) for e, t in enumerate(row))
+        else:
+            sampled = tuple(SampledToken(t, None, None) for t in row)
+        out.append(VerifiedTokens(sampled, drafts[i], acc[i]))
+    return out

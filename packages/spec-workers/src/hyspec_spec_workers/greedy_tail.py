@@ -16,12 +16,15 @@ graph's batch get one node, budget 1 and no stop ids (their state slots are -1: 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 from hyspec_attn_backends import ForwardBatch
 from hyspec_kernels.accept import accept_walk
+from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
+from hyspec_spec_workers.round_types import RoundRow, VerifyTarget
 from hyspec_spec_workers.verify import VerifyResult
 
 # stop ids a row may carry into the tail (EOS ids and a request's stop_token_ids); more take the general path
@@ -108,3 +111,49 @@ class GreedyTail:
     def result(outputs: tuple[Tensor, ...], n: int) -> VerifyResult:
         """The live rows' `VerifyResult` of the tail's outputs (the first `n` rows)."""
         return VerifyResult(*(o[:n] for o in outputs))
+
+
+@runtime_checkable
+class GreedyTailTarget(Protocol):
+    """A target that captured the greedy tail (`GreedyTail`) after its chain verify graphs."""
+
+    def replay_greedy_tail(
+        self, batch: ForwardBatch, hidden: torch.Tensor, packed: torch.Tensor
+    ) -> tuple[torch.Tensor, ...] | None:
+        """The tail captured with `batch`'s verify graph, replayed on `packed` ([batch.num_seqs, width] int64
+        on the host, `GreedyTail.pack`) -> its outputs for every row; None when there is none, or when
+        `hidden` (what `forward_verify` returned) is not that graph's output (the forward ran eagerly)."""
+        ...
+
+
+def plain_greedy(row: RoundRow) -> bool:
+    """The row's tokens are the argmax of the raw logits, and nothing but the tokens is asked of them."""
+    p = row.request.params
+    return p.temperature == 0 and not p.has_penalties and p.logprobs is None and row.constraint is None
+
+
+def greedy_tail_result(
+    target: VerifyTarget,
+    batch: ForwardBatch,
+    hidden: torch.Tensor,
+    nodes: list[int],
+    stop_ids: torch.Tensor,
+    budgets: torch.Tensor,
+) -> VerifyResult | None:
+    """The greedy tail (`greedy_tail.py`) of a chain verify whose rows are all plain greedy: replayed by a
+    target that captured it for this batch, else run eagerly on the live rows -> the live rows' result; None
+    when a row carries more stop ids than the tail holds (the caller takes the general path)."""
+    n = len(nodes)
+    gt = GreedyTail(target.compute_logits, target.commit_after_verify)
+    if isinstance(target, GreedyTailTarget):
+        packed = gt.pack(nodes, stop_ids, budgets, rows=batch.num_seqs)
+        if packed is None:
+            return None
+        outs = target.replay_greedy_tail(batch, hidden, packed)
+        if outs is not None:
+            return GreedyTail.result(outs, n)
+    packed = gt.pack(nodes, stop_ids, budgets, rows=n)
+    if packed is None:
+        return None
+    packed_dev = to_device(packed, dtype=torch.int64, device=hidden.device)
+    return GreedyTail.result(gt(batch, (hidden,), (packed_dev,)), n)

@@ -28,147 +28,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import TypeVar
 
 import torch
-from hyspec_attn_backends import ForwardBatch
 from hyspec_statepool.prefix_cache import PrefixSave
-from hyspec_statepool.transfer import to_device
 
 from hyspec_spec_workers.adaptive import AdaptiveController, AdaptiveDraftLength
-from hyspec_spec_workers.choose import HostRound, accepted_path, choose_tokens
+from hyspec_spec_workers.choose import HostRound, accepted_path, choose_tokens, to_verified
 from hyspec_spec_workers.config import AdaptiveConfig, SpeculativeConfig
 from hyspec_spec_workers.constraint import (
     DraftOnHost,
     TokenBitmask,
-    TokenConstraint,
     draft_blocks,
     mask_block_logits,
 )
 from hyspec_spec_workers.costs import CostTracker, DraftClock, RoundTimer
 from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
-from hyspec_spec_workers.greedy_tail import GreedyTail
-from hyspec_spec_workers.sampling import SampledToken, Sampler, SamplingRequest, chosen_ranks
+from hyspec_spec_workers.greedy_tail import greedy_tail_result, plain_greedy
+from hyspec_spec_workers.round_types import RoundRow, VerifiedTokens, VerifyTarget
 from hyspec_spec_workers.tree import VerifyTree, pad_block, resized_chain
-from hyspec_spec_workers.verify import VerifyResult
 
 _T = TypeVar("_T")
-
-
-class RoundRequest(SamplingRequest, Protocol):
-    """A request as the round sees it: the sampler's view plus its id and its tokens (n-gram history)."""
-
-    @property
-    def request_id(self) -> str: ...
-
-    def token_slice(self, start: int, end: int) -> list[int]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class RoundRow:
-    """One decoding request in a round.
-
-    Attributes:
-        request: the request.
-        prefix_len: tokens in its KV and state; its current (root) token sits at this position.
-        root_token: the current token: the last one emitted, not yet in KV or state.
-        max_drafts: drafts the caller reserved KV room for past the root (<= Dmax - 1).
-        max_new_tokens: tokens it may still emit (>= 1): the round never emits more.
-        stop_token_ids: EOS and stop token ids; the round stops a row after the first it emits.
-        constraint: its structured-output constraint, or None (see `constraint.py`).
-    """
-
-    request: RoundRequest
-    prefix_len: int
-    root_token: int
-    max_drafts: int
-    max_new_tokens: int
-    stop_token_ids: frozenset[int]
-    constraint: TokenConstraint | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class VerifiedTokens:
-    """Outcome of a round for one request.
-
-    Attributes:
-        tokens: emitted tokens in order: the accepted drafts then the bonus (num_accepted + 1 of them, already
-            cut at EOS, stop token ids and the token budget).
-        num_drafts: drafts proposed for the request this round (0: a plain decode round).
-        num_accepted: accepted drafts, bonus excluded; the request's KV and state now hold its verify block's
-            root and these drafts.
-    """
-
-    tokens: tuple[SampledToken, ...]
-    num_drafts: int
-    num_accepted: int
-
-    def __post_init__(self) -> None:
-        if len(self.tokens) != self.num_accepted + 1:
-            raise ValueError(
-                f"tokens: expected num_accepted + 1 = {self.num_accepted + 1} tokens, got {len(self.tokens)}"
-            )
-        if not 0 <= self.num_accepted <= self.num_drafts:
-            raise ValueError(f"num_accepted: expected in [0, {self.num_drafts}], got {self.num_accepted}")
-
-
-class VerifyTarget(Protocol):
-    """What a speculative round needs from the target's runner."""
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def sampler(self) -> Sampler:
-        """The target's one sampler (plain decoding samples with it too)."""
-        ...
-
-    @property
-    def graphed(self) -> bool:
-        """Verify forwards replay captured graphs (a tree config keeps tree metadata for chains then)."""
-        ...
-
-    def verify_block_size(self, num_rows: int, block_size: int, *, tree: bool) -> int:
-        """The block size the verify forward of `num_rows` blocks of `block_size` runs at (>= block_size)."""
-        ...
-
-    def forward_verify(
-        self,
-        *,
-        req_ids: Sequence[str],
-        block_tokens: torch.Tensor,
-        prefix_lens: Sequence[int],
-        tree_parents: torch.Tensor | None,
-    ) -> tuple[ForwardBatch, torch.Tensor, tuple[torch.Tensor, ...]]:
-        """TARGET_VERIFY over [N, D] blocks (KV room for prefix + D ensured): the batch, the final hidden
-        states [N * D, H] and the drafter's capture layers, each [N * D, H] (read before the next forward)."""
-        ...
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-    def commit_after_verify(
-        self, *, batch: ForwardBatch, num_accepted: torch.Tensor, accept_paths: torch.Tensor | None
-    ) -> torch.Tensor: ...
-
-    def decode(self, rows: Sequence[RoundRow]) -> list[SampledToken]:
-        """A plain decode step of these rows (their root tokens). Like every plain forward of the target it
-        hands its tokens and features to the round's `feed_forward`."""
-        ...
-
-
-@runtime_checkable
-class GreedyTailTarget(Protocol):
-    """A target that captured the greedy tail (`greedy_tail.GreedyTail`) after its chain verify graphs."""
-
-    def replay_greedy_tail(
-        self, batch: ForwardBatch, hidden: torch.Tensor, packed: torch.Tensor
-    ) -> tuple[torch.Tensor, ...] | None:
-        """The tail captured with `batch`'s verify graph, replayed on `packed` ([batch.num_seqs, width] int64
-        on the host, `GreedyTail.pack`) -> its outputs for every row; None when there is none, or when
-        `hidden` (what `forward_verify` returned) is not that graph's output (the forward ran eagerly)."""
-        ...
 
 
 # A round runs exactly one target forward: `forward_verify`, or `decode` when nobody drafted. A target may run
@@ -526,16 +407,16 @@ class SpeculativeRound:
         )
         stop_ids = _stop_ids(rows)
         budgets = torch.tensor([r.max_new_tokens for r in rows], dtype=torch.int64)
-        if not as_tree and all(_plain_greedy(r) for r in rows):
+        if not as_tree and all(plain_greedy(r) for r in rows):
             # token choice and commit as one function of tensors: a graphed target replays it
-            tail = _greedy_tail(target, batch, hidden, nodes, stop_ids, budgets)
+            tail = greedy_tail_result(target, batch, hidden, nodes, stop_ids, budgets)
             if tail is not None:
                 host = HostRound.read(tail, with_paths=False)  # the round's one read of its outcome
                 if self.feed is not None:
                     self.feed.add(
                         accepted_path(hidden, aux, tree, tail, ids, prefix, num_accepted=host.num_accepted)
                     )
-                return _to_verified(host, None, rows, num_nodes=nodes), d
+                return to_verified(host, None, rows, num_nodes=nodes), d
         logits = target.compute_logits(hidden).reshape(n, d, -1)  # [N, D, V]
         if on_host is not None:
             # the forward is queued: the masks fill on the host while the device runs it
@@ -564,40 +445,7 @@ class SpeculativeRound:
             self.feed.add(
                 accepted_path(hidden, aux, tree, result, ids, prefix, num_accepted=host.num_accepted)
             )
-        return _to_verified(host, logits, rows, num_nodes=nodes), d
-
-
-def _plain_greedy(row: RoundRow) -> bool:
-    """The row's tokens are the argmax of the raw logits, and nothing but the tokens is asked of them."""
-    p = row.request.params
-    return p.temperature == 0 and not p.has_penalties and p.logprobs is None and row.constraint is None
-
-
-def _greedy_tail(
-    target: VerifyTarget,
-    batch: ForwardBatch,
-    hidden: torch.Tensor,
-    nodes: list[int],
-    stop_ids: torch.Tensor,
-    budgets: torch.Tensor,
-) -> VerifyResult | None:
-    """The greedy tail (`greedy_tail.py`) of a chain verify whose rows are all plain greedy: replayed by a
-    target that captured it for this batch, else run eagerly on the live rows -> the live rows' result; None
-    when a row carries more stop ids than the tail holds (the caller takes the general path)."""
-    n = len(nodes)
-    gt = GreedyTail(target.compute_logits, target.commit_after_verify)
-    if isinstance(target, GreedyTailTarget):
-        packed = gt.pack(nodes, stop_ids, budgets, rows=batch.num_seqs)
-        if packed is None:
-            return None
-        outs = target.replay_greedy_tail(batch, hidden, packed)
-        if outs is not None:
-            return GreedyTail.result(outs, n)
-    packed = gt.pack(nodes, stop_ids, budgets, rows=n)
-    if packed is None:
-        return None
-    packed_dev = to_device(packed, dtype=torch.int64, device=hidden.device)
-    return GreedyTail.result(gt(batch, (hidden,), (packed_dev,)), n)
+        return to_verified(host, logits, rows, num_nodes=nodes), d
 
 
 def _stop_ids(rows: Sequence[RoundRow]) -> torch.Tensor:
@@ -624,43 +472,3 @@ def trim_draft(draft: DraftOutput, n: int, dmax: int) -> DraftOutput:
     )
     dp = None if draft.draft_probs is None else draft.draft_probs[:, :d]
     return DraftOutput(cut, dp)
-
-
-def _to_verified(
-    host: HostRound, logits: torch.Tensor | None, rows: Sequence[RoundRow], *, num_nodes: list[int]
-) -> list[VerifiedTokens]:
-    """Python results, with logprobs (of the raw target distribution) for requests that asked.
-
-    `num_nodes`: real verify-block nodes per row (root included), so drafts = num_nodes - 1.
-    """
-    toks = host.tokens
-    acc = host.num_accepted
-    drafts = [k - 1 for k in num_nodes]
-    want = [i for i, r in enumerate(rows) if r.request.params.logprobs is not None]
-    lp_rows: dict[int, tuple[list[float], list[dict[int, float] | None], list[int]]] = {}
-    if want:
-        paths = host.paths
-        assert paths is not None, "read the round with_paths when a request wants logprobs"
-        assert logits is not None, "a request that wants logprobs needs the verify logits"
-        for i in want:
-            k = rows[i].request.params.logprobs or 0
-            nodes = paths[i][: acc[i] + 1]  # emitted token e comes from the logits after node nodes[e]
-            lp = torch.log_softmax(logits[i, nodes].float(), dim=-1)  # [e, V]
-            emitted = to_device(toks[i], dtype=torch.int64, device=lp.device)  # [e]
-            chosen_t = lp.gather(1, emitted[:, None])[:, 0]  # [e] fp32
-            ranks = chosen_ranks(lp, chosen_t).tolist()
-            chosen = chosen_t.tolist()
-            tops: list[dict[int, float] | None] = [None] * len(nodes)
-            if k > 0:
-                tv, ti = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
-                tops = [dict(zip(a, b)) for a, b in zip(ti.tolist(), tv.tolist())]
-            lp_rows[i] = (chosen, tops, ranks)
-    out: list[VerifiedTokens] = []
-    for i, row in enumerate(toks):
-        if i in lp_rows:
-            chosen, tops, ranks = lp_rows[i]
-            sampled = tuple(SampledToken(t, chosen[e], tops[e], ranks[e]) for e, t in enumerate(row))
-        else:
-            sampled = tuple(SampledToken(t, None, None) for t in row)
-        out.append(VerifiedTokens(sampled, drafts[i], acc[i]))
-    return out

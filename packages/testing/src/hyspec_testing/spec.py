@@ -28,7 +28,8 @@ from hyspec_models.protocol import HybridCausalLM
 from hyspec_spec_workers.adaptive import AdaptiveDraftLength
 from hyspec_spec_workers.config import Method
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
-from hyspec_spec_workers.round import RoundRow, SpeculativeRound
+from hyspec_spec_workers.round import SpeculativeRound
+from hyspec_spec_workers.round_types import RoundRow
 from hyspec_spec_workers.sampling import SampledToken, Sampler
 from hyspec_spec_workers.tree import VerifyTree
 from hyspec_statepool.pool import HybridStatePool
