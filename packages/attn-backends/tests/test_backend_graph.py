@@ -405,3 +405,68 @@ def test_runner_policy_counts_and_live_rows_without_a_gpu() -> None:
     assert (c.commit_eager, c.commit_replays) == (1, 0)
     assert GraphCounts.total([c, c]).verify_eager == 2 and GraphCounts.total([c, c]).commit_eager == 2
     assert capture_sizes(1) == [1] and capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_commit_and_tail_replay_only_their_own_verify_graph() -> None:
+    """The replay policy of the graphs captured after a chain verify graph, on CPU with stand-in graphs:
+    `commit` replays for a batch of that key in the captured buffers (padded rows' accepted counts -1) and
+    commits eagerly for a tree; `run_tail` replays only when the forward's hidden states are that graph's own
+    output (a MIXED step's verify part, run eagerly in the same buffers, must not), and checks its inputs."""
+    from hyspec_attn_backends.graphs import _Captured, _Commit, _Tail
+
+    toy = Toy()
+    be, lens = _setup(toy)
+    pool = be.pool
+    ids = ["r0", "r1"]
+    pool.ensure_kv_capacity(ids, [lens[r] + 3 for r in ids])
+    runner = CudaGraphRunner(be, lambda batch: (toy.run(be, batch),), commit=True)
+    batch = be.prepare_verify(
+        req_rows=pool.req_rows(ids),
+        block_tokens=torch.ones(2, 3, dtype=torch.long),
+        prefix_lens=[lens[r] for r in ids],
+        pad_to=4,
+    )
+    key = GraphKey.of(batch)
+    assert key is not None
+
+    class Replays:
+        def __init__(self) -> None:
+            self.count = 0
+
+        def replay(self) -> None:
+            self.count += 1
+
+    hidden = torch.zeros(4 * 3, 5)
+    accepted = torch.full((4,), 7, dtype=torch.int64)
+    commit_graph, tail_graph = Replays(), Replays()
+    tail_in = (torch.zeros(4, 3, dtype=torch.int64),)
+    tail_out = (torch.arange(4),)
+    runner._graphs[key] = _Captured(
+        graph=Replays(),  # type: ignore[arg-type]
+        outputs=(hidden,),
+        pointers=batch_pointers(batch),
+        commit=_Commit(commit_graph, accepted, torch.arange(4)),  # type: ignore[arg-type]
+        tail=_Tail(tail_graph, tail_in, tail_out),  # type: ignore[arg-type]
+    )
+    steps = runner.commit(batch, num_accepted=torch.tensor([2, 0]), accept_paths=None)
+    assert commit_graph.count == 1 and accepted.tolist() == [2, 0, -1, -1] and steps.tolist() == [0, 1]
+    assert runner.counts.commit_replays == 1 and runner.counts.commit_eager == 0
+    with pytest.raises(ValueError, match="num_accepted"):
+        runner.commit(batch, num_accepted=torch.tensor([2, 0, 1]), accept_paths=None)
+
+    packed = torch.ones(4, 3, dtype=torch.int64)
+    assert runner.run_tail(batch, torch.zeros(4 * 3, 5), (packed,)) is None  # an eager forward's output
+    assert tail_graph.count == 0
+    assert runner.run_tail(batch, hidden[: 2 * 3], (packed,)) == tail_out  # the graph's own (live rows)
+    assert tail_graph.count == 1 and tail_in[0].eq(1).all() and runner.counts.tail_replays == 1
+    with pytest.raises(ValueError, match="inputs"):
+        runner.run_tail(batch, hidden, (torch.ones(2, 3, dtype=torch.int64),))
+    # another batch in other buffers (an unpadded one of another size) has no graph: nothing replays
+    other = be.prepare_verify(
+        req_rows=pool.req_rows(ids),
+        block_tokens=torch.ones(2, 3, dtype=torch.long),
+        prefix_lens=[lens[r] for r in ids],
+    )
+    assert runner.run_tail(other, hidden, (packed,)) is None
+    runner.commit(other, num_accepted=torch.tensor([0, 0]), accept_paths=None)
+    assert runner.counts.commit_eager == 1 and commit_graph.count == 1
