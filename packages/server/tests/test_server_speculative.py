@@ -129,7 +129,7 @@ def test_all_greedy_rounds_take_the_greedy_tail_and_others_the_general_path(
     """A round whose rows are all plain greedy chooses and commits through the greedy tail (what a GPU
     replays from a graph; run eagerly here); one row asking for logprobs sends the round down the general
     path (`choose_tokens`). Outputs are plain decoding's either way."""
-    from hyspec_spec_workers import round as round_mod
+    from hyspec_spec_workers import round_verify as round_mod
     from hyspec_spec_workers.greedy_tail import GreedyTail
 
     calls = {"tail": 0, "choose": 0}

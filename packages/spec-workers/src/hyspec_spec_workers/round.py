@@ -1,8 +1,8 @@
 """The speculative round: draft, verify, choose tokens, truncate, commit, feed the drafter back.
 
 The one round every caller runs: a server's model runner and this package's own generation loop
-(`testing.generate`) alike. It talks to the target through `VerifyTarget` (owned here; a runner with CUDA
-graphs and an eager loop both satisfy it) and sees requests as `RoundRow`s.
+(`testing.generate`) alike. It talks to the target through `VerifyTarget` (`round_types.py`, owned by this
+package; a runner with CUDA graphs and an eager loop both satisfy it) and sees requests as `RoundRow`s.
 
 1. Draft lengths: the config's S, or each request's adaptive length (0 = no drafting), capped by the KV
    the caller reserved (`RoundRow.max_drafts`) and so that a request never drafts more than it may still
@@ -13,7 +13,8 @@ graphs and an eager loop both satisfy it) and sees requests as `RoundRow`s.
    captured verify shape >= D (`VerifyTarget.verify_block_size`): the block is padded with chain nodes that
    no real node sees and that verification, commit and stats never reach. Tokens are chosen on the
    penalised logits, greedy rows by argmax walk, sampling rows by exact rejection sampling on the plain
-   sampler's filtered distribution (`choose.py`).
+   sampler's filtered distribution (`choose.py`); all-greedy chain rounds through the greedy tail
+   (`greedy_tail.py`). The verify itself is `round_verify.py`.
 4. The chosen tokens come cut at every row's first EOS / stop token id and at its token budget. The very
    same arrays go to `commit_after_verify`, to the drafter and to the tokens returned (which set the
    caller's computed length), so KV, recurrent state and output always agree (bug class 22).
@@ -34,20 +35,17 @@ import torch
 from hyspec_statepool.prefix_cache import PrefixSave
 
 from hyspec_spec_workers.adaptive import AdaptiveController, AdaptiveDraftLength
-from hyspec_spec_workers.choose import HostRound, accepted_path, choose_tokens, to_verified
 from hyspec_spec_workers.config import AdaptiveConfig, SpeculativeConfig
 from hyspec_spec_workers.constraint import (
     DraftOnHost,
     TokenBitmask,
-    draft_blocks,
-    mask_block_logits,
 )
 from hyspec_spec_workers.costs import CostTracker, DraftClock, RoundTimer
 from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
-from hyspec_spec_workers.greedy_tail import greedy_tail_result, plain_greedy
 from hyspec_spec_workers.round_types import RoundRow, VerifiedTokens, VerifyTarget
-from hyspec_spec_workers.tree import VerifyTree, pad_block, resized_chain
+from hyspec_spec_workers.round_verify import verify_round
+from hyspec_spec_workers.tree import VerifyTree, resized_chain
 
 _T = TypeVar("_T")
 
@@ -380,79 +378,10 @@ class SpeculativeRound:
         draft: DraftOutput,
         on_host: DraftOnHost | None,
     ) -> tuple[list[VerifiedTokens], int]:
-        """The TARGET_VERIFY forward, token choice, truncation, commit and the drafter's feed.
-
-        Returns the results and the block size the forward ran at (the drafter's, or a captured one >= it).
-        """
-        dev = target.device
-        ids = [r.request.request_id for r in rows]
-        # on the host (most drafters, from the host roots `run` passes) or, for a one-layer chain drafter, on
-        # the device with node counts on the host
-        tree = draft.tree
-        nodes = tree.node_counts()  # [N] real nodes per row (known on the host: no device read)
-        dp = None if draft.draft_probs is None else draft.draft_probs[:, : tree.block_size].to(dev)
-        n = tree.batch_size
-        # a tree config keeps tree metadata for a chain-shaped round too, so the round meets the tree graphs
-        as_tree = not tree.is_chain or (self.is_tree and target.graphed)
-        d = target.verify_block_size(n, tree.block_size, tree=as_tree)
-        if d > tree.block_size:
-            tree, dp = pad_block(tree, dp, d)  # before the move: the host bookkeeping needs no device read
-        tree = tree.to(dev)  # from the host: one pinned, non-blocking copy
-        prefix = [r.prefix_len for r in rows]
-        batch, hidden, aux = target.forward_verify(
-            req_ids=ids,
-            block_tokens=tree.tokens,
-            prefix_lens=prefix,
-            tree_parents=tree.parents if as_tree else None,
+        """`round_verify.verify_round` with this round's tree config, masks and drafter feed."""
+        return verify_round(
+            target, rows, draft, on_host, tree_config=self.is_tree, masks=self.masks, feed=self.feed
         )
-        stop_ids = _stop_ids(rows)
-        budgets = torch.tensor([r.max_new_tokens for r in rows], dtype=torch.int64)
-        if not as_tree and all(plain_greedy(r) for r in rows):
-            # token choice and commit as one function of tensors: a graphed target replays it
-            tail = greedy_tail_result(target, batch, hidden, nodes, stop_ids, budgets)
-            if tail is not None:
-                host = HostRound.read(tail, with_paths=False)  # the round's one read of its outcome
-                if self.feed is not None:
-                    self.feed.add(
-                        accepted_path(hidden, aux, tree, tail, ids, prefix, num_accepted=host.num_accepted)
-                    )
-                return to_verified(host, None, rows, num_nodes=nodes), d
-        logits = target.compute_logits(hidden).reshape(n, d, -1)  # [N, D, V]
-        if on_host is not None:
-            # the forward is queued: the masks fill on the host while the device runs it
-            constraints = [r.constraint for r in rows]
-            mask_block_logits(logits, constraints, draft_blocks(on_host, constraints), self.masks)
-        # the tokens come cut at each row's first stop token and its budget (host tensors, copied without a
-        # sync); the same arrays go to the commit, the drafter, the computed-token count and the output
-        result = choose_tokens(
-            tree,
-            logits,
-            dp,
-            [r.request for r in rows],
-            nodes=nodes,
-            sampler=target.sampler,
-            stop_token_ids=stop_ids,
-            max_new_tokens=budgets,
-        )
-        target.commit_after_verify(
-            batch=batch,
-            num_accepted=result.num_accepted,
-            accept_paths=result.accept_index if batch.is_tree else None,
-        )
-        want_paths = any(r.request.params.logprobs is not None for r in rows)
-        host = HostRound.read(result, with_paths=want_paths)  # the round's one read of its outcome
-        if self.feed is not None:
-            self.feed.add(
-                accepted_path(hidden, aux, tree, result, ids, prefix, num_accepted=host.num_accepted)
-            )
-        return to_verified(host, logits, rows, num_nodes=nodes), d
-
-
-def _stop_ids(rows: Sequence[RoundRow]) -> torch.Tensor:
-    """[N, M] int64 EOS and stop token ids per row, -1 padded, on the host."""
-    sets = [sorted(r.stop_token_ids) for r in rows]
-    m = max(1, max(len(s) for s in sets))
-    return torch.tensor([s + [-1] * (m - len(s)) for s in sets], dtype=torch.int64)
 
 
 def trim_draft(draft: DraftOutput, n: int, dmax: int) -> DraftOutput:

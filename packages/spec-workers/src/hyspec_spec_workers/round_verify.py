@@ -1,0 +1,110 @@
+"""A round's verify: the TARGET_VERIFY forward, token choice, truncation, commit and the drafter's feed.
+
+`SpeculativeRound.run` calls `verify_round` once a proposal drafted something. All-greedy chain rounds take
+the greedy tail (`greedy_tail.py`: one graph replay on a graphed target); every other round chooses with
+`choose_tokens` and commits through `VerifyTarget.commit_after_verify`. Either way the tokens come cut at
+each row's first stop token and its budget, and the very same arrays go to the commit, the drafter, the
+computed-token count and the output (bug class 22).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hyspec_spec_workers.choose import HostRound, accepted_path, choose_tokens, to_verified
+from hyspec_spec_workers.constraint import DraftOnHost, TokenBitmask, draft_blocks, mask_block_logits
+from hyspec_spec_workers.draft_feed import DraftFeed
+from hyspec_spec_workers.drafter import DraftOutput
+from hyspec_spec_workers.greedy_tail import greedy_tail_result, plain_greedy
+from hyspec_spec_workers.round_types import RoundRow, VerifiedTokens, VerifyTarget
+from hyspec_spec_workers.tree import pad_block
+
+
+def verify_round(
+    target: VerifyTarget,
+    rows: Sequence[RoundRow],
+    draft: DraftOutput,
+    on_host: DraftOnHost | None,
+    *,
+    tree_config: bool,
+    masks: TokenBitmask,
+    feed: DraftFeed | None,
+) -> tuple[list[VerifiedTokens], int]:
+    """Verify `draft` for `rows` on `target`.
+
+    Args:
+        on_host: constrained rounds: the draft on its way to the host (`DraftOnHost`), else None.
+        tree_config: the round's config drafts trees (a chain-shaped round then keeps tree metadata on a
+            graphed target, so it meets the tree graphs).
+        masks: the round's structured-output mask buffer.
+        feed: the model drafter's feed, or None.
+    Returns:
+        The results and the block size the forward ran at (the drafter's, or a captured one >= it).
+    """
+    dev = target.device
+    ids = [r.request.request_id for r in rows]
+    # on the host (most drafters, from the host roots `run` passes) or, for a one-layer chain drafter, on
+    # the device with node counts on the host
+    tree = draft.tree
+    nodes = tree.node_counts()  # [N] real nodes per row (known on the host: no device read)
+    dp = None if draft.draft_probs is None else draft.draft_probs[:, : tree.block_size].to(dev)
+    n = tree.batch_size
+    # a tree config keeps tree metadata for a chain-shaped round too, so the round meets the tree graphs
+    as_tree = not tree.is_chain or (tree_config and target.graphed)
+    d = target.verify_block_size(n, tree.block_size, tree=as_tree)
+    if d > tree.block_size:
+        tree, dp = pad_block(tree, dp, d)  # before the move: the host bookkeeping needs no device read
+    tree = tree.to(dev)  # from the host: one pinned, non-blocking copy
+    prefix = [r.prefix_len for r in rows]
+    batch, hidden, aux = target.forward_verify(
+        req_ids=ids,
+        block_tokens=tree.tokens,
+        prefix_lens=prefix,
+        tree_parents=tree.parents if as_tree else None,
+    )
+    stop_ids = _stop_ids(rows)
+    budgets = torch.tensor([r.max_new_tokens for r in rows], dtype=torch.int64)
+    if not as_tree and all(plain_greedy(r) for r in rows):
+        # token choice and commit as one function of tensors: a graphed target replays it
+        tail = greedy_tail_result(target, batch, hidden, nodes, stop_ids, budgets)
+        if tail is not None:
+            host = HostRound.read(tail, with_paths=False)  # the round's one read of its outcome
+            if feed is not None:
+                feed.add(accepted_path(hidden, aux, tree, tail, ids, prefix, num_accepted=host.num_accepted))
+            return to_verified(host, None, rows, num_nodes=nodes), d
+    logits = target.compute_logits(hidden).reshape(n, d, -1)  # [N, D, V]
+    if on_host is not None:
+        # the forward is queued: the masks fill on the host while the device runs it
+        constraints = [r.constraint for r in rows]
+        mask_block_logits(logits, constraints, draft_blocks(on_host, constraints), masks)
+    # the tokens come cut at each row's first stop token and its budget (host tensors, copied without a
+    # sync); the same arrays go to the commit, the drafter, the computed-token count and the output
+    result = choose_tokens(
+        tree,
+        logits,
+        dp,
+        [r.request for r in rows],
+        nodes=nodes,
+        sampler=target.sampler,
+        stop_token_ids=stop_ids,
+        max_new_tokens=budgets,
+    )
+    target.commit_after_verify(
+        batch=batch,
+        num_accepted=result.num_accepted,
+        accept_paths=result.accept_index if batch.is_tree else None,
+    )
+    want_paths = any(r.request.params.logprobs is not None for r in rows)
+    host = HostRound.read(result, with_paths=want_paths)  # the round's one read of its outcome
+    if feed is not None:
+        feed.add(accepted_path(hidden, aux, tree, result, ids, prefix, num_accepted=host.num_accepted))
+    return to_verified(host, logits, rows, num_nodes=nodes), d
+
+
+def _stop_ids(rows: Sequence[RoundRow]) -> torch.Tensor:
+    """[N, M] int64 EOS and stop token ids per row, -1 padded, on the host."""
+    sets = [sorted(r.stop_token_ids) for r in rows]
+    m = max(1, max(len(s) for s in sets))
+    return torch.tensor([s + [-1] * (m - len(s)) for s in sets], dtype=torch.int64)
