@@ -156,6 +156,17 @@ def test_all_greedy_rounds_take_the_greedy_tail_and_others_the_general_path(
     outs = LLM.from_engine(eng).generate(_ids(PROMPTS), params)
     assert [o.outputs[0].token_ids for o in outs] == arch.refs
     assert calls["choose"] > 0, calls
+    # more stop ids than the tail holds (none of them emitted, but one: the row stops there): general path
+    calls.update(tail=0, choose=0)
+    stop = arch.refs[1][5]
+    unused = [t for t in range(arch.vocab) if t not in arch.refs[1]][:12]
+    params = [_greedy() for _ in PROMPTS]
+    params[1] = dataclasses.replace(params[1], stop_token_ids=[*unused, stop])
+    outs = LLM.from_engine(eng).generate(_ids(PROMPTS), params)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got[1] == arch.refs[1][: arch.refs[1].index(stop) + 1]
+    assert got[:1] + got[2:] == arch.refs[:1] + arch.refs[2:]
+    assert calls["choose"] > 0, calls
     eng.leak_check()
 
 
