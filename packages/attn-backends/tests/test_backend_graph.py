@@ -9,6 +9,8 @@ rows all differ.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hyspec_attn_backends import (
@@ -470,3 +472,59 @@ def test_commit_and_tail_replay_only_their_own_verify_graph() -> None:
     assert runner.run_tail(other, hidden, (packed,)) is None
     runner.commit(other, num_accepted=torch.tensor([0, 0]), accept_paths=None)
     assert runner.counts.commit_eager == 1 and commit_graph.count == 1
+
+
+def test_capture_wires_commit_and_tail_graphs_on_chain_verify_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capture code path on CPU with stand-in CUDA primitives (each "capture" runs eagerly once): chain
+    verify keys get a commit graph and a tail graph (the tail's static inputs for the key's shape, its warm-up
+    and capture calls on the all-padding batch), tree and decode keys neither; capturing commits nothing."""
+    from contextlib import nullcontext
+
+    class Stream:
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    class Graph:
+        def replay(self) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: nullcontext())
+
+    class Tail:
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, int]] = []
+
+        def static_inputs(self, batch_size: int, verify_len: int, device: torch.device) -> tuple[Any]:
+            return (torch.zeros(batch_size, verify_len + 1, dtype=torch.int64, device=device),)
+
+        def __call__(
+            self, batch: ForwardBatch, outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...]
+        ) -> tuple[torch.Tensor, ...]:
+            assert batch.num_live == 0 and outputs[0].shape[0] == batch.num_tokens
+            self.calls.append((batch.num_seqs, batch.verify_len))
+            return (inputs[0].sum(dim=1),)
+
+    toy = Toy()
+    be, _ = _setup(toy)
+    tail = Tail()
+    runner = CudaGraphRunner(be, lambda batch: (toy.run(be, batch),), commit=True, tail=tail, warmup_runs=2)
+    runner.active = True  # as on a GPU
+    before = _snapshot(be)
+    runner.capture_or_eager([1, 2], decode=True, verify=[(3, False), (4, True)])
+    assert runner.active, "a capture failed"
+    for key, captured in runner._graphs.items():
+        chain = key.mode is ForwardMode.TARGET_VERIFY and not key.tree
+        assert (captured.commit is not None) == chain and (captured.tail is not None) == chain, key
+        if chain:
+            assert captured.commit is not None and captured.tail is not None
+            assert captured.commit.accepted.tolist() == [-1] * key.batch_size
+            assert captured.tail.inputs[0].shape == (key.batch_size, 4)
+            assert captured.tail.outputs[0].shape == (key.batch_size,)
+    # per chain key: two warm-up calls and one capture, largest first
+    assert tail.calls == [(2, 3)] * 3 + [(1, 3)] * 3
+    _assert_only_changed(be, before, slots=[], kv_slots=[])
