@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from hyspec_statepool.indices import ReqRows
@@ -34,6 +34,7 @@ from torch import Tensor
 
 from hyspec_attn_backends.backend import HybridBackend
 from hyspec_attn_backends.batch import ForwardBatch
+from hyspec_attn_backends.graph_keys import GraphCounts, GraphKey, batch_pointers
 from hyspec_attn_backends.modes import ForwardMode
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ def _release_default_generators() -> None:
 # what a graph captures: batch -> output tensors (e.g. hidden states, logits); the outputs of a replay are
 # the graph's own static tensors, overwritten by the next replay of the same graph
 ForwardFn = Callable[[ForwardBatch], tuple[Tensor, ...]]
+_R = TypeVar("_R")
 
 
 class VerifyTail(Protocol):
@@ -69,98 +71,6 @@ class VerifyTail(Protocol):
     def __call__(
         self, batch: ForwardBatch, outputs: tuple[Tensor, ...], inputs: tuple[Tensor, ...]
     ) -> tuple[Tensor, ...]: ...
-
-
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """The padded batch sizes an engine captures: 1, 2, 4, 8, then every multiple of 8 up to `max_num_seqs`
-    (always included)."""
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs: expected >= 1, got {max_num_seqs}")
-    sizes = {s for s in (1, 2, 4) if s <= max_num_seqs}
-    sizes |= set(range(8, max_num_seqs + 1, 8))
-    sizes.add(max_num_seqs)
-    return sorted(sizes)
-
-
-@dataclass(slots=True)
-class GraphCounts:
-    """Forwards of each graph-capturable mode: replayed from a graph, or run eagerly."""
-
-    decode_replays: int = 0
-    decode_eager: int = 0
-    verify_replays: int = 0
-    verify_eager: int = 0
-    commit_replays: int = 0  # commits after a verify (`CudaGraphRunner.commit`): not forwards
-    commit_eager: int = 0
-    tail_replays: int = 0  # verify tails (`CudaGraphRunner.run_tail`): not forwards either
-
-    @property
-    def replays(self) -> int:
-        return self.decode_replays + self.verify_replays
-
-    @property
-    def eager(self) -> int:
-        return self.decode_eager + self.verify_eager
-
-    @staticmethod
-    def total(counts: Sequence[GraphCounts]) -> GraphCounts:
-        """The counts of several runners (a drafter's) added up."""
-        return GraphCounts(
-            sum(c.decode_replays for c in counts),
-            sum(c.decode_eager for c in counts),
-            sum(c.verify_replays for c in counts),
-            sum(c.verify_eager for c in counts),
-            sum(c.commit_replays for c in counts),
-            sum(c.commit_eager for c in counts),
-            sum(c.tail_replays for c in counts),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class GraphKey:
-    """What a captured graph is specialised to: mode, padded batch size, verify block size, tree or chain."""
-
-    mode: ForwardMode
-    batch_size: int
-    verify_len: int = 0
-    tree: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.mode.is_graph_capturable:
-            raise ValueError(f"mode: expected DECODE or TARGET_VERIFY, got {self.mode}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size: expected >= 1, got {self.batch_size}")
-        if self.mode is ForwardMode.DECODE and (self.verify_len or self.tree):
-            raise ValueError("verify_len, tree: only for TARGET_VERIFY graphs")
-        if self.mode is ForwardMode.TARGET_VERIFY and self.verify_len < 1:
-            raise ValueError(f"verify_len: expected D >= 1 for a TARGET_VERIFY graph, got {self.verify_len}")
-
-    @classmethod
-    def of(cls, batch: ForwardBatch) -> GraphKey | None:
-        """The key a batch would replay under, or None for a mode that is never captured."""
-        if not batch.mode.is_graph_capturable or batch.num_seqs == 0:
-            return None
-        return cls(batch.mode, batch.num_seqs, batch.verify_len, batch.is_tree)
-
-
-def batch_pointers(batch: ForwardBatch) -> tuple[int, ...]:
-    """Addresses of every tensor a forward reads from the batch (a replay needs the captured ones)."""
-    tensors: list[Tensor | None] = [
-        batch.input_ids,
-        batch.positions,
-        batch.page_table,
-        batch.cu_seqlens_q,
-        batch.q_lens,
-        batch.prefix_lens,
-        batch.kv_lens,
-        batch.has_initial_state,
-        None if batch.state_slots is None else batch.state_slots.tensor,
-        None if batch.batch_rows is None else batch.batch_rows.tensor,
-        None if batch.kv_slots is None else batch.kv_slots.tensor,
-        batch.tree_parents,
-        batch.tree_mask,
-    ]
-    return tuple(0 if t is None else t.data_ptr() for t in tensors)
 
 
 @dataclass(slots=True)
@@ -335,27 +245,33 @@ class CudaGraphRunner:
             if self._side is None:
                 # one warm-up stream for every capture: each new stream gets its own cuBLAS workspace
                 self._side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-            side = self._side
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup_runs):
-                    self.forward(batch)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, pool=self._mempool):
-                    outputs = tuple(self.forward(batch))
-            except RuntimeError as exc:
-                _release_default_generators()
-                raise RuntimeError(
-                    f"CUDA graph capture of {key} failed (a host sync or host-to-device copy inside the "
-                    f"forward?): {exc}"
-                ) from exc
+            graph, outputs = self._warm_and_capture(
+                lambda: tuple(self.forward(batch)),
+                f"{key} (a host sync or host-to-device copy inside the forward?)",
+            )
             commit = tail = None
             if key.mode is ForwardMode.TARGET_VERIFY and not key.tree:
                 commit = self._capture_commit(key, batch) if self.commit_graphs else None
                 tail = None if self.tail is None else self._capture_tail(key, batch, outputs, self.tail)
         return _Captured(graph, outputs, batch_pointers(batch), commit, tail)
+
+    def _warm_and_capture(self, fn: Callable[[], _R], what: str) -> tuple[torch.cuda.CUDAGraph, _R]:
+        """`fn` run `warmup_runs` times on the side stream (Triton compiles and autotunes there), then
+        captured into a graph in this runner's pool -> (graph, what the captured call returned)."""
+        side = self._side
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup_runs):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._mempool):
+                out = fn()
+        except RuntimeError as exc:
+            _release_default_generators()
+            raise RuntimeError(f"CUDA graph capture of {what} failed: {exc}") from exc
+        return graph, out
 
     def _capture_tail(
         self, key: GraphKey, batch: ForwardBatch, outputs: tuple[Tensor, ...], tail: VerifyTail
@@ -363,38 +279,17 @@ class CudaGraphRunner:
         """`tail` after the verify graph of `key`, reading its static outputs and fresh static inputs (whose
         rows are all padded ones: the warm-up runs commit nothing)."""
         inputs = tail.static_inputs(key.batch_size, key.verify_len, self.backend.pool.device)
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup_runs):
-                tail(batch, outputs, inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._mempool):
-                outs = tuple(tail(batch, outputs, inputs))
-        except RuntimeError as exc:
-            _release_default_generators()
-            raise RuntimeError(f"CUDA graph capture of {key}'s tail failed: {exc}") from exc
+        graph, outs = self._warm_and_capture(lambda: tuple(tail(batch, outputs, inputs)), f"{key}'s tail")
         return _Tail(graph, inputs, outs)
 
     def _capture_commit(self, key: GraphKey, batch: ForwardBatch) -> _Commit:
         """The commit after a verify of `key`, over all its rows: the verify batch's own state slots and
-        batch rows (-1 slots on the padded ones) and a static accepted count per row."""
+        batch rows (-1 slots on the padded ones) and a static accepted count per row (every row -1 while
+        warming up and capturing: the kernels load, nothing is committed)."""
         accepted = torch.full((key.batch_size,), -1, dtype=torch.int64, device=self.backend.pool.device)
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup_runs):  # every row -1: loads the kernels, commits nothing
-                self.backend.commit_after_verify(batch=batch, num_accepted=accepted)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._mempool):
-                steps = self.backend.commit_after_verify(batch=batch, num_accepted=accepted)
-        except RuntimeError as exc:
-            _release_default_generators()
-            raise RuntimeError(f"CUDA graph capture of {key}'s commit failed: {exc}") from exc
+        graph, steps = self._warm_and_capture(
+            lambda: self.backend.commit_after_verify(batch=batch, num_accepted=accepted), f"{key}'s commit"
+        )
         return _Commit(graph, accepted, steps)
 
     # ------------------------------------------------------------------ replay
