@@ -238,16 +238,18 @@ def test_padded_verify_and_commit_equal_unpadded(tree: bool) -> None:
     torch.testing.assert_close(got[: len(ids) * d], want, rtol=0, atol=1e-6)
     # verify alone: committed state untouched everywhere, scratch of the live rows as unpadded
     _assert_only_changed(be, before, slots=[], kv_slots=_new_kv_slots(padded))
+    every_row = torch.tensor([2, 1, 0, 3, -1])  # a commit graph's form: every row (padded ones ignored)
     with pytest.raises(ValueError, match="num_accepted"):
-        be.commit_after_verify(batch=padded, num_accepted=torch.tensor([2, 1, -1]), accept_paths=paths)
-    every_row = torch.tensor([2, 1, -1, -1, -1])  # a commit graph's form: every row, padded rows -1
+        be.commit_after_verify(batch=padded, num_accepted=every_row, accept_paths=paths)
     if tree:
-        with pytest.raises(ValueError, match="num_accepted: a tree commit takes the live rows only"):
-            be.commit_after_verify(batch=padded, num_accepted=every_row, accept_paths=paths)
+        with pytest.raises(ValueError, match="chains"):
+            be.commit_every_row(batch=padded, num_accepted=every_row)
         be.commit_after_verify(batch=padded, num_accepted=num_accepted, accept_paths=paths)
     else:
-        steps = be.commit_after_verify(batch=padded, num_accepted=every_row)
-        assert steps.tolist() == [2, 1, -1, -1, -1]
+        with pytest.raises(ValueError, match="num_accepted"):
+            be.commit_every_row(batch=padded, num_accepted=num_accepted)  # the live rows only: not every row
+        steps = be.commit_every_row(batch=padded, num_accepted=every_row)
+        assert steps.tolist() == [2, 1, 0, 3, -1]
     _assert_only_changed(be, before, slots=_live_slots(be, ids), kv_slots=_new_kv_slots(padded))
     for name, t in be.pool.tensors().items():
         if any(s in name for s in SCRATCH):

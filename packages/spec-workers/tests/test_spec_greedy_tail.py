@@ -82,8 +82,7 @@ def test_tail_equals_choose_tokens_and_commits_its_counts(seed: int, padded: int
     batch: Any = SimpleNamespace(verify_len=d, input_ids=input_ids, num_seqs=rows)
     committed: list[torch.Tensor] = []
 
-    def commit(*, batch: Any, num_accepted: torch.Tensor, accept_paths: Any) -> torch.Tensor:
-        assert accept_paths is None
+    def commit(batch: Any, num_accepted: torch.Tensor) -> torch.Tensor:
         committed.append(num_accepted.clone())
         return num_accepted
 
@@ -100,7 +99,7 @@ def test_tail_equals_choose_tokens_and_commits_its_counts(seed: int, padded: int
 
 
 def test_static_inputs_are_padded_rows_and_too_many_stop_ids_take_the_general_path() -> None:
-    tail = GreedyTail(lambda h: h, lambda **kw: kw["num_accepted"])
+    tail = GreedyTail(lambda h: h, lambda b, a: a)
     (static,) = tail.static_inputs(4, 3, torch.device("cpu"))
     assert (
         static.shape == (4, 2 + MAX_TAIL_STOP_IDS)
@@ -114,4 +113,4 @@ def test_static_inputs_are_padded_rows_and_too_many_stop_ids_take_the_general_pa
     packed = tail.pack([2], wide, torch.tensor([5]), rows=2)
     assert packed is not None and packed[0, :3].tolist() == [2, 5, 3]
     with pytest.raises(ValueError, match="max_stop_ids"):
-        GreedyTail(lambda h: h, lambda **kw: kw["num_accepted"], max_stop_ids=0)
+        GreedyTail(lambda h: h, lambda b, a: a, max_stop_ids=0)

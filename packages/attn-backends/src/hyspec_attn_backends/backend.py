@@ -390,6 +390,10 @@ class HybridBackend:
 
     # ---------------------------------------------------------------- commit (`VerifyCommitter`)
 
+    def commit_every_row(self, *, batch: ForwardBatch, num_accepted: Tensor) -> Tensor:
+        """A chain's commit over every row of a padded batch: `VerifyCommitter.commit_every_row`."""
+        return self.committer.commit_every_row(batch=batch, num_accepted=num_accepted)
+
     def commit_after_verify(
         self,
         *,

@@ -288,7 +288,7 @@ class CudaGraphRunner:
         warming up and capturing: the kernels load, nothing is committed)."""
         accepted = torch.full((key.batch_size,), -1, dtype=torch.int64, device=self.backend.pool.device)
         graph, steps = self._warm_and_capture(
-            lambda: self.backend.commit_after_verify(batch=batch, num_accepted=accepted), f"{key}'s commit"
+            lambda: self.backend.commit_every_row(batch=batch, num_accepted=accepted), f"{key}'s commit"
         )
         return _Commit(graph, accepted, steps)
 

@@ -38,6 +38,15 @@ class VerifyCommitter:
         self.kinds = tuple(kinds)
         self._kernel_checks = kernel_checks
 
+    def commit_every_row(self, *, batch: ForwardBatch, num_accepted: Tensor) -> Tensor:
+        """`commit_after_verify` of a chain batch over every row of its batch size, padded ones included:
+        `num_accepted` [batch.num_seqs] (a padded row's value is ignored: its state slot is -1). What a CUDA
+        graph of the commit captures (`CudaGraphRunner.commit`), whose batch size is fixed; no tracking."""
+        if batch.is_tree:
+            # padded rows' KV slots are -1: their (no-op) moves would alias a real slot in the scatter
+            raise ValueError("batch: a commit over every row is for chains (a tree's takes its live rows)")
+        return self._commit(batch, batch.num_seqs, num_accepted, None, None, None)
+
     def commit_after_verify(
         self,
         *,
@@ -57,19 +66,28 @@ class VerifyCommitter:
         Args:
             batch: the TARGET_VERIFY batch that was just run.
             num_accepted: [N] int accepted drafts per request (bonus excluded); -1 skips a row. N counts the
-                live rows, or every row of a padded batch (its padded rows -1: a CUDA graph of the commit,
-                `CudaGraphRunner.commit`, covers its batch size; chains only); padded rows commit nothing.
+                live rows only: a padded batch's padding rows commit nothing (`commit_every_row` takes them).
             accept_paths: [N, D] int block indices of the accepted path, root first, -1 past its end; required
                 for a tree batch, must be None for a chain.
             track_slots, track_interval: prefix-cache track destinations (both or neither).
         Returns:
             [N] int64 committed step per row (-1 where skipped).
         """
+        return self._commit(batch, batch.num_live, num_accepted, accept_paths, track_slots, track_interval)
+
+    def _commit(
+        self,
+        batch: ForwardBatch,
+        n: int,
+        num_accepted: Tensor,
+        accept_paths: Tensor | None,
+        track_slots: StateSlots | None,
+        track_interval: int | None,
+    ) -> Tensor:
+        """The commit of the batch's first `n` rows (its live ones, or all `num_seqs` of a chain)."""
         if batch.mode is not ForwardMode.TARGET_VERIFY:
             raise ValueError(f"batch: expected a TARGET_VERIFY batch, got {batch.mode}")
         d = batch.verify_len
-        every_row = num_accepted.dim() == 1 and num_accepted.shape[0] == batch.num_seqs
-        n = batch.num_seqs if every_row else batch.num_live
         if (accept_paths is None) == batch.is_tree:
             raise ValueError(
                 "accept_paths: required for a tree verify batch and must be None for a chain "
@@ -87,17 +105,10 @@ class VerifyCommitter:
                 f"num_accepted: expected [{n}] ints in [-1, {d - 1}], got {num_accepted.tolist()}"
             )
         if accept_paths is not None:
-            if n != batch.num_live:
-                # padded rows' KV slots are -1: their (no-op) moves would alias a real slot in the scatter
-                raise ValueError("num_accepted: a tree commit takes the live rows only")
             accept_paths = accept_paths.to(dev)
             self._check_paths(batch, n, num_accepted, accept_paths)
         assert batch.state_slots is not None and batch.batch_rows is not None
         tracking = track_slots is not None
-        if tracking and n != batch.num_live:
-            raise ValueError(
-                "track_slots: a commit over padded rows tracks nothing (pass the live rows only)"
-            )
         # live rows come first and batch rows are 0..N-1, so the live rows' batch rows are 0..n-1; the
         # batch's own state slots are the pool's translation of its request rows (-1 on padded rows)
         batch_rows = batch.batch_rows.head(n)

@@ -194,10 +194,13 @@ class HyspecModelRunner:
             verify=() if spec_config is None else spec_config.verify_shapes(),
             commit=True,  # a chain verify's commit replays a graph too (`CudaGraphRunner.commit`)
             # and so do an all-greedy round's token choice and commit (spec-workers' greedy tail); inside
-            # the graph it commits through the backend itself, not through `commit_after_verify` below
+            # the graph it commits every row of the batch size through the backend itself
             tail=None
             if spec_config is None or spec_config.is_tree
-            else GreedyTail(self.model.compute_logits, self.backend.commit_after_verify),
+            else GreedyTail(
+                self.model.compute_logits,
+                lambda b, a: self.backend.commit_every_row(batch=b, num_accepted=a),
+            ),
         )
         t0 = time.perf_counter()
         _capture_with_progress(self.graphs, capture_sizes(max_num_seqs))

@@ -31,7 +31,7 @@ from hyspec_spec_workers.verify import VerifyResult
 MAX_TAIL_STOP_IDS = 8
 
 LogitsFn = Callable[[Tensor], Tensor]  # hidden [T, H] -> logits [T, V]
-CommitFn = Callable[..., Tensor]  # commit_after_verify(batch=, num_accepted=, accept_paths=) -> steps
+CommitFn = Callable[[ForwardBatch, Tensor], Tensor]  # (batch, num_accepted [rows]) -> committed steps
 
 
 class GreedyTail:
@@ -39,8 +39,9 @@ class GreedyTail:
 
     Args:
         compute_logits: the target's logits of hidden states.
-        commit: the target backend's `commit_after_verify` (inside a graph: the backend's own, not a wrapper
-            that replays another graph).
+        commit: (batch, num_accepted) -> steps, the chain commit of the input's rows: the target's
+            `commit_after_verify` of the live rows when run eagerly, the backend's `commit_every_row` inside
+            a graph (the backend's own, not a wrapper that replays another graph).
         max_stop_ids: M, the stop ids per row the packed input holds.
     """
 
@@ -104,7 +105,7 @@ class GreedyTail:
             stop_ids=packed[:, 2:],
             budget=packed[:, 1],
         )
-        self.commit(batch=batch, num_accepted=r.num_accepted, accept_paths=None)
+        self.commit(batch, r.num_accepted)
         return (r.num_accepted, r.accept_index, r.output_tokens, r.bonus, r.commit_steps, r.finished)
 
     @staticmethod
@@ -144,7 +145,10 @@ def greedy_tail_result(
     target that captured it for this batch, else run eagerly on the live rows -> the live rows' result; None
     when a row carries more stop ids than the tail holds (the caller takes the general path)."""
     n = len(nodes)
-    gt = GreedyTail(target.compute_logits, target.commit_after_verify)
+    gt = GreedyTail(
+        target.compute_logits,
+        lambda b, a: target.commit_after_verify(batch=b, num_accepted=a, accept_paths=None),
+    )
     if isinstance(target, GreedyTailTarget):
         packed = gt.pack(nodes, stop_ids, budgets, rows=batch.num_seqs)
         if packed is None:
