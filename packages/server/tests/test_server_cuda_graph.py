@@ -118,3 +118,29 @@ def test_cuda_fp32_matches_transformers(tiny_lfm2: Path) -> None:
     assert [o.outputs[0].token_ids for o in outs] == [
         hf_greedy(tiny_lfm2, tok.encode(p), 12) for p in PROMPTS[:3]
     ]
+
+
+def test_runner_greedy_tail_runs_on_a_padding_batch(tiny_qwen3_5: Path) -> None:
+    """The greedy tail the runner hands its graph runner (captured on a GPU only) runs on the all-padding
+    batch it is captured on, through the backend's every-row commit: outputs for every row, nothing
+    committed (padded rows' state slots are -1). On the CPU here, eagerly, so a wiring error shows without a
+    GPU."""
+    from hyspec_attn_backends import GraphKey
+    from hyspec_server import EngineArgs
+    from hyspec_server.builder import build_engine
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    eng = build_engine(EngineArgs(model=str(tiny_qwen3_5), max_num_seqs=4, speculative_config=spec))
+    graphs: Any = eng.runner.graphs  # type: ignore[attr-defined]
+    assert graphs.tail is not None
+    key = GraphKey(ForwardMode.TARGET_VERIFY, 4, verify_len=4)
+    batch = graphs._padding_batch(key)
+    (hidden,) = graphs.forward(batch)[:1]
+    inputs = graphs.tail.static_inputs(4, 4, torch.device("cpu"))
+    state = {k: v.clone() for k, v in eng.runner.pool.tensors().items() if "scratch" not in k}  # type: ignore[attr-defined]
+    outs = graphs.tail(batch, (hidden,), inputs)
+    assert len(outs) == 6 and all(o.shape[0] == 4 for o in outs)
+    assert outs[0].tolist() == [0, 0, 0, 0]  # one node per padded row: nothing accepted
+    for k, v in eng.runner.pool.tensors().items():  # type: ignore[attr-defined]
+        if k in state:
+            torch.testing.assert_close(v, state[k], rtol=0, atol=0, equal_nan=True, msg=k)
