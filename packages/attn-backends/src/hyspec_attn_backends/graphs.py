@@ -110,8 +110,8 @@ class CudaGraphRunner:
         warmup_runs: eager runs before each capture (Triton compiles and autotunes there, not in the graph).
         decode: `capture` captures DECODE graphs.
         verify: the (D, tree) TARGET_VERIFY shapes `capture` captures (D within the backend's Dmax).
-        commit: with each chain verify graph also capture its commit (`backend.commit_after_verify` over every
-            row of the batch size), which `commit` replays: a target's verify, not a drafter's.
+        commit: with each chain verify graph also capture its commit (`backend.commit_every_row`: every row of
+            the batch size), which `commit` replays: a target's verify, not a drafter's.
         tail: with each chain verify graph also capture this tail, which `run_tail` replays.
 
     Usage (an engine step): `runner.capture(capture_sizes(max_num_seqs))` at start-up; per step `batch =
@@ -351,11 +351,15 @@ class CudaGraphRunner:
                     return dd
         return d
 
-    def can_replay(self, batch: ForwardBatch) -> bool:
-        """A graph was captured for this batch's key, reading the very buffers this batch lives in."""
+    def _replayable(self, batch: ForwardBatch) -> _Captured | None:
+        """The graphs captured for this batch's key, if they read the very buffers this batch lives in."""
         key = GraphKey.of(batch)
         captured = None if key is None else self._graphs.get(key)
-        return captured is not None and captured.pointers == batch_pointers(batch)
+        return captured if captured is not None and captured.pointers == batch_pointers(batch) else None
+
+    def can_replay(self, batch: ForwardBatch) -> bool:
+        """A graph was captured for this batch's key, reading the very buffers this batch lives in."""
+        return self._replayable(batch) is not None
 
     def run(self, batch: ForwardBatch) -> tuple[Tensor, ...]:
         """Replay the graph captured for this batch, or run the forward eagerly when there is none -> the
@@ -363,10 +367,9 @@ class CudaGraphRunner:
 
         After a replay these are views of the graph's static outputs: read (or copy) them before the next.
         """
-        key = GraphKey.of(batch)
-        captured = None if key is None else self._graphs.get(key)
-        replay = captured is not None and captured.pointers == batch_pointers(batch)
-        if captured is not None and replay:
+        captured = self._replayable(batch)
+        replay = captured is not None
+        if captured is not None:
             captured.graph.replay()
             self.num_replays += 1
             outs = captured.outputs
@@ -392,9 +395,8 @@ class CudaGraphRunner:
         `num_accepted`: [N] int accepted drafts per live row (-1 skips one), on the device.
         """
         n = batch.num_live
-        key = GraphKey.of(batch)
-        captured = None if key is None else self._graphs.get(key)
-        c = None if captured is None or captured.pointers != batch_pointers(batch) else captured.commit
+        captured = self._replayable(batch)
+        c = None if captured is None else captured.commit
         if c is None or accept_paths is not None:
             steps = self.backend.commit_after_verify(
                 batch=batch, num_accepted=num_accepted, accept_paths=accept_paths
@@ -418,11 +420,10 @@ class CudaGraphRunner:
         before the next replay); None when there is no such tail, or when `hidden` (the verify forward's
         first output) is not that graph's own output: a forward that ran eagerly (a MIXED step's verify part
         lives in the same buffers, so its batch can look replayable) left the tail nothing to read."""
-        key = GraphKey.of(batch)
-        captured = None if key is None else self._graphs.get(key)
-        t = None if captured is None or captured.pointers != batch_pointers(batch) else captured.tail
-        if t is None or captured is None or hidden.data_ptr() != captured.outputs[0].data_ptr():
+        captured = self._replayable(batch)
+        if captured is None or captured.tail is None or hidden.data_ptr() != captured.outputs[0].data_ptr():
             return None
+        t = captured.tail
         if len(inputs) != len(t.inputs) or any(
             a.shape != b.shape for a, b in zip(inputs, t.inputs, strict=True)
         ):

@@ -149,15 +149,13 @@ def greedy_tail_result(
         target.compute_logits,
         lambda b, a: target.commit_after_verify(batch=b, num_accepted=a, accept_paths=None),
     )
+    packed = gt.pack(nodes, stop_ids, budgets, rows=batch.num_seqs)  # every row: a graph's input shape
+    if packed is None:
+        return None
     if isinstance(target, GreedyTailTarget):
-        packed = gt.pack(nodes, stop_ids, budgets, rows=batch.num_seqs)
-        if packed is None:
-            return None
         outs = target.replay_greedy_tail(batch, hidden, packed)
         if outs is not None:
             return GreedyTail.result(outs, n)
-    packed = gt.pack(nodes, stop_ids, budgets, rows=n)
-    if packed is None:
-        return None
-    packed_dev = to_device(packed, dtype=torch.int64, device=hidden.device)
+    # eagerly over the live rows only (they come first): `hidden` holds only theirs
+    packed_dev = to_device(packed[:n], dtype=torch.int64, device=hidden.device)
     return GreedyTail.result(gt(batch, (hidden,), (packed_dev,)), n)

@@ -269,10 +269,15 @@ class SpeculativeRound:
         self.timer.plain(seconds, rows=len(request_ids), timing=timing, steady_next=not shares_forward)
         self.timer.end_round()
         if self.adaptive is not None and not timing:
-            cost = self.costs if self.costs.ready else None
-            for rid in request_ids:
-                self._lengths[rid].observe(0, cost)
+            self._observe(request_ids, [0] * len(request_ids))
         return out
+
+    def _observe(self, request_ids: Sequence[str], num_accepted: Sequence[int]) -> None:
+        """Each request's adaptive length sees the round: its accepted drafts (capped at its length)."""
+        cost = self.costs if self.costs.ready else None
+        for rid, k in zip(request_ids, num_accepted, strict=True):
+            st = self._lengths[rid]
+            st.observe(min(k, st.steps), cost)
 
     def draft_lengths(self, rows: Sequence[RoundRow]) -> list[int]:
         if self._forced is not None:
@@ -365,10 +370,7 @@ class SpeculativeRound:
             self.timer.catch_up(time.perf_counter() - t0, max(steps))
         self.timer.end_round()
         if self.adaptive is not None and not timing and self._forced is None:
-            cost = self.costs if self.costs.ready else None
-            for rid, k in zip(ids, num_acc, strict=True):
-                st = self._lengths[rid]
-                st.observe(min(k, st.steps), cost)
+            self._observe(ids, num_acc)
         return results
 
     def _verify(
