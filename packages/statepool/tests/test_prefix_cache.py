@@ -355,3 +355,30 @@ def test_a_save_hashes_only_the_pages_the_cache_does_not_hold(monkeypatch: pytes
     pool.free(["b", "c"])
     cache.reset()
     _idle(pool)
+
+
+def test_a_reserved_snapshot_is_what_the_forward_writes_into_its_slot() -> None:
+    pool = _pool()
+    cache = PrefixCache(pool, num_snapshots=3)
+    tokens = [(5 * i + 2) % 40 + 1 for i in range(3 * PS + 1)]
+    pool.alloc(["a"])
+    pool.ensure_kv_capacity(["a"], [len(tokens)])
+    # reserved before the forward: the slot comes back for the forward to fill, nothing is copied into it
+    slot = cache.reserve("a", tokens, salt=None, num_tokens=2 * PS)
+    assert slot is not None and slot != pool.request_slot("a")
+    assert cache.reserve("a", tokens, salt=None, num_tokens=2 * PS) is None  # cached already
+    with pytest.raises(ValueError, match="num_tokens: expected a multiple of the page size"):
+        cache.reserve("a", tokens, salt=None, num_tokens=PS + 1)
+    _compute(pool, "a", tokens[: 2 * PS])
+    conv = pool.layer_state(1).conv
+    assert conv is not None
+    conv[slot] = conv[pool.request_slot("a")]  # the forward's inner save (hyspec_kernels.StateSave)
+    want = _conv(pool, "a")
+    _compute(pool, "a", tokens, start=2 * PS)  # the same forward goes on past the point
+    pool.free(["a"])
+    pool.alloc(["b"])
+    assert cache.attach_longest("b", [*tokens[: 2 * PS], 33, 34], salt=None, max_tokens=2 * PS + 1) == 2 * PS
+    assert _history(pool, "b", 2 * PS) == tokens[: 2 * PS]
+    assert torch.equal(_conv(pool, "b"), want)
+    pool.free(["b"])
+    _idle(pool)

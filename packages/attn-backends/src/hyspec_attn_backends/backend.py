@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from hyspec_kernels import StateSave
 from hyspec_kernels.attention import paged_attention, store_kv
 from hyspec_kernels.gating import gdn_gating
 from hyspec_statepool.indices import ReqRows, StateSlots
@@ -172,10 +173,16 @@ class HybridBackend:
         q_lens: Sequence[int] | Tensor,
         prefix_lens: Sequence[int] | Tensor,
         mode: ForwardMode = ForwardMode.EXTEND,
+        state_saves: Sequence[StateSave] = (),
     ) -> ForwardBatch:
         """New tokens after each request's cached prefix: `BatchBuilder.prepare_extend`."""
         return self.builder.prepare_extend(
-            req_rows=req_rows, input_ids=input_ids, q_lens=q_lens, prefix_lens=prefix_lens, mode=mode
+            req_rows=req_rows,
+            input_ids=input_ids,
+            q_lens=q_lens,
+            prefix_lens=prefix_lens,
+            mode=mode,
+            state_saves=state_saves,
         )
 
     def prepare_decode(
@@ -220,12 +227,13 @@ class HybridBackend:
         block_tokens: Tensor,
         verify_prefix_lens: Sequence[int],
         tree_parents: Tensor | None = None,
+        state_saves: Sequence[StateSave] = (),
     ) -> MixedBatch:
-        """An engine step's prompt chunks (EXTEND: `req_rows`, `input_ids`, `q_lens`, `prefix_lens` as
-        `prepare_extend` takes them) and the verify blocks of other requests (`verify_rows`, `block_tokens`,
-        `verify_prefix_lens`, `tree_parents` as `prepare_verify` takes them, unpadded) as one forward
-        (`MixedBatch`). The chunks go into a second set of buffers, so both parts stay valid until the next
-        `prepare_*`; commit with `commit_after_verify(batch=mixed.verify, ...)`."""
+        """An engine step's prompt chunks (EXTEND: `req_rows`, `input_ids`, `q_lens`, `prefix_lens`,
+        `state_saves` as `prepare_extend` takes them) and the verify blocks of other requests (`verify_rows`,
+        `block_tokens`, `verify_prefix_lens`, `tree_parents` as `prepare_verify` takes them, unpadded) as one
+        forward (`MixedBatch`). The chunks go into a second set of buffers, so both parts stay valid until the
+        next `prepare_*`; commit with `commit_after_verify(batch=mixed.verify, ...)`."""
         if self._mixed_builder is None:
             raise ValueError("prepare_mixed: the backend was built without mixed_steps=True")
         verify = self.builder.prepare_verify(
@@ -235,7 +243,11 @@ class HybridBackend:
             tree_parents=tree_parents,
         )
         extend = self._mixed_builder.prepare_extend(
-            req_rows=req_rows, input_ids=input_ids, q_lens=q_lens, prefix_lens=prefix_lens
+            req_rows=req_rows,
+            input_ids=input_ids,
+            q_lens=q_lens,
+            prefix_lens=prefix_lens,
+            state_saves=state_saves,
         )
         return MixedBatch(
             extend=extend,

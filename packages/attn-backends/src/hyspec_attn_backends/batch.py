@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from hyspec_kernels import value_checks
+from hyspec_kernels import StateSave, value_checks
 from hyspec_statepool.indices import BatchRows, KVSlots, ReqRows, StateSlots
 from hyspec_statepool.transfer import upload
 from torch import Tensor
@@ -48,6 +48,10 @@ class ForwardBatch:
             eager attention launch then reads no lengths back); None for the modes whose lengths
             `advance_one_token` moves on the device.
             `req_rows` holds the live rows only.
+        state_saves: EXTEND only: recurrent states part-way through a request's new tokens that the forward
+            writes to spare slots (`hyspec_kernels.StateSave`: row `seq`, packed index `token`), a prefix
+            cache's snapshots inside a prefill chunk; GDN layers need `token - the row's start` to be a
+            multiple of the chunk size.
     """
 
     mode: ForwardMode
@@ -68,6 +72,7 @@ class ForwardBatch:
     tree_mask: Tensor | None = None
     num_padded: int = 0
     host_max_lens: tuple[int, int] | None = None
+    state_saves: tuple[StateSave, ...] = ()
 
     def __post_init__(self) -> None:
         n, t = self.num_seqs, self.num_tokens
@@ -112,6 +117,8 @@ class ForwardBatch:
             )
         if (self.tree_parents is None) != (self.tree_mask is None):
             raise ValueError("tree_parents, tree_mask: expected both or neither")
+        if self.state_saves and self.mode is not ForwardMode.EXTEND:
+            raise ValueError(f"state_saves: only for EXTEND, got mode {self.mode}")
 
     @property
     def num_seqs(self) -> int:

@@ -8,8 +8,10 @@ place, overwrites the previous one; `num_builds` counts those writes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
+from hyspec_kernels import StateSave
 from hyspec_statepool.indices import ReqRows
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.positions import packed_positions
@@ -76,6 +78,7 @@ class BatchBuilder:
         q_lens: Sequence[int] | Tensor,
         prefix_lens: Sequence[int] | Tensor,
         mode: ForwardMode = ForwardMode.EXTEND,
+        state_saves: Sequence[StateSave] = (),
     ) -> ForwardBatch:
         """New tokens after each request's cached prefix (prefill, a prefill chunk, or DRAFT_EXTEND).
 
@@ -84,10 +87,13 @@ class BatchBuilder:
             input_ids: [T] tokens, request by request, T = sum(q_lens).
             q_lens: [N] new tokens per request (0 allowed).
             prefix_lens: [N] tokens already committed (0 for a fresh prompt).
+            state_saves: states part-way through the new tokens to write to spare slots
+                (`ForwardBatch.state_saves`; EXTEND only).
         """
         if not mode.is_extend_like:
             raise ValueError(f"mode: expected EXTEND or DRAFT_EXTEND, got {mode}")
-        return self._build(mode, req_rows, input_ids, q_lens, prefix_lens, None, 0)
+        batch = self._build(mode, req_rows, input_ids, q_lens, prefix_lens, None, 0)
+        return replace(batch, state_saves=tuple(state_saves)) if state_saves else batch
 
     def prepare_decode(
         self,

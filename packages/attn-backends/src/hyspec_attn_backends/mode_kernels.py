@@ -69,6 +69,7 @@ def mode_conv(
         state_slots=slots,
         has_initial_state=batch.has_initial_state,
         activation=activation,  # type: ignore[arg-type]
+        save_states=batch.state_saves,
         check_indices=check_indices,
     )
 
@@ -127,6 +128,7 @@ def mode_recurrence(
         state=state,
         state_slots=slots,
         has_initial_state=batch.has_initial_state,
+        save_states=batch.state_saves,
         check_indices=check_indices,
     )
     return out.o

@@ -5,7 +5,8 @@ Ops: gated delta rule (`gdn_prefill`, `gdn_decode`, `gdn_verify`), causal depthw
 `conv_decode`, `conv_verify`), state commit after verify (`commit_states`), attention over a paged KV cache
 (`store_kv`, `paged_attention`), GDN gating (`gdn_gating`), norms (`gated_rmsnorm`, `rms_norm`,
 `add_rms_norm`), SwiGLU's product (`silu_and_mul`), rotary embedding (`apply_rotary`) and a verify block's
-greedy walk with its stop / budget cut (`accept_walk`).
+greedy walk with its stop / budget cut (`accept_walk`). The prefills also write states part-way through a
+sequence to spare slots (`StateSave`).
 `python -m hyspec_kernels.selfcheck` runs each against its reference.
 """
 
@@ -17,6 +18,7 @@ from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
 from hyspec_kernels.gating import add_rms_norm, gated_rmsnorm, gdn_gating, rms_norm, silu_and_mul
 from hyspec_kernels.gdn import GDNPrefillOutput, gdn_decode, gdn_prefill, gdn_verify
 from hyspec_kernels.rope import apply_rotary
+from hyspec_kernels.saves import StateSave
 
 __version__ = "0.1.0"
 
@@ -24,6 +26,7 @@ __all__ = [
     "AcceptResult",
     "GDNPrefillOutput",
     "StatePair",
+    "StateSave",
     "accept_walk",
     "add_rms_norm",
     "apply_rotary",

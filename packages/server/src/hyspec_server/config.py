@@ -114,9 +114,10 @@ class EngineArgs:
     prefix_cache_snapshot_interval: int = _arg(
         512,
         "CacheConfig",
-        "prefill chunks end at multiples of this many tokens (a multiple of page_size), where a "
-        "recurrent-state snapshot is saved, besides the end of each prompt and each finished request; a "
-        "lone longer prompt takes one step per interval",
+        "a recurrent-state snapshot is saved at multiples of this many tokens (a multiple of page_size), "
+        "besides the end of each prompt and each finished request; at a multiple of 64 (the GDN chunk) a "
+        "prefill forward writes the snapshots it passes, else prefill chunks end at each of them (a lone "
+        "longer prompt then takes one step per interval)",
     )
     prefix_cache_snapshot_fraction: float = _arg(
         1.0,

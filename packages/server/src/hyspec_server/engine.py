@@ -227,9 +227,9 @@ class LLMEngine:
             result = self.runner.execute(sched, while_queued=save_snapshots)
             save_snapshots()  # a runner with nothing to overlap may not call it; before the appends below
         except Exception as e:
-            if saved:
-                # the step's snapshots were saved while its forward ran, before it failed: keep nothing a
-                # failed step may have half-written (rare; the cache refills)
+            if saved or any(c.state_saves for c in sched.chunks):
+                # the step's snapshots were saved (or reserved for its forward to write) before it failed:
+                # keep nothing a failed step may have half-written (rare; the cache refills)
                 log.warning("model step failed after saving prefix-cache snapshots; resetting the cache")
                 self.runner.memory.reset_prefix_cache()
             reqs = list(dict.fromkeys(c.request for c in sched.chunks))

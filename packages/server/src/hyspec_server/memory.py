@@ -57,7 +57,20 @@ class RequestMemory(Protocol):
 
     @property
     def snapshot_interval(self) -> int:
-        """Prefill chunks end at multiples of this many tokens, where a snapshot is saved (0: caching off)."""
+        """Snapshots are saved at multiples of this many tokens (0: caching off): where prefill chunks end,
+        and with `inner_snapshots` inside them too."""
+        ...
+
+    @property
+    def inner_snapshots(self) -> bool:
+        """A prefill chunk that starts at a snapshot position may run past further ones: its forward writes
+        their states (`reserve_snapshots`). False: chunks end at every snapshot position."""
+        ...
+
+    def reserve_snapshots(self, saves: Sequence[PrefixSave]) -> list[int | None]:
+        """Caches positions inside this step's prefill chunks (`token_ids` up to each), whose states the
+        step's forward writes: the state slot to write for each save, None where nothing is to be written.
+        Called after the step's `attach_prefix` calls; a step that then fails must reset the cache."""
         ...
 
     def attach_prefix(

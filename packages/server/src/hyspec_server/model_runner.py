@@ -390,6 +390,7 @@ class HyspecModelRunner:
             block_tokens=block_tokens,
             verify_prefix_lens=list(prefix_lens),
             tree_parents=tree_parents,
+            state_saves=inp.state_saves,
         )
         hidden, *aux = self._forward(mixed)  # [T_e + N * D, H] each; eager: a MIXED forward has no graph
         self.num_mixed += 1

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from hyspec_attn_backends import CudaGraphRunner, HybridBackend
+from hyspec_kernels import StateSave
 from hyspec_spec_workers.constraint import TokenBitmask
 from hyspec_spec_workers.round import SpeculativeRound
 from hyspec_spec_workers.sampling import SampledToken, Sampler, SamplerOutput, sample_rows, to_sampled_tokens
@@ -39,17 +40,26 @@ class PlainInputs:
     q_lens: list[int]
     prefix: list[int]
     input_ids: torch.Tensor  # [T] int64, on the host
+    state_saves: tuple[StateSave, ...]  # the chunks' inner prefix-cache snapshots, in packed tokens
 
     @staticmethod
     def of(chunks: Sequence[ScheduledChunk]) -> PlainInputs:
         tokens = [t for c in chunks for t in c.request.token_slice(c.start, c.start + c.num_new)]
+        q_lens = [c.num_new for c in chunks]
+        offsets = itertools.accumulate(q_lens, initial=0)  # packed start of each chunk
+        saves = tuple(
+            StateSave(i, off + pos - c.start, slot)
+            for i, (c, off) in enumerate(zip(chunks, offsets, strict=False))
+            for pos, slot in c.state_saves
+        )
         return PlainInputs(
             chunks=chunks,
             ids=[c.request.request_id for c in chunks],
             tokens=tokens,
-            q_lens=[c.num_new for c in chunks],
+            q_lens=q_lens,
             prefix=[c.start for c in chunks],
             input_ids=torch.tensor(tokens, dtype=torch.int64),
+            state_saves=saves,
         )
 
 
@@ -125,7 +135,11 @@ class PlainForwards:
             batch = self.graphs.prepare_decode(req_rows=rows, input_ids=inp.input_ids, prefix_lens=inp.prefix)
         elif batch is None:
             batch = self.backend.prepare_extend(
-                req_rows=rows, input_ids=inp.input_ids, q_lens=inp.q_lens, prefix_lens=inp.prefix
+                req_rows=rows,
+                input_ids=inp.input_ids,
+                q_lens=inp.q_lens,
+                prefix_lens=inp.prefix,
+                state_saves=inp.state_saves,
             )
         hidden, *aux = self.graphs.run(batch)  # [T, H] of the live tokens (graph outputs: read them now)
         queued = self.queue_sampling(inp, hidden, tuple(aux))

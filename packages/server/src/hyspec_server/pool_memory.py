@@ -45,7 +45,9 @@ class StatePoolMemory:
 
     `followers` are told of every alloc and free (finish, abort, preemption alike), so memory that a request
     owns elsewhere is freed on exactly the same paths as its pool memory. `prefix_cache` (None: caching off)
-    is the pool's; `snapshot_interval` (a multiple of the page size) is where prefill chunks end for it.
+    is the pool's; `snapshot_interval` (a multiple of the page size) is where its snapshots are;
+    `inner_snapshots`: the runner's forward writes states inside a prefill chunk (`StateSave`), so chunks need
+    not end at each snapshot.
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class StatePoolMemory:
         followers: Sequence[MemoryFollower] = (),
         prefix_cache: PrefixCache | None = None,
         snapshot_interval: int = 0,
+        inner_snapshots: bool = False,
     ) -> None:
         if prefix_cache is not None and prefix_cache.pool is not pool:
             raise ValueError("prefix_cache: expected the cache of this pool")
@@ -68,6 +71,7 @@ class StatePoolMemory:
         self.followers = tuple(followers)
         self.prefix_cache = prefix_cache
         self._interval = snapshot_interval if prefix_cache is not None else 0
+        self._inner = inner_snapshots and self._interval > 0
         plan = pool.plan
         self._has_kv = bool(plan.specs.attention_layers)
         kv_tokens = plan.num_kv_pages * plan.page_size
@@ -105,6 +109,22 @@ class StatePoolMemory:
     @property
     def snapshot_interval(self) -> int:
         return self._interval
+
+    @property
+    def inner_snapshots(self) -> bool:
+        return self._inner
+
+    def reserve_snapshots(self, saves: Sequence[PrefixSave]) -> list[int | None]:
+        cache = self.prefix_cache
+        if cache is None or not self._inner:
+            raise ValueError("reserve_snapshots: this memory has no inner snapshots")
+        # the step's own reservations are the most recently used snapshots, so one evicts another only when
+        # there are more of them than slots; the evicted one is no longer cached, its slot is the later one's
+        slots = [
+            cache.reserve(s.req_id, s.token_ids, salt=s.salt, num_tokens=len(s.token_ids)) for s in saves
+        ]
+        last = {slot: i for i, slot in enumerate(slots) if slot is not None}
+        return [slot if slot is not None and last[slot] == i else None for i, slot in enumerate(slots)]
 
     def attach_prefix(
         self, request_id: str, token_ids: Sequence[int], *, salt: str | None, max_tokens: int

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from hyspec_attn_backends import MixerLayer, model_state_specs
+from hyspec_kernels.gdn import CHUNK_SIZE
 from hyspec_spec_workers.round import SpeculativeRound
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.prefix_cache import PrefixCache
@@ -134,6 +135,8 @@ def build_memory(
         followers=followers,
         prefix_cache=cache,
         snapshot_interval=args.prefix_cache_snapshot_interval,
+        # the prefill kernels write states inside a forward at their chunk boundaries (StateSave)
+        inner_snapshots=args.prefix_cache_snapshot_interval % CHUNK_SIZE == 0,
     )
     log_pool_split(plan, num_snapshots, args.prefix_cache_snapshot_interval, budget)
     return RunnerMemory(pool=pool, memory=memory, spec=spec, max_num_seqs=max_num_seqs)

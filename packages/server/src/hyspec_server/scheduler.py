@@ -7,17 +7,19 @@ grow its KV, the youngest running request is preempted: its memory is freed and 
 the waiting queue, to be recomputed from its prompt and generated tokens. No other request is touched.
 
 Prefix caching: an admitted request resumes from the longest cached prefix of its tokens (never its last
-token, whose logits give the next one). Prefill chunks end at multiples of the memory's snapshot interval,
-and a snapshot of the committed state is saved there and at the end of each prefill as soon as the step's
-forward is queued (`save_snapshots`: the host work overlaps the device's), and at the end of each finished
-request (`finish`), so later requests with the same prefix skip it.
+token, whose logits give the next one). Snapshots of the committed state are saved at multiples of the
+memory's snapshot interval: where a prefill chunk ends as soon as the step's forward is queued
+(`save_snapshots`: the host work overlaps the device's), and, when the memory has `inner_snapshots`, at the
+positions a chunk passes, whose states its forward writes into slots reserved once the step is scheduled
+(`_with_inner_saves`); otherwise chunks end at every such position. Also at the end of each prefill and of
+each finished request (`finish`), so later requests with the same prefix skip it.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hyspec_statepool.prefix_cache import PrefixSave
 
@@ -70,6 +72,9 @@ class ScheduledChunk:
     num_new: int
     verify: bool = False
     num_lookahead: int = 0
+    # prefix-cache snapshots inside a prefill chunk: (position, state slot) pairs, start < position < end;
+    # the forward writes the request's state after `position` tokens into the slot
+    state_saves: tuple[tuple[int, int], ...] = ()
 
     @property
     def end(self) -> int:
@@ -108,6 +113,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        out = self._schedule()
+        if not self.memory.inner_snapshots:
+            return out
+        # after every lookup of the step: none may resume from a snapshot its forward has yet to write
+        return SchedulerOutput(self._with_inner_saves(out.chunks), out.preempted)
+
+    def _schedule(self) -> SchedulerOutput:
         suspect = next((r for r in self.running if r.suspect), None)
         if suspect is None and self.waiting and self.waiting[0].suspect:
             suspect = self.waiting[0]
@@ -234,15 +246,44 @@ class Scheduler:
         return SchedulerOutput((), tuple(preempted))
 
     def _chunk_len(self, req: Request, budget: int) -> int:
-        """Tokens of `req` this step: what is left, within the budget, ending at the next snapshot position
-        (a recurrent state exists only where a forward ends, so a prefill that should leave a snapshot every
-        `snapshot_interval` tokens runs in pieces that end there)."""
+        """Tokens of `req` this step: what is left, within the budget, ending at a snapshot position.
+
+        A recurrent state exists only where a forward ends, or where it writes one (`inner_snapshots`): a
+        chunk that starts at a snapshot position runs on past the next ones and ends at the last it reaches
+        (or at the end of the tokens); any other ends at the next snapshot position, so that the next chunk
+        starts at one."""
         start = req.num_computed_tokens
         n = min(req.num_tokens - start, budget)
         every = self.memory.snapshot_interval
         if every and n > 1:
-            n = min(n, (start // every + 1) * every - start)
+            boundary = (start // every + 1) * every
+            if self.memory.inner_snapshots and start % every == 0 and start + n > boundary:
+                if start + n < req.num_tokens:
+                    n = (start + n) // every * every - start
+            else:
+                n = min(n, boundary - start)
         return n
+
+    def _with_inner_saves(self, chunks: tuple[ScheduledChunk, ...]) -> tuple[ScheduledChunk, ...]:
+        """The chunks with the snapshots inside them reserved (`state_saves`, all of the step's in one call):
+        the positions at multiples of the snapshot interval strictly between a prefill chunk's start and end
+        (its end is saved by `save_snapshots`)."""
+        every = self.memory.snapshot_interval
+        points = [
+            range((c.start // every + 1) * every, c.end, every)
+            if not c.verify and c.num_new > 1
+            else range(0)
+            for c in chunks
+        ]
+        wanted = [self._save(c.request, p) for c, pts in zip(chunks, points, strict=True) for p in pts]
+        if not wanted:
+            return chunks
+        slots = iter(self.memory.reserve_snapshots(wanted))
+        out = []
+        for c, pts in zip(chunks, points, strict=True):
+            saves = tuple((p, s) for p in pts if (s := next(slots)) is not None)
+            out.append(replace(c, state_saves=saves) if saves else c)
+        return tuple(out)
 
     def save_snapshots(self, chunks: Iterable[ScheduledChunk]) -> None:
         """Saves prefix-cache snapshots where this step's prefill chunks end: at a snapshot interval and at

@@ -221,6 +221,37 @@ class PrefixCache:
         another request already cached under the same hash stay the request's own. Without a free snapshot
         slot the least recently used snapshot gives its slot. A new snapshot keeps a copy of `payload`.
         """
+        self._save(req_id, token_ids, salt, num_tokens, payload, fill=False)
+
+    def reserve(
+        self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None, num_tokens: int
+    ) -> int | None:
+        """`save` for a point inside the request's next forward, which writes the state there itself.
+
+        The request's pages before `num_tokens` (a multiple of the page size) are cached as that forward
+        fills them, and the new snapshot's slot is returned for the forward to write the state at
+        `num_tokens` into (`hyspec_kernels.StateSave`), instead of copying the request's state. None: the
+        point is cached already, nothing to write. Call it after the step's lookups (`attach_longest`): a
+        lookup must not resume from a snapshot whose forward has not been queued; a step that fails after it
+        must `reset` the cache.
+        """
+        if num_tokens % self.page_size:
+            raise ValueError(
+                f"num_tokens: expected a multiple of the page size {self.page_size}, got {num_tokens}"
+            )
+        return self._save(req_id, token_ids, salt, num_tokens, None, fill=True)
+
+    def _save(
+        self,
+        req_id: Hashable,
+        token_ids: Sequence[int],
+        salt: str | None,
+        num_tokens: int,
+        payload: torch.Tensor | None,
+        *,
+        fill: bool,
+    ) -> int | None:
+        """`save` (`fill` False) or `reserve` (True): the new snapshot's slot, None when none is new."""
         c = num_tokens
         if not 0 < c <= len(token_ids):
             raise ValueError(f"num_tokens: expected 0 < num_tokens <= {len(token_ids)}, got {c}")
@@ -245,9 +276,11 @@ class PrefixCache:
             h = chain[-1]
         tail = tuple(token_ids[k * ps : c])
         key = (h, tail)
+        slot = None
         if key not in self._snapshots:
-            self._new_snapshot(key, c, req_id, own[k] if tail else None, payload)
+            slot = self._new_snapshot(key, c, req_id, own[k] if tail else None, payload, fill=fill)
         self._touch(chain, key if key in self._snapshots else None)
+        return slot
 
     def _new_snapshot(
         self,
@@ -256,23 +289,29 @@ class PrefixCache:
         req_id: Hashable,
         partial: int | None,
         payload: torch.Tensor | None,
-    ) -> None:
+        *,
+        fill: bool,
+    ) -> int | None:
+        """The new snapshot's slot (a copy of the request's state unless the caller's forward `fill`s it);
+        None when there is no page for its tail."""
         kv = self.pool.kv
         tail_page = None
         if partial is not None:
             if not kv.num_free:
                 self.reclaim_pages(1)
             if not kv.num_free:
-                return  # no page for the tail: skip this snapshot rather than take a request's memory
+                return None  # no page for the tail: skip this snapshot rather than take a request's memory
             tail_page = kv.alloc(1)[0]
             kv.copy_page(partial, tail_page)
         if not self._free_slots:
             self._drop(next(iter(self._snapshots.values())))
         slot = self._free_slots.pop()
-        self.pool.states.copy_slot(self.pool.request_slot(req_id), slot)
+        if not fill:
+            self.pool.states.copy_slot(self.pool.request_slot(req_id), slot)
         kept = None if payload is None else payload.detach().clone()
         self._snapshots[key] = _Snapshot(key, num_tokens, slot, tail_page, kept)
         self._tails.setdefault(key[0], set()).add(key[1])
+        return slot
 
     # ---------------------------------------------------------------- memory
 

@@ -12,6 +12,7 @@ rule of every op (`value_checks`): None (default) checks on the CPU only, True o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch
@@ -28,6 +29,7 @@ from hyspec_kernels._checks import (
 )
 from hyspec_kernels.conv import reference, torch_impl
 from hyspec_kernels.conv.common import ACTIVATIONS, MAX_WIDTH, MIN_WIDTH, Activation
+from hyspec_kernels.saves import StateSave, check_saves, slots_tensor
 
 
 def _check_weights(
@@ -99,6 +101,7 @@ def conv_prefill(
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     activation: Activation,
+    save_states: Sequence[StateSave] = (),
     backend: Backend = "auto",
     check_indices: bool | None = None,
 ) -> torch.Tensor:
@@ -107,7 +110,9 @@ def conv_prefill(
     x [T, C]; cu_seqlens [N + 1]; conv_state [S, C, W-1]; state_slots [N]; has_initial_state [N] bool.
     Sequence n starts from `conv_state[state_slots[n]]` when that slot is >= 0 and `has_initial_state[n]`,
     else from zeros; its last W - 1 inputs (reaching into the prior window when it is shorter) are written
-    back to the slot when the slot is >= 0.
+    back to the slot when the slot is >= 0. `save_states` also writes windows part-way through sequences to
+    other slots (`StateSave`: the W - 1 inputs before packed index `token`, at least W - 1 tokens into its
+    sequence; each to a distinct slot no sequence of the call uses): what a prefill ending there would leave.
     """
     x = check_tensor("x", x, ("T", "C"), dtypes=FLOAT_DTYPES)
     num_tokens, num_ch = x.shape
@@ -131,7 +136,15 @@ def conv_prefill(
         torch_path=torch_impl.conv_prefill_torch,
         triton=lambda: _triton().conv_prefill_triton,
     )
-    return fn(
+    if save_states and value_checks(device, check_indices):
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        check_saves(save_states, bounds, conv_state.shape[0], state_slots.tolist())
+        short = [s for s in save_states if s.token - bounds[s.seq] < width - 1]
+        if short:
+            raise ValueError(
+                f"save_states: {short[0]} is fewer than W - 1 = {width - 1} tokens into its sequence"
+            )
+    y = fn(
         x,
         weight,
         bias,
@@ -141,6 +154,17 @@ def conv_prefill(
         has_initial_state=has_initial_state,
         activation=activation,
     )
+    if save_states:
+        windows = _save_windows(x, save_states, width)  # [S, C, W-1]
+        conv_state.index_copy_(0, slots_tensor(save_states, device), windows.to(conv_state.dtype))
+    return y
+
+
+def _save_windows(x: torch.Tensor, saves: Sequence[StateSave], width: int) -> torch.Tensor:
+    """The W - 1 inputs before each save's token, oldest first: [len(saves), C, W-1] in x's dtype."""
+    rows = [[s.token - (width - 1) + j for j in range(width - 1)] for s in saves]
+    idx = torch.tensor(rows, dtype=torch.int64).to(x.device, non_blocking=True)  # [S, W-1]
+    return x[idx].transpose(1, 2)
 
 
 def conv_decode(

@@ -12,6 +12,7 @@ False never (hot paths whose indices are known to be valid); never while a CUDA 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from functools import partial
 from typing import NamedTuple
 
@@ -25,6 +26,7 @@ from .._checks import (
     check_tensor,
     implementation,
 )
+from ..saves import StateSave, check_saves, slots_tensor
 from . import reference, torch_impl
 from .checks import (
     FP32,
@@ -38,6 +40,7 @@ from .checks import (
     check_state,
     check_triton_dims,
 )
+from .reference import CHUNK_SIZE
 
 
 class GDNPrefillOutput(NamedTuple):
@@ -160,6 +163,7 @@ def gdn_prefill(
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     return_chunk_states: bool = False,
+    save_states: Sequence[StateSave] = (),
     backend: Backend = "auto",
     check_indices: bool | None = None,
 ) -> GDNPrefillOutput:
@@ -174,6 +178,11 @@ def gdn_prefill(
         state_slots: [N] int32/int64 in [0, S) or -1, distinct. has_initial_state: [N] bool.
         return_chunk_states: also return the fp32 state at the start of every 64-token chunk, chunks numbered
             sequence by sequence.
+        save_states: states part-way through a sequence to write to other slots of `state` (`StateSave`: the
+            state after sequence `seq`'s tokens before packed index `token`): at a chunk boundary of the
+            sequence (`token - its start` a multiple of CHUNK_SIZE), each to a distinct slot no sequence of
+            the call uses. They hold the state a prefill ending there would have left (a prefix cache's
+            snapshots without splitting the forward).
 
     Returns:
         GDNPrefillOutput(o [T, HV, V] in q's dtype, chunk_states [total_chunks, HV, K, V] fp32 or None).
@@ -207,6 +216,7 @@ def gdn_prefill(
         torch_path=torch_impl.torch_prefill,
         triton=lambda: partial(_prefill_triton, cu_host=cu_host),
     )
+    chunk_ids = _save_chunks(save_states, cu_host, state.shape[0], state_slots, check)
     o, cs = fn(
         q,
         k,
@@ -217,9 +227,39 @@ def gdn_prefill(
         state=state,
         state_slots=state_slots,
         has_initial_state=has_initial_state,
-        return_chunk_states=return_chunk_states,
+        return_chunk_states=return_chunk_states or bool(chunk_ids),
     )
-    return GDNPrefillOutput(o.to(q.dtype), cs)
+    if chunk_ids:
+        assert cs is not None
+        ids = torch.tensor(chunk_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        state.index_copy_(0, slots_tensor(save_states, dev), cs.index_select(0, ids).to(state.dtype))
+    return GDNPrefillOutput(o.to(q.dtype), cs if return_chunk_states else None)
+
+
+def _save_chunks(
+    saves: Sequence[StateSave],
+    bounds: list[int],
+    num_slots: int,
+    state_slots: torch.Tensor,
+    check: bool,
+) -> list[int]:
+    """The chunk (numbered sequence by sequence, as chunk_states) whose starting state each save writes."""
+    if not saves:
+        return []
+    # host values: always checked; against the call's own slots only where indices are read back
+    check_saves(saves, bounds, num_slots, state_slots.tolist() if check else None)
+    chunks = (-(-(b - a) // CHUNK_SIZE) for a, b in itertools.pairwise(bounds))
+    firsts = list(itertools.accumulate(chunks, initial=0))
+    out = []
+    for s in saves:
+        into = s.token - bounds[s.seq]
+        if into % CHUNK_SIZE:
+            raise ValueError(
+                f"save_states: {s} is {into} tokens into its sequence, not a multiple of "
+                f"CHUNK_SIZE={CHUNK_SIZE}"
+            )
+        out.append(firsts[s.seq] + into // CHUNK_SIZE)
+    return out
 
 
 def gdn_decode(

@@ -3,9 +3,10 @@
 Same math as torch_impl.torch_prefill (64-token chunks, WY / UT form), in three launches:
 
 1. `gdn_chunk_wy_kernel`, one program per (chunk, value head), all in parallel: gamma = cumsum(g) inside the
-   chunk, A = strict_lower(beta K K^T ⊙ decay) in 16-row blocks, (I + A)^-1 by forward substitution on the
-   four diagonal 16x16 blocks and block back-substitution for the rest, then W = (I + A)^-1 (beta K e^gamma)
-   and U = (I + A)^-1 (beta V).
+   chunk, A = strict_lower(beta K K^T ⊙ decay) as one [64, 64] product, (I + A)^-1 by forward substitution
+   on its four diagonal 16x16 blocks and block back-substitution for the rest (the blocks split out of A and
+   put back together in registers), then W = (I + A)^-1 (beta K e^gamma) and U = (I + A)^-1 (beta V) as
+   [64, 64] x [64, D] products.
 2. `gdn_chunk_state_kernel`, one program per (sequence, value head, V tile): the only sequential part. It
    walks the sequence's chunks, storing the state at the start of each chunk, v_new = U - W S and the next
    state; the initial state comes from state[slot] and the final one goes back there.
@@ -18,7 +19,9 @@ inputs they are exact fp32. The recurrent state itself is always carried in fp32
 
 from __future__ import annotations
 
+import itertools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -67,74 +70,47 @@ def _inv_unit_lower4(a0, a1, a2, a3, BC: tl.constexpr):  # type: ignore[no-untyp
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _wy_block(  # type: ignore[no-untyped-def]
-    k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv,
-    I_BLK: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-):  # fmt: skip
-    # one BC-row block of the chunk: normalised k, beta, gamma (stored), beta k e^gamma and beta v
-    o_c = tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BV)
-    rows = bos + I_BLK * BC + o_c
-    m = rows < end
-    m_rk = m[:, None] & (o_k < K)[None, :]
-    b_k = tl.load(k_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_rk, other=0.0).to(
-        tl.float32
-    )
-    b_rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)  # [BC]
-    # the sequential stage scales raw k rows by this instead of re-normalising them
-    tl.store(rk_ptr + rows * HV + i_hv, b_rk, mask=m)
-    b_k = b_k * b_rk[:, None]  # [BC, BK]
-    b_beta = tl.load(beta_ptr + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
-    b_g = tl.load(g_ptr + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
-    before = tl.sum(tl.where(tl.arange(0, BT) < I_BLK * BC, g64, 0.0))
-    b_gamma = before + tl.cumsum(b_g, 0)  # [BC]
-    tl.store(gamma_ptr + rows * HV + i_hv, b_gamma, mask=m)
-    m_v = m[:, None] & (o_v < V)[None, :]
-    b_v = tl.load(v_ptr + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_v, other=0.0).to(
-        tl.float32
-    )
-    b_kb = b_k * b_beta[:, None]
-    return b_k, b_kb, b_gamma, b_kb * tl.exp(b_gamma)[:, None], b_v * b_beta[:, None]
+def _split_cols(x, M: tl.constexpr, N: tl.constexpr):  # type: ignore[no-untyped-def]
+    # [M, N] -> its left and right [M, N // 2] halves
+    return tl.split(tl.permute(tl.reshape(x, (M, 2, N // 2)), (0, 2, 1)))
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _a_block(b_kb_i, b_k_j, gamma_i, gamma_j, LOWP: tl.constexpr):  # type: ignore[no-untyped-def]
-    # off-diagonal block of A: every row of block i is after every row of block j
-    return _mm(b_kb_i, tl.trans(b_k_j), LOWP) * tl.exp(gamma_i[:, None] - gamma_j[None, :])
+def _split_rows(x, M: tl.constexpr, N: tl.constexpr):  # type: ignore[no-untyped-def]
+    # [M, N] -> its top and bottom [M // 2, N] halves
+    return tl.split(tl.permute(tl.reshape(x, (2, M // 2, N)), (1, 2, 0)))
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _a_diag(b_kb, b_k, gamma, LOWP: tl.constexpr, BC: tl.constexpr):  # type: ignore[no-untyped-def]
-    o_c = tl.arange(0, BC)
-    strict = o_c[:, None] > o_c[None, :]
-    decay = tl.exp(tl.where(strict, gamma[:, None] - gamma[None, :], float("-inf")))
-    return tl.where(strict, _mm(b_kb, tl.trans(b_k), LOWP) * decay, 0.0)
+def _cat_cols(a, b, M: tl.constexpr, N: tl.constexpr):  # type: ignore[no-untyped-def]
+    # two [M, N] -> [M, 2N], a on the left
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (M, 2 * N))
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _cat_rows(a, b, M: tl.constexpr, N: tl.constexpr):  # type: ignore[no-untyped-def]
+    # two [M, N] -> [2M, N], a on top
+    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * M, N))
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _quarters(x, M: tl.constexpr):  # type: ignore[no-untyped-def]
+    # [M, M] -> its four [M // 2, M // 2] quarters: top-left, top-right, bottom-left, bottom-right
+    top, bottom = _split_rows(x, M, M)
+    tl_, tr = _split_cols(top, M // 2, M)
+    bl, br = _split_cols(bottom, M // 2, M)
+    return tl_, tr, bl, br
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _from_quarters(q00, q01, q10, q11, H: tl.constexpr):  # type: ignore[no-untyped-def]
+    # four [H, H] quarters -> [2H, 2H]
+    return _cat_rows(_cat_cols(q00, q01, H, H), _cat_cols(q10, q11, H, H), H, 2 * H)
 
 
 @triton.jit
 def _ieee(a, b):  # type: ignore[no-untyped-def]
     return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _store_rows(  # type: ignore[no-untyped-def]
-    ptr,
-    x,
-    bos,
-    end,
-    col0,
-    I_BLK: tl.constexpr,
-    BC: tl.constexpr,
-    BD: tl.constexpr,
-    D: tl.constexpr,
-    ROW: tl.constexpr,
-):
-    rows = bos + I_BLK * BC + tl.arange(0, BC)
-    o_d = tl.arange(0, BD)
-    mask = (rows < end)[:, None] & (o_d < D)[None, :]
-    tl.store(ptr + rows[:, None] * ROW + col0 + o_d[None, :], x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -159,70 +135,74 @@ def gdn_chunk_wy_kernel(  # type: ignore[no-untyped-def]
     BC: tl.constexpr,
     LOWP: tl.constexpr,
 ):
-    # inputs are contiguous, so token strides are HK * K, HV * V and HV
+    # inputs are contiguous, so token strides are HK * K, HV * V and HV. The chunk's products are whole
+    # [BT, *] matrix products; only the (I + A)^-1 solve works on [BC, BC] blocks, split out of A and put
+    # back together in registers
+    tl.static_assert(BT == 4 * BC)
     i_ch = tl.program_id(0)
     i_c = i_ch // HV
     i_hv = i_ch % HV
     i_hk = i_hv // (HV // HK)
     bos = tl.load(chunk_start_ptr + i_c).to(tl.int64)
     end = tl.load(chunk_end_ptr + i_c).to(tl.int64)
-    o_t = bos + tl.arange(0, BT)
-    g64 = tl.load(g_ptr + o_t * HV + i_hv, mask=o_t < end, other=0.0).to(tl.float32)  # [BT]
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    rows = bos + o_t
+    m_t = rows < end
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    m_tv = m_t[:, None] & (o_v < V)[None, :]
 
-    k0, kb0, gm0, kg0, vb0 = _wy_block(
-        k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv,
-        0, HK, HV, BC, BT, BK, BV, K, V,
-    )  # fmt: skip
-    k1, kb1, gm1, kg1, vb1 = _wy_block(
-        k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv,
-        1, HK, HV, BC, BT, BK, BV, K, V,
-    )  # fmt: skip
-    k2, kb2, gm2, kg2, vb2 = _wy_block(
-        k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv,
-        2, HK, HV, BC, BT, BK, BV, K, V,
-    )  # fmt: skip
-    k3, kb3, gm3, kg3, vb3 = _wy_block(
-        k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, rk_ptr, bos, end, g64, i_hk, i_hv,
-        3, HK, HV, BC, BT, BK, BV, K, V,
-    )  # fmt: skip
+    b_k = tl.load(k_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_k = b_k.to(tl.float32)
+    b_rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)  # [BT]
+    # the sequential stage scales raw k rows by this instead of re-normalising them
+    tl.store(rk_ptr + rows * HV + i_hv, b_rk, mask=m_t)
+    b_k = b_k * b_rk[:, None]  # [BT, BK]
+    b_beta = tl.load(beta_ptr + rows * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_g = tl.load(g_ptr + rows * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_gamma = tl.cumsum(b_g, 0)  # [BT]
+    tl.store(gamma_ptr + rows * HV + i_hv, b_gamma, mask=m_t)
+    b_kb = b_k * b_beta[:, None]  # [BT, BK]
 
-    # diagonal blocks of (I + A)^-1
-    x00, x11, x22, x33 = _inv_unit_lower4(
-        _a_diag(kb0, k0, gm0, LOWP, BC),
-        _a_diag(kb1, k1, gm1, LOWP, BC),
-        _a_diag(kb2, k2, gm2, LOWP, BC),
-        _a_diag(kb3, k3, gm3, LOWP, BC),
-        BC,
-    )
-    # off-diagonal blocks: X_ij = -X_ii sum_{m=j}^{i-1} A_im X_mj
-    a10 = _a_block(kb1, k0, gm1, gm0, LOWP)
-    a20 = _a_block(kb2, k0, gm2, gm0, LOWP)
-    a21 = _a_block(kb2, k1, gm2, gm1, LOWP)
-    a30 = _a_block(kb3, k0, gm3, gm0, LOWP)
-    a31 = _a_block(kb3, k1, gm3, gm1, LOWP)
-    a32 = _a_block(kb3, k2, gm3, gm2, LOWP)
+    # A = strict_lower(beta K K^T (.) e^(gamma_i - gamma_j)), one product over the chunk
+    strict = o_t[:, None] > o_t[None, :]
+    decay = tl.exp(tl.where(strict, b_gamma[:, None] - b_gamma[None, :], float("-inf")))
+    b_a = tl.where(strict, _mm(b_kb, tl.trans(b_k), LOWP) * decay, 0.0)  # [BT, BT] fp32
+
+    # (I + A)^-1 = X by blocks: the diagonal blocks by forward substitution, then
+    # X_ij = -X_ii sum_{m=j}^{i-1} A_im X_mj
+    q00, _q01, q10, q11 = _quarters(b_a, BT)
+    a00, _a01, a10, a11 = _quarters(q00, BT // 2)
+    a20, a21, a30, a31 = _quarters(q10, BT // 2)
+    a22, _a23, a32, a33 = _quarters(q11, BT // 2)
+    x00, x11, x22, x33 = _inv_unit_lower4(a00, a11, a22, a33, BC)
     x10 = -_ieee(x11, _ieee(a10, x00))
     x21 = -_ieee(x22, _ieee(a21, x11))
     x32 = -_ieee(x33, _ieee(a32, x22))
     x20 = -_ieee(x22, _ieee(a20, x00) + _ieee(a21, x10))
     x31 = -_ieee(x33, _ieee(a31, x11) + _ieee(a32, x21))
     x30 = -_ieee(x33, _ieee(a30, x00) + _ieee(a31, x10) + _ieee(a32, x20))
+    zero = tl.zeros((BC, BC), dtype=tl.float32)
+    zero2 = tl.zeros((2 * BC, 2 * BC), dtype=tl.float32)
+    b_x = _from_quarters(
+        _from_quarters(x00, zero, x10, x11, BC),
+        zero2,
+        _from_quarters(x20, x21, x30, x31, BC),
+        _from_quarters(x22, zero, x32, x33, BC),
+        2 * BC,
+    )  # [BT, BT]
 
-    # W = X (beta k e^gamma), U = X (beta v), block row by block row
-    cw = i_hv * K
-    cu = i_hv * V
-    _store_rows(w_ptr, _mm(x00, kg0, LOWP), bos, end, cw, 0, BC, BK, K, HV * K)
-    _store_rows(u_ptr, _mm(x00, vb0, LOWP), bos, end, cu, 0, BC, BV, V, HV * V)
-    _store_rows(w_ptr, _mm(x10, kg0, LOWP) + _mm(x11, kg1, LOWP), bos, end, cw, 1, BC, BK, K, HV * K)
-    _store_rows(u_ptr, _mm(x10, vb0, LOWP) + _mm(x11, vb1, LOWP), bos, end, cu, 1, BC, BV, V, HV * V)
-    w2 = _mm(x20, kg0, LOWP) + _mm(x21, kg1, LOWP) + _mm(x22, kg2, LOWP)
-    _store_rows(w_ptr, w2, bos, end, cw, 2, BC, BK, K, HV * K)
-    u2 = _mm(x20, vb0, LOWP) + _mm(x21, vb1, LOWP) + _mm(x22, vb2, LOWP)
-    _store_rows(u_ptr, u2, bos, end, cu, 2, BC, BV, V, HV * V)
-    w3 = _mm(x30, kg0, LOWP) + _mm(x31, kg1, LOWP) + _mm(x32, kg2, LOWP) + _mm(x33, kg3, LOWP)
-    _store_rows(w_ptr, w3, bos, end, cw, 3, BC, BK, K, HV * K)
-    u3 = _mm(x30, vb0, LOWP) + _mm(x31, vb1, LOWP) + _mm(x32, vb2, LOWP) + _mm(x33, vb3, LOWP)
-    _store_rows(u_ptr, u3, bos, end, cu, 3, BC, BV, V, HV * V)
+    # W = X (beta k e^gamma), U = X (beta v)
+    b_w = _mm(b_x, b_kb * tl.exp(b_gamma)[:, None], LOWP)  # [BT, BK]
+    tl.store(
+        w_ptr + rows[:, None] * (HV * K) + i_hv * K + o_k[None, :], b_w.to(w_ptr.dtype.element_ty), mask=m_tk
+    )
+    b_v = tl.load(v_ptr + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
+    b_u = _mm(b_x, b_v.to(tl.float32) * b_beta[:, None], LOWP)  # [BT, BV]
+    tl.store(
+        u_ptr + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_u.to(u_ptr.dtype.element_ty), mask=m_tv
+    )
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -372,6 +352,34 @@ def gdn_chunk_out_kernel(  # type: ignore[no-untyped-def]
     )
 
 
+class ChunkLayout(NamedTuple):
+    """Where each 64-token chunk of the packed sequences lies, on the device (one copy from the host)."""
+
+    starts: torch.Tensor  # [NC] int32 first packed token of each chunk
+    ends: torch.Tensor  # [NC] int32 one past its last
+    chunk_off: torch.Tensor  # [N + 1] int32 first chunk of each sequence
+    cu_seqlens: torch.Tensor  # [N + 1] int32
+    num_chunks: int
+
+
+def chunk_layout(cu_seqlens: list[int], device: torch.device) -> ChunkLayout:
+    """The chunk layout of packed sequences with host offsets `cu_seqlens` ([N + 1]), sent in one copy."""
+    bt = CHUNK_SIZE
+    chunk_start: list[int] = []
+    chunk_end: list[int] = []
+    chunk_off = [0]
+    for bos, eos in itertools.pairwise(cu_seqlens):
+        starts = list(range(bos, eos, bt))
+        chunk_start += starts
+        chunk_end += [min(c + bt, eos) for c in starts]
+        chunk_off.append(chunk_off[-1] + len(starts))
+    nc, n = chunk_off[-1], len(cu_seqlens) - 1
+    meta = torch.tensor(chunk_start + chunk_end + chunk_off + cu_seqlens, dtype=torch.int32).to(device)
+    return ChunkLayout(
+        meta[:nc], meta[nc : 2 * nc], meta[2 * nc : 2 * nc + n + 1], meta[2 * nc + n + 1 :], nc
+    )
+
+
 def launch_chunk_prefill(
     q: torch.Tensor,  # [T, HK, K] contiguous
     k: torch.Tensor,  # [T, HK, K] contiguous
@@ -385,6 +393,7 @@ def launch_chunk_prefill(
     has_initial_state: torch.Tensor,  # [N] int8
     return_chunk_states: bool,
     tiles: tuple[int, int, int, int, int] | None = None,  # launch-shape override, for tuning
+    layout: ChunkLayout | None = None,  # `chunk_layout(cu_seqlens)` made ahead (a CUDA-graph capture)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Runs the three stages.
 
@@ -395,23 +404,8 @@ def launch_chunk_prefill(
     dev = q.device
     num_seqs = len(cu_seqlens) - 1
     bt = CHUNK_SIZE
-
-    # chunk layout built on the host and sent in one copy: few small launches before the kernels
-    chunk_start: list[int] = []
-    chunk_end: list[int] = []
-    chunk_off = [0]
-    for n in range(num_seqs):
-        bos, eos = cu_seqlens[n], cu_seqlens[n + 1]
-        starts = list(range(bos, eos, bt))
-        chunk_start += starts
-        chunk_end += [min(c + bt, eos) for c in starts]
-        chunk_off.append(chunk_off[-1] + len(starts))
-    total_chunks = chunk_off[-1]
-    meta = torch.tensor(chunk_start + chunk_end + chunk_off + cu_seqlens, dtype=torch.int32).to(dev)
-    starts_d = meta[:total_chunks]
-    ends_d = meta[total_chunks : 2 * total_chunks]
-    chunk_off_d = meta[2 * total_chunks : 2 * total_chunks + num_seqs + 1]
-    cu_d = meta[2 * total_chunks + num_seqs + 1 :]
+    lay = layout or chunk_layout(cu_seqlens, dev)
+    starts_d, ends_d, chunk_off_d, cu_d, total_chunks = lay
 
     lowp = q.dtype != torch.float32
     # the interpreter multiplies bf16 blocks as raw bits, so on CPU the products stay fp32
@@ -431,8 +425,10 @@ def launch_chunk_prefill(
     common = {"HK": num_k_heads, "HV": num_v_heads, "K": head_k, "V": head_v, "BK": bk, "LOWP": dot_lowp}
     # launch shapes: (wy warps, state V tile, state warps, output V tile, output warps); the sequential stage
     # has only N * HV * NV programs, so narrower V tiles when there are few sequences
+    # (tuned on an H100 at 1k-16k tokens, tools/bench_kernels.py: two warps for the chunk products, the
+    # whole V width per output program)
     few = num_seqs * num_v_heads < 256
-    cfg = tiles or (4, 32 if few else 64, 4, 64, 4)
+    cfg = tiles or (2, 32 if few else 64, 4, 128, 4)
     if total_chunks > 0:
         gdn_chunk_wy_kernel[(total_chunks * num_v_heads,)](
             k, v, g, beta, starts_d, ends_d, w, u, gamma, rk,

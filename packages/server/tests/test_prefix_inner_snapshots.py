@@ -1,0 +1,114 @@
+"""Prefix-cache snapshots inside a prefill chunk (`inner_snapshots`): with a snapshot interval that is a
+multiple of the GDN chunk size, a long prompt prefills in one forward that writes the states at every
+interval it passes, instead of one step per interval; later requests resume from those inner positions.
+
+Checked on real tiny checkpoints (fp32 on the CPU, so another chunk split computes the same numbers): output
+with caching on equals caching off for every architecture and a drafter, the hits land exactly on the inner
+positions (also after a resume at a position off the interval grid, and with a step budget smaller than the
+prompt), a prompt passes its intervals in one step, and nothing leaks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hyspec_server import LLM, SamplingParams
+from hyspec_testing.spec import DrafterCase, build_case_checkpoints
+
+NEW = 6
+EVERY = 64
+LONG = [(i * 37 + 11) % 240 + 5 for i in range(300)]
+OTHER = [(i * 17 + 3) % 230 + 9 for i in range(120)]
+# (prompt, prompt tokens the cache supplies): inner snapshots at 64, 128, 192 and 256 of LONG, its end at
+# 300; then a resume off the grid (300) whose next chunk ends at 320 before passing 384
+WORKLOAD = [
+    (LONG, 0),
+    (LONG[:200] + OTHER[:40], 192),
+    (LONG[:130] + OTHER[40:60], 128),
+    (LONG + OTHER, 300),
+    (LONG + OTHER[:100] + OTHER[:30], 384),
+]
+
+CASES: tuple[DrafterCase, ...] = (
+    DrafterCase("qwen3_5", "qwen3_5", {}),
+    DrafterCase("qwen3_next", "qwen3_next", {}),
+    DrafterCase("lfm2", "lfm2", {}),
+    DrafterCase("lfm2_moe", "lfm2_moe", {}),
+    DrafterCase("mtp", "qwen3_5", {"method": "mtp", "num_speculative_tokens": 3}),
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_case_checkpoints(tmp_path_factory.mktemp("inner"), CASES)
+
+
+def _llm(path: Path, spec: dict[str, Any] | None, caching: bool, budget: int) -> LLM:
+    return LLM(
+        model=str(path),
+        max_num_seqs=2,
+        max_model_len=1024,
+        max_num_batched_tokens=budget,
+        speculative_config=spec or None,
+        enable_prefix_caching=caching,
+        prefix_cache_snapshot_interval=EVERY,
+        prefix_cache_snapshot_fraction=8.0,  # 16 snapshot slots: none of the workload is evicted
+        page_size=16,
+    )
+
+
+def _run(llm: LLM) -> tuple[list[list[int]], list[int]]:
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    outs, cached = [], []
+    for prompt, _ in WORKLOAD:
+        (o,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        outs.append(o.outputs[0].token_ids)
+        cached.append(o.num_cached_tokens)
+    llm.engine.leak_check()
+    return outs, cached
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("budget", [512, 100])
+def test_inner_snapshots_resume_and_equal_caching_off(
+    case: DrafterCase, budget: int, checkpoints: dict[str, Path]
+) -> None:
+    spec = case.speculative_config(None)
+    want, none = _run(_llm(checkpoints[case.arch], spec, False, budget))
+    assert none == [0] * len(WORKLOAD)
+    llm = _llm(checkpoints[case.arch], spec, True, budget)
+    assert llm.engine.runner.memory.inner_snapshots
+    got, cached = _run(llm)
+    assert got == want, case.name
+    assert cached == [c for _, c in WORKLOAD], (case.name, cached)
+    assert llm.reset_prefix_cache()
+    pool = llm.engine.runner.memory.pool
+    assert pool.kv.num_free == pool.plan.num_kv_pages
+
+
+def test_a_long_prompt_passes_its_intervals_in_one_step(checkpoints: dict[str, Path]) -> None:
+    llm = _llm(checkpoints["qwen3_5"], None, True, 512)
+    (o,) = llm.generate([{"prompt_token_ids": LONG}], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert o.num_cached_tokens == 0
+    assert llm.engine.stats.num_steps == 1  # chunks ending at every interval would take 5
+    stats = llm.engine.runner.memory.prefix_cache_stats()
+    assert stats is not None and stats.num_snapshots == 5  # 64, 128, 192, 256 inside, 300 at the end
+    # a step budget below the prompt: chunks end on the interval grid (256 + 44 tokens), never in between
+    small = _llm(checkpoints["qwen3_5"], None, True, 280)
+    small.generate([{"prompt_token_ids": LONG}], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert small.engine.stats.num_steps == 2
+
+
+def test_an_interval_off_the_chunk_grid_ends_chunks_at_each_snapshot(checkpoints: dict[str, Path]) -> None:
+    llm = LLM(
+        model=str(checkpoints["qwen3_5"]),
+        max_num_seqs=2,
+        max_model_len=1024,
+        prefix_cache_snapshot_interval=48,  # not a multiple of the GDN chunk (64): no inner snapshots
+        page_size=16,
+    )
+    assert not llm.engine.runner.memory.inner_snapshots
+    llm.generate([{"prompt_token_ids": LONG}], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.engine.stats.num_steps == 7  # 48, 96, ..., 288, 300
