@@ -391,3 +391,19 @@ def test_gpu_cuda_graph_capture_and_replay(tree: bool) -> None:
             case.kv_lens.sub_(torch.tensor([5, 1, 300], device="cuda"))  # drop a few trailing tokens
         graph.replay()
         torch.testing.assert_close(out.float(), case.expected(scale), atol=2e-2, rtol=2e-2)
+
+
+def test_launch_tiles_fit_their_inputs() -> None:
+    """Prefill tiles of 128 rows only for 16-bit inputs with Dh <= 256 and more than 16 query tokens (their
+    shared memory fits); decode and verify blocks keep at most 64 rows; tl.dot always gets >= 16 rows."""
+    from hyspec_kernels.attention.triton_kernel import _launch_config
+
+    assert _launch_config(8192, 4, 256, False) == (32, 64, 8)  # Qwen3.5-9B prefill, tuned on an H200
+    for q_len in (1, 4, 8, 16):
+        for group in (1, 2, 4, 8, 16):
+            bm, _, warps = _launch_config(q_len, group, 256, False)
+            assert 16 <= bm * group <= 64 and warps == 4
+    for head_dim, half in ((256, False), (512, True), (128, False)):
+        bm, _, _ = _launch_config(8192, 4, head_dim, False, half=half)
+        assert bm * 4 <= 64, (head_dim, half)
+    assert _launch_config(8192, 4, 256, True)[0] * 4 <= 16  # the interpreter's small tiles
