@@ -238,6 +238,9 @@ def test_every_field_equals_the_reference(name: str) -> None:
     # extend-like batches carry their longest lengths on the host (attention then reads none back)
     want_max = (int(batch.q_lens.max()), int(batch.kv_lens.max())) if case.mode.is_extend_like else None
     assert batch.host_max_lens == want_max
+    # and their offsets (the GDN prefill's launch grids then read none back)
+    want_cu = tuple(batch.cu_seqlens_q.tolist()) if case.mode.is_extend_like else None
+    assert batch.host_cu_seqlens == want_cu
 
 
 def test_state_slots_rows_and_batch_rows_differ_in_the_cases() -> None:

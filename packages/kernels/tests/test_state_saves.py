@@ -220,3 +220,61 @@ def test_gdn_and_conv_saves_on_the_gpu_at_real_head_sizes() -> None:
     )  # fmt: skip
     # windows are inputs, copied: exact
     assert torch.equal(got_c.float().cpu(), want_c)
+
+
+def test_gdn_prefill_takes_host_offsets_instead_of_reading_the_device() -> None:
+    """`cu_seqlens_host` replaces the read of `cu_seqlens` (no sync per layer on a GPU); where index values
+    are checked it must equal `cu_seqlens`, else a ValueError names it."""
+    q, k, v, g, beta = _gdn_inputs(1, 2, 16, 16)
+    live = {"state_slots": torch.tensor([0, 1, 2]), "has_initial_state": torch.tensor([False, False, False])}
+    want = torch.zeros(3, 2, 16, 16)
+    o = gdn_prefill(q, k, v, g, beta, cu_seqlens=CU, state=want, backend="triton", **live).o
+    # Triton launches from the host offsets alone: a device tensor of garbage with the right shape is not read
+    got = torch.zeros(3, 2, 16, 16)
+    garbage = torch.zeros_like(CU)
+    out = gdn_prefill(
+        q, k, v, g, beta, cu_seqlens=garbage, cu_seqlens_host=CU.tolist(), state=got, backend="triton",
+        check_indices=False, **live,
+    )  # fmt: skip
+    assert torch.equal(out.o, o) and torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"cu_seqlens_host: expected the offsets of cu_seqlens"):
+        gdn_prefill(
+            q, k, v, g, beta, cu_seqlens=garbage, cu_seqlens_host=CU.tolist(), state=got, backend="triton",
+            check_indices=True, **live,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"cu_seqlens_host"):
+        gdn_prefill(q, k, v, g, beta, cu_seqlens=CU, cu_seqlens_host=[0, 394], state=got, **live)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_prefill_with_host_offsets_and_saves_never_waits_for_the_gpu() -> None:
+    """A forward's GDN and conv prefill with its batch's host offsets and inner saves queue without a sync."""
+    q, k, v, g, beta = (t.cuda() for t in _gdn_inputs(2, 4, 128, 128))
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    state = torch.zeros(8, 4, 128, 128, device="cuda")
+    conv = torch.zeros(8, 64, 3, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(sum(LENS), 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(64, 4, device="cuda", dtype=torch.bfloat16)
+    live = {
+        "state_slots": torch.tensor([0, 1, 2], device="cuda"),
+        "has_initial_state": torch.tensor([False, True, False], device="cuda"),
+    }
+    saves = [StateSave(0, 128, 5), StateSave(2, 264 + 64, 6)]
+    cu = CU.cuda()
+    for i in range(2):  # the first call compiles the kernels, the second is watched
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if i else "default")
+        try:
+            gdn_prefill(
+                q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_host=CU.tolist(), state=state, save_states=saves,
+                check_indices=False, **live,
+            )  # fmt: skip
+            conv_prefill(
+                x, w, None, cu_seqlens=cu, conv_state=conv, activation="silu", save_states=saves,
+                check_indices=False, **live,
+            )  # fmt: skip
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert bool(state[5].abs().sum() > 0) and bool(conv[6].abs().sum() > 0)

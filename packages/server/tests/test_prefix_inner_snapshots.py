@@ -112,3 +112,34 @@ def test_an_interval_off_the_chunk_grid_ends_chunks_at_each_snapshot(checkpoints
     assert not llm.engine.runner.memory.inner_snapshots
     llm.generate([{"prompt_token_ids": LONG}], SamplingParams(max_tokens=1), use_tqdm=False)
     assert llm.engine.stats.num_steps == 7  # 48, 96, ..., 288, 300
+
+
+def test_more_inner_snapshots_than_slots_keep_the_latest(checkpoints: dict[str, Path]) -> None:
+    """One forward passes more snapshot positions than there are snapshot slots (4, the least): the step's
+    reservations evict each other, each slot is written once, and the latest positions stay cached."""
+    prompt = [(i * 7 + 1) % 240 + 5 for i in range(700)]
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    outs = {}
+    for caching in (False, True):
+        llm = LLM(
+            model=str(checkpoints["qwen3_5"]),
+            max_num_seqs=1,
+            max_model_len=1024,
+            max_num_batched_tokens=1024,
+            enable_prefix_caching=caching,
+            prefix_cache_snapshot_interval=EVERY,
+            prefix_cache_snapshot_fraction=0.5,  # max(4, 0.5 * 1) = 4 slots
+            page_size=16,
+        )
+        got = []
+        for p in (prompt, [*prompt[:650], 9, 9, 9]):
+            (o,) = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+            got.append((o.outputs[0].token_ids, o.num_cached_tokens))
+        llm.engine.leak_check()
+        outs[caching] = got
+        if caching:
+            stats = llm.engine.runner.memory.prefix_cache_stats()
+            assert stats is not None and stats.num_snapshot_slots == 4
+    assert [t for t, _ in outs[True]] == [t for t, _ in outs[False]]
+    # 10 inner positions (64 .. 640) and the prompt's end in 4 slots: the hit is the latest inner one
+    assert outs[True][1][1] == 640

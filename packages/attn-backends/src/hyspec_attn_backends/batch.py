@@ -48,6 +48,8 @@ class ForwardBatch:
             eager attention launch then reads no lengths back); None for the modes whose lengths
             `advance_one_token` moves on the device.
             `req_rows` holds the live rows only.
+        host_cu_seqlens: cu_seqlens_q on the host, for EXTEND / DRAFT_EXTEND batches (the GDN prefill's launch
+            grids then read nothing back); None for the other modes.
         state_saves: EXTEND only: recurrent states part-way through a request's new tokens that the forward
             writes to spare slots (`hyspec_kernels.StateSave`: row `seq`, packed index `token`), a prefix
             cache's snapshots inside a prefill chunk; GDN layers need `token - the row's start` to be a
@@ -72,6 +74,7 @@ class ForwardBatch:
     tree_mask: Tensor | None = None
     num_padded: int = 0
     host_max_lens: tuple[int, int] | None = None
+    host_cu_seqlens: tuple[int, ...] | None = None
     state_saves: tuple[StateSave, ...] = ()
 
     def __post_init__(self) -> None:
@@ -117,6 +120,8 @@ class ForwardBatch:
             )
         if (self.tree_parents is None) != (self.tree_mask is None):
             raise ValueError("tree_parents, tree_mask: expected both or neither")
+        if self.host_cu_seqlens is not None and len(self.host_cu_seqlens) != n + 1:
+            raise ValueError(f"host_cu_seqlens: expected {n + 1} offsets, got {len(self.host_cu_seqlens)}")
         if self.state_saves and self.mode is not ForwardMode.EXTEND:
             raise ValueError(f"state_saves: only for EXTEND, got mode {self.mode}")
 

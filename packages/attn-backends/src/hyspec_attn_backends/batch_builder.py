@@ -7,6 +7,7 @@ place, overwrites the previous one; `num_builds` counts those writes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -320,6 +321,7 @@ class BatchBuilder:
             tree_mask=mask_view,
             num_padded=num_pad,
             host_max_lens=_host_max_lens(mode, live_q, live_prefix),
+            host_cu_seqlens=tuple(itertools.accumulate(live_q, initial=0)) if mode.is_extend_like else None,
         )
 
     def _write_tokens(self, input_ids: Tensor, total: int) -> Tensor:

@@ -129,6 +129,7 @@ def mode_recurrence(
         state_slots=slots,
         has_initial_state=batch.has_initial_state,
         save_states=batch.state_saves,
+        cu_seqlens_host=batch.host_cu_seqlens,
         check_indices=check_indices,
     )
     return out.o

@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from hyspec_kernels._checks import to_device
+
 
 class StateSave(NamedTuple):
     """Write sequence `seq`'s state after its packed tokens before `token` to slot `slot` of the pool."""
@@ -50,4 +52,4 @@ def check_saves(
 
 def slots_tensor(saves: Sequence[StateSave], device: torch.device) -> torch.Tensor:
     """[len(saves)] int64 destination slots, on `device`."""
-    return torch.tensor([s.slot for s in saves], dtype=torch.int64).to(device, non_blocking=True)
+    return to_device([s.slot for s in saves], torch.int64, device)

@@ -25,6 +25,7 @@ from hyspec_kernels._checks import (
     check_tensor,
     dim,
     implementation,
+    to_device,
     value_checks,
 )
 from hyspec_kernels.conv import reference, torch_impl
@@ -163,7 +164,7 @@ def conv_prefill(
 def _save_windows(x: torch.Tensor, saves: Sequence[StateSave], width: int) -> torch.Tensor:
     """The W - 1 inputs before each save's token, oldest first: [len(saves), C, W-1] in x's dtype."""
     rows = [[s.token - (width - 1) + j for j in range(width - 1)] for s in saves]
-    idx = torch.tensor(rows, dtype=torch.int64).to(x.device, non_blocking=True)  # [S, W-1]
+    idx = to_device(rows, torch.int64, x.device)  # [S, W-1]
     return x[idx].transpose(1, 2)
 
 

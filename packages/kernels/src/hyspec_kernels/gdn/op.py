@@ -25,6 +25,7 @@ from .._checks import (
     check_index,
     check_tensor,
     implementation,
+    to_device,
 )
 from ..saves import StateSave, check_saves, slots_tensor
 from . import reference, torch_impl
@@ -164,6 +165,7 @@ def gdn_prefill(
     has_initial_state: torch.Tensor,
     return_chunk_states: bool = False,
     save_states: Sequence[StateSave] = (),
+    cu_seqlens_host: Sequence[int] | None = None,
     backend: Backend = "auto",
     check_indices: bool | None = None,
 ) -> GDNPrefillOutput:
@@ -183,6 +185,9 @@ def gdn_prefill(
             sequence (`token - its start` a multiple of CHUNK_SIZE), each to a distinct slot no sequence of
             the call uses. They hold the state a prefill ending there would have left (a prefix cache's
             snapshots without splitting the forward).
+        cu_seqlens_host: the same offsets as host ints, when the caller has them (a forward's batch does):
+            the launch then reads nothing back from the device (no sync per layer); compared with
+            `cu_seqlens` where index values are checked (`check_indices`).
 
     Returns:
         GDNPrefillOutput(o [T, HV, V] in q's dtype, chunk_states [total_chunks, HV, K, V] fp32 or None).
@@ -191,14 +196,18 @@ def gdn_prefill(
     dev, num_tokens = q.device, q.shape[0]
     state = check_state(state, hv, head_k, head_v, dev)
     cu_seqlens = check_tensor("cu_seqlens", cu_seqlens, (None,), dtypes=INDEX_DTYPES, device=dev)
-    # one host read serves both the checks and the Triton launch grids
-    cu_host = [int(x) for x in cu_seqlens.tolist()]
+    check = check_indices_now(check_indices, dev)
+    # one host read serves both the checks and the Triton launch grids, unless the caller has the offsets
+    cu_host = [int(x) for x in (cu_seqlens.tolist() if cu_seqlens_host is None else cu_seqlens_host)]
+    if cu_seqlens_host is not None and (
+        len(cu_host) != cu_seqlens.shape[0] or (check and cu_host != cu_seqlens.tolist())
+    ):
+        raise ValueError(f"cu_seqlens_host: expected the offsets of cu_seqlens, got {cu_host}")
     if not cu_host or cu_host[0] != 0 or cu_host[-1] != num_tokens:
         raise ValueError(f"cu_seqlens: expected [N + 1] offsets from 0 to {num_tokens}, got {cu_host}")
     if any(b < a for a, b in itertools.pairwise(cu_host)):
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {cu_host}")
     num_seqs = len(cu_host) - 1
-    check = check_indices_now(check_indices, dev)
     if check:
         state_slots = check_index(
             "state_slots", state_slots, (num_seqs,), low=0, high=state.shape[0], device=dev
@@ -231,7 +240,7 @@ def gdn_prefill(
     )
     if chunk_ids:
         assert cs is not None
-        ids = torch.tensor(chunk_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        ids = to_device(chunk_ids, torch.int64, dev)
         state.index_copy_(0, slots_tensor(save_states, dev), cs.index_select(0, ids).to(state.dtype))
     return GDNPrefillOutput(o.to(q.dtype), cs if return_chunk_states else None)
 

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._checks import to_device
 from .reference import CHUNK_SIZE
 
 SUB = 16  # rows of one diagonal block of the (I + A)^-1 solve; CHUNK_SIZE == 4 * SUB
@@ -363,7 +364,8 @@ class ChunkLayout(NamedTuple):
 
 
 def chunk_layout(cu_seqlens: list[int], device: torch.device) -> ChunkLayout:
-    """The chunk layout of packed sequences with host offsets `cu_seqlens` ([N + 1]), sent in one copy."""
+    """The chunk layout of packed sequences with host offsets `cu_seqlens` ([N + 1]), sent in one copy that
+    does not wait for the device."""
     bt = CHUNK_SIZE
     chunk_start: list[int] = []
     chunk_end: list[int] = []
@@ -374,7 +376,7 @@ def chunk_layout(cu_seqlens: list[int], device: torch.device) -> ChunkLayout:
         chunk_end += [min(c + bt, eos) for c in starts]
         chunk_off.append(chunk_off[-1] + len(starts))
     nc, n = chunk_off[-1], len(cu_seqlens) - 1
-    meta = torch.tensor(chunk_start + chunk_end + chunk_off + cu_seqlens, dtype=torch.int32).to(device)
+    meta = to_device(chunk_start + chunk_end + chunk_off + cu_seqlens, torch.int32, device)
     return ChunkLayout(
         meta[:nc], meta[nc : 2 * nc], meta[2 * nc : 2 * nc + n + 1], meta[2 * nc + n + 1 :], nc
     )
