@@ -24,6 +24,7 @@ from .._checks import (
     check_index,
     check_tensor,
     implementation,
+    resolve_backend,
     to_device,
 )
 from ..saves import StateSave, check_saves, slots_tensor
@@ -62,8 +63,10 @@ def _prefill_triton(
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     return_chunk_states: bool,
+    chunk_saves: Sequence[tuple[int, int]] = (),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The chunked Triton prefill, launched over the offsets the wrapper already read to the host."""
+    """The chunked Triton prefill, launched over the offsets the wrapper already read to the host; its
+    sequential stage writes the `chunk_saves` ((chunk, slot) pairs) itself."""
     from .triton_chunk import launch_chunk_prefill
 
     check_triton_dims(q.shape[-1], v.shape[-1])
@@ -78,6 +81,7 @@ def _prefill_triton(
         state_slots=state_slots,
         has_initial_state=has_initial_state.to(torch.int8),
         return_chunk_states=return_chunk_states,
+        chunk_saves=chunk_saves,
     )
 
 
@@ -216,14 +220,17 @@ def gdn_prefill(
     has_initial_state = check_tensor(
         "has_initial_state", has_initial_state, (num_seqs,), dtypes=(torch.bool,), device=dev
     )
+    chunk_ids = _save_chunks(save_states, cu_host, state.shape[0], state_slots, check)
+    # the Triton kernel writes the saves as it passes them; the other paths copy them from the chunk states
+    in_kernel = resolve_backend(backend, dev) == "triton"
+    chunk_saves = [(c, s.slot) for c, s in zip(chunk_ids, save_states, strict=True)]
     fn = implementation(
         backend,
         dev,
         reference=reference.reference_prefill,
         torch_path=torch_impl.torch_prefill,
-        triton=lambda: partial(_prefill_triton, cu_host=cu_host),
+        triton=lambda: partial(_prefill_triton, cu_host=cu_host, chunk_saves=chunk_saves),
     )
-    chunk_ids = _save_chunks(save_states, cu_host, state.shape[0], state_slots, check)
     o, cs = fn(
         q,
         k,
@@ -234,9 +241,9 @@ def gdn_prefill(
         state=state,
         state_slots=state_slots,
         has_initial_state=has_initial_state,
-        return_chunk_states=return_chunk_states or bool(chunk_ids),
+        return_chunk_states=return_chunk_states or (bool(chunk_ids) and not in_kernel),
     )
-    if chunk_ids:
+    if chunk_ids and not in_kernel:
         assert cs is not None
         ids = to_device(chunk_ids, torch.int64, dev)
         state.index_copy_(0, slots_tensor(save_states, dev), cs.index_select(0, ids).to(state.dtype))

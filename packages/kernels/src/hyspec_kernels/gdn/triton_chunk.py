@@ -9,7 +9,8 @@ Same math as torch_impl.torch_prefill (64-token chunks, WY / UT form), in three 
    [64, 64] x [64, D] products.
 2. `gdn_chunk_state_kernel`, one program per (sequence, value head, V tile): the only sequential part. It
    walks the sequence's chunks, storing the state at the start of each chunk, v_new = U - W S and the next
-   state; the initial state comes from state[slot] and the final one goes back there.
+   state; the initial state comes from state[slot] and the final one goes back there (and the state at the
+   start of a chunk named in `chunk_saves` to its slot: a snapshot inside the sequence).
 3. `gdn_chunk_out_kernel`, one program per (chunk, value head, V tile), all in parallel:
    o = (Q e^gamma) S_chunk + ((Q K^T) ⊙ decay) v_new.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -220,6 +222,7 @@ def gdn_chunk_state_kernel(  # type: ignore[no-untyped-def]
     chunk_off_ptr,  # [N + 1]
     slots_ptr,  # [N]
     has_init_ptr,  # [N] bool
+    save_ptr,  # [NC] int32: a slot to write the state at the start of each chunk to, or -1 (HAS_SAVE only)
     s_sn,
     s_sh,
     s_sk,
@@ -232,6 +235,7 @@ def gdn_chunk_state_kernel(  # type: ignore[no-untyped-def]
     BV: tl.constexpr,
     BT: tl.constexpr,
     LOWP: tl.constexpr,
+    HAS_SAVE: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -252,7 +256,8 @@ def gdn_chunk_state_kernel(  # type: ignore[no-untyped-def]
 
     slot = tl.load(slots_ptr + i_n).to(tl.int64)
     has_init = tl.load(has_init_ptr + i_n).to(tl.int32)
-    p_state = state_ptr + tl.maximum(slot, 0) * s_sn + i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv
+    o_kv = i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv  # [BK, BV] this head's tile in a slot
+    p_state = state_ptr + tl.maximum(slot, 0) * s_sn + o_kv
     # validity as a [BK] block: the interpreter rejects a mask built from a scalar bool
     ok_slot = (tl.zeros_like(o_k) + slot) >= 0
     ok_read = ok_slot & ((tl.zeros_like(o_k) + has_init) != 0)
@@ -264,6 +269,12 @@ def gdn_chunk_state_kernel(  # type: ignore[no-untyped-def]
         rows = bos + c * BT + o_t
         m_t = rows < eos
         tl.store(p_h + c * HV * K * V, b_s.to(h_ptr.dtype.element_ty), mask=m_kv)
+        if HAS_SAVE:
+            # a prefix-cache snapshot inside the sequence: the fp32 state after its first c chunks
+            sv = tl.load(save_ptr + c0 + c).to(tl.int64)
+            ok_sv = (tl.zeros_like(o_k) + sv) >= 0
+            p_sv = state_ptr + tl.maximum(sv, 0) * s_sn + o_kv
+            tl.store(p_sv, b_s.to(state_ptr.dtype.element_ty), mask=m_kv & ok_sv[:, None])
         b_w = tl.load(
             w_ptr + rows[:, None] * (HV * K) + i_hv * K + o_k[None, :],
             mask=m_t[:, None] & m_k[None, :],
@@ -396,6 +407,7 @@ def launch_chunk_prefill(
     return_chunk_states: bool,
     tiles: tuple[int, int, int, int, int] | None = None,  # launch-shape override, for tuning
     layout: ChunkLayout | None = None,  # `chunk_layout(cu_seqlens)` made ahead (a CUDA-graph capture)
+    chunk_saves: Sequence[tuple[int, int]] = (),  # (chunk, slot): the state at the chunk's start to slot
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Runs the three stages.
 
@@ -437,11 +449,18 @@ def launch_chunk_prefill(
             BV=bv_full, BT=bt, BC=SUB, num_warps=cfg[0], **common,
         )  # fmt: skip
     bv_state = min(bv_full, cfg[1])
+    saves = None
+    if chunk_saves:
+        per_chunk = [-1] * total_chunks
+        for chunk, slot in chunk_saves:
+            per_chunk[chunk] = slot
+        saves = to_device(per_chunk, torch.int32, dev)
     if num_seqs > 0:
         gdn_chunk_state_kernel[(num_seqs * num_v_heads, triton.cdiv(head_v, bv_state))](
             k, w, u, gamma, rk, v_new, h, state, cu_d, chunk_off_d, state_slots, has_initial_state,
+            has_initial_state if saves is None else saves,
             state.stride(0), state.stride(1), state.stride(2), state.stride(3),
-            BV=bv_state, BT=bt, num_warps=cfg[2], **common,
+            BV=bv_state, BT=bt, num_warps=cfg[2], HAS_SAVE=saves is not None, **common,
         )  # fmt: skip
     bv_out = min(bv_full, cfg[3])
     if total_chunks > 0:
