@@ -143,3 +143,24 @@ def test_more_inner_snapshots_than_slots_keep_the_latest(checkpoints: dict[str, 
     assert [t for t, _ in outs[True]] == [t for t, _ in outs[False]]
     # 10 inner positions (64 .. 640) and the prompt's end in 4 slots: the hit is the latest inner one
     assert outs[True][1][1] == 640
+
+
+def test_inner_snapshots_of_a_chunk_beside_verify_blocks(checkpoints: dict[str, Path]) -> None:
+    """MTP: a long prompt's chunk rides in a MIXED forward beside another request's verify block and writes
+    the snapshots it passes there; a later request resumes from one. Output equals caching off."""
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    short = [(i * 5 + 2) % 200 + 7 for i in range(10)]
+    later = [*LONG[:200], *OTHER[:30]]
+    results = {}
+    for caching in (False, True):
+        llm = _llm(checkpoints["qwen3_5"], spec, caching, 200)
+        # step 1: the short prompt and LONG[:128] (an inner snapshot at 64); step 2: the short request's
+        # verify block beside LONG[128:300] (inner snapshots at 192 and 256), one MIXED forward
+        outs = llm.generate([{"prompt_token_ids": short}, {"prompt_token_ids": LONG}], params, use_tqdm=False)
+        (o,) = llm.generate([{"prompt_token_ids": later}], params, use_tqdm=False)
+        results[caching] = ([x.outputs[0].token_ids for x in (*outs, o)], o.num_cached_tokens)
+        assert llm.engine.runner.num_mixed >= 1
+        llm.engine.leak_check()
+    assert results[True][0] == results[False][0]
+    assert results[True][1] == 192
