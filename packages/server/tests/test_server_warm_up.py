@@ -111,3 +111,32 @@ def test_the_warm_up_fits_any_engine_it_may_run_on(tiny_qwen3_5: Path, limit: st
     assert warm_up_engine(eng, eng.runner.spec, [1, 4]) > 0  # type: ignore[attr-defined]
     assert not eng.has_unfinished()
     eng.leak_check()
+
+
+def test_the_warm_up_writes_snapshots_inside_a_prefill(tiny_qwen3_5: Path) -> None:
+    """With snapshots written inside a prefill forward, one warm-up prompt passes snapshot positions, so the
+    GDN prefill's saving variant compiles before serving; the cache it filled is emptied again."""
+    args = EngineArgs(
+        model=str(tiny_qwen3_5),
+        max_num_seqs=4,
+        page_size=16,
+        max_model_len=256,
+        prefix_cache_snapshot_interval=64,
+    )
+    eng = build_engine(args)
+    runner: Any = eng.runner
+    assert runner.memory.inner_snapshots
+    saves: list[Any] = []
+    prepare = runner.backend.prepare_extend
+
+    def recording(**kw: Any) -> Any:
+        saves.extend(kw.get("state_saves", ()))
+        return prepare(**kw)
+
+    runner.backend.prepare_extend = recording
+    warm_up_engine(eng, None, [1])
+    del runner.backend.prepare_extend
+    assert [s.token for s in saves] == [64, 128]  # the prompt of 2 * 64 + 1 tokens, one forward
+    stats = runner.memory.prefix_cache_stats()
+    assert stats is not None and stats.num_snapshots == 0 and stats.num_cached_pages == 0
+    eng.leak_check()

@@ -11,7 +11,9 @@ So on CUDA the builder runs, before serving (`warm_up_engine`):
 - every engine: prompts of 1, 2, 7 and `LONG_PROMPT` tokens, each alone and then all together, two tokens
   each (prefill tiles of each height class, a mixed step, a decode step, attention over a context long
   enough to split its KV; alone and together because Triton also specializes a kernel on integer
-  arguments equal to 1 or divisible by 16, such as a batch's sequence and token counts);
+  arguments equal to 1 or divisible by 16, such as a batch's sequence and token counts); with prefix-cache
+  snapshots written inside a prefill forward, one prompt that passes two snapshot positions (the GDN
+  prefill's variant that writes them);
 - a speculative engine, for every captured batch size and every draft length its round may choose, a batch of
   short requests whose rounds draft that length (`SpeculativeRound.forced_length`: acceptance, the commit's
   replay, whose tiles follow the padded batch size, the drafter's extend), and one long request per length.
@@ -71,6 +73,12 @@ def warm_up_engine(engine: LLMEngine, spec: SpeculativeRound | None, batch_sizes
     two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     lens = [n for n in PLAIN_PROMPT_LENS if n + 2 <= engine.max_model_len]
     steps = sum(drain([prompt(n)], two) for n in lens) + drain([prompt(n) for n in lens], two)
+    memory = engine.runner.memory
+    inner = 2 * memory.snapshot_interval + 1
+    if memory.inner_snapshots and inner + 2 <= engine.max_model_len:
+        lens.append(inner)  # (for the log line)
+        # other ids than prompt()'s, so that it starts at 0 instead of resuming from their snapshots
+        steps += drain([[(2 + i % 5) % vocab for i in range(inner)]], two)
     lengths = () if spec is None else spec.warm_up_lengths()
     for k in lengths:
         assert spec is not None
