@@ -193,13 +193,3 @@ def check_unique_live(name: str, values: torch.Tensor, live: torch.Tensor) -> No
     if bool((counts > 1).any()):
         dup = int(uniq[counts > 1][0])
         raise ValueError(f"{name}: expected unique destinations among live rows, got {dup} more than once")
-
-
-def to_device(
-    values: Sequence[int] | Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """Host ints as a tensor on `device`, without waiting for the device: on CUDA a non-blocking copy from
-    pinned memory (the caching host allocator keeps the staging block until the copy ran), where a plain
-    `.to(device)` would synchronize the stream after it."""
-    pin = device.type == "cuda"
-    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)

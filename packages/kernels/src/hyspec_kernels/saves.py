@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from hyspec_kernels._checks import to_device
+from hyspec_kernels.transfer import to_device
 
 
 class StateSave(NamedTuple):
@@ -52,4 +52,4 @@ def check_saves(
 
 def slots_tensor(saves: Sequence[StateSave], device: torch.device) -> torch.Tensor:
     """[len(saves)] int64 destination slots, on `device`."""
-    return to_device([s.slot for s in saves], torch.int64, device)
+    return to_device([s.slot for s in saves], dtype=torch.int64, device=device)

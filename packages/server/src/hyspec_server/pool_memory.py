@@ -118,8 +118,8 @@ class StatePoolMemory:
         cache = self.prefix_cache
         if cache is None or not self._inner:
             raise ValueError("reserve_snapshots: this memory has no inner snapshots")
-        # the step's own reservations are the most recently used snapshots, so one evicts another only when
-        # there are more of them than slots; the evicted one is no longer cached, its slot is the later one's
+        # a reservation may evict an earlier one of the same step (more positions than free or older slots):
+        # that one is no longer cached and its slot is the later one's, so each slot is written once
         slots = [
             cache.reserve(s.req_id, s.token_ids, salt=s.salt, num_tokens=len(s.token_ids)) for s in saves
         ]

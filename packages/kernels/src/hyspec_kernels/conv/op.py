@@ -25,12 +25,12 @@ from hyspec_kernels._checks import (
     check_tensor,
     dim,
     implementation,
-    to_device,
     value_checks,
 )
 from hyspec_kernels.conv import reference, torch_impl
 from hyspec_kernels.conv.common import ACTIVATIONS, MAX_WIDTH, MIN_WIDTH, Activation
 from hyspec_kernels.saves import StateSave, check_saves, slots_tensor
+from hyspec_kernels.transfer import to_device
 
 
 def _check_weights(
@@ -164,7 +164,7 @@ def conv_prefill(
 def _save_windows(x: torch.Tensor, saves: Sequence[StateSave], width: int) -> torch.Tensor:
     """The W - 1 inputs before each save's token, oldest first: [len(saves), C, W-1] in x's dtype."""
     rows = [[s.token - (width - 1) + j for j in range(width - 1)] for s in saves]
-    idx = to_device(rows, torch.int64, x.device)  # [S, W-1]
+    idx = to_device(rows, dtype=torch.int64, device=x.device)  # [S, W-1]
     return x[idx].transpose(1, 2)
 
 

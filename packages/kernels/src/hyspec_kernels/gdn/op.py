@@ -25,9 +25,9 @@ from .._checks import (
     check_tensor,
     implementation,
     resolve_backend,
-    to_device,
 )
 from ..saves import StateSave, check_saves, slots_tensor
+from ..transfer import to_device
 from . import reference, torch_impl
 from .checks import (
     STATE_DTYPES,
@@ -245,7 +245,7 @@ def gdn_prefill(
     )
     if chunk_ids and not in_kernel:
         assert cs is not None
-        ids = to_device(chunk_ids, torch.int64, dev)
+        ids = to_device(chunk_ids, dtype=torch.int64, device=dev)
         state.index_copy_(0, slots_tensor(save_states, dev), cs.index_select(0, ids).to(state.dtype))
     return GDNPrefillOutput(o.to(q.dtype), cs if return_chunk_states else None)
 

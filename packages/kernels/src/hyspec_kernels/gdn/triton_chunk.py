@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import to_device
+from ..transfer import to_device
 from .reference import CHUNK_SIZE
 
 SUB = 16  # rows of one diagonal block of the (I + A)^-1 solve; CHUNK_SIZE == 4 * SUB
@@ -387,7 +387,7 @@ def chunk_layout(cu_seqlens: list[int], device: torch.device) -> ChunkLayout:
         chunk_end += [min(c + bt, eos) for c in starts]
         chunk_off.append(chunk_off[-1] + len(starts))
     nc, n = chunk_off[-1], len(cu_seqlens) - 1
-    meta = to_device(chunk_start + chunk_end + chunk_off + cu_seqlens, torch.int32, device)
+    meta = to_device(chunk_start + chunk_end + chunk_off + cu_seqlens, dtype=torch.int32, device=device)
     return ChunkLayout(
         meta[:nc], meta[nc : 2 * nc], meta[2 * nc : 2 * nc + n + 1], meta[2 * nc + n + 1 :], nc
     )
@@ -454,7 +454,7 @@ def launch_chunk_prefill(
         per_chunk = [-1] * total_chunks
         for chunk, slot in chunk_saves:
             per_chunk[chunk] = slot
-        saves = to_device(per_chunk, torch.int32, dev)
+        saves = to_device(per_chunk, dtype=torch.int32, device=dev)
     if num_seqs > 0:
         gdn_chunk_state_kernel[(num_seqs * num_v_heads, triton.cdiv(head_v, bv_state))](
             k, w, u, gamma, rk, v_new, h, state, cu_d, chunk_off_d, state_slots, has_initial_state,
