@@ -5,7 +5,9 @@
 Shapes are Qwen3.5's linear layers (HK=16, HV=32, K=V=128, fp32 state, bf16 inputs, conv width 4). Decode and
 verify figures include the achieved bandwidth of the recurrent-state traffic (bytes read + written), which is
 what bounds them, next to the device's measured copy bandwidth. fla is optional: without it only hyspec's
-figures are written. Results go to `<out>/<device>-kernels.json` and `.md`.
+figures are written. The paged-attention prefill (Qwen3.5-9B's attention shape) is timed next to PyTorch's
+SDPA flash kernel on the same FLOPs (contiguous K/V: the limit a paged kernel chases). Results go to
+`<out>/<device>-kernels.json` and `.md`.
 """
 
 from __future__ import annotations
@@ -329,6 +331,52 @@ def bench_conv(batches: list[int], lengths: list[int], bw: float) -> dict[str, l
     return {"decode": dec_rows, "prefill": pre_rows}
 
 
+# Qwen3.5-9B's full-attention layers: 16 query heads over 4 KV heads of 256, pages of 16 tokens
+ATT_HQ, ATT_HKV, ATT_D, ATT_PAGE = 16, 4, 256, 16
+
+
+def bench_attention_prefill(quick: bool) -> list[dict[str, Any]]:
+    """Paged attention over a prefill chunk (bf16, a CUDA graph) after `prefix` cached tokens, in causal
+    attention's FLOPs per second, next to PyTorch's SDPA (flash, contiguous K/V without pages, no prefix):
+    the physical limit a paged kernel chases."""
+    from hyspec_kernels.attention import paged_attention
+
+    shapes = [(2048, 0)] if quick else [(2048, 0), (8192, 0), (8192, 8192), (8192, 24576)]
+    rows = []
+    for t, prefix in shapes:
+        kv = prefix + t
+        pages = -(-kv // ATT_PAGE)
+        q = torch.randn(t, ATT_HQ, ATT_D, device=DEV, dtype=BF16)
+        kc = torch.randn(pages + 1, ATT_PAGE, ATT_HKV, ATT_D, device=DEV, dtype=BF16)
+        vc = torch.randn_like(kc)
+        table_ = (torch.randperm(pages, device=DEV, dtype=torch.int32) + 1)[None]  # pages in any order
+        cu = torch.tensor([0, t], device=DEV, dtype=torch.int32)
+        kv_lens = torch.tensor([kv], device=DEV, dtype=torch.int32)
+        flops = 4 * ATT_HQ * ATT_D * (t * prefix + t * t / 2)
+        ours = graph_ms(
+            lambda: paged_attention(
+                q, k_cache=kc, v_cache=vc, page_table=table_, cu_seqlens_q=cu, kv_lens=kv_lens,
+                scale=ATT_D**-0.5, host_lens=(t, kv), check_indices=False,
+            ),
+            rep=20,
+        )  # fmt: skip
+        row: dict[str, Any] = {"T": t, "prefix": prefix, "hyspec_graph_ms": ours}
+        row["hyspec_TFLOPs"] = None if ours is None else flops / ours / 1e9
+        if prefix == 0:
+            group = ATT_HQ // ATT_HKV
+            qs = q.transpose(0, 1)[None]  # [1, HQ, T, D]
+            ks = kc[1:].reshape(-1, ATT_HKV, ATT_D)[:t].transpose(0, 1)[None].repeat_interleave(group, 1)
+            vs = vc[1:].reshape(-1, ATT_HKV, ATT_D)[:t].transpose(0, 1)[None].repeat_interleave(group, 1)
+            sdpa = graph_ms(
+                lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True), rep=20
+            )
+            row["sdpa_graph_ms"] = sdpa
+            row["sdpa_TFLOPs"] = None if sdpa is None else flops / sdpa / 1e9
+        rows.append(row)
+        print("attention prefill", row, flush=True)
+    return rows
+
+
 def _verdict(ok: bool) -> str:
     return "MET" if ok else "NOT MET"
 
@@ -420,6 +468,7 @@ def main() -> None:
     res["gdn_verify"] = bench_verify(batches, d=4, d_max=8)
     res["gdn_prefill"] = bench_prefill(lengths, fla)
     res["conv"] = bench_conv(batches, lengths, bw)
+    res["attention_prefill"] = bench_attention_prefill(args.quick)
     res["goals"] = goals(res)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower()
@@ -446,6 +495,9 @@ def main() -> None:
         table(res["conv"]["decode"]),
         "",
         table(res["conv"]["prefill"]),
+        "",
+        f"## Paged attention over a prefill chunk (HQ={ATT_HQ}, HKV={ATT_HKV}, Dh={ATT_D}, bf16) vs SDPA",
+        table(res["attention_prefill"]),
         "",
         "## Goals",
         *[f"- {g}" for g in res["goals"]],
