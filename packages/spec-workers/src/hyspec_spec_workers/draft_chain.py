@@ -21,7 +21,7 @@ from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, GraphCounts
 from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
-from hyspec_spec_workers.draft_pairs import DraftPairs
+from hyspec_spec_workers.draft_pairs import DraftPairs, gather_pending
 from hyspec_spec_workers.drafter import HiddenStateDraftModel
 
 
@@ -72,18 +72,17 @@ class OneLayerChain:
         req_rows = kv.rows(ids)
         rows = req_rows.tensor.long()
         written = [kv.lengths[r] for r in ids]
-        pending = self.pairs.take_pending(ids)
-        q = [sum(int(t.shape[0]) for t, _ in p) for p in pending]  # each <= S + 1 (`DraftPairs.commit`)
+        got = gather_pending(self.pairs.take_pending(ids))  # every row's pending pairs, row by row
+        q = [0] * n if got is None else got[2]  # each <= S + 1 (`DraftPairs.commit`)
         # pages for the block at the final length and for the steps after the root (at written + q)
         kv.pool.ensure_kv_capacity(ids, [w + max(e, k + s_run) for w, k in zip(written, q, strict=True)])
         # block row i: its pending pairs, its root pair at block index q[i], then padding
         block = torch.zeros(n * e, dtype=torch.int64, device=dev)  # [N * E]
         feats = self.features_in[: n * e]  # [N * E, F]
-        at = torch.tensor([i * e + k for i in range(n) for k in range(q[i])], dtype=torch.int64)
-        if at.numel():
-            at = to_device(at, dtype=torch.int64, device=dev)
-            block[at] = torch.cat([t for p in pending for t, _ in p]).to(dev)
-            feats[at] = torch.cat([f for p in pending for _, f in p]).to(feats.dtype)
+        if got is not None:
+            at = to_device([i * e + k for i in range(n) for k in range(q[i])], dtype=torch.int64, device=dev)
+            block[at] = got[0].to(dev)
+            feats[at] = got[1].to(feats.dtype)
         q_dev = to_device(q, dtype=torch.int64, device=dev)  # [N]
         roots_at = torch.arange(n, device=dev) * e + q_dev  # [N]
         block[roots_at] = root

@@ -17,7 +17,9 @@ drafts or from draft features stays there.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 from hyspec_attn_backends import ForwardMode, MixerLayer
@@ -28,7 +30,48 @@ from torch import Tensor
 from hyspec_spec_workers.draft_kv import DraftKV, DraftMemory
 from hyspec_spec_workers.drafter import CommittedTokens, HiddenStateDraftModel
 
-Pending = list[tuple[Tensor, Tensor]]  # pieces of (tokens [q] int64, features [q, F]) in position order
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Pairs [begin, begin + count) of one commit's pair tensors, which every row of that commit shares: a
+    commit stores no per-row slices, and the pairs are gathered once for all rows when they are written."""
+
+    tokens: Tensor  # [P] int64, the commit's every row's pairs
+    feats: Tensor  # [P, F]
+    begin: int
+    count: int
+
+
+Pending = list[Piece]  # a request's pending pairs, in position order
+
+
+def gather_pending(pending: Sequence[Pending]) -> tuple[Tensor, Tensor, list[int]] | None:
+    """Every request's pending pairs, request by request: (tokens [Q] int64, features [Q, F], each request's
+    count); None when there are none. One gather for all requests (a cat first only when the pairs come from
+    several commits)."""
+    start: dict[int, int] = {}  # a commit's tensors, by identity -> their offset in the concatenation
+    toks: list[Tensor] = []
+    feats: list[Tensor] = []
+    size = 0
+    at: list[int] = []
+    counts: list[int] = []
+    for p in pending:
+        for piece in p:
+            key = id(piece.tokens)
+            if key not in start:
+                start[key] = size
+                toks.append(piece.tokens)
+                feats.append(piece.feats)
+                size += int(piece.tokens.shape[0])
+            first = start[key] + piece.begin
+            at.extend(range(first, first + piece.count))
+        counts.append(sum(piece.count for piece in p))
+    if not at:
+        return None
+    tok_all = toks[0] if len(toks) == 1 else torch.cat(toks)
+    feat_all = feats[0] if len(feats) == 1 else torch.cat(feats)
+    idx = to_device(at, dtype=torch.int64, device=tok_all.device)  # [Q]
+    return tok_all[idx], feat_all[idx], counts
 
 
 class DraftPairs:
@@ -149,7 +192,7 @@ class DraftPairs:
                 )
             off += q
             last.append(off - 1 if q else -1)
-            waiting.append((pair_tok[b : b + k], pair_feat[b : b + k]))
+            waiting.append(Piece(pair_tok, pair_feat, b, k))
             self._pending[r] = waiting
             if keep is None or _count(waiting) > keep:
                 now.append(r)
@@ -172,30 +215,33 @@ class DraftPairs:
         ids = [r for r in req_ids if r in self._pending]
         if not ids:
             return
-        pieces = [self._pending.pop(r) for r in ids]
-        pair_tok = [torch.cat([t for t, _ in p]) for p in pieces]
-        pair_feat = [torch.cat([f for _, f in p]) for p in pieces]
-        for batch in self.kv.extend_windows([int(t.shape[0]) for t in pair_tok]):
-            self._extend(
-                [ids[i] for i, _, _ in batch],
-                [pair_tok[i][s : s + n] for i, s, n in batch],
-                [pair_feat[i][s : s + n] for i, s, n in batch],
-            )
+        got = gather_pending([self._pending.pop(r) for r in ids])
+        if got is None:
+            return  # no pairs at all: nothing to write
+        tok, feat, counts = got  # [Q], [Q, F] request by request, [N]
+        first = list(itertools.accumulate(counts, initial=0))
+        for batch in self.kv.extend_windows(counts):
+            at = [first[i] + s + j for i, s, n in batch for j in range(n)]
+            tok_b, feat_b = tok, feat  # one window over every pair (the usual case) takes them as they are
+            if at != list(range(len(tok))):
+                idx = to_device(at, dtype=torch.int64, device=tok.device)
+                tok_b, feat_b = tok[idx], feat[idx]
+            self._extend([ids[i] for i, _, _ in batch], [n for _, _, n in batch], tok_b, feat_b)
 
-    def _extend(self, ids: list[Hashable], pair_tok: list[Tensor], pair_feat: list[Tensor]) -> None:
-        """One DRAFT_EXTEND forward writing these pairs after each request's final draft length."""
-        q_lens = [int(t.shape[0]) for t in pair_tok]
+    def _extend(self, ids: list[Hashable], q_lens: list[int], pair_tok: Tensor, pair_feat: Tensor) -> None:
+        """One DRAFT_EXTEND forward writing these pairs (tokens [sum q] int64, features [sum q, F], request by
+        request) after each request's final draft length."""
         prefix = [self.kv.lengths[r] for r in ids]
         total = [p + q for p, q in zip(prefix, q_lens, strict=True)]
         self.kv.pool.ensure_kv_capacity(ids, total)
         batch = self.kv.backend.prepare_extend(
             req_rows=self.kv.rows(ids),
-            input_ids=torch.cat(pair_tok),
+            input_ids=pair_tok,
             q_lens=q_lens,
             prefix_lens=prefix,
             mode=ForwardMode.DRAFT_EXTEND,
         )
-        x = torch.cat(pair_feat).to(self.model.dtype)
+        x = pair_feat.to(self.model.dtype)
         with torch.no_grad():
             for step in sorted(set(self.layer_steps)):
                 _, out = self.model.run(batch, self.kv.backend, features=x, step=step)
@@ -206,4 +252,4 @@ class DraftPairs:
 
 
 def _count(pending: Pending) -> int:
-    return sum(int(t.shape[0]) for t, _ in pending)
+    return sum(piece.count for piece in pending)
