@@ -81,7 +81,8 @@ class RequestOutput:
     """The state of one request: its prompt, its completion(s) so far and whether it is finished.
 
     `prompt_logprobs` (when `SamplingParams.prompt_logprobs` is set): one entry per prompt token, complete
-    in every output (the prompt is prefilled before the first output).
+    in every output (the prompt is prefilled before the first output). `prompt_token_ids` and
+    `prompt_logprobs` are the request's own, shared by its outputs (as vLLM's): read them, do not change them.
     """
 
     request_id: str

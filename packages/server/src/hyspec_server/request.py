@@ -235,7 +235,9 @@ class Request:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
+            # the request's own list, not a copy per step (a long prompt in a large batch made that a large
+            # share of a decode step's host time); the prompt never changes: read-only for consumers
+            prompt_token_ids=self.prompt_token_ids,
             outputs=[completion],
             finished=self.finished,
             metrics=self.metrics,
