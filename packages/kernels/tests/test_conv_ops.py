@@ -141,6 +141,27 @@ def test_conv_prefill_low_precision(x_dtype: torch.dtype, state_dtype: torch.dty
         _close(state.float(), state_ref.float(), 1e-2)
 
 
+@pytest.mark.parametrize("width", [2, 4])
+def test_conv_prefill_long_sequences_from_a_strided_input(width: int) -> None:
+    # Sequences longer than a token tile: the Triton kernel's tiles that hold no sequence's first W - 1
+    # tokens take a path that never reads prior windows; tiles that straddle a sequence start (at odd
+    # offsets) take the other. x is a column slice of a wider projection, as in the models.
+    gen = torch.Generator().manual_seed(11 + width)
+    weight, bias = _weights(width, True, gen)
+    lens = [37, 3, 50, 19]
+    wide = torch.randn(sum(lens), C + 13, generator=gen)
+    x = wide[:, 5 : 5 + C]  # [T, C], token stride C + 13
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    slots = torch.tensor([4, 9, 0, 2], dtype=torch.int32)
+    has_init = torch.tensor([True, True, False, True])
+    case = Prefill(x, weight, bias, cu, _pool(width, [4, 9, 2], gen), slots, has_init)
+    y_ref, state_ref = _run_prefill(case, "silu", "reference")
+    for backend in FAST:
+        y, state = _run_prefill(case, "silu", backend)
+        _close(y, y_ref)
+        _close(state, state_ref)
+
+
 def test_conv_prefill_empty_sequences() -> None:
     # Zero-length sequences keep (or, starting fresh, zero) their window; their neighbours are unaffected.
     gen = torch.Generator().manual_seed(7)

@@ -268,3 +268,37 @@ def test_prefill_triton_bf16_inputs() -> None:
     assert out.o.dtype == torch.bfloat16
     torch.testing.assert_close(out.o.float(), o_ref, rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(state[[1, 0]], torch.stack(finals), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_prefill_from_column_slices_of_one_projection(backend: str) -> None:
+    # The models pass q, k and v as column slices of one conv output (token stride wider than [H, D]); the
+    # Triton kernels read them in place through their token strides.
+    hk, hv, dk, dv = 2, 4, 16, 24
+    lens = [70, 9, 66]
+    q0, k0, v0, g, beta, cu = _inputs(lens, hk, hv, dk, dv, seed=5)
+    t = sum(lens)
+    wide = torch.full((t, 2 * hk * dk + hv * dv + 7), NAN)
+    wide[:, 3 : 3 + hk * dk] = q0.reshape(t, -1)
+    wide[:, 3 + hk * dk : 3 + 2 * hk * dk] = k0.reshape(t, -1)
+    wide[:, 3 + 2 * hk * dk : 3 + 2 * hk * dk + hv * dv] = v0.reshape(t, -1)
+    q = wide[:, 3 : 3 + hk * dk].view(t, hk, dk)
+    k = wide[:, 3 + hk * dk : 3 + 2 * hk * dk].view(t, hk, dk)
+    v = wide[:, 3 + 2 * hk * dk : 3 + 2 * hk * dk + hv * dv].view(t, hv, dv)
+    assert not q.is_contiguous() and not v.is_contiguous()
+    state = torch.zeros(3, hv, dk, dv)
+    out = gdn_prefill(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        cu_seqlens=cu,
+        state=state,
+        state_slots=torch.tensor([2, 0, 1]),
+        has_initial_state=torch.tensor([False, False, False]),
+        backend=backend,  # type: ignore[arg-type]
+    )
+    o_ref, finals, _ = _expected(q0, k0, v0, g, beta, cu, [None, None, None])
+    torch.testing.assert_close(out.o, o_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state[[2, 0, 1]], torch.stack(finals), rtol=1e-4, atol=1e-4)

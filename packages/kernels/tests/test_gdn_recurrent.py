@@ -184,3 +184,39 @@ def test_verify_chain_matches_prefill_prefixes() -> None:
             backend="torch",
         )
         torch.testing.assert_close(scratch[0, j], pool[1], rtol=1e-5, atol=1e-5)
+
+
+def _column_slices(
+    lead: tuple[int, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """q, k, v as column slices of one NaN-padded [*lead, 2 HK DK + HV DV + 5] projection, as in models."""
+    a, b = HK * DK, HV * DV
+    wide = torch.full((*lead, 2 * a + b + 5), NAN)
+    wide[..., 2 : 2 + a] = q.flatten(-2)
+    wide[..., 2 + a : 2 + 2 * a] = k.flatten(-2)
+    wide[..., 2 + 2 * a : 2 + 2 * a + b] = v.flatten(-2)
+    split = (wide[..., 2 : 2 + a], wide[..., 2 + a : 2 + 2 * a], wide[..., 2 + 2 * a : 2 + 2 * a + b])
+    return tuple(x.unflatten(-1, t.shape[-2:]) for x, t in zip(split, (q, k, v), strict=True))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_and_verify_read_column_slices_in_place(backend: str) -> None:
+    # strided q/k/v (a token stride wider than [H, D]) give bit for bit the outputs of contiguous copies
+    q, k, v, g, beta = _tokens((3,), seed=21)
+    qs, ks, vs = _column_slices((3,), q, k, v)
+    assert not qs.is_contiguous()
+    slots = torch.tensor([2, 0, -1], dtype=torch.int32)
+    s1 = _pool(4, [2, 0], seed=22)
+    s2 = s1.clone()
+    o1 = gdn_decode(q, k, v, g, beta, state=s1, state_slots=slots, backend=backend)  # type: ignore[arg-type]
+    o2 = gdn_decode(qs, ks, vs, g, beta, state=s2, state_slots=slots, backend=backend)  # type: ignore[arg-type]
+    assert torch.equal(o1, o2) and torch.equal(_bits(s1), _bits(s2))
+    q, k, v, g, beta = _tokens((3, 5), seed=23)
+    qs, ks, vs = _column_slices((3, 5), q, k, v)
+    scratch1 = torch.full((3, 6, HV, DK, DV), NAN)
+    scratch2 = scratch1.clone()
+    rows = torch.tensor([1, 2, 0], dtype=torch.int32)
+    kw = {"state": s1, "state_slots": slots, "scratch_rows": rows, "backend": backend}
+    o1 = gdn_verify(q, k, v, g, beta, scratch=scratch1, **kw)  # type: ignore[arg-type]
+    o2 = gdn_verify(qs, ks, vs, g, beta, scratch=scratch2, **kw)  # type: ignore[arg-type]
+    assert torch.equal(o1, o2) and torch.equal(_bits(scratch1), _bits(scratch2))

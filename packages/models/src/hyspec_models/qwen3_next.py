@@ -159,7 +159,9 @@ class QwenAttention(nn.Module):
         v = v.view(t, hkv, dh)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         o = backend.attention(core, q, k, v, batch)  # [T, HQ, Dh]
-        o = o.reshape(t, hq * dh) * torch.sigmoid(gate.reshape(t, hq * dh))
+        # gated per head on [T, HQ, Dh]: the gate is a strided half of q_proj's output, and flattening it
+        # first would copy it
+        o = (o * torch.sigmoid(gate)).reshape(t, hq * dh)
         out: Tensor = self.o_proj(o)
         return out
 

@@ -23,10 +23,11 @@ import triton.language as tl
 
 from hyspec_kernels.conv.common import Activation
 
-# Channel tile of decode / verify: 32 programs per row at C = 8192. Prefill tile 16 tokens x 256 channels: the
-# fastest of the tiles measured on an H100 (0.64 ms at T = 16384, C = 8192, bf16; 64 x 128 took 1.38 ms).
+# Channel tile of decode / verify: 32 programs per row at C = 8192. Prefill tile 16 tokens x 128 channels: the
+# fastest of six tiles on an H200 (169 us at T = 8192, C = 8192, bf16, one sequence; 16 x 256 took 192 us,
+# 64 x 256 233 us; scratch sweep of 2026-11-27 after the prior-window reads moved off the common path).
 _MAX_BLOCK_C = 256
-_MAX_BLOCK_C_PREFILL = 256
+_MAX_BLOCK_C_PREFILL = 128
 _MAX_BLOCK_T = 16
 
 
@@ -90,29 +91,35 @@ def _conv_prefill_kernel(  # type: ignore[no-untyped-def]
         lo = tl.where(up, mid, lo)
         hi = tl.where(up, hi, mid - 1)
     pos = offs_t - tl.load(cu_ptr + lo).to(tl.int32)  # [BT] position inside the sequence
-    slot = tl.load(slots_ptr + lo).to(tl.int64)
-    read = (slot >= 0) & (tl.load(init_ptr + lo) != 0)
+    tc_mask = t_mask[:, None] & c_mask[None, :]
+    x_rows = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + offs_c[None, :] * stride_xc  # [BT, BC]
+    # Only a block holding some sequence's first W - 1 tokens reads prior windows: the others skip the
+    # per-element state offsets and masks, which made the kernel instruction-bound (0.75 TB/s on an H200)
+    near_start = tl.min(tl.where(t_mask, pos, WIDTH), axis=0) < WIDTH - 1
 
     if HAS_BIAS:
         acc = tl.load(b_ptr + offs_c * stride_b, mask=c_mask, other=0.0).to(tl.float32)[None, :]
         acc = acc + tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    tc_mask = t_mask[:, None] & c_mask[None, :]
     for i in tl.static_range(WIDTH):
-        src = pos - (WIDTH - 1) + i  # tap position inside the sequence; < 0 reads the prior window
-        in_seq = src >= 0
-        x_off = (offs_t - (WIDTH - 1) + i).to(tl.int64)[:, None] * stride_xt + offs_c[None, :] * stride_xc
-        xv = tl.load(x_ptr + x_off, mask=tc_mask & in_seq[:, None], other=0.0).to(tl.float32)
-        s_off = (
-            slot[:, None] * stride_ss + offs_c[None, :] * stride_sc + (WIDTH - 1 + src)[:, None] * stride_sk
-        )
-        sv = tl.load(state_ptr + s_off, mask=tc_mask & (read & ~in_seq)[:, None], other=0.0).to(tl.float32)
+        back = WIDTH - 1 - i  # the tap reads the input `back` tokens before this one
         w = tl.load(w_ptr + offs_c * stride_wc + i * stride_wk, mask=c_mask, other=0.0).to(tl.float32)
-        acc += w[None, :] * (xv + sv)
+        if near_start:
+            in_seq = pos >= back  # else the tap reaches into the sequence's prior window
+            slot = tl.load(slots_ptr + lo).to(tl.int64)
+            read = (slot >= 0) & (tl.load(init_ptr + lo) != 0)
+            s_rows = state_ptr + tl.maximum(slot, 0)[:, None] * stride_ss + offs_c[None, :] * stride_sc
+            xv = tl.load(x_rows - back * stride_xt, mask=tc_mask & in_seq[:, None], other=0.0).to(tl.float32)
+            s_col = (WIDTH - 1 - back + pos)[:, None] * stride_sk
+            sv = tl.load(s_rows + s_col, mask=tc_mask & (read & ~in_seq)[:, None], other=0.0).to(tl.float32)
+            xv = xv + sv
+        else:
+            xv = tl.load(x_rows - back * stride_xt, mask=tc_mask, other=0.0).to(tl.float32)
+        acc += w[None, :] * xv
     acc = _act(acc, SILU)
-    y_off = offs_t.to(tl.int64)[:, None] * stride_yt + offs_c[None, :] * stride_yc
-    tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=tc_mask)
+    y_rows = y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + offs_c[None, :] * stride_yc
+    tl.store(y_rows, acc.to(y_ptr.dtype.element_ty), mask=tc_mask)
 
 
 @triton.jit  # type: ignore[untyped-decorator]

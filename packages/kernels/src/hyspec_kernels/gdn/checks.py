@@ -68,6 +68,15 @@ def check_blocks_contiguous(name: str, t: torch.Tensor, inner: int) -> None:
         )
 
 
+def token_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] with each token's [H, D] contiguous: a column slice of a wider projection passes as it is
+    (the kernels take its token stride), anything else is copied once."""
+    _t, h, d = x.shape
+    if (x.stride(2) == 1 or d == 1) and (x.stride(1) == d or h == 1):
+        return x
+    return x.contiguous()
+
+
 def check_parents(
     parents: object, num_seqs: int, block: int, device: torch.device, check: bool
 ) -> torch.Tensor:

@@ -71,11 +71,11 @@ def _prefill_triton(
 
     check_triton_dims(q.shape[-1], v.shape[-1])
     return launch_chunk_prefill(
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        g.contiguous(),
-        beta.contiguous(),
+        q,
+        k,
+        v,
+        g,
+        beta,
         cu_seqlens=cu_host,
         state=state,
         state_slots=state_slots,
@@ -136,11 +136,11 @@ def _verify_triton(
     if scratch is not None:
         check_blocks_contiguous("scratch", scratch, 3)
     return launch_recurrent(
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        g.contiguous(),
-        beta.contiguous(),
+        q,
+        k,
+        v,
+        g,
+        beta,
         state=state,
         state_slots=state_slots,
         scratch=scratch,

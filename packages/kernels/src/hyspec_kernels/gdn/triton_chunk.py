@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..transfer import to_device
+from .checks import token_rows
 from .reference import CHUNK_SIZE
 
 SUB = 16  # rows of one diagonal block of the (I + A)^-1 solve; CHUNK_SIZE == 4 * SUB
@@ -128,6 +129,8 @@ def gdn_chunk_wy_kernel(  # type: ignore[no-untyped-def]
     u_ptr,  # [T, HV, V] out
     gamma_ptr,  # [T, HV] fp32 out
     rk_ptr,  # [T, HV] fp32 out: 1 / |k| of each token's key head
+    s_kt,  # k's token stride (its [HK, K] rows are contiguous)
+    s_vt,  # v's token stride
     HK: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -138,7 +141,8 @@ def gdn_chunk_wy_kernel(  # type: ignore[no-untyped-def]
     BC: tl.constexpr,
     LOWP: tl.constexpr,
 ):
-    # inputs are contiguous, so token strides are HK * K, HV * V and HV. The chunk's products are whole
+    # k and v may be column slices of a wider projection (token strides s_kt, s_vt); the outputs and g, beta
+    # are contiguous, with token strides HV * K, HV * V and HV. The chunk's products are whole
     # [BT, *] matrix products; only the (I + A)^-1 solve works on [BC, BC] blocks, split out of A and put
     # back together in registers
     tl.static_assert(BT == 4 * BC)
@@ -156,7 +160,7 @@ def gdn_chunk_wy_kernel(  # type: ignore[no-untyped-def]
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     m_tv = m_t[:, None] & (o_v < V)[None, :]
 
-    b_k = tl.load(k_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_k = tl.load(k_ptr + rows[:, None] * s_kt + i_hk * K + o_k[None, :], mask=m_tk, other=0.0)
     b_k = b_k.to(tl.float32)
     b_rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)  # [BT]
     # the sequential stage scales raw k rows by this instead of re-normalising them
@@ -201,7 +205,7 @@ def gdn_chunk_wy_kernel(  # type: ignore[no-untyped-def]
     tl.store(
         w_ptr + rows[:, None] * (HV * K) + i_hv * K + o_k[None, :], b_w.to(w_ptr.dtype.element_ty), mask=m_tk
     )
-    b_v = tl.load(v_ptr + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
+    b_v = tl.load(v_ptr + rows[:, None] * s_vt + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
     b_u = _mm(b_x, b_v.to(tl.float32) * b_beta[:, None], LOWP)  # [BT, BV]
     tl.store(
         u_ptr + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_u.to(u_ptr.dtype.element_ty), mask=m_tv
@@ -227,6 +231,7 @@ def gdn_chunk_state_kernel(  # type: ignore[no-untyped-def]
     s_sh,
     s_sk,
     s_sv,
+    s_kt,  # k's token stride
     HK: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -295,7 +300,7 @@ def gdn_chunk_state_kernel(  # type: ignore[no-untyped-def]
         last = tl.minimum(bos + c * BT + BT, eos) - 1
         b_glast = tl.load(gamma_ptr + last * HV + i_hv)
         m_tk = m_t[:, None] & m_k[None, :]
-        b_k = tl.load(k_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_tk, other=0.0)  # raw
+        b_k = tl.load(k_ptr + rows[:, None] * s_kt + i_hk * K + o_k[None, :], mask=m_tk, other=0.0)  # raw
         b_rk = tl.load(rk_ptr + rows * HV + i_hv, mask=m_t, other=0.0)
         # k normalisation and the decay to the chunk end, applied to the [BT, BV] side
         b_vs = b_vn * (b_rk * tl.where(m_t, tl.exp(b_glast - b_gamma), 0.0))[:, None]
@@ -315,6 +320,8 @@ def gdn_chunk_out_kernel(  # type: ignore[no-untyped-def]
     chunk_end_ptr,  # [NC]
     o_ptr,  # [T, HV, V] out
     scale,
+    s_qt,  # q's token stride
+    s_kt,  # k's token stride
     HK: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -340,8 +347,8 @@ def gdn_chunk_out_kernel(  # type: ignore[no-untyped-def]
     rows = bos + o_t
     m_t = rows < end
 
-    b_q = _load_rows_normed(q_ptr + i_hk * K, rows, m_t, HK * K, o_k, m_k) * scale  # [BT, BK]
-    b_k = _load_rows_normed(k_ptr + i_hk * K, rows, m_t, HK * K, o_k, m_k)  # [BT, BK]
+    b_q = _load_rows_normed(q_ptr + i_hk * K, rows, m_t, s_qt, o_k, m_k) * scale  # [BT, BK]
+    b_k = _load_rows_normed(k_ptr + i_hk * K, rows, m_t, s_kt, o_k, m_k)  # [BT, BK]
     b_gamma = tl.load(gamma_ptr + rows * HV + i_hv, mask=m_t, other=0.0)  # [BT]
     b_h = tl.load(
         h_ptr + (i_c * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
@@ -394,9 +401,9 @@ def chunk_layout(cu_seqlens: list[int], device: torch.device) -> ChunkLayout:
 
 
 def launch_chunk_prefill(
-    q: torch.Tensor,  # [T, HK, K] contiguous
-    k: torch.Tensor,  # [T, HK, K] contiguous
-    v: torch.Tensor,  # [T, HV, V] contiguous
+    q: torch.Tensor,  # [T, HK, K], each token's [HK, K] contiguous (`token_rows`)
+    k: torch.Tensor,  # [T, HK, K], likewise
+    v: torch.Tensor,  # [T, HV, V], likewise
     g: torch.Tensor,  # [T, HV] fp32 contiguous
     beta: torch.Tensor,  # [T, HV] fp32 contiguous
     *,
@@ -413,6 +420,7 @@ def launch_chunk_prefill(
 
     Returns (o [T, HV, V] in q's dtype, chunk_states [NC, HV, K, V] fp32 or None).
     """
+    q, k, v, g, beta = token_rows(q), token_rows(k), token_rows(v), g.contiguous(), beta.contiguous()
     num_tokens, num_k_heads, head_k = q.shape
     num_v_heads, head_v = v.shape[1], v.shape[2]
     dev = q.device
@@ -445,7 +453,7 @@ def launch_chunk_prefill(
     cfg = tiles or (2, 32 if few else 64, 4, 128, 4)
     if total_chunks > 0:
         gdn_chunk_wy_kernel[(total_chunks * num_v_heads,)](
-            k, v, g, beta, starts_d, ends_d, w, u, gamma, rk,
+            k, v, g, beta, starts_d, ends_d, w, u, gamma, rk, k.stride(0), v.stride(0),
             BV=bv_full, BT=bt, BC=SUB, num_warps=cfg[0], **common,
         )  # fmt: skip
     bv_state = min(bv_full, cfg[1])
@@ -459,13 +467,13 @@ def launch_chunk_prefill(
         gdn_chunk_state_kernel[(num_seqs * num_v_heads, triton.cdiv(head_v, bv_state))](
             k, w, u, gamma, rk, v_new, h, state, cu_d, chunk_off_d, state_slots, has_initial_state,
             has_initial_state if saves is None else saves,
-            state.stride(0), state.stride(1), state.stride(2), state.stride(3),
+            state.stride(0), state.stride(1), state.stride(2), state.stride(3), k.stride(0),
             BV=bv_state, BT=bt, num_warps=cfg[2], HAS_SAVE=saves is not None, **common,
         )  # fmt: skip
     bv_out = min(bv_full, cfg[3])
     if total_chunks > 0:
         gdn_chunk_out_kernel[(total_chunks * num_v_heads, triton.cdiv(head_v, bv_out))](
-            q, k, v_new, gamma, h, starts_d, ends_d, o, head_k**-0.5,
+            q, k, v_new, gamma, h, starts_d, ends_d, o, head_k**-0.5, q.stride(0), k.stride(0),
             BV=bv_out, BT=bt, num_warps=cfg[4], **common,
         )  # fmt: skip
     return o, (h if return_chunk_states else None)

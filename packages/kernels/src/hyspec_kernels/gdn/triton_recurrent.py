@@ -11,7 +11,8 @@ is one coalesced load; V tiles of 8-64 columns give enough programs at small bat
 - verify without scratch (chains committed by replay, `gdn_replay`): no state written; with `keep_inputs`
   each token's raw k, v, g and beta go to those buffers at its input row and step, for the replay.
 
-Token inputs and outputs are contiguous; each state slot and each scratch (row, step) entry is a contiguous
+Token inputs are read through their token strides (q, k and v may be column slices of one projection),
+outputs are contiguous; each state slot and each scratch (row, step) entry is a contiguous
 [HV, K, V] block, so only the slot, row and step strides are passed (few arguments keep the launch cheap).
 """
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .checks import token_rows
 
 
 @triton.jit
@@ -62,6 +65,9 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     s_xr,
     s_xd,
     in_dmax,
+    s_qt,  # token strides of q, k and v over the [N * D] tokens (each token's [H, K|V] is contiguous)
+    s_kt,
+    s_vt,
     HK: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -109,9 +115,9 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     # each step's inputs are loaded one step ahead: at small batch a block is bound by load latency, and the
     # next token's loads do not wait for this token's state update (the last step reloads its own: no
     # access past the block)
-    n_q = tl.load(q_ptr + (tok * HK + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    n_k = tl.load(k_ptr + (tok * HK + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    n_v = tl.load(v_ptr + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    n_q = tl.load(q_ptr + tok * s_qt + i_hk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    n_k = tl.load(k_ptr + tok * s_kt + i_hk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    n_v = tl.load(v_ptr + tok * s_vt + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
     n_g = tl.load(g_ptr + tok * HV + i_hv).to(tl.float32)
     n_beta = tl.load(beta_ptr + tok * HV + i_hv).to(tl.float32)
     for j in range(num_steps):
@@ -126,9 +132,9 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
                     b_s = tl.load(p_scratch + parent * s_xd, mask=m_row, other=0.0).to(tl.float32)
         b_q, b_k, b_v, b_g, b_beta = n_q, n_k, n_v, n_g, n_beta
         t_n = tok + tl.minimum(j + 1, num_steps - 1)
-        n_q = tl.load(q_ptr + (t_n * HK + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        n_k = tl.load(k_ptr + (t_n * HK + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        n_v = tl.load(v_ptr + (t_n * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        n_q = tl.load(q_ptr + t_n * s_qt + i_hk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        n_k = tl.load(k_ptr + t_n * s_kt + i_hk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        n_v = tl.load(v_ptr + t_n * s_vt + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         n_g = tl.load(g_ptr + t_n * HV + i_hv).to(tl.float32)
         n_beta = tl.load(beta_ptr + t_n * HV + i_hv).to(tl.float32)
         if STORE_INPUTS:
@@ -176,11 +182,11 @@ def default_tiles(num_seq_heads: int, head_v: int) -> tuple[int, int]:
 
 
 def launch_recurrent(
-    q: torch.Tensor,  # [N, D, HK, K] contiguous
-    k: torch.Tensor,  # [N, D, HK, K] contiguous
-    v: torch.Tensor,  # [N, D, HV, V] contiguous
-    g: torch.Tensor,  # [N, D, HV] fp32 contiguous
-    beta: torch.Tensor,  # [N, D, HV] fp32 contiguous
+    q: torch.Tensor,  # [N, D, HK, K]: a view of [N * D] tokens whose [HK, K] rows are contiguous, or copied
+    k: torch.Tensor,  # [N, D, HK, K], likewise
+    v: torch.Tensor,  # [N, D, HV, V], likewise
+    g: torch.Tensor,  # [N, D, HV] fp32
+    beta: torch.Tensor,  # [N, D, HV] fp32
     *,
     state: torch.Tensor,  # [S, HV, K, V], each slot contiguous
     state_slots: torch.Tensor,  # [N]
@@ -201,6 +207,9 @@ def launch_recurrent(
     o = torch.empty(num_seqs, steps, num_v_heads, head_v, dtype=out_dtype, device=q.device)
     if num_seqs == 0 or steps == 0:
         return o
+    # the models' q, k and v are column slices of one projection: read in place through token strides
+    qt, kt, vt = (token_rows(x.reshape(num_seqs * steps, *x.shape[2:])) for x in (q, k, v))
+    g, beta = g.contiguous(), beta.contiguous()
     is_verify = scratch is not None if verify is None else verify
     store_steps = scratch is not None
     xs = scratch if scratch is not None else state  # an unused pointer without scratch
@@ -208,9 +217,9 @@ def launch_recurrent(
     bv, num_warps = tiles if tiles is not None else default_tiles(num_seqs * num_v_heads, head_v)
     grid = (num_seqs * num_v_heads, triton.cdiv(head_v, bv))
     gdn_recurrent_fwd_kernel[grid](
-        q,
-        k,
-        v,
+        qt,
+        kt,
+        vt,
         g,
         beta,
         o,
@@ -230,6 +239,9 @@ def launch_recurrent(
         xs.stride(0),
         xs.stride(1) if store_steps else 0,
         kin.shape[1] if keep_inputs is not None else 0,
+        qt.stride(0),
+        kt.stride(0),
+        vt.stride(0),
         HK=num_k_heads,
         HV=num_v_heads,
         K=head_k,
