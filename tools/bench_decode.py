@@ -241,12 +241,12 @@ def oracle_registry(refs: Sequence[list[int]], steps: int) -> Any:
             # request id -> (its reference or None once parted, history length when last checked)
             self._refs: dict[Any, tuple[list[int] | None, int]] = {}
 
-        def _reference(self, rid: Any, h: torch.Tensor) -> list[int] | None:
-            n = int(h.shape[0])
+        def _reference(self, rid: Any, h: Any) -> list[int] | None:
+            n = len(h)
             ref, seen = self._refs.get(rid, (None, -1))
             if n <= seen or (ref is None and seen < 0):
                 # a new request (or one whose id came back): find its reference once
-                hist = h.tolist()
+                hist = list(h[:n])
                 ref = next((r for r in refs if r[:n] == hist), None)
             elif ref is not None and (n > len(ref) or ref[n - 1] != int(h[-1])):
                 ref = None  # parted from its reference
@@ -258,7 +258,7 @@ def oracle_registry(refs: Sequence[list[int]], steps: int) -> Any:
             num = []
             for rid, h, s in zip(batch.req_ids, batch.histories, batch.num_steps, strict=True):
                 ref = self._reference(rid, h)
-                n = int(h.shape[0])
+                n = len(h)
                 nxt = [] if ref is None else ref[n : n + min(s, steps)]
                 rows.append(nxt + [0] * (steps - len(nxt)))
                 num.append(len(nxt))

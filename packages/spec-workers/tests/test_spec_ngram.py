@@ -40,3 +40,75 @@ def test_batched_padding_and_zero_draft_rows_verify() -> None:
     pred = torch.tensor([[3, 4, 8, 0], [8, 8, 8, 8], [9, 9, 0, 0]])
     r = verify_greedy(tree, pred)
     assert r.tolist() == [[3, 4, 8], [8], [9, 9]]
+
+
+def _reference(h: list[int], min_n: int, max_n: int, cap: int) -> list[int]:
+    """Prompt lookup by brute force: longest n first, most recent earlier occurrence with a token after it."""
+    for n in range(min(max_n, len(h) - 1), min_n - 1, -1):
+        hits = [s for s in range(len(h) - n) if h[s : s + n] == h[len(h) - n :]]
+        if hits:
+            return h[hits[-1] + n : hits[-1] + n + cap]
+    return []
+
+
+@pytest.mark.parametrize(("min_n", "max_n"), [(1, 3), (2, 2), (1, 1), (2, 5)])
+def test_kept_indexes_equal_brute_force_as_histories_grow(min_n: int, max_n: int) -> None:
+    # three requests grow by 1-4 tokens a round (small vocabulary: many repeats), with caps that vary, a cap
+    # of 0 (the row still indexes), a request replaced under the same id (its history is no extension: the
+    # index restarts) and one forgotten half-way
+    gen = torch.Generator().manual_seed(min_n * 10 + max_n)
+    p = NgramProposer(min_n=min_n, max_n=max_n, num_speculative_tokens=4)
+
+    def tokens(most: int) -> list[int]:
+        return torch.randint(
+            0, 5, (int(torch.randint(1, most, (1,), generator=gen)),), generator=gen
+        ).tolist()
+
+    hists = {rid: tokens(6) for rid in ("a", "b", "c")}
+    for rnd in range(30):
+        if rnd == 12:
+            hists["b"] = [4, 4, 1]  # a new request reusing the id
+        if rnd == 20:
+            p.forget(["c"])
+            assert "c" not in p.followed
+        ids = list(hists)
+        caps = [int(torch.randint(0, 5, (1,), generator=gen)) for _ in ids]
+        drafts, num = p.propose([hists[r] for r in ids], caps, ids)
+        for i, r in enumerate(ids):
+            want = _reference(hists[r], min_n, max_n, min(caps[i], 4))
+            assert drafts[i, : num[i]].tolist() == want, (rnd, r)
+            assert drafts[i, num[i] :].eq(0).all()
+            assert p.propose_one(torch.tensor(hists[r]), caps[i]).tolist() == want
+        for r in ids:
+            hists[r] += torch.randint(
+                0, 5, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen
+            ).tolist()
+    assert p.followed == {"a", "b", "c"}
+    p.forget(["a", "b", "c", "unknown"])
+    assert not p.followed
+
+
+def test_request_tokens_view_slices_like_a_list() -> None:
+    from hyspec_spec_workers.round_types import RequestTokens
+
+    class Req:
+        request_id = "r"
+
+        def __init__(self) -> None:
+            self.tokens = [5, 6, 7, 8, 9]
+            self.sliced: list[tuple[int, int]] = []
+
+        def token_slice(self, start: int, end: int) -> list[int]:
+            self.sliced.append((start, end))
+            return self.tokens[start:end]
+
+    req = Req()
+    view = RequestTokens(req, 4)  # type: ignore[arg-type]
+    assert len(view) == 4 and view[-1] == 8 and view[0] == 5
+    assert view[1:3] == [6, 7] and view[2:] == [7, 8] and view[-2:] == [7, 8] and view[3:1] == []
+    assert view.tolist() == [5, 6, 7, 8] and list(view) == [5, 6, 7, 8]
+    assert (1, 3) in req.sliced  # slices ask the request for just their range
+    with pytest.raises(IndexError):
+        view[4]
+    with pytest.raises(ValueError, match="contiguous"):
+        view[::2]

@@ -29,15 +29,16 @@ class DraftBatch:
     Attributes:
         root_tokens: [N] int64 current tokens (last round's bonus or the prefill's first token).
         num_steps: per-row draft lengths for this round (adaptive), each in [0, S]; 0 = no drafts.
-        histories: per-row token ids so far (prompt + generated), each [L_n] ending with the root; ngram
-            reads them.
+        histories: per-row token ids so far (prompt + generated), each [L_n] ending with the root: a 1-D int
+            tensor, a list or any sequence of ints (a round passes views of its requests' tokens,
+            `round_types.RequestTokens`, which copy only what is sliced); ngram reads them.
         hidden_states: [N, H] target hidden state at the root position (MTP/EAGLE input), or None.
         req_ids: per-row request ids; model drafters (`ModelDrafter`) need them to find their own KV.
     """
 
     root_tokens: torch.Tensor
     num_steps: Sequence[int]
-    histories: Sequence[torch.Tensor] = ()
+    histories: Sequence[Sequence[int] | torch.Tensor] = ()
     hidden_states: torch.Tensor | None = None
     req_ids: Sequence[Hashable] = ()
 
@@ -128,7 +129,11 @@ class Drafter(Protocol):
 
 
 class NgramDrafter:
-    """Prompt-lookup drafter: chains of up to S tokens copied from the row's history; zero-draft rows ok."""
+    """Prompt-lookup drafter: chains of up to S tokens copied from the row's history; zero-draft rows ok.
+
+    With `DraftBatch.req_ids` it keeps each request's n-gram index between rounds (`NgramProposer`); its
+    round (`SpeculativeRound.on_free`) calls `forget` when a request ends.
+    """
 
     def __init__(self, *, min_n: int, max_n: int, num_speculative_tokens: int) -> None:
         self._proposer = NgramProposer(
@@ -146,9 +151,18 @@ class NgramDrafter:
     def propose(self, batch: DraftBatch) -> DraftOutput:
         if len(batch.histories) != batch.root_tokens.shape[0]:
             raise ValueError("batch.histories: the ngram drafter needs one history per row")
-        drafts, num = self._proposer.propose(batch.histories, batch.num_steps)
+        drafts, num = self._proposer.propose(batch.histories, batch.num_steps, batch.req_ids)
         root = batch.root_tokens.to(drafts.device)
         return DraftOutput(VerifyTree.chain(root, drafts, num))
+
+    def forget(self, request_ids: Sequence[Hashable]) -> None:
+        """Drops the n-gram indexes of these (ended) requests."""
+        self._proposer.forget(request_ids)
+
+    @property
+    def followed(self) -> frozenset[Hashable]:
+        """Requests whose n-gram index is kept."""
+        return self._proposer.followed
 
 
 @runtime_checkable

@@ -42,8 +42,15 @@ from hyspec_spec_workers.constraint import (
 )
 from hyspec_spec_workers.costs import CostTracker, DraftClock, RoundTimer
 from hyspec_spec_workers.draft_feed import DraftFeed
-from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, Drafter, DraftOutput, ModelDrafter
-from hyspec_spec_workers.round_types import RoundRow, VerifiedTokens, VerifyTarget
+from hyspec_spec_workers.drafter import (
+    CommittedTokens,
+    DraftBatch,
+    Drafter,
+    DraftOutput,
+    ModelDrafter,
+    NgramDrafter,
+)
+from hyspec_spec_workers.round_types import RequestTokens, RoundRow, VerifiedTokens, VerifyTarget
 from hyspec_spec_workers.round_verify import verify_round
 from hyspec_spec_workers.tree import VerifyTree, resized_chain
 
@@ -147,6 +154,8 @@ class SpeculativeRound:
 
     def on_free(self, request_id: str) -> None:
         self._lengths.pop(request_id, None)
+        if isinstance(self.drafter, NgramDrafter):
+            self.drafter.forget([request_id])
         if self.feed is not None:
             self.feed.drop(request_id)
         if request_id in self._followed:
@@ -185,8 +194,9 @@ class SpeculativeRound:
 
     def leak_check(self) -> None:
         waiting = set() if self.feed is None else self.feed.waiting
-        if self._followed or self._lengths or waiting:
-            held = self._followed | set(self._lengths) | waiting
+        indexed = {str(r) for r in self.drafter.followed} if isinstance(self.drafter, NgramDrafter) else set()
+        if self._followed or self._lengths or waiting or indexed:
+            held = self._followed | set(self._lengths) | waiting | indexed
             raise RuntimeError(f"speculative decoding still follows requests {sorted(held)}")
         kv = getattr(self.drafter, "kv", None)
         pool = getattr(kv, "pool", None)
@@ -335,7 +345,7 @@ class SpeculativeRound:
             hist = (
                 ()
                 if self.model_drafter is not None
-                else [torch.tensor(r.request.token_slice(0, r.prefix_len + 1)) for r in rows]
+                else [RequestTokens(r.request, r.prefix_len + 1) for r in rows]
             )
             if self.feed is not None:
                 # the draft KV catches up on everything committed since its last proposal; more than a

@@ -6,9 +6,9 @@ target's runner satisfies (a server's model runner with CUDA graphs, or an eager
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, overload
 
 import torch
 from hyspec_attn_backends import ForwardBatch
@@ -24,6 +24,42 @@ class RoundRequest(SamplingRequest, Protocol):
     def request_id(self) -> str: ...
 
     def token_slice(self, start: int, end: int) -> list[int]: ...
+
+
+class RequestTokens(Sequence[int]):
+    """A request's first `length` tokens as a sequence that copies only what is sliced (`token_slice`): a
+    round hands these to its drafter as histories, so a row costs the same at any history length."""
+
+    __slots__ = ("_length", "_request")
+
+    def __init__(self, request: RoundRequest, length: int) -> None:
+        self._request, self._length = request, length
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._length)
+            if step != 1:
+                raise ValueError(f"index: expected a contiguous slice, got step {step}")
+            return self._request.token_slice(start, max(start, stop))
+        i = index + self._length if index < 0 else index
+        if not 0 <= i < self._length:
+            raise IndexError(f"index {index} out of range for {self._length} tokens")
+        return self._request.token_slice(i, i + 1)[0]
+
+    def tolist(self) -> list[int]:
+        return self._request.token_slice(0, self._length)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist())  # one slice, not a call per token
 
 
 @dataclass(frozen=True, slots=True)

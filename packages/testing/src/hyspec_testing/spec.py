@@ -158,7 +158,7 @@ class ForcedDrafter:
         drafts = torch.zeros(n, s, dtype=torch.int64)
         num = torch.zeros(n, dtype=torch.int64)
         for row in range(n):
-            hist = batch.histories[row].tolist()
+            hist = list(batch.histories[row])
             cap = batch.num_steps[row]
             self.steps_seen.add(cap)
             full = next((r for r in self.refs if len(r) > len(hist) and r[: len(hist)] == hist), None)
