@@ -84,6 +84,60 @@ def _text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+@dataclass(frozen=True, slots=True)
+class _Loaded:
+    """The target model on its device, and what the runner reads from its config."""
+
+    model: Any
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    hidden_size: int
+    max_model_len: int  # the args' value, else the checkpoint's positions
+
+
+def _load(args: EngineArgs, model_dir: Path) -> _Loaded:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
+    dtype = resolve_dtype(args.dtype, device, checkpoint_dtype(model_dir))
+    t0 = time.perf_counter()
+    # a progress bar where someone watches (a terminal), as vLLM shows one
+    model = load_model(model_dir, device=device, dtype=dtype, progress=sys.stderr.isatty())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    log.info(
+        "loaded %s: %.2f GiB of %s weights on %s in %.1f s",
+        model_dir,
+        weights / 2**30,
+        str(dtype).removeprefix("torch."),
+        device,
+        time.perf_counter() - t0,
+    )
+    config = _text_config(model.config)
+    ckpt_len = int(getattr(config, "max_position_embeddings", _DEFAULT_MAX_MODEL_LEN))
+    if args.max_model_len is not None and args.max_model_len > ckpt_len:
+        raise ValueError(f"max_model_len={args.max_model_len} is over the checkpoint's {ckpt_len} positions")
+    return _Loaded(
+        model, device, dtype, int(config.vocab_size), int(config.hidden_size), args.max_model_len or ckpt_len
+    )
+
+
+def _prepare_drafter(spec: SpeculativeRound, graphs: CudaGraphRunner, loaded: _Loaded) -> None:
+    """After the target's graphs: the drafter's own graphs and the draft extend's first load."""
+    if graphs.active and isinstance(spec.drafter, GraphedDrafter):
+        # the drafter's proposal forwards (MTP / EAGLE-3 steps, the DFlash block) at the same batch sizes
+        spec.drafter.capture_graphs(graphs.sizes)
+    if loaded.device.type == "cuda":
+        # the eager draft extend's kernels load now, not in a request's first catch-up, and its time is the
+        # first estimate of what a probe costs (`DraftFeed.warm_up`)
+        spec.warm_up(
+            hidden_size=loaded.hidden_size,
+            dtype=loaded.dtype,
+            device=loaded.device,
+            max_model_len=loaded.max_model_len,
+        )
+
+
 @dataclass(slots=True)
 class _Riders:
     """A speculative step's plain chunks (prompt chunks, plain decodes): they run in the round's one target
@@ -112,12 +166,15 @@ def _capture_with_progress(graphs: CudaGraphRunner, sizes: Sequence[int]) -> Non
 
     total = len(sizes) * (int(graphs.decode) + len(graphs.verify))
     shown = graphs.active and sys.stderr.isatty()
+    t0 = time.perf_counter()
     with tqdm(total=total, desc="capturing CUDA graphs", unit="graph", disable=not shown) as bar:
         graphs.on_capture = lambda _key: bar.update()
         try:
             graphs.capture(sizes)
         finally:
             graphs.on_capture = None
+    if graphs.active:
+        log.info("captured CUDA graphs for batch sizes %s in %.1f s", graphs.sizes, time.perf_counter() - t0)
 
 
 class HyspecModelRunner:
@@ -129,32 +186,9 @@ class HyspecModelRunner:
 
     def __init__(self, args: EngineArgs, model_dir: Path, *, drafters: DrafterRegistry | None = None) -> None:
         spec_config = args.speculative_config
-        self._device = torch.device(args.device)
-        if self._device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
-        self.dtype = resolve_dtype(args.dtype, self._device, checkpoint_dtype(model_dir))
-        t0 = time.perf_counter()
-        # a progress bar where someone watches (a terminal), as vLLM shows one
-        self.model = load_model(
-            model_dir, device=self._device, dtype=self.dtype, progress=sys.stderr.isatty()
-        )
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        log.info(
-            "loaded %s: %.2f GiB of %s weights on %s in %.1f s",
-            model_dir,
-            weights / 2**30,
-            str(self.dtype).removeprefix("torch."),
-            self._device,
-            time.perf_counter() - t0,
-        )
-        config = _text_config(self.model.config)
-        self.vocab_size = int(config.vocab_size)
-        ckpt_len = int(getattr(config, "max_position_embeddings", _DEFAULT_MAX_MODEL_LEN))
-        if args.max_model_len is not None and args.max_model_len > ckpt_len:
-            raise ValueError(
-                f"max_model_len={args.max_model_len} is over the checkpoint's {ckpt_len} positions"
-            )
-        self._max_model_len = args.max_model_len or ckpt_len
+        loaded = _load(args, model_dir)
+        self.model, self._device, self.dtype = loaded.model, loaded.device, loaded.dtype
+        self.vocab_size, self._max_model_len = loaded.vocab_size, loaded.max_model_len
         self.use_graphs = self._device.type == "cuda" and not args.enforce_eager
         layers = self.model.mixer_layers()
         built = build_memory(
@@ -166,7 +200,7 @@ class HyspecModelRunner:
             dtype=self.dtype,
             max_model_len=self._max_model_len,
             vocab_size=self.vocab_size,
-            hidden_size=int(config.hidden_size),
+            hidden_size=loaded.hidden_size,
             drafters=drafters,
         )
         self.spec: SpeculativeRound | None = built.spec
@@ -202,14 +236,7 @@ class HyspecModelRunner:
                 lambda b, a: self.backend.commit_every_row(batch=b, num_accepted=a),
             ),
         )
-        t0 = time.perf_counter()
         _capture_with_progress(self.graphs, capture_sizes(max_num_seqs))
-        if self.graphs.active:
-            log.info(
-                "captured CUDA graphs for batch sizes %s in %.1f s",
-                self.graphs.sizes,
-                time.perf_counter() - t0,
-            )
         # the next decode batch is built while the device runs this one (decode_ahead.py); on the CPU
         # there is nothing to overlap with, so only tests turn it on there
         self._riders: _Riders | None = None  # a speculative step's plain chunks, until a forward runs them
@@ -230,18 +257,8 @@ class HyspecModelRunner:
             sampler=self._sampler,
             spec=self.spec,
         )
-        if self.spec is not None and self.graphs.active and isinstance(self.spec.drafter, GraphedDrafter):
-            # the drafter's proposal forwards (MTP / EAGLE-3 steps, the DFlash block) at the same batch sizes
-            self.spec.drafter.capture_graphs(self.graphs.sizes)
-        if self.spec is not None and self._device.type == "cuda":
-            # the eager draft extend's kernels load now, not in a request's first catch-up, and its time is
-            # the first estimate of what a probe costs (`DraftFeed.warm_up`)
-            self.spec.warm_up(
-                hidden_size=int(config.hidden_size),
-                dtype=self.dtype,
-                device=self._device,
-                max_model_len=self._max_model_len,
-            )
+        if self.spec is not None:
+            _prepare_drafter(self.spec, self.graphs, loaded)
 
     @property
     def memory(self) -> StatePoolMemory:
