@@ -23,11 +23,14 @@ S = 3
 
 
 def _proposals(
-    t: Any, spec: dict[str, Any], *, general: bool
+    t: Any, spec: dict[str, Any], *, general: bool, poison: bool = False
 ) -> tuple[list[torch.Tensor], list[tuple[int, int]], Any]:
-    """Every proposed block of a greedy generation, and the token counts of the draft forwards."""
+    """Every proposed block of a greedy generation, and the token counts of the draft forwards (`poison`:
+    with the drafter's static feature buffer NaN at the start)."""
     cfg = SpeculativeConfig.from_dict(spec)
     drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
+    if poison:
+        drafter.features_in.fill_(float("nan"))
     if general:
         # an instance-level draft_logits (the testing hook) sends proposals down the general path
         drafter.draft_logits = drafter.draft_logits
@@ -81,3 +84,23 @@ def test_multi_layer_mtp_keeps_the_general_path(target: Callable[[str], Any]) ->
     drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
     # layer j at step j needs its own K/V at the earlier draft positions: no one-token chain
     assert drafter.chain is None
+
+
+@pytest.mark.parametrize(("arch", "method"), [("qwen3_5", "mtp"), ("lfm2", "eagle3")])
+def test_stale_nan_features_never_reach_a_proposal(
+    target: Callable[[str], Any], arch: str, method: str
+) -> None:
+    """The chain path's first block pads each row after its root; the padding is stored as KV inside the
+    row's length, so whatever its features held entered the root's attention as 0 * V. With the static
+    feature buffer poisoned (as a CUDA graph's warm-up on an all-padding batch over an uninitialised draft KV
+    pool left it once, in a whole-suite GPU run: every draft of rows 0 and 1 came out 0), proposals equal
+    those of a clean buffer."""
+    t = target(arch)
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": S}
+    if method == "eagle3":
+        spec["model"] = str(t.eagle3())
+    clean, _, _ = _proposals(t, spec, general=False)
+    poisoned, _, _ = _proposals(t, spec, general=False, poison=True)
+    assert len(poisoned) == len(clean) > 0
+    for a, b in zip(clean, poisoned, strict=True):
+        assert torch.equal(a, b)

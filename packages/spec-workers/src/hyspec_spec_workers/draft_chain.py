@@ -79,6 +79,10 @@ class OneLayerChain:
         # block row i: its pending pairs, its root pair at block index q[i], then padding
         block = torch.zeros(n * e, dtype=torch.int64, device=dev)  # [N * E]
         feats = self.features_in[: n * e]  # [N * E, F]
+        # the padding after each root is stored as KV inside the row's length: stale values there (a padded
+        # replay's rows, or NaN from memory an earlier user left) would reach the root's attention as
+        # 0 * NaN, so the block starts from zeros
+        feats.zero_()
         if got is not None:
             at = to_device([i * e + k for i in range(n) for k in range(q[i])], dtype=torch.int64, device=dev)
             block[at] = got[0].to(dev)
@@ -116,7 +120,9 @@ class OneLayerChain:
         """The first step: a block per row of [pending pairs, root pair, padding] at the final length.
 
         Writes the pending pairs' K/V (they become final) and the root pair's; the padding past the root
-        writes positions the next steps overwrite before anything reads them. Returns the first draft [N]
+        writes positions the next steps overwrite, and the root's causal mask hides them, but a masked
+        position's V still enters the product as 0 * V: `draft` zeroes the padding features so that V is
+        finite. Returns the first draft [N]
         int64 and the root pair's output feature [N, F], taken at each row's `_root_index`.
         """
         n, e = batch.num_seqs, batch.verify_len

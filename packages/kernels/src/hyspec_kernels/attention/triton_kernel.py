@@ -3,10 +3,11 @@
 Attention grid: (sequence, query tile, counted from the last, KV head). A program takes BLOCK_M query tokens
 of one sequence and all GROUP query heads that share one KV head, as BLOCK_M * GROUP_PAD rows of a single
 matrix, so the K/V it streams from the pages serve the whole group (GQA) and decode still fills a tensor-core
-tile. It walks the
-sequence's KV positions in blocks of BLOCK_N, looking each position's page up in the page table (any page
-size, 1 included), with an online softmax in fp32. Masked and out-of-range positions are never loaded
-(masked loads give zeros), so unused pages cannot leak into the output even when they hold NaN.
+tile. It walks the sequence's KV positions in blocks of BLOCK_N, looking each position's page up in the page
+table (any page size, 1 included), with an online softmax in fp32. Positions at or past a sequence's KV
+length are never loaded (masked loads give zeros), so unused pages cannot leak into the output even when they
+hold NaN. Positions below it that a row's causal or tree mask hides are loaded with the tile (their weight is
+0, but 0 * NaN is NaN): callers keep every position below the KV length finite, as the torch path needs too.
 """
 
 from __future__ import annotations
