@@ -25,6 +25,10 @@ def test_short_continuations_caps_and_no_match() -> None:
     assert p.propose_one(_t([7])).tolist() == []
     with pytest.raises(ValueError, match="max_n"):
         NgramProposer(min_n=3, max_n=2, num_speculative_tokens=1)
+    with pytest.raises(ValueError, match="history"):
+        p.propose_one(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ValueError, match=r"histories\[1\]"):
+        p.propose([[1, 2], torch.tensor([[1, 2, 3]])])
 
 
 def test_batched_padding_and_zero_draft_rows_verify() -> None:
