@@ -58,3 +58,27 @@ def test_ngram_indexes_under_preemption_equal_plain_and_are_freed(checkpoint: Pa
     engine.abort("gone")
     assert not drafter.followed
     engine.leak_check()
+
+
+def test_request_tokens_view_of_a_server_request_across_prompt_and_output(checkpoint: Path) -> None:
+    from hyspec_server.request import Request
+    from hyspec_server.tokenizer import HFTokenizer
+    from hyspec_spec_workers.round_types import RequestTokens
+
+    req = Request.create(
+        request_id="r",
+        prompt=None,
+        prompt_token_ids=[5, 6, 7],
+        params=SamplingParams(max_tokens=8, ignore_eos=True),
+        tokenizer=HFTokenizer(checkpoint),
+        arrival_time=0.0,
+    )
+    for t in (8, 9, 10):
+        req.append_token(t, max_model_len=100, now=0.0)
+    every = [5, 6, 7, 8, 9, 10]
+    view = RequestTokens(req, 5)  # the round's history: the last token not yet in it
+    assert len(view) == 5 and list(view) == every[:5] and view.tolist() == every[:5]
+    for a in range(-6, 7):
+        for b in range(-6, 7):
+            assert view[a:b] == every[:5][a:b], (a, b)
+    assert [view[i] for i in range(-5, 5)] == [every[:5][i] for i in range(-5, 5)]
