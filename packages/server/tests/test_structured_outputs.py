@@ -131,6 +131,9 @@ def test_bad_constraints_are_value_errors_naming_the_field(kwargs: dict[str, Any
         (StructuredOutputsParams(regex="(ab"), "structured_outputs.regex"),
         (StructuredOutputsParams(grammar="root ::= "), "structured_outputs.grammar"),
         (StructuredOutputsParams(json={"type": "nonsense-type"}), "structured_outputs.json"),
+        # compile, but no token can start them (an empty character class)
+        (StructuredOutputsParams(regex="[^\\x00-\\U0010FFFF]"), "allows no token"),
+        (StructuredOutputsParams(grammar="root ::= [^\\x00-\\U0010FFFF]"), "allows no token"),
     ],
 )
 def test_constraints_that_do_not_compile_lose_nothing(so: StructuredOutputsParams, match: str) -> None:
@@ -179,7 +182,29 @@ def test_http_response_format_and_structured_outputs() -> None:
                 if line.startswith("data: {") and json.loads(line[6:])["choices"]
             )
             assert re.fullmatch(REGEX, text), text
+            # logprobs beside a constraint: forbidden tokens' -inf is reported as vLLM's floor (valid JSON)
+            for stream in (False, True):
+                r = c.post(
+                    "/v1/completions",
+                    json={**body, "structured_outputs": {"choice": CHOICES}, "logprobs": 5, "stream": stream},
+                )
+                assert r.status_code == 200, r.text
+                bodies = (
+                    [r.json()]
+                    if not stream
+                    else [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+                )
+                lps = [
+                    v
+                    for b in bodies
+                    for ch in b["choices"]
+                    if ch.get("logprobs")
+                    for top in ch["logprobs"]["top_logprobs"]
+                    for v in top.values()
+                ]
+                assert lps and all(-9999.0 <= v <= 0.0 for v in lps), lps
             for extra, param in (
+                ({"structured_outputs": {"regex": "[^\\x00-\\U0010FFFF]"}}, "structured_outputs"),
                 ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs"),
                 ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs"),
                 ({"structured_outputs": {"bogus": 1}}, "structured_outputs"),

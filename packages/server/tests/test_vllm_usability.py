@@ -191,8 +191,47 @@ def test_chat_template_options() -> None:
         assert r.json()["usage"]["prompt_tokens"] == len(b"x=1\nuser: hi\nassistant: he")
         bad = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "continue_final_message": True})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+        # template variables named like the renderer's own arguments, malformed assistant tool calls and a
+        # `model` that is no string are 400s naming the field, not server errors
+        for extra, param in (
+            ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+            ({"chat_template_kwargs": {"tools": [], "x": 1}}, "chat_template_kwargs"),
+            ({"messages": [{"role": "assistant", "tool_calls": [{"function": [1]}]}]}, "messages"),
+            ({"messages": [{"role": "assistant", "tool_calls": [{"function": "abc"}]}]}, "messages"),
+            ({"model": 5}, "model"),
+        ):
+            bad = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, **extra})
+            assert bad.status_code == 400, (extra, bad.text)
+            assert bad.json()["error"]["param"] == param, (extra, bad.json())
+        bad = httpx.post(
+            srv.base_url + "/tokenize",
+            json={"messages": [{"role": "assistant", "tool_calls": [{"function": [1]}]}]},
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages", bad.text
+        bad = httpx.post(srv.base_url + "/tokenize", json={"prompt": "hi", "model": [1]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "model", bad.text
+        assert httpx.post(srv.base_url + "/v1/chat/completions", json=body).status_code == 200
     finally:
         srv.stop()
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        llm.chat(conv, GREEDY, chat_template_kwargs={"tokenize": True}, use_tqdm=False)
+
+
+def test_a_chat_template_that_cannot_render_its_input_is_a_value_error() -> None:
+    # the shipped demo model's real template (transformers' renderer): input nested past Python's recursion
+    # limit is a ValueError (an HTTP 400), not a RecursionError
+    from hyspec_server.default_model import default_model_dir
+    from hyspec_server.tokenizer import ChatOptions, HFTokenizer
+
+    tok = HFTokenizer(default_model_dir())
+    deep: object = 1
+    for _ in range(1500):
+        deep = [deep]
+    with pytest.raises(ValueError, match="nested too deeply"):
+        tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], options=ChatOptions(template_kwargs={"x": deep})
+        )
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}])  # the tokenizer still works
 
 
 def test_cors_preflight_passes_before_the_api_key() -> None:

@@ -54,8 +54,10 @@ class ServerContext:
             "max_model_len": self.max_model_len,
         }
 
-    def check_model(self, name: str | None) -> None:
-        """404 unless `name` (a request's `model`) is None or the served model."""
+    def check_model(self, name: object) -> None:
+        """404 unless `name` (a request's `model`) is None or the served model; 400 when it is no string."""
+        if name is not None and not isinstance(name, str):
+            raise APIError(400, f"model: expected a string, got {type(name).__name__}", param="model")
         if name is not None and name != self.model_name:
             raise APIError(
                 404,

@@ -90,7 +90,9 @@ def vllm_prompt_logprobs(out: RequestOutput, k: int) -> list[dict[str, dict[str,
             rows.append(None)
             continue
         keep = {t: e for t, e in entries.items() if t == tok or (e.rank is not None and e.rank <= k)}
-        rows.append({str(t): dataclasses.asdict(e) for t, e in keep.items()})
+        rows.append(
+            {str(t): {**dataclasses.asdict(e), "logprob": json_logprob(e.logprob)} for t, e in keep.items()}
+        )
     return rows
 
 
@@ -186,6 +188,15 @@ def _token_str(tok: Any, t: int, lp: Logprob | None = None) -> str:
     return str(tok.decode([t], skip_special_tokens=False))
 
 
+# JSON has no -inf: a token a structured output's mask forbids has logprob -inf; vLLM's server reports it
+# as this floor, and so does this one
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(v: float) -> float:
+    return v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN too (v >= x is False)
+
+
 def _by_logprob(d: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
     return sorted(d.items(), key=lambda kv: -kv[1].logprob)
 
@@ -211,11 +222,13 @@ def completion_logprobs(
             continue
         top: dict[str, float] = {}
         for k, v in _by_logprob(d):
-            top.setdefault(_token_str(tok, k, v), v.logprob)
+            top.setdefault(_token_str(tok, k, v), json_logprob(v.logprob))
         tops.append(top)
     body = {
         "tokens": tokens,
-        "token_logprobs": [None if d is None else d[t].logprob for t, d in zip(ids, lps, strict=True)],
+        "token_logprobs": [
+            None if d is None else json_logprob(d[t].logprob) for t, d in zip(ids, lps, strict=True)
+        ],
         "top_logprobs": tops,
         "text_offset": offsets,
     }
@@ -240,7 +253,7 @@ def chat_logprobs(
 
     def entry(t: int, v: Logprob) -> dict[str, Any]:
         s = _token_str(tok, t, v)
-        return {"token": s, "logprob": v.logprob, "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": json_logprob(v.logprob), "bytes": list(s.encode("utf-8"))}
 
     out = []
     for t, d in zip(ids, lps, strict=True):

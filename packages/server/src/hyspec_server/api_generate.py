@@ -216,7 +216,8 @@ async def chat(raw: Request) -> Response:
             tok.apply_chat_template, messages, tools=tools, options=options
         )
     except ValueError as e:
-        raise APIError(400, str(e), param="messages") from e
+        field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+        raise APIError(400, str(e), param=field) from e
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = ctx.max_model_len - len(prompt_ids)

@@ -116,30 +116,45 @@ class GrammarCompiler:
             return self._compiler
 
     def compile(self, params: StructuredOutputsParams) -> Any:
-        """The compiled grammar; ValueError naming the field when the constraint does not compile."""
+        """The compiled grammar; ValueError naming the field when the constraint does not compile, or when
+        no token can begin it."""
         compiler = self._xgr()
         kind, text = params.key
         try:
             if kind == "json":
-                return compiler.compile_json_schema(text)
-            if kind == "json_object":
-                return compiler.compile_json_schema(json.dumps({"type": "object"}))
-            if kind == "regex":
-                return compiler.compile_regex(text)
-            if kind == "choice":
+                compiled = compiler.compile_json_schema(text)
+            elif kind == "json_object":
+                compiled = compiler.compile_json_schema(json.dumps({"type": "object"}))
+            elif kind == "regex":
+                compiled = compiler.compile_regex(text)
+            elif kind == "choice":
                 # the choices as a grammar of string literals (JSON escapes are the EBNF's)
                 alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(text))
-                return compiler.compile_grammar(f"root ::= {alts}")
-            return compiler.compile_grammar(text)
+                compiled = compiler.compile_grammar(f"root ::= {alts}")
+            else:
+                compiled = compiler.compile_grammar(text)
         except RuntimeError as e:
             msg = str(e).splitlines()[0]
             msg = msg.split("] ", 1)[-1]  # drop xgrammar's "[time] file:line:" prefix
             raise ValueError(f"structured_outputs.{kind}: does not compile: {msg}") from e
+        self._check_startable(compiled, kind)
+        return compiled
 
     def new_state(self, params: StructuredOutputsParams) -> GrammarState:
         import xgrammar as xgr
 
         return GrammarState(xgr.GrammarMatcher(self.compile(params)))
+
+    def _check_startable(self, compiled: Any, kind: str) -> None:
+        """ValueError when no token can begin the constraint (it compiled to the empty language, such as an
+        empty character class): its request would have nothing to sample."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, W] int32
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        t = torch.arange(self.vocab_size)
+        if not bool(((bitmask[0, t // 32] >> (t % 32)) & 1).any()):
+            raise ValueError(f"structured_outputs.{kind}: the constraint allows no token at its start")
 
 
 def apply_grammar_masks(

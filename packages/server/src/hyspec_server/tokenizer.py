@@ -34,6 +34,34 @@ class ChatOptions:
                 "add_generation_prompt and continue_final_message cannot both be true; set "
                 "add_generation_prompt=False to continue the final message"
             )
+        clash = sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs or {}))
+        if clash:
+            raise ValueError(
+                f"chat_template_kwargs: {clash} are the request's own fields or the renderer's arguments, "
+                "not template variables; set them as request fields"
+            )
+
+
+# keyword arguments `apply_chat_template` takes itself: a template variable of the same name would clash
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 DEFAULT_CHAT_OPTIONS = ChatOptions()  # frozen: one shared default
@@ -128,13 +156,18 @@ class HFTokenizer:
     ) -> list[int]:
         if options.chat_template is None and getattr(self._tok, "chat_template", None) is None:
             raise ValueError(f"the tokenizer in {self.model_dir} has no chat template; pass chat_template")
-        text = self._tok.apply_chat_template(
-            list(messages),
-            chat_template=options.chat_template,
-            tools=tools,
-            tokenize=False,
-            add_generation_prompt=options.add_generation_prompt,
-            continue_final_message=options.continue_final_message,
-            **dict(options.template_kwargs or {}),
-        )
+        try:
+            text = self._tok.apply_chat_template(
+                list(messages),
+                chat_template=options.chat_template,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
+                **dict(options.template_kwargs or {}),
+            )
+        except RecursionError as e:
+            raise ValueError("the chat template's input is nested too deeply to render") from e
+        except TypeError as e:  # a template variable of the wrong type, or an unexpected argument
+            raise ValueError(f"the chat template could not render this conversation: {e}") from e
         return self.encode(str(text), add_special_tokens=False)

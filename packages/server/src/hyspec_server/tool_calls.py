@@ -130,14 +130,18 @@ def template_message(role: str, content: str, m: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"role": role, "content": content}
     if m.tool_calls:
         calls = []
-        for c in m.tool_calls:
-            fn = dict(c.get("function") or {})
+        for i, c in enumerate(m.tool_calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict):
+                want = "{'type': 'function', 'function': {'name': ..., 'arguments': ...}}"
+                raise ValueError(f"tool_calls[{i}]: expected {want}, got {c!r}"[:300])
+            fn = dict(fn)
             args = fn.get("arguments")
             if isinstance(args, str):
                 try:
                     fn["arguments"] = json.loads(args)
-                except ValueError:
-                    pass
+                except (ValueError, RecursionError):
+                    pass  # kept as the string it is (the template shows it as given)
             calls.append({**c, "function": fn})
         out["tool_calls"] = calls
     if m.tool_call_id is not None:
