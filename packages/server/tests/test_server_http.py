@@ -542,6 +542,39 @@ def test_a_half_sent_body_times_out_with_408() -> None:
         srv.stop()
 
 
+def test_a_body_dribbled_byte_by_byte_times_out_in_all() -> None:
+    import socket
+
+    from hyspec_testing.server import toy_engine
+
+    srv = ServerThread(toy_engine(), model_name="toy", body_read_timeout_s=0.5).start()
+    try:
+        with socket.create_connection((srv.host, srv.port), timeout=10) as s:
+            # each byte within the per-part timeout, the whole body never: 408 after 4 x 0.5 s
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n"
+            )
+            t0 = time.monotonic()
+            for _ in range(40):
+                try:
+                    s.sendall(b" ")
+                except OSError:
+                    break  # the server answered and closed
+                time.sleep(0.2)
+                if time.monotonic() - t0 > 3.5:
+                    break
+            reply = _read_response(s)
+            assert time.monotonic() - t0 < 8
+        assert reply.startswith(b"HTTP/1.1 408") and b"in all" in reply, reply[:300]
+        ok = httpx.post(
+            srv.base_url + "/v1/completions", json={"model": "toy", "prompt": "hi", "max_tokens": 2}
+        )
+        assert ok.status_code == 200
+    finally:
+        srv.stop()
+
+
 def test_a_streaming_client_that_stops_reading_is_aborted() -> None:
     """A client that asks for a long stream and then reads nothing: once its socket buffers are full, the
     request is aborted after the stall timeout (its memory freed), and the server keeps serving."""

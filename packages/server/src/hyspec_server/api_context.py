@@ -20,7 +20,8 @@ class ServerContext:
     created: the models' `created` time (the server's start).
     max_model_len: the engine's context length.
     body_limit: request bodies larger than this get 413.
-    read_timeout_s: 408 when no part of a request body arrives for this long.
+    read_timeout_s: 408 when no part of a request body arrives for this long, or the whole body not within
+        `api_format.BODY_DEADLINE_READS` times it.
     stall_s: abort a streamed request whose client takes no chunk for this long.
     chat_template: the Jinja chat template of every chat request (None: the tokenizer's).
     trust_request_chat_template: accept a request's own `chat_template`.

@@ -25,9 +25,14 @@ _M = TypeVar("_M", bound=BaseModel)
 _DISCONNECT_POLL_S = 0.05
 
 
+# the whole body must arrive within this many read timeouts: a client dribbling a byte now and then (each
+# within the per-chunk timeout) would otherwise hold its connection for ever
+BODY_DEADLINE_READS = 4
+
+
 async def json_body(raw: Request, limit: int, *, read_timeout_s: float) -> Any:
     """The request's JSON, read in chunks: 413 once it passes `limit` bytes, 408 when a chunk takes longer
-    than `read_timeout_s` to arrive."""
+    than `read_timeout_s` to arrive or the whole body longer than `BODY_DEADLINE_READS` times that."""
     too_big = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
     declared = raw.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -35,14 +40,22 @@ async def json_body(raw: Request, limit: int, *, read_timeout_s: float) -> Any:
     chunks: list[bytes] = []
     size = 0
     stream = raw.stream().__aiter__()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + BODY_DEADLINE_READS * read_timeout_s
     while True:
+        left = deadline - loop.time()
         try:
-            chunk = await asyncio.wait_for(stream.__anext__(), timeout=read_timeout_s)
+            if left <= 0:
+                raise TimeoutError
+            chunk = await asyncio.wait_for(stream.__anext__(), timeout=min(read_timeout_s, left))
         except StopAsyncIteration:
             break
         except TimeoutError as e:
             raise APIError(
-                408, f"the request body did not arrive within {read_timeout_s:g} s", code="request_timeout"
+                408,
+                f"the request body did not arrive in time ({read_timeout_s:g} s per part, "
+                f"{BODY_DEADLINE_READS * read_timeout_s:g} s in all)",
+                code="request_timeout",
             ) from e
         size += len(chunk)
         if size > limit:
