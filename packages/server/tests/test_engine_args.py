@@ -69,6 +69,27 @@ def test_unknown_flag_is_argparse_error(capsys: pytest.CaptureFixture[str]) -> N
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flag",
+    [
+        ["--port", "-1"],
+        ["--port", "70000"],
+        ["--port", "abc"],
+        ["--max-body-bytes", "-1"],
+        ["--limit-concurrency", "0"],
+        ["--stream-stall-timeout", "0"],
+        ["--graceful-shutdown-timeout", "-5"],
+    ],
+)
+def test_frontend_flags_out_of_range_are_argparse_errors(
+    flag: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "m", *flag])
+    assert e.value.code == 2
+    assert f"argument {flag[0]}: expected" in capsys.readouterr().err
+
+
 def test_llm_keywords_checked_against_engine_args() -> None:
     with pytest.raises(TypeError, match=r"tensor_parallel_size.*does not support"):
         engine_args_from(None, {"tensor_parallel_size": 2})

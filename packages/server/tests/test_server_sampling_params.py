@@ -32,6 +32,8 @@ def test_defaults_mirror_vllm() -> None:
         ({"stop_token_ids": "5"}, "stop_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),  # past vLLM's default max_logprobs
+        ({"prompt_logprobs": 10**9}, "prompt_logprobs"),
         ({"n": 0}, "n"),
         ({"n": 129}, "n"),
     ],

@@ -26,10 +26,49 @@ def test_chat_one_conversation_and_many() -> None:
     many = llm.chat([conv, [{"role": "user", "content": "yo"}]], GREEDY, use_tqdm=False)
     assert many[0].outputs[0].token_ids == one.outputs[0].token_ids
     assert len(many) == 2
-    for bad in ([], [[]], [[{"content": "no role"}]]):
+    for bad in (
+        [],
+        [[]],
+        [[{"content": "no role"}]],
+        [{"role": "user"}],  # no content
+        [{"role": "user", "content": None}],
+        [{"role": None, "content": "hi"}],
+        {"role": "user", "content": "hi"},  # a bare message, not a conversation
+    ):
         with pytest.raises(ValueError, match="messages"):
             llm.chat(bad, GREEDY)  # type: ignore[arg-type]
     llm.leak_check()
+
+
+def test_offline_generate_is_not_bounded_by_the_server_queue_and_names_the_bad_prompt() -> None:
+    from hyspec_server.config import EngineArgs
+
+    llm = LLM.from_engine(toy_engine())
+    bound = llm.engine.scheduler.config.max_waiting
+    outs = llm.generate(
+        [{"prompt_token_ids": [3, 4]}] * (bound + 5), SamplingParams(max_tokens=1), use_tqdm=False
+    )
+    assert len(outs) == bound + 5 and all(len(o.outputs[0].token_ids) == 1 for o in outs)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt must have at least one token"):
+        llm.generate([{"prompt_token_ids": [3]}, {"prompt_token_ids": []}], GREEDY, use_tqdm=False)
+    llm.leak_check()
+    assert EngineArgs(model="x", seed=None).seed == 0  # vLLM takes None
+    for seed in (1.5, True, "a", -1, 2**64):
+        with pytest.raises(ValueError, match="seed"):
+            EngineArgs(model="x", seed=seed)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineArgs(model="x", enforce_eager="no")  # type: ignore[arg-type]
+
+
+def test_a_request_chat_template_that_fails_is_a_value_error() -> None:
+    from hyspec_server.default_model import default_model_dir
+    from hyspec_server.tokenizer import ChatOptions, HFTokenizer
+
+    tok = HFTokenizer(default_model_dir())
+    conv = [{"role": "user", "content": "hi"}]
+    for template in ("{% for %}", "{{ foo.bar }}"):
+        with pytest.raises(ValueError, match="chat template failed"):
+            tok.apply_chat_template(conv, options=ChatOptions(chat_template=template))
 
 
 def test_get_tokenizer_and_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from hyspec_server.bench_cli import add_bench_command, run_bench
 from hyspec_server.client_cli import add_client_commands, run_client
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(s)
     f = s.add_argument_group("Frontend")
     f.add_argument("--host", default="127.0.0.1")
-    f.add_argument("--port", type=int, default=8000)
+    f.add_argument("--port", type=_ranged(int, 0, 65535), default=8000)
     f.add_argument(
         "--api-key",
         default=os.environ.get("HYSPEC_API_KEY") or None,
@@ -71,25 +72,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     f.add_argument(
         "--stream-stall-timeout",
-        type=float,
+        type=_ranged(float, 1e-3, None),
         default=None,
         help="abort a streamed request whose client takes no chunk for this many seconds (default 60)",
     )
     f.add_argument(
         "--graceful-shutdown-timeout",
-        type=int,
+        type=_ranged(int, 0, None),
         default=None,
         help="seconds SIGTERM waits for running requests (default 30); a second SIGTERM exits at once",
     )
     f.add_argument(
         "--limit-concurrency",
-        type=int,
+        type=_ranged(int, 1, None),
         default=None,
         help="most open connections; beyond it 503 (default 2 x (max-num-seqs + max-waiting))",
     )
     f.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=_ranged(int, 1, None),
         default=None,
         help="larger request bodies get 413 (default: 64 bytes per token of max_model_len, at least 1 MiB)",
     )
@@ -107,6 +108,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_commands(sub)  # `hyspec chat` / `hyspec complete` against a running server (client_cli.py)
     add_bench_command(sub)  # `hyspec bench serve|latency|throughput` (bench_cli.py)
     return parser
+
+
+def _ranged(kind: type[int] | type[float], low: float, high: float | None) -> Any:
+    """An argparse type: `kind` within [low, high] (an argparse error, exit 2, otherwise)."""
+
+    def parse(text: str) -> int | float:
+        try:
+            v = kind(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from e
+        if not low <= v <= (high if high is not None else float("inf")):
+            bound = f"in [{low:g}, {high:g}]" if high is not None else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"expected a value {bound}, got {text}")
+        return v
+
+    return parse
 
 
 def _version() -> str:

@@ -102,7 +102,7 @@ class EngineArgs:
     )
     page_size: int = _arg(16, "CacheConfig", "tokens per KV page", "--block-size")
     seed: int = _arg(
-        0, "ModelConfig", "seed of the shared sampling generator (requests without their own seed)"
+        0, "ModelConfig", "seed of the shared sampling generator (requests without their own seed; None: 0)"
     )
     enable_prefix_caching: bool = _arg(
         True,
@@ -147,8 +147,14 @@ class EngineArgs:
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        seed: object = self.seed
+        if seed is None:
+            object.__setattr__(self, "seed", seed := 0)  # vLLM's default seed (vLLM takes None)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+        for flag in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         every = self.prefix_cache_snapshot_interval
         if isinstance(every, bool) or not isinstance(every, int) or every < 1 or every % self.page_size:
             raise ValueError(

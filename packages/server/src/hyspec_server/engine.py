@@ -124,11 +124,13 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        bounded: bool = True,
     ) -> str:
         """Tokenizes and queues a request. Raises ValueError if it cannot fit, QueueFullError if full.
 
         `cache_salt`: requests with different salts share no prefix-cache entry (tenants that must not
-        learn from each other's timing)."""
+        learn from each other's timing). `bounded=False` queues past `max_waiting` (the bound protects a
+        server from its clients; an offline `LLM.generate` call queues all of its prompts)."""
         if isinstance(prompt, TokensPrompt):
             text: str | None = prompt.text
             ids = [int(t) for t in prompt.token_ids]
@@ -169,7 +171,7 @@ class LLMEngine:
             req.grammar = self.grammars.new_state(params.structured_outputs)
         if self.speculative:
             req.spec_stats = SpecDecodeStats()
-        self.scheduler.add(req)
+        self.scheduler.add(req, bounded=bounded)
         self.requests[rid] = req
         self.stats.num_prompt_tokens += len(ids)
         return rid

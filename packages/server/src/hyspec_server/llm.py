@@ -101,8 +101,11 @@ class LLM:
         to each of a list of conversations, through the tokenizer's chat template (as vLLM's `LLM.chat`;
         `chat_template_kwargs` reach the template, for example Qwen's `enable_thinking`; `chat_template`
         replaces the tokenizer's)."""
-        if not messages:
-            raise ValueError("messages: expected a conversation or a list of conversations, got nothing")
+        if isinstance(messages, Mapping | str) or not messages:
+            raise ValueError(
+                "messages: expected a conversation (a list of {'role': ..., 'content': ...} dicts) or a list "
+                f"of conversations, got {type(messages).__name__ if messages else 'nothing'}"
+            )
         options = ChatOptions(
             add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
         )
@@ -111,8 +114,11 @@ class LLM:
         )
         prompts: list[PromptType] = []
         for i, conv in enumerate(convs):
-            if not conv or not all(isinstance(m, Mapping) and "role" in m for m in conv):
-                raise ValueError(f"messages[{i}]: expected a list of {{'role': ..., 'content': ...}} dicts")
+            if not conv or not all(_is_message(m) for m in conv):
+                raise ValueError(
+                    f"messages[{i}]: expected a list of {{'role': str, 'content': str or a list of parts}} "
+                    "dicts (an assistant message may have tool_calls instead of content)"
+                )
             ids = self.engine.tokenizer.apply_chat_template(
                 [dict(m) for m in conv], tools=tools, options=options
             )
@@ -164,22 +170,13 @@ class LLM:
         groups: list[tuple[str, list[str]]] = []
         ids: list[str] = []
         try:
-            for item, p in zip(items, params):
-                prompt = _prompt_of(item)
-                salt = _salt_of(item)
-                if p.n == 1:
-                    rid = eng.add_request(prompt, p, cache_salt=salt)
-                    groups.append((rid, [rid]))
-                    ids.append(rid)
-                    continue
-                base = eng.new_request_id()
-                sample_ids: list[str] = []
-                for j in range(p.n):
-                    # n=1 requests to the engine, seeded like the HTTP server's samples
-                    one = dataclasses.replace(p, n=1, seed=derived_seed(p.seed, j))
-                    sample_ids.append(eng.add_request(prompt, one, request_id=f"{base}-{j}", cache_salt=salt))
-                    ids.append(sample_ids[-1])
-                groups.append((base, sample_ids))
+            for i, (item, p) in enumerate(zip(items, params)):
+                try:
+                    groups.append(self._add(item, p, ids))
+                except ValueError as e:
+                    if len(items) == 1:
+                        raise
+                    raise ValueError(f"prompts[{i}]: {e}") from e  # which prompt of the batch
             final: dict[str, RequestOutput] = {}
             bar = _progress(len(ids)) if use_tqdm else None
             while len(final) < len(ids):
@@ -204,12 +201,43 @@ class LLM:
             for gid, sids in groups
         ]
 
+    def _add(self, item: PromptType, p: SamplingParams, ids: list[str]) -> tuple[str, list[str]]:
+        """Queues one prompt's engine requests (n of them), every id appended to `ids` as it is queued ->
+        (the prompt's output id, its samples' request ids). Not bounded by `max_waiting`: an offline call
+        queues all of its prompts."""
+        eng = self.engine
+        prompt = _prompt_of(item)
+        salt = _salt_of(item)
+        if p.n == 1:
+            rid = eng.add_request(prompt, p, cache_salt=salt, bounded=False)
+            ids.append(rid)
+            return rid, [rid]
+        base = eng.new_request_id()
+        sample_ids: list[str] = []
+        for j in range(p.n):
+            # n=1 requests to the engine, seeded like the HTTP server's samples
+            one = dataclasses.replace(p, n=1, seed=derived_seed(p.seed, j))
+            sample_ids.append(
+                eng.add_request(prompt, one, request_id=f"{base}-{j}", cache_salt=salt, bounded=False)
+            )
+            ids.append(sample_ids[-1])
+        return base, sample_ids
+
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (as vLLM's); False when prefix caching is off."""
         return self.engine.reset_prefix_cache()
 
     def leak_check(self) -> None:
         self.engine.leak_check()
+
+
+def _is_message(m: object) -> bool:
+    """A chat message the templates can render: a str role and str / list content (an assistant's may be
+    None beside its tool_calls)."""
+    if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+        return False
+    content = m.get("content")
+    return isinstance(content, str | list) or (content is None and bool(m.get("tool_calls")))
 
 
 def _merge(request_id: str, samples: list[RequestOutput]) -> RequestOutput:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 # re-exported: the HTTP server and `LLM.generate` share the cap and the per-sample seeds
+from hyspec_server.sampling_params import MAX_LOGPROBS as MAX_LOGPROBS
 from hyspec_server.sampling_params import MAX_N as MAX_N
 from hyspec_server.sampling_params import SamplingParams, StructuredOutputsParams
 from hyspec_server.sampling_params import derived_seed as derived_seed
@@ -58,10 +59,6 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
-
-
-# OpenAI's caps: completions return at most this many alternatives per token, chat at most 20
-MAX_LOGPROBS = 20
 
 
 class _SamplingFields(_Strict):

@@ -26,6 +26,8 @@ MAX_ID = 2**31 - 1
 is larger; a top_k above the vocabulary keeps every token)."""
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
+# most alternatives reported per token (OpenAI's cap for chat, vLLM's default max_logprobs)
+MAX_LOGPROBS = 20
 """Bounds of `stop` (OpenAI allows 4 strings): every generated token is checked against each stop string,
 so an unbounded list slows every co-batched request."""
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
@@ -195,8 +197,9 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not _is_int(v) or v < 0):
-                raise ValueError(f"{name} must be None or an int >= 0, got {v!r}")
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                # vLLM's engine refuses more than its max_logprobs (20 by default) too
+                raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {v!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
         if not isinstance(self.include_stop_str_in_output, bool):

@@ -104,8 +104,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is the youngest
         self.num_preemptions = 0
 
-    def add(self, request: Request) -> None:
-        if len(self.waiting) >= self.config.max_waiting:
+    def add(self, request: Request, *, bounded: bool = True) -> None:
+        if bounded and len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
         self.waiting.append(request)
 

@@ -154,6 +154,8 @@ class HFTokenizer:
         tools: list[dict[str, Any]] | None = None,
         options: ChatOptions = DEFAULT_CHAT_OPTIONS,
     ) -> list[int]:
+        import jinja2  # transformers renders chat templates with it
+
         if options.chat_template is None and getattr(self._tok, "chat_template", None) is None:
             raise ValueError(f"the tokenizer in {self.model_dir} has no chat template; pass chat_template")
         try:
@@ -168,6 +170,8 @@ class HFTokenizer:
             )
         except RecursionError as e:
             raise ValueError("the chat template's input is nested too deeply to render") from e
+        except jinja2.TemplateError as e:  # a request's template that does not parse, or an undefined name
+            raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
         except TypeError as e:  # a template variable of the wrong type, or an unexpected argument
             raise ValueError(f"the chat template could not render this conversation: {e}") from e
         return self.encode(str(text), add_special_tokens=False)
