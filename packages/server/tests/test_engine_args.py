@@ -132,6 +132,19 @@ def test_max_model_len_defaults_to_the_checkpoint(tiny_lfm2: Path, tmp_path: Pat
         LLM(str(ckpt), device="cpu", max_model_len=7000)
 
 
+def test_a_huge_step_budget_sizes_buffers_for_steps_that_can_come(tiny_qwen3_5: Path) -> None:
+    # 10**9 tokens per step sized 20 GB of batch buffers; a step can never hold more than every request's
+    # whole context
+    llm = LLM(
+        str(tiny_qwen3_5), device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=10**7
+    )
+    runner = llm.engine.runner
+    assert runner.backend.builder.buffers.max_tokens <= 4 * 256  # type: ignore[attr-defined]
+    assert llm.engine.scheduler.config.max_num_batched_tokens == 10**7  # the budget itself is as given
+    (o,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0))
+    assert len(o.outputs[0].token_ids) == 3
+
+
 def test_max_num_seqs_default_is_lowered_to_what_fits(tiny_qwen3_5: Path) -> None:
     # a budget for one request at full context plus the recurrent state of a few more: the default (16)
     # comes down, an explicit 16 is an error saying why

@@ -31,6 +31,12 @@ def step_tokens(args: EngineArgs) -> int:
     return args.max_num_batched_tokens
 
 
+def step_capacity(args: EngineArgs, max_num_seqs: int, max_model_len: int) -> int:
+    """The most tokens one step can hold: the budget, or every request's whole context when that is less (a
+    budget of 10**9 tokens sized buffers of 20 GB for steps that can never come)."""
+    return min(step_tokens(args), max_num_seqs * max_model_len)
+
+
 def _arg(default: Any, group: str, help: str, *aliases: str) -> Any:
     """A field with its `--help` group (vLLM's config classes), help text and extra CLI spellings (vLLM's or
     SGLang's other names for the same thing)."""

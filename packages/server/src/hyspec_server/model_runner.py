@@ -41,7 +41,7 @@ from hyspec_spec_workers.sampling import (
     Sampler,
 )
 
-from hyspec_server.config import EngineArgs, step_tokens
+from hyspec_server.config import EngineArgs, step_capacity
 from hyspec_server.decode_ahead import DecodeAhead
 from hyspec_server.plain_forward import PlainForwards, PlainInputs, QueuedTokens
 from hyspec_server.pool_memory import StatePoolMemory
@@ -213,7 +213,7 @@ class HyspecModelRunner:
             layers=layers,
             layer_types=self.model.layer_types,
             max_num_seqs=max_num_seqs,
-            max_tokens=max(step_tokens(args), max_num_seqs * dmax),
+            max_tokens=max(step_capacity(args, max_num_seqs, self._max_model_len), max_num_seqs * dmax),
             mixed_steps=spec_config is not None,
         )
         self._sampler = Sampler(self._device, seed=args.seed)

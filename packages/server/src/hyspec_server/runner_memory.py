@@ -18,7 +18,7 @@ from hyspec_statepool.prefix_cache import PrefixCache
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.specs import StateDtypes
 
-from hyspec_server.config import EngineArgs, num_snapshot_slots, step_tokens
+from hyspec_server.config import EngineArgs, num_snapshot_slots, step_capacity
 from hyspec_server.pool_memory import MemoryFollower, StatePoolMemory
 from hyspec_server.sizing import (
     Budget,
@@ -74,7 +74,7 @@ def build_memory(
         args,
         device,
         activations=activation_bytes(
-            num_tokens=max(step_tokens(args), rows),
+            num_tokens=max(step_capacity(args, args.max_num_seqs or default_seqs, max_model_len), rows),
             num_logit_rows=rows,
             hidden_size=hidden_size,
             vocab_size=vocab_size,
