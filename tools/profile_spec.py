@@ -113,6 +113,7 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
         ("  ahead.build", runner.ahead, "build"),
         ("  ahead.take", runner.ahead, "take"),
         ("engine._append", engine, "_append"),
+        ("engine._append_verified", engine, "_append_verified"),
     ]
     spec = getattr(runner, "spec", None)
     if spec is not None:
@@ -126,14 +127,16 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
         if spec.feed is not None:
             targets.append(("draft extend (flush)", spec.feed, "flush"))
         import hyspec_spec_workers.round as round_mod
+        import hyspec_spec_workers.round_verify as verify_mod
 
         targets += [
             ("  forward_verify", runner, "forward_verify"),
             ("  verify logits", runner, "compute_logits"),
-            ("  choose_tokens", round_mod, "choose_tokens"),
+            ("  greedy_tail_result", verify_mod, "greedy_tail_result"),
+            ("  choose_tokens", verify_mod, "choose_tokens"),
             ("  commit_after_verify", runner, "commit_after_verify"),
-            ("  accepted_path", round_mod, "accepted_path"),
-            ("  _to_verified", round_mod, "_to_verified"),
+            ("  accepted_path", verify_mod, "accepted_path"),
+            ("  to_verified", verify_mod, "to_verified"),
             ("  trim_draft", round_mod, "trim_draft"),
             ("  decode (no drafts)", runner, "decode"),
         ]
