@@ -90,8 +90,9 @@ def test_a_plain_engine_warms_its_prefills_and_keeps_nothing(tiny_lfm2: Path) ->
     eng.add_request = recording  # type: ignore[method-assign]
     assert warm_up_engine(eng, None, [1, 3]) > 0
     del eng.add_request
-    # each alone, then together; the long prompt does not fit max_model_len 64 with its two tokens
-    assert lens == [1, 2, 7, 1, 2, 7]
+    # each alone, then together (96 and the long prompt do not fit max_model_len 64 with two tokens), then
+    # max_num_seqs two-token prompts at once (MANY_PROMPTS, capped)
+    assert lens == [1, 2, 7, 12, 24, 48, 1, 2, 7, 12, 24, 48, 2, 2, 2, 2]
     assert eng.stats.num_steps == 0 and not eng.has_unfinished()
     stats = eng.runner.memory.prefix_cache_stats()
     assert stats is not None and stats.num_cached_pages == 0

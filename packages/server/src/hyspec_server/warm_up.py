@@ -8,12 +8,14 @@ engine's first prompt), and in a speculative round they also make the adaptive l
 as hundreds of milliseconds and stop drafting.
 
 So on CUDA the builder runs, before serving (`warm_up_engine`):
-- every engine: prompts of 1, 2, 7 and `LONG_PROMPT` tokens, each alone and then all together, two tokens
-  each (prefill tiles of each height class, a mixed step, a decode step, attention over a context long
-  enough to split its KV; alone and together because Triton also specializes a kernel on integer
-  arguments equal to 1 or divisible by 16, such as a batch's sequence and token counts); with prefix-cache
-  snapshots written inside a prefill forward, one prompt that passes two snapshot positions (the GDN
-  prefill's variant that writes them);
+- every engine: prompts of `PLAIN_PROMPT_LENS` tokens, each alone and then all together, two tokens each
+  (attention's query tile height follows the longest query by powers of two up to its cap, with a KV
+  split or without: one length per class; a mixed step, a decode step, attention over a context long
+  enough to split its KV), then `MANY_PROMPTS` two-token prompts at once (the GDN prefill's tiles for many
+  sequences); with prefix-cache snapshots written inside a prefill forward, one prompt that passes two
+  snapshot positions (the GDN prefill's variant that writes them). The kernels leave batch-dependent
+  arguments out of their specialization (`hyspec_kernels.jit`), so these shapes cover what a served load
+  compiles;
 - a speculative engine, for every captured batch size and every draft length its round may choose, a batch of
   short requests whose rounds draft that length (`SpeculativeRound.forced_length`: acceptance, the commit's
   replay, whose tiles follow the padded batch size, the drafter's extend), and one long request per length.
@@ -39,7 +41,10 @@ log = logging.getLogger("hyspec.warm_up")
 PROMPT = (1, 2)  # two tokens: a prefill chunk, then rounds from the first decoding step on
 # attention over a context this long splits its KV (flash-decoding), a kernel variant of its own
 LONG_PROMPT = 320
-PLAIN_PROMPT_LENS = (1, 2, 7, LONG_PROMPT)
+PLAIN_PROMPT_LENS = (1, 2, 7, 12, 24, 48, 96, LONG_PROMPT)
+# prompts prefilled in one step: the GDN prefill's sequential stage takes wider tiles from 256 (sequence,
+# value head) programs on (8 sequences at 32 heads); capped by max_num_seqs
+MANY_PROMPTS = 64
 
 
 def warm_up_engine(engine: LLMEngine, spec: SpeculativeRound | None, batch_sizes: Sequence[int]) -> int:
@@ -73,6 +78,7 @@ def warm_up_engine(engine: LLMEngine, spec: SpeculativeRound | None, batch_sizes
     two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     lens = [n for n in PLAIN_PROMPT_LENS if n + 2 <= engine.max_model_len]
     steps = sum(drain([prompt(n)], two) for n in lens) + drain([prompt(n) for n in lens], two)
+    steps += drain([prompt(2)] * min(MANY_PROMPTS, engine.scheduler.config.max_num_seqs), two)
     memory = engine.runner.memory
     inner = 2 * memory.snapshot_interval + 1
     if memory.inner_snapshots and inner + 2 <= engine.max_model_len:

@@ -14,8 +14,24 @@ import triton.language as tl
 
 from hyspec_kernels.accept.reference import AcceptTensors
 
+from ..jit import jit_varying
 
-@triton.jit  # type: ignore[untyped-decorator]
+
+@jit_varying(
+    "choice_ptr",
+    "tokens_ptr",
+    "first_child_ptr",
+    "next_sibling_ptr",
+    "stop_ptr",
+    "budget_ptr",
+    "num_acc_ptr",
+    "path_ptr",
+    "out_ptr",
+    "bonus_ptr",
+    "commit_ptr",
+    "finished_ptr",
+    "M",
+)
 def _accept_kernel(  # type: ignore[no-untyped-def]
     choice_ptr,
     tokens_ptr,

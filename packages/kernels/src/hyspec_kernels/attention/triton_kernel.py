@@ -16,10 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ..jit import jit_varying
+
 _LOG2E = 1.4426950408889634
+# the most KV splits the heuristic picks; the merge kernel's split tile is this wide for every split count,
+# so one compiled merge serves them all (a tile per power of two compiled one more while serving)
+_MAX_SPLITS = 32
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@jit_varying("slots_ptr")
 def _store_kv_kernel(  # type: ignore[no-untyped-def]
     k_ptr,
     v_ptr,
@@ -187,7 +192,7 @@ def _attend_block(  # type: ignore[no-untyped-def]
     return m_new, l_i, acc
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@jit_varying("page_table_ptr", "cu_seqlens_ptr", "kv_lens_ptr", "tree_ptr", "lse_stride_split", "num_splits")
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_cache_ptr,
@@ -310,7 +315,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         tl.store(lse_ptr + split * lse_stride_split + token * lse_stride_t + head, lse, mask=row_valid)
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@jit_varying("lse_stride_split", "num_splits")
 def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     part_ptr,
     lse_ptr,
@@ -384,7 +389,7 @@ def _num_splits(programs: int, max_kv_len: int, block_n: int, device: torch.devi
         return 1
     target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
     by_length = max(1, max_kv_len // block_n)
-    return max(1, min(target // max(programs, 1), by_length, 32))
+    return max(1, min(target // max(programs, 1), by_length, _MAX_SPLITS))
 
 
 def paged_attention_triton(
@@ -485,7 +490,7 @@ def paged_attention_triton(
             out.stride(1),
             splits,
             head_dim,
-            BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            BLOCK_S=max(_MAX_SPLITS, triton.next_power_of_2(splits)),
             BLOCK_D=block_d,
         )
     return out

@@ -16,11 +16,15 @@ import triton.language as tl
 
 from hyspec_kernels.commit.reference import StatePair
 
+from ..jit import jit_varying
+
 # Elements copied per program; 1024 keeps 4 KB fp32 transactions per program on GPU and few programs on CPU.
 _BLOCK = 1024
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@jit_varying(
+    "rows_ptr", "slots_ptr", "steps_ptr", "track_slots_ptr", "track_steps_ptr", "n_rows", "num_batch_rows"
+)
 def _commit_kernel(  # type: ignore[no-untyped-def]
     state_ptr,
     scratch_ptr,

@@ -23,6 +23,8 @@ import triton.language as tl
 
 from hyspec_kernels.conv.common import Activation
 
+from ..jit import jit_varying
+
 # Channel tile of decode / verify: 32 programs per row at C = 8192. Prefill tile 16 tokens x 128 channels: the
 # fastest of six tiles on an H200 (169 us at T = 8192, C = 8192, bf16, one sequence; 16 x 256 took 192 us,
 # 64 x 256 233 us; scratch sweep of 2026-11-27 after the prior-window reads moved off the common path).
@@ -47,7 +49,7 @@ def _act(acc, SILU: tl.constexpr):  # type: ignore[no-untyped-def]
 # the binary search's length is a runtime bound, not a constexpr: one compiled kernel for every batch (a
 # constexpr per bit length of the batch size compiled a new kernel, ~1.5 s on an H200, at the first prefill
 # of each new batch-size bucket, inside a served step)
-@triton.jit(do_not_specialize=["search_steps"])  # type: ignore[untyped-decorator]
+@jit_varying("cu_ptr", "slots_ptr", "init_ptr", "num_tokens", "num_seqs", "search_steps")
 def _conv_prefill_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     w_ptr,
@@ -133,7 +135,7 @@ def _window_col(  # type: ignore[no-untyped-def]
     return xv + sv.to(tl.float32)
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@jit_varying("cu_ptr", "slots_ptr", "init_ptr")
 def _conv_prefill_state_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     state_ptr,
@@ -205,7 +207,7 @@ def _path_input(  # type: ignore[no-untyped-def]
     return xv.to(tl.float32) + sv.to(tl.float32)
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@jit_varying("slots_ptr", "rows_ptr", "par_ptr")
 def _conv_steps_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     w_ptr,

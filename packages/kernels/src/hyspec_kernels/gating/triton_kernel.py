@@ -14,12 +14,14 @@ import triton.language as tl
 
 from hyspec_kernels.gating.reference import SOFTPLUS_THRESHOLD
 
+from ..jit import jit_varying
+
 _PROD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Elements per row tile: keeps register use flat from V = 128 heads to hidden sizes of a few thousand.
 _TILE_ELEMENTS = 4096
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@jit_varying("num_tokens")
 def _gdn_gating_kernel(  # type: ignore[no-untyped-def]
     alog_ptr,
     a_ptr,
@@ -73,7 +75,7 @@ def _round(v, PROD: tl.constexpr):  # type: ignore[no-untyped-def]
     return v
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@jit_varying("num_rows")
 def _gated_rmsnorm_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     z_ptr,
@@ -113,7 +115,7 @@ def _gated_rmsnorm_kernel(  # type: ignore[no-untyped-def]
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@jit_varying("num_rows")
 def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     r_ptr,  # the residual (HAS_RESIDUAL)
@@ -231,7 +233,7 @@ def add_rms_norm_triton(
     return out, summed
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@jit_varying("num_rows")
 def _silu_and_mul_kernel(  # type: ignore[no-untyped-def]
     g_ptr,
     u_ptr,

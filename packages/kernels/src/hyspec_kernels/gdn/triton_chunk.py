@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..jit import jit_varying
 from ..transfer import to_device
 from .checks import token_rows
 from .reference import CHUNK_SIZE
@@ -117,7 +118,7 @@ def _ieee(a, b):  # type: ignore[no-untyped-def]
     return tl.dot(a, b, input_precision="ieee")
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@jit_varying("chunk_start_ptr", "chunk_end_ptr")
 def gdn_chunk_wy_kernel(  # type: ignore[no-untyped-def]
     k_ptr,  # [T, HK, K]
     v_ptr,  # [T, HV, V]
@@ -212,7 +213,7 @@ def gdn_chunk_wy_kernel(  # type: ignore[no-untyped-def]
     )
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@jit_varying("cu_seqlens_ptr", "chunk_off_ptr", "slots_ptr", "has_init_ptr", "save_ptr")
 def gdn_chunk_state_kernel(  # type: ignore[no-untyped-def]
     k_ptr,  # [T, HK, K]
     w_ptr,  # [T, HV, K]
@@ -309,7 +310,7 @@ def gdn_chunk_state_kernel(  # type: ignore[no-untyped-def]
     tl.store(p_state, b_s.to(state_ptr.dtype.element_ty), mask=m_kv & ok_slot[:, None])
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@jit_varying("chunk_start_ptr", "chunk_end_ptr")
 def gdn_chunk_out_kernel(  # type: ignore[no-untyped-def]
     q_ptr,  # [T, HK, K]
     k_ptr,  # [T, HK, K]

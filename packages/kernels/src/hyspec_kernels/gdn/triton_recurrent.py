@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..jit import jit_varying
 from .checks import token_rows
 
 
@@ -41,7 +42,7 @@ def _delta_step(b_s, b_k, b_v, b_g, b_beta):  # type: ignore[no-untyped-def]
     return b_s + b_k[:, None] * b_u[None, :]
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@jit_varying("slots_ptr", "rows_ptr", "parents_ptr", "in_rows_ptr")
 def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     q_ptr,  # [N, D, HK, K]
     k_ptr,  # [N, D, HK, K]
@@ -260,7 +261,9 @@ def launch_recurrent(
     return o
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@jit_varying(
+    "slots_ptr", "rows_ptr", "paths_ptr", "track_slots_ptr", "track_steps_ptr", "num_seqs", "num_rows"
+)
 def gdn_replay_kernel(  # type: ignore[no-untyped-def]
     k_ptr,  # [L, R, Dmax, HK, K] contiguous
     v_ptr,  # [L, R, Dmax, HV, V] contiguous
