@@ -265,6 +265,15 @@ def oracle_registry(refs: Sequence[list[int]], steps: int) -> Any:
             drafts = torch.tensor(rows, dtype=torch.int64)
             return DraftOutput(VerifyTree.chain(batch.root_tokens, drafts, torch.tensor(num)))
 
+        # a `RequestKeyedDrafter`: the round drops an ended request's reference (and checks for leaks)
+        def forget(self, request_ids: Sequence[Any]) -> None:
+            for rid in request_ids:
+                self._refs.pop(rid, None)
+
+        @property
+        def followed(self) -> frozenset[Any]:
+            return frozenset(self._refs)
+
     def build(ctx: DrafterContext) -> Any:
         return Oracle()
 

@@ -696,14 +696,16 @@ def test_plain_round_counts_and_times_like_a_round_without_drafts(monkeypatch: p
         now[0] += 0.25
         by_plain.begin_step()
     assert rec_run == rec_plain and len(rec_run) >= 2
-    assert [by_run._lengths[r]._zero_rounds for r in ids] == [by_plain._lengths[r]._zero_rounds for r in ids]
-    assert by_plain._lengths["a"]._zero_rounds > 0
+    assert by_run.adaptive is not None and by_plain.adaptive is not None
+    zero_run = [by_run.adaptive.length(r)._zero_rounds for r in ids]
+    assert zero_run == [by_plain.adaptive.length(r)._zero_rounds for r in ids]
+    assert by_plain.adaptive.length("a")._zero_rounds > 0
 
     fresh, _ = engine()
     assert fresh.timer.timing()  # the first rounds time plain steps: they run alone
     with pytest.raises(ValueError, match="shares_forward"):
         fresh.plain_round(ids, plain_step, shares_forward=True)
-    by_plain._lengths["b"].steps = 1  # "b" drafts again
+    by_plain.adaptive.length("b").steps = 1  # "b" drafts again
     assert not by_plain.drafts_nothing(ids)
     with pytest.raises(ValueError, match="request_ids"):
         by_plain.plain_round(ids, plain_step, shares_forward=False)

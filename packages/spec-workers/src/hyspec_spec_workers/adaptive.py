@@ -69,6 +69,7 @@ requests after the first take 0.46% longer in all, within the 0.5% budget.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -375,7 +376,8 @@ class AdaptiveDraftLength:
 
 
 class AdaptiveController:
-    """Creates per-request draft-length states and updates a batch of them after a verify round."""
+    """Creates per-request draft-length states, keeps the live requests' ones and updates them after a
+    verify round."""
 
     def __init__(self, config: AdaptiveConfig, initial_steps: int) -> None:
         if initial_steps not in config.candidate_steps:
@@ -384,6 +386,7 @@ class AdaptiveController:
         self.initial_steps = initial_steps
         # this engine's requests only: another engine (model, drafter, hardware) learns on its own
         self.shared = SharedEvidence()
+        self._requests: dict[str, AdaptiveDraftLength] = {}  # live requests' states, by request id
 
     @property
     def max_steps(self) -> int:
@@ -394,6 +397,30 @@ class AdaptiveController:
         """A request's state, starting from what this controller's earlier requests measured; with
         `costs` (and `cost_aware`) it starts at 0 when that alone says drafting does not pay."""
         return AdaptiveDraftLength(self.config, self.initial_steps, shared=self.shared, costs=costs)
+
+    def length(self, request_id: str, costs: CostModel | None = None) -> AdaptiveDraftLength:
+        """The request's state, made at its first round (`new_request(costs)`)."""
+        st = self._requests.get(request_id)
+        if st is None:
+            st = self._requests[request_id] = self.new_request(costs)
+        return st
+
+    def observe_requests(
+        self, request_ids: Sequence[str], num_accepted: Sequence[int], costs: CostModel | None = None
+    ) -> None:
+        """Each request's state sees its round: its accepted drafts, capped at its length."""
+        for rid, k in zip(request_ids, num_accepted, strict=True):
+            st = self._requests[rid]
+            st.observe(min(k, st.steps), costs)
+
+    def forget(self, request_id: str) -> None:
+        """Drops an ended request's state."""
+        self._requests.pop(request_id, None)
+
+    @property
+    def requests(self) -> frozenset[str]:
+        """The requests with a state."""
+        return frozenset(self._requests)
 
     def observe_batch(
         self, states: list[AdaptiveDraftLength], num_accepted: list[int], costs: CostModel | None = None

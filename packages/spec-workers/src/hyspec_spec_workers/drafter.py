@@ -128,11 +128,25 @@ class Drafter(Protocol):
     def propose(self, batch: DraftBatch) -> DraftOutput: ...
 
 
+@runtime_checkable
+class RequestKeyedDrafter(Protocol):
+    """A drafter that keeps something per request between rounds, keyed by `DraftBatch.req_ids` (the n-gram
+    index; any drafter of the caller's own, such as a benchmark's oracle): the round calls `forget` when a
+    request ends (`DraftMemory.on_free`), and its leak check reads `followed`."""
+
+    def forget(self, request_ids: Sequence[Hashable]) -> None: ...
+
+    @property
+    def followed(self) -> frozenset[Hashable]:
+        """The requests it holds something for."""
+        ...
+
+
 class NgramDrafter:
     """Prompt-lookup drafter: chains of up to S tokens copied from the row's history; zero-draft rows ok.
 
-    With `DraftBatch.req_ids` it keeps each request's n-gram index between rounds (`NgramProposer`); its
-    round (`SpeculativeRound.on_free`) calls `forget` when a request ends.
+    With `DraftBatch.req_ids` it keeps each request's n-gram index between rounds (`NgramProposer`): a
+    `RequestKeyedDrafter`.
     """
 
     def __init__(self, *, min_n: int, max_n: int, num_speculative_tokens: int) -> None:

@@ -42,13 +42,13 @@ from hyspec_spec_workers.constraint import (
 )
 from hyspec_spec_workers.costs import CostTracker, DraftClock, RoundTimer
 from hyspec_spec_workers.draft_feed import DraftFeed
+from hyspec_spec_workers.draft_memory import DraftMemory
 from hyspec_spec_workers.drafter import (
     CommittedTokens,
     DraftBatch,
     Drafter,
     DraftOutput,
     ModelDrafter,
-    NgramDrafter,
 )
 from hyspec_spec_workers.round_types import RequestTokens, RoundRow, VerifiedTokens, VerifyTarget
 from hyspec_spec_workers.round_verify import verify_round
@@ -64,7 +64,8 @@ _T = TypeVar("_T")
 
 
 class SpeculativeRound:
-    """Drafter, adaptive lengths and measured costs of one engine; also the drafter's memory follower.
+    """Drafter, adaptive lengths and measured costs of one engine; also the engine's memory follower for
+    the drafter's per-request memory (`DraftMemory`).
 
     Args:
         drafter: proposes the blocks; its `max_draft_tokens` is the largest block (Dmax).
@@ -90,13 +91,12 @@ class SpeculativeRound:
         self.is_tree = tree
         self.model_drafter = drafter if isinstance(drafter, ModelDrafter) else None
         self.feed = None if self.model_drafter is None else DraftFeed(self.model_drafter)
+        self.memory = DraftMemory(drafter, self.feed)
         self.max_draft_tokens = drafter.max_draft_tokens if max_draft_tokens is None else max_draft_tokens
         self._adaptive_config = adaptive
-        self._lengths: dict[str, AdaptiveDraftLength] = {}
         self._start_up_catch_up: float | None = None  # `warm_up`'s timing, kept across `reset_measurements`
         self._forced: int | None = None  # `forced_length`
         self.reset_measurements()
-        self._followed: set[str] = set()
         self.masks = TokenBitmask()  # structured outputs' masks at verify nodes
 
     def reset_measurements(self) -> None:
@@ -106,7 +106,6 @@ class SpeculativeRound:
         self.adaptive = None if cfg is None else AdaptiveController(cfg, s)
         self.costs = CostTracker()
         self.timer = RoundTimer(self.costs, cost_aware=cfg is not None and cfg.cost_aware)
-        self._lengths.clear()
         if self._start_up_catch_up is not None:
             self.costs.record_catch_up(self._start_up_catch_up)
 
@@ -148,62 +147,38 @@ class SpeculativeRound:
     # ---------------------------------------------------------------- following requests' memory
 
     def on_alloc(self, request_id: str) -> None:
-        if self.model_drafter is not None:
-            self.model_drafter.add_requests([request_id])
-            self._followed.add(request_id)
+        self.memory.on_alloc(request_id)
 
     def on_free(self, request_id: str) -> None:
-        self._lengths.pop(request_id, None)
-        if isinstance(self.drafter, NgramDrafter):
-            self.drafter.forget([request_id])
-        if self.feed is not None:
-            self.feed.drop(request_id)
-        if request_id in self._followed:
-            self._followed.discard(request_id)
-            assert self.model_drafter is not None
-            self.model_drafter.free_requests([request_id])
+        if self.adaptive is not None:
+            self.adaptive.forget(request_id)
+        self.memory.on_free(request_id)
 
     def on_prefix_hit(
         self, request_id: str, num_tokens: int, token_ids: Sequence[int], *, salt: str | None
     ) -> None:
-        if request_id in self._followed:
-            assert self.model_drafter is not None
-            self.model_drafter.start_at(request_id, num_tokens, token_ids, salt=salt)
+        self.memory.on_prefix_hit(request_id, num_tokens, token_ids, salt=salt)
 
     def on_prefix_saves(self, saves: Sequence[PrefixSave]) -> None:
         # a request whose adaptive length is 0 (its drafts do not pay) saves no draft KV: writing its pending
         # tokens now would be an eager draft extend at every prompt end and finish for nothing (a later hit
         # on its prefix resumes the draft from zeros, which costs acceptance, never correctness)
-        followed = [
+        paying = [
             s
-            for s in saves
-            if s.req_id in self._followed and (self.adaptive is None or self._length(str(s.req_id)).steps > 0)
+            for s in self.memory.with_draft_kv(saves)
+            if self.adaptive is None or self._length(str(s.req_id)).steps > 0
         ]
-        if followed:
-            assert self.model_drafter is not None and self.feed is not None
+        if paying:
             t0 = time.perf_counter()
-            # the tokens the target's snapshots hold reach the draft first: one draft extend for them all
-            self.feed.flush([str(s.req_id) for s in followed])
-            self.model_drafter.save_prefixes(followed)
+            self.memory.save_prefixes(paying)
             # a prompt's end or a request's finish, whether or not rounds draft: no round's cost
             self.timer.exclude(time.perf_counter() - t0)
 
     def on_prefix_reset(self) -> None:
-        if self.model_drafter is not None:
-            self.model_drafter.reset_prefix_cache()
+        self.memory.on_prefix_reset()
 
     def leak_check(self) -> None:
-        waiting = set() if self.feed is None else self.feed.waiting
-        indexed = {str(r) for r in self.drafter.followed} if isinstance(self.drafter, NgramDrafter) else set()
-        if self._followed or self._lengths or waiting or indexed:
-            held = self._followed | set(self._lengths) | waiting | indexed
-            raise RuntimeError(f"speculative decoding still follows requests {sorted(held)}")
-        kv = getattr(self.drafter, "kv", None)
-        pool = getattr(kv, "pool", None)
-        if pool is not None:
-            if pool.num_live:
-                raise RuntimeError(f"the drafter's KV pool still holds {pool.num_live} requests")
-            pool.leak_check().raise_if_leaking()
+        self.memory.leak_check(also_held=set() if self.adaptive is None else set(self.adaptive.requests))
 
     # ---------------------------------------------------------------- feeding the drafter
 
@@ -246,13 +221,10 @@ class SpeculativeRound:
     def _length(self, request_id: str) -> AdaptiveDraftLength:
         """A request's adaptive length state (adaptive rounds), made at its first round."""
         assert self.adaptive is not None
-        st = self._lengths.get(request_id)
-        if st is None:
-            # with measured costs a request may start at 0: the engine's earlier requests showed that its
-            # drafts do not pay (`AdaptiveController.shared`)
-            known = self.costs if self.costs.ready and self.costs.has_decode else None
-            st = self._lengths[request_id] = self.adaptive.new_request(known)
-        return st
+        # with measured costs a request may start at 0: the engine's earlier requests showed that its drafts
+        # do not pay (`AdaptiveController.shared`)
+        known = self.costs if self.costs.ready and self.costs.has_decode else None
+        return self.adaptive.length(request_id, known)
 
     def drafts_nothing(self, request_ids: Sequence[str]) -> bool:
         """Whether a round over these requests would draft for none of them, whatever their rows: adaptive
@@ -284,10 +256,8 @@ class SpeculativeRound:
 
     def _observe(self, request_ids: Sequence[str], num_accepted: Sequence[int]) -> None:
         """Each request's adaptive length sees the round: its accepted drafts (capped at its length)."""
-        cost = self.costs if self.costs.ready else None
-        for rid, k in zip(request_ids, num_accepted, strict=True):
-            st = self._lengths[rid]
-            st.observe(min(k, st.steps), cost)
+        assert self.adaptive is not None
+        self.adaptive.observe_requests(request_ids, num_accepted, self.costs if self.costs.ready else None)
 
     def draft_lengths(self, rows: Sequence[RoundRow]) -> list[int]:
         if self._forced is not None:

@@ -1,0 +1,80 @@
+"""The drafter's per-request memory follows the engine's: a request-keyed drafter of any kind forgets an
+ended request, adaptive lengths are dropped with it, and the leak check names whatever is still held."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import pytest
+import torch
+from hyspec_spec_workers import AdaptiveConfig, DraftBatch, DraftOutput, SpeculativeRound, VerifyTree
+from hyspec_spec_workers.config import Method
+from hyspec_spec_workers.drafter import RequestKeyedDrafter
+
+
+class _Keyed:
+    """A caller's own drafter that remembers every request it proposed for (like a benchmark's oracle)."""
+
+    method: Method = "ngram"
+    max_draft_tokens = 4
+
+    def __init__(self, *, forgets: bool = True) -> None:
+        self.seen: set[Hashable] = set()
+        self.forgets = forgets
+
+    def propose(self, batch: DraftBatch) -> DraftOutput:
+        self.seen.update(batch.req_ids)
+        n = batch.root_tokens.shape[0]
+        drafts = torch.zeros(n, 3, dtype=torch.int64)
+        return DraftOutput(VerifyTree.chain(batch.root_tokens, drafts, torch.zeros(n, dtype=torch.int64)))
+
+    def forget(self, request_ids: Sequence[Hashable]) -> None:
+        if self.forgets:
+            self.seen.difference_update(request_ids)
+
+    @property
+    def followed(self) -> frozenset[Hashable]:
+        return frozenset(self.seen)
+
+
+class _Stateless:
+    method: Method = "ngram"
+    max_draft_tokens = 4
+
+    def propose(self, batch: DraftBatch) -> DraftOutput:
+        raise AssertionError("not called")
+
+
+def test_a_request_keyed_drafter_forgets_ended_requests() -> None:
+    drafter = _Keyed()
+    assert isinstance(drafter, RequestKeyedDrafter) and not isinstance(_Stateless(), RequestKeyedDrafter)
+    rnd = SpeculativeRound(drafter, num_speculative_tokens=3)
+    drafter.propose(DraftBatch(root_tokens=torch.tensor([1, 2]), num_steps=[3, 3], req_ids=["a", "b"]))
+    with pytest.raises(RuntimeError, match=r"still follows requests \['a', 'b'\]"):
+        rnd.leak_check()
+    rnd.on_free("a")
+    rnd.on_free("b")
+    assert drafter.followed == frozenset()
+    rnd.leak_check()
+
+
+def test_what_a_drafter_keeps_after_free_is_a_leak() -> None:
+    drafter = _Keyed(forgets=False)
+    rnd = SpeculativeRound(drafter, num_speculative_tokens=3)
+    drafter.seen.add("r7")
+    rnd.on_free("r7")
+    with pytest.raises(RuntimeError, match=r"\['r7'\]"):
+        rnd.leak_check()
+
+
+def test_adaptive_lengths_are_dropped_with_their_request() -> None:
+    rnd = SpeculativeRound(_Stateless(), num_speculative_tokens=3, adaptive=AdaptiveConfig())
+    rnd.on_alloc("x")  # a drafter without per-request memory: nothing to allocate
+    assert rnd.adaptive is not None
+    rnd.adaptive.length("x")  # x's state, as its first round makes it
+    assert rnd.adaptive.requests == {"x"}
+    with pytest.raises(RuntimeError, match=r"\['x'\]"):
+        rnd.leak_check()
+    rnd.on_free("x")
+    assert rnd.adaptive.requests == frozenset()
+    rnd.leak_check()
