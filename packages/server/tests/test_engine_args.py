@@ -192,6 +192,28 @@ def test_step_budget_default_by_device() -> None:
     assert ENGINE_DEFAULTS["max_num_batched_tokens"] is None
 
 
+def test_device_takes_torch_device_strings_of_cpu_and_cuda(tiny_lfm2: Path) -> None:
+    # an index where torch takes one; the CPU is one device, so "cpu:N" is stored as "cpu"
+    for given, stored in (
+        ("cpu", "cpu"),
+        ("cpu:0", "cpu"),
+        ("cuda", "cuda"),
+        ("cuda:0", "cuda:0"),
+        ("cuda:3", "cuda:3"),
+    ):
+        args = EngineArgs(model="x", device=given)
+        assert args.device == stored
+        assert args.max_num_batched_tokens == (512 if stored == "cpu" else 8192)  # the device's default
+    for bad in ("cuda:abc", "cuda:-1", "cuda:0:1", "cpu:", "CPU", "mps", "meta", "", " cpu", 0, None):
+        with pytest.raises(ValueError, match=r"^device must be 'auto' or a torch device string") as e:
+            EngineArgs(model="x", device=bad)  # type: ignore[arg-type]
+        assert repr(bad) in str(e.value)
+    llm = LLM(str(tiny_lfm2), device="cpu:0", max_model_len=64)
+    assert llm.engine.runner.device == torch.device("cpu")
+    assert len(llm.generate(["hi"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    llm.close()
+
+
 def test_dtype_auto() -> None:
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert resolve_dtype("auto", cuda, "float16") == torch.float16

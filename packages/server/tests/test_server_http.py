@@ -345,8 +345,12 @@ def test_api_key_covers_every_route_but_health(toy_server: ServerThread) -> None
         b'{"model": "toy", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # nesting
         b'{"model": "toy", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",  # a 5000-digit integer
         b'{"model": "toy", "prompt": "hi \\ud800 there", "max_tokens": 2}',  # a lone surrogate
+        # numbers Python's JSON reads as inf / NaN
+        b'{"model": "toy", "prompt": "hi", "max_tokens": 2, "temperature": 1e400}',
+        b'{"model": "toy", "prompt": "hi", "max_tokens": 2, "top_p": NaN}',
+        b'{"model": "toy", "prompt": "hi", "max_tokens": 2, "logit_bias": {"5": -Infinity}}',
     ],
-    ids=["deep-nesting", "huge-integer", "lone-surrogate"],
+    ids=["deep-nesting", "huge-integer", "lone-surrogate", "inf-temperature", "nan-top-p", "inf-bias"],
 )
 def test_hostile_json_is_an_openai_400(toy_server: ServerThread, raw: bytes) -> None:
     r = _post(toy_server, "/v1/completions", None, raw=raw)

@@ -388,6 +388,13 @@ CHAT = {"model": "toy", "messages": [{"role": "user", "content": "ok"}], "max_to
         ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {**CHAT, "logprobs": 1}, "logprobs"),
         ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+        # bounded lists, token ids outside the model's vocabulary, a temperature past MAX_TEMPERATURE
+        ("/v1/completions", {**GOOD, "stop_token_ids": [5] * 1025}, "stop_token_ids"),
+        ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 1, str(TOY_VOCAB): 1}}, "logit_bias"),
+        ("/v1/completions", {**GOOD, "logit_bias": {"5": 1.0, str(TOY_VOCAB): 1.0}}, "logit_bias"),
+        ("/v1/chat/completions", {**CHAT, "logit_bias": {str(10**6): -1.0}}, "logit_bias"),
+        ("/v1/completions", {**GOOD, "temperature": 1e308}, "temperature"),
+        ("/v1/chat/completions", {**CHAT, "temperature": 1e6 + 1}, "temperature"),
         (
             "/v1/chat/completions",
             {**CHAT, "response_format": {"type": "xml"}},

@@ -318,3 +318,104 @@ def test_a_port_in_use_fails_before_the_model_loads(capsys: pytest.CaptureFixtur
         assert f"127.0.0.1:{port}" in capsys.readouterr().err
     finally:
         busy.close()
+
+
+def test_prompt_dicts_take_only_the_keys_hyspec_implements() -> None:
+    from hyspec_server.engine import PROMPT_KEYS
+
+    llm = LLM.from_engine(toy_engine())
+    eng = llm.engine
+    for bad, key in (
+        ({"prompt_token_ids": [3, 4], "promt": "x"}, "promt"),  # a misspelt key beside a good one
+        ({"prompt": "hi", "multi_modal_data": {"image": None}}, "multi_modal_data"),  # vLLM's, not served
+        ({"prompt_token_ids": [3], "mm_processor_kwargs": {}}, "mm_processor_kwargs"),
+        ({"prompt_tokens_ids": [3]}, "prompt_tokens_ids"),
+    ):
+        want = f"unknown key '{key}' in a prompt dict; the accepted keys are {', '.join(PROMPT_KEYS)}"
+        with pytest.raises(ValueError, match=want):
+            llm.generate(bad, GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match=rf"prompts\[1\]: unknown key '{key}'"):
+            llm.generate(["ok", bad], GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match=want):
+            eng.add_request(bad, GREEDY)  # the engine reads dicts the same way
+    for bad, match in (
+        ({}, "needs 'prompt'"),
+        ({"cache_salt": "t"}, "needs 'prompt'"),
+        ({"prompt": 5}, "^prompt: expected a string"),
+        ({"prompt_token_ids": "3 4"}, "^prompt_token_ids must be a list of ints"),
+        ({"prompt_token_ids": [3], "cache_salt": ""}, "^cache_salt"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            llm.generate(bad, GREEDY, use_tqdm=False)
+    # every accepted key does what it says: both prompt and ids (vLLM's TokensPrompt) run the ids and report
+    # the text; a dict reaches the engine directly too
+    (o,) = llm.generate(
+        {"prompt": "text", "prompt_token_ids": [3, 4], "cache_salt": "t"}, GREEDY, use_tqdm=False
+    )
+    assert o.prompt == "text" and o.prompt_token_ids == [3, 4]
+    assert o.outputs[0].token_ids == toy_greedy([3, 4], 6, ignore_eos=True)
+    (o,) = llm.generate({"prompt": "ab"}, GREEDY, use_tqdm=False)
+    assert o.prompt == "ab" and o.prompt_token_ids == [97, 98]
+    rid = eng.add_request({"prompt_token_ids": [3, 4], "cache_salt": "t"}, GREEDY)
+    assert eng.requests[rid].cache_salt == "t" and eng.requests[rid].prompt_token_ids == [3, 4]
+    eng.abort(rid)
+    llm.leak_check()
+
+
+def test_tokenize_messages_renders_as_chat_completions() -> None:
+    import httpx
+
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "he"}]
+    tools = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]
+    srv = ServerThread(toy_engine(), model_name="toy").start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+
+            def both(extra: dict[str, object]) -> tuple[httpx.Response, httpx.Response]:
+                body = {"messages": conv, **extra}
+                tok = c.post("/tokenize", json=body)
+                chat = c.post(
+                    "/v1/chat/completions", json={**body, "max_tokens": 1, "return_token_ids": True}
+                )
+                return tok, chat
+
+            for extra, want in (
+                ({}, b"user: hi\nassistant: he\nassistant:"),
+                ({"add_generation_prompt": False}, b"user: hi\nassistant: he\n"),
+                (
+                    {"add_generation_prompt": False, "continue_final_message": True},
+                    b"user: hi\nassistant: he",
+                ),
+                ({"tools": tools}, b"tool: get\nuser: hi\nassistant: he\nassistant:"),
+                ({"tools": tools, "tool_choice": "none"}, b"user: hi\nassistant: he\nassistant:"),
+                (
+                    {"chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": False},
+                    b"enable_thinking=False\nuser: hi\nassistant: he\n",
+                ),
+            ):
+                tok, chat = both(extra)
+                assert tok.status_code == 200 and chat.status_code == 200, (extra, tok.text, chat.text)
+                assert tok.json()["tokens"] == list(want), extra
+                assert tok.json()["count"] == chat.json()["usage"]["prompt_tokens"] == len(want), extra
+            # what chat completions refuses, /tokenize refuses with the same status and param
+            for extra, param in (
+                ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+                ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+                ({"tools": [{"type": "function"}]}, "tools"),
+                ({"tool_choice": "required"}, "tool_choice"),
+                ({"continue_final_message": True}, "messages"),  # with add_generation_prompt's default
+                ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+                ({"chat_template": "{{ messages }}"}, "chat_template"),  # the server does not trust them
+                ({"messages": "hi"}, "messages"),
+                ({"messages": []}, "messages"),
+                ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+            ):
+                tok, chat = both(extra)
+                assert tok.status_code == chat.status_code == 400, (extra, tok.text, chat.text)
+                assert tok.json()["error"]["param"] == chat.json()["error"]["param"] == param, extra
+            bad = c.post("/tokenize", json={"messages": conv, "add_special_tokens": True})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "add_special_tokens"
+            ok = c.post("/tokenize", json={"messages": conv, "add_special_tokens": False})
+            assert ok.json()["tokens"] == list(b"user: hi\nassistant: he\nassistant:")
+    finally:
+        srv.stop()

@@ -34,6 +34,7 @@ from hyspec_server.protocol import (
     MAX_N,
     APIError,
     ChatCompletionRequest,
+    ChatPromptFields,
     CompletionRequest,
     derived_seed,
 )
@@ -191,33 +192,9 @@ async def chat(raw: Request) -> Response:
     )
     ctx.check_model(req.model)
     req.check_common()
-    forced = req.check_chat()
-    try:
-        messages = [template_message(m.role, m.text(), m) for m in req.messages]
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from e
+    prompt_ids, forced = await render_chat_prompt(ctx, req)
+    req.check_forced(forced)
     tok = ctx.tokenizer
-    tools = req.tools if req.parses_tools else None
-    try:
-        if req.chat_template is not None and not ctx.trust_request_chat_template:
-            raise APIError(
-                400,
-                "chat_template in a request is refused: start the server with --chat-template, or with "
-                "--trust-request-chat-template to allow request templates (as vLLM)",
-                param="chat_template",
-            )
-        options = ChatOptions(
-            req.add_generation_prompt,
-            req.continue_final_message,
-            req.chat_template_kwargs,
-            req.chat_template or ctx.chat_template,
-        )
-        prompt_ids: list[int] = await asyncio.to_thread(
-            tok.apply_chat_template, messages, tools=tools, options=options
-        )
-    except ValueError as e:
-        field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
-        raise APIError(400, str(e), param=field) from e
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = ctx.max_model_len - len(prompt_ids)
@@ -349,6 +326,41 @@ async def chat(raw: Request) -> Response:
     return JSONResponse(body)
 
 
+async def render_chat_prompt(ctx: ServerContext, req: ChatPromptFields) -> tuple[list[int], list[str]]:
+    """The prompt token ids of a request's conversation, through the chat template (the server's, or the
+    request's own when the server trusts those) with its tools and template options, and the function names
+    a grammar must force (`ChatPromptFields.check_tools`). The one renderer of /v1/chat/completions and
+    /tokenize; an input it cannot render is a 400 naming the field. Renders on a worker thread: a long
+    conversation never holds the event loop."""
+    forced = req.check_tools()
+    try:
+        messages = [template_message(m.role, m.text(), m) for m in req.messages]
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from e
+    tools = req.tools if req.parses_tools else None
+    if req.chat_template is not None and not ctx.trust_request_chat_template:
+        raise APIError(
+            400,
+            "chat_template in a request is refused: start the server with --chat-template, or with "
+            "--trust-request-chat-template to allow request templates (as vLLM)",
+            param="chat_template",
+        )
+    try:
+        options = ChatOptions(
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.chat_template_kwargs,
+            req.chat_template or ctx.chat_template,
+        )
+        prompt_ids: list[int] = await asyncio.to_thread(
+            ctx.tokenizer.apply_chat_template, messages, tools=tools, options=options
+        )
+    except ValueError as e:
+        field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+        raise APIError(400, str(e), param=field) from e
+    return prompt_ids, forced
+
+
 async def _submit(
     ctx: ServerContext,
     items: list[tuple[str | list[int] | TokensPrompt, SamplingParams, str]],
@@ -422,7 +434,7 @@ def _samples(
     defaults for fields the request leaves out; 400 naming the field."""
     defaults = engine.engine.default_sampling
     try:
-        return [
+        samples = [
             req.sampling_params(
                 max_tokens=max_tokens,
                 logprobs=logprobs,
@@ -432,6 +444,10 @@ def _samples(
             )
             for j in range(count)
         ]
+        # the engine checks it again when it takes each request; here the 400 names the field, before
+        # anything is queued (the samples differ only in their seeds)
+        samples[0].check_vocab(engine.engine.runner.vocab_size)
+        return samples
     except ValueError as e:
         # the message names the field first ("stop: ...", "max_tokens must ...")
         first = str(e).split(" ", 1)[0].rstrip(":")

@@ -25,23 +25,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hyspec_server.api_context import ServerContext, server_context
-from hyspec_server.api_format import json_body
-from hyspec_server.api_generate import chat, completions
+from hyspec_server.api_format import json_body, parse
+from hyspec_server.api_generate import chat, completions, render_chat_prompt
 from hyspec_server.async_engine import AsyncEngine, EngineDeadError
 from hyspec_server.protocol import (
     APIError,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     ErrorResponse,
+    TokenizeChatRequest,
 )
-from hyspec_server.tokenizer import ChatOptions
-from hyspec_server.tool_calls import template_message
 
 MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_TOKEN = 64
@@ -184,21 +182,26 @@ async def version() -> dict[str, str]:
 
 
 async def tokenize(raw: Request) -> Response:
-    """vLLM's route: a `prompt` (text) or chat `messages` -> token ids."""
+    """vLLM's route: a `prompt` (text) or chat `messages` -> token ids. Chat is rendered by the renderer of
+    /v1/chat/completions, with the same fields (`add_generation_prompt`, `continue_final_message`, `tools`,
+    `tool_choice`, `chat_template_kwargs`, `chat_template`) and the same 400s: the count is the prompt
+    tokens a chat completion of that body would have."""
     ctx = server_context(raw)
     body = await json_body(raw, ctx.body_limit, read_timeout_s=ctx.read_timeout_s)
     if not isinstance(body, dict):
         raise APIError(400, "expected a JSON object", param=None)
     ctx.check_model(body.get("model"))
     tok = ctx.tokenizer
-    if isinstance(body.get("messages"), list):
-        try:
-            messages = [ChatMessage.model_validate(m) for m in body["messages"]]
-            conv = [template_message(m.role, m.text(), m) for m in messages]
-            opts = ChatOptions(chat_template=ctx.chat_template)
-            ids = await asyncio.to_thread(lambda: tok.apply_chat_template(conv, options=opts))
-        except (ValueError, ValidationError) as e:
-            raise APIError(400, f"messages: {e}", param="messages") from e
+    if "messages" in body:
+        req = parse(TokenizeChatRequest, body)
+        if req.add_special_tokens:
+            raise APIError(
+                400,
+                "add_special_tokens=true is not supported with messages: the chat template's own special "
+                "tokens are the prompt's, as in chat completions",
+                param="add_special_tokens",
+            )
+        ids, _ = await render_chat_prompt(ctx, req)
     elif isinstance(body.get("prompt"), str):
         special = body.get("add_special_tokens", True)  # vLLM's field, default as its completions
         if not isinstance(special, bool):

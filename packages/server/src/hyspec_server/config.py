@@ -25,6 +25,27 @@ def device_kind(device: str) -> Literal["cuda", "cpu"]:
     return "cuda" if device.startswith("cuda") else "cpu"
 
 
+def resolve_device(device: object) -> str:
+    """`EngineArgs.device` resolved: "auto" picks the GPU when torch sees one; any other value is a torch
+    device string of a CPU or CUDA device ("cpu", "cpu:0", "cuda", "cuda:1"). vLLM's `device` takes only
+    the bare types; hyspec also takes the index torch takes. The CPU is one device (torch puts tensors of
+    "cpu:N" on it), so "cpu:N" is stored as "cpu" and every device comparison sees one CPU."""
+    import torch
+
+    want = "device must be 'auto' or a torch device string of type cpu or cuda ('cpu', 'cuda', 'cuda:1')"
+    if not isinstance(device, str):
+        raise ValueError(f"{want}, got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"{want}, got {device!r}")
+    return "cpu" if parsed.type == "cpu" else str(parsed)
+
+
 def step_tokens(args: EngineArgs) -> int:
     """`max_num_batched_tokens`, resolved (`EngineArgs` stores it resolved; this tells mypy so)."""
     assert args.max_num_batched_tokens is not None
@@ -57,7 +78,10 @@ class EngineArgs:
     )
     tokenizer: str | None = _arg(None, "ModelConfig", "tokenizer directory; None: the model's")
     device: str = _arg(
-        "auto", "DeviceConfig", "auto (the GPU when torch sees one, else the CPU, as vLLM picks), cpu or cuda"
+        "auto",
+        "DeviceConfig",
+        "auto (the GPU when torch sees one, else the CPU, as vLLM picks), cpu or cuda, or a torch device "
+        "string with an index (cuda:1; cpu:0 is stored as cpu)",
     )
     dtype: DType = _arg(  # noqa: RUF009 (_arg returns a dataclasses.field)
         "auto",
@@ -133,12 +157,7 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
-        if self.device == "auto":
-            import torch
-
-            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        object.__setattr__(self, "device", resolve_device(self.device))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_num_batched_tokens is None:

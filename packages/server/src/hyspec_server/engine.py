@@ -39,6 +39,47 @@ class TokensPrompt:
     cache_salt: str | None = None
 
 
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+"""The keys of a prompt dict (vLLM's `TextPrompt` / `TokensPrompt`) that hyspec implements; vLLM's others
+(`multi_modal_data`, `mm_processor_kwargs`, `multi_modal_uuids`, `token_type_ids`) serve multimodal and
+pooling models, which hyspec does not run."""
+
+
+def parse_prompt(item: str | Mapping[str, Any]) -> tuple[str | list[int] | TokensPrompt, str | None]:
+    """A prompt as `LLM.generate` and `LLMEngine.add_request` take it (a string, or a dict with `prompt`
+    and / or `prompt_token_ids` and an optional `cache_salt`) -> (what the engine tokenizes or takes as
+    ids, the salt). ValueError naming the key for anything else: a misspelt key would otherwise be
+    ignored silently (a `"promt"` beside `prompt_token_ids`, or a `cache_salt` that never applies)."""
+    if isinstance(item, str):
+        return item, None
+    if not isinstance(item, Mapping):
+        raise ValueError(
+            "a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got "
+            f"{type(item).__name__}"
+        )
+    unknown = [k for k in item if k not in PROMPT_KEYS]
+    if unknown:
+        raise ValueError(
+            f"unknown key {unknown[0]!r} in a prompt dict; the accepted keys are "
+            f"{', '.join(PROMPT_KEYS)} (hyspec runs text-only models)"
+        )
+    salt = item.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt: expected a non-empty string, got {salt!r}")
+    text = item.get("prompt")
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"prompt: expected a string, got {type(text).__name__}")
+    if "prompt_token_ids" not in item:
+        if text is None:
+            raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+        return text, salt
+    ids = item["prompt_token_ids"]
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError("prompt_token_ids must be a list of ints")
+    # with both, as vLLM's TokensPrompt: the ids are the prompt, the text is what outputs report
+    return (list(ids) if text is None else TokensPrompt(text, list(ids))), salt
+
+
 class EngineStepError(RuntimeError):
     """A step failed for these requests; they were aborted and freed (`outputs`: theirs). `step_outputs`: the
     step's outputs of every other request, which it served normally (deliver them too)."""
@@ -119,7 +160,7 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | Sequence[int] | TokensPrompt,
+        prompt: str | Sequence[int] | TokensPrompt | Mapping[str, Any],
         params: SamplingParams,
         *,
         request_id: str | None = None,
@@ -130,7 +171,11 @@ class LLMEngine:
 
         `cache_salt`: requests with different salts share no prefix-cache entry (tenants that must not
         learn from each other's timing). `bounded=False` queues past `max_waiting` (the bound protects a
-        server from its clients; an offline `LLM.generate` call queues all of its prompts)."""
+        server from its clients; an offline `LLM.generate` call queues all of its prompts). A dict prompt
+        is read by `parse_prompt`."""
+        if isinstance(prompt, Mapping):
+            prompt, salt = parse_prompt(prompt)
+            cache_salt = salt if cache_salt is None else cache_salt
         if isinstance(prompt, TokensPrompt):
             text: str | None = prompt.text
             ids = [int(t) for t in prompt.token_ids]
@@ -150,6 +195,7 @@ class LLMEngine:
             raise ValueError(
                 f"prompt_token_ids: expected token ids in [0, {vocab}) for this model, got {bad}"
             )
+        params.check_vocab(vocab)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) is over the model's "

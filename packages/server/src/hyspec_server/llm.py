@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from hyspec_server.config import engine_args_from
-from hyspec_server.engine import LLMEngine
+from hyspec_server.engine import LLMEngine, parse_prompt
 from hyspec_server.outputs import RequestMetrics, RequestOutput, SpecDecodeStats
 from hyspec_server.sampling_params import SamplingParams, derived_seed
 from hyspec_server.tokenizer import ChatOptions
@@ -136,7 +136,9 @@ class LLM:
 
         Args:
             prompts: a string, a `{"prompt_token_ids": [...]}` or `{"prompt": "..."}` dict (optionally with
-                a `"cache_salt"`), or a list of those.
+                a `"cache_salt"`; with both `prompt` and `prompt_token_ids` the ids are the prompt and the
+                text is the output's `prompt`, as vLLM's TokensPrompt), or a list of those. Any other key is
+                a ValueError (`engine.PROMPT_KEYS`).
             sampling_params: one for all prompts, one per prompt, or None for the defaults. With `n > 1` a
                 prompt runs as n engine requests (sample i seeded `derived_seed(seed, i)`, as the HTTP
                 server does) and its output's `outputs` holds the n completions, ordered by `index`.
@@ -206,8 +208,7 @@ class LLM:
         (the prompt's output id, its samples' request ids). Not bounded by `max_waiting`: an offline call
         queues all of its prompts."""
         eng = self.engine
-        prompt = _prompt_of(item)
-        salt = _salt_of(item)
+        prompt, salt = parse_prompt(item)  # once, though n requests take it
         if p.n == 1:
             rid = eng.add_request(prompt, p, cache_salt=salt, bounded=False)
             ids.append(rid)
@@ -304,27 +305,3 @@ def _progress(total: int) -> _Progress | None:
     except ImportError:
         return None
     return _Progress(tqdm(total=total, desc="Processed prompts", dynamic_ncols=True))
-
-
-def _salt_of(item: PromptType) -> str | None:
-    """A prompt dict's `cache_salt` (vLLM's key): prompts with different salts share no cached prefix."""
-    salt = item.get("cache_salt") if isinstance(item, dict) else None
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ValueError(f"cache_salt: expected a non-empty string, got {salt!r}")
-    return salt
-
-
-def _prompt_of(item: PromptType) -> str | list[int]:
-    if isinstance(item, str):
-        return item
-    if isinstance(item, dict):
-        if "prompt_token_ids" in item:
-            ids = item["prompt_token_ids"]
-            if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids
-            ):
-                raise ValueError("prompt_token_ids must be a list of ints")
-            return ids
-        if "prompt" in item and isinstance(item["prompt"], str):
-            return str(item["prompt"])
-    raise ValueError(f"prompts: expected a string or {{'prompt_token_ids': [...]}}, got {item!r}")

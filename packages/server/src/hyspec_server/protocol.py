@@ -243,15 +243,14 @@ class ChatMessage(_Strict):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatPromptFields(_Strict):
+    """What renders a conversation into a prompt: `/v1/chat/completions` and `/tokenize` with `messages`
+    share these fields and one renderer (`api_generate.render_chat_prompt`), so both give the same tokens
+    and refuse the same input."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
     # vLLM extensions: how the chat template renders the conversation
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -259,14 +258,32 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: only when the server trusts request templates (--trust-request-chat-template)
     chat_template: str | None = None
 
-    def check_chat(self) -> list[str]:
+    def check_tools(self) -> list[str]:
         """Validates the tools; returns the function names a grammar must force (tool_choice "required" or
-        named; empty for "auto" / "none")."""
+        named; empty for "auto" / "none"); 400 naming `tools` / `tool_choice`."""
         try:
             _, names = check_tools(self.tools, self.tool_choice)
         except ValueError as e:
             param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
             raise APIError(400, str(e), param=param) from e
+        return names
+
+    @property
+    def parses_tools(self) -> bool:
+        """Tool calls in the output become `tool_calls` (tools given, tool_choice not "none"); the tools
+        reach the chat template only then."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+class ChatCompletionRequest(_SamplingFields, ChatPromptFields):
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    parallel_tool_calls: bool = True
+
+    def check_forced(self, names: list[str]) -> None:
+        """400 when a forced call (`names`, from `check_tools`) meets a response format: both are grammars."""
         if names and (
             self.structured_outputs is not None or (self.response_format or {}).get("type", "text") != "text"
         ):
@@ -275,9 +292,13 @@ class ChatCompletionRequest(_SamplingFields):
                 "tool_choice that forces a call cannot be combined with a response format",
                 param="tool_choice",
             )
-        return names
 
-    @property
-    def parses_tools(self) -> bool:
-        """Tool calls in the output become `tool_calls` (tools given, tool_choice not "none")."""
-        return bool(self.tools) and self.tool_choice != "none"
+
+class TokenizeChatRequest(ChatPromptFields):
+    """vLLM's `/tokenize` body with `messages` (its `TokenizeChatRequest`)."""
+
+    model: str | None = None
+    # vLLM's: special tokens on top of the template's own; hyspec renders chat as its chat completions do
+    # (the template's tokens only), so only False is taken
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False

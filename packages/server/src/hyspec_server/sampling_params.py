@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass
@@ -17,19 +18,34 @@ def _is_real(x: object) -> bool:
     return (isinstance(x, int | float)) and not isinstance(x, bool)
 
 
+def _short(x: object) -> str:
+    """`x`'s repr for an error message, cut: a refused list can hold a million entries."""
+    r = repr(x)
+    return r if len(r) <= 200 else f"{r[:200]}... ({len(r)} characters)"
+
+
 # most completions per prompt (`n`), as OpenAI's API caps it; the HTTP server uses the same cap
 MAX_N = 128
 GREEDY_BELOW = 1e-5
 """Temperatures below this decode greedily (dividing logits by a tinier one overflows to NaN)."""
+MAX_TEMPERATURE = 1e6
+"""Largest `temperature` accepted. The sampler divides fp32 logits by it: past fp32's range (3.4e38) it is
+inf, every logit becomes 0 (a masked one NaN) and top-k / top-p keep arbitrary tokens; already at 1e6 the
+distribution over the kept tokens is uniform to within 1e-4 for logits spread over less than 100."""
 MAX_ID = 2**31 - 1
 """Largest `top_k` and stop token id accepted, so both fit the integer tensors they go into (no vocabulary
-is larger; a top_k above the vocabulary keeps every token)."""
+is larger; a top_k above the vocabulary keeps every token). The engine further bounds token ids by its
+model's vocabulary (`SamplingParams.check_vocab`)."""
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
-# most alternatives reported per token (OpenAI's cap for chat, vLLM's default max_logprobs)
-MAX_LOGPROBS = 20
 """Bounds of `stop` (OpenAI allows 4 strings): every generated token is checked against each stop string,
 so an unbounded list slows every co-batched request."""
+MAX_TOKEN_ID_ENTRIES = 1024
+"""Most entries of `stop_token_ids` and of `logit_bias` each: every step of the request builds tensors and
+stop sets from them (for every verify node with speculation), so an unbounded list slows every co-batched
+request. Far above what a real request uses."""
+# most alternatives reported per token (OpenAI's cap for chat, vLLM's default max_logprobs)
+MAX_LOGPROBS = 20
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 """`repetition_penalty` bounds: logits divided or multiplied by it stay finite in fp32."""
 
@@ -93,6 +109,12 @@ class StructuredOutputsParams:
             not isinstance(c, list | tuple) or not c or not all(isinstance(x, str) and x for x in c)
         ):
             raise ValueError(f"structured_outputs.choice: expected a list of non-empty strings, got {c!r}")
+        # copies of the caller's containers: a list or schema changed after validation would otherwise
+        # change (or invalidate) the constraint of a request already made from these params
+        if c is not None:
+            object.__setattr__(self, "choice", tuple(c))
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", copy.deepcopy(self.json))
 
     @property
     def key(self) -> tuple[str, str]:
@@ -115,13 +137,16 @@ class SamplingParams:
 
     Args:
         max_tokens: most tokens to generate (>= 1).
-        temperature: 0 (or below GREEDY_BELOW, stored as 0) is greedy; otherwise logits are divided by it.
+        temperature: 0 (or below GREEDY_BELOW, stored as 0) is greedy; otherwise logits are divided by it
+            (at most MAX_TEMPERATURE).
         top_p: nucleus mass in (0, 1]; 1 is off.
         top_k: keep the k most likely tokens; -1 or 0 is off.
         min_p: drop tokens whose probability is below `min_p` times the top token's; 0 is off.
         seed: per-request seed; the same seed gives the same tokens whatever else is in the batch.
-        stop: string(s) that end generation; the text is cut before the match.
-        stop_token_ids: token ids that end generation (kept in `token_ids`, not in the text).
+        stop: string(s) that end generation; the text is cut before the match. At most MAX_STOP_STRINGS of
+            at most MAX_STOP_CHARS characters; a list is stored as a tuple.
+        stop_token_ids: token ids that end generation (kept in `token_ids`, not in the text); at most
+            MAX_TOKEN_ID_ENTRIES, stored as a tuple.
         ignore_eos: keep generating past the EOS token.
         logprobs: None, or the number of top alternatives to report besides the chosen token's logprob.
         prompt_logprobs: None, or the number of top alternatives to report besides each prompt token's own
@@ -138,9 +163,13 @@ class SamplingParams:
             the output (CTRL / transformers / vLLM); 1 is off, must be > 0.
         min_tokens: EOS and the stop token ids cannot come before this many tokens (vLLM's; <= max_tokens).
         logit_bias: None, or token id -> value in [-100, 100] added to that token's logit before any choice
-            (OpenAI's), at every verify position with speculative decoding too.
+            (OpenAI's), at every verify position with speculative decoding too; at most MAX_TOKEN_ID_ENTRIES
+            entries, stored as a copy.
         structured_outputs: None, or a constraint every generated token keeps (`StructuredOutputsParams`);
             the request stops when the constrained text is complete.
+
+    Token ids of `logit_bias` must be in the model's vocabulary too, which the engine checks when it takes
+    the request (`check_vocab`).
     """
 
     max_tokens: int = 16
@@ -167,8 +196,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        t = self.temperature
+        if not _is_real(t) or not 0 <= t <= MAX_TEMPERATURE:  # NaN fails the comparison too
+            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {t!r}")
         if self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
@@ -180,19 +210,28 @@ class SamplingParams:
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
             # torch.Generator.manual_seed's range
             raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
+        # lists and dicts are copied into the params (tuples, a fresh dict) once validated: the engine reads
+        # them at every step, so a caller changing its own list afterwards must not change the request
         if self.stop is not None:
             items = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(items, list | tuple) or not all(isinstance(s, str) and s for s in items):
-                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+                raise ValueError(
+                    f"stop must be a non-empty string or a list of them, got {_short(self.stop)}"
+                )
             if len(items) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in items):
                 raise ValueError(
                     f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters, got "
                     f"{len(items)} strings, the longest {max(len(s) for s in items)} characters"
                 )
+            if not isinstance(self.stop, str):
+                object.__setattr__(self, "stop", tuple(self.stop))
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids
             if not isinstance(ids, list | tuple) or not all(_is_int(t) and 0 <= t <= MAX_ID for t in ids):
-                raise ValueError(f"stop_token_ids must be a list of ints in [0, {MAX_ID}], got {ids!r}")
+                raise ValueError(f"stop_token_ids must be a list of ints in [0, {MAX_ID}], got {_short(ids)}")
+            if len(ids) > MAX_TOKEN_ID_ENTRIES:
+                raise ValueError(f"stop_token_ids: at most {MAX_TOKEN_ID_ENTRIES} token ids, got {len(ids)}")
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -224,10 +263,25 @@ class SamplingParams:
                 _is_int(k) and 0 <= k <= MAX_ID and _is_real(v) and math.isfinite(v) and -100 <= v <= 100
                 for k, v in lb.items()
             ):
-                raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {lb!r}")
+                raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {_short(lb)}")
+            if len(lb) > MAX_TOKEN_ID_ENTRIES:
+                raise ValueError(f"logit_bias: at most {MAX_TOKEN_ID_ENTRIES} token ids, got {len(lb)}")
+            object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in lb.items()})
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raises ValueError when a token id of `logit_bias` is outside the model's vocabulary [0, vocab_size)
+        (as vLLM: a bias has no logit to go to); the engine calls it for every request, as it knows the
+        vocabulary and the params do not. Stop token ids outside it are allowed, as in vLLM: they can never
+        be generated, and clients send the same list to models of one family with different vocabularies."""
+        bad = sorted(t for t in self.logit_bias or () if t >= vocab_size)
+        if bad:
+            more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
+            raise ValueError(
+                f"logit_bias: token ids must be in [0, {vocab_size}) for this model, got {bad[:8]}{more}"
+            )
 
     @property
     def greedy(self) -> bool:
