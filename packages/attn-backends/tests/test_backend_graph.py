@@ -24,13 +24,13 @@ from hyspec_attn_backends import (
     capture_sizes,
     model_state_specs,
 )
-from hyspec_attn_backends.testing import (
+from hyspec_statepool import DraftShape, HybridStatePool, MemoryPlan, StateDtypes
+from hyspec_testing.toy_stack import (
     TOY_LAYER_TYPES,
     TOY_LAYERS,
     TOY_VOCAB,
     ToyStack,
 )
-from hyspec_statepool import DraftShape, HybridStatePool, MemoryPlan, StateDtypes
 
 F32 = StateDtypes(kv=torch.float32, conv=torch.float32, recurrent=torch.float32)
 LAYERS, TYPES, VOCAB = TOY_LAYERS, TOY_LAYER_TYPES, TOY_VOCAB

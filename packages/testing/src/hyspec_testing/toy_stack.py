@@ -2,18 +2,17 @@
 
 Each layer's per-token inputs (and its weights) are fixed random functions of the token id, so two runs over
 the same tokens are comparable whatever the batch looks like: a verify block against the same tokens run one
-by one, a padded batch against an unpadded one. Shared by this package's tests and usable by anyone testing
-a `HybridBackend` change without building a model.
+by one, a padded batch against an unpadded one. Shared by hyspec_attn_backends' tests and usable by anyone
+testing a `HybridBackend` change without building a model.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
-
 from hyspec_attn_backends.backend import HybridBackend
 from hyspec_attn_backends.batch import ForwardBatch
 from hyspec_attn_backends.layers import AttentionLayer, GDNLayer, ShortConvLayer
+from torch import Tensor
 
 TOY_GDN = GDNLayer(layer_id=0, num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8, conv_width=4)
 TOY_CONV = ShortConvLayer(layer_id=1, channels=8, conv_width=3)
