@@ -102,3 +102,12 @@ def test_the_cycle_check_can_fail() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     with pytest.raises(AssertionError):
         assert not _cycles({"a": {"b"}, "b": {"a"}})
+
+
+def test_test_support_lives_only_in_the_test_package() -> None:
+    # what `pip install hyspec-*` ships is the product: harnesses, toy stacks and references sit in
+    # hyspec_testing (a module named like test support in a shipped package is one that escaped)
+    support = {"testing", "harness", "hf_reference", "tiny", "tiny_drafts", "toy_stack", "conftest"}
+    shipped = [m for m in _modules() if not m.startswith("hyspec_testing")]
+    escaped = [m for m in shipped if m.rsplit(".", 1)[-1] in support]
+    assert escaped == [], escaped
