@@ -141,3 +141,23 @@ def test_the_warm_up_writes_snapshots_inside_a_prefill(tiny_qwen3_5: Path) -> No
     stats = runner.memory.prefix_cache_stats()
     assert stats is not None and stats.num_snapshots == 0 and stats.num_cached_pages == 0
     eng.leak_check()
+
+
+@pytest.mark.parametrize("max_model_len", [3, 4])
+def test_a_tiny_max_model_len_runs_only_the_prompts_that_fit(tiny_lfm2: Path, max_model_len: int) -> None:
+    # every warm-up request fits the engine's max_model_len (a request that does not is a ValueError that
+    # would stop the server from starting)
+    eng = build_engine(
+        EngineArgs(model=str(tiny_lfm2), max_num_seqs=3, page_size=4, max_model_len=max_model_len)
+    )
+    lens: list[int] = []
+    add = eng.add_request
+
+    def recording(prompt: Any, params: Any, **kw: Any) -> str:
+        lens.append(len(prompt))
+        return add(prompt, params, **kw)
+
+    eng.add_request = recording  # type: ignore[method-assign]
+    assert warm_up_engine(eng, None, [1]) > 0
+    assert lens == ([1, 1] if max_model_len == 3 else [1, 2, 1, 2, 2, 2, 2])
+    eng.leak_check()

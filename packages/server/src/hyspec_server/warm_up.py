@@ -78,7 +78,8 @@ def warm_up_engine(engine: LLMEngine, spec: SpeculativeRound | None, batch_sizes
     two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     lens = [n for n in PLAIN_PROMPT_LENS if n + 2 <= engine.max_model_len]
     steps = sum(drain([prompt(n)], two) for n in lens) + drain([prompt(n) for n in lens], two)
-    steps += drain([prompt(2)] * min(MANY_PROMPTS, engine.scheduler.config.max_num_seqs), two)
+    if 2 + 2 <= engine.max_model_len:
+        steps += drain([prompt(2)] * min(MANY_PROMPTS, engine.scheduler.config.max_num_seqs), two)
     memory = engine.runner.memory
     inner = 2 * memory.snapshot_interval + 1
     if memory.inner_snapshots and inner + 2 <= engine.max_model_len:
