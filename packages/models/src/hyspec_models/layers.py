@@ -423,6 +423,19 @@ class StackedExperts(nn.Module):
         return torch.einsum("eth,te->th", y, dense.to(y.dtype)).to(x.dtype)
 
 
+SILU_NAMES: Final = ("silu", "swish")
+"""`hidden_act` values that name the SiLU the MLPs and convolutions run (transformers' names)."""
+
+
+def check_top_k(config: Any) -> int:
+    """A MoE config's `num_experts_per_tok`, checked against its `num_experts` at load (a larger k fails
+    inside a served step, where torch.topk first sees it)."""
+    k, e = config.num_experts_per_tok, config.num_experts
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= e:
+        raise ValueError(f"num_experts_per_tok: expected an int in [1, num_experts={e}], got {k!r}")
+    return k
+
+
 def softmax_topk(logits: Tensor, k: int, *, normalize: bool) -> tuple[Tensor, Tensor]:
     """Qwen routing: softmax in fp32, top-k, optional renormalisation. -> (idx [T, k], weight [T, k])."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)

@@ -26,6 +26,7 @@ from hyspec_models.layers import (
     StackedExperts,
     apply_rope,
     check_capture_layers,
+    check_top_k,
     project,
     swiglu_product,
 )
@@ -74,7 +75,7 @@ class Lfm2SparseMoe(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.top_k = config.num_experts_per_tok
+        self.top_k = check_top_k(config)
         self.norm_topk_prob = bool(config.norm_topk_prob)
         self.routed_scaling_factor = float(config.routed_scaling_factor)
         self.use_expert_bias = bool(config.use_expert_bias)

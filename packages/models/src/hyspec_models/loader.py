@@ -64,7 +64,10 @@ def load_config(path: str | Path) -> Any:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"path: expected a directory with config.json, got {path}")
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers' config validation raises its own types, not all ValueErrors
+        raise CheckpointError(f"config.json: {e}") from e
 
 
 class SafetensorsCheckpoint:

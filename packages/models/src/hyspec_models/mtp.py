@@ -61,6 +61,13 @@ class MTPDraft(nn.Module):
                 f"num_layers: expected >= 1 MTP layers (config mtp_num_hidden_layers="
                 f"{mtp_num_layers(target.config)}), got {n}"
             )
+        if getattr(target.config, "mtp_use_dedicated_embeddings", False):
+            # such a head embeds with weights of its own, which this draft does not load: its drafts would
+            # be another model's (lossless still, but rarely accepted), so it is refused instead
+            raise ValueError(
+                "mtp_use_dedicated_embeddings: MTP heads with their own embeddings are not supported (the "
+                "draft shares the target's)"
+            )
         config = mtp_config(target.config, n)
         self.config = config
         hidden, eps = config.hidden_size, config.rms_norm_eps

@@ -17,6 +17,7 @@ from hyspec_kernels.gating import gated_rmsnorm
 from torch import Tensor, nn
 
 from hyspec_models.layers import (
+    SILU_NAMES,
     ModelOutput,
     PackedLinears,
     RMSNorm,
@@ -25,6 +26,7 @@ from hyspec_models.layers import (
     SwiGLU,
     apply_rope,
     check_capture_layers,
+    check_top_k,
     project,
     softmax_topk,
 )
@@ -172,7 +174,7 @@ class QwenSparseMoe(nn.Module):
     def __init__(self, config: Any, *, norm_topk_prob: bool) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.top_k = config.num_experts_per_tok
+        self.top_k = check_top_k(config)
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden, config.num_experts, bias=False)
         self.experts = StackedExperts(config.num_experts, hidden, config.moe_intermediate_size)
@@ -267,6 +269,12 @@ class QwenHybridForCausalLM(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act not in SILU_NAMES:
+            # the MLPs (SwiGLU) and the GDN conv run SiLU; another activation would give other tokens
+            raise ValueError(
+                f"hidden_act: the Qwen hybrid models run SiLU ({' / '.join(SILU_NAMES)}), got {act!r}"
+            )
         self.config = config
         layers = [
             QwenDecoderLayer(config, i, mlp=self._make_mlp(config, i))

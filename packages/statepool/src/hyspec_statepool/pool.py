@@ -153,6 +153,8 @@ class HybridStatePool:
                     f"request {req_id!r}; raise max_context"
                 )
             need.append(max(0, self._pages_for(n) - len(live.pages)))
+        if not self.plan.specs.attention_layers:
+            return  # a model without attention layers keeps no KV: no request ever holds a page
         for holder in self._holders:
             if self.kv.num_free < sum(need):
                 holder.reclaim_pages(sum(need))

@@ -39,6 +39,9 @@ class IndexTranslator:
         self.plan = plan
         self.device = device
         self._checks = checks
+        # a model without attention layers (all GDN / short conv) has no KV: requests never get pages, and
+        # every token's slot is -1, which no layer reads
+        self._has_kv = bool(plan.specs.attention_layers)
 
     def state_slots(self, req_rows: ReqRows) -> StateSlots:
         """The one translation from request rows to state slots: a gather from the row -> slot map.
@@ -101,7 +104,7 @@ class IndexTranslator:
             positions = (starts[:, None] + offsets).reshape(-1)  # [N * q]
             rows = req_rows.tensor.long()[:, None].expand(n, num_tokens).reshape(-1)  # [N * q]
         slots = self.table.req_to_kv[rows, positions]  # [T] int32
-        if self._checks and bool((slots < 0).any()):
+        if self._checks and self._has_kv and bool((slots < 0).any()):
             raise ValueError("kv_slots: some positions have no KV page yet; call ensure_kv_capacity first")
         bound = self.plan.num_kv_pages * self.plan.page_size
         return _mint(KVSlots, slots, bound=bound, device=self.device, check=False)
@@ -210,7 +213,7 @@ class IndexTranslator:
             staged = host_staging((total + pad,), dtype=torch.int32, device=self.device)
             staged[:total] = found
             staged[total:] = -1
-        if missing:
+        if missing and self._has_kv:
             raise ValueError("kv_slots: some positions have no KV page yet; call ensure_kv_capacity first")
         return _mint_staged(KVSlots, staged, bound=self.plan.num_kv_pages * self.plan.page_size)
 

@@ -339,14 +339,21 @@ def _save_fused_state(model: Any, out_dir: Path) -> None:
 
 
 def build_tiny_checkpoint(
-    out_dir: str | Path, arch: str, *, seed: int = 0, mtp_layers: int | None = None
+    out_dir: str | Path,
+    arch: str,
+    *,
+    seed: int = 0,
+    mtp_layers: int | None = None,
+    config_overrides: Mapping[str, Any] | None = None,
 ) -> Path:
     """Build a tiny random checkpoint of ``arch`` in ``out_dir`` (created if needed) and return its path.
 
     ``mtp_layers`` is the number of MTP decoder layers to add (default 1 for the Qwen families, 0 otherwise;
-    the LFM2 families have no MTP). Files: config.json, generation_config.json, model.safetensors,
-    tokenizer.json, tokenizer_config.json. The target weights do not depend on ``mtp_layers``: the MTP
-    tensors are drawn after them from the same generator.
+    the LFM2 families have no MTP). ``config_overrides`` sets text-config fields before the weights are drawn
+    (odd head counts, other layer mixes: a ``layer_types`` list also sets ``num_hidden_layers``). Files:
+    config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json. The
+    target weights do not depend on ``mtp_layers``: the MTP tensors are drawn after them from the same
+    generator.
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}; got {arch!r}")
@@ -364,6 +371,13 @@ def build_tiny_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
 
     config = _make_config(arch)
+    text = _text_config(config)
+    for key, value in (config_overrides or {}).items():
+        if not hasattr(text, key):
+            raise ValueError(f"config_overrides: {arch!r} has no config field {key!r}")
+        setattr(text, key, value)
+        if key == "layer_types":
+            text.num_hidden_layers = len(value)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     # Default init draws from the global RNG; fork it so callers' random streams are left untouched.
     with torch.random.fork_rng(devices=[]):
