@@ -36,6 +36,19 @@ def _outputs(eng: LLMEngine) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _record_prompt_lens(eng: LLMEngine) -> list[int]:
+    """The prompt length of every request added to `eng` from now on (until `del eng.add_request`)."""
+    lens: list[int] = []
+    add = eng.add_request
+
+    def recording(prompt: Any, params: Any, **kw: Any) -> str:
+        lens.append(len(prompt))
+        return add(prompt, params, **kw)
+
+    eng.add_request = recording  # type: ignore[method-assign]
+    return lens
+
+
 def test_warm_up_runs_every_round_shape_and_leaves_nothing_behind(tiny_qwen3_5: Path) -> None:
     ref = _outputs(_engine(tiny_qwen3_5))
     eng = _engine(tiny_qwen3_5)
@@ -80,14 +93,7 @@ def test_a_plain_engine_warms_its_prefills_and_keeps_nothing(tiny_lfm2: Path) ->
     args = EngineArgs(model=str(tiny_lfm2), max_num_seqs=4, page_size=4, max_model_len=64)
     ref = _outputs(build_engine(args))
     eng = build_engine(args)
-    lens: list[int] = []
-    add = eng.add_request
-
-    def recording(prompt: Any, params: Any, **kw: Any) -> str:
-        lens.append(len(prompt))
-        return add(prompt, params, **kw)
-
-    eng.add_request = recording  # type: ignore[method-assign]
+    lens = _record_prompt_lens(eng)
     assert warm_up_engine(eng, None, [1, 3]) > 0
     del eng.add_request
     # each alone, then together (96 and the long prompt do not fit max_model_len 64 with two tokens), then
@@ -150,14 +156,7 @@ def test_a_tiny_max_model_len_runs_only_the_prompts_that_fit(tiny_lfm2: Path, ma
     eng = build_engine(
         EngineArgs(model=str(tiny_lfm2), max_num_seqs=3, page_size=4, max_model_len=max_model_len)
     )
-    lens: list[int] = []
-    add = eng.add_request
-
-    def recording(prompt: Any, params: Any, **kw: Any) -> str:
-        lens.append(len(prompt))
-        return add(prompt, params, **kw)
-
-    eng.add_request = recording  # type: ignore[method-assign]
+    lens = _record_prompt_lens(eng)
     assert warm_up_engine(eng, None, [1]) > 0
     assert lens == ([1, 1] if max_model_len == 3 else [1, 2, 1, 2, 2, 2, 2])
     eng.leak_check()
