@@ -8,7 +8,7 @@ from hyspec_server.config import EngineArgs
 from hyspec_server.engine import LLMEngine
 from hyspec_server.llm import LLM
 from hyspec_server.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SpecDecodeStats
-from hyspec_server.sampling_params import SamplingParams, StructuredOutputsParams
+from hyspec_server.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -20,6 +20,7 @@ __all__ = [
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "SpecDecodeStats",
     "StructuredOutputsParams",

@@ -19,7 +19,7 @@ from typing import Any
 from hyspec_server.engine import EngineStepError, LLMEngine, TokensPrompt
 from hyspec_server.metrics import EngineMetrics
 from hyspec_server.outputs import RequestOutput
-from hyspec_server.sampling_params import SamplingParams
+from hyspec_server.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +31,13 @@ class EngineDeadError(RuntimeError):
 class OutputQueue(asyncio.Queue[RequestOutput | BaseException]):
     """A request's outputs waiting for its reader, at most one per request.
 
-    An output is cumulative (full text, tokens and logprobs so far) plus the delta since the previous one, so
-    a new output merges into one the reader has not taken yet: its deltas are joined and the newer state
-    kept. A client that reads slowly (or not at all) then holds one output, not one copy of the whole
-    completion per engine step.
+    An output carries the delta since the previous one, so a new output merges into one the reader has not
+    taken yet: its deltas are joined, and the newer cumulative state kept (or, for a
+    `RequestOutputKind.DELTA` request, whose completion is itself a delta, joined too). A client that reads
+    slowly (or not at all) then holds one output, not one copy of the whole completion per engine step.
     """
+
+    delta: bool = False  # the request's completions are deltas (RequestOutputKind.DELTA)
 
     def _init(self, maxsize: int) -> None:
         self._queue: deque[RequestOutput | BaseException] = deque()
@@ -45,6 +47,11 @@ class OutputQueue(asyncio.Queue[RequestOutput | BaseException]):
         if isinstance(item, RequestOutput) and q and isinstance(prev := q[-1], RequestOutput):
             item.delta_text = prev.delta_text + item.delta_text
             item.delta_token_ids = prev.delta_token_ids + item.delta_token_ids
+            if self.delta:
+                c, pc = item.outputs[0], prev.outputs[0]
+                c.text, c.token_ids = pc.text + c.text, pc.token_ids + c.token_ids
+                if c.logprobs is not None and pc.logprobs is not None:
+                    c.logprobs = pc.logprobs + c.logprobs
             q[-1] = item
         else:
             q.append(item)
@@ -56,11 +63,19 @@ class OutputQueue(asyncio.Queue[RequestOutput | BaseException]):
 class RequestStream:
     """Outputs of one request, in step order. Leaving `outputs()` before the end aborts the request."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> None:
         self.engine = engine
         self.request_id = request_id
         self.loop = loop
         self.queue = OutputQueue()
+        self.queue.delta = kind is RequestOutputKind.DELTA
         self.finished = False
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
@@ -200,7 +215,7 @@ class AsyncEngine:
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str
     ) -> RequestStream:
         """Queues a request; ValueError (does not fit) and QueueFullError surface here, before any output."""
-        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        stream = RequestStream(self, request_id, asyncio.get_running_loop(), kind=params.output_kind)
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(prompt, params, request_id=request_id)
@@ -216,7 +231,7 @@ class AsyncEngine:
         cannot be added (ValueError, QueueFullError) the ones before it are aborted and `AddError` says which.
         """
         loop = asyncio.get_running_loop()
-        streams = [RequestStream(self, rid, loop) for _, _, rid in items]
+        streams = [RequestStream(self, rid, loop, kind=params.output_kind) for _, params, rid in items]
 
         def add(engine: LLMEngine) -> None:
             for i, (prompt, params, rid) in enumerate(items):

@@ -22,7 +22,7 @@ from hyspec_server.memory import MemoryUsage
 from hyspec_server.outputs import Logprob, RequestOutput, SpecDecodeStats
 from hyspec_server.request import Request
 from hyspec_server.runner import ModelRunner, PromptLogprobRows
-from hyspec_server.sampling_params import SamplingParams
+from hyspec_server.sampling_params import RequestOutputKind, SamplingParams
 from hyspec_server.scheduler import Scheduler, SchedulerConfig
 from hyspec_server.structured import GrammarCompiler
 from hyspec_server.tokenizer import Tokenizer
@@ -257,7 +257,8 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one model step; returns an output for every request that made progress."""
+        """Schedules and runs one model step; returns an output for every request that made progress
+        (a `RequestOutputKind.FINAL_ONLY` request's only when it finished)."""
         sched = self.scheduler.schedule()
         self.stats.num_preemptions += len(sched.preempted)
         if not sched.chunks:
@@ -322,7 +323,8 @@ class LLMEngine:
             if finished:
                 done.append(req)
                 self._record_finished(req, now)
-            outputs.append(req.make_output())
+            if finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(req.make_output())
         self.scheduler.finish(done, cache=True)
         for req in done:
             self.requests.pop(req.request_id, None)

@@ -11,7 +11,7 @@ from typing import Any
 from hyspec_server.config import engine_args_from
 from hyspec_server.engine import LLMEngine, parse_prompt
 from hyspec_server.outputs import RequestMetrics, RequestOutput, SpecDecodeStats
-from hyspec_server.sampling_params import SamplingParams, derived_seed
+from hyspec_server.sampling_params import RequestOutputKind, SamplingParams, derived_seed
 from hyspec_server.tokenizer import ChatOptions
 
 PromptType = str | dict[str, Any]
@@ -209,6 +209,9 @@ class LLM:
         queues all of its prompts."""
         eng = self.engine
         prompt, salt = parse_prompt(item)  # once, though n requests take it
+        if p.output_kind is not RequestOutputKind.FINAL_ONLY:
+            # `generate` returns final outputs only: the engine then builds none for the steps before
+            p = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
         if p.n == 1:
             rid = eng.add_request(prompt, p, cache_salt=salt, bounded=False)
             ids.append(rid)

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 # re-exported: the HTTP server and `LLM.generate` share the cap and the per-sample seeds
 from hyspec_server.sampling_params import MAX_LOGPROBS as MAX_LOGPROBS
 from hyspec_server.sampling_params import MAX_N as MAX_N
-from hyspec_server.sampling_params import SamplingParams, StructuredOutputsParams
+from hyspec_server.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from hyspec_server.sampling_params import derived_seed as derived_seed
 from hyspec_server.tool_calls import check_tools
 
@@ -185,6 +185,9 @@ class _SamplingFields(_Strict):
             logit_bias=self._logit_bias(),
             min_tokens=self.min_tokens,
             structured_outputs=self.structured(),
+            # a response that is not streamed is written once, from the final output: the engine builds
+            # none for the steps before (and the reader is not woken per step)
+            output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
     def _logit_bias(self) -> dict[int, float] | None:

@@ -22,7 +22,7 @@ from hyspec_server.outputs import (
     SampleLogprobs,
     SpecDecodeStats,
 )
-from hyspec_server.sampling_params import SamplingParams
+from hyspec_server.sampling_params import RequestOutputKind, SamplingParams
 from hyspec_server.structured import GrammarState
 from hyspec_server.tokenizer import Tokenizer
 
@@ -210,7 +210,8 @@ class Request:
         self.stop_reason = stop_reason
 
     def make_output(self) -> RequestOutput:
-        """A snapshot of this request, with the text and tokens not yet handed out as the delta.
+        """A snapshot of this request, with the text and tokens not yet handed out as the delta; with
+        `RequestOutputKind.DELTA` the completion itself holds only the delta (no copy of what came before).
 
         While stop strings are set, the last `max(len(stop)) - 1` characters are held back from the delta:
         they could be the start of a stop string that the next token completes.
@@ -219,18 +220,24 @@ class Request:
         stops = self.params.stop_strings
         if stops and not self.finished:
             visible = max(self.num_sent_chars, len(self.text) - (max(len(s) for s in stops) - 1))
+        first_token = self.num_sent_tokens
         delta_text = self.text[self.num_sent_chars : visible]
-        delta_ids = self.output_token_ids[self.num_sent_tokens :]
+        delta_ids = self.output_token_ids[first_token:]
         self.num_sent_chars = visible
         self.num_sent_tokens = len(self.output_token_ids)
+        lps = self.logprobs
+        if self.params.output_kind is RequestOutputKind.DELTA:
+            text, ids, lps = delta_text, delta_ids, None if lps is None else lps[first_token:]
+        else:
+            text, ids, lps = self.text, list(self.output_token_ids), None if lps is None else list(lps)
         completion = CompletionOutput(
             index=0,
-            text=self.text,
-            token_ids=list(self.output_token_ids),
+            text=text,
+            token_ids=ids,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
+            logprobs=lps,
         )
         return RequestOutput(
             request_id=self.request_id,

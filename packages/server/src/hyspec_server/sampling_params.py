@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import json
 import math
 from dataclasses import dataclass
@@ -62,6 +63,22 @@ def derived_seed(seed: int | None, sample: int) -> int | None:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs a request gets from the engine (vLLM's names).
+
+    CUMULATIVE: one per step that gave it tokens, with the whole completion so far (text, token ids,
+    logprobs) and the delta since the previous one (`RequestOutput.delta_text` / `delta_token_ids`).
+    DELTA: one per such step, whose completion holds only what is new since the previous output (the text,
+    token ids and logprobs of that step; `cumulative_logprob` stays cumulative).
+    FINAL_ONLY: one output, when the request finishes, with the whole completion (what `LLM.generate` and a
+    non-streaming HTTP request read: the engine builds no output for the steps before).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +184,8 @@ class SamplingParams:
             entries, stored as a copy.
         structured_outputs: None, or a constraint every generated token keeps (`StructuredOutputsParams`);
             the request stops when the constrained text is complete.
+        output_kind: which outputs the engine returns for the request (`RequestOutputKind`; vLLM's).
+            `LLM.generate` runs its requests as FINAL_ONLY whatever this says (it returns final outputs).
 
     Token ids of `logit_bias` must be in the model's vocabulary too, which the engine checks when it takes
     the request (`check_vocab`).
@@ -192,6 +211,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -270,6 +290,8 @@ class SamplingParams:
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {_short(self.output_kind)}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raises ValueError when a token id of `logit_bias` is outside the model's vocabulary [0, vocab_size)
