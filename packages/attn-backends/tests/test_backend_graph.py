@@ -416,7 +416,7 @@ def test_commit_and_tail_replay_only_their_own_verify_graph() -> None:
     `commit` replays for a batch of that key in the captured buffers (padded rows' accepted counts -1) and
     commits eagerly for a tree; `run_tail` replays only when the forward's hidden states are that graph's own
     output (a MIXED step's verify part, run eagerly in the same buffers, must not), and checks its inputs."""
-    from hyspec_attn_backends.graphs import _Captured, _Commit, _Tail
+    from hyspec_attn_backends.graph_capture import Captured, CommitGraph, TailGraph
 
     toy = Toy()
     be, lens = _setup(toy)
@@ -445,12 +445,12 @@ def test_commit_and_tail_replay_only_their_own_verify_graph() -> None:
     commit_graph, tail_graph = Replays(), Replays()
     tail_in = (torch.zeros(4, 3, dtype=torch.int64),)
     tail_out = (torch.arange(4),)
-    runner._graphs[key] = _Captured(
+    runner._graphs[key] = Captured(
         graph=Replays(),  # type: ignore[arg-type]
         outputs=(hidden,),
         pointers=batch_pointers(batch),
-        commit=_Commit(commit_graph, accepted, torch.arange(4)),  # type: ignore[arg-type]
-        tail=_Tail(tail_graph, tail_in, tail_out),  # type: ignore[arg-type]
+        commit=CommitGraph(commit_graph, accepted, torch.arange(4)),  # type: ignore[arg-type]
+        tail=TailGraph(tail_graph, tail_in, tail_out),  # type: ignore[arg-type]
     )
     steps = runner.commit(batch, num_accepted=torch.tensor([2, 0]), accept_paths=None)
     assert commit_graph.count == 1 and accepted.tolist() == [2, 0, -1, -1] and steps.tolist() == [0, 1]

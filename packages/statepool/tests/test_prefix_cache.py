@@ -290,8 +290,8 @@ def test_eviction_scans_past_pages_in_use_once_per_call(monkeypatch: pytest.Monk
     cache.save("done", free, salt=None, num_tokens=len(free))
     pool.free(["done"])
     # put the request's pages first in LRU order, as an old prefix still in use
-    for h in list(cache._pages)[:6][::-1]:
-        cache._pages.move_to_end(h, last=False)
+    for h in list(cache._lru.pages)[:6][::-1]:
+        cache._lru.pages.move_to_end(h, last=False)
     calls = 0
     refs = pool.kv.refs
 

@@ -13,8 +13,9 @@ from hyspec_attn_backends.backend import (
     state_spec_of,
 )
 from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, MixedBatch, StepBatch, tree_ancestor_mask
+from hyspec_attn_backends.graph_capture import ForwardFn, VerifyTail
 from hyspec_attn_backends.graph_keys import GraphCounts, GraphKey, batch_pointers, capture_sizes
-from hyspec_attn_backends.graphs import CudaGraphRunner, ForwardFn, VerifyTail
+from hyspec_attn_backends.graphs import CudaGraphRunner
 from hyspec_attn_backends.layers import (
     LAYER_TYPE_KINDS,
     AttentionLayer,

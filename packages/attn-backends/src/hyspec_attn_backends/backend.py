@@ -14,15 +14,14 @@ from collections.abc import Sequence
 
 import torch
 from hyspec_kernels import StateSave
-from hyspec_kernels.attention import paged_attention, store_kv
-from hyspec_kernels.gating import gdn_gating
 from hyspec_statepool.indices import ReqRows, StateSlots
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.specs import AttentionSpec, GDNSpec, LayerStateSpec, ModelStateSpecs, ShortConvSpec
 from torch import Tensor
 
 from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, MixedBatch, StepBatch
-from hyspec_attn_backends.batch_builder import BatchBuilder, static_max_q_len
+from hyspec_attn_backends.batch_builder import BatchBuilder
+from hyspec_attn_backends.layer_kernels import run_attention, run_gdn, run_short_conv
 from hyspec_attn_backends.layers import (
     LAYER_TYPE_KINDS,
     AttentionLayer,
@@ -31,7 +30,7 @@ from hyspec_attn_backends.layers import (
     MixerLayer,
     ShortConvLayer,
 )
-from hyspec_attn_backends.mode_kernels import mode_conv, mode_recurrence
+from hyspec_attn_backends.mixed_builder import MixedBuilder
 from hyspec_attn_backends.modes import ForwardMode
 from hyspec_attn_backends.verify_commit import VerifyCommitter
 
@@ -105,7 +104,8 @@ class HybridBackend:
             second set of batch buffers is allocated for the chunks (needs verify scratch).
 
     Batches are built by its `BatchBuilder` (how they share preallocated buffers and what `num_builds`
-    counts: see there), the commit after verify is its `VerifyCommitter`'s; the layer routing is its own.
+    counts: see there; a MIXED step's by a `MixedBuilder` over two), the commit after verify is its
+    `VerifyCommitter`'s; the layer routing is its own, and what each layer type runs is `layer_kernels.py`'s.
     """
 
     def __init__(
@@ -123,28 +123,22 @@ class HybridBackend:
         self.num_layers = len(layers)
         # kernels' own value checks (hyspec_kernels.value_checks): a debug pool asks for them on CUDA too
         self._kernel_checks: bool | None = True if pool.debug else None
-        # job 1, batch metadata: the static batch buffers and the `prepare_*` that fill them
-        self.builder = BatchBuilder(
-            pool,
-            kinds=self.kinds,
-            max_num_seqs=max_num_seqs,
-            max_tokens=max_tokens,
-            kernel_checks=self._kernel_checks,
-        )
-        # a MIXED step's prompt chunks: buffers of their own beside the verify block's (`mixed_steps`)
-        if mixed_steps and not self.builder.max_verify_len:
-            raise ValueError("mixed_steps: MIXED forwards verify blocks, the pool has no verify scratch")
-        self._mixed_builder = (
-            BatchBuilder(
+
+        def new_builder() -> BatchBuilder:  # each with batch buffers of its own
+            return BatchBuilder(
                 pool,
                 kinds=self.kinds,
                 max_num_seqs=max_num_seqs,
                 max_tokens=max_tokens,
                 kernel_checks=self._kernel_checks,
             )
-            if mixed_steps
-            else None
-        )
+
+        # job 1, batch metadata: the static batch buffers and the `prepare_*` that fill them
+        self.builder = new_builder()
+        # a MIXED step's prompt chunks: buffers of their own beside the verify block's (`mixed_steps`)
+        if mixed_steps and not self.builder.max_verify_len:
+            raise ValueError("mixed_steps: MIXED forwards verify blocks, the pool has no verify scratch")
+        self._mixed = MixedBuilder(self.builder, new_builder()) if mixed_steps else None
         # job 3, the commit after verify
         self.committer = VerifyCommitter(pool, kinds=self.kinds, kernel_checks=self._kernel_checks)
 
@@ -233,27 +227,19 @@ class HybridBackend:
         `state_saves` as `prepare_extend` takes them) and the verify blocks of other requests (`verify_rows`,
         `block_tokens`, `verify_prefix_lens`, `tree_parents` as `prepare_verify` takes them, unpadded) as one
         forward (`MixedBatch`). The chunks go into a second set of buffers, so both parts stay valid until the
-        next `prepare_*`; commit with `commit_after_verify(batch=mixed.verify, ...)`."""
-        if self._mixed_builder is None:
+        next `prepare_*` (`MixedBuilder`); commit with `commit_after_verify(batch=mixed.verify, ...)`."""
+        if self._mixed is None:
             raise ValueError("prepare_mixed: the backend was built without mixed_steps=True")
-        verify = self.builder.prepare_verify(
-            req_rows=verify_rows,
-            block_tokens=block_tokens,
-            prefix_lens=verify_prefix_lens,
-            tree_parents=tree_parents,
-        )
-        extend = self._mixed_builder.prepare_extend(
+        return self._mixed.prepare(
             req_rows=req_rows,
             input_ids=input_ids,
             q_lens=q_lens,
             prefix_lens=prefix_lens,
+            verify_rows=verify_rows,
+            block_tokens=block_tokens,
+            verify_prefix_lens=verify_prefix_lens,
+            tree_parents=tree_parents,
             state_saves=state_saves,
-        )
-        return MixedBatch(
-            extend=extend,
-            verify=verify,
-            input_ids=torch.cat([extend.input_ids, verify.input_ids]),  # [T_e + N_v·D] int64
-            positions=torch.cat([extend.positions, verify.positions]),  # [T_e + N_v·D] int64
         )
 
     def prepare_idle(self) -> ForwardBatch:
@@ -273,7 +259,7 @@ class HybridBackend:
             )
 
     def attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, batch: StepBatch) -> Tensor:
-        """Store the new tokens' K/V, then attend over the paged cache.
+        """Store the new tokens' K/V, then attend over the paged cache (`layer_kernels.run_attention`).
 
         q [T, HQ, Dh], k/v [T, HKV, Dh] -> [T, HQ, Dh].
         """
@@ -283,33 +269,7 @@ class HybridBackend:
                 batch.split(q), batch.split(k), batch.split(v), (batch.extend, batch.verify), strict=True
             )
             return torch.cat([self.attention(layer, *part) for part in parts])
-        if batch.num_tokens == 0:
-            return q.new_empty((0, layer.num_heads, layer.head_dim))
-        k_cache, v_cache = self.pool.kv_cache(layer.layer_id)
-        assert batch.kv_slots is not None
-        store_kv(
-            k.to(k_cache.dtype),
-            v.to(v_cache.dtype),
-            k_cache=k_cache,
-            v_cache=v_cache,
-            kv_slots=batch.kv_slots.tensor,
-            check_indices=self._kernel_checks,
-        )
-        o = paged_attention(
-            q.to(k_cache.dtype),
-            k_cache=k_cache,
-            v_cache=v_cache,
-            page_table=batch.page_table,
-            cu_seqlens_q=batch.cu_seqlens_q,
-            kv_lens=batch.kv_lens,
-            scale=layer.scale,
-            tree_mask=batch.tree_mask,
-            # a static bound on q_len: the same launch grid eagerly as under CUDA-graph capture
-            max_q_len=static_max_q_len(batch),
-            host_lens=batch.host_max_lens,
-            check_indices=self._kernel_checks,
-        )
-        return o.to(q.dtype)
+        return run_attention(self.pool, layer, q, k, v, batch, kernel_checks=self._kernel_checks)
 
     def gdn(
         self,
@@ -323,7 +283,8 @@ class HybridBackend:
         dt_bias: Tensor,
         batch: StepBatch,
     ) -> Tensor:
-        """Gated DeltaNet core. mixed_qkv [T, 2·HK·K + HV·V] (pre-conv), a/b [T, HV] -> o [T, HV, V]."""
+        """Gated DeltaNet core (`layer_kernels.run_gdn`). mixed_qkv [T, 2·HK·K + HV·V] (pre-conv), a/b
+        [T, HV] -> o [T, HV, V]."""
         self._check_layer(layer, MixerKind.GDN)
         if isinstance(batch, MixedBatch):
             parts = zip(batch.split(mixed_qkv), batch.split(a), batch.split(b), (batch.extend, batch.verify))
@@ -335,36 +296,17 @@ class HybridBackend:
                     for x, pa, pb, pt in parts
                 ]
             )
-        hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
-        t = batch.num_tokens
-        if t == 0:
-            return mixed_qkv.new_empty((0, hv, dv))
-        st = self.pool.layer_state(layer.layer_id)
-        x = mode_conv(
+        return run_gdn(
+            self.pool,
+            layer,
             mixed_qkv,
-            conv_weight,
-            None,
-            conv_state=st.conv,
-            conv_scratch=st.conv_scratch,
-            activation="silu",
+            a=a,
+            b=b,
+            conv_weight=conv_weight,
+            A_log=A_log,
+            dt_bias=dt_bias,
             batch=batch,
-            check_indices=self._kernel_checks,
-        )
-        q, k, v = torch.split(x, [hk * dk, hk * dk, hv * dv], dim=-1)
-        q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
-        g, beta = gdn_gating(A_log, a, b, dt_bias)  # [T, HV] fp32 each
-        if st.recurrent is None:
-            raise ValueError(f"layer {layer.layer_id}: the pool has no recurrent state")
-        return mode_recurrence(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            state=st.recurrent,
-            replay=st.replay,
-            batch=batch,
-            check_indices=self._kernel_checks,
+            kernel_checks=self._kernel_checks,
         )
 
     def short_conv(
@@ -376,7 +318,8 @@ class HybridBackend:
         conv_bias: Tensor | None,
         batch: StepBatch,
     ) -> Tensor:
-        """LFM2 short conv (no activation). x [T, C] = B·x -> conv output [T, C]."""
+        """LFM2 short conv, no activation (`layer_kernels.run_short_conv`). x [T, C] = B·x -> conv output
+        [T, C]."""
         self._check_layer(layer, MixerKind.SHORT_CONV)
         if isinstance(batch, MixedBatch):
             parts = zip(batch.split(x), (batch.extend, batch.verify), strict=True)
@@ -386,18 +329,14 @@ class HybridBackend:
                     for px, pt in parts
                 ]
             )
-        if batch.num_tokens == 0:
-            return x.new_empty((0, layer.channels))
-        st = self.pool.layer_state(layer.layer_id)
-        return mode_conv(
+        return run_short_conv(
+            self.pool,
+            layer,
             x,
-            conv_weight,
-            conv_bias,
-            conv_state=st.conv,
-            conv_scratch=st.conv_scratch,
-            activation=None,
+            conv_weight=conv_weight,
+            conv_bias=conv_bias,
             batch=batch,
-            check_indices=self._kernel_checks,
+            kernel_checks=self._kernel_checks,
         )
 
     # ---------------------------------------------------------------- commit (`VerifyCommitter`)

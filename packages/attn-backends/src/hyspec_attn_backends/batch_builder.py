@@ -7,7 +7,6 @@ place, overwrites the previous one; `num_builds` counts those writes.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -19,7 +18,9 @@ from hyspec_statepool.positions import packed_positions
 from hyspec_statepool.transfer import host_staging, upload, write_into
 from torch import Tensor
 
-from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, check_tree_parents, tree_ancestor_mask
+from hyspec_attn_backends.advance import advance_in_place, check_advance
+from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, check_tree_parents
+from hyspec_attn_backends.host_batch import host_batch
 from hyspec_attn_backends.layers import MixerKind
 from hyspec_attn_backends.modes import ForwardMode
 
@@ -189,7 +190,8 @@ class BatchBuilder:
         )
 
     def advance_one_token(self, batch: ForwardBatch) -> None:
-        """Move a one-token-per-row batch one position on, in place: the next token of each live row.
+        """Move a one-token-per-row batch one position on, in place: the next token of each live row
+        (`advance.py`).
 
         For a chain of forwards that each add one token per request at the next position (a chained
         drafter's steps): positions, prefix and KV lengths grow by one and each live row's KV slot becomes
@@ -201,33 +203,9 @@ class BatchBuilder:
         DECODE batches, or TARGET_VERIFY with D = 1 on an attention-only backend (a verify forward writes
         recurrent state to scratch, so a next position would not see it).
         """
-        if batch.num_tokens != batch.num_seqs or batch.is_tree:
-            raise ValueError(
-                f"batch: expected one token per row, got {batch.num_tokens} tokens for {batch.num_seqs} rows"
-            )
-        if batch.mode is ForwardMode.TARGET_VERIFY:
-            if any(k is not MixerKind.ATTENTION for k in self.kinds):
-                raise ValueError(
-                    "batch: advancing a TARGET_VERIFY batch needs an attention-only backend (verify leaves "
-                    "recurrent state in scratch)"
-                )
-        elif batch.mode is not ForwardMode.DECODE:
-            raise ValueError(f"batch: expected a DECODE or TARGET_VERIFY batch, got {batch.mode}")
-        if batch.kv_slots is None:
-            raise ValueError("batch: expected KV slots")
+        check_advance(batch, self.kinds)
         self.num_builds += 1
-        page = self.pool.plan.page_size
-        slots = batch.kv_slots.tensor  # [N] int32, -1 on padded rows
-        live = slots >= 0  # [N] bool
-        step = live.to(torch.int32)  # [N]
-        batch.prefix_lens.add_(step)
-        batch.kv_lens.add_(step)
-        batch.positions.add_(step)
-        batch.has_initial_state.copy_(batch.prefix_lens > 0)
-        pos = batch.prefix_lens.long()  # [N] the new token's position
-        pages = batch.page_table.gather(1, (pos // page)[:, None])[:, 0].long()  # [N]
-        slots.copy_(torch.where(live, pages * page + pos % page, -1))
-        # cu_seqlens, q_lens, page table, state slots and batch rows are those of the next position already
+        advance_in_place(batch, page_size=self.pool.plan.page_size)
 
     def _build(
         self,
@@ -240,88 +218,60 @@ class BatchBuilder:
         verify_len: int,
         pad_to: int | None = None,
     ) -> ForwardBatch:
-        """Check the batch and compute its metadata on the host, then write it into the buffers.
+        """Check the batch and compute its metadata on the host (`host_batch`), then write it into the
+        buffers.
 
         Everything that can reject the batch runs before the first write (so a rejected call leaves the
         buffers and `num_builds` as they were). On CUDA the writes are non-blocking copies from pinned
         memory, one per buffer, and no device value is read: host tokens and host (or no) tree parents
         give 7 device ops for DECODE and chain TARGET_VERIFY (tokens on the device: one more when padded).
         """
-        n_live, t_live = len(req_rows), int(input_ids.shape[0])
-        if input_ids.dim() != 1:
-            raise ValueError(f"input_ids: expected shape [T], got {list(input_ids.shape)}")
-        # lengths are checked as host ints (callers pass host values: reading them costs no device sync)
-        live_q = _host_lens("q_lens", q_lens, n_live)
-        live_prefix = _host_lens("prefix_lens", prefix_lens, n_live)
-        if sum(live_q) != t_live:
-            raise ValueError(f"input_ids: expected sum(q_lens) = {sum(live_q)} tokens, got {t_live}")
-        pad_q = verify_len if mode is ForwardMode.TARGET_VERIFY else 1  # tokens of one padded row
-        fixed = mode is ForwardMode.DECODE or mode is ForwardMode.TARGET_VERIFY
-        if fixed and any(q != pad_q for q in live_q):
-            # the slot and position math below relies on every row having pad_q tokens
-            raise ValueError(f"q_lens: expected {pad_q} per request in {mode}, got {live_q}")
-        n = n_live if pad_to is None else pad_to
-        if pad_to is not None:
-            if mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
-                raise ValueError(f"pad_to: padding is for DECODE and TARGET_VERIFY only, got mode {mode}")
-            if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < n_live:
-                raise ValueError(
-                    f"pad_to: expected an int >= N = {n_live} (the live requests), got {pad_to!r}"
-                )
-        num_pad = n - n_live
-        t = t_live + num_pad * pad_q
-        b, pool = self.buffers, self.pool
-        b.check_fits(num_seqs=n, num_tokens=t, verify_len=verify_len)
-        host_rows = req_rows.host_values  # None for rows made on the device: read back then (a CUDA sync)
-        rows = list(host_rows) if host_rows is not None else req_rows.tolist()
-        if len(set(rows)) != n_live:
-            raise ValueError(f"req_rows: expected distinct rows (one per request), got {rows}")
-
-        # the pool translates the indices on the host, checks them there and stages them, padding included
-        # (state slots first: a freed request's row is reported as such, not as missing KV pages)
-        state_slots = pool.host_state_slots(req_rows, pad_to=n)
-        kv_slots = pool.host_kv_slots(
-            req_rows=req_rows, start_positions=live_prefix, num_tokens=pad_q if fixed else live_q, pad_to=t
+        h = host_batch(
+            self.pool,
+            self.buffers,
+            mode,
+            req_rows=req_rows,
+            input_ids=input_ids,
+            q_lens=q_lens,
+            prefix_lens=prefix_lens,
+            tree_parents=tree_parents,
+            verify_len=verify_len,
+            pad_to=pad_to,
         )
-        page_table = pool.host_page_table(req_rows, pad_to=n)
-        batch_rows = self._batch_rows.head(n)  # 0..n-1, written once in __init__
-        host_q = [pad_q] * n if fixed else live_q  # [N] padded rows included
-        host_prefix = live_prefix + [0] * num_pad  # [N] padded rows: prefix 0
-        tree = None if tree_parents is None else _tree(tree_parents, num_pad, verify_len, pool.device)
+        b, pool = self.buffers, self.pool
+        batch_rows = self._batch_rows.head(h.num_seqs)  # 0..n-1, written once in __init__
 
         self.num_builds += 1  # from here on the buffers change
-        cu, q_view, prefix_view, kv_lens = b.write_lens(q_lens=host_q, prefix_lens=host_prefix)
+        cu, q_view, prefix_view, kv_lens = b.write_lens(q_lens=h.q_lens, prefix_lens=h.prefix_lens)
         parents_view = mask_view = None
-        if tree is None:
+        if h.tree is None:
             pin = pool.device.type == "cuda"
-            positions = upload(
-                packed_positions(host_prefix, pad_q if fixed else live_q, pin_memory=pin), b.positions
-            )
+            positions = upload(packed_positions(h.prefix_lens, h.row_tokens, pin_memory=pin), b.positions)
         else:
-            parents, mask, depth = tree  # [N, D], [N, D, D], [N, D] where the parents were
+            parents, mask, depth = h.tree  # [N, D], [N, D, D], [N, D] where the parents were
             parents_view = write_into(b.tree_parents, parents)
             mask_view = write_into(b.tree_mask, mask)
-            positions = self._tree_positions(host_prefix, depth)
+            positions = self._tree_positions(h.prefix_lens, depth)
         return ForwardBatch(
             mode=mode,
-            input_ids=self._write_tokens(input_ids, t),
+            input_ids=self._write_tokens(input_ids, h.num_tokens),
             positions=positions,
             req_rows=req_rows,
-            state_slots=state_slots.copy_into(b.state_slots),
+            state_slots=h.state_slots.copy_into(b.state_slots),
             batch_rows=batch_rows,
-            kv_slots=kv_slots.copy_into(b.kv_slots),
-            page_table=upload(page_table, b.page_table),
+            kv_slots=h.kv_slots.copy_into(b.kv_slots),
+            page_table=upload(h.page_table, b.page_table),
             cu_seqlens_q=cu,
             q_lens=q_view,
             prefix_lens=prefix_view,
             kv_lens=kv_lens,
-            has_initial_state=write_into(b.has_initial_state, [p > 0 for p in host_prefix]),
+            has_initial_state=write_into(b.has_initial_state, [p > 0 for p in h.prefix_lens]),
             verify_len=verify_len,
             tree_parents=parents_view,
             tree_mask=mask_view,
-            num_padded=num_pad,
-            host_max_lens=_host_max_lens(mode, live_q, live_prefix),
-            host_cu_seqlens=tuple(itertools.accumulate(live_q, initial=0)) if mode.is_extend_like else None,
+            num_padded=h.num_padded,
+            host_max_lens=h.host_max_lens,
+            host_cu_seqlens=h.host_cu_seqlens,
         )
 
     def _write_tokens(self, input_ids: Tensor, total: int) -> Tensor:
@@ -358,44 +308,3 @@ def static_max_q_len(batch: ForwardBatch) -> int | None:
     if batch.mode is ForwardMode.TARGET_VERIFY:
         return batch.verify_len
     return None
-
-
-def _host_max_lens(mode: ForwardMode, q_lens: list[int], prefix_lens: list[int]) -> tuple[int, int] | None:
-    """(longest q_len, longest kv_len) of an extend-like batch, from its host lengths; None otherwise."""
-    if not mode.is_extend_like:
-        return None
-    return max(q_lens, default=0), max((p + q for p, q in zip(prefix_lens, q_lens, strict=True)), default=0)
-
-
-def _host_lens(name: str, values: Sequence[int] | Tensor, n: int) -> list[int]:
-    """Per-request lengths as checked host ints: `[n]`, each >= 0. A tensor on a device is read back (a sync
-    on CUDA): callers pass host values."""
-    if isinstance(values, Tensor) or not all(type(v) is int for v in values):
-        t = (
-            values.to(torch.int32)
-            if isinstance(values, Tensor)
-            else torch.tensor(list(values), dtype=torch.int32)
-        )
-        shape = list(t.shape)
-        ints = [int(x) for x in t.tolist()] if shape == [n] else []
-    else:
-        ints = list(values)
-        shape = [len(ints)]
-    if shape != [n]:
-        raise ValueError(f"{name}: expected shape [{n}] (one per request), got {shape}")
-    if n and min(ints) < 0:
-        raise ValueError(f"{name}: expected values >= 0, got {ints}")
-    return ints
-
-
-def _tree(
-    parents: Tensor, num_pad: int, verify_len: int, device: torch.device
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Parents of the live rows, then a chain block per padded row -> (parents [N, D] int32, ancestor mask
-    [N, D, D] bool, depth [N, D] int64). On the host for host parents (D is small: a few ops per node);
-    parents on a device stay there, and so does the work."""
-    where = parents.device if parents.device.type == "cpu" else device
-    chain = torch.arange(verify_len, dtype=torch.int32, device=where) - 1  # [D] padded rows: a chain
-    full = torch.cat([parents.to(where, torch.int32), chain.expand(num_pad, verify_len)])  # [N, D]
-    mask, depth = tree_ancestor_mask(full)
-    return full, mask, depth

@@ -5,7 +5,7 @@ A CUDA graph replays the kernel launches of one forward with the addresses they 
 tensor of a `ForwardBatch` is a view at offset 0 of the backend's `BatchBuffers`, which `prepare_*` refill in
 place, so a batch of n live requests prepared with `pad_to=b` (b a captured size) is exactly what the graph
 captured for b reads. The graph is captured on an all-padding batch (no live rows), which writes no state
-and no KV, so capturing at start-up never disturbs a request.
+and no KV, so capturing at start-up never disturbs a request (how a graph is captured: `graph_capture.py`).
 
 What a replay needs from the forward: no host reads of device values (`.item()`, `bool(t)`, data-dependent
 shapes), no host-to-device copies, every per-batch tensor taken from the batch. The kernel wrappers skip their
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
 
 import torch
 from hyspec_statepool.indices import ReqRows
@@ -34,70 +32,11 @@ from torch import Tensor
 
 from hyspec_attn_backends.backend import HybridBackend
 from hyspec_attn_backends.batch import ForwardBatch
+from hyspec_attn_backends.graph_capture import Captured, ForwardFn, GraphCapturer, VerifyTail, padding_batch
 from hyspec_attn_backends.graph_keys import GraphCounts, GraphKey, batch_pointers
 from hyspec_attn_backends.modes import ForwardMode
 
 log = logging.getLogger(__name__)
-
-
-def _release_default_generators() -> None:
-    """Free each device's default CUDA generator from a capture that failed part-way.
-
-    torch registers the default generators with a graph when its capture begins and releases them only when
-    the capture ends well; after a failed one every later random op on the device (`torch.randn`,
-    `torch.multinomial` without a generator) raises "Offset increment outside graph capture". A fresh copy
-    of the generator's state (same seed and offset, not registered with any graph) replaces the stuck one.
-    """
-    for i in range(torch.cuda.device_count()):
-        gen = torch.cuda.default_generators[i]
-        gen.graphsafe_set_state(gen.clone_state())
-
-
-# what a graph captures: batch -> output tensors (e.g. hidden states, logits); the outputs of a replay are
-# the graph's own static tensors, overwritten by the next replay of the same graph
-ForwardFn = Callable[[ForwardBatch], tuple[Tensor, ...]]
-_R = TypeVar("_R")
-
-
-class VerifyTail(Protocol):
-    """Work captured after each chain verify forward, in a graph of its own (`CudaGraphRunner.run_tail`):
-    a function of the batch, the forward's outputs and static inputs the caller fills before each replay
-    (spec-workers' greedy tail: logits, token choice and commit)."""
-
-    def static_inputs(self, batch_size: int, verify_len: int, device: torch.device) -> tuple[Tensor, ...]:
-        """Fresh input tensors for a graph of this shape, holding what its padded rows need."""
-        ...
-
-    def __call__(
-        self, batch: ForwardBatch, outputs: tuple[Tensor, ...], inputs: tuple[Tensor, ...]
-    ) -> tuple[Tensor, ...]: ...
-
-
-@dataclass(slots=True)
-class _Commit:
-    """A chain verify key's commit, captured over every row of its batch size (`CudaGraphRunner.commit`)."""
-
-    graph: torch.cuda.CUDAGraph
-    accepted: Tensor  # [B] int64 static input: accepted drafts per row, -1 on padded rows
-    steps: Tensor  # [B] int64 static output: the committed step per row
-
-
-@dataclass(slots=True)
-class _Tail:
-    """A chain verify key's tail (`VerifyTail`), captured over every row of its batch size."""
-
-    graph: torch.cuda.CUDAGraph
-    inputs: tuple[Tensor, ...]  # static, filled before each replay
-    outputs: tuple[Tensor, ...]  # static, every row
-
-
-@dataclass(slots=True)
-class _Captured:
-    graph: torch.cuda.CUDAGraph
-    outputs: tuple[Tensor, ...]
-    pointers: tuple[int, ...]
-    commit: _Commit | None = None
-    tail: _Tail | None = None
 
 
 class CudaGraphRunner:
@@ -141,7 +80,8 @@ class CudaGraphRunner:
                 )
         self.backend = backend
         self.forward = forward
-        self.warmup_runs = warmup_runs
+        # how each graph is captured: warm-up runs, the shared memory pool, the commit and tail graphs
+        self.capturer = GraphCapturer(backend, warmup_runs=warmup_runs)
         self.decode = decode
         self.verify = tuple(sorted(set(verify)))
         self.commit_graphs = commit
@@ -151,9 +91,7 @@ class CudaGraphRunner:
         self.counts = GraphCounts()
         self.num_replays = 0
         self.num_eager = 0
-        self._graphs: dict[GraphKey, _Captured] = {}
-        self._mempool: Any = None  # torch.cuda graph pool handle, shared by every graph of this runner
-        self._side: Any = None  # the warm-up stream of every capture (created at the first)
+        self._graphs: dict[GraphKey, Captured] = {}
         # called after each graph is captured (the server's progress bar)
         self.on_capture: Callable[[GraphKey], None] | None = None
 
@@ -210,8 +148,6 @@ class CudaGraphRunner:
                 )
         if not self.active:
             return
-        if self._mempool is None:
-            self._mempool = torch.cuda.graph_pool_handle()
         # largest first: smaller graphs then reuse the pool memory the largest one reserved
         for key in sorted(keys, key=lambda k: -k.batch_size):
             if key not in self._graphs:
@@ -219,78 +155,13 @@ class CudaGraphRunner:
                 if self.on_capture is not None:
                     self.on_capture(key)
 
+    def _capture(self, key: GraphKey) -> Captured:
+        """The graphs of one key, with this runner's forward and what it captures after chain verifies."""
+        return self.capturer.capture(key, self.forward, commit=self.commit_graphs, tail=self.tail)
+
     def _padding_batch(self, key: GraphKey) -> ForwardBatch:
-        """A batch of `key.batch_size` padded rows and no live request: it writes no state and no KV."""
-        pool, dev = self.backend.pool, self.backend.pool.device
-        none = pool.req_rows([])
-        if key.mode is ForwardMode.DECODE:
-            return self.backend.prepare_decode(
-                req_rows=none,
-                input_ids=torch.zeros(0, dtype=torch.int64, device=dev),
-                prefix_lens=[],
-                pad_to=key.batch_size,
-            )
-        parents = torch.zeros(0, key.verify_len, dtype=torch.int32, device=dev) if key.tree else None
-        return self.backend.prepare_verify(
-            req_rows=none,
-            block_tokens=torch.zeros(0, key.verify_len, dtype=torch.int64, device=dev),
-            prefix_lens=[],
-            tree_parents=parents,
-            pad_to=key.batch_size,
-        )
-
-    def _capture(self, key: GraphKey) -> _Captured:
-        batch = self._padding_batch(key)
-        with torch.no_grad():
-            if self._side is None:
-                # one warm-up stream for every capture: each new stream gets its own cuBLAS workspace
-                self._side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-            graph, outputs = self._warm_and_capture(
-                lambda: tuple(self.forward(batch)),
-                f"{key} (a host sync or host-to-device copy inside the forward?)",
-            )
-            commit = tail = None
-            if key.mode is ForwardMode.TARGET_VERIFY and not key.tree:
-                commit = self._capture_commit(key, batch) if self.commit_graphs else None
-                tail = None if self.tail is None else self._capture_tail(key, batch, outputs, self.tail)
-        return _Captured(graph, outputs, batch_pointers(batch), commit, tail)
-
-    def _warm_and_capture(self, fn: Callable[[], _R], what: str) -> tuple[torch.cuda.CUDAGraph, _R]:
-        """`fn` run `warmup_runs` times on the side stream (Triton compiles and autotunes there), then
-        captured into a graph in this runner's pool -> (graph, what the captured call returned)."""
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup_runs):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._mempool):
-                out = fn()
-        except RuntimeError as exc:
-            _release_default_generators()
-            raise RuntimeError(f"CUDA graph capture of {what} failed: {exc}") from exc
-        return graph, out
-
-    def _capture_tail(
-        self, key: GraphKey, batch: ForwardBatch, outputs: tuple[Tensor, ...], tail: VerifyTail
-    ) -> _Tail:
-        """`tail` after the verify graph of `key`, reading its static outputs and fresh static inputs (whose
-        rows are all padded ones: the warm-up runs commit nothing)."""
-        inputs = tail.static_inputs(key.batch_size, key.verify_len, self.backend.pool.device)
-        graph, outs = self._warm_and_capture(lambda: tuple(tail(batch, outputs, inputs)), f"{key}'s tail")
-        return _Tail(graph, inputs, outs)
-
-    def _capture_commit(self, key: GraphKey, batch: ForwardBatch) -> _Commit:
-        """The commit after a verify of `key`, over all its rows: the verify batch's own state slots and
-        batch rows (-1 slots on the padded ones) and a static accepted count per row (every row -1 while
-        warming up and capturing: the kernels load, nothing is committed)."""
-        accepted = torch.full((key.batch_size,), -1, dtype=torch.int64, device=self.backend.pool.device)
-        graph, steps = self._warm_and_capture(
-            lambda: self.backend.commit_every_row(batch=batch, num_accepted=accepted), f"{key}'s commit"
-        )
-        return _Commit(graph, accepted, steps)
+        """The all-padding batch a graph of `key` is captured on (the server's tests run its tail there)."""
+        return padding_batch(self.backend, key)
 
     # ------------------------------------------------------------------ replay
 
@@ -351,7 +222,7 @@ class CudaGraphRunner:
                     return dd
         return d
 
-    def _replayable(self, batch: ForwardBatch) -> _Captured | None:
+    def _replayable(self, batch: ForwardBatch) -> Captured | None:
         """The graphs captured for this batch's key, if they read the very buffers this batch lives in."""
         key = GraphKey.of(batch)
         captured = None if key is None else self._graphs.get(key)
@@ -438,4 +309,4 @@ class CudaGraphRunner:
     def release(self) -> None:
         """Drop every graph (and with the last reference, the memory they hold)."""
         self._graphs.clear()
-        self._mempool = None
+        self.capturer.release()

@@ -1,6 +1,6 @@
 """How a linear (GDN or short-conv) layer calls its kernels in each forward mode: prefill for EXTEND, decode
 for DECODE, verify (no state written: the inputs kept for the commit's replay, conv windows to scratch) for
-TARGET_VERIFY. `HybridBackend.gdn` / `short_conv` call these with the batch's state slots and rows."""
+TARGET_VERIFY. `layer_kernels.run_gdn` / `run_short_conv` call these with the batch's state slots and rows."""
 
 from __future__ import annotations
 

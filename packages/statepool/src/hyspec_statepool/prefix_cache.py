@@ -4,8 +4,8 @@ A full KV page is named by a hash chained over its tokens and its parent page's 
 is a root hash of the request's `cache_salt`), so equal hashes mean equal prefixes. Cached pages are shared by
 reference count (`KVPool.share`) with every request whose prompt starts with the same tokens, kept after the
 requests end, and given back least recently used first when the pool runs short (`reclaim_pages`, called by
-`HybridStatePool.ensure_kv_capacity`). A chain is touched deepest page first, so eviction takes leaves
-before the pages they extend.
+`HybridStatePool.ensure_kv_capacity`; the LRU order and the eviction are `prefix_lru.py`'s). A chain is
+touched deepest page first, so eviction takes leaves before the pages they extend.
 
 KV alone cannot resume a hybrid model: a GDN or short-conv state exists only at the position where it was
 computed. A *snapshot* is a copy of a request's committed state at some position `c` (its own state slot,
@@ -26,16 +26,13 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from hyspec_statepool.pool import HybridStatePool
-
-_PageKey = bytes
-_SnapKey = tuple[bytes, tuple[int, ...]]
+from hyspec_statepool.prefix_lru import PageKey, PrefixLRU, SnapKey, Snapshot
 
 
 def root_hash(salt: str | None) -> bytes:
@@ -63,15 +60,6 @@ def page_hashes(parent: bytes, tokens: Sequence[int], page_size: int) -> list[by
         parent = _chained(parent, raw[i * step : (i + 1) * step])
         out.append(parent)
     return out
-
-
-@dataclass(slots=True)
-class _Snapshot:
-    key: _SnapKey
-    num_tokens: int
-    slot: int
-    tail_page: int | None
-    payload: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,14 +111,9 @@ class PrefixCache:
         self.pool = pool
         self.page_size = pool.plan.page_size
         self.num_snapshot_slots = num_snapshots
-        self._free_slots = pool.alloc_detached_slots(num_snapshots).tolist()
-        self._pages: OrderedDict[_PageKey, int] = OrderedDict()  # LRU order: the first is evicted first
-        # the same map the other way: a request's page the cache holds is named by its hash, so a save
-        # hashes only the pages after those (a finished request's save repeats its prompt's)
-        self._page_keys: dict[int, _PageKey] = {}
-        self._snapshots: OrderedDict[_SnapKey, _Snapshot] = OrderedDict()
-        self._tails: dict[_PageKey, set[tuple[int, ...]]] = {}  # snapshot tails by their parent hash
-        self._pinned: _SnapKey | None = None
+        # what the cache holds, in LRU order, and its eviction: the lookups and saves below read its maps
+        # and change them only through its methods
+        self._lru = PrefixLRU(pool.kv, pool.alloc_detached_slots(num_snapshots).tolist())
         self._queries = 0
         self._hits = 0
         pool.add_page_holder(self)
@@ -158,16 +141,12 @@ class PrefixCache:
             return PrefixHit(0)
         snap, hashes = found
         kv = self.pool.kv
-        chain = [self._pages[h] for h in hashes]
+        chain = [self._lru.pages[h] for h in hashes]
         kv.share(chain)  # first: the request's references keep them from the eviction below
         pages = list(chain)
         if snap.tail_page is not None:
             if not kv.num_free:
-                self._pinned = snap.key
-                try:
-                    self.reclaim_pages(1)
-                finally:
-                    self._pinned = None
+                self._lru.reclaim_pages(1, keep=snap.key)  # not the snapshot being resumed
             if not kv.num_free:
                 kv.free(chain)
                 return PrefixHit(0)
@@ -176,30 +155,30 @@ class PrefixCache:
             pages.append(fresh)
         self.pool.adopt_pages(req_id, pages)
         self.pool.states.copy_slot(snap.slot, self.pool.request_slot(req_id))
-        self._touch(hashes, snap.key)
+        self._lru.touch(hashes, [snap.key])
         self._hits += snap.num_tokens
         payload = None if snap.payload is None else snap.payload.clone()
         return PrefixHit(snap.num_tokens, payload)
 
     def _longest(
         self, tokens: Sequence[int], limit: int, root: bytes
-    ) -> tuple[_Snapshot, list[_PageKey]] | None:
+    ) -> tuple[Snapshot, list[PageKey]] | None:
         """The snapshot at the largest position <= `limit` whose pages are all cached, and their hashes."""
-        ps = self.page_size
+        ps, lru = self.page_size, self._lru
         h = root
-        chain: list[_PageKey] = []
-        best: tuple[_Snapshot, list[_PageKey]] | None = None
+        chain: list[PageKey] = []
+        best: tuple[Snapshot, list[PageKey]] | None = None
         k = 0
         while True:
-            for tail in self._tails.get(h, ()):
+            for tail in lru.tails.get(h, ()):
                 c = k * ps + len(tail)
                 if 0 < c <= limit and (best is None or c > best[0].num_tokens):
                     if tuple(tokens[k * ps : c]) == tail:
-                        best = (self._snapshots[(h, tail)], list(chain))
+                        best = (lru.snapshots[(h, tail)], list(chain))
             if (k + 1) * ps > limit:
                 return best
             h = page_hash(h, tokens[k * ps : (k + 1) * ps])
-            if h not in self._pages:
+            if h not in lru.pages:
                 return best
             chain.append(h)
             k += 1
@@ -265,26 +244,22 @@ class PrefixCache:
         chain += page_hashes(chain[-1] if chain else root, token_ids[len(chain) * ps : k * ps], ps)
         # the snapshots this request passed (a shared system prompt's, the previous chat turn's) become more
         # recent than every other but the new one, before the new one may evict the least recently used
-        for ancestor in self._ancestors(root, chain, token_ids, c):
-            self._snapshots.move_to_end(ancestor)
-        new = [i for i, key in enumerate(chain) if key not in self._pages]
-        self.pool.kv.share([own[i] for i in new])  # one call: this runs for every request that finishes
-        for i in new:
-            self._pages[chain[i]] = own[i]
-            self._page_keys[own[i]] = chain[i]
+        self._lru.touch([], self._ancestors(root, chain, token_ids, c))
+        new = [i for i, key in enumerate(chain) if key not in self._lru.pages]
+        self._lru.add_pages([chain[i] for i in new], [own[i] for i in new])
         if chain:
             h = chain[-1]
         tail = tuple(token_ids[k * ps : c])
         key = (h, tail)
         slot = None
-        if key not in self._snapshots:
+        if key not in self._lru.snapshots:
             slot = self._new_snapshot(key, c, req_id, own[k] if tail else None, payload, fill=fill)
-        self._touch(chain, key if key in self._snapshots else None)
+        self._lru.touch(chain, [key] if key in self._lru.snapshots else [])
         return slot
 
     def _new_snapshot(
         self,
-        key: _SnapKey,
+        key: SnapKey,
         num_tokens: int,
         req_id: Hashable,
         partial: int | None,
@@ -298,104 +273,54 @@ class PrefixCache:
         tail_page = None
         if partial is not None:
             if not kv.num_free:
-                self.reclaim_pages(1)
+                self._lru.reclaim_pages(1)
             if not kv.num_free:
                 return None  # no page for the tail: skip this snapshot rather than take a request's memory
             tail_page = kv.alloc(1)[0]
             kv.copy_page(partial, tail_page)
-        if not self._free_slots:
-            self._drop(next(iter(self._snapshots.values())))
-        slot = self._free_slots.pop()
+        slot = self._lru.take_slot()
         if not fill:
             self.pool.states.copy_slot(self.pool.request_slot(req_id), slot)
         kept = None if payload is None else payload.detach().clone()
-        self._snapshots[key] = _Snapshot(key, num_tokens, slot, tail_page, kept)
-        self._tails.setdefault(key[0], set()).add(key[1])
+        self._lru.add_snapshot(Snapshot(key, num_tokens, slot, tail_page, kept))
         return slot
 
     # ---------------------------------------------------------------- memory
 
     def held_pages(self) -> list[int]:
-        tails = [s.tail_page for s in self._snapshots.values() if s.tail_page is not None]
-        return list(self._pages.values()) + tails
+        """Every page the cache holds a reference to (`PageHolder`)."""
+        return self._lru.held_pages()
 
     def reclaim_pages(self, num_pages: int) -> None:
-        """Evict until `num_pages` pages are free: least recently used full pages that no request maps
-        first, then snapshots with tail pages (least recently used first)."""
-        kv = self.pool.kv
-        while kv.num_free < num_pages:
-            # one pass collects every page this call needs: pages mapped by running requests (refs > 1) are
-            # skipped once per call, not once per evicted page
-            need = num_pages - kv.num_free
-            victims: list[_PageKey] = []
-            for h, p in self._pages.items():
-                if kv.refs(p) == 1:
-                    victims.append(h)
-                    if len(victims) == need:
-                        break
-            freed: list[int] = []
-            for victim in victims:
-                # dropped snapshots' tail pages may have been enough
-                if kv.num_free + len(freed) >= num_pages:
-                    break
-                page = self._pages.pop(victim)
-                del self._page_keys[page]
-                freed.append(page)
-                # snapshots right after this page can no longer be reached
-                for tail in list(self._tails.get(victim, ())):
-                    self._drop(self._snapshots[(victim, tail)])
-            kv.free(freed)  # one call for the pass: eviction runs on every growth once the pool is full
-            if victims:
-                continue
-            snap = next(
-                (s for s in self._snapshots.values() if s.tail_page is not None and s.key != self._pinned),
-                None,
-            )
-            if snap is None:
-                return
-            self._drop(snap)
+        """Evict until `num_pages` pages are free (`PageHolder`; `PrefixLRU.reclaim_pages`)."""
+        self._lru.reclaim_pages(num_pages)
 
     def reset(self, *, counters: bool = False) -> None:
         """Forget everything cached (requests keep the pages they map). The counters go on (Prometheus
         counters never go back) unless `counters`: before anything is served (a start-up warm-up's)."""
         if counters:
             self._queries = self._hits = 0
-        for snap in list(self._snapshots.values()):
-            self._drop(snap)
-        if self._pages:
-            self.pool.kv.free(list(self._pages.values()))
-            self._pages.clear()
-            self._page_keys.clear()
+        self._lru.clear()
 
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(
             num_queries=self._queries,
             num_hits=self._hits,
-            num_cached_pages=len(self._pages),
-            num_snapshots=len(self._snapshots),
+            num_cached_pages=len(self._lru.pages),
+            num_snapshots=len(self._lru.snapshots),
             num_snapshot_slots=self.num_snapshot_slots,
         )
 
     # ---------------------------------------------------------------- helpers
 
-    def _drop(self, snap: _Snapshot) -> None:
-        del self._snapshots[snap.key]
-        tails = self._tails[snap.key[0]]
-        tails.discard(snap.key[1])
-        if not tails:
-            del self._tails[snap.key[0]]
-        if snap.tail_page is not None:
-            self.pool.kv.free([snap.tail_page])
-        self._free_slots.append(snap.slot)
-
-    def _known_hashes(self, own: list[int], num_pages: int) -> list[_PageKey]:
+    def _known_hashes(self, own: list[int], num_pages: int) -> list[PageKey]:
         """The hashes of the request's first full pages that the cache holds, up to the first it does not.
 
         A page the cache holds under hash h holds the KV of the prefix h names: the request's own prefix,
         whether its earlier save put the page there or it adopted the page at a hit (a full page is never
         written again, and a cached page is never freed under a request that maps it)."""
-        out: list[_PageKey] = []
-        keys = self._page_keys
+        out: list[PageKey] = []
+        keys = self._lru.page_keys
         for page in own[:num_pages]:
             key = keys.get(page)
             if key is None:
@@ -404,22 +329,13 @@ class PrefixCache:
         return out
 
     def _ancestors(
-        self, root: _PageKey, chain: list[_PageKey], tokens: Sequence[int], limit: int
-    ) -> list[_SnapKey]:
+        self, root: PageKey, chain: list[PageKey], tokens: Sequence[int], limit: int
+    ) -> list[SnapKey]:
         """Keys of the cached snapshots at positions < `limit` along `tokens` (chain: its page hashes)."""
         ps = self.page_size
-        out: list[_SnapKey] = []
+        out: list[SnapKey] = []
         for i, h in enumerate([root, *chain]):
-            for tail in self._tails.get(h, ()):
+            for tail in self._lru.tails.get(h, ()):
                 if i * ps + len(tail) < limit and tuple(tokens[i * ps : i * ps + len(tail)]) == tail:
                     out.append((h, tail))
         return out
-
-    def _touch(self, chain: list[_PageKey], key: _SnapKey | None) -> None:
-        """Mark a chain and its snapshot most recently used, the first page last (evicted after its
-        leaves)."""
-        for h in reversed(chain):
-            if h in self._pages:  # (a save's tail page may have evicted a page of another request's chain)
-                self._pages.move_to_end(h)
-        if key is not None:
-            self._snapshots.move_to_end(key)

@@ -1,0 +1,184 @@
+"""Capturing the graphs of one `CudaGraphRunner` (`graphs.py`, which picks the shapes and replays them): the
+all-padding batch each shape is captured on, the eager warm-up runs before each capture, the memory pool and
+warm-up stream every graph of the runner shares, and the commit and tail graphs captured after a chain
+verify graph.
+
+A graph is captured on an all-padding batch (no live rows), which writes no state and no KV, so capturing
+at start-up never disturbs a request. Warm-up runs go first because Triton compiles and autotunes on a
+kernel's first calls, which must not land inside a graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch import Tensor
+
+from hyspec_attn_backends.backend import HybridBackend
+from hyspec_attn_backends.batch import ForwardBatch
+from hyspec_attn_backends.graph_keys import GraphKey, batch_pointers
+from hyspec_attn_backends.modes import ForwardMode
+
+# what a graph captures: batch -> output tensors (e.g. hidden states, logits); the outputs of a replay are
+# the graph's own static tensors, overwritten by the next replay of the same graph
+ForwardFn = Callable[[ForwardBatch], tuple[Tensor, ...]]
+_R = TypeVar("_R")
+
+
+class VerifyTail(Protocol):
+    """Work captured after each chain verify forward, in a graph of its own (`CudaGraphRunner.run_tail`):
+    a function of the batch, the forward's outputs and static inputs the caller fills before each replay
+    (spec-workers' greedy tail: logits, token choice and commit)."""
+
+    def static_inputs(self, batch_size: int, verify_len: int, device: torch.device) -> tuple[Tensor, ...]:
+        """Fresh input tensors for a graph of this shape, holding what its padded rows need."""
+        ...
+
+    def __call__(
+        self, batch: ForwardBatch, outputs: tuple[Tensor, ...], inputs: tuple[Tensor, ...]
+    ) -> tuple[Tensor, ...]: ...
+
+
+@dataclass(slots=True)
+class CommitGraph:
+    """A chain verify key's commit, captured over every row of its batch size (`CudaGraphRunner.commit`)."""
+
+    graph: torch.cuda.CUDAGraph
+    accepted: Tensor  # [B] int64 static input: accepted drafts per row, -1 on padded rows
+    steps: Tensor  # [B] int64 static output: the committed step per row
+
+
+@dataclass(slots=True)
+class TailGraph:
+    """A chain verify key's tail (`VerifyTail`), captured over every row of its batch size."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[Tensor, ...]  # static, filled before each replay
+    outputs: tuple[Tensor, ...]  # static, every row
+
+
+@dataclass(slots=True)
+class Captured:
+    """Everything captured for one `GraphKey`: the forward's graph, the buffers it reads, and for a chain
+    verify key the graphs captured after it."""
+
+    graph: torch.cuda.CUDAGraph
+    outputs: tuple[Tensor, ...]  # the forward's static outputs, every row
+    pointers: tuple[int, ...]  # `batch_pointers` of the batch it was captured on
+    commit: CommitGraph | None = None
+    tail: TailGraph | None = None
+
+
+def padding_batch(backend: HybridBackend, key: GraphKey) -> ForwardBatch:
+    """A batch of `key.batch_size` padded rows and no live request: it writes no state and no KV."""
+    pool, dev = backend.pool, backend.pool.device
+    none = pool.req_rows([])
+    if key.mode is ForwardMode.DECODE:
+        return backend.prepare_decode(
+            req_rows=none,
+            input_ids=torch.zeros(0, dtype=torch.int64, device=dev),
+            prefix_lens=[],
+            pad_to=key.batch_size,
+        )
+    parents = torch.zeros(0, key.verify_len, dtype=torch.int32, device=dev) if key.tree else None
+    return backend.prepare_verify(
+        req_rows=none,
+        block_tokens=torch.zeros(0, key.verify_len, dtype=torch.int64, device=dev),
+        prefix_lens=[],
+        tree_parents=parents,
+        pad_to=key.batch_size,
+    )
+
+
+def _release_default_generators() -> None:
+    """Free each device's default CUDA generator from a capture that failed part-way.
+
+    torch registers the default generators with a graph when its capture begins and releases them only when
+    the capture ends well; after a failed one every later random op on the device (`torch.randn`,
+    `torch.multinomial` without a generator) raises "Offset increment outside graph capture". A fresh copy
+    of the generator's state (same seed and offset, not registered with any graph) replaces the stuck one.
+    """
+    for i in range(torch.cuda.device_count()):
+        gen = torch.cuda.default_generators[i]
+        gen.graphsafe_set_state(gen.clone_state())
+
+
+class GraphCapturer:
+    """Captures the graphs of one runner, each after `warmup_runs` eager runs, all in one memory pool.
+
+    Args:
+        backend: the backend whose buffers the captured batches live in.
+        warmup_runs: eager runs before each capture (>= 1, checked by the runner).
+    """
+
+    def __init__(self, backend: HybridBackend, *, warmup_runs: int) -> None:
+        self.backend = backend
+        self.warmup_runs = warmup_runs
+        self._mempool: Any = None  # torch.cuda graph pool handle, shared by every graph of this runner
+        self._side: Any = None  # the warm-up stream of every capture (created at the first)
+
+    def capture(
+        self, key: GraphKey, forward: ForwardFn, *, commit: bool, tail: VerifyTail | None
+    ) -> Captured:
+        """`forward` captured on the all-padding batch of `key`; for a chain verify key also its commit (if
+        `commit`) and `tail` (if any), each in a graph of its own right after it. Needs CUDA."""
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        batch = padding_batch(self.backend, key)
+        with torch.no_grad():
+            if self._side is None:
+                # one warm-up stream for every capture: each new stream gets its own cuBLAS workspace
+                self._side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            graph, outputs = self._warm_and_capture(
+                lambda: tuple(forward(batch)),
+                f"{key} (a host sync or host-to-device copy inside the forward?)",
+            )
+            commit_graph = tail_graph = None
+            if key.mode is ForwardMode.TARGET_VERIFY and not key.tree:
+                commit_graph = self._capture_commit(key, batch) if commit else None
+                tail_graph = None if tail is None else self._capture_tail(key, batch, outputs, tail)
+        return Captured(graph, outputs, batch_pointers(batch), commit_graph, tail_graph)
+
+    def release(self) -> None:
+        """Drop the memory pool handle (the graphs holding it are the runner's to drop)."""
+        self._mempool = None
+
+    def _warm_and_capture(self, fn: Callable[[], _R], what: str) -> tuple[torch.cuda.CUDAGraph, _R]:
+        """`fn` run `warmup_runs` times on the side stream (Triton compiles and autotunes there), then
+        captured into a graph in this runner's pool -> (graph, what the captured call returned)."""
+        side = self._side
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup_runs):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._mempool):
+                out = fn()
+        except RuntimeError as exc:
+            _release_default_generators()
+            raise RuntimeError(f"CUDA graph capture of {what} failed: {exc}") from exc
+        return graph, out
+
+    def _capture_tail(
+        self, key: GraphKey, batch: ForwardBatch, outputs: tuple[Tensor, ...], tail: VerifyTail
+    ) -> TailGraph:
+        """`tail` after the verify graph of `key`, reading its static outputs and fresh static inputs (whose
+        rows are all padded ones: the warm-up runs commit nothing)."""
+        inputs = tail.static_inputs(key.batch_size, key.verify_len, self.backend.pool.device)
+        graph, outs = self._warm_and_capture(lambda: tuple(tail(batch, outputs, inputs)), f"{key}'s tail")
+        return TailGraph(graph, inputs, outs)
+
+    def _capture_commit(self, key: GraphKey, batch: ForwardBatch) -> CommitGraph:
+        """The commit after a verify of `key`, over all its rows: the verify batch's own state slots and
+        batch rows (-1 slots on the padded ones) and a static accepted count per row (every row -1 while
+        warming up and capturing: the kernels load, nothing is committed)."""
+        accepted = torch.full((key.batch_size,), -1, dtype=torch.int64, device=self.backend.pool.device)
+        graph, steps = self._warm_and_capture(
+            lambda: self.backend.commit_every_row(batch=batch, num_accepted=accepted), f"{key}'s commit"
+        )
+        return CommitGraph(graph, accepted, steps)
