@@ -71,9 +71,10 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
         for b in BATCHES:
             rows = [ps[i % len(ps)] for i in range(b)]
             drafters = None
-            oracle_refs = [r + o for r, o in zip(rows, refs.get(b, []), strict=True)]
+            oracle_refs: list[list[int]] = []
             if name == "oracle":
                 # each row starts from the plain run's greedy continuation
+                oracle_refs = [r + o for r, o in zip(rows, refs[b], strict=True)]
                 drafters = oracle_registry(oracle_refs, S)
             llm = make_llm(path, spec=spec, drafters=drafters, max_num_seqs=max(b, 8), max_len=max_len)
             r = hyspec_decode(llm, rows, a.new)

@@ -217,3 +217,51 @@ def test_verify_keeps_the_inputs_a_replay_reads(backend: str, tree: bool) -> Non
     gdn_replay(*bufs, state=state, state_slots=slots, rows=in_rows.clamp(min=0), paths=paths, **be)  # type: ignore[arg-type]
     for n in range(2):
         torch.testing.assert_close(state[int(slots[n])], scratch[n, path[n][-1]], rtol=1e-5, atol=1e-5)
+
+
+def _random_parents(n_seq: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    """[N, D] random trees: node j's parent anywhere before it (or -1: another root), parents first."""
+    par = torch.empty(n_seq, d, dtype=torch.int64)
+    for n in range(n_seq):
+        for j in range(d):
+            par[n, j] = int(torch.randint(-1, j, (1,), generator=gen)) if j else -1
+    return par
+
+
+@pytest.mark.parametrize("d", [2, 7, 11, 66])
+def test_tree_verify_without_scratch_recomputes_branch_states(d: int) -> None:
+    """The Triton tree verify without scratch recomputes each restart's parent state along its path (no state
+    stored): random trees (deep chains, wide fans, several roots) give the reference's outputs, as the
+    workspace of a block over MAX_RECOMPUTE_NODES does, and write nothing."""
+    gen = torch.Generator().manual_seed(40 + d)
+    n_seq = 5
+    q, k = torch.randn(n_seq, d, HK, DK, generator=gen), torch.randn(n_seq, d, HK, DK, generator=gen)
+    v = torch.randn(n_seq, d, HV, DV, generator=gen)
+    g, beta = -torch.rand(n_seq, d, HV, generator=gen) * 0.5, torch.rand(n_seq, d, HV, generator=gen)
+    state = torch.full((7, HV, DK, DV), NAN)
+    slots = torch.tensor([6, -1, 0, 3, 2])
+    for s in (6, 0, 3, 2):
+        state[s] = torch.randn(HV, DK, DV, generator=gen) * 0.5
+    before = state.clone()
+    parents = _random_parents(n_seq, d, gen)
+    parents[0] = torch.arange(d) - 1  # a chain among them
+    scratch = torch.full((n_seq, d, HV, DK, DV), NAN)
+    want = gdn_verify(q, k, v, g, beta, state=state.clone(), state_slots=slots, scratch=scratch,
+                      scratch_rows=torch.arange(n_seq), parents=parents, backend="reference")  # fmt: skip
+    got = gdn_verify(q, k, v, g, beta, state=state, state_slots=slots, scratch=None, scratch_rows=None,
+                     parents=parents, backend="triton")  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(state.nan_to_num(7.0), before.nan_to_num(7.0)), "verify wrote the committed state"
+
+
+def test_a_tree_over_the_recompute_limit_needs_scratch_in_the_kernel() -> None:
+    from hyspec_kernels.gdn.checks import MAX_RECOMPUTE_NODES
+    from hyspec_kernels.gdn.triton_recurrent import launch_recurrent
+
+    d = MAX_RECOMPUTE_NODES + 1
+    x = torch.zeros(1, d, HK, DK)
+    par = (torch.arange(d) - 1)[None]
+    with pytest.raises(ValueError, match="scratch"):
+        launch_recurrent(x, x, torch.zeros(1, d, HV, DV), torch.zeros(1, d, HV), torch.zeros(1, d, HV),
+                         state=torch.zeros(1, HV, DK, DV), state_slots=torch.zeros(1, dtype=torch.int64),
+                         scratch=None, scratch_rows=None, parents=par, out_dtype=torch.float32)  # fmt: skip

@@ -136,7 +136,7 @@ def test_runner_greedy_tail_runs_on_a_padding_batch(tiny_qwen3_5: Path) -> None:
     key = GraphKey(ForwardMode.TARGET_VERIFY, 4, verify_len=4)
     batch = graphs._padding_batch(key)
     (hidden,) = graphs.forward(batch)[:1]
-    inputs = graphs.tail.static_inputs(4, 4, torch.device("cpu"))
+    inputs = graphs.tail.static_inputs(4, 4, hidden.device)  # the engine's device (a GPU machine: cuda)
     state = {k: v.clone() for k, v in eng.runner.pool.tensors().items() if "scratch" not in k}  # type: ignore[attr-defined]
     outs = graphs.tail(batch, (hidden,), inputs)
     assert len(outs) == 6 and all(o.shape[0] == 4 for o in outs)

@@ -13,6 +13,9 @@ FP32 = (torch.float32,)
 # the Triton kernels hold a whole K row (and V row in the WY stage) in registers
 MAX_TRITON_HEAD_DIM = 256
 
+# largest tree block whose verify recomputes branch states in the kernel (a path is an int64 bit set there)
+MAX_RECOMPUTE_NODES = 64
+
 
 def check_indices_now(check_indices: bool | None, device: torch.device) -> bool:
     # the rule of every value check: by default on the CPU only (a sync on CUDA), never while capturing

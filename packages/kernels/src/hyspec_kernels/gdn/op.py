@@ -30,6 +30,7 @@ from ..saves import StateSave, check_saves, slots_tensor
 from ..transfer import to_device
 from . import reference, torch_impl
 from .checks import (
+    MAX_RECOMPUTE_NODES,
     STATE_DTYPES,
     check_blocks_contiguous,
     check_distinct,
@@ -366,8 +367,11 @@ def gdn_verify(
     if keep_inputs is not None and input_rows is not None:
         keep_inputs, input_rows = check_keep_inputs(keep_inputs, input_rows, k, v, check_indices)
     workspace = scratch is None and parents is not None
-    if workspace:
-        # a tree's tokens restart from their parents' states: a workspace for this call only holds them
+    # the Triton kernel recomputes a tree token's start state from the committed state along its parent's
+    # path (`triton_recurrent`: no state stored); the others keep the states tokens restart from in a
+    # workspace of this call
+    recompute = workspace and block <= MAX_RECOMPUTE_NODES and resolve_backend(backend, dev) == "triton"
+    if workspace and not recompute:
         scratch = torch.empty(num_seqs, block, hv, head_k, head_v, dtype=torch.float32, device=dev)
         scratch_rows = torch.arange(num_seqs, dtype=torch.int64, device=dev)
     check = check_indices_now(check_indices, dev)
@@ -396,9 +400,8 @@ def gdn_verify(
                 "scratch_rows", scratch_rows, (num_seqs,), dtypes=INDEX_DTYPES, device=dev
             )
     if parents is not None:
-        assert scratch_rows is not None
         parents = check_parents(parents, num_seqs, block, dev, check)
-        if check and bool(((state_slots >= 0) & (scratch_rows < 0)).any()):
+        if check and scratch_rows is not None and bool(((state_slots >= 0) & (scratch_rows < 0)).any()):
             raise ValueError(
                 f"scratch_rows: tree verify needs a scratch row (>= 0) for every row with a state slot, "
                 f"got scratch_rows={scratch_rows.tolist()} for state_slots={state_slots.tolist()}"
@@ -408,8 +411,8 @@ def gdn_verify(
         dev,
         reference=reference.reference_verify,
         torch_path=torch_impl.torch_verify,
-        # the Triton kernel writes to a workspace only the states a later token restarts from
-        triton=lambda: partial(_verify_triton, workspace=workspace),
+        # with a workspace, the Triton kernel writes to it only the states a later token restarts from
+        triton=lambda: partial(_verify_triton, workspace=workspace and not recompute),
     )
     o = fn(
         q,

@@ -8,8 +8,12 @@ is one coalesced load; V tiles of 8-64 columns give enough programs at small bat
 - verify: never writes `state`; stores the state after step j at scratch[row, j] using the scratch tensor's
   own strides (so its allocated Dmax, not the runtime D); in tree mode, when parents[n, j] != j - 1, it
   reloads the parent's post-state from scratch (or the committed state for parent -1) before step j.
-- verify without scratch (chains committed by replay, `gdn_replay`): no state written; with `keep_inputs`
-  each token's raw k, v, g and beta go to those buffers at its input row and step, for the replay.
+- verify without scratch (committed by replay, `gdn_replay`): no state written; with `keep_inputs` each
+  token's raw k, v, g and beta go to those buffers at its input row and step, for the replay. A tree token
+  whose parent is not the token before recomputes the parent's state from the committed state along the
+  parent's path (a few extra steps in registers instead of a state stored and read back per branch: the
+  tree verify then moves the bytes of a chain's); trees of more than MAX_RECOMPUTE_NODES nodes store their
+  branch states in a workspace of the call instead.
 
 Token inputs are read through their token strides (q, k and v may be column slices of one projection),
 outputs are contiguous; each state slot and each scratch (row, step) entry is a contiguous
@@ -23,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..jit import jit_varying
-from .checks import token_rows
+from .checks import MAX_RECOMPUTE_NODES, token_rows
 
 
 @triton.jit
@@ -81,6 +85,7 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     STORE_INPUTS: tl.constexpr,
     BRANCHES_ONLY: tl.constexpr,  # a tree's workspace: store only the states a later non-successor reads
     BD: tl.constexpr,  # next power of two of num_steps (BRANCHES_ONLY)
+    RECOMPUTE: tl.constexpr,  # a tree without scratch (D <= MAX_RECOMPUTE_NODES): restarts recompute
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -127,6 +132,26 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
             if parent != j - 1:
                 if parent < 0:
                     b_s = b_s0
+                elif RECOMPUTE:
+                    # the parent's post-state, recomputed from the committed state (still in registers) along
+                    # its path: the path's nodes as bits (walking up the parents), then their steps in block
+                    # order, which is root-to-parent order (parents precede children). No state goes to memory
+                    path = tl.zeros((), dtype=tl.int64)
+                    a = parent
+                    while a >= 0:
+                        path = path | (tl.full((), 1, tl.int64) << a)
+                        a = tl.load(parents_ptr + tok + a).to(tl.int64)
+                    b_s = b_s0
+                    for i in range(parent + 1):
+                        if ((path >> i) & 1) != 0:
+                            t_a = tok + i
+                            p_ka = k_ptr + t_a * s_kt + i_hk * K
+                            p_va = v_ptr + t_a * s_vt + i_hv * V
+                            a_k = tl.load(p_ka + o_k, mask=m_k, other=0.0).to(tl.float32)
+                            a_v = tl.load(p_va + o_v, mask=m_v, other=0.0).to(tl.float32)
+                            a_g = tl.load(g_ptr + t_a * HV + i_hv).to(tl.float32)
+                            a_beta = tl.load(beta_ptr + t_a * HV + i_hv).to(tl.float32)
+                            b_s = _delta_step(b_s, _l2norm(a_k), a_v, a_g, a_beta)
                 else:
                     # the parent's post-state was stored by this program; make it visible to all its threads
                     tl.debug_barrier()
@@ -201,8 +226,9 @@ def launch_recurrent(
     input_rows: torch.Tensor | None = None,  # [N] rows of keep_inputs (-1: none)
     branch_states_only: bool = False,  # the scratch is a tree's workspace: only states read back are stored
 ) -> torch.Tensor:
-    """Runs decode (not `verify`: the final state written back) or verify (scratch or nothing written).
-    Returns o [N, D, HV, V] in out_dtype."""
+    """Runs decode (not `verify`: the final state written back) or verify (scratch or nothing written; a
+    tree without scratch recomputes its branch states, D <= MAX_RECOMPUTE_NODES). Returns o [N, D, HV, V] in
+    out_dtype."""
     num_seqs, steps, num_k_heads, head_k = q.shape
     num_v_heads, head_v = v.shape[2], v.shape[3]
     o = torch.empty(num_seqs, steps, num_v_heads, head_v, dtype=out_dtype, device=q.device)
@@ -213,6 +239,11 @@ def launch_recurrent(
     g, beta = g.contiguous(), beta.contiguous()
     is_verify = scratch is not None if verify is None else verify
     store_steps = scratch is not None
+    if parents is not None and scratch is None and steps > MAX_RECOMPUTE_NODES:
+        raise ValueError(
+            f"scratch: a tree of more than {MAX_RECOMPUTE_NODES} nodes needs one (its branch states), got "
+            f"D = {steps} and none"
+        )
     xs = scratch if scratch is not None else state  # an unused pointer without scratch
     kin, vin, gin, bin_ = keep_inputs if keep_inputs is not None else (state, state, state, state)
     bv, num_warps = tiles if tiles is not None else default_tiles(num_seqs * num_v_heads, head_v)
@@ -256,6 +287,7 @@ def launch_recurrent(
         BRANCHES_ONLY=branch_states_only and parents is not None,
         # only the tree workspace reads BD: a chain keeps one compiled kernel for every block length
         BD=triton.next_power_of_2(steps) if branch_states_only and parents is not None else 1,
+        RECOMPUTE=parents is not None and scratch is None,
         num_warps=num_warps,
     )
     return o
