@@ -222,8 +222,9 @@ def repeated(llm: Any, prompts: Sequence[list[int]], new: int, times: int) -> di
     }
 
 
-def oracle_registry(refs: Sequence[list[int]], steps: int) -> Any:
-    """A drafter registry whose "ngram" drafter proposes the reference continuation (every draft right).
+def oracle_registry(refs: Sequence[list[int]], steps: int, *, wrong: bool = False) -> Any:
+    """A drafter registry whose "ngram" drafter proposes the reference continuation (every draft right), or
+    with `wrong` each of those tokens off by one (every draft wrong: a useless drafter at the same cost).
 
     Each request finds its reference once (the one its history starts with); every later round checks only
     that its last token (the target's last choice) is the reference's at that position and proposes the
@@ -264,6 +265,8 @@ def oracle_registry(refs: Sequence[list[int]], steps: int) -> Any:
                 ref = self._reference(rid, h)
                 n = len(h)
                 nxt = [] if ref is None else ref[n : n + min(s, steps)]
+                if wrong:
+                    nxt = [t - 1 if t > 0 else 1 for t in nxt]
                 rows.append(nxt + [0] * (steps - len(nxt)))
                 num.append(len(nxt))
             drafts = torch.tensor(rows, dtype=torch.int64)
@@ -314,8 +317,16 @@ def reanchored(
 
 
 def make_llm(
-    path: Path, *, spec: dict[str, Any] | None, drafters: Any = None, max_num_seqs: int, max_len: int
+    path: Path,
+    *,
+    spec: dict[str, Any] | None,
+    drafters: Any = None,
+    max_num_seqs: int,
+    max_len: int,
+    kv_cache_bytes: int | None = None,
 ) -> Any:
+    """An engine on the GPU; `kv_cache_bytes` bounds its cache (several engines in one process) instead of
+    the default share of GPU memory."""
     from hyspec_server import LLM
     from hyspec_server.builder import build_engine
     from hyspec_server.config import EngineArgs
@@ -328,6 +339,7 @@ def make_llm(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=2048,
         speculative_config=spec,
+        kv_cache_bytes=kv_cache_bytes,
     )
     return LLM.from_engine(build_engine(args, drafters=drafters))
 

@@ -5,13 +5,14 @@
 
 Measures, with CUDA graphs, `bench_decode.hyspec_decode` (decode tok/s from first to last token, and the
 steady figure over the steps in which every row decodes) for plain decoding, MTP S=3 (fixed length),
-adaptive MTP S=3 and the oracle drafter (`bench_decode.oracle_registry`: the plain run's own continuation,
-every draft right), plus the engine's measured costs (decode step, round with 3 drafts). Greedy agreement
-with plain is reported beside every speculative figure. Which hyspec runs is whatever `PYTHONPATH` holds,
-so two trees (before and after a change) are compared by running this in one session, alternately and
-several times each (a host-bound step of ~1 ms varies by tens of percent from one process to the next),
-then `--before ... --after ...`, which takes each figure's median over a tree's runs and writes
-`<out>/<device>-round-compare.md` and `.json`.
+adaptive MTP S=3, the oracle drafter (`bench_decode.oracle_registry`: the plain run's own continuation,
+every draft right; re-anchored on its own output, `bench_decode.reanchored`) and, adaptive, a useless
+drafter (the oracle's tokens off by one: every draft wrong), plus the engine's measured costs (decode step,
+round with 3 drafts). Greedy agreement with plain is reported beside every speculative figure. Which hyspec
+runs is whatever `PYTHONPATH` holds, so two trees (before and after a change) are compared by running this
+in one session, alternately and several times each (a host-bound step of ~1 ms varies by tens of percent
+from one process to the next), then `--before ... --after ...`, which takes each figure's median over a
+tree's runs and writes `<out>/<device>-round-compare.md` and `.json`.
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ from tools.bench_decode import agreement, free, hyspec_decode, make_llm, oracle_
 
 BATCHES = (1, 8, 32)
 S = 3
+KV_BYTES = 2 << 30  # each engine's cache with --interleave (several engines in one process)
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "plain": None,
     "mtp": {"method": "mtp", "num_speculative_tokens": S},
     "mtp-adaptive": {"method": "mtp", "num_speculative_tokens": S, "adaptive": True},
     "oracle": {"method": "ngram", "num_speculative_tokens": S},
+    # every draft wrong (`oracle_registry(..., wrong=True)`), adaptive: what a useless drafter costs
+    "useless-adaptive": {"method": "ngram", "num_speculative_tokens": S, "adaptive": True},
 }
 
 
@@ -72,10 +76,10 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
             rows = [ps[i % len(ps)] for i in range(b)]
             drafters = None
             oracle_refs: list[list[int]] = []
-            if name == "oracle":
+            if name in ("oracle", "useless-adaptive"):
                 # each row starts from the plain run's greedy continuation
                 oracle_refs = [r + o for r, o in zip(rows, refs[b], strict=True)]
-                drafters = oracle_registry(oracle_refs, S)
+                drafters = oracle_registry(oracle_refs, S, wrong=name != "oracle")
             llm = make_llm(path, spec=spec, drafters=drafters, max_num_seqs=max(b, 8), max_len=max_len)
             r = hyspec_decode(llm, rows, a.new)
             if name == "oracle":
@@ -92,6 +96,86 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
             res["runs"][f"{name}/b{b}"] = r
             print(name, b, {k: v for k, v in r.items() if "tok_s" in k or k in ("mean_accept_length",)})
             free(llm)
+    return res
+
+
+def measure_interleaved(a: argparse.Namespace) -> dict[str, Any]:
+    """`measure`, with every config's engine of one batch size built side by side in this process (each
+    with a bounded cache) and their runs alternated `a.interleave` times: plain, then each config, then
+    plain again... A host-bound step of ~1 ms drifts by tens of percent over a minute on a lent machine;
+    alternating puts every config under the same drift. Each figure is the median over the repetitions;
+    `*_each` keep every run and `speed_up_each` each run against the plain run of its repetition. An
+    adaptive engine serves its repetitions one after the other, as a long-running server does (its later
+    requests start from the evidence of the earlier ones): `first_*` is its first run alone."""
+    import hyspec_server
+    from transformers import AutoTokenizer
+
+    path = ROOT / "packages/server/src/hyspec_server/demo_models/qwen3_5"
+    tok = AutoTokenizer.from_pretrained(str(path))
+    ps = prompts(tok, 8, a.prompt_tokens)
+    res: dict[str, Any] = {
+        "hyspec": str(Path(hyspec_server.__file__).resolve().parent),
+        "device": torch.cuda.get_device_name(),
+        "new": a.new,
+        "interleave": a.interleave,
+        "runs": {},
+    }
+    max_len = a.prompt_tokens + a.new + 16
+    names = [n for n in CONFIGS if not a.configs or n in a.configs.split(",") or n == "plain"]
+    for b in BATCHES:
+        rows = [ps[i % len(ps)] for i in range(b)]
+
+        def make(spec: dict[str, Any] | None, drafters: Any = None) -> Any:
+            return make_llm(
+                path, spec=spec, drafters=drafters, max_num_seqs=max(b, 8), max_len=max_len,
+                kv_cache_bytes=KV_BYTES,
+            )  # fmt: skip
+
+        llms = {"plain": make(None)}
+        first = {"plain": hyspec_decode(llms["plain"], rows, a.new)}
+        ref = first["plain"]["tokens"]
+        for name in names[1:]:
+            refs: list[list[int]] = []
+            drafters = None
+            if name in ("oracle", "useless-adaptive"):
+                refs = [r + o for r, o in zip(rows, ref, strict=True)]
+                drafters = oracle_registry(refs, S, wrong=name != "oracle")
+            llms[name] = make(CONFIGS[name], drafters)
+            first[name] = hyspec_decode(llms[name], rows, a.new)
+            if name == "oracle":
+                first[name] = reanchored(llms[name], rows, a.new, refs, first[name])
+        each: dict[str, list[dict[str, Any]]] = {n: [] for n in llms}
+        for _ in range(a.interleave):
+            for name, llm in llms.items():
+                each[name].append(hyspec_decode(llm, rows, a.new))
+        for name in llms:
+            last = each[name][-1]
+            rates = [r["decode_tok_s"] for r in each[name]]
+            plain_rates = [r["decode_tok_s"] for r in each["plain"]]
+            out = {k: v for k, v in last.items() if k != "tokens"}
+            out["decode_tok_s"] = statistics.median(rates)
+            out["decode_tok_s_each"] = rates
+            out["speed_up_each"] = [x / p for x, p in zip(rates, plain_rates, strict=True)]
+            out["speed_up_median"] = statistics.median(out["speed_up_each"])
+            out["first_decode_tok_s"] = first[name]["decode_tok_s"]
+            for k in ("oracle_followed", "oracle_reanchored_to_own_output"):
+                if k in first[name]:
+                    out[k] = first[name][k]
+            out["agreement"] = (
+                None
+                if name == "plain"
+                else sum(agreement(x, y) for x, y in zip(last["tokens"], ref, strict=True)) / (b * a.new)
+            )
+            res["runs"][f"{name}/b{b}"] = out
+            print(
+                name,
+                b,
+                f"median {out['decode_tok_s']:.0f} tok/s, x{out['speed_up_median']:.2f} plain",
+                flush=True,
+            )
+        for llm in llms.values():
+            llm.close()  # frees its GPU memory now (the next batch size builds its engines)
+        llms.clear()
     return res
 
 
@@ -199,6 +283,9 @@ def main() -> None:
     ap.add_argument("--title", default="The speculative round", help="what changed (the report's title)")
     ap.add_argument("--name", default="round-compare", help="report file name: <device>-<name>.md/.json/.png")
     ap.add_argument("--replot", type=Path, help="a compare JSON: draw its after tree's plot again and stop")
+    ap.add_argument(
+        "--interleave", type=int, default=0, help="R > 0: engines side by side, runs alternated R times"
+    )
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     if a.replot:
@@ -214,7 +301,8 @@ def main() -> None:
         both = {"before": before, "after": after}
         (a.out / f"{dev}-{a.name}.json").write_text(json.dumps(both, indent=1))
         return
-    (a.out / f"round-{a.label}.json").write_text(json.dumps(measure(a), indent=1))
+    res = measure_interleaved(a) if a.interleave else measure(a)
+    (a.out / f"round-{a.label}.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

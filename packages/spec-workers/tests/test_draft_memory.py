@@ -78,3 +78,45 @@ def test_adaptive_lengths_are_dropped_with_their_request() -> None:
     rnd.on_free("x")
     assert rnd.adaptive.requests == frozenset()
     rnd.leak_check()
+
+
+def test_feed_takes_a_forward_as_host_lists_like_committed_tokens() -> None:
+    """`DraftFeed.add_forward` (a plain step's feed, counts as host lists) keeps what `add` of the same
+    tokens as `CommittedTokens` keeps, and checks its counts."""
+    import pytest
+    import torch
+    from hyspec_spec_workers.draft_feed import DraftFeed
+    from hyspec_spec_workers.drafter import CommittedTokens
+
+    class Sink:
+        def __init__(self) -> None:
+            self.got: list[CommittedTokens] = []
+
+        def commit(self, c: CommittedTokens) -> None:
+            self.got.append(c)
+
+    hidden = torch.arange(10.0).reshape(5, 2)
+    tokens = torch.tensor([7, 8, 9, 10, 11])
+    sinks = []
+    for use_lists in (False, True):
+        sink = Sink()
+        feed = DraftFeed(sink)  # type: ignore[arg-type]
+        if use_lists:
+            feed.add_forward(["a", "b"], [3, 0], [2, 3], tokens, hidden, ())
+        else:
+            c = CommittedTokens(["a", "b"], torch.tensor([3, 0]), torch.tensor([2, 3]), tokens, hidden, ())
+            feed.add(c)
+        assert feed.waiting == {"a", "b"}
+        assert feed.flush(["b", "a"]) == 3
+        sinks.append(sink)
+    (x,), (y,) = (s.got for s in sinks)
+    assert x.req_ids == y.req_ids == ["b", "a"]
+    for name in ("start_positions", "num_tokens", "tokens", "hidden_states"):
+        assert torch.equal(getattr(x, name), getattr(y, name)), name
+    feed = DraftFeed(Sink())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_tokens"):
+        feed.add_forward(["a"], [0], [4], tokens, hidden, ())
+    with pytest.raises(ValueError, match="expected one per request"):
+        feed.add_forward(["a", "b"], [0], [5], tokens, hidden, ())
+    with pytest.raises(ValueError, match=">= 0"):
+        feed.add_forward(["a", "b"], [0, -1], [5, 0], tokens, hidden, ())

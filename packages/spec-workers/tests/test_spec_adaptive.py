@@ -736,3 +736,31 @@ def _clocked_round_parts(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], 
         max_draft_tokens = 2
 
     return now, Req, Target, Drafter
+
+
+def test_idle_rounds_in_one_pass_equal_observing_zero() -> None:
+    """`observe_idle` (a speculative engine's plain step, every request at 0) counts the rounds at 0 and
+    starts each probe exactly where `observe(0)` does; `all_idle` makes no state and says False for a
+    request without one or at a length > 0."""
+    cfg = _cfg(probe_interval=7)
+    by_observe, by_idle = AdaptiveController(cfg, 3), AdaptiveController(cfg, 3)
+    ids = ["a", "b", "c"]
+    for ctl in (by_observe, by_idle):
+        assert not ctl.all_idle(ids) and ctl.requests == frozenset()  # no state yet, none made
+        for i, rid in enumerate(ids):
+            st = ctl.length(rid)
+            st.steps, st._probe_wait = 0, 7 + i  # off, each with its own wait
+    assert by_idle.all_idle(ids) and by_idle.all_idle([])
+    trace_observe, trace_idle = [], []
+    for _ in range(12):
+        by_observe.observe_requests(ids, [0, 0, 0])
+        if by_idle.all_idle(ids):
+            by_idle.observe_idle(ids)
+        else:
+            by_idle.observe_requests(ids, [0, 0, 0])
+        trace_observe.append([by_observe.length(r).steps for r in ids] + [by_observe.shared.idle_rounds])
+        trace_idle.append([by_idle.length(r).steps for r in ids] + [by_idle.shared.idle_rounds])
+    assert trace_idle == trace_observe
+    assert [s[0] for s in trace_idle].count(0) == 6 and trace_idle[-1][:3] == [1, 1, 1]  # each probed in turn
+    assert max(s[3] for s in trace_idle) > 0  # the engine's rounds at 0 were counted
+    assert not by_idle.all_idle(ids)  # probing: drafting again

@@ -247,15 +247,19 @@ class AdaptiveDraftLength:
         self._probe_wait = max(shared.probe_wait or self.config.probe_interval, self._floor(costs, 1))
         self._zero_rounds = min(shared.idle_rounds, self._probe_wait - 1)
 
+    def idle_round(self) -> None:
+        """Record a round at length 0 (nothing drafted): what `observe` does at 0, the probe's count."""
+        self._zero_rounds += 1
+        if self._shared is not None:
+            self._shared.idle_rounds += 1
+        if self._zero_rounds >= self._probe_wait:
+            self._start_probe(_Probe.RETRY)
+
     def observe(self, num_accepted: int, costs: CostModel | None = None) -> int:
         """Record one verify round (accepted drafts, bonus excluded); returns the next round's length."""
         cfg = self.config
         if self.steps == 0:
-            self._zero_rounds += 1
-            if self._shared is not None:
-                self._shared.idle_rounds += 1
-            if self._zero_rounds >= self._probe_wait:
-                self._start_probe(_Probe.RETRY)
+            self.idle_round()
             return self.steps
         if not 0 <= num_accepted <= self.steps:
             raise ValueError(f"num_accepted: expected in [0, {self.steps}], got {num_accepted}")
@@ -412,6 +416,23 @@ class AdaptiveController:
         for rid, k in zip(request_ids, num_accepted, strict=True):
             st = self._requests[rid]
             st.observe(min(k, st.steps), costs)
+
+    def all_idle(self, request_ids: Sequence[str]) -> bool:
+        """Every one of these requests has a state, at length 0 (a step for them drafts nothing). One pass
+        over the states, no state made: a request without one yet is not idle (its first round makes it)."""
+        reqs = self._requests
+        for rid in request_ids:
+            st = reqs.get(rid)
+            if st is None or st.steps:
+                return False
+        return True
+
+    def observe_idle(self, request_ids: Sequence[str]) -> None:
+        """A round in which these requests, all at length 0 (`all_idle`), drafted nothing: `observe(0)` of
+        each, without its checks (a plain step of a speculative engine pays this per request)."""
+        reqs = self._requests
+        for rid in request_ids:
+            reqs[rid].idle_round()
 
     def forget(self, request_id: str) -> None:
         """Drops an ended request's state."""

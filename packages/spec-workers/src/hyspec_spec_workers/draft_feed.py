@@ -11,7 +11,7 @@ request (`flush`), or once `MAX_PENDING` tokens wait.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -77,11 +77,38 @@ class DraftFeed:
         """Keeps each request's committed tokens (features copied, once for the whole forward) until `flush`;
         a request with `MAX_PENDING` waiting tokens is flushed at once."""
         c = committed
-        record = _Record(c.tokens, c.hidden_states.clone(), tuple(a.clone() for a in c.aux_hidden_states))
+        # host tensors: no device read
+        starts, counts = c.start_positions.tolist(), c.num_tokens.tolist()
+        self.add_forward(c.req_ids, starts, counts, c.tokens, c.hidden_states, c.aux_hidden_states)
+
+    def add_forward(
+        self,
+        req_ids: Sequence[Hashable],
+        start_positions: Sequence[int],
+        num_tokens: Sequence[int],
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        aux: tuple[torch.Tensor, ...],
+    ) -> None:
+        """`add` of one forward's tokens given as host lists: [T] tokens and [T, H] features in request order,
+        `num_tokens[i]` of them for request i from position `start_positions[i]` (a plain step of a
+        speculative engine feeds every forward: no tensors made for its counts)."""
+        if not len(req_ids) == len(start_positions) == len(num_tokens):
+            raise ValueError(
+                f"start_positions, num_tokens: expected one per request ({len(req_ids)}), got "
+                f"{len(start_positions)} and {len(num_tokens)}"
+            )
+        if num_tokens and (min(num_tokens) < 0 or min(start_positions) < 0):
+            raise ValueError("num_tokens, start_positions: expected values >= 0")
+        total = sum(num_tokens)
+        named = [("tokens", tokens), ("hidden", hidden), *((f"aux[{i}]", a) for i, a in enumerate(aux))]
+        for name, t in named:
+            if t.shape[0] != total:
+                raise ValueError(f"{name}: expected sum(num_tokens) = {total} rows, got {list(t.shape)}")
+        record = _Record(tokens, hidden.clone(), tuple(a.clone() for a in aux))
         off = 0
         full: list[str] = []
-        starts = c.start_positions.tolist()  # host tensors: no device read
-        for rid, start, q in zip(c.req_ids, starts, c.num_tokens.tolist(), strict=True):
+        for rid, start, q in zip(req_ids, start_positions, num_tokens, strict=True):
             key = str(rid)
             waiting = self._pending.get(key)
             if waiting is None:

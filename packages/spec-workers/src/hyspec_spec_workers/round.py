@@ -44,7 +44,6 @@ from hyspec_spec_workers.costs import CostTracker, DraftClock, RoundTimer
 from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.draft_memory import DraftMemory
 from hyspec_spec_workers.drafter import (
-    CommittedTokens,
     DraftBatch,
     Drafter,
     DraftOutput,
@@ -194,16 +193,7 @@ class SpeculativeRound:
     ) -> None:
         """The tokens of a plain (prefill / decode) forward for the drafter ([T] tokens, [T, H] features)."""
         if self.feed is not None and req_ids:
-            self.feed.add(
-                CommittedTokens(
-                    req_ids=list(req_ids),
-                    start_positions=torch.tensor(list(start_positions), dtype=torch.int64),
-                    num_tokens=torch.tensor(list(num_tokens), dtype=torch.int64),
-                    tokens=tokens,
-                    hidden_states=hidden,
-                    aux_hidden_states=aux,
-                )
-            )
+            self.feed.add_forward(req_ids, start_positions, num_tokens, tokens, hidden, aux)
 
     def warm_up(
         self, *, hidden_size: int, dtype: torch.dtype, device: torch.device, max_model_len: int
@@ -233,7 +223,9 @@ class SpeculativeRound:
         cost: no round rows, no verify results)."""
         if self.adaptive is None or self.is_tree or self._forced is not None:
             return False
-        return self.timer.timing() or all(self._length(rid).steps == 0 for rid in request_ids)
+        if self.timer.timing() or self.adaptive.all_idle(request_ids):
+            return True  # (the common case of a drafter that does not pay: one pass, no state made)
+        return all(self._length(rid).steps == 0 for rid in request_ids)
 
     def plain_round(self, request_ids: Sequence[str], step: Callable[[], _T], *, shares_forward: bool) -> _T:
         """A step that drafts nothing (`drafts_nothing`), run by `step` (the caller's plain forward of these
@@ -251,7 +243,7 @@ class SpeculativeRound:
         self.timer.plain(seconds, rows=len(request_ids), timing=timing, steady_next=not shares_forward)
         self.timer.end_round()
         if self.adaptive is not None and not timing:
-            self._observe(request_ids, [0] * len(request_ids))
+            self.adaptive.observe_idle(request_ids)  # every one at 0: `drafts_nothing` said so
         return out
 
     def _observe(self, request_ids: Sequence[str], num_accepted: Sequence[int]) -> None:
