@@ -53,20 +53,24 @@ def prompts(tok: Any, n: int, k: int) -> list[list[int]]:
         return [cut(BUILTIN[i % len(BUILTIN)], tok, k) for i in range(n)]
 
 
-def measure(a: argparse.Namespace) -> dict[str, Any]:
+def _setup(a: argparse.Namespace) -> tuple[Path, list[list[int]], dict[str, Any]]:
+    """This checkout's demo model (whichever tree runs it), the prompts, and the result's header."""
     import hyspec_server
     from transformers import AutoTokenizer
 
-    # this checkout's demo model, whichever tree runs it
     path = ROOT / "packages/server/src/hyspec_server/demo_models/qwen3_5"
     tok = AutoTokenizer.from_pretrained(str(path))
-    ps = prompts(tok, 8, a.prompt_tokens)
     res: dict[str, Any] = {
         "hyspec": str(Path(hyspec_server.__file__).resolve().parent),
         "device": torch.cuda.get_device_name(),
         "new": a.new,
         "runs": {},
     }
+    return path, prompts(tok, 8, a.prompt_tokens), res
+
+
+def measure(a: argparse.Namespace) -> dict[str, Any]:
+    path, ps, res = _setup(a)
     max_len = a.prompt_tokens + a.new + 16
     refs: dict[int, list[list[int]]] = {}
     for name, spec in CONFIGS.items():
@@ -107,19 +111,8 @@ def measure_interleaved(a: argparse.Namespace) -> dict[str, Any]:
     `*_each` keep every run and `speed_up_each` each run against the plain run of its repetition. An
     adaptive engine serves its repetitions one after the other, as a long-running server does (its later
     requests start from the evidence of the earlier ones): `first_*` is its first run alone."""
-    import hyspec_server
-    from transformers import AutoTokenizer
-
-    path = ROOT / "packages/server/src/hyspec_server/demo_models/qwen3_5"
-    tok = AutoTokenizer.from_pretrained(str(path))
-    ps = prompts(tok, 8, a.prompt_tokens)
-    res: dict[str, Any] = {
-        "hyspec": str(Path(hyspec_server.__file__).resolve().parent),
-        "device": torch.cuda.get_device_name(),
-        "new": a.new,
-        "interleave": a.interleave,
-        "runs": {},
-    }
+    path, ps, res = _setup(a)
+    res["interleave"] = a.interleave
     max_len = a.prompt_tokens + a.new + 16
     names = [n for n in CONFIGS if not a.configs or n in a.configs.split(",") or n == "plain"]
     for b in BATCHES:
