@@ -230,7 +230,8 @@ def compare(before: dict[str, Any], after: dict[str, Any], title: str) -> str:
 
 def plot(after: dict[str, Any], path: Path) -> str:
     """Speed-up over plain against batch size for every speculative run, with the speed-up its measured
-    round costs predict (accepted tokens per round x plain step / round with S drafts) drawn beside it."""
+    round costs predict drawn beside it: tokens per round x the plain run's step (batch / its steady tok/s)
+    / the engine's measured round with S drafts. Adaptive runs, and runs that drafted no round, have none."""
     try:
         import matplotlib
 
@@ -248,8 +249,13 @@ def plot(after: dict[str, Any], path: Path) -> str:
             r, p = runs[f"{name}/b{b}"], runs[f"plain/b{b}"]
             meas.append(r["decode_tok_s"] / p["decode_tok_s"])
             ms = r.get("measured_ms") or {}
-            ok = ms.get("round_with_3_drafts") and ms.get("decode") and r.get("mean_accept_length")
-            pred.append(r["mean_accept_length"] * ms["decode"] / ms["round_with_3_drafts"] if ok else None)
+            # fixed-length runs only: an adaptive run's rounds are not its steps
+            fixed = not (CONFIGS[name] or {}).get("adaptive")
+            drafted = r.get("verify_rounds") and r.get("mean_accept_length")
+            ok = fixed and drafted and ms.get("round_with_3_drafts")
+            # a plain step of the plain engine: steady (every row decoding) where measured
+            step_ms = 1e3 * b / (p.get("steady_decode_tok_s") or p["decode_tok_s"])
+            pred.append(r["mean_accept_length"] * step_ms / ms["round_with_3_drafts"] if ok else None)
         ax.plot(BATCHES, meas, marker="o", color=f"C{c}", label=f"{name} measured")
         pts = [(b, y) for b, y in zip(BATCHES, pred, strict=True) if y is not None]
         if pts:
