@@ -4,7 +4,8 @@
 
 Times the kernels of whichever hyspec_kernels is first on PYTHONPATH (run it once per tree, in one GPU
 call, to compare two), at B = 1 .. 256: decode, a chain verify of D = 4 and the tree [-1, 0, 0, 1] (root,
-two children, a grandchild under the first: bench_kernels' shape), no scratch (what the engine runs).
+two children, a grandchild under the first: bench_kernels' shape), no scratch as the engine runs them
+(the engine's verify also stores each token's inputs for the commit's replay, `keep_inputs`: not here).
 """
 
 from __future__ import annotations

@@ -265,3 +265,18 @@ def test_a_tree_over_the_recompute_limit_needs_scratch_in_the_kernel() -> None:
         launch_recurrent(x, x, torch.zeros(1, d, HV, DV), torch.zeros(1, d, HV), torch.zeros(1, d, HV),
                          state=torch.zeros(1, HV, DK, DV), state_slots=torch.zeros(1, dtype=torch.int64),
                          scratch=None, scratch_rows=None, parents=par, out_dtype=torch.float32)  # fmt: skip
+
+
+def test_a_malformed_tree_without_checks_ends_the_recompute_walk() -> None:
+    """Unchecked parents (the engine's CUDA path) that break parents-before-children, a self-parent and a
+    cycle, end the kernel's walk up the path (their rows' output is unspecified) instead of looping."""
+    gen = torch.Generator().manual_seed(9)
+    n_seq, d = 2, 4
+    q, k = torch.randn(n_seq, d, HK, DK, generator=gen), torch.randn(n_seq, d, HK, DK, generator=gen)
+    v = torch.randn(n_seq, d, HV, DV, generator=gen)
+    g, beta = -torch.rand(n_seq, d, HV, generator=gen) * 0.5, torch.rand(n_seq, d, HV, generator=gen)
+    state = torch.randn(2, HV, DK, DV, generator=gen)
+    parents = torch.tensor([[-1, 0, 2, 1], [-1, 2, 1, 1]])  # row 0: node 2 its own parent; row 1: 1 <-> 2
+    o = gdn_verify(q, k, v, g, beta, state=state, state_slots=torch.tensor([0, 1]), scratch=None,
+                   scratch_rows=None, parents=parents, backend="triton", check_indices=False)  # fmt: skip
+    assert o.shape == (n_seq, d, HV, DV)

@@ -112,7 +112,7 @@ def mode_recurrence(
             state_slots=slots,
             scratch=None,
             scratch_rows=None,
-            parents=batch.tree_parents,  # a tree's steps live in a workspace of the call
+            parents=batch.tree_parents,  # a tree's branch states are recomputed in the kernel
             keep_inputs=(replay.k, replay.v, replay.g, replay.beta),
             input_rows=batch.batch_rows.tensor,
             check_indices=False,

@@ -103,8 +103,9 @@ class DraftFeed:
         total = sum(num_tokens)
         named = [("tokens", tokens), ("hidden", hidden), *((f"aux[{i}]", a) for i, a in enumerate(aux))]
         for name, t in named:
-            if t.shape[0] != total:
-                raise ValueError(f"{name}: expected sum(num_tokens) = {total} rows, got {list(t.shape)}")
+            if t.dim() != (1 if name == "tokens" else 2) or t.shape[0] != total:
+                want = f"[{total}]" if name == "tokens" else f"[{total}, H]"
+                raise ValueError(f"{name}: expected shape {want} (sum(num_tokens) rows), got {list(t.shape)}")
         record = _Record(tokens, hidden.clone(), tuple(a.clone() for a in aux))
         off = 0
         full: list[str] = []

@@ -345,14 +345,16 @@ def gdn_verify(
             starts from a zero state).
         scratch: [R, Dmax, HV, K, V] fp32/bf16 with Dmax >= D; the state after step j of sequence n is written
             to scratch[scratch_rows[n], j] (row strides from the allocated Dmax). scratch_rows: [N] in
-            [0, R) or -1 (no scratch write), distinct. Both None: nothing is kept (a tree's steps live in a
-            workspace of this call), the accepted steps are committed by replaying them (`gdn_replay`).
+            [0, R) or -1 (no scratch write), distinct. Both None: nothing is kept, the accepted steps are
+            committed by replaying them (`gdn_replay`); a tree token then starts from its parent's state
+            recomputed along the parent's path (Triton), or kept in a workspace of this call (the reference
+            and torch paths, and trees over MAX_RECOMPUTE_NODES nodes).
         keep_inputs: (k [R, Dmax, HK, K], v [R, Dmax, HV, V], g [R, Dmax, HV], beta [R, Dmax, HV]) fp32
             buffers: token j's raw inputs go to row `input_rows[n]` ([N], -1: none), step j, for the replay.
         parents: [N, D] in [-1, j) for token j: the block index of token j's parent, -1 for a root, which
-            continues from the committed state. None means a chain. In tree mode a token's start state is
-            re-read from scratch, so every row with a state slot needs a scratch row; rows with neither get
-            unspecified output.
+            continues from the committed state. None means a chain. In tree mode with scratch a token's start
+            state is re-read from it, so every row with a state slot needs a scratch row; rows with neither
+            get unspecified output.
 
     Returns:
         o: [N, D, HV, V] in q's dtype.

@@ -12,8 +12,9 @@ is one coalesced load; V tiles of 8-64 columns give enough programs at small bat
   token's raw k, v, g and beta go to those buffers at its input row and step, for the replay. A tree token
   whose parent is not the token before recomputes the parent's state from the committed state along the
   parent's path (a few extra steps in registers instead of a state stored and read back per branch: the
-  tree verify then moves the bytes of a chain's); trees of more than MAX_RECOMPUTE_NODES nodes store their
-  branch states in a workspace of the call instead.
+  tree verify then moves the bytes of a chain's; its extra steps are the restarts' path lengths, a few for
+  the drafters' trees); trees of more than MAX_RECOMPUTE_NODES nodes store their branch states in a
+  workspace of the call instead.
 
 Token inputs are read through their token strides (q, k and v may be column slices of one projection),
 outputs are contiguous; each state slot and each scratch (row, step) entry is a contiguous
@@ -138,9 +139,12 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
                     # order, which is root-to-parent order (parents precede children). No state goes to memory
                     path = tl.zeros((), dtype=tl.int64)
                     a = parent
-                    while a >= 0:
-                        path = path | (tl.full((), 1, tl.int64) << a)
-                        a = tl.load(parents_ptr + tok + a).to(tl.int64)
+                    # at most j ancestors (parents precede children): a tree that breaks that (unchecked on
+                    # CUDA) ends the walk instead of looping on a cycle (its rows' output is unspecified)
+                    for _ in range(j):
+                        if a >= 0:
+                            path = path | (tl.full((), 1, tl.int64) << a)
+                            a = tl.load(parents_ptr + tok + a).to(tl.int64)
                     b_s = b_s0
                     for i in range(parent + 1):
                         if ((path >> i) & 1) != 0:
