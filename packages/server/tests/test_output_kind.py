@@ -2,6 +2,7 @@
 
 import asyncio
 import dataclasses
+from pathlib import Path
 
 import pytest
 from hyspec_server import LLM, RequestOutput, RequestOutputKind, SamplingParams
@@ -119,3 +120,51 @@ def test_an_unread_delta_output_merges_its_completion() -> None:
         assert c.logprobs == [{i: Logprob(-float(i))} for i in range(3)]
 
     asyncio.run(run())
+
+
+def test_kinds_agree_under_speculation_with_a_stop_inside_an_accepted_run(tmp_path: Path) -> None:
+    """With an n-gram drafter a step emits several tokens: DELTA outputs carry the whole accepted run, a stop
+    string found inside the run cuts it, and the kinds still agree on one completion (and with plain)."""
+    from hyspec_testing.tiny import build_tiny_checkpoint
+
+    ckpt = build_tiny_checkpoint(tmp_path / "lfm2", "lfm2")
+    prompts = [[(i * 7 + r) % 9 + 5 for i in range(40 + 9 * r)] for r in range(3)]  # repetitive: drafts hit
+
+    def engine(spec: dict[str, object] | None) -> LLMEngine:
+        return LLM(model=str(ckpt), max_num_seqs=4, max_model_len=160, speculative_config=spec).engine
+
+    base = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=1)
+    plain = [o.outputs[0] for o in LLM.from_engine(engine(None)).generate(
+        [{"prompt_token_ids": p} for p in prompts], base, use_tqdm=False)]  # fmt: skip
+    # a stop string from the middle of each plain completion's text (it ends inside some step's tokens)
+    stops = [c.text[len(c.text) // 2 : len(c.text) // 2 + 2] for c in plain]
+    eng = engine({"method": "ngram", "num_speculative_tokens": 3})
+    ids = {}
+    for i, p in enumerate(prompts):
+        for kind in RequestOutputKind:
+            params = dataclasses.replace(base, stop=[stops[i]], output_kind=kind)
+            ids[(i, kind)] = eng.add_request({"prompt_token_ids": p}, params)
+    seen: dict[str, list[RequestOutput]] = {rid: [] for rid in ids.values()}
+    for outs in _steps(eng):
+        for o in outs:
+            seen[o.request_id].append(o)
+    assert eng.stats.spec_num_accepted_tokens > 0
+    assert any(len(o.delta_token_ids) > 1 for outs in seen.values() for o in outs)  # several tokens a step
+    for i in range(len(prompts)):
+        cum = seen[ids[(i, RequestOutputKind.CUMULATIVE)]][-1].outputs[0]
+        final = seen[ids[(i, RequestOutputKind.FINAL_ONLY)]]
+        delta = seen[ids[(i, RequestOutputKind.DELTA)]]
+        assert len(final) == 1 and final[0].outputs[0].token_ids == cum.token_ids
+        assert final[0].outputs[0].text == cum.text
+        assert cum.finish_reason == "stop" and cum.stop_reason == stops[i]
+        assert (
+            plain[i].text.startswith(cum.text) and plain[i].token_ids[: len(cum.token_ids)] == cum.token_ids
+        )
+        assert [t for d in delta for t in d.outputs[0].token_ids] == cum.token_ids
+        assert "".join(d.outputs[0].text for d in delta) == cum.text
+        # the three are separate requests of one batch: their rounds' logprobs agree to float rounding
+        joined = [e for d in delta for e in d.outputs[0].logprobs or []]
+        assert cum.logprobs is not None and len(joined) == len(cum.logprobs) == len(cum.token_ids)
+        for a, b in zip(joined, cum.logprobs, strict=True):
+            assert list(a) == list(b) and [x.rank for x in a.values()] == [x.rank for x in b.values()]
+            assert [x.logprob for x in a.values()] == pytest.approx([x.logprob for x in b.values()], abs=1e-5)
