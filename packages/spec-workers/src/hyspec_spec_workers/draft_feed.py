@@ -76,10 +76,10 @@ class DraftFeed:
     def add(self, committed: CommittedTokens) -> None:
         """Keeps each request's committed tokens (features copied, once for the whole forward) until `flush`;
         a request with `MAX_PENDING` waiting tokens is flushed at once."""
-        c = committed
+        c = committed  # checked when it was made
         # host tensors: no device read
         starts, counts = c.start_positions.tolist(), c.num_tokens.tolist()
-        self.add_forward(c.req_ids, starts, counts, c.tokens, c.hidden_states, c.aux_hidden_states)
+        self._keep(c.req_ids, starts, counts, c.tokens, c.hidden_states, c.aux_hidden_states)
 
     def add_forward(
         self,
@@ -106,6 +106,18 @@ class DraftFeed:
             if t.dim() != (1 if name == "tokens" else 2) or t.shape[0] != total:
                 want = f"[{total}]" if name == "tokens" else f"[{total}, H]"
                 raise ValueError(f"{name}: expected shape {want} (sum(num_tokens) rows), got {list(t.shape)}")
+        self._keep(req_ids, start_positions, num_tokens, tokens, hidden, aux)
+
+    def _keep(
+        self,
+        req_ids: Sequence[Hashable],
+        start_positions: Sequence[int],
+        num_tokens: Sequence[int],
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        aux: tuple[torch.Tensor, ...],
+    ) -> None:
+        """`add` / `add_forward` once their arguments are checked."""
         record = _Record(tokens, hidden.clone(), tuple(a.clone() for a in aux))
         off = 0
         full: list[str] = []
