@@ -168,3 +168,32 @@ def test_kinds_agree_under_speculation_with_a_stop_inside_an_accepted_run(tmp_pa
         for a, b in zip(joined, cum.logprobs, strict=True):
             assert list(a) == list(b) and [x.rank for x in a.values()] == [x.rank for x in b.values()]
             assert [x.logprob for x in a.values()] == pytest.approx([x.logprob for x in b.values()], abs=1e-5)
+
+
+def test_an_aborted_request_gets_its_kinds_last_output() -> None:
+    """Aborting mid-generation: a FINAL_ONLY request's one output is the whole completion so far (finished,
+    "abort"); a DELTA request's last output holds only what it had not handed out; CUMULATIVE the whole."""
+    eng = toy_engine()
+    ids = {}
+    for kind in RequestOutputKind:
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, output_kind=kind)
+        ids[kind] = eng.add_request({"prompt_token_ids": PROMPTS[1]}, params)
+    seen: dict[str, list[RequestOutput]] = {rid: [] for rid in ids.values()}
+    for _ in range(6):
+        for o in eng.step():
+            seen[o.request_id].append(o)
+    assert seen[ids[RequestOutputKind.FINAL_ONLY]] == []  # nothing before the end
+    for rid in ids.values():
+        out = eng.abort(rid)
+        assert out is not None and out.finished and out.outputs[0].finish_reason == "abort"
+        seen[rid].append(out)
+    cum = seen[ids[RequestOutputKind.CUMULATIVE]][-1].outputs[0]
+    final = seen[ids[RequestOutputKind.FINAL_ONLY]]
+    delta = seen[ids[RequestOutputKind.DELTA]]
+    assert 0 < len(cum.token_ids) < 40 and cum.token_ids == toy_greedy(PROMPTS[1], 40)[: len(cum.token_ids)]
+    assert len(final) == 1 and final[0].outputs[0].token_ids == cum.token_ids
+    assert final[0].outputs[0].text == cum.text
+    assert (
+        delta[-1].outputs[0].token_ids == []
+        and [t for d in delta for t in d.outputs[0].token_ids] == cum.token_ids
+    )
