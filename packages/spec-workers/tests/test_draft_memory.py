@@ -120,3 +120,31 @@ def test_feed_takes_a_forward_as_host_lists_like_committed_tokens() -> None:
         feed.add_forward(["a", "b"], [0], [5], tokens, hidden, ())
     with pytest.raises(ValueError, match=">= 0"):
         feed.add_forward(["a", "b"], [0, -1], [5, 0], tokens, hidden, ())
+
+
+def test_feed_copies_a_forwards_outputs_and_keeps_an_accepted_paths_own_tensors() -> None:
+    """`add_forward` copies the features (a CUDA graph's outputs are overwritten by its next replay): what it
+    hands the drafter is what the forward gave, whatever the buffer holds later; `add` keeps a round's
+    accepted path (the caller's own gathered tensors) without a copy."""
+    import torch
+    from hyspec_spec_workers.draft_feed import DraftFeed
+    from hyspec_spec_workers.drafter import CommittedTokens
+
+    class Sink:
+        def __init__(self) -> None:
+            self.got: list[CommittedTokens] = []
+
+        def commit(self, c: CommittedTokens) -> None:
+            self.got.append(c)
+
+    sink = Sink()
+    feed = DraftFeed(sink)  # type: ignore[arg-type]
+    buffer = torch.arange(6.0).reshape(3, 2)  # a graph's output buffer
+    feed.add_forward(["a"], [0], [3], torch.tensor([1, 2, 3]), buffer, ())
+    buffer.fill_(-1.0)  # the next replay overwrites it
+    feed.flush(["a"])
+    assert torch.equal(sink.got[-1].hidden_states, torch.arange(6.0).reshape(3, 2))
+    own = torch.ones(2, 2)
+    feed.add(CommittedTokens(["b"], torch.tensor([4]), torch.tensor([2]), torch.tensor([5, 6]), own, ()))
+    feed.flush(["b"])
+    assert sink.got[-1].hidden_states.data_ptr() == own.data_ptr()  # no copy of the caller's own tensor

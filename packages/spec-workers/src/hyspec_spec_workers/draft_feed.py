@@ -74,12 +74,14 @@ class DraftFeed:
         self._pending.pop(request_id, None)
 
     def add(self, committed: CommittedTokens) -> None:
-        """Keeps each request's committed tokens (features copied, once for the whole forward) until `flush`;
-        a request with `MAX_PENDING` waiting tokens is flushed at once."""
+        """Keeps each request's committed tokens until `flush`; a request with `MAX_PENDING` waiting tokens
+        is flushed at once. The tensors are kept as they are, not copied: they must be the caller's own (a
+        round's accepted path, gathered out of the verify forward's outputs), not a forward's output buffers
+        (`add_forward` copies those)."""
         c = committed  # checked when it was made
         # host tensors: no device read
         starts, counts = c.start_positions.tolist(), c.num_tokens.tolist()
-        self._keep(c.req_ids, starts, counts, c.tokens, c.hidden_states, c.aux_hidden_states)
+        self._keep(c.req_ids, starts, counts, c.tokens, c.hidden_states, c.aux_hidden_states, copy=False)
 
     def add_forward(
         self,
@@ -92,7 +94,8 @@ class DraftFeed:
     ) -> None:
         """`add` of one forward's tokens given as host lists: [T] tokens and [T, H] features in request order,
         `num_tokens[i]` of them for request i from position `start_positions[i]` (a plain step of a
-        speculative engine feeds every forward: no tensors made for its counts)."""
+        speculative engine feeds every forward: no tensors made for its counts). The features are copied
+        (once for the whole forward): a CUDA graph's outputs are overwritten by its next replay."""
         if not len(req_ids) == len(start_positions) == len(num_tokens):
             raise ValueError(
                 f"start_positions, num_tokens: expected one per request ({len(req_ids)}), got "
@@ -106,7 +109,7 @@ class DraftFeed:
             if t.dim() != (1 if name == "tokens" else 2) or t.shape[0] != total:
                 want = f"[{total}]" if name == "tokens" else f"[{total}, H]"
                 raise ValueError(f"{name}: expected shape {want} (sum(num_tokens) rows), got {list(t.shape)}")
-        self._keep(req_ids, start_positions, num_tokens, tokens, hidden, aux)
+        self._keep(req_ids, start_positions, num_tokens, tokens, hidden, aux, copy=True)
 
     def _keep(
         self,
@@ -116,9 +119,14 @@ class DraftFeed:
         tokens: torch.Tensor,
         hidden: torch.Tensor,
         aux: tuple[torch.Tensor, ...],
+        *,
+        copy: bool,
     ) -> None:
-        """`add` / `add_forward` once their arguments are checked."""
-        record = _Record(tokens, hidden.clone(), tuple(a.clone() for a in aux))
+        """`add` / `add_forward` once their arguments are checked; `copy`: the features are a forward's
+        output buffers."""
+        if copy:
+            hidden, aux = hidden.clone(), tuple(a.clone() for a in aux)
+        record = _Record(tokens, hidden, aux)
         off = 0
         full: list[str] = []
         for rid, start, q in zip(req_ids, start_positions, num_tokens, strict=True):
