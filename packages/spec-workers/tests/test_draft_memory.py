@@ -148,3 +148,22 @@ def test_feed_copies_a_forwards_outputs_and_keeps_an_accepted_paths_own_tensors(
     feed.add(CommittedTokens(["b"], torch.tensor([4]), torch.tensor([2]), torch.tensor([5, 6]), own, ()))
     feed.flush(["b"])
     assert sink.got[-1].hidden_states.data_ptr() == own.data_ptr()  # no copy of the caller's own tensor
+
+
+def test_pending_pairs_taken_whole_and_in_order_are_not_gathered() -> None:
+    """`gather_pending`: every pair of a commit, in its order (a chain drafter's steady round), comes back as
+    the commit's own tensors; any other selection or order is gathered, request by request."""
+    import torch
+    from hyspec_spec_workers.draft_pairs import Piece, gather_pending
+
+    tok = torch.tensor([10, 11, 12, 13, 14])
+    feat = torch.arange(10.0).reshape(5, 2)
+    a, b = Piece(tok, feat, 0, 2), Piece(tok, feat, 2, 3)  # request a: pairs 0-1, b: pairs 2-4
+    got = gather_pending([[a], [b]])
+    assert got is not None and got[0] is tok and got[1] is feat and got[2] == [2, 3]
+    got = gather_pending([[b], [a]])  # the other order: gathered
+    assert got is not None and got[0].tolist() == [12, 13, 14, 10, 11] and got[2] == [3, 2]
+    assert torch.equal(got[1], feat[[2, 3, 4, 0, 1]])
+    got = gather_pending([[b]])  # part of the commit
+    assert got is not None and got[0].tolist() == [12, 13, 14] and torch.equal(got[1], feat[2:])
+    assert gather_pending([[], []]) is None

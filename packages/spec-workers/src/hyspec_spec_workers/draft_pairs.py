@@ -48,7 +48,8 @@ Pending = list[Piece]  # a request's pending pairs, in position order
 def gather_pending(pending: Sequence[Pending]) -> tuple[Tensor, Tensor, list[int]] | None:
     """Every request's pending pairs, request by request: (tokens [Q] int64, features [Q, F], each request's
     count); None when there are none. One gather for all requests (a cat first only when the pairs come from
-    several commits)."""
+    several commits), none when they are every pair of their commits in order (then the commits' own tensors,
+    which the caller only reads)."""
     start: dict[int, int] = {}  # a commit's tensors, by identity -> their offset in the concatenation
     toks: list[Tensor] = []
     feats: list[Tensor] = []
@@ -70,6 +71,10 @@ def gather_pending(pending: Sequence[Pending]) -> tuple[Tensor, Tensor, list[int
         return None
     tok_all = toks[0] if len(toks) == 1 else torch.cat(toks)
     feat_all = feats[0] if len(feats) == 1 else torch.cat(feats)
+    if at == list(range(size)):
+        # every pair of the commits, in order (a round's requests in the order of the commit before it: the
+        # steady state of a chain drafter): no gather
+        return tok_all, feat_all, counts
     idx = to_device(at, dtype=torch.int64, device=tok_all.device)  # [Q]
     return tok_all[idx], feat_all[idx], counts
 
