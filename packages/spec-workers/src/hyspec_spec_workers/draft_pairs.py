@@ -181,7 +181,10 @@ class DraftPairs:
             spans.append((begin, len(tok_idx) - begin))
             off += q
         dev = feats.device
-        pair_tok = c.tokens[to_device(tok_idx, dtype=torch.int64, device=c.tokens.device)]  # [P]
+        if tok_idx == list(range(int(c.tokens.shape[0]))):
+            pair_tok = c.tokens  # [P] every token is a pair's (no request starts at position 0): no gather
+        else:
+            pair_tok = c.tokens[to_device(tok_idx, dtype=torch.int64, device=c.tokens.device)]  # [P]
         both = torch.cat([prev.to(feats.dtype), feats])  # [N + T, F]
         pair_feat = both[to_device(feat_idx, dtype=torch.int64, device=dev)]  # [P, F]
         now: list[Hashable] = []
