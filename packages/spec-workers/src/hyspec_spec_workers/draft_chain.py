@@ -83,12 +83,15 @@ class OneLayerChain:
         # replay's rows, or NaN from memory an earlier user left) would reach the root's attention as
         # 0 * NaN, so the block starts from zeros
         feats.zero_()
+        # the block indices of the pending pairs, of the roots, and the roots' own indices: one upload
+        at_host = [] if got is None else [i * e + k for i in range(n) for k in range(q[i])]
+        idx = to_device(at_host + [i * e + k for i, k in enumerate(q)] + q, dtype=torch.int64, device=dev)
+        p = len(at_host)
+        roots_at, q_dev = idx[p : p + n], idx[p + n :]  # [N] each
         if got is not None:
-            at = to_device([i * e + k for i in range(n) for k in range(q[i])], dtype=torch.int64, device=dev)
+            at = idx[:p]  # [P]
             block[at] = got[0].to(dev)
             feats[at] = got[1].to(feats.dtype)
-        q_dev = to_device(q, dtype=torch.int64, device=dev)  # [N]
-        roots_at = torch.arange(n, device=dev) * e + q_dev  # [N]
         block[roots_at] = root
         feats[roots_at] = self.pairs.root_features[rows]
         self._root_index[:n].copy_(q_dev)
