@@ -206,10 +206,12 @@ class DraftPairs:
                 now.append(r)
         upd = [i for i, at in enumerate(last) if at >= 0]
         if upd:
-            dev = self.root_features.device
-            self.root_features[rows[to_device(upd, dtype=torch.int64, device=dev)]] = feats[
-                to_device([last[i] for i in upd], dtype=torch.int64, device=feats.device)
-            ].to(self.root_features.dtype)
+            # each updated row's last feature: (rows to update, their last token) in one upload; every row
+            # (the usual case) is `rows` itself
+            idx = to_device(upd + [last[i] for i in upd], dtype=torch.int64, device=feats.device)
+            k = len(upd)
+            target = rows if k == n else rows[idx[:k].to(rows.device)]
+            self.root_features[target] = feats[idx[k:]].to(self.root_features.dtype)
         self.write(now)
 
     def take_pending(self, req_ids: Sequence[Hashable]) -> list[Pending]:
