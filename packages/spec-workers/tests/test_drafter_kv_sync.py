@@ -119,3 +119,55 @@ def test_a_proposal_keeps_its_block_room_for_the_next(target: Callable[[str], An
     generate(t.model, backend, target_pool, t.prompts, max_new_tokens=14, drafter=drafter, num_steps=S)
     # the only frees: each request's pages when it finished
     assert frees[0] <= len(t.prompts), frees[0]
+
+
+def test_a_commit_with_a_request_without_tokens_equals_one_without_it(target: Callable[[str], Any]) -> None:
+    """A commit in which a request brings no token (its root feature and KV left as they are) proposes what
+    the same commit without that request proposes (the MTP chain's root-feature update of only some rows)."""
+    t = target("qwen3_5")
+    cfg = t.speculative_config({"method": "mtp"}, S)
+    hist = [list(t.prompts[2]), list(t.prompts[4])]
+    ids = ["x", "y"]
+    backend, pool = t.stack(None)
+    pool.alloc(ids)
+    pool.ensure_kv_capacity(ids, [len(h) for h in hist])
+    flat = torch.tensor([tok for h in hist for tok in h])
+    batch = backend.prepare_extend(
+        req_rows=pool.req_rows(ids), input_ids=flat, q_lens=[len(h) for h in hist], prefix_lens=[0, 0]
+    )
+    with torch.no_grad():
+        out = t.model(batch, backend, capture_layers=())
+    hx = out.hidden_states[: len(hist[0])]  # x's features; its last two tokens come in a second commit
+    hy = out.hidden_states[len(hist[0]) :]
+    tail = 2
+    proposals = []
+    for with_empty_row in (True, False):
+        d: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
+        d.add_requests(ids)
+        first = len(hist[0]) - tail
+        d.commit(
+            CommittedTokens(
+                req_ids=ids,
+                start_positions=torch.zeros(2, dtype=torch.int64),
+                num_tokens=torch.tensor([first, len(hist[1])]),
+                tokens=torch.tensor(hist[0][:first] + hist[1]),
+                hidden_states=torch.cat([hx[:first], hy]),
+                aux_hidden_states=(),
+            )
+        )
+        rest = ids if with_empty_row else ["x"]
+        d.commit(
+            CommittedTokens(
+                req_ids=rest,
+                start_positions=torch.tensor([first] + [len(hist[1])] * (len(rest) - 1)),
+                num_tokens=torch.tensor([tail] + [0] * (len(rest) - 1)),
+                tokens=torch.tensor(hist[0][first:]),
+                hidden_states=hx[first:],
+                aux_hidden_states=(),
+            )
+        )
+        roots = torch.tensor([5, 7])
+        proposals.append(d.propose(DraftBatch(root_tokens=roots, num_steps=[S, S], req_ids=ids)).tree.tokens)
+        d.free_requests(ids)
+    assert torch.equal(proposals[0], proposals[1])
+    pool.free(ids)
