@@ -67,7 +67,6 @@ class RequestTable:
         ids: list[int] = []
         for row, first, pages in updates:
             self.row_versions[row] += 1
-            self.host_page_table[row, first : first + len(pages)] = torch.tensor(pages, dtype=torch.int32)
             listed = self.host_pages[row]
             listed.extend([-1] * (first - len(listed)))  # a gap before `first` stays unmapped
             listed[first : first + len(pages)] = pages
@@ -75,8 +74,10 @@ class RequestTable:
             cols += range(first, first + len(pages))
             ids += pages
         k = len(ids)
+        host = torch.tensor([rows, cols, ids], dtype=torch.int64)  # [3, k]: one host tensor for every row
+        self.host_page_table[host[0], host[1]] = host[2].to(torch.int32)
         device = self.page_table.device
-        packed = to_device(rows + cols + ids, dtype=torch.int64, device=device).view(3, k)  # one copy
+        packed = to_device(host, dtype=torch.int64, device=device)  # one copy (read-only: may be `host`)
         row_t, col_t, page_t = packed.unbind(0)  # [k] each
         self.page_table[row_t, col_t] = page_t.to(torch.int32)
         offsets = torch.arange(self.page_size, dtype=torch.int64, device=device)  # [page_size]
