@@ -224,10 +224,11 @@ class VerifyTree:
             num_nodes = to_device(k, dtype=torch.int64, device=dev)
         # closed form of `from_parents` for a chain (no per-node loop): node j's parent is j - 1, its only
         # child j + 1 when that node is real; padded nodes continue the chain
+        # the grids every row shares are expanded views, not copies: a tree's arrays are read, never written
         col = torch.arange(d, device=dev)
-        parents = (col - 1).expand(n, d).contiguous()
-        depth = col.expand(n, d).contiguous()
-        mask = (col[None, :] <= col[:, None]).expand(n, d, d).contiguous()  # lower triangle
+        parents = (col - 1).expand(n, d)
+        depth = col.expand(n, d)
+        mask = (col[None, :] <= col[:, None]).expand(n, d, d)  # lower triangle
         first_child = torch.where(col[None, 1:] < num_nodes[:, None], col[None, 1:], -1)
         first_child = torch.cat([first_child, torch.full((n, 1), -1, dtype=torch.int64, device=dev)], dim=1)
         next_sibling = torch.full((n, d), -1, dtype=torch.int64, device=dev)
