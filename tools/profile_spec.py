@@ -141,15 +141,19 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
             ("  decode (no drafts)", runner, "decode"),
         ]
         drafter = spec.drafter
-        if getattr(drafter, "root_graphs", None) is not None:
+        chain = getattr(drafter, "chain", None)
+        if chain is not None:
+            # a one-layer chain's proposal (`draft_chain.py`): one batch build and one graph run per round
             targets += [
-                ("  _draft_chain", drafter, "_draft_chain"),
+                ("  chain.draft", chain, "draft"),
                 ("    ensure_kv_capacity", drafter.kv.pool, "ensure_kv_capacity"),
-                ("    root prepare_verify", drafter.root_graphs, "prepare_verify"),
-                ("    root run", drafter.root_graphs, "run"),
-                ("  draft commit (extend)", drafter, "commit"),
-                ("    _extend", drafter, "_extend"),
+                ("  draft commit (feed)", drafter, "commit"),
             ]
+            for s, r in chain.runners.items():
+                targets += [
+                    (f"    prepare_verify (s={s})", r, "prepare_verify"),
+                    (f"    run (s={s})", r, "run"),
+                ]
 
     def timed(name: str, fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:

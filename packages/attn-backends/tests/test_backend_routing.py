@@ -15,6 +15,7 @@ from hyspec_attn_backends import (
     model_state_specs,
 )
 from hyspec_statepool import DraftShape, HybridStatePool, MemoryPlan, StateDtypes
+from hyspec_statepool.indices import ReqRows
 
 F32 = StateDtypes(kv=torch.float32, conv=torch.float32, recurrent=torch.float32)
 
@@ -254,3 +255,88 @@ def test_advance_one_token_rejects_what_it_cannot_advance() -> None:
     )
     with pytest.raises(ValueError, match="DECODE or TARGET_VERIFY"):
         be.advance_one_token(extend)
+
+
+def test_start_chain_equals_preparing_one_token_after_each_chosen_block_token() -> None:
+    """A chain verify block turned in place into the one-token batch after block token `at[i]` of each row
+    is the batch `prepare_verify` builds for one token per row at those positions (rows != batch rows, page
+    boundaries crossed at different steps, a padded row), and advancing it keeps matching."""
+    layers: list[GDNLayer | ShortConvLayer | AttentionLayer] = [
+        AttentionLayer(layer_id=0, num_heads=2, num_kv_heads=1, head_dim=8, scale=8**-0.5)
+    ]
+    pool = _pool(layers)
+    be = HybridBackend(pool, layers=layers, layer_types=["full_attention"])
+    ids = ["a", "b", "c"]
+    pool.alloc(["pad0", *ids])
+    prefix, d = [0, 5, 2], 4
+    for t in range(1, max(prefix) + 2 * d + 1):  # interleaved pages, as in the advance test
+        pool.ensure_kv_capacity(ids, [min(t, p + 2 * d) for p in prefix])
+    rows = pool.req_rows(["c", "a", "b"])
+    start = [prefix[i] for i in (2, 0, 1)]
+    tok = torch.arange(3, dtype=torch.int64)
+    for chosen in ([0, 0, 0], [3, 1, 2], [1, 3, 0]):
+        after = [p + k + 1 for p, k in zip(start, chosen, strict=True)]
+        want = _batch_fields(
+            be.prepare_verify(req_rows=rows, block_tokens=tok[:, None], prefix_lens=after, pad_to=4)
+        )
+        block = be.prepare_verify(
+            req_rows=rows, block_tokens=torch.zeros(3, d, dtype=torch.int64), prefix_lens=start, pad_to=4
+        )
+        at = torch.tensor([*chosen, 2])  # the padded row's index is any in [0, D)
+        step = be.start_chain(block, at)
+        assert step.verify_len == 1 and step.num_padded == 1 and step.num_tokens == 4
+        assert _batch_fields(step) == want, chosen
+        assert want["kv_slots"][3] == -1 and want["prefix_lens"][3] == 0
+        # (each batch is built again: every prepare rewrites the same buffers)
+        want = _batch_fields(
+            be.prepare_verify(
+                req_rows=rows, block_tokens=tok[:, None], prefix_lens=[p + 1 for p in after], pad_to=4
+            )
+        )
+        step = be.start_chain(
+            be.prepare_verify(
+                req_rows=rows, block_tokens=torch.zeros(3, d, dtype=torch.int64), prefix_lens=start, pad_to=4
+            ),
+            at,
+        )
+        be.advance_one_token(step)
+        assert _batch_fields(step) == want, chosen
+
+
+def _one_request(attention_only: bool) -> tuple[HybridBackend, ReqRows]:
+    """A backend (hybrid, or attention-only) with one request holding 8 positions of KV, and its rows."""
+    layers: list[GDNLayer | ShortConvLayer | AttentionLayer] = (
+        [AttentionLayer(layer_id=0, num_heads=2, num_kv_heads=1, head_dim=8, scale=8**-0.5)]
+        if attention_only
+        else _layers()
+    )
+    pool = _pool(layers)
+    be = HybridBackend(pool, layers=layers, layer_types=["full_attention"] if attention_only else TYPES)
+    pool.alloc(["a"])
+    pool.ensure_kv_capacity(["a"], [8])
+    return be, pool.req_rows(["a"])
+
+
+def test_start_chain_rejects_what_it_cannot_start_from() -> None:
+    zeros = torch.zeros(1, 3, dtype=torch.int64)
+    be, rows = _one_request(attention_only=False)
+    block = be.prepare_verify(req_rows=rows, block_tokens=zeros, prefix_lens=[2])
+    with pytest.raises(ValueError, match="attention-only"):
+        be.start_chain(block, torch.zeros(1, dtype=torch.int64))
+    be, rows = _one_request(attention_only=True)
+    block = be.prepare_verify(req_rows=rows, block_tokens=zeros, prefix_lens=[2])
+    with pytest.raises(ValueError, match="at:"):
+        be.start_chain(block, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="at:"):
+        be.start_chain(block, torch.zeros(1))
+    decode = be.prepare_decode(req_rows=rows, input_ids=torch.zeros(1, dtype=torch.int64), prefix_lens=[2])
+    with pytest.raises(ValueError, match="chain TARGET_VERIFY"):
+        be.start_chain(decode, torch.zeros(1, dtype=torch.int64))
+    tree = be.prepare_verify(
+        req_rows=rows,
+        block_tokens=torch.zeros(1, 3, dtype=torch.int64),
+        prefix_lens=[2],
+        tree_parents=torch.tensor([[-1, 0, 0]]),
+    )
+    with pytest.raises(ValueError, match="tree"):
+        be.start_chain(tree, torch.zeros(1, dtype=torch.int64))

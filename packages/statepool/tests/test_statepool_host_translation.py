@@ -198,7 +198,7 @@ def test_host_translations_reach_cuda_without_a_sync(make_pool: MakePool) -> Non
     torch.cuda.set_sync_debug_mode("error")
     try:
         kv = pool.host_kv_slots(req_rows=rows, start_positions=[1, 2, 3], num_tokens=2, pad_to=8)
-        assert kv.tensor.is_pinned()
+        assert kv.tensor.device.type == "cpu" and not kv.tensor.is_pinned()  # small: staged by the driver
         view = kv.copy_into(buf)
         slots = pool.host_state_slots(rows).copy_into(buf[8:], pad_to=4)
     finally:

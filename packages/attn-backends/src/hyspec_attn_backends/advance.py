@@ -1,7 +1,11 @@
-"""Advancing a one-token-per-row batch to its next position in place (`BatchBuilder.advance_one_token`): a
-chained drafter's steps each add one token per request, and their batch is moved on with a few device ops
-on its own buffers instead of being prepared again. No host reads, so it can run inside a CUDA graph (a
-replay then advances the very buffers the next replay reads).
+"""Moving a batch on in place, on the device: a chained drafter's steps each add one token per request, and
+their batch is made from the last one with a few device ops on its own buffers instead of being prepared
+again. No host reads, so both run inside a CUDA graph (a replay then moves on the very buffers the next
+forward of the same graph reads).
+
+- `advance_in_place` (`BatchBuilder.advance_one_token`): a one-token-per-row batch to the next position.
+- `chain_after_block` (`BatchBuilder.start_chain`): a chain verify block to the one-token batch right after
+  one chosen token of each row's block (a drafter's first block, then its one-token steps, in one graph).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
 from hyspec_attn_backends.batch import ForwardBatch
 from hyspec_attn_backends.layers import MixerKind
@@ -50,3 +55,69 @@ def advance_in_place(batch: ForwardBatch, *, page_size: int) -> None:
     pages = batch.page_table.gather(1, (pos // page_size)[:, None])[:, 0].long()  # [N]
     slots.copy_(torch.where(live, pages * page_size + pos % page_size, -1))
     # cu_seqlens, q_lens, page table, state slots and batch rows are those of the next position already
+
+
+def check_chain_start(batch: ForwardBatch, at: Tensor, kinds: Sequence[MixerKind]) -> None:
+    """Raise unless `chain_after_block(batch, at)` applies: a chain TARGET_VERIFY batch with KV slots on an
+    attention-only backend (as for advancing a verify batch), and `at` one int index per row."""
+    if batch.mode is not ForwardMode.TARGET_VERIFY or batch.is_tree:
+        kind = "tree " if batch.is_tree else ""
+        raise ValueError(f"batch: expected a chain TARGET_VERIFY batch, got a {kind}{batch.mode} batch")
+    if any(k is not MixerKind.ATTENTION for k in kinds):
+        raise ValueError(
+            "batch: starting a chain from a verify block needs an attention-only backend (verify leaves "
+            "recurrent state in scratch)"
+        )
+    if batch.kv_slots is None:
+        raise ValueError("batch: expected KV slots")
+    if at.dtype not in (torch.int32, torch.int64) or tuple(at.shape) != (batch.num_seqs,):
+        raise ValueError(
+            f"at: expected an int tensor of shape [{batch.num_seqs}], got {at.dtype} {list(at.shape)}"
+        )
+
+
+def chain_after_block(batch: ForwardBatch, at: Tensor, *, page_size: int) -> ForwardBatch:
+    """The one-token-per-row TARGET_VERIFY batch (D = 1) at position `prefix + at[i] + 1` of each live row
+    of the chain verify batch `batch`, written in place into the leading entries of the same buffers.
+
+    It equals `prepare_verify` of one token per row at those positions with the same rows and padding, input
+    tokens excepted (the caller writes them into the returned batch's `input_ids`). Padded rows (their block
+    KV slots -1) stay padding: prefix 0, KV slot -1. `at`: [N] int, in [0, D) for every row, padded ones
+    included (on the device; not checked there). `batch` passed `check_chain_start`; it is stale afterwards.
+    """
+    assert batch.kv_slots is not None
+    n, d = batch.num_seqs, batch.verify_len
+    slots = batch.kv_slots.tensor  # [N * D] int32, -1 on padded rows
+    rows = torch.arange(n, device=slots.device)
+    live = slots.view(n, d)[rows, at.long()] >= 0  # [N] bool: the chosen token has a KV slot
+    # every new value is computed before the first write: the step's entries overlap the block's
+    prefix = torch.where(live, batch.prefix_lens + at.to(torch.int32) + 1, 0)  # [N] int32
+    pos = prefix.long()  # [N] the new token's position
+    pages = batch.page_table.gather(1, (pos // page_size)[:, None])[:, 0].long()  # [N]
+    new_slots = torch.where(live, pages * page_size + pos % page_size, -1).to(torch.int32)  # [N]
+    batch.prefix_lens.copy_(prefix)
+    batch.kv_lens.copy_(prefix + 1)
+    batch.q_lens.fill_(1)
+    batch.cu_seqlens_q.copy_(torch.arange(n + 1, dtype=torch.int32, device=slots.device))
+    batch.has_initial_state.copy_(prefix > 0)
+    positions = batch.positions[:n]
+    positions.copy_(pos)
+    kv_slots = batch.kv_slots.head(n)
+    kv_slots.tensor.copy_(new_slots)
+    return ForwardBatch(
+        mode=ForwardMode.TARGET_VERIFY,
+        input_ids=batch.input_ids[:n],
+        positions=positions,
+        req_rows=batch.req_rows,
+        state_slots=batch.state_slots,
+        batch_rows=batch.batch_rows,
+        kv_slots=kv_slots,
+        page_table=batch.page_table,
+        cu_seqlens_q=batch.cu_seqlens_q,
+        q_lens=batch.q_lens,
+        prefix_lens=batch.prefix_lens,
+        kv_lens=batch.kv_lens,
+        has_initial_state=batch.has_initial_state,
+        verify_len=1,
+        num_padded=batch.num_padded,
+    )

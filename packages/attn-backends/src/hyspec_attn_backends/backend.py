@@ -250,6 +250,10 @@ class HybridBackend:
         """Move a one-token-per-row batch one position on, in place: `BatchBuilder.advance_one_token`."""
         self.builder.advance_one_token(batch)
 
+    def start_chain(self, batch: ForwardBatch, at: Tensor) -> ForwardBatch:
+        """The one-token batch after block token `at[i]` of each row, in place: `BatchBuilder.start_chain`."""
+        return self.builder.start_chain(batch, at)
+
     # ---------------------------------------------------------------- layer calls
 
     def _check_layer(self, layer: MixerLayer, kind: MixerKind) -> None:

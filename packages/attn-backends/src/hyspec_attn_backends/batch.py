@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from hyspec_kernels import StateSave, value_checks
 from hyspec_statepool.indices import BatchRows, KVSlots, ReqRows, StateSlots
-from hyspec_statepool.transfer import upload
+from hyspec_statepool.transfer import pin_for, upload
 from torch import Tensor
 
 from hyspec_attn_backends.modes import ForwardMode
@@ -286,7 +286,7 @@ class BatchBuffers:
         for row in (cu, q_lens, prefix_lens, kv):
             flat += row
             flat += [0] * (width - len(row))
-        pin = self.lens.device.type == "cuda"
+        pin = pin_for(4 * len(flat), self.lens.device)
         upload(torch.tensor(flat, dtype=torch.int32, pin_memory=pin).view(self.lens.shape), self.lens)
         return self.cu_seqlens_q[: n + 1], self.q_lens[:n], self.prefix_lens[:n], self.kv_lens[:n]
 

@@ -15,10 +15,10 @@ from hyspec_kernels import StateSave
 from hyspec_statepool.indices import ReqRows
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.positions import packed_positions
-from hyspec_statepool.transfer import host_staging, upload, write_into
+from hyspec_statepool.transfer import host_staging, pin_for, upload, write_into
 from torch import Tensor
 
-from hyspec_attn_backends.advance import advance_in_place, check_advance
+from hyspec_attn_backends.advance import advance_in_place, chain_after_block, check_advance, check_chain_start
 from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, check_tree_parents
 from hyspec_attn_backends.host_batch import host_batch
 from hyspec_attn_backends.layers import MixerKind
@@ -207,6 +207,23 @@ class BatchBuilder:
         self.num_builds += 1
         advance_in_place(batch, page_size=self.pool.plan.page_size)
 
+    def start_chain(self, batch: ForwardBatch, at: Tensor) -> ForwardBatch:
+        """The one-token-per-row batch right after block token `at[i]` of each row of a chain verify batch,
+        in place in the same buffers (`advance.chain_after_block`): a chained drafter's first block and its
+        one-token steps then run in one graph with no batch prepared between them. Device ops only (it can
+        run inside a CUDA graph); the KV pages for the new positions must have been ensured beforehand.
+
+        Args:
+            batch: a chain TARGET_VERIFY batch of an attention-only backend; stale afterwards.
+            at: [N] int block index per row (padded rows included), in [0, D), on the device.
+        Returns:
+            The D = 1 batch at position `prefix + at + 1` per live row (padded rows stay padding); its input
+            tokens are the caller's to write.
+        """
+        check_chain_start(batch, at, self.kinds)
+        self.num_builds += 1
+        return chain_after_block(batch, at, page_size=self.pool.plan.page_size)
+
     def _build(
         self,
         mode: ForwardMode,
@@ -222,9 +239,10 @@ class BatchBuilder:
         buffers.
 
         Everything that can reject the batch runs before the first write (so a rejected call leaves the
-        buffers and `num_builds` as they were). On CUDA the writes are non-blocking copies from pinned
-        memory, one per buffer, and no device value is read: host tokens and host (or no) tree parents
-        give 7 device ops for DECODE and chain TARGET_VERIFY (tokens on the device: one more when padded).
+        buffers and `num_builds` as they were). On CUDA the writes are non-blocking copies from host memory
+        (`hyspec_statepool.transfer`), one per buffer, and no device value is read: host tokens and host (or
+        no) tree parents give 7 device ops for DECODE and chain TARGET_VERIFY (tokens on the device: one more
+        when padded).
         """
         h = host_batch(
             self.pool,
@@ -245,7 +263,7 @@ class BatchBuilder:
         cu, q_view, prefix_view, kv_lens = b.write_lens(q_lens=h.q_lens, prefix_lens=h.prefix_lens)
         parents_view = mask_view = None
         if h.tree is None:
-            pin = pool.device.type == "cuda"
+            pin = pin_for(8 * h.num_tokens, pool.device)
             positions = upload(packed_positions(h.prefix_lens, h.row_tokens, pin_memory=pin), b.positions)
         else:
             parents, mask, depth = h.tree  # [N, D], [N, D, D], [N, D] where the parents were

@@ -52,6 +52,9 @@ class CudaGraphRunner:
         commit: with each chain verify graph also capture its commit (`backend.commit_every_row`: every row of
             the batch size), which `commit` replays: a target's verify, not a drafter's.
         tail: with each chain verify graph also capture this tail, which `run_tail` replays.
+        share_pool_with: capture into that runner's memory pool (and with its warm-up runs) instead of a
+            pool of its own: for runners of one backend whose graphs never run at the same time and whose
+            outputs are read before another of them replays (e.g. a drafter's proposal per draft length).
 
     Usage (an engine step): `runner.capture(capture_sizes(max_num_seqs))` at start-up; per step `batch =
     runner.prepare_decode(...)` (padded to the captured size that fits), `outs = runner.run(batch)`: the
@@ -69,6 +72,7 @@ class CudaGraphRunner:
         verify: Sequence[tuple[int, bool]] = (),
         commit: bool = False,
         tail: VerifyTail | None = None,
+        share_pool_with: CudaGraphRunner | None = None,
     ) -> None:
         if warmup_runs < 1:
             raise ValueError(f"warmup_runs: expected >= 1, got {warmup_runs}")
@@ -81,7 +85,13 @@ class CudaGraphRunner:
         self.backend = backend
         self.forward = forward
         # how each graph is captured: warm-up runs, the shared memory pool, the commit and tail graphs
-        self.capturer = GraphCapturer(backend, warmup_runs=warmup_runs)
+        if share_pool_with is not None and share_pool_with.backend is not backend:
+            raise ValueError("share_pool_with: expected a runner of the same backend")
+        self.capturer: GraphCapturer = (
+            GraphCapturer(backend, warmup_runs=warmup_runs)
+            if share_pool_with is None
+            else share_pool_with.capturer
+        )
         self.decode = decode
         self.verify = tuple(sorted(set(verify)))
         self.commit_graphs = commit
@@ -301,7 +311,7 @@ class CudaGraphRunner:
             got = [list(a.shape) for a in inputs]
             raise ValueError(f"inputs: expected shapes {[list(b.shape) for b in t.inputs]}, got {got}")
         for buffer, values in zip(t.inputs, inputs, strict=True):
-            write_into(buffer, values)  # pinned, non-blocking
+            write_into(buffer, values)  # non-blocking
         t.graph.replay()
         self.counts.tail_replays += 1
         return t.outputs

@@ -1,20 +1,25 @@
 """Chain proposals over one reused draft layer (MTP, EAGLE-3), the hidden-state drafter's fast path.
 
 Node j of a chain depends only on nodes 0..j-1, whose K/V the earlier steps wrote with the same layer, so
-step j runs just node j, one token per request at position L-1+j. A proposal is:
+step j runs just node j, one token per request at position L-1+j. A proposal of s drafts is one forward
+(one graph replay per round, captured per batch size and per s in 1..S):
 
 1. a first block per row of [pending pairs (<= S + 1), root pair, padding] (`block0` = S + 2 tokens) at the
    request's final draft length: the committed pairs since the last proposal become final there, at no
    forward of their own, and the root pair gives the first draft;
-2. S - 1 one-token steps, each the same forward: the logits' argmax written as the next step's input token,
-   the output hidden state written to the static feature input (chained drafters), and
-   `HybridBackend.advance_one_token` moving the batch one position on. One captured graph does all of it, so
-   the steps are replays with no host work between them.
+2. `HybridBackend.start_chain` turning that block's batch, in place on the device, into the one-token batch
+   right after each row's root pair;
+3. s - 1 one-token steps: the logits' argmax written as the next step's input token, the output hidden state
+   written to the static feature input (chained drafters), and `HybridBackend.advance_one_token` moving the
+   batch one position on.
+
+So the host prepares one batch per proposal and replays one graph, with no host work between the steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from functools import partial
 
 import torch
 from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, GraphCounts
@@ -51,20 +56,27 @@ class OneLayerChain:
         self.layer, self.chain_hidden = layer, chain_hidden
         self.block0 = num_speculative_tokens + 2
         backend = pairs.kv.backend
-        self.root_graphs = CudaGraphRunner(
-            backend, self._root_step, decode=False, verify=[(self.block0, False)]
-        )
-        self.step_graphs = CudaGraphRunner(backend, self._chain_step, decode=False, verify=[(1, False)])
+        # one runner per draft length s (a proposal's forward runs exactly s steps), all in one memory pool:
+        # one proposal graph replays per round and its drafts are read before the next
+        self.runners: dict[int, CudaGraphRunner] = {}
+        for s in range(1, num_speculative_tokens + 1):
+            self.runners[s] = CudaGraphRunner(
+                backend,
+                partial(self._propose_forward, s),
+                decode=False,
+                verify=[(self.block0, False)],
+                share_pool_with=self.runners.get(1),
+            )
         rows = pairs.root_features.shape[0]
         self._root_index = torch.zeros(rows, dtype=torch.int64, device=model.device)  # [R] root pair's index
 
     def capture(self, batch_sizes: Sequence[int]) -> None:
-        self.root_graphs.capture(batch_sizes)
-        self.step_graphs.capture(batch_sizes)
+        for runner in self.runners.values():
+            runner.capture(batch_sizes)
 
     @property
     def counts(self) -> list[GraphCounts]:
-        return [self.root_graphs.counts, self.step_graphs.counts]
+        return [r.counts for r in self.runners.values()]
 
     def draft(self, ids: list[Hashable], root: Tensor, s_run: int) -> Tensor:
         """Chain drafts [N, s_run] int64 of these requests from their root tokens [N] (on the device)."""
@@ -95,29 +107,38 @@ class OneLayerChain:
         block[roots_at] = root
         feats[roots_at] = self.pairs.root_features[rows]
         self._root_index[:n].copy_(q_dev)
-        drafts = torch.empty(n, s_run, dtype=torch.int64, device=dev)  # [N, s_run]
+        runner = self.runners[s_run]
         try:
-            fb = self.root_graphs.prepare_verify(
+            fb = runner.prepare_verify(
                 req_rows=req_rows, block_tokens=block.view(n, e), prefix_lens=written, tree_parents=None
             )
-            tok, out = self.root_graphs.run(fb)  # [>= N], [>= N, F] (static outputs)
+            (drafts,) = runner.run(fb)  # [>= N, s_run] (a graph's static output: copied by the caller)
             for r, w, k in zip(ids, written, q, strict=True):
                 kv.lengths[r] = w + k  # the pending pairs are final now
-            drafts[:, 0] = tok[:n]
-            if s_run > 1:
-                fb = self.step_graphs.prepare_verify(
-                    req_rows=req_rows,
-                    block_tokens=tok[:n, None],
-                    prefix_lens=[w + k + 1 for w, k in zip(written, q, strict=True)],
-                    tree_parents=None,
-                )
-                self.features_in[:n].copy_(out[:n] if self.chain_hidden else self.pairs.root_features[rows])
-                for j in range(1, s_run):
-                    (tok,) = self.step_graphs.run(fb)
-                    drafts[:, j] = tok  # enqueued before the next replay overwrites the static output
         finally:
             kv.release(ids)
-        return drafts
+        return drafts[:n]
+
+    def _propose_forward(self, steps: int, batch: ForwardBatch) -> tuple[Tensor]:
+        """A proposal of `steps` drafts per row from the first block `batch` (module docstring) -> the
+        drafts [N, steps] int64."""
+        tok, out = self._root_step(batch)  # [N], [N, F]
+        drafts = [tok]
+        if steps > 1:
+            n, e = batch.num_seqs, batch.verify_len
+            at = self._root_index[:n]  # [N]
+            # the root pair's own feature (non-chained drafters) is read before the step overwrites the input
+            if self.chain_hidden:
+                feat = out
+            else:
+                feat = self.features_in[: n * e].view(n, e, -1)[torch.arange(n, device=at.device), at]
+            step = self.pairs.kv.backend.start_chain(batch, at)  # the one-token batch after each root pair
+            step.input_ids.copy_(tok)
+            self.features_in[:n].copy_(feat)
+            for _ in range(1, steps):
+                (tok,) = self._chain_step(step)
+                drafts.append(tok)
+        return (torch.stack(drafts, dim=1),)
 
     def _root_step(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
         """The first step: a block per row of [pending pairs, root pair, padding] at the final length.

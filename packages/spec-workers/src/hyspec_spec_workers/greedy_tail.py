@@ -74,16 +74,16 @@ class GreedyTail:
             stop_token_ids: [N, M'] int64 stop ids per row, -1 padded, on the host.
             max_new_tokens: [N] int64 token budgets, on the host.
         """
-        n = len(num_nodes)
-        stops = stop_token_ids[:, (stop_token_ids >= 0).any(dim=0)]  # drop columns no row uses
-        if stops.shape[1] > self.max_stop_ids:
-            return None
-        packed = torch.full((rows, self.width), -1, dtype=torch.int64)
-        packed[:, :2] = 1
-        packed[:n, 0] = torch.tensor(list(num_nodes), dtype=torch.int64)
-        packed[:n, 1] = max_new_tokens
-        packed[:n, 2 : 2 + stops.shape[1]] = stops
-        return packed
+        m, pad = self.max_stop_ids, [-1] * self.max_stop_ids
+        # one host tensor from Python lists (a handful of tensor ops per round instead of one per column)
+        flat: list[int] = []
+        for k, budget, ids in zip(num_nodes, max_new_tokens.tolist(), stop_token_ids.tolist(), strict=True):
+            stops = [x for x in ids if x >= 0]
+            if len(stops) > m:
+                return None
+            flat += [k, budget, *stops, *pad[len(stops) :]]
+        flat += [1, 1, *pad] * (rows - len(num_nodes))
+        return torch.tensor(flat, dtype=torch.int64).view(rows, self.width)
 
     def __call__(
         self, batch: ForwardBatch, outputs: tuple[Tensor, ...], inputs: tuple[Tensor, ...]

@@ -82,7 +82,7 @@ class PenaltyTensors:
                 seen_rows += [row] * len(seen)
                 seen_ids += seen
 
-        # pinned, non-blocking copies: a pageable host tensor would make the copy wait for the stream
+        # non-blocking copies (`to_device`): a blocking one would wait for the stream
         def ints(xs: list[int]) -> torch.Tensor:
             return to_device(xs, dtype=torch.int64, device=device)
 

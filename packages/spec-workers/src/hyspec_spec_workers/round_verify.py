@@ -56,7 +56,7 @@ def verify_round(
     d = target.verify_block_size(n, tree.block_size, tree=as_tree)
     if d > tree.block_size:
         tree, dp = pad_block(tree, dp, d)  # before the move: the host bookkeeping needs no device read
-    tree = tree.to(dev)  # from the host: one pinned, non-blocking copy
+    tree = tree.to(dev)  # from the host: one non-blocking copy
     prefix = [r.prefix_len for r in rows]
     batch, hidden, aux = target.forward_verify(
         req_ids=ids,

@@ -144,7 +144,7 @@ class SamplingTensors:
         penalties: PenaltyTensors | None = None,
     ) -> SamplingTensors:
         temp = torch.tensor(temperature, dtype=torch.float32)  # [N] on the host
-        # host values reach the device through pinned memory (no stream sync per knob)
+        # host values reach the device in non-blocking copies (no stream sync per knob)
         return SamplingTensors(
             temperature=to_device(temp, dtype=torch.float32, device=device),
             top_k=to_device(top_k, dtype=torch.int64, device=device),

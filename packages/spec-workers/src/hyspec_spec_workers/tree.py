@@ -102,7 +102,7 @@ class VerifyTree:
         )
 
     def _to_cuda(self, device: torch.device) -> VerifyTree:
-        """A host tree on CUDA in one pinned, non-blocking copy of every array packed together (no sync)."""
+        """A host tree on CUDA in one non-blocking copy of every array packed together (no sync)."""
         n, d = self.batch_size, self.block_size
         grids = torch.stack([self.tokens, self.parents, self.depth, self.first_child, self.next_sibling])
         flat = torch.cat([grids.reshape(-1), self.num_nodes, self.tree_mask.reshape(-1).long()])  # int64
@@ -210,21 +210,43 @@ class VerifyTree:
         if drafts.dim() != 2 or drafts.shape[0] != n:
             raise ValueError(f"drafts: expected shape [{n}, D - 1], got {list(drafts.shape)}")
         d, dev = drafts.shape[1] + 1, root.device
-        tokens = torch.cat([root[:, None], drafts.to(dev)], dim=1).to(torch.int64)
-        counts: tuple[int, ...] | None = (d,) * n
-        if num_drafts is None:
-            num_nodes = torch.full((n,), d, dtype=torch.int64, device=dev)
-        else:
+        tokens = torch.cat([root[:, None], drafts.to(dev)], dim=1).to(torch.int64)  # [N, D]
+        if num_drafts is not None:
             _check("num_drafts", num_drafts, (n,))
-            on_host = num_drafts.device.type == "cpu"
-            k = num_drafts.to(torch.int64) + 1  # [N] on its own device: checked there
-            if n and (int(k.min()) < 1 or int(k.max()) > d):
-                raise ValueError(f"num_drafts: expected values in [0, {d - 1}], got {(k - 1).tolist()}")
-            counts = tuple(int(x) for x in k.tolist()) if on_host else None
-            num_nodes = to_device(k, dtype=torch.int64, device=dev)
+            if num_drafts.device.type != "cpu":
+                return VerifyTree._chain_on_device(tokens, num_drafts)
+        host = [d] * n if num_drafts is None else [int(k) + 1 for k in num_drafts.tolist()]
+        if n and (min(host) < 1 or max(host) > d):
+            raise ValueError(f"num_drafts: expected values in [0, {d - 1}], got {[k - 1 for k in host]}")
         # closed form of `from_parents` for a chain (no per-node loop): node j's parent is j - 1, its only
-        # child j + 1 when that node is real; padded nodes continue the chain
-        # the grids every row shares are expanded views, not copies: a tree's arrays are read, never written
+        # child j + 1 when that node is real; padded nodes continue the chain. Every grid is built on the
+        # host and goes up in one copy; those every row shares are expanded views of one row (a tree's
+        # arrays are read, never written)
+        col = range(d)
+        first_child = [j + 1 if j + 1 < k else -1 for k in host for j in col]  # [N * D]
+        lower = [int(j <= i) for i in col for j in col]  # [D * D] the ancestor mask: lower triangle
+        flat = [j - 1 for j in col] + list(col) + [-1] * d + lower + first_child + host
+        up = to_device(flat, dtype=torch.int64, device=dev)
+        par, depth, sib, mask, fc, num_nodes = torch.split(up, [d, d, d, d * d, n * d, n])
+        return VerifyTree(
+            tokens,
+            par.expand(n, d),
+            num_nodes,
+            depth.expand(n, d),
+            mask.view(d, d).bool().expand(n, d, d),
+            fc.view(n, d),
+            sib.expand(n, d),
+            True,
+            tuple(host),
+        )
+
+    @staticmethod
+    def _chain_on_device(tokens: torch.Tensor, num_drafts: torch.Tensor) -> VerifyTree:
+        """`chain` with node counts on the device: the same grids, computed there (no read back)."""
+        (n, d), dev = tokens.shape, tokens.device
+        num_nodes = num_drafts.to(torch.int64) + 1  # [N]
+        if n and (int(num_nodes.min()) < 1 or int(num_nodes.max()) > d):  # (a read back: a sync on CUDA)
+            raise ValueError(f"num_drafts: expected values in [0, {d - 1}], got {(num_nodes - 1).tolist()}")
         col = torch.arange(d, device=dev)
         parents = (col - 1).expand(n, d)
         depth = col.expand(n, d)
@@ -232,7 +254,7 @@ class VerifyTree:
         first_child = torch.where(col[None, 1:] < num_nodes[:, None], col[None, 1:], -1)
         first_child = torch.cat([first_child, torch.full((n, 1), -1, dtype=torch.int64, device=dev)], dim=1)
         next_sibling = torch.full((n, d), -1, dtype=torch.int64, device=dev)
-        return VerifyTree(tokens, parents, num_nodes, depth, mask, first_child, next_sibling, True, counts)
+        return VerifyTree(tokens, parents, num_nodes, depth, mask, first_child, next_sibling, True)
 
 
 class TreeDraftBuilder:

@@ -124,7 +124,7 @@ class _IndexTensor:
         `StateSlots`). No host sync: the values were checked when `self` was built.
 
         Indices on the host (the pool's `host_*` translations) may go into a buffer on the pool's device: one
-        non-blocking copy from pinned memory (padding included), queued on the stream like a kernel.
+        non-blocking copy (padding included), queued on the stream like a kernel.
         """
         name = type(self).__name__
         n = len(self)
@@ -151,7 +151,7 @@ class _IndexTensor:
             )
         view = buffer[:total]
         if total == n:
-            # one copy; non-blocking matters from the host (a staged, pinned index), where it avoids a sync
+            # one copy; non-blocking matters from the host (a staged index), where it avoids a sync
             view.copy_(self._tensor, non_blocking=True)
         elif buffer.device == self._tensor.device:
             view[:n].copy_(self._tensor)

@@ -155,6 +155,8 @@ class HybridStatePool:
             need.append(max(0, self._pages_for(n) - len(live.pages)))
         if not self.plan.specs.attention_layers:
             return  # a model without attention layers keeps no KV: no request ever holds a page
+        if not any(need):
+            return  # the usual decode step or round: every request already holds its pages
         for holder in self._holders:
             if self.kv.num_free < sum(need):
                 holder.reclaim_pages(sum(need))

@@ -1,10 +1,10 @@
 """Host-to-device copies of small index and metadata tensors that do not synchronise the stream.
 
-Copying a pageable host tensor to CUDA makes the host wait until the copy has run, and so until everything
-queued before it has run: a step's metadata copies would each wait for the previous step's GPU work. A copy
-from pinned (page-locked) memory with `non_blocking=True` is only queued. torch's caching host allocator
-records the copy on the stream and keeps the pinned block alive until it has run, so the source may be
-dropped at once; it is never written after the copy is queued (each call pins a fresh block).
+Every copy is non-blocking: from pageable memory for small tensors, which the driver stages during the
+call, and from pinned memory for large ones (`hyspec_kernels.transfer`, whose `pin_for` decides). Either
+way the host tensor may be dropped, or changed, as soon as the copy is queued: pageable sources were staged,
+and each pinned one is a fresh block that torch's caching host allocator keeps alive until the copy has run
+(it is never written after the copy is queued).
 
 `to_device` makes a new device tensor; `write_into` (and `host_staging` + `upload`, for callers that fill the
 host tensor in place) write into the front of an existing device buffer instead, whose storage never changes:
@@ -16,23 +16,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from hyspec_kernels.transfer import to_device
+from hyspec_kernels.transfer import pin_for, to_device
 
-__all__ = ["host_staging", "to_device", "upload", "write_into"]
+__all__ = ["host_staging", "pin_for", "to_device", "upload", "write_into"]
 
 
 def host_staging(shape: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A fresh, uninitialised host tensor to fill and then `upload` to `device`: pinned when it is CUDA.
+    """A fresh, uninitialised host tensor to fill and then `upload` to `device`: pinned when it is a large
+    one bound for CUDA (`pin_for`).
 
-    Fresh per call (cheap: the caching host allocator reuses blocks once the copies that read them have run),
-    never a persistent buffer: a buffer refilled while an earlier non-blocking copy from it is still queued
-    would hand that copy the new values.
+    Fresh per call (cheap: the caching host allocator reuses pinned blocks once the copies that read them
+    have run), never a persistent buffer: a pinned buffer refilled while an earlier non-blocking copy from it
+    is still queued would hand that copy the new values.
     """
-    return torch.empty(tuple(shape), dtype=dtype, pin_memory=device.type == "cuda")
+    nbytes = dtype.itemsize * int(torch.Size(tuple(shape)).numel())
+    return torch.empty(tuple(shape), dtype=dtype, pin_memory=pin_for(nbytes, device))
 
 
 def upload(staged: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """`staged` (from `host_staging`, not written again) copied into the leading part of `buffer`.
+    """`staged` (from `host_staging`, or a small one: `pin_for`; never written again if pinned) copied into
+    the leading part of `buffer`.
 
     One non-blocking copy, so no stream sync on CUDA; a plain copy on the CPU. `buffer` keeps its storage (a
     CUDA graph captured against it reads the new values). Returns the written view of `buffer`.
@@ -48,19 +51,20 @@ def write_into(
 ) -> torch.Tensor:
     """`values` written into the leading part of `buffer` without a stream sync; returns the written view.
 
-    Host values (a sequence, or a CPU tensor, which is copied so the caller may change it afterwards) go
-    through a fresh pinned tensor on CUDA; a tensor already on a device is copied there (a device op).
+    Host values (a sequence, or a CPU tensor, which the caller may change afterwards) go in one non-blocking
+    copy (staged as `to_device` stages them); a tensor already on a device is copied there (a device op).
     """
     if isinstance(values, torch.Tensor) and values.device.type != "cpu":
         view = _leading(buffer, values.shape)
         view.copy_(values)
         return view
-    pin = buffer.device.type == "cuda"
     if isinstance(values, torch.Tensor):
-        staged = torch.empty(values.shape, dtype=buffer.dtype, pin_memory=pin)
-        staged.copy_(values)
+        # a pinned tensor of the caller's would be read when the copy runs, not now: copied first
+        staged = values.to(buffer.dtype, copy=values.is_pinned())
     else:
-        staged = torch.tensor(values, dtype=buffer.dtype, pin_memory=pin)
+        staged = torch.tensor(values, dtype=buffer.dtype)
+    if pin_for(staged.numel() * buffer.dtype.itemsize, buffer.device):
+        staged = staged.pin_memory()  # a fresh pinned copy, never written again
     return upload(staged, buffer)
 
 

@@ -19,7 +19,7 @@ from hyspec_statepool.indices import BatchRows, KVSlots, ReqRows, StateSlots, _m
 from hyspec_statepool.positions import LOOP_MAX_TOKENS, packed_rows, pad_count
 from hyspec_statepool.request_table import RequestTable
 from hyspec_statepool.sizing import MemoryPlan
-from hyspec_statepool.transfer import host_staging, to_device
+from hyspec_statepool.transfer import host_staging, pin_for, to_device
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -148,15 +148,18 @@ class IndexTranslator:
     def host_state_slots(self, req_rows: ReqRows, *, pad_to: int | None = None) -> StateSlots:
         """`state_slots(req_rows)` on the host, then -1 up to `pad_to` (a CUDA-graph batch's padded rows).
 
-        The result lives on the host (pinned on CUDA): `copy_into` a device buffer uploads it in one
-        non-blocking copy. An unmapped row (a freed request) always raises, as no device read is needed.
+        The result lives on the host (pinned when large: `transfer.pin_for`): `copy_into` a device buffer
+        uploads it in one non-blocking copy. An unmapped row (a freed request) always raises, as no device
+        read is needed.
         """
         rows = self._host_rows(req_rows)
         slots = [self.table.host_row_to_slot[r] for r in rows]
         if 0 in slots:
             raise UseAfterFreeError(f"req_rows {rows}: a row is not mapped (its request was freed)")
         pad = pad_count("pad_to", len(rows), pad_to)
-        staged = torch.tensor(slots + [-1] * pad, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        staged = torch.tensor(slots + [-1] * pad, dtype=torch.int32)
+        if pin_for(4 * len(staged), self.device):
+            staged = staged.pin_memory()
         return _mint_staged(StateSlots, staged, bound=self.plan.num_state_slots + 1)
 
     def host_kv_slots(
@@ -175,7 +178,7 @@ class IndexTranslator:
             num_tokens: `[N]` tokens of each request, or one int for every request (decode, verify).
             pad_to: total length with the padding (default: `T = sum(num_tokens)`, no padding).
         Returns:
-            `[pad_to or T]` KV slots on the host (pinned on CUDA), for one non-blocking `copy_into`.
+            `[pad_to or T]` KV slots on the host (pinned when large), for one non-blocking `copy_into`.
 
         Positions past the table width and positions without a page always raise (host checks).
         """
@@ -202,8 +205,9 @@ class IndexTranslator:
             ]
             slots = [s for run in runs for s in run]
             missing = -1 in slots
-            pin = self.device.type == "cuda"
-            staged = torch.tensor(slots + [-1] * pad, dtype=torch.int32, pin_memory=pin)
+            staged = torch.tensor(slots + [-1] * pad, dtype=torch.int32)
+            if pin_for(4 * len(staged), self.device):
+                staged = staged.pin_memory()
         else:
             # many tokens (a long prefill): vectorised over them
             seq, positions = packed_rows(start_positions, num_tokens)  # [T] each
@@ -219,7 +223,7 @@ class IndexTranslator:
 
     def host_page_table(self, req_rows: ReqRows, *, pad_to: int | None = None) -> torch.Tensor:
         """`page_table(req_rows)` on the host, then rows of zeros up to `pad_to`: `[pad_to or N, max_pages]`
-        int32 (pinned on CUDA), for one non-blocking copy (`transfer.upload`) into a device buffer.
+        int32 (pinned when large), for one non-blocking copy (`transfer.upload`) into a device buffer.
 
         Padded rows point at page 0, which exists whenever there is KV at all: a CUDA-graph batch's padded
         rows read it (and write nothing).
