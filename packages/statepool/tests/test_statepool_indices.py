@@ -127,3 +127,30 @@ def test_mypy_rejects_one_index_space_for_another(tmp_path: Path) -> None:
     )
     assert error_lines == [9, 10, 11, 12], result.stdout
     assert 'incompatible type "StateSlots"; expected "ReqRows"' in result.stdout
+
+
+def test_host_minted_rows_make_their_device_tensor_only_when_asked() -> None:
+    """Rows looked up from host values (`pool.req_rows`) are translated on the host; their device tensor
+    (one host-to-device copy) is made at the first `.tensor` and kept."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    rows = _mint(ReqRows, [3, 0, 2], bound=4, device=torch.device("cpu"))
+    with Count():  # type: ignore[no-untyped-call]
+        head = rows.head(2)
+        seen = (len(rows), rows.tolist(), rows.host_values, len(head), head.tolist(), head.host_values)
+    assert Count.ops == 0
+    assert seen == (3, [3, 0, 2], (3, 0, 2), 2, [3, 0], (3, 0))
+    with Count():  # type: ignore[no-untyped-call]
+        t = rows.tensor
+    assert Count.ops > 0 and t.dtype == torch.int32 and t.tolist() == [3, 0, 2]
+    assert rows.tensor is t  # made once
+    assert head.tensor.tolist() == [3, 0] and repr(head) == "ReqRows([3, 0], bound=4)"
+    with pytest.raises(ValueError, match="ReqRows"):
+        _mint(ReqRows, [4], bound=4, device=torch.device("cpu"))  # still checked at once, on the host

@@ -10,7 +10,8 @@ Only this package builds them. The constructor takes a private token that only s
 TypeError. Read the raw tensor with `.tensor` when calling a kernel.
 
 An index minted from host values remembers them (`host_values`: e.g. the rows `pool.req_rows` looked up), so
-the pool can translate it on the host without reading the device. The pool's host translations
+the pool can translate it on the host without reading the device; its device tensor is made at the first
+`.tensor` (most such indices are only translated on the host and never need one). The pool's host translations
 (`HybridStatePool.host_state_slots`, `.host_kv_slots`) give indices that live on the host, staged for one
 non-blocking `copy_into` a device buffer.
 
@@ -44,7 +45,7 @@ _MINT: Final = _MintToken()
 class _IndexTensor:
     """Shared body of the four index types; never used as a type in signatures."""
 
-    __slots__ = ("_bound", "_host", "_tensor")
+    __slots__ = ("_bound", "_device", "_host", "_tensor")
     _allow_pad: ClassVar[bool] = False
     _source: ClassVar[str] = "the pool"
 
@@ -69,9 +70,18 @@ class _IndexTensor:
             bad = (tensor < self._low()) | (tensor >= bound)
             if bool(bad.any()):
                 raise self._range_error(int(tensor[bad][0]), bound)
-        self._tensor = tensor  # [n] int32
+        self._tensor: torch.Tensor | None = tensor  # [n] int32; None until first asked for (`_lazy`)
+        self._device = tensor.device
         self._bound = bound
         self._host = host  # the same values as host ints, when minted from them
+
+    @classmethod
+    def _lazy(cls, host: tuple[int, ...], *, bound: int, device: torch.device) -> Self:
+        """Checked host values whose device tensor is made at the first `tensor` call: most host-minted
+        indices (a round's request rows) are only translated on the host and never need one."""
+        index = cls.__new__(cls)
+        index._tensor, index._device, index._bound, index._host = None, device, bound, host
+        return index
 
     @classmethod
     def _low(cls) -> int:
@@ -93,6 +103,9 @@ class _IndexTensor:
     @property
     def tensor(self) -> torch.Tensor:
         """The raw indices, `[n]` int32 on the pool's device."""
+        if self._tensor is None:
+            assert self._host is not None  # (`_lazy`)
+            self._tensor = to_device(self._host, dtype=torch.int32, device=self._device)
         return self._tensor
 
     @property
@@ -107,14 +120,18 @@ class _IndexTensor:
         return self._host
 
     def tolist(self) -> list[int]:
-        return [int(v) for v in self._tensor.tolist()]
+        if self._host is not None:
+            return list(self._host)
+        return [int(v) for v in self.tensor.tolist()]
 
     def head(self, n: int) -> Self:
         """The first `n` indices: a view of the same storage, no copy (e.g. a batch's rows `0..n-1` out of a
         buffer holding `0..max-1`)."""
         if not 0 <= n <= len(self):
             raise ValueError(f"n: expected 0 <= n <= {len(self)} (the indices there are), got {n}")
-        return type(self)(self._tensor[:n], bound=self._bound, token=_MINT, check=False)
+        if self._tensor is None and self._host is not None:
+            return self._lazy(self._host[:n], bound=self._bound, device=self._device)
+        return type(self)(self.tensor[:n], bound=self._bound, token=_MINT, check=False)
 
     def copy_into(self, buffer: torch.Tensor, *, pad_to: int | None = None) -> Self:
         """These indices written into the leading part of `buffer` in place, then -1 up to `pad_to`.
@@ -127,7 +144,7 @@ class _IndexTensor:
         non-blocking copy (padding included), queued on the stream like a kernel.
         """
         name = type(self).__name__
-        n = len(self)
+        n, src = len(self), self.tensor
         total = n if pad_to is None else pad_to
         if total < n:
             raise ValueError(f"pad_to: expected >= {n} (the number of indices), got {pad_to}")
@@ -138,7 +155,7 @@ class _IndexTensor:
             or buffer.dtype != torch.int32
             or buffer.dim() != 1
             or buffer.numel() < total
-            or not (buffer.device == self._tensor.device or self._tensor.device.type == "cpu")
+            or not (buffer.device == src.device or src.device.type == "cpu")
         ):
             got = (
                 f"{buffer.dtype} {list(buffer.shape)} on {buffer.device}"
@@ -146,26 +163,27 @@ class _IndexTensor:
                 else type(buffer)
             )
             raise ValueError(
-                f"buffer: expected a 1-D int32 tensor of at least {total} entries on {self._tensor.device}, "
-                f"got {got}"
+                f"buffer: expected a 1-D int32 tensor of at least {total} entries on {src.device}, got {got}"
             )
         view = buffer[:total]
         if total == n:
             # one copy; non-blocking matters from the host (a staged index), where it avoids a sync
-            view.copy_(self._tensor, non_blocking=True)
-        elif buffer.device == self._tensor.device:
-            view[:n].copy_(self._tensor)
+            view.copy_(src, non_blocking=True)
+        elif buffer.device == src.device:
+            view[:n].copy_(src)
             view[n:].fill_(-1)
         else:
             # host values to the device: padded on the host, so that one copy writes everything
             staged = host_staging((total,), dtype=torch.int32, device=buffer.device)
-            staged[:n] = self._tensor
+            staged[:n] = src
             staged[n:] = -1
             upload(staged, view)
         return type(self)(view, bound=self._bound, token=_MINT, check=False)
 
     def __len__(self) -> int:
-        return int(self._tensor.numel())
+        if self._tensor is None and self._host is not None:
+            return len(self._host)
+        return int(self.tensor.numel())
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.tolist()}, bound={self._bound})"
@@ -200,15 +218,17 @@ class StateSlots(_IndexTensor):
         """These slots followed by -1 up to length `n` (a CUDA-graph batch padded to a captured size)."""
         if n < len(self):
             raise ValueError(f"n: expected >= {len(self)} (the number of slots), got {n}")
-        pad = torch.full((n - len(self),), -1, dtype=torch.int32, device=self._tensor.device)
-        return StateSlots(torch.cat([self._tensor, pad]), bound=self._bound, token=_MINT, check=False)
+        src = self.tensor
+        pad = torch.full((n - len(self),), -1, dtype=torch.int32, device=src.device)
+        return StateSlots(torch.cat([src, pad]), bound=self._bound, token=_MINT, check=False)
 
     def take(self, positions: list[int]) -> StateSlots:
         """Entries at `positions` (-1 gives a padded -1), e.g. track slots lined up with a batch."""
         if any(not -1 <= p < len(self) for p in positions):
             raise ValueError(f"positions: expected values in [0, {len(self)}) or -1, got {positions}")
-        index = to_device(positions, dtype=torch.long, device=self._tensor.device)
-        picked = torch.where(index >= 0, self._tensor[index.clamp(min=0)], -1) if len(self) else index.int()
+        src = self.tensor
+        index = to_device(positions, dtype=torch.long, device=src.device)
+        picked = torch.where(index >= 0, src[index.clamp(min=0)], -1) if len(self) else index.int()
         return StateSlots(picked.to(torch.int32), bound=self._bound, token=_MINT, check=False)
 
 
@@ -237,10 +257,9 @@ def _mint(
         if bound < 0:
             raise ValueError(f"{cls.__name__}: expected bound >= 0, got {bound}")
         cls._check_host(values.tolist() if isinstance(values, torch.Tensor) else values, bound)
-    tensor = to_device(values, dtype=torch.int32, device=device)
-    # a list is kept as host ints (a CPU tensor is not: it may change after the call)
-    host = None if isinstance(values, torch.Tensor) else tuple(int(v) for v in values)
-    return cls(tensor, bound=bound, token=_MINT, check=False, host=host)
+    if isinstance(values, torch.Tensor):  # not kept as host ints: a CPU tensor may change after the call
+        return cls(to_device(values, dtype=torch.int32, device=device), bound=bound, token=_MINT, check=False)
+    return cls._lazy(tuple(int(v) for v in values), bound=bound, device=device)
 
 
 def _mint_staged(cls: type[_I], staged: torch.Tensor, *, bound: int) -> _I:
