@@ -104,3 +104,36 @@ def test_stale_nan_features_never_reach_a_proposal(
     assert len(poisoned) == len(clean) > 0
     for a, b in zip(clean, poisoned, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("arch", "method"), [("qwen3_5", "mtp"), ("lfm2", "eagle3")])
+def test_chain_path_equals_the_general_path_at_every_draft_length(
+    target: Callable[[str], Any], arch: str, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adaptive-style lengths that change every round and differ between rows (0 included): each proposal
+    runs the forward of its longest row's length s (one per s in 1..S), and the rows of one proposal start
+    their one-token steps from different root positions; fast and general paths propose the same drafts and
+    the output stays the plain greedy one."""
+    from hyspec_spec_workers.round import SpeculativeRound
+
+    rounds = [0]
+
+    def lengths(self: SpeculativeRound, rows: Any) -> list[int]:
+        rounds[0] += 1
+        return [
+            min((rounds[0] + 2 * i) % (S + 1), r.max_drafts, r.max_new_tokens - 1) for i, r in enumerate(rows)
+        ]
+
+    monkeypatch.setattr(SpeculativeRound, "draft_lengths", lengths)
+    t = target(arch)
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": S}
+    if method == "eagle3":
+        spec["model"] = str(t.eagle3())
+    fast, _, drafter = _proposals(t, spec, general=False)
+    rounds[0] = 0
+    slow, _, _ = _proposals(t, spec, general=True)
+    assert len(fast) == len(slow) > 0
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
+    assert {int(b.shape[1]) - 1 for b in fast} >= set(range(1, S + 1))  # every length ran
+    assert all(drafter.chain.runners[s].counts.verify_eager > 0 for s in range(1, S + 1))
