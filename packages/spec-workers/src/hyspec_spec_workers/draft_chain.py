@@ -121,7 +121,12 @@ class OneLayerChain:
 
     def _propose_forward(self, steps: int, batch: ForwardBatch) -> tuple[Tensor]:
         """A proposal of `steps` drafts per row from the first block `batch` (module docstring) -> the
-        drafts [N, steps] int64."""
+        drafts [N, steps] int64.
+
+        It moves `batch`'s buffers on to the one-token layout, so a graph's warm-up runs after the first see
+        that layout on the all-padding batch they share: harmless, as padded rows write no KV and read only
+        page 0 whatever their lengths, and a replay starts from the block a build has just written.
+        """
         tok, out = self._root_step(batch)  # [N], [N, F]
         drafts = [tok]
         if steps > 1:

@@ -244,7 +244,7 @@ class VerifyTree:
     def _chain_on_device(tokens: torch.Tensor, num_drafts: torch.Tensor) -> VerifyTree:
         """`chain` with node counts on the device: the same grids, computed there (no read back)."""
         (n, d), dev = tokens.shape, tokens.device
-        num_nodes = num_drafts.to(torch.int64) + 1  # [N]
+        num_nodes = num_drafts.to(dev, torch.int64) + 1  # [N] where the tokens are
         if n and (int(num_nodes.min()) < 1 or int(num_nodes.max()) > d):  # (a read back: a sync on CUDA)
             raise ValueError(f"num_drafts: expected values in [0, {d - 1}], got {(num_nodes - 1).tolist()}")
         col = torch.arange(d, device=dev)
