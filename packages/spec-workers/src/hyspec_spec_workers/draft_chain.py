@@ -151,8 +151,8 @@ class OneLayerChain:
         Writes the pending pairs' K/V (they become final) and the root pair's; the padding past the root
         writes positions the next steps overwrite, and the root's causal mask hides them, but a masked
         position's V still enters the product as 0 * V: `draft` zeroes the padding features so that V is
-        finite. Returns the first draft [N]
-        int64 and the root pair's output feature [N, F], taken at each row's `_root_index`.
+        finite. Returns the first draft [N] int64 and the root pair's output feature [N, F], taken at each
+        row's `_root_index`.
         """
         n, e = batch.num_seqs, batch.verify_len
         x = self.features_in[: n * e]
@@ -167,7 +167,7 @@ class OneLayerChain:
 
         Reads the tokens in `batch.input_ids` and the features in `features_in`; writes the drafted tokens
         back to `batch.input_ids`, the output hidden states to `features_in` (chained drafters) and moves
-        the batch one position on. Returns the drafted tokens [N] int64 (a graph's static output).
+        the batch one position on. Returns the drafted tokens [N] int64.
         """
         n = batch.num_seqs
         backend = self.pairs.kv.backend
