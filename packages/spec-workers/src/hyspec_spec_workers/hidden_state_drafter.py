@@ -19,12 +19,13 @@ forward (1 + j·topk nodes) is captured per padded batch size by `capture_graphs
 
 Chains (topk 1) over one reused draft layer (MTP, EAGLE-3) take a shorter path (draft_chain.py): node j
 depends only on nodes 0..j-1, whose K/V the earlier steps wrote with the same layer, so step j runs just
-node j, one token per request at position L-1+j. Every step is then the same one-token forward, and one
-captured graph does all of it: the
-forward, the logits' argmax written as the next step's input token, the output hidden state written to
-`features_in` (chained drafters), and `HybridBackend.advance_one_token` moving the batch one position on. A
-proposal is S replays with no host work between them. `draft_logits` overrides (a testing hook) take the
-general path.
+node j, one token per request at position L-1+j. A proposal of s drafts is one forward, captured per
+padded batch size and per s: the first block (the pairs committed since the last proposal and the root
+pair), `HybridBackend.start_chain` turning its batch into the one-token batch after each root, then s - 1
+one-token steps (the logits' argmax written as the next step's input token, the output hidden state
+written to `features_in` for chained drafters, `HybridBackend.advance_one_token` moving the batch on): one
+batch build and one replay, no host work between the steps. `draft_logits` overrides (a testing hook)
+take the general path.
 
 `commit` (draft extend) writes the pairs of newly committed tokens with the target's features at them, so
 the draft KV never keeps anything computed from rejected drafts or from draft features; what the drafter
