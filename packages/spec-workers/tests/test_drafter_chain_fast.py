@@ -50,8 +50,9 @@ def _proposals(
 
     drafter.propose, drafter.model.run = keep, spy
     backend, pool = t.stack(cfg.draft_shape())
+    steps = cfg.num_speculative_tokens
     out = generate(
-        t.model, backend, pool, t.prompts, max_new_tokens=t.new_tokens, drafter=drafter, num_steps=S
+        t.model, backend, pool, t.prompts, max_new_tokens=t.new_tokens, drafter=drafter, num_steps=steps
     )
     assert out == t.reference()
     return blocks, shapes, drafter
@@ -137,3 +138,18 @@ def test_chain_path_equals_the_general_path_at_every_draft_length(
         assert torch.equal(a, b)
     assert {int(b.shape[1]) - 1 for b in fast} >= set(range(1, S + 1))  # every length ran
     assert all(drafter.chain.runners[s].counts.verify_eager > 0 for s in range(1, S + 1))
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5])
+def test_chain_path_equals_the_general_path_at_other_depths(target: Callable[[str], Any], steps: int) -> None:
+    """S = 1 (the first block alone, no one-token step), 2 and 5 (a first block of S + 2 tokens holding up
+    to S + 1 pending pairs): the same drafts as the general path, and plain greedy output."""
+    t = target("qwen3_5")
+    spec: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": steps}
+    fast, fast_shapes, drafter = _proposals(t, spec, general=False)
+    slow, _, _ = _proposals(t, spec, general=True)
+    assert drafter.chain is not None and sorted(drafter.chain.runners) == list(range(1, steps + 1))
+    assert len(fast) == len(slow) > 0
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
+    assert {d for _, d in fast_shapes} == ({steps + 2} if steps == 1 else {steps + 2, 1})
