@@ -1,10 +1,10 @@
 """Batch metadata built on the host equals a plain reference computed from the pool's device tables.
 
-The reference below is the straightforward algorithm (gathers from `req_to_kv`, `row_to_slot` and
-`page_table`, positions from prefix + offset or tree depth, the ancestor mask by walking parents), written
-independently of the backend's host path. Every build is compared field by field in every mode, after the
-buffers were poisoned (an entry the build forgets to write shows up), and the build's writes are counted
-structurally: one op per buffer, no read of a device table.
+The reference below is the straightforward algorithm (gathers from `page_table`, KV slots through
+`RequestTable.kv_slots`, and `row_to_slot`, positions from prefix + offset or tree depth, the ancestor mask
+by walking parents), written independently of the backend's host path. Every build is compared field by
+field in every mode, after the buffers were poisoned (an entry the build forgets to write shows up), and the
+build's writes are counted structurally: one op per buffer, no read of a device table.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def _reference(pool: HybridStatePool, case: Case) -> dict[str, Any]:
     live = [i < n_live for i in seq]
     block_pos = torch.tensor([prefix[i] + j for i, j in zip(seq, offset, strict=True)], dtype=torch.long)
     token_rows = rows[torch.tensor([i for i in seq if i < n_live], dtype=torch.long)]
-    kv_live = table.req_to_kv[token_rows, block_pos[torch.tensor(live, dtype=torch.bool)]].tolist()
+    kv_live = table.kv_slots(token_rows, block_pos[torch.tensor(live, dtype=torch.bool)]).tolist()
     out: dict[str, Any] = {
         "input_ids": [*_tokens(len(seq) - pad * pad_q, "cpu").tolist(), *[0] * (pad * pad_q)],
         "state_slots": [*table.row_to_slot[rows].tolist(), *[-1] * pad],
@@ -396,7 +396,6 @@ def test_one_write_per_buffer_and_no_device_table_read(name: str, written: list[
             "state_slots": b.state_slots,
             "batch_rows": b.batch_rows,
             "kv_slots": b.kv_slots,
-            "table.req_to_kv": table.req_to_kv,
             "table.page_table": table.page_table,
             "table.row_to_slot": table.row_to_slot,
         }.items()

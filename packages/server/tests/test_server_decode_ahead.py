@@ -282,7 +282,8 @@ def test_a_page_boundary_gets_its_page_unless_the_pool_has_none(tiny_lfm2: Path)
     assert pool.kv_capacity("a") == 12
     got = ahead.take(req_ids=["a", "b"], prefix_lens=[8, 3], tokens=[11, 12])
     assert got is not None and got.kv_slots is not None
-    assert got.kv_slots.tolist()[0] == int(pool.table.req_to_kv[pool.req_rows(["a"]).tolist()[0], 8])
+    row = torch.tensor(pool.req_rows(["a"]).tolist())
+    assert got.kv_slots.tolist()[0] == int(pool.table.kv_slots(row, torch.tensor([8]))[0])
     # no page left: nothing is prepared, and the pool is as it was
     pool.kv.alloc(pool.kv.num_free)  # held by nobody: this pool is thrown away
     assert pool.kv.num_free == 0

@@ -209,8 +209,9 @@ def test_host_translations_reach_cuda_without_a_sync(make_pool: MakePool) -> Non
 
 
 def test_pages_of_many_rows_in_one_write(make_pool: MakePool) -> None:
-    """`set_pages_many` (what a round's growth of many rows uses) writes every row's page-table entries and
-    token slots, including a last page that reaches past the table width, as page-by-page reasoning says."""
+    """`set_pages_many` (what a round's growth of many rows uses) writes every row's page-table entries, and
+    the KV slots they give, including a last page that reaches past the table width, are what page-by-page
+    reasoning says."""
     pool = make_pool(max_num_seqs=4, num_state_slots=5, num_kv_pages=40, page_size=4, max_context=10)
     table = pool.table
     width, ps = table.width, table.page_size
@@ -223,6 +224,8 @@ def test_pages_of_many_rows_in_one_write(make_pool: MakePool) -> None:
             for o in range(ps):
                 if (first + j) * ps + o < width:
                     want[row, (first + j) * ps + o] = page * ps + o
-    assert torch.equal(table.req_to_kv.cpu(), want)
+    grid = torch.arange(table.num_rows).repeat_interleave(width)  # every row's slot at every position
+    got = table.kv_slots(grid, torch.arange(width).repeat(table.num_rows)).view(table.num_rows, width)
+    assert torch.equal(got, want)
     assert table.page_table[0, :2].tolist() == [7, 3] and int(table.page_table[2, 1]) == 5
     assert table.mirror_mismatches() == []

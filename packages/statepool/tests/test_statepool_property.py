@@ -153,7 +153,9 @@ class PoolMachine(RuleBasedStateMachine):
         handed = list(self.slot_of.values()) + [s for d in self.detached for s in d.tolist()]
         assert 0 not in handed and len(set(handed)) == len(handed)
         # no KV slot belongs to two rows
-        kv = self.pool.table.req_to_kv
+        table = self.pool.table  # every row's slot at every position
+        grid = torch.arange(table.num_rows).repeat_interleave(table.width)
+        kv = table.kv_slots(grid, torch.arange(table.width).repeat(table.num_rows))
         live_kv = kv[kv >= 0]
         assert len(set(live_kv.tolist())) == live_kv.numel()
         for t in self.pool.states.states.values():

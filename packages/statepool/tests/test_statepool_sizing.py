@@ -55,7 +55,7 @@ def _hand_bytes(
     model: str, *, slots: int, running: int, dmax: int, spec_on: bool, ps: int, ctx: int
 ) -> Expected:
     width = ctx + dmax
-    table = running * (width + -(-width // ps) + 1) * 4
+    table = running * (-(-width // ps) + 1) * 4  # page table and state slot per row (int32)
     scratch_rows = running + 1 if spec_on else 0
     if model == "qwen":
         conv_dim = 2 * 16 * 128 + 32 * 128

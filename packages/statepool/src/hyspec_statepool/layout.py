@@ -2,7 +2,8 @@
 
 Names: `kv.k`, `kv.v` `[Lkv, P, page_size, HKV, Dh]`; per group `g` of linear layers with one spec,
 `state.<g>.<name>` `[L, slots + 1, *E]` and `scratch.<g>.<name>` `[L, max_num_seqs + 1, Dmax, *E]`;
-`table.req_to_kv` `[R, width]`, `table.page_table` `[R, max_pages]`, `table.row_to_slot` `[R]` (int32).
+`table.page_table` `[R, max_pages]`, `table.row_to_slot` `[R]` (int32; a position's KV slot follows from its
+page: `RequestTable.kv_slots`).
 
 GDN layers commit a verify by replay (`hyspec_kernels.gdn.gdn_replay`): instead of a recurrent state per
 verify step (2 MiB a layer at the 9B shape), their scratch keeps each step's inputs, `scratch.<g>.replay_k`
@@ -114,7 +115,6 @@ def _replay(spec: GDNSpec) -> list[tuple[str, tuple[int, ...]]]:
 def table_tensors(*, rows: int, width: int, page_size: int) -> list[TensorSpec]:
     max_pages = -(-width // page_size)
     return [
-        TensorSpec("table.req_to_kv", (rows, width), torch.int32),
         TensorSpec("table.page_table", (rows, max_pages), torch.int32),
         TensorSpec("table.row_to_slot", (rows,), torch.int32),
     ]

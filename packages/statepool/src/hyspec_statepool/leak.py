@@ -106,22 +106,18 @@ def audit(
 
 
 def _table_mismatches(owners: Sequence[Owner], table: RequestTable, plan: MemoryPlan) -> list[str]:
-    ps, width, n = plan.page_size, table.width, plan.max_num_seqs
+    n = plan.max_num_seqs
     row_to_slot = torch.zeros(n, dtype=torch.int32)
     page_table = torch.full((n, table.max_pages), -1, dtype=torch.int32)
-    req_to_kv = torch.full((n, width), -1, dtype=torch.int32)
     for x in owners:
         row_to_slot[x.row] = x.slot
         if x.pages:
             pages = torch.tensor(x.pages, dtype=torch.int32)
             page_table[x.row, : len(x.pages)] = pages
-            slots = (pages[:, None] * ps + torch.arange(ps, dtype=torch.int32)).reshape(-1)[:width]
-            req_to_kv[x.row, : slots.numel()] = slots
     out = []
     for name, want, got in (
         ("row_to_slot", row_to_slot, table.row_to_slot),
         ("page_table", page_table, table.page_table),
-        ("req_to_kv", req_to_kv, table.req_to_kv),
     ):
         bad = (want != got.cpu()).reshape(n, -1).any(dim=1)
         if bool(bad.any()):

@@ -298,7 +298,6 @@ class HybridStatePool:
         table = self.table
         out.update(
             {
-                "table.req_to_kv": table.req_to_kv,
                 "table.page_table": table.page_table,
                 "table.row_to_slot": table.row_to_slot,
             }

@@ -1,9 +1,11 @@
-"""The request table: per request row, its KV slots, its pages and its state slot.
+"""The request table: per request row, its pages and its state slot.
 
-`req_to_kv[row, pos]` is the KV slot of token position `pos` (or -1 where no page is allocated yet); a row has
-`max_context + Dmax` columns so a verify block at max context still fits. `page_table[row, j]` is the page
-holding positions `[j * page_size, (j + 1) * page_size)`, the layout paged attention reads. `row_to_slot[row]`
-is the row's state slot, 0 (the reserved dummy) while the row is unmapped.
+`page_table[row, j]` is the page holding positions `[j * page_size, (j + 1) * page_size)`, the layout paged
+attention reads; a row covers `max_context + Dmax` positions (the table width) so a verify block at max
+context still fits. The KV slot of position `pos` is `page * page_size + pos % page_size` of its page (-1
+where no page is allocated yet): `kv_slots` on the device, `host_kv_run` / `host_kv_slots` on the host; no
+table of slots per position is kept (it would be [rows, width] int32 written at every new page).
+`row_to_slot[row]` is the row's state slot, 0 (the reserved dummy) while the row is unmapped.
 
 `row_versions[row]` counts the changes to one row's three: a forward batch prepared from the table (its KV
 slots, page table rows and state slots are copies of its rows') is still valid only while its rows' versions
@@ -12,8 +14,7 @@ hold (other rows may change: a request freed, another allocated).
 Host mirrors: every write starts from host values, so the table keeps the same values on the host, written in
 the same methods: `host_row_to_slot` (a list), `host_page_table` (a CPU tensor, for vectorised gathers) and
 `host_pages` (per row, the page-table entries up to its last page as a list, for per-token lookups in
-Python). `req_to_kv` needs none: each entry is a function of the page-table entry of its page
-(`host_kv_run`, `host_kv_slots`). Batch metadata is then translated on the host and reaches the device in a
+Python). Batch metadata is then translated on the host and reaches the device in a
 few copies, with no gather on the device tables and no device read for a check.
 """
 
@@ -31,7 +32,6 @@ class RequestTable:
         self.width = plan.table_width
         self.page_size = plan.page_size
         self.max_pages = plan.max_pages_per_request
-        self.req_to_kv = torch.full((self.num_rows, self.width), -1, dtype=torch.int32, device=device)
         self.page_table = torch.full((self.num_rows, self.max_pages), -1, dtype=torch.int32, device=device)
         self.row_to_slot = torch.zeros(self.num_rows, dtype=torch.int32, device=device)
         # host mirrors, kept equal to the device tables by every method below
@@ -53,7 +53,7 @@ class RequestTable:
                 self.host_row_to_slot[row] = slot
 
     def set_pages(self, row: int, first: int, pages: list[int]) -> None:
-        """Record `pages` as the row's pages number `first, first + 1, ...` and fill their token slots."""
+        """Record `pages` as the row's pages number `first, first + 1, ...`."""
         self.set_pages_many([(row, first, pages)])
 
     def set_pages_many(self, updates: list[tuple[int, int, list[int]]]) -> None:
@@ -73,21 +73,12 @@ class RequestTable:
             rows += [row] * len(pages)
             cols += range(first, first + len(pages))
             ids += pages
-        k = len(ids)
         host = torch.tensor([rows, cols, ids], dtype=torch.int64)  # [3, k]: one host tensor for every row
         self.host_page_table[host[0], host[1]] = host[2].to(torch.int32)
         device = self.page_table.device
         packed = to_device(host, dtype=torch.int64, device=device)  # one copy (read-only: may be `host`)
         row_t, col_t, page_t = packed.unbind(0)  # [k] each
         self.page_table[row_t, col_t] = page_t.to(torch.int32)
-        offsets = torch.arange(self.page_size, dtype=torch.int64, device=device)  # [page_size]
-        pos = col_t[:, None] * self.page_size + offsets  # [k, page_size] token positions
-        slots = page_t[:, None] * self.page_size + offsets  # [k, page_size] their KV slots
-        # a row's last page may reach past the table width; those positions do not exist: they are pointed
-        # at the last column instead, with that column's own slot (a duplicate write of one value)
-        clamped = pos.clamp(max=self.width - 1)
-        slots = slots - (pos - clamped)
-        self.req_to_kv[row_t[:, None].expand(k, self.page_size), clamped] = slots.to(torch.int32)
 
     def clear_pages(self, row: int, first: int) -> None:
         """Forget the row's pages from number `first` on."""
@@ -95,11 +86,10 @@ class RequestTable:
         self.page_table[row, first:] = -1
         self.host_page_table[row, first:] = -1
         del self.host_pages[row][first:]
-        self.req_to_kv[row, first * self.page_size :] = -1
 
     def host_kv_run(self, row: int, start: int, count: int) -> list[int]:
-        """`req_to_kv[row, start : start + count]` from the host mirror, as a list (-1 where no page); the
-        positions must lie below the table width."""
+        """The KV slots of positions `start .. start + count - 1` of `row` from the host mirror, as a list (-1
+        where no page); the positions must lie below the table width."""
         pages, size = self.host_pages[row], self.page_size
         out: list[int] = []
         pos, end = start, start + count
@@ -112,30 +102,41 @@ class RequestTable:
         return out
 
     def host_kv_slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """`req_to_kv[rows, positions]` from the host page table, vectorised: `[T]` int32, -1 where no page.
+        """`kv_slots` from the host page table: `[T]` int32, -1 where no page.
 
         rows, positions: `[T]` int64 CPU tensors, `0 <= positions < width` (the caller checks).
         """
-        pages = self.host_page_table[rows, positions // self.page_size]  # [T] int32
-        slots = pages * self.page_size + (positions % self.page_size).to(torch.int32)  # [T] int32
-        return torch.where(pages >= 0, slots, -1)
+        return _slots(self.host_page_table, rows, positions, self.page_size)
+
+    def kv_slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The KV slot of each (row, position) from the device page table: `[T]` int32, -1 where no page.
+
+        rows, positions: `[T]` int64 on the table's device, `0 <= positions < width` (the caller checks).
+        """
+        return _slots(self.page_table, rows, positions, self.page_size)
 
     def mirror_mismatches(self) -> list[str]:
         """Where a host mirror disagrees with its device table; reads the tables back (tests, leak checks)."""
         listed = torch.full_like(self.host_page_table, -1)  # host_pages as a page table
         for row, pages in enumerate(self.host_pages):
             listed[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        rows = torch.arange(self.num_rows)[:, None].expand(self.num_rows, self.width).reshape(-1)
-        positions = torch.arange(self.width).repeat(self.num_rows)
-        derived = self.host_kv_slots(rows, positions).reshape(self.num_rows, self.width)
         out = []
         for name, host, device in (
             ("host_row_to_slot", torch.tensor(self.host_row_to_slot, dtype=torch.int32), self.row_to_slot),
             ("host_page_table", self.host_page_table, self.page_table),
             ("host_pages", listed, self.page_table),
-            ("host_kv_slots", derived, self.req_to_kv),
         ):
             bad = (host != device.cpu()).reshape(self.num_rows, -1).any(dim=1)
             if bool(bad.any()):
                 out.append(f"{name} rows {bad.nonzero().flatten().tolist()} disagree with the device table")
         return out
+
+
+def _slots(
+    page_table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """Each (row, position)'s KV slot from a page table `[R, max_pages]` int32: `[T]` int32, -1 where the
+    position's page is not allocated."""
+    pages = page_table[rows, positions // page_size]  # [T] int32
+    slots = pages * page_size + (positions % page_size).to(torch.int32)  # [T] int32
+    return torch.where(pages >= 0, slots, -1)

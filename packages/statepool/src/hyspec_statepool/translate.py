@@ -103,7 +103,7 @@ class IndexTranslator:
             offsets = torch.arange(num_tokens, device=self.device)  # [q]
             positions = (starts[:, None] + offsets).reshape(-1)  # [N * q]
             rows = req_rows.tensor.long()[:, None].expand(n, num_tokens).reshape(-1)  # [N * q]
-        slots = self.table.req_to_kv[rows, positions]  # [T] int32
+        slots = self.table.kv_slots(rows, positions)  # [T] int32
         if self._checks and self._has_kv and bool((slots < 0).any()):
             raise ValueError("kv_slots: some positions have no KV page yet; call ensure_kv_capacity first")
         bound = self.plan.num_kv_pages * self.plan.page_size
