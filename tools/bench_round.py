@@ -229,7 +229,8 @@ def compare(before: dict[str, Any], after: dict[str, Any], title: str) -> str:
 
 
 def plot(after: dict[str, Any], path: Path) -> str:
-    """Speed-up over plain against batch size for every speculative run, with the speed-up its measured
+    """Speed-up over plain against batch size for every speculative run (interleaved runs: the median over
+    the repetitions of each one's ratio to its plain run), with the speed-up its measured
     round costs predict drawn beside it: tokens per round x the plain run's step (batch / its steady tok/s)
     / the engine's measured round with S drafts. Adaptive runs, and runs that drafted no round, have none."""
     try:
@@ -247,7 +248,8 @@ def plot(after: dict[str, Any], path: Path) -> str:
         meas, pred = [], []
         for b in BATCHES:
             r, p = runs[f"{name}/b{b}"], runs[f"plain/b{b}"]
-            meas.append(r["decode_tok_s"] / p["decode_tok_s"])
+            # interleaved runs: the median of each repetition's own ratio (what the tables report)
+            meas.append(r.get("speed_up_median") or r["decode_tok_s"] / p["decode_tok_s"])
             ms = r.get("measured_ms") or {}
             # fixed-length runs only: an adaptive run's rounds are not its steps
             fixed = not (CONFIGS[name] or {}).get("adaptive")
