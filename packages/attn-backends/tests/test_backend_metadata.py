@@ -134,7 +134,9 @@ def _reference(pool: HybridStatePool, case: Case) -> dict[str, Any]:
     live = [i < n_live for i in seq]
     block_pos = torch.tensor([prefix[i] + j for i, j in zip(seq, offset, strict=True)], dtype=torch.long)
     token_rows = rows[torch.tensor([i for i in seq if i < n_live], dtype=torch.long)]
-    kv_live = table.kv_slots(token_rows, block_pos[torch.tensor(live, dtype=torch.bool)]).tolist()
+    dev = table.page_table.device  # kv_slots reads the device page table
+    live_pos = block_pos[torch.tensor(live, dtype=torch.bool)]  # [T_live]
+    kv_live = table.kv_slots(token_rows.to(dev), live_pos.to(dev)).tolist()
     out: dict[str, Any] = {
         "input_ids": [*_tokens(len(seq) - pad * pad_q, "cpu").tolist(), *[0] * (pad * pad_q)],
         "state_slots": [*table.row_to_slot[rows].tolist(), *[-1] * pad],

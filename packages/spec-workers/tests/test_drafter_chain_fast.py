@@ -49,6 +49,26 @@ def _proposals(
         return run(batch, backend, **kw)
 
     drafter.propose, drafter.model.run = keep, spy
+    if drafter.chain is not None and not general:
+        # how each proposal came: queued after the last verify (taken), or drafted at the round's start
+        counts = drafter.chain_counts = {"taken": 0, "after": 0, "start": 0}
+        chain = drafter.chain
+        take, after, start = chain.take_prepared, chain.draft_after_verify, chain.draft
+
+        def took(*a: Any) -> Any:
+            out = take(*a)
+            counts["taken"] += out is not None
+            return out
+
+        def queued(*a: Any) -> None:
+            counts["after"] += 1
+            after(*a)
+
+        def started(*a: Any) -> Any:
+            counts["start"] += 1
+            return start(*a)
+
+        chain.take_prepared, chain.draft_after_verify, chain.draft = took, queued, started
     backend, pool = t.stack(cfg.draft_shape())
     steps = cfg.num_speculative_tokens
     out = generate(
@@ -75,7 +95,10 @@ def test_chain_path_proposes_what_the_general_path_proposes(
     # the chain path ran its first block (pending pairs + root, S + 2 tokens per row), then one token per
     # row per step; the general path recomputed the root and earlier drafts (2 .. S tokens per row)
     per_row = [d for _, d in fast_shapes]
-    assert set(per_row) == {S + 2, 1} and per_row.count(S + 2) == len(fast)
+    c = drafter.chain_counts
+    assert set(per_row) == {S + 2, 1} and per_row.count(S + 2) == c["start"] + c["after"]
+    # most proposals were queued right after the verify before them (the rest: a round after a prompt)
+    assert c["start"] + c["taken"] == len(fast) and c["taken"] >= len(fast) // 2 > 0
     assert {d for _, d in slow_shapes} == set(range(1, S + 1))
 
 
@@ -153,3 +176,55 @@ def test_chain_path_equals_the_general_path_at_other_depths(target: Callable[[st
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)
     assert {d for _, d in fast_shapes} == ({steps + 2} if steps == 1 else {steps + 2, 1})
+
+
+def test_drafts_queued_after_a_verify_serve_only_the_rows_they_were_made_for(
+    target: Callable[[str], Any],
+) -> None:
+    """The drafts a one-layer chain queues right after a greedy verify (`draft_after_verify`) serve the next
+    round only for the rows, roots and draft lengths they were made for: another root, a longer chain, a draft
+    length moved on (a commit in between) or an unknown request get None (the round then drafts afresh); a
+    subset of the rows in another order gets those rows' drafts; and they serve one round only."""
+    t = target("qwen3_5")
+    cfg = SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": S})
+    drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
+    chain = drafter.chain
+    take = chain.take_prepared
+    checked = [0]
+
+    def probe(ids: Any, roots: Any, s_run: int) -> Any:
+        p = chain._prepared
+        if p is not None and p.roots is not None and len(p.ids) > 1 and not checked[0]:
+            checked[0] = 1
+            kv = drafter.kv
+            refused = [
+                (p.ids, [r + 1 for r in p.roots], p.steps),  # other roots
+                (p.ids, p.roots, p.steps + 1),  # a longer chain than prepared
+                ([*p.ids[:-1], "nobody"], p.roots, p.steps),  # a request it was not made for
+            ]
+            for args in refused:
+                chain._prepared = p
+                assert take(*args) is None
+            chain._prepared = p
+            kv.lengths[p.ids[0]] += 1  # the draft moved on (a commit since)
+            assert take(p.ids, p.roots, p.steps) is None
+            kv.lengths[p.ids[0]] -= 1
+            chain._prepared = p
+            sub = [len(p.ids) - 1, 0]  # two rows, reversed
+            got = take([p.ids[i] for i in sub], [p.roots[i] for i in sub], 1)
+            assert got is not None and torch.equal(got, p.drafts[sub, :1])
+            assert chain._prepared is None  # one round only
+            chain._prepared = p
+            chain.forget(["nobody"])  # another request freed: kept
+            assert chain._prepared is p
+            chain.forget([p.ids[-1]])  # one of its requests freed (it may come back under its id): dropped
+            assert chain._prepared is None
+            chain._prepared = p
+        return take(ids, roots, s_run)
+
+    chain.take_prepared = probe
+    backend, pool = t.stack(cfg.draft_shape())
+    out = generate(
+        t.model, backend, pool, t.prompts, max_new_tokens=t.new_tokens, drafter=drafter, num_steps=S
+    )
+    assert out == t.reference() and checked[0] == 1

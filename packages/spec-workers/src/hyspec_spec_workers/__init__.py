@@ -15,6 +15,7 @@ from hyspec_spec_workers.dflash import DFlashDraft, DFlashDrafter, build_dflash_
 from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.draft_kv import DraftKV, DraftMemory
 from hyspec_spec_workers.drafter import (
+    ChainsAfterVerify,
     CommittedTokens,
     DraftBatch,
     Drafter,
@@ -23,6 +24,7 @@ from hyspec_spec_workers.drafter import (
     HiddenStateDraftModel,
     ModelDrafter,
     NgramDrafter,
+    VerifiedChain,
 )
 from hyspec_spec_workers.eagle3 import Eagle3Draft, build_eagle3_drafter, load_eagle3_draft
 from hyspec_spec_workers.factory import build_drafter
@@ -60,6 +62,7 @@ __all__ = [
     "AdaptiveConfig",
     "AdaptiveController",
     "AdaptiveDraftLength",
+    "ChainsAfterVerify",
     "CommittedTokens",
     "CostEstimate",
     "CostModel",
@@ -95,6 +98,7 @@ __all__ = [
     "SpeculativeConfig",
     "SpeculativeRound",
     "TreeDraftBuilder",
+    "VerifiedChain",
     "VerifiedTokens",
     "VerifyResult",
     "VerifyTarget",

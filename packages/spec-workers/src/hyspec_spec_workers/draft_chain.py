@@ -14,11 +14,24 @@ step j runs just node j, one token per request at position L-1+j. A proposal of 
    batch one position on.
 
 So the host prepares one batch per proposal and replays one graph, with no host work between the steps.
+
+After an all-greedy chain verify the next proposal needs nothing from the host but lengths it already knows
+(`draft_after_verify`): the pairs the round commits are the verified block's root pair again, then (emitted
+token j, the target's feature at node j) for j = 0..num_accepted, the last of them the next root pair, so the
+first block is the verify's outputs as they are, [root, emitted tokens] with [root feature, node features],
+and the root index num_accepted + 1 comes from the device. The proposal is queued right behind the verify and
+read with it; the next round takes its drafts (`take_prepared`) when its rows, roots and draft lengths are
+the ones prepared for. Past each row's root pair the block holds the rejected nodes' pairs: the root's causal
+mask hides them, and the chain steps and the next block overwrite those positions before anything reads
+them, as with the padding of the general first block. The drafts equal the general path's bit for bit when
+the drafter's features are the hidden states themselves (MTP); EAGLE-3's fc runs over every node instead of
+the accepted ones, which may round differently on a GPU (drafts only: verification decides the output).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -27,7 +40,18 @@ from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
 from hyspec_spec_workers.draft_pairs import DraftPairs, gather_pending
-from hyspec_spec_workers.drafter import HiddenStateDraftModel
+from hyspec_spec_workers.drafter import HiddenStateDraftModel, VerifiedChain
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A proposal queued right after a verify (`OneLayerChain.draft_after_verify`), for the next round."""
+
+    ids: list[Hashable]
+    written: list[int]  # each row's final draft length once settled (before: at the proposal)
+    drafts: Tensor  # [N, steps] int64, the rows' next drafts (a copy: graph outputs are overwritten)
+    steps: int
+    roots: list[int] | None = None  # the next roots, once the round's outcome is read (`settle`)
 
 
 class OneLayerChain:
@@ -69,6 +93,7 @@ class OneLayerChain:
             )
         rows = pairs.root_features.shape[0]
         self._root_index = torch.zeros(rows, dtype=torch.int64, device=model.device)  # [R] root pair's index
+        self._prepared: _Prepared | None = None  # the next round's drafts, from the last verify
 
     def capture(self, batch_sizes: Sequence[int]) -> None:
         for runner in self.runners.values():
@@ -118,6 +143,104 @@ class OneLayerChain:
         finally:
             kv.release(ids)
         return drafts[:n]
+
+    def follows(self, verified: VerifiedChain) -> bool:
+        """Whether `draft_after_verify` may propose after this verify: each row's draft holds exactly its
+        committed pairs before the round's root pair (the round's own proposal wrote them)."""
+        v, kv = verified, self.pairs.kv
+        if not 1 <= v.num_steps <= len(self.runners):
+            return False
+        for r, p in zip(v.req_ids, v.prefix_lens, strict=True):
+            if kv.lengths.get(r, -1) != p - 1 or self.pairs.has_pending(r):
+                return False
+        return True
+
+    def draft_after_verify(self, verified: VerifiedChain, features: Tensor) -> None:
+        """Queues every row's next proposal from a greedy chain verify's outputs (module docstring), before
+        the round's outcome is read; `settle` completes it. Only after `follows(verified)`.
+
+        Args:
+            verified: the verify's outputs ([N, Dv] blocks and emitted tokens, [N] accepted drafts).
+            features: [N * Dv, F] the drafter's features of the target's hidden states at every node.
+        """
+        v, kv, e = verified, self.pairs.kv, self.block0
+        ids = list(v.req_ids)
+        n, dv = v.block_tokens.shape
+        written = [kv.lengths[r] for r in ids]
+        s_run, d = v.num_steps, min(dv, e - 1)  # d: verify nodes the block takes (root index <= d)
+        # the block at the final length, then up to s - 1 steps after a root at block index <= e - 1
+        kv.pool.ensure_kv_capacity(ids, [w + e - 1 + max(1, s_run) for w in written])
+        # few device ops on purpose (each costs host time): the block's tokens and features by one cat each
+        # ([root, emitted...] and [root feature, node features...]), -1 past a row's path made a valid id
+        pad = e - 1 - d  # columns past the verify's nodes (a block trimmed below S + 1)
+        block = torch.cat([v.block_tokens[:, :1], v.output_tokens[:, :d]], dim=1).clamp_(min=0)  # [N, 1+d]
+        req_rows = kv.rows(ids)
+        rows = req_rows.tensor.long()
+        node_feats = features.view(n, dv, -1)  # [N, Dv, F]
+        x = self.features_in[: n * e].view(n, e, -1)  # [N, E, F] the graph's static input
+        # f[L - 1] read before it moves on below; zeros where no node is (finite: their K/V is overwritten
+        # before anything reads it)
+        parts = [self.pairs.root_features[rows][:, None], node_feats[:, :d]]
+        if pad:
+            block = torch.nn.functional.pad(block, (0, pad))
+            parts.append(x.new_zeros(n, pad, x.shape[2]))
+        torch.cat(parts, dim=1, out=x)
+        acc = v.num_accepted  # [N] on the device
+        # the next root feature f[L + num_accepted], and the root pair's block index
+        at = torch.arange(n, device=acc.device)
+        self.pairs.root_features[rows] = node_feats[at, acc].to(self.pairs.root_features.dtype)
+        torch.add(acc, 1, out=self._root_index[:n])
+        runner = self.runners[s_run]
+        fb = runner.prepare_verify(
+            req_rows=req_rows, block_tokens=block, prefix_lens=written, tree_parents=None
+        )
+        (drafts,) = runner.run(fb)  # [>= N, s_run] graph output
+        self._prepared = _Prepared(ids, written, drafts[:n].clone(), s_run)
+
+    def settle(self, num_accepted: Sequence[int], next_roots: Sequence[int]) -> None:
+        """The outcome of the round `draft_after_verify` proposed after: each row's pairs up to its root pair
+        are final, and its drafts wait for a next round rooted at `next_roots`."""
+        p = self._prepared
+        if p is None or p.roots is not None:
+            raise ValueError("settle: no proposal queued after a verify waits for its outcome")
+        if not len(num_accepted) == len(next_roots) == len(p.ids):
+            raise ValueError(
+                f"num_accepted, next_roots: expected {len(p.ids)} each, got {len(num_accepted)} and "
+                f"{len(next_roots)}"
+            )
+        kv = self.pairs.kv
+        p.written = [w + a + 1 for w, a in zip(p.written, num_accepted, strict=True)]
+        for r, w in zip(p.ids, p.written, strict=True):
+            kv.lengths[r] = w
+        p.roots = list(next_roots)
+        kv.release(p.ids)
+
+    def take_prepared(self, ids: Sequence[Hashable], roots: Sequence[int], s_run: int) -> Tensor | None:
+        """The drafts [N, s_run] prepared after the last verify for these rows, or None when any row was not
+        prepared for, or has moved on since (a commit, another root), or the round wants longer chains.
+        Either way the prepared drafts are dropped: they serve one round."""
+        p, self._prepared = self._prepared, None
+        if p is None or p.roots is None or s_run > p.steps:
+            return None
+        where = {r: i for i, r in enumerate(p.ids)}
+        idx: list[int] = []
+        for r, t in zip(ids, roots, strict=True):
+            i = where.get(r)
+            if i is None or p.roots[i] != t or self.pairs.kv.lengths.get(r) != p.written[i]:
+                return None
+            if self.pairs.has_pending(r):
+                return None
+            idx.append(i)
+        if idx == list(range(len(p.ids))):
+            return p.drafts[:, :s_run]
+        return p.drafts[to_device(idx, dtype=torch.int64, device=p.drafts.device), :s_run]
+
+    def forget(self, req_ids: Sequence[Hashable]) -> None:
+        """Drops the prepared drafts when they include one of these requests (freed, or resumed elsewhere):
+        a request added again under the same id must not find them."""
+        p = self._prepared
+        if p is not None and not set(p.ids).isdisjoint(req_ids):
+            self._prepared = None
 
     def _propose_forward(self, steps: int, batch: ForwardBatch) -> tuple[Tensor]:
         """A proposal of `steps` drafts per row from the first block `batch` (module docstring) -> the

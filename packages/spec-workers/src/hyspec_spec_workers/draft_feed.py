@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from hyspec_statepool.transfer import to_device
 
-from hyspec_spec_workers.drafter import CommittedTokens, ModelDrafter
+from hyspec_spec_workers.drafter import ChainsAfterVerify, CommittedTokens, ModelDrafter, VerifiedChain
 
 # waiting committed tokens per request before its draft extend runs regardless (bounds the copies kept)
 MAX_PENDING = 256
@@ -141,6 +141,21 @@ class DraftFeed:
                 full.append(key)
         if full:
             self.flush(full)
+
+    def chain_after_verify(self, verified: VerifiedChain) -> bool:
+        """Hands a greedy chain verify's outputs to a drafter that proposes right after it
+        (`ChainsAfterVerify`): its accepted paths then need no `add`. False (nothing done) when the drafter
+        cannot, or when one of the rows still has tokens waiting here."""
+        d = self.drafter
+        if not isinstance(d, ChainsAfterVerify) or any(str(r) in self._pending for r in verified.req_ids):
+            return False
+        return d.propose_after_verify(verified)
+
+    def settle(self, num_accepted: Sequence[int], next_roots: Sequence[int]) -> None:
+        """The outcome of the round `chain_after_verify` took (`ChainsAfterVerify.settle_after_verify`)."""
+        d = self.drafter
+        assert isinstance(d, ChainsAfterVerify)
+        d.settle_after_verify(num_accepted, next_roots)
 
     def flush(self, req_ids: Sequence[str]) -> int:
         """One draft extend over every waiting token of these requests; returns the most tokens one had."""

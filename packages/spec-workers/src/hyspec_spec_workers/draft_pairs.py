@@ -214,6 +214,10 @@ class DraftPairs:
             self.root_features[target] = feats[idx[k:]].to(self.root_features.dtype)
         self.write(now)
 
+    def has_pending(self, req_id: Hashable) -> bool:
+        """Whether the request has committed pairs not yet in the draft KV."""
+        return bool(self._pending.get(req_id))
+
     def take_pending(self, req_ids: Sequence[Hashable]) -> list[Pending]:
         """The pending pairs of these requests, handed to a proposal that writes them (a chain's first
         block); they count as written once it ran (the caller moves `kv.lengths`)."""

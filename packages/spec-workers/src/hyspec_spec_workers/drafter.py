@@ -243,6 +243,40 @@ class ModelDrafter(Protocol):
     def propose(self, batch: DraftBatch) -> DraftOutput: ...
 
 
+@dataclass(frozen=True, slots=True)
+class VerifiedChain:
+    """A greedy chain verify's outputs on the device, before the round's outcome is read: what a drafter
+    that proposes each row's next chain right away (`ChainsAfterVerify`) drafts from."""
+
+    req_ids: Sequence[Hashable]
+    prefix_lens: Sequence[int]  # each row's root position L: its tokens in the target before the round
+    block_tokens: Tensor  # [N, Dv] int64 the verified block, root first
+    output_tokens: Tensor  # [N, Dv] int64 the emitted tokens (num_accepted + 1 valid), -1 after
+    num_accepted: Tensor  # [N] int64 accepted drafts per row, bonus excluded
+    hidden_states: Tensor  # [N * Dv, H] the target's at every block node
+    aux_hidden_states: tuple[Tensor, ...]  # each [N * Dv, H]: the drafter's `capture_layers`
+    num_steps: int  # drafts per row of the proposal (>= 1)
+
+
+@runtime_checkable
+class ChainsAfterVerify(Protocol):
+    """A model drafter that proposes the rows' next chains right after a greedy chain verify, from the
+    verify's own outputs on the device, so the proposal is queued behind the verify and read with it: the
+    accepted path then needs no commit of its own (no `commit` of the round's tokens) and the next round
+    takes the drafts as they are, when its rows, roots and lengths are the ones prepared for."""
+
+    def propose_after_verify(self, verified: VerifiedChain) -> bool:
+        """Queues the next proposal of every row; False (nothing done) when this drafter cannot (the caller
+        then commits the accepted path as usual)."""
+        ...
+
+    def settle_after_verify(self, num_accepted: Sequence[int], next_roots: Sequence[int]) -> None:
+        """The round's outcome, read on the host, after a `propose_after_verify` that returned True: the
+        accepted drafts of each row (its committed tokens moved on by num_accepted + 1) and its bonus token,
+        the next round's root."""
+        ...
+
+
 class HiddenStateDraftModel(Protocol):
     """What `HiddenStateDrafter` needs from a draft network (adapters in mtp_drafter.py and eagle3.py)."""
 

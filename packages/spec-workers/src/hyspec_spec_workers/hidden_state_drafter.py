@@ -46,7 +46,13 @@ from hyspec_spec_workers.config import Method
 from hyspec_spec_workers.draft_chain import OneLayerChain
 from hyspec_spec_workers.draft_kv import DraftMemory
 from hyspec_spec_workers.draft_pairs import DraftPairs
-from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, DraftOutput, HiddenStateDraftModel
+from hyspec_spec_workers.drafter import (
+    CommittedTokens,
+    DraftBatch,
+    DraftOutput,
+    HiddenStateDraftModel,
+    VerifiedChain,
+)
 from hyspec_spec_workers.tree import TreeDraftBuilder, VerifyTree
 
 
@@ -181,6 +187,8 @@ class HiddenStateDrafter:
     def start_at(
         self, req_id: Hashable, position: int, token_ids: Sequence[int] = (), *, salt: str | None = None
     ) -> None:
+        if self.chain is not None:
+            self.chain.forget([req_id])
         self.pairs.start_at(req_id, position, token_ids, salt=salt)
 
     def save_prefixes(self, saves: Sequence[PrefixSave]) -> None:
@@ -190,6 +198,8 @@ class HiddenStateDrafter:
         self.kv.reset_cache()
 
     def free_requests(self, req_ids: Sequence[Hashable]) -> None:
+        if self.chain is not None:
+            self.chain.forget(req_ids)
         self.pairs.free(req_ids)
 
     def commit(self, committed: CommittedTokens) -> None:
@@ -199,6 +209,25 @@ class HiddenStateDrafter:
         running a forward now; more than that (a prompt, a long idle stretch) are written here.
         """
         self.pairs.commit(committed, keep=self.block0 - 1 if self._fast_chain else None)
+
+    def propose_after_verify(self, verified: VerifiedChain) -> bool:
+        """`ChainsAfterVerify`: a one-layer chain drafts each row's next chain from the verify's outputs
+        (`OneLayerChain.draft_after_verify`); other drafters return False."""
+        if not self._fast_chain:
+            return False
+        assert self.chain is not None
+        v = verified
+        if not self.chain.follows(v):
+            return False
+        with torch.no_grad():
+            feats = self.model.features(v.hidden_states, v.aux_hidden_states)  # [N * Dv, F]
+            self.chain.draft_after_verify(v, feats)
+        return True
+
+    def settle_after_verify(self, num_accepted: Sequence[int], next_roots: Sequence[int]) -> None:
+        if self.chain is None:
+            raise ValueError("settle_after_verify: this drafter queues no proposal after a verify")
+        self.chain.settle(num_accepted, next_roots)
 
     def propose(self, batch: DraftBatch) -> DraftOutput:
         ids = list(batch.req_ids)
@@ -221,8 +250,11 @@ class HiddenStateDrafter:
         if self._fast_chain:
             assert self.chain is not None
             root_dev = to_device(root, dtype=torch.int64, device=self.model.device)
-            with torch.no_grad():
-                drafts = self.chain.draft(ids, root_dev, s_run)
+            # queued right after the last verify when that round prepared these very rows (draft_chain.py)
+            drafts = self.chain.take_prepared(ids, root.tolist(), s_run)
+            if drafts is None:
+                with torch.no_grad():
+                    drafts = self.chain.draft(ids, root_dev, s_run)
             # the block stays on the device (node counts from the host's `steps`): no wait for the drafts
             return DraftOutput(VerifyTree.chain(root_dev, drafts, torch.tensor(steps)))
         self.pairs.write(ids)  # the general path reads only written pairs

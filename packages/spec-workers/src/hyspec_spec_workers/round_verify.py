@@ -16,7 +16,7 @@ import torch
 from hyspec_spec_workers.choose import HostRound, accepted_path, choose_tokens, to_verified
 from hyspec_spec_workers.constraint import DraftOnHost, TokenBitmask, draft_blocks, mask_block_logits
 from hyspec_spec_workers.draft_feed import DraftFeed
-from hyspec_spec_workers.drafter import DraftOutput
+from hyspec_spec_workers.drafter import DraftOutput, VerifiedChain
 from hyspec_spec_workers.greedy_tail import greedy_tail_result, plain_greedy
 from hyspec_spec_workers.round_types import RoundRow, VerifiedTokens, VerifyTarget
 from hyspec_spec_workers.tree import pad_block
@@ -70,8 +70,23 @@ def verify_round(
         # token choice and commit as one function of tensors: a graphed target replays it
         tail = greedy_tail_result(target, batch, hidden, nodes, stop_ids, budgets)
         if tail is not None:
+            # a chain drafter proposes the next round now, from the verify's outputs, queued behind it
+            after = feed is not None and feed.chain_after_verify(
+                VerifiedChain(
+                    req_ids=ids,
+                    prefix_lens=prefix,
+                    block_tokens=tree.tokens,
+                    output_tokens=tail.output_tokens,
+                    num_accepted=tail.num_accepted,
+                    hidden_states=hidden,
+                    aux_hidden_states=aux,
+                    num_steps=max(nodes) - 1,
+                )
+            )
             host = HostRound.read(tail, with_paths=False)  # the round's one read of its outcome
-            if feed is not None:
+            if feed is not None and after:
+                feed.settle(host.num_accepted, [t[-1] for t in host.tokens])
+            elif feed is not None:
                 feed.add(accepted_path(hidden, aux, tree, tail, ids, prefix, num_accepted=host.num_accepted))
             return to_verified(host, None, rows, num_nodes=nodes), d
     logits = target.compute_logits(hidden).reshape(n, d, -1)  # [N, D, V]
