@@ -590,7 +590,7 @@ def test_rounds_time_plain_steps_in_a_row_at_start_and_every_timing_interval(
     monkeypatch.setattr(
         spec,
         "_verify",
-        lambda target, rows, draft, on_host: (
+        lambda target, rows, draft, on_host, propose_next, clock: (
             [VerifiedTokens((SampledToken(1, None, None),) * 2, 1, 1)] * len(rows),
             2,
         ),
@@ -764,3 +764,35 @@ def test_idle_rounds_in_one_pass_equal_observing_zero() -> None:
     assert [s[0] for s in trace_idle].count(0) == 6 and trace_idle[-1][:3] == [1, 1, 1]  # each probed in turn
     assert max(s[3] for s in trace_idle) > 0  # the engine's rounds at 0 were counted
     assert not by_idle.all_idle(ids)  # probing: drafting again
+
+
+def test_a_drafting_round_knows_when_the_next_round_times_a_plain_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`RoundTimer.next_is_timing` (a round queues no proposal for a next round that will not draft): true
+    before the first timing and in exactly the drafting round after which a timing starts, and then the
+    next round is indeed a timing round."""
+    from hyspec_spec_workers import costs as costs_mod
+
+    monkeypatch.setattr(costs_mod, "TIMING_EVERY", 4)
+    timer = costs_mod.RoundTimer(costs_mod.CostTracker(), cost_aware=True)
+    assert timer.timing() and timer.next_is_timing()  # nothing timed yet
+    for _ in range(costs_mod.TIMING_ROUNDS):
+        timer.begin_step()
+        assert timer.timing()
+        timer.plain(0.001, rows=1, timing=True)
+        timer.end_round()
+    for i in range(2 * costs_mod.TIMING_EVERY):
+        timer.begin_step()
+        if timer.timing():  # the second timing: its plain rounds
+            timer.plain(0.001, rows=1, timing=True)
+            timer.end_round()
+            continue
+        last = timer.next_is_timing()
+        assert last == (i == costs_mod.TIMING_EVERY - 1)
+        timer.drafted(1, 2, 0.001, 0.001)
+        timer.end_round()
+        timer.begin_step()
+        assert timer.timing() == last
+        timer.end_round()
+    assert not costs_mod.RoundTimer(costs_mod.CostTracker(), cost_aware=False).next_is_timing()

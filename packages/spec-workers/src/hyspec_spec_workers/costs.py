@@ -206,6 +206,10 @@ class RoundTimer:
         """This round is a timing round: nobody drafts."""
         return self.cost_aware and (self._timing_left > 0 or not self.costs.has_decode)
 
+    def next_is_timing(self) -> bool:
+        """Called during a drafting round: the next round times a plain step (nobody drafts in it)."""
+        return self.cost_aware and (self._since_timing + 1 >= TIMING_EVERY or not self.costs.has_decode)
+
     def begin_step(self) -> None:
         """The engine starts a step (rounds or not): the last round is recorded with the gap since it."""
         record, self._pending = self._pending, None
@@ -262,29 +266,32 @@ def _share(gap: float, seconds: float) -> float:
 class DraftClock:
     """Times a round's drafting without making the host wait for it.
 
-    On CUDA two events on the stream bracket the proposal; their interval is read after the round's one host
-    read (everything queued is done by then), so the host queues the verify forward while the device still
-    drafts. The verify cost is the rest of the round's wall time. On the CPU the proposal's wall time.
+    On CUDA two events on the stream bracket each drafting interval (the proposal, and the next round's
+    proposal queued right after the verify, `round_verify.py`); their intervals are read after the round's
+    one host read (everything queued is done by then), so the host queues the verify forward while the
+    device still drafts. The verify cost is the rest of the round's wall time. On the CPU the proposals'
+    wall time.
     """
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
-        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self._t0 = self._t1 = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._t0 = self._wall = 0.0
 
     def start(self) -> None:
         if self._cuda:
             new = torch.cuda.Event
-            self._events = (new(enable_timing=True), new(enable_timing=True))  # type: ignore[no-untyped-call]
-            self._events[0].record()
+            self._events.append((new(enable_timing=True), new(enable_timing=True)))  # type: ignore[no-untyped-call]
+            self._events[-1][0].record()
         self._t0 = time.perf_counter()
 
     def stop(self) -> None:
-        if self._events is not None:
-            self._events[1].record()
-        self._t1 = time.perf_counter()
+        if self._events:
+            self._events[-1][1].record()
+        self._wall += time.perf_counter() - self._t0
 
     def seconds(self) -> float:
-        if self._events is not None:
-            return float(self._events[0].elapsed_time(self._events[1])) / 1e3
-        return self._t1 - self._t0
+        """Every interval's seconds, summed."""
+        if self._events:
+            return sum(float(a.elapsed_time(b)) for a, b in self._events) / 1e3
+        return self._wall

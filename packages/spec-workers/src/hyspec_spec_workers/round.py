@@ -332,7 +332,10 @@ class SpeculativeRound:
             self.timer.plain(seconds, rows=n, timing=timing, steady_next=not shares_forward)
             num_acc = [0] * n
         else:
-            results, block = self._verify(target, rows, draft, on_host)
+            # the rows' next proposal may be queued behind this verify unless it would likely go unused: an
+            # adaptive row that drafts nothing now, or a timing round next
+            propose_next = not self.timer.next_is_timing() and (self.adaptive is None or min(steps) > 0)
+            results, block = self._verify(target, rows, draft, on_host, propose_next, clock)
             # the round's outcome has been read: the device is done, the drafting time can be read
             drafting = clock.seconds()
             rest = time.perf_counter() - t0 - drafting
@@ -351,10 +354,20 @@ class SpeculativeRound:
         rows: Sequence[RoundRow],
         draft: DraftOutput,
         on_host: DraftOnHost | None,
+        propose_next: bool,
+        clock: DraftClock,
     ) -> tuple[list[VerifiedTokens], int]:
-        """`round_verify.verify_round` with this round's tree config, masks and drafter feed."""
+        """`round_verify.verify_round` with this round's tree config, masks, drafter feed and clock."""
         return verify_round(
-            target, rows, draft, on_host, tree_config=self.is_tree, masks=self.masks, feed=self.feed
+            target,
+            rows,
+            draft,
+            on_host,
+            tree_config=self.is_tree,
+            masks=self.masks,
+            feed=self.feed,
+            propose_next=propose_next,
+            clock=clock,
         )
 
 

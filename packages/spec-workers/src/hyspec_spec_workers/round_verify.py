@@ -15,6 +15,7 @@ import torch
 
 from hyspec_spec_workers.choose import HostRound, accepted_path, choose_tokens, to_verified
 from hyspec_spec_workers.constraint import DraftOnHost, TokenBitmask, draft_blocks, mask_block_logits
+from hyspec_spec_workers.costs import DraftClock
 from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.drafter import DraftOutput, VerifiedChain
 from hyspec_spec_workers.greedy_tail import greedy_tail_result, plain_greedy
@@ -31,6 +32,8 @@ def verify_round(
     tree_config: bool,
     masks: TokenBitmask,
     feed: DraftFeed | None,
+    propose_next: bool = True,
+    clock: DraftClock | None = None,
 ) -> tuple[list[VerifiedTokens], int]:
     """Verify `draft` for `rows` on `target`.
 
@@ -40,6 +43,9 @@ def verify_round(
             graphed target, so it meets the tree graphs).
         masks: the round's structured-output mask buffer.
         feed: the model drafter's feed, or None.
+        propose_next: the rows will likely draft next round: a one-layer chain drafter may propose it right
+            after the verify (`DraftFeed.chain_after_verify`); False when those drafts would likely go unused.
+        clock: the round's drafting clock: such a proposal is timed as drafting.
     Returns:
         The results and the block size the forward ran at (the drafter's, or a captured one >= it).
     """
@@ -71,18 +77,17 @@ def verify_round(
         tail = greedy_tail_result(target, batch, hidden, nodes, stop_ids, budgets)
         if tail is not None:
             # a chain drafter proposes the next round now, from the verify's outputs, queued behind it
-            after = feed is not None and feed.chain_after_verify(
-                VerifiedChain(
-                    req_ids=ids,
-                    prefix_lens=prefix,
-                    block_tokens=tree.tokens,
-                    output_tokens=tail.output_tokens,
-                    num_accepted=tail.num_accepted,
-                    hidden_states=hidden,
-                    aux_hidden_states=aux,
-                    num_steps=max(nodes) - 1,
-                )
+            verified = VerifiedChain(
+                req_ids=ids,
+                prefix_lens=prefix,
+                block_tokens=tree.tokens,
+                output_tokens=tail.output_tokens,
+                num_accepted=tail.num_accepted,
+                hidden_states=hidden,
+                aux_hidden_states=aux,
+                num_steps=max(nodes) - 1,
             )
+            after = feed is not None and propose_next and _propose_after(feed, verified, clock)
             host = HostRound.read(tail, with_paths=False)  # the round's one read of its outcome
             if feed is not None and after:
                 feed.settle(host.num_accepted, [t[-1] for t in host.tokens])
@@ -116,6 +121,17 @@ def verify_round(
     if feed is not None:
         feed.add(accepted_path(hidden, aux, tree, result, ids, prefix, num_accepted=host.num_accepted))
     return to_verified(host, logits, rows, num_nodes=nodes), d
+
+
+def _propose_after(feed: DraftFeed, verified: VerifiedChain, clock: DraftClock | None) -> bool:
+    """`DraftFeed.chain_after_verify`, timed as the round's drafting."""
+    if clock is not None:
+        clock.start()
+    try:
+        return feed.chain_after_verify(verified)
+    finally:
+        if clock is not None:
+            clock.stop()
 
 
 def _stop_ids(rows: Sequence[RoundRow]) -> torch.Tensor:
