@@ -167,3 +167,42 @@ def test_pending_pairs_taken_whole_and_in_order_are_not_gathered() -> None:
     got = gather_pending([[b]])  # part of the commit
     assert got is not None and got[0].tolist() == [12, 13, 14] and torch.equal(got[1], feat[2:])
     assert gather_pending([[], []]) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_feed_uploads_plain_forwards_host_tokens_once_at_flush() -> None:
+    """Plain forwards hand the feed their tokens on the host (no copy per step); `flush` gives the drafter
+    device tokens equal to what was fed, request by request in position order: host records alone (one
+    upload of the rows wanted, a subset of requests included), and host records mixed with an accepted
+    path's device tokens."""
+    from hyspec_spec_workers.draft_feed import DraftFeed
+    from hyspec_spec_workers.drafter import CommittedTokens
+
+    class Sink:
+        def __init__(self) -> None:
+            self.got: list[CommittedTokens] = []
+
+        def commit(self, c: CommittedTokens) -> None:
+            self.got.append(c)
+
+    dev = torch.device("cuda")
+    sink = Sink()
+    feed = DraftFeed(sink)  # type: ignore[arg-type]
+    hid = torch.arange(8.0, device=dev).reshape(4, 2)
+    # two plain steps of requests a, b (host tokens), then a prompt chunk of c
+    feed.add_forward(["a", "b"], [5, 9], [1, 1], torch.tensor([11, 21]), hid[:2], ())
+    feed.add_forward(["a", "b"], [6, 10], [1, 1], torch.tensor([12, 22]), hid[2:], ())
+    feed.add_forward(["c"], [0], [3], torch.tensor([31, 32, 33]), hid[:3], ())
+    feed.flush(["b", "a"])  # host records only, a subset of the rows: gathered on the host, one upload
+    got = sink.got[-1]
+    assert got.tokens.device.type == "cuda" and got.tokens.tolist() == [21, 22, 11, 12]
+    assert got.hidden_states.tolist() == [[2.0, 3.0], [6.0, 7.0], [0.0, 1.0], [4.0, 5.0]]
+    # c: its host prompt tokens, then an accepted path whose tokens are on the device
+    path = CommittedTokens(
+        ["c"], torch.tensor([3]), torch.tensor([2]), torch.tensor([34, 35], device=dev), hid[:2], ()
+    )
+    feed.add(path)
+    assert feed.flush(["c"]) == 5
+    got = sink.got[-1]
+    assert got.tokens.device.type == "cuda" and got.tokens.tolist() == [31, 32, 33, 34, 35]

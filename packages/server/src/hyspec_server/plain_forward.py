@@ -167,12 +167,12 @@ class PlainForwards:
         feed, prompt logprobs, and a token for every sampling chunk, queued on the device."""
         chunks = inp.chunks
         if self.spec is not None and self.spec.feed is not None:
-            tokens_dev = to_device(inp.input_ids, dtype=torch.int64, device=hidden.device)  # [T], no sync
+            # the tokens stay on the host: the feed uploads them once, when the drafter next needs them
             self.spec.feed_forward(
                 req_ids=inp.ids,
                 start_positions=inp.prefix,
                 num_tokens=inp.q_lens,
-                tokens=tokens_dev,
+                tokens=inp.input_ids,  # [T] int64 on the host
                 hidden=hidden,
                 aux=aux,
             )

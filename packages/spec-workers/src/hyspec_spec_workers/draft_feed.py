@@ -29,7 +29,7 @@ WARM_UP_TOKENS = MAX_PENDING // 2
 class _Record:
     """One forward's committed tokens with their features, copied out of the forward's outputs once."""
 
-    tokens: torch.Tensor  # [T] int64
+    tokens: torch.Tensor  # [T] int64, on the host for a plain forward's (uploaded once, at `flush`)
     hidden: torch.Tensor  # [T, H]
     aux: tuple[torch.Tensor, ...]  # each [T, H]
 
@@ -92,7 +92,8 @@ class DraftFeed:
         hidden: torch.Tensor,
         aux: tuple[torch.Tensor, ...],
     ) -> None:
-        """`add` of one forward's tokens given as host lists: [T] tokens and [T, H] features in request order,
+        """`add` of one forward's tokens given as host lists: [T] tokens (best on the host: they are uploaded
+        once, at `flush`, not at every plain step) and [T, H] features in request order,
         `num_tokens[i]` of them for request i from position `start_positions[i]` (a plain step of a
         speculative engine feeds every forward: no tensors made for its counts). The features are copied
         (once for the whole forward): a CUDA graph's outputs are overwritten by its next replay."""
@@ -182,13 +183,24 @@ class DraftFeed:
                 return whole  # every row, in order (one request's one forward): no gather
             return whole[to_device(rows, dtype=torch.int64, device=whole.device)]
 
+        def gather_tokens(parts: list[torch.Tensor]) -> torch.Tensor:
+            dev = stack[0].hidden.device
+            if all(t.device == dev for t in parts):
+                return gather(parts)
+            if all(t.device.type == "cpu" for t in parts):
+                # plain forwards' tokens waited on the host: the rows wanted go up in one copy
+                whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+                picked = whole if rows == list(range(whole.shape[0])) else whole[torch.tensor(rows)]
+                return to_device(picked, dtype=torch.int64, device=dev)
+            return gather([t.to(dev) for t in parts])  # host and device records mixed
+
         n_aux = len(stack[0].aux)
         self.drafter.commit(
             CommittedTokens(
                 req_ids=[rid for rid, _ in merged],
                 start_positions=torch.tensor([w.start for _, w in merged], dtype=torch.int64),
                 num_tokens=torch.tensor([w.num_tokens for _, w in merged], dtype=torch.int64),
-                tokens=gather([r.tokens for r in stack]),
+                tokens=gather_tokens([r.tokens for r in stack]),
                 hidden_states=gather([r.hidden for r in stack]),
                 aux_hidden_states=tuple(gather([r.aux[k] for r in stack]) for k in range(n_aux)),
             )
