@@ -12,7 +12,8 @@ round with 3 drafts). Greedy agreement with plain is reported beside every specu
 runs is whatever `PYTHONPATH` holds, so two trees (before and after a change) are compared by running this
 in one session, alternately and several times each (a host-bound step of ~1 ms varies by tens of percent
 from one process to the next), then `--before ... --after ...`, which takes each figure's median over a
-tree's runs and writes `<out>/<device>-round-compare.md` and `.json`.
+tree's runs and writes `<out>/<device>-round-compare.md` and `.json`, with a table of paired ratios (each
+after run against the before run it alternated with, normalised by its own process's plain run).
 """
 
 from __future__ import annotations
@@ -228,6 +229,57 @@ def compare(before: dict[str, Any], after: dict[str, Any], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
+    """Each after run against the before run it alternated with (the i-th of each), on figures taken within
+    one process: a speed-up (the run against its own process's plain run) and a round's cost in plain steps
+    of that process (round(3) ms / (batch / plain tok/s)). A process-level slowdown (the machine, not the
+    code) moves a run and its plain run together, so these ratios keep a change visible where the medians
+    of raw tok/s drown it; the plain rows show how far whole processes moved."""
+    if len(before) != len(after):
+        return ""
+    lines = [
+        "## Paired, within-process figures",
+        "",
+        f"{len(after)} pairs (after run i against before run i). Speed-up ratio: (after's speed-up over its "
+        "own plain run) / (before's); round ratio: (after's round(3) in its own plain steps) / (before's). "
+        "Medians over the pairs, and in how many pairs after is better. Plain: after / before tok/s, what "
+        "the processes alone moved.",
+        "",
+        "| run | speed-up ratio (median) | better in | round(3) in plain steps, before -> after (medians) "
+        "| round ratio (median) | better in |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key in after[0]["runs"]:
+        batch = int(key.split("/")[1][1:])
+        sp, rr, rb, ra = [], [], [], []
+        for b, a in zip(before, after, strict=True):
+            if key not in b["runs"]:
+                break
+            pb, pa = (
+                b["runs"][f"plain/b{batch}"]["decode_tok_s"],
+                a["runs"][f"plain/b{batch}"]["decode_tok_s"],
+            )
+            xb, xa = b["runs"][key], a["runs"][key]
+            plain = key.startswith("plain/")
+            sp.append(pa / pb if plain else (xa["decode_tok_s"] / pa) / (xb["decode_tok_s"] / pb))
+            mb, ma = (xb.get("measured_ms") or {}), (xa.get("measured_ms") or {})
+            if mb.get("round_with_3_drafts") and ma.get("round_with_3_drafts"):
+                rb.append(mb["round_with_3_drafts"] / (1e3 * batch / pb))
+                ra.append(ma["round_with_3_drafts"] / (1e3 * batch / pa))
+                rr.append(ra[-1] / rb[-1])
+        if not sp:
+            continue
+        better = sum(x > 1 for x in sp)
+        rounds = (
+            f"{statistics.median(rb):.2f} -> {statistics.median(ra):.2f} | {statistics.median(rr):.2f} | "
+            f"{sum(x < 1 for x in rr)} of {len(rr)}"
+            if rr
+            else "- | - | -"
+        )
+        lines.append(f"| {key} | {statistics.median(sp):.2f} | {better} of {len(sp)} | {rounds} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(after: dict[str, Any], path: Path) -> str:
     """Speed-up over plain against batch size for every speculative run (interleaved runs: the median over
     the repetitions of each one's ratio to its plain run), with the speed-up its measured
@@ -298,7 +350,11 @@ def main() -> None:
         before, after = median_runs(a.before), median_runs(a.after)
         dev = after["device"].lower().replace(" ", "-")
         figure = plot(after, a.out / f"{dev}-{a.name}.png")
-        (a.out / f"{dev}-{a.name}.md").write_text(compare(before, after, a.title) + "\n" + figure + "\n")
+        pairs = paired(
+            [json.loads(p.read_text()) for p in a.before], [json.loads(p.read_text()) for p in a.after]
+        )
+        report = compare(before, after, a.title) + "\n" + pairs + "\n" + figure + "\n"
+        (a.out / f"{dev}-{a.name}.md").write_text(report)
         both = {"before": before, "after": after}
         (a.out / f"{dev}-{a.name}.json").write_text(json.dumps(both, indent=1))
         return
