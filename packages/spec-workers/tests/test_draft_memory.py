@@ -206,3 +206,8 @@ def test_feed_uploads_plain_forwards_host_tokens_once_at_flush() -> None:
     assert feed.flush(["c"]) == 5
     got = sink.got[-1]
     assert got.tokens.device.type == "cuda" and got.tokens.tolist() == [31, 32, 33, 34, 35]
+    # a request whose only piece holds no token: an empty selection of host records
+    feed.add_forward(["d", "e"], [4, 0], [0, 2], torch.tensor([41, 42]), hid[:2], ())
+    assert feed.flush(["d"]) == 0
+    got = sink.got[-1]
+    assert got.tokens.device.type == "cuda" and got.tokens.shape == (0,)

@@ -3,9 +3,11 @@
 Every token the target commits (prefill chunks, plain decode steps, accepted paths) must reach a model
 drafter's KV with the target's features at it before the drafter proposes from it. Extending after every
 forward would make rounds in which nobody drafts (adaptive length 0) cost a plain decode step plus a draft
-extend; so the tokens wait here, copied out of the forward's outputs (a CUDA graph's outputs are overwritten
-by its next replay), and enter the draft KV in one extend right before the next proposal that includes the
-request (`flush`), or once `MAX_PENDING` tokens wait.
+extend; so the tokens wait here, their features copied out of the forward's outputs (a CUDA graph's outputs
+are overwritten by its next replay) and a plain forward's tokens kept on the host (uploaded once, at the
+flush), and enter the draft KV in one extend right before the next proposal that includes the request
+(`flush`), or once `MAX_PENDING` tokens wait. A one-layer chain drafter takes an all-greedy chain round's
+accepted path straight from the verify instead (`chain_after_verify`).
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ class DraftFeed:
         aux: tuple[torch.Tensor, ...],
     ) -> None:
         """`add` of one forward's tokens given as host lists: [T] tokens (best on the host: they are uploaded
-        once, at `flush`, not at every plain step) and [T, H] features in request order,
+        once, at `flush`, not at every plain step; kept without a copy, so the caller must not write them
+        afterwards) and [T, H] features in request order,
         `num_tokens[i]` of them for request i from position `start_positions[i]` (a plain step of a
         speculative engine feeds every forward: no tensors made for its counts). The features are copied
         (once for the whole forward): a CUDA graph's outputs are overwritten by its next replay."""
@@ -187,12 +190,22 @@ class DraftFeed:
             dev = stack[0].hidden.device
             if all(t.device == dev for t in parts):
                 return gather(parts)
-            if all(t.device.type == "cpu" for t in parts):
+            on_host = [i for i, t in enumerate(parts) if t.device.type == "cpu"]
+            if len(on_host) == len(parts):
                 # plain forwards' tokens waited on the host: the rows wanted go up in one copy
                 whole = parts[0] if len(parts) == 1 else torch.cat(parts)
-                picked = whole if rows == list(range(whole.shape[0])) else whole[torch.tensor(rows)]
-                return to_device(picked, dtype=torch.int64, device=dev)
-            return gather([t.to(dev) for t in parts])  # host and device records mixed
+                if rows != list(range(whole.shape[0])):
+                    whole = whole[torch.tensor(rows, dtype=torch.int64)]
+                return to_device(whole, dtype=torch.int64, device=dev)
+            # host records (plain forwards) mixed with device ones (accepted paths): the host ones go up in
+            # one copy (a copy each would be a burst of small uploads), then one gather on the device
+            up = to_device(torch.cat([parts[i] for i in on_host]), dtype=torch.int64, device=dev)
+            moved = list(parts)
+            for i, piece in zip(
+                on_host, torch.split(up, [int(parts[i].shape[0]) for i in on_host]), strict=True
+            ):
+                moved[i] = piece
+            return gather(moved)
 
         n_aux = len(stack[0].aux)
         self.drafter.commit(

@@ -334,7 +334,8 @@ class SpeculativeRound:
         else:
             # the rows' next proposal may be queued behind this verify unless it would likely go unused: an
             # adaptive row that drafts nothing now, or a timing round next
-            propose_next = not self.timer.next_is_timing() and (self.adaptive is None or min(steps) > 0)
+            timing_next = self._forced is None and self.timer.next_is_timing()
+            propose_next = not timing_next and (self.adaptive is None or min(steps) > 0)
             results, block = self._verify(target, rows, draft, on_host, propose_next, clock)
             # the round's outcome has been read: the device is done, the drafting time can be read
             drafting = clock.seconds()
