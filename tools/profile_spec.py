@@ -95,7 +95,7 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
     counts, without it the times are what the host spends in each phase (waits for the device included)."""
     import collections
 
-    totals: collections.Counter[str] = collections.Counter()
+    totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter[str] = collections.Counter()
     each: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
     engine = llm.engine
@@ -146,6 +146,10 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
             # a one-layer chain's proposal (`draft_chain.py`): one batch build and one graph run per round
             targets += [
                 ("  chain.draft", chain, "draft"),
+                # the next round's proposal queued right after a greedy verify, and its drafts taken
+                ("  chain.draft_after_verify", chain, "draft_after_verify"),
+                ("  chain.settle", chain, "settle"),
+                ("  chain.take_prepared", chain, "take_prepared"),
                 ("    ensure_kv_capacity", drafter.kv.pool, "ensure_kv_capacity"),
                 ("  draft commit (feed)", drafter, "commit"),
             ]
