@@ -50,14 +50,15 @@ def _proposals(
 
     drafter.propose, drafter.model.run = keep, spy
     if drafter.chain is not None and not general:
-        # how each proposal came: queued after the last verify (taken), or drafted at the round's start
+        # how each proposal came: queued after the last verify for every row (taken), or drafted at the
+        # round's start for some or all rows (start)
         counts = drafter.chain_counts = {"taken": 0, "after": 0, "start": 0}
         chain = drafter.chain
         take, after, start = chain.take_prepared, chain.draft_after_verify, chain.draft
 
         def took(*a: Any) -> Any:
             out = take(*a)
-            counts["taken"] += out is not None
+            counts["taken"] += len(out[1]) == len(a[0])  # every row served: no draft call this round
             return out
 
         def queued(*a: Any) -> None:
@@ -182,9 +183,10 @@ def test_drafts_queued_after_a_verify_serve_only_the_rows_they_were_made_for(
     target: Callable[[str], Any],
 ) -> None:
     """The drafts a one-layer chain queues right after a greedy verify (`draft_after_verify`) serve the next
-    round only for the rows, roots and draft lengths they were made for: another root, a longer chain, a draft
-    length moved on (a commit in between) or an unknown request get None (the round then drafts afresh); a
-    subset of the rows in another order gets those rows' drafts; and they serve one round only."""
+    round only for the rows, roots and draft lengths they were made for: rows with another root, a draft
+    length moved on (a commit in between) or an unknown request are not served (the round drafts them afresh),
+    a longer chain serves none; a subset of the rows in another order gets those rows' drafts; and they serve
+    one round only. The generation's output stays the plain greedy one."""
     t = target("qwen3_5")
     cfg = SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": S})
     drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
@@ -197,22 +199,27 @@ def test_drafts_queued_after_a_verify_serve_only_the_rows_they_were_made_for(
         if p is not None and p.roots is not None and len(p.ids) > 1 and not checked[0]:
             checked[0] = 1
             kv = drafter.kv
-            refused = [
-                (p.ids, [r + 1 for r in p.roots], p.steps),  # other roots
-                (p.ids, p.roots, p.steps + 1),  # a longer chain than prepared
-                ([*p.ids[:-1], "nobody"], p.roots, p.steps),  # a request it was not made for
+            last = len(p.ids) - 1
+            cases = [
+                ((p.ids, [r + 1 for r in p.roots], p.steps), []),  # other roots: none served
+                ((p.ids, p.roots, p.steps + 1), []),  # a longer chain than prepared: none
+                (([*p.ids[:-1], "nobody"], p.roots, p.steps), list(range(last))),  # an unknown request
+                ((p.ids, [*p.roots[:-1], p.roots[-1] + 1], p.steps), list(range(last))),  # one other root
             ]
-            for args in refused:
+            for args, served in cases:
                 chain._prepared = p
-                assert take(*args) is None
+                got, have = take(*args)
+                assert have == served and (got is None) == (not served)
+                if served:
+                    assert torch.equal(got, p.drafts[served, : args[2]])
             chain._prepared = p
             kv.lengths[p.ids[0]] += 1  # the draft moved on (a commit since)
-            assert take(p.ids, p.roots, p.steps) is None
+            assert take(p.ids, p.roots, p.steps)[1] == list(range(1, len(p.ids)))
             kv.lengths[p.ids[0]] -= 1
             chain._prepared = p
-            sub = [len(p.ids) - 1, 0]  # two rows, reversed
-            got = take([p.ids[i] for i in sub], [p.roots[i] for i in sub], 1)
-            assert got is not None and torch.equal(got, p.drafts[sub, :1])
+            sub = [last, 0]  # two rows, reversed
+            got, have = take([p.ids[i] for i in sub], [p.roots[i] for i in sub], 1)
+            assert have == [0, 1] and torch.equal(got, p.drafts[sub, :1])
             assert chain._prepared is None  # one round only
             chain._prepared = p
             chain.forget(["nobody"])  # another request freed: kept
@@ -228,3 +235,45 @@ def test_drafts_queued_after_a_verify_serve_only_the_rows_they_were_made_for(
         t.model, backend, pool, t.prompts, max_new_tokens=t.new_tokens, drafter=drafter, num_steps=S
     )
     assert out == t.reference() and checked[0] == 1
+
+
+def test_rows_the_queued_drafts_do_not_serve_are_drafted_afresh_in_the_same_proposal(
+    target: Callable[[str], Any],
+) -> None:
+    """A round whose rows are only partly served by the drafts queued after the last verify (rows that joined
+    since, or moved on) drafts the others afresh and merges both in the round's row order: with the first
+    served row of every round refused (so every round mixes both), the proposals equal the general path's
+    and the output stays the plain greedy one."""
+    t = target("qwen3_5")
+    spec: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": S}
+    cfg = SpeculativeConfig.from_dict(spec)
+    drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
+    chain = drafter.chain
+    take, mixed = chain.take_prepared, [0]
+
+    def refuse_first(ids: Any, roots: Any, s_run: int) -> Any:
+        got, have = take(ids, roots, s_run)
+        if len(have) > 1:
+            mixed[0] += 1
+            return got[1:], have[1:]
+        return got, have
+
+    chain.take_prepared = refuse_first
+    blocks: list[torch.Tensor] = []
+    propose = drafter.propose
+
+    def keep(batch: Any) -> Any:
+        out = propose(batch)
+        blocks.append(out.tree.tokens.clone())
+        return out
+
+    drafter.propose = keep
+    backend, pool = t.stack(cfg.draft_shape())
+    out = generate(
+        t.model, backend, pool, t.prompts, max_new_tokens=t.new_tokens, drafter=drafter, num_steps=S
+    )
+    assert out == t.reference()
+    slow, _, _ = _proposals(t, spec, general=True)
+    assert len(blocks) == len(slow) > 0 and mixed[0] >= len(blocks) // 2
+    for a, b in zip(blocks, slow, strict=True):
+        assert torch.equal(a, b)

@@ -20,10 +20,11 @@ After an all-greedy chain verify the next proposal needs nothing from the host b
 token j, the target's feature at node j) for j = 0..num_accepted, the last of them the next root pair, so the
 first block is the verify's outputs as they are, [root, emitted tokens] with [root feature, node features],
 and the root index num_accepted + 1 comes from the device. The proposal is queued right behind the verify and
-read with it; the next round takes its drafts (`take_prepared`) when its rows, roots and draft lengths are
-the ones prepared for. Past each row's root pair the block holds the rejected nodes' pairs: the root's causal
-mask hides them, and the chain steps and the next block overwrite those positions before anything reads
-them, as with the padding of the general first block. The drafts equal the general path's bit for bit when
+read with it; the next round takes its drafts (`take_prepared`) for the rows whose roots and draft lengths
+are the ones prepared for (the drafter drafts the others, `HiddenStateDrafter._chain_drafts`). Past each
+row's root pair the block holds the rejected nodes' pairs: the root's causal mask hides them, and the chain
+steps and the next block overwrite those positions before anything reads them, as with the padding of the
+general first block. The drafts equal the general path's bit for bit when
 the drafter's features are the hidden states themselves (MTP); EAGLE-3's fc runs over every node instead of
 the accepted ones, which may round differently on a GPU (drafts only: verification decides the output).
 """
@@ -215,25 +216,31 @@ class OneLayerChain:
         p.roots = list(next_roots)
         kv.release(p.ids)
 
-    def take_prepared(self, ids: Sequence[Hashable], roots: Sequence[int], s_run: int) -> Tensor | None:
-        """The drafts [N, s_run] prepared after the last verify for these rows, or None when any row was not
-        prepared for, or has moved on since (a commit, another root), or the round wants longer chains.
-        Either way the prepared drafts are dropped: they serve one round."""
+    def take_prepared(
+        self, ids: Sequence[Hashable], roots: Sequence[int], s_run: int
+    ) -> tuple[Tensor | None, list[int]]:
+        """The drafts prepared after the last verify for those of these rows they serve: `(drafts [K, s_run],
+        the K rows' indices in ids)`, `(None, [])` for none. A row is served when it was prepared for, has not
+        moved on since (a commit, another root) and the round wants no longer chains. The prepared drafts are
+        dropped either way: they serve one round."""
         p, self._prepared = self._prepared, None
         if p is None or p.roots is None or s_run > p.steps:
-            return None
+            return None, []
         where = {r: i for i, r in enumerate(p.ids)}
-        idx: list[int] = []
-        for r, t in zip(ids, roots, strict=True):
+        have: list[int] = []  # rows of this round that are served
+        idx: list[int] = []  # their rows in the prepared drafts
+        for k, (r, t) in enumerate(zip(ids, roots, strict=True)):
             i = where.get(r)
             if i is None or p.roots[i] != t or self.pairs.kv.lengths.get(r) != p.written[i]:
-                return None
-            if self.pairs.has_pending(r):
-                return None
-            idx.append(i)
+                continue
+            if not self.pairs.has_pending(r):
+                have.append(k)
+                idx.append(i)
+        if not idx:
+            return None, []
         if idx == list(range(len(p.ids))):
-            return p.drafts[:, :s_run]
-        return p.drafts[to_device(idx, dtype=torch.int64, device=p.drafts.device), :s_run]
+            return p.drafts[:, :s_run], have
+        return p.drafts[to_device(idx, dtype=torch.int64, device=p.drafts.device), :s_run], have
 
     def forget(self, req_ids: Sequence[Hashable]) -> None:
         """Drops the prepared drafts when they include one of these requests (freed, or resumed elsewhere):

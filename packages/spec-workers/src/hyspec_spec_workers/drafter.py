@@ -263,7 +263,7 @@ class ChainsAfterVerify(Protocol):
     """A model drafter that proposes the rows' next chains right after a greedy chain verify, from the
     verify's own outputs on the device, so the proposal is queued behind the verify and read with it: the
     accepted path then needs no commit of its own (no `commit` of the round's tokens) and the next round
-    takes the drafts as they are, when its rows, roots and lengths are the ones prepared for."""
+    takes the drafts as they are for the rows whose roots and lengths are the ones prepared for."""
 
     def propose_after_verify(self, verified: VerifiedChain) -> bool:
         """Queues the next proposal of every row; False (nothing done) when this drafter cannot (the caller
