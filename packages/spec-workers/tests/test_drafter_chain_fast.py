@@ -23,10 +23,16 @@ S = 3
 
 
 def _proposals(
-    t: Any, spec: dict[str, Any], *, general: bool, poison: bool = False
+    t: Any,
+    spec: dict[str, Any],
+    *,
+    general: bool,
+    poison: bool = False,
+    hook: Callable[[Any], None] | None = None,
 ) -> tuple[list[torch.Tensor], list[tuple[int, int]], Any]:
     """Every proposed block of a greedy generation, and the token counts of the draft forwards (`poison`:
-    with the drafter's static feature buffer NaN at the start)."""
+    with the drafter's static feature buffer NaN at the start; `hook`: called with the drafter before the
+    generation)."""
     cfg = SpeculativeConfig.from_dict(spec)
     drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
     if poison:
@@ -72,6 +78,8 @@ def _proposals(
         chain.take_prepared, chain.draft_after_verify, chain.draft = took, queued, started
     backend, pool = t.stack(cfg.draft_shape())
     steps = cfg.num_speculative_tokens
+    if hook is not None:
+        hook(drafter)
     out = generate(
         t.model, backend, pool, t.prompts, max_new_tokens=t.new_tokens, drafter=drafter, num_steps=steps
     )
@@ -246,33 +254,21 @@ def test_rows_the_queued_drafts_do_not_serve_are_drafted_afresh_in_the_same_prop
     and the output stays the plain greedy one."""
     t = target("qwen3_5")
     spec: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": S}
-    cfg = SpeculativeConfig.from_dict(spec)
-    drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
-    chain = drafter.chain
-    take, mixed = chain.take_prepared, [0]
+    mixed = [0]
 
-    def refuse_first(ids: Any, roots: Any, s_run: int) -> Any:
-        got, have = take(ids, roots, s_run)
-        if len(have) > 1:
-            mixed[0] += 1
-            return got[1:], have[1:]
-        return got, have
+    def refuse_first_served(drafter: Any) -> None:
+        take = drafter.chain.take_prepared
 
-    chain.take_prepared = refuse_first
-    blocks: list[torch.Tensor] = []
-    propose = drafter.propose
+        def refuse(ids: Any, roots: Any, s_run: int) -> Any:
+            got, have = take(ids, roots, s_run)
+            if len(have) > 1:
+                mixed[0] += 1
+                return got[1:], have[1:]
+            return got, have
 
-    def keep(batch: Any) -> Any:
-        out = propose(batch)
-        blocks.append(out.tree.tokens.clone())
-        return out
+        drafter.chain.take_prepared = refuse
 
-    drafter.propose = keep
-    backend, pool = t.stack(cfg.draft_shape())
-    out = generate(
-        t.model, backend, pool, t.prompts, max_new_tokens=t.new_tokens, drafter=drafter, num_steps=S
-    )
-    assert out == t.reference()
+    blocks, _, _ = _proposals(t, spec, general=False, hook=refuse_first_served)
     slow, _, _ = _proposals(t, spec, general=True)
     assert len(blocks) == len(slow) > 0 and mixed[0] >= len(blocks) // 2
     for a, b in zip(blocks, slow, strict=True):
