@@ -77,17 +77,24 @@ def verify_round(
         tail = greedy_tail_result(target, batch, hidden, nodes, stop_ids, budgets)
         if tail is not None:
             # a chain drafter proposes the next round now, from the verify's outputs, queued behind it
-            verified = VerifiedChain(
-                req_ids=ids,
-                prefix_lens=prefix,
-                block_tokens=tree.tokens,
-                output_tokens=tail.output_tokens,
-                num_accepted=tail.num_accepted,
-                hidden_states=hidden,
-                aux_hidden_states=aux,
-                num_steps=max(nodes) - 1,
+            after = (
+                feed is not None
+                and propose_next
+                and _propose_after(
+                    feed,
+                    VerifiedChain(
+                        req_ids=ids,
+                        prefix_lens=prefix,
+                        block_tokens=tree.tokens,
+                        output_tokens=tail.output_tokens,
+                        num_accepted=tail.num_accepted,
+                        hidden_states=hidden,
+                        aux_hidden_states=aux,
+                        num_steps=max(nodes) - 1,
+                    ),
+                    clock,
+                )
             )
-            after = feed is not None and propose_next and _propose_after(feed, verified, clock)
             host = HostRound.read(tail, with_paths=False)  # the round's one read of its outcome
             if feed is not None and after:
                 feed.settle(host.num_accepted, [t[-1] for t in host.tokens])
