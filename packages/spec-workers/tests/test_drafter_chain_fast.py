@@ -192,9 +192,9 @@ def test_drafts_queued_after_a_verify_serve_only_the_rows_they_were_made_for(
 ) -> None:
     """The drafts a one-layer chain queues right after a greedy verify (`draft_after_verify`) serve the next
     round only for the rows, roots and draft lengths they were made for: rows with another root, a draft
-    length moved on (a commit in between) or an unknown request are not served (the round drafts them afresh),
-    a longer chain serves none; a subset of the rows in another order gets those rows' drafts; and they serve
-    one round only. The generation's output stays the plain greedy one."""
+    length moved on (a commit in between), an unknown or a freed request are not served (the round drafts
+    them afresh), a longer chain serves none; a subset of the rows in another order gets those rows' drafts;
+    and they serve one round only. The generation's output stays the plain greedy one."""
     t = target("qwen3_5")
     cfg = SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": S})
     drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
@@ -230,10 +230,12 @@ def test_drafts_queued_after_a_verify_serve_only_the_rows_they_were_made_for(
             assert have == [0, 1] and torch.equal(got, p.drafts[sub, :1])
             assert chain._prepared is None  # one round only
             chain._prepared = p
-            chain.forget(["nobody"])  # another request freed: kept
-            assert chain._prepared is p
-            chain.forget([p.ids[-1]])  # one of its requests freed (it may come back under its id): dropped
-            assert chain._prepared is None
+            ids, roots = list(p.ids), list(p.roots)
+            chain.forget(["nobody"])  # another request freed: every row still served
+            assert chain._prepared is p and p.ids == ids
+            chain.forget([ids[-1]])  # one of its requests freed (it may come back under its id)
+            assert take(ids, roots, p.steps)[1] == list(range(last))  # that row no longer served
+            p.ids = ids
             chain._prepared = p
         return take(ids, roots, s_run)
 

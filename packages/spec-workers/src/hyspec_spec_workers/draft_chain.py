@@ -43,6 +43,8 @@ from torch import Tensor
 from hyspec_spec_workers.draft_pairs import DraftPairs, gather_pending
 from hyspec_spec_workers.drafter import HiddenStateDraftModel, VerifiedChain
 
+_FORGOTTEN = object()  # a prepared row's id once its request is gone: equal to no request id
+
 
 @dataclass(slots=True)
 class _Prepared:
@@ -243,11 +245,12 @@ class OneLayerChain:
         return p.drafts[to_device(idx, dtype=torch.int64, device=p.drafts.device), :s_run], have
 
     def forget(self, req_ids: Sequence[Hashable]) -> None:
-        """Drops the prepared drafts when they include one of these requests (freed, or resumed elsewhere):
-        a request added again under the same id must not find them."""
+        """These requests (freed, or resumed elsewhere) are served no prepared drafts: one added again under
+        the same id must not find them. The other rows keep theirs (a batch's rows finish one by one)."""
         p = self._prepared
-        if p is not None and not set(p.ids).isdisjoint(req_ids):
-            self._prepared = None
+        if p is not None:
+            gone = set(req_ids)
+            p.ids = [_FORGOTTEN if r in gone else r for r in p.ids]
 
     def _propose_forward(self, steps: int, batch: ForwardBatch) -> tuple[Tensor]:
         """A proposal of `steps` drafts per row from the first block `batch` (module docstring) -> the
