@@ -697,6 +697,8 @@ def test_plain_round_counts_and_times_like_a_round_without_drafts(monkeypatch: p
         by_plain.begin_step()
     assert rec_run == rec_plain and len(rec_run) >= 2
     assert by_run.adaptive is not None and by_plain.adaptive is not None
+    assert by_plain.idle is not None
+    by_plain.idle.report()  # rounds of the same idle requests are counted, then reported at once
     zero_run = [by_run.adaptive.length(r)._zero_rounds for r in ids]
     assert zero_run == [by_plain.adaptive.length(r)._zero_rounds for r in ids]
     assert by_plain.adaptive.length("a")._zero_rounds > 0
@@ -709,6 +711,56 @@ def test_plain_round_counts_and_times_like_a_round_without_drafts(monkeypatch: p
     assert not by_plain.drafts_nothing(ids)
     with pytest.raises(ValueError, match="request_ids"):
         by_plain.plain_round(ids, plain_step, shares_forward=False)
+
+
+def test_counted_idle_rounds_start_every_probe_where_round_by_round_reports_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`plain_round` counts the rounds of the same idle requests and reports them at once, up to the round
+    before one of them is due to probe: each probe starts in the very round it starts in when every round is
+    reported on its own, whatever requests join, leave or reorder, and the counts agree once reported."""
+    from hyspec_spec_workers.round import SpeculativeRound
+    from hyspec_spec_workers.sampling import SampledToken
+
+    _, _, _, Drafter = _clocked_round_parts(monkeypatch)
+    waits = {"a": 7, "b": 11, "c": 5, "d": 30}
+
+    def engine(*, counted: bool) -> SpeculativeRound:
+        spec = SpeculativeRound(Drafter(), num_speculative_tokens=1, adaptive=AdaptiveConfig())
+        ctl = spec.adaptive
+        assert ctl is not None
+        if not counted:
+            monkeypatch.setattr(ctl, "idle_window", lambda ids: 0)  # every round reported on its own
+        return spec
+
+    counted, each = engine(counted=True), engine(counted=False)
+    timeline = [["a", "b"]] * 4 + [["a", "b", "c"]] * 3 + [["c", "a", "b"]] * 9 + [["a", "d"]] * 20
+    probes: dict[str, list[tuple[int, str]]] = {"counted": [], "each": []}
+    for spec, name in ((counted, "counted"), (each, "each")):
+        ctl = spec.adaptive
+        assert ctl is not None
+        for i, ids in enumerate(timeline):
+            for rid in ids:
+                if rid not in ctl.requests:
+                    st = spec._length(rid)
+                    st.steps, st._probe_wait, st._zero_rounds = 0, waits[rid], 0
+            spec.timer.cost_aware = False  # no timing rounds: every round counts
+            for rid in ids:
+                if ctl._requests[rid].steps > 0:  # probing: back to 0 (a probe that failed at once)
+                    probes[name].append((i, rid))
+                    st = ctl._requests[rid]
+                    st.steps, st._probe, st._zero_rounds = 0, None, 0
+            assert spec.drafts_nothing(ids)
+            spec.plain_round(ids, lambda: [SampledToken(1, None, None)], shares_forward=False)
+            if i == 15:
+                spec.on_free("c")  # c ends: its counted rounds are reported before it is forgotten
+        assert spec.idle is not None
+        spec.idle.report()
+    assert probes["counted"] == probes["each"] and len(probes["each"]) >= 4
+    assert counted.adaptive is not None and each.adaptive is not None
+    for rid in ("a", "b", "d"):
+        assert counted.adaptive._requests[rid]._zero_rounds == each.adaptive._requests[rid]._zero_rounds
+    assert counted.adaptive.shared.idle_rounds == each.adaptive.shared.idle_rounds > 0
 
 
 def _clocked_round_parts(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], Any, Any, Any]:

@@ -247,13 +247,18 @@ class AdaptiveDraftLength:
         self._probe_wait = max(shared.probe_wait or self.config.probe_interval, self._floor(costs, 1))
         self._zero_rounds = min(shared.idle_rounds, self._probe_wait - 1)
 
-    def idle_round(self) -> None:
-        """Record a round at length 0 (nothing drafted): what `observe` does at 0, the probe's count."""
-        self._zero_rounds += 1
+    def idle_round(self, rounds: int = 1) -> None:
+        """Record `rounds` rounds at length 0 (nothing drafted): what `observe` does at 0, the probe's count
+        (a probe starts once the wait is over)."""
+        self._zero_rounds += rounds
         if self._shared is not None:
-            self._shared.idle_rounds += 1
+            self._shared.idle_rounds += rounds
         if self._zero_rounds >= self._probe_wait:
             self._start_probe(_Probe.RETRY)
+
+    def rounds_to_probe(self) -> int:
+        """At length 0: the rounds at 0 after which it probes (the last of them starts the probe)."""
+        return self._probe_wait - self._zero_rounds
 
     def observe(self, num_accepted: int, costs: CostModel | None = None) -> int:
         """Record one verify round (accepted drafts, bonus excluded); returns the next round's length."""
@@ -427,12 +432,19 @@ class AdaptiveController:
                 return False
         return True
 
-    def observe_idle(self, request_ids: Sequence[str]) -> None:
-        """A round in which these requests, all at length 0 (`all_idle`), drafted nothing: `observe(0)` of
-        each, without its checks (a plain step of a speculative engine pays this per request)."""
+    def observe_idle(self, request_ids: Sequence[str], rounds: int = 1) -> None:
+        """`rounds` rounds in which these requests, all at length 0 (`all_idle`), drafted nothing:
+        `observe(0)` of each that many times, without its checks."""
         reqs = self._requests
         for rid in request_ids:
-            reqs[rid].idle_round()
+            reqs[rid].idle_round(rounds)
+
+    def idle_window(self, request_ids: Sequence[str]) -> int:
+        """For requests all at length 0 (`all_idle`): how many rounds at 0 they can all spend before any
+        would start a probe (`observe_idle` of that many changes nothing but their counts), so that a caller
+        may count them and report them at once."""
+        reqs = self._requests
+        return min((reqs[rid].rounds_to_probe() for rid in request_ids), default=1) - 1
 
     def forget(self, request_id: str) -> None:
         """Drops an ended request's state."""

@@ -8,6 +8,11 @@ are overwritten by its next replay) and a plain forward's tokens kept on the hos
 flush), and enter the draft KV in one extend right before the next proposal that includes the request
 (`flush`), or once `MAX_PENDING` tokens wait. A one-layer chain drafter takes an all-greedy chain round's
 accepted path straight from the verify instead (`chain_after_verify`).
+
+An engine whose requests draft nothing feeds a decode step of the same requests every step: such steps
+extend one run of records (`_Run`) with no work per request, each member's tokens there becoming a piece of
+its own only when the run closes; when the run's fullest member reaches `MAX_PENDING` one extend takes every
+member holding at least half as many, not one extend per request as each reaches it.
 """
 
 from __future__ import annotations
@@ -36,16 +41,51 @@ class _Record:
     aux: tuple[torch.Tensor, ...]  # each [T, H]
 
 
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """A request's waiting tokens in one record: its rows [first, first + count)."""
+
+    record: _Record
+    first: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class _RunRows:
+    """A request's waiting tokens in a run of decode records (`_Run`): row `row` of records [first, first +
+    count), one token per record."""
+
+    records: list[_Record]
+    row: int
+    first: int
+    count: int
+
+
 @dataclass(slots=True)
 class _Waiting:
-    """One request's committed tokens not yet in the draft KV: its rows of the records they came in, in
-    position order, and how many they are (kept as they arrive: summing the pieces every step would grow with
-    the wait). A piece is (record, first row, rows): integers only, so adding a forward's tokens costs no
-    tensor op per request."""
+    """One request's committed tokens not yet in the draft KV, in position order: the pieces of the records
+    they came in, then, while it is a member of the open decode run, its row of every record of that run.
+    Integers and references only, so adding a forward's tokens costs no tensor op per request."""
 
     start: int  # position of the first waiting token
-    pieces: list[tuple[_Record, int, int]] = field(default_factory=list)
-    num_tokens: int = 0
+    pieces: list[_Rows | _RunRows] = field(default_factory=list)
+    num_tokens: int = 0  # in `pieces`
+    run_row: int = -1  # its row in the open run (its tokens there: one per record), -1 when not a member
+
+
+@dataclass(slots=True)
+class _Run:
+    """Consecutive plain decode forwards of the same requests in the same order, each request one token at
+    the next position (an idle speculative engine's steady state): extended by one record per step with no
+    per-request work; a member's tokens in it become a `_RunRows` piece when the run closes (another kind of
+    forward, a member flushed or dropped)."""
+
+    req_ids: list[Hashable]  # as the forwards give them (compared whole, each step)
+    keys: list[str]
+    next_starts: list[int]  # each member's next position: the run goes on only from there
+    records: list[_Record]
+    members: list[_Waiting]
+    held_before: int  # the most tokens a member held before the run (a member holds at most this + records)
 
 
 class _WarmUp:
@@ -65,6 +105,7 @@ class DraftFeed:
     def __init__(self, drafter: ModelDrafter) -> None:
         self.drafter = drafter
         self._pending: dict[str, _Waiting] = {}
+        self._run: _Run | None = None  # the open run of decode forwards, if any
 
     @property
     def waiting(self) -> set[str]:
@@ -73,6 +114,9 @@ class DraftFeed:
 
     def drop(self, request_id: str) -> None:
         """Forgets a freed request's waiting tokens."""
+        w = self._pending.get(request_id)
+        if w is not None and w.run_row >= 0:
+            self._close_run()  # its id may come back (freed and added again) at another position
         self._pending.pop(request_id, None)
 
     def add(self, committed: CommittedTokens) -> None:
@@ -81,9 +125,11 @@ class DraftFeed:
         round's accepted path, gathered out of the verify forward's outputs), not a forward's output buffers
         (`add_forward` copies those)."""
         c = committed  # checked when it was made
+        self._close_run()  # the run's tokens come first
         # host tensors: no device read
         starts, counts = c.start_positions.tolist(), c.num_tokens.tolist()
-        self._keep(c.req_ids, starts, counts, c.tokens, c.hidden_states, c.aux_hidden_states, copy=False)
+        record = _Record(c.tokens, c.hidden_states, c.aux_hidden_states)
+        self._keep_rows(c.req_ids, starts, counts, record)
 
     def add_forward(
         self,
@@ -99,52 +145,100 @@ class DraftFeed:
         afterwards) and [T, H] features in request order,
         `num_tokens[i]` of them for request i from position `start_positions[i]` (a plain step of a
         speculative engine feeds every forward: no tensors made for its counts). The features are copied
-        (once for the whole forward): a CUDA graph's outputs are overwritten by its next replay."""
-        if not len(req_ids) == len(start_positions) == len(num_tokens):
+        (once for the whole forward): a CUDA graph's outputs are overwritten by its next replay.
+
+        A decode forward of the same requests, in the same order, each one position on from the last one's
+        (the steady state of an engine whose requests draft nothing) extends the open run: no work per
+        request."""
+        n = len(req_ids)
+        if not len(start_positions) == len(num_tokens) == n:
             raise ValueError(
-                f"start_positions, num_tokens: expected one per request ({len(req_ids)}), got "
+                f"start_positions, num_tokens: expected one per request ({n}), got "
                 f"{len(start_positions)} and {len(num_tokens)}"
             )
-        if num_tokens and (min(num_tokens) < 0 or min(start_positions) < 0):
+        starts, counts = list(start_positions), list(num_tokens)
+        if n and (min(counts) < 0 or min(starts) < 0):
             raise ValueError("num_tokens, start_positions: expected values >= 0")
-        total = sum(num_tokens)
-        named = [("tokens", tokens), ("hidden", hidden), *((f"aux[{i}]", a) for i, a in enumerate(aux))]
-        for name, t in named:
-            if t.dim() != (1 if name == "tokens" else 2) or t.shape[0] != total:
-                want = f"[{total}]" if name == "tokens" else f"[{total}, H]"
+        total = sum(counts)
+        for name, t, dim in (
+            ("tokens", tokens, 1),
+            ("hidden", hidden, 2),
+            *((f"aux[{i}]", a, 2) for i, a in enumerate(aux)),
+        ):
+            if t.dim() != dim or t.shape[0] != total:
+                want = f"[{total}]" if dim == 1 else f"[{total}, H]"
                 raise ValueError(f"{name}: expected shape {want} (sum(num_tokens) rows), got {list(t.shape)}")
-        self._keep(req_ids, start_positions, num_tokens, tokens, hidden, aux, copy=True)
+        record = _Record(tokens, hidden.clone(), tuple(a.clone() for a in aux))
+        run = self._run
+        if run is not None and total == n and run.next_starts == starts and run.req_ids == list(req_ids):
+            # one token each at its next position (total == n with these starts: every count is 1)
+            run.records.append(record)
+            run.next_starts = [p + 1 for p in starts]
+            if run.held_before + len(run.records) >= MAX_PENDING:
+                self._flush_run()
+            return
+        self._close_run()
+        if n and counts.count(1) == n:
+            self._open_run(req_ids, starts, record)
+        else:
+            self._keep_rows(req_ids, starts, counts, record)
 
-    def _keep(
-        self,
-        req_ids: Sequence[Hashable],
-        start_positions: Sequence[int],
-        num_tokens: Sequence[int],
-        tokens: torch.Tensor,
-        hidden: torch.Tensor,
-        aux: tuple[torch.Tensor, ...],
-        *,
-        copy: bool,
+    def _keep_rows(
+        self, req_ids: Sequence[Hashable], starts: Sequence[int], counts: Sequence[int], record: _Record
     ) -> None:
-        """`add` / `add_forward` once their arguments are checked; `copy`: the features are a forward's
-        output buffers."""
-        if copy:
-            hidden, aux = hidden.clone(), tuple(a.clone() for a in aux)
-        record = _Record(tokens, hidden, aux)
+        """Each request's rows of `record` (`counts[i]` from position `starts[i]`, request by request) wait;
+        no run is open."""
         off = 0
         full: list[str] = []
-        for rid, start, q in zip(req_ids, start_positions, num_tokens, strict=True):
+        for rid, start, q in zip(req_ids, starts, counts, strict=True):
             key = str(rid)
             waiting = self._pending.get(key)
             if waiting is None:
                 waiting = self._pending[key] = _Waiting(start)
-            waiting.pieces.append((record, off, q))
+            waiting.pieces.append(_Rows(record, off, q))
             waiting.num_tokens += q
             off += q
             if waiting.num_tokens >= MAX_PENDING:
                 full.append(key)
         if full:
             self.flush(full)
+
+    def _open_run(self, req_ids: Sequence[Hashable], starts: list[int], record: _Record) -> None:
+        """A decode forward (one token per request) that no run continues starts one."""
+        keys = [str(r) for r in req_ids]
+        members: list[_Waiting] = []
+        for j, (key, start) in enumerate(zip(keys, starts, strict=True)):
+            waiting = self._pending.get(key)
+            if waiting is None:
+                waiting = self._pending[key] = _Waiting(start)
+            waiting.run_row = j
+            members.append(waiting)
+        held = max(w.num_tokens for w in members)
+        self._run = _Run(list(req_ids), keys, [p + 1 for p in starts], [record], members, held)
+        if held + 1 >= MAX_PENDING:
+            self._flush_run()
+
+    def _close_run(self) -> None:
+        """Each member's tokens in the open run become a piece of its own; no run is open after."""
+        run, self._run = self._run, None
+        if run is None:
+            return
+        m = len(run.records)
+        for w in run.members:
+            if w.run_row >= 0:
+                w.pieces.append(_RunRows(run.records, w.run_row, 0, m))
+                w.num_tokens += m
+                w.run_row = -1
+
+    def _flush_run(self) -> None:
+        """A member of the open run holds `MAX_PENDING` waiting tokens: one draft extend for it and every
+        member holding at least half as many (they would each need an extend of their own soon)."""
+        run = self._run
+        assert run is not None
+        m = len(run.records)
+        self.flush(
+            [k for k, w in zip(run.keys, run.members, strict=True) if w.num_tokens + m >= MAX_PENDING // 2]
+        )
 
     def chain_after_verify(self, verified: VerifiedChain) -> bool:
         """Hands a greedy chain verify's outputs to a drafter that proposes right after it
@@ -163,22 +257,36 @@ class DraftFeed:
 
     def flush(self, req_ids: Sequence[str]) -> int:
         """One draft extend over every waiting token of these requests; returns the most tokens one had."""
-        merged = [(rid, self._pending.pop(rid)) for rid in req_ids if rid in self._pending]
+        pending = self._pending
+        if self._run is not None and any(r in pending and pending[r].run_row >= 0 for r in req_ids):
+            self._close_run()  # the members' tokens in the run become pieces first
+        merged = [(rid, pending.pop(rid)) for rid in req_ids if rid in pending]
         if not merged:
             return 0
         # the records these pieces come from, stacked, and every waiting row's index in the stack, request by
         # request in position order: one gather per tensor
-        records: dict[int, tuple[_Record, int]] = {}
-        base = 0
+        bases: dict[int, int] = {}  # a record's or a run's offset in the stack, by identity
+        stack: list[_Record] = []
+        size = 0
         rows: list[int] = []
         for _, w in merged:
-            for record, first, q in w.pieces:
-                at = records.get(id(record))
-                if at is None:
-                    at = records[id(record)] = (record, base)
-                    base += int(record.tokens.shape[0])
-                rows += range(at[1] + first, at[1] + first + q)
-        stack = [r for r, _ in records.values()]
+            for piece in w.pieces:
+                if isinstance(piece, _Rows):
+                    base = bases.get(id(piece.record))
+                    if base is None:
+                        base = bases[id(piece.record)] = size
+                        stack.append(piece.record)
+                        size += int(piece.record.tokens.shape[0])
+                    rows += range(base + piece.first, base + piece.first + piece.count)
+                    continue
+                width = int(piece.records[0].tokens.shape[0])  # every record of a run: a row per member
+                base = bases.get(id(piece.records))
+                if base is None:
+                    base = bases[id(piece.records)] = size
+                    stack.extend(piece.records)
+                    size += width * len(piece.records)
+                at = base + piece.first * width + piece.row
+                rows += range(at, at + piece.count * width, width)
 
         def gather(parts: list[torch.Tensor]) -> torch.Tensor:
             whole = parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -49,6 +49,7 @@ from hyspec_spec_workers.drafter import (
     DraftOutput,
     ModelDrafter,
 )
+from hyspec_spec_workers.idle_rounds import IdleRounds
 from hyspec_spec_workers.round_types import RequestTokens, RoundRow, VerifiedTokens, VerifyTarget
 from hyspec_spec_workers.round_verify import verify_round
 from hyspec_spec_workers.tree import VerifyTree, resized_chain
@@ -103,6 +104,8 @@ class SpeculativeRound:
         rounds, with their first-use work, must not weigh in the first served ones)."""
         cfg, s = self._adaptive_config, self.num_speculative_tokens
         self.adaptive = None if cfg is None else AdaptiveController(cfg, s)
+        # plain rounds of idle requests, counted and reported at once (forgotten with the controller)
+        self.idle = None if self.adaptive is None else IdleRounds(self.adaptive)
         self.costs = CostTracker()
         self.timer = RoundTimer(self.costs, cost_aware=cfg is not None and cfg.cost_aware)
         if self._start_up_catch_up is not None:
@@ -149,7 +152,8 @@ class SpeculativeRound:
         self.memory.on_alloc(request_id)
 
     def on_free(self, request_id: str) -> None:
-        if self.adaptive is not None:
+        if self.adaptive is not None and self.idle is not None:
+            self.idle.report()
             self.adaptive.forget(request_id)
         self.memory.on_free(request_id)
 
@@ -210,7 +214,8 @@ class SpeculativeRound:
 
     def _length(self, request_id: str) -> AdaptiveDraftLength:
         """A request's adaptive length state (adaptive rounds), made at its first round."""
-        assert self.adaptive is not None
+        assert self.adaptive is not None and self.idle is not None
+        self.idle.report()  # a new request's state starts from the evidence up to now
         # with measured costs a request may start at 0: the engine's earlier requests showed that its drafts
         # do not pay (`AdaptiveController.shared`)
         known = self.costs if self.costs.ready and self.costs.has_decode else None
@@ -223,6 +228,8 @@ class SpeculativeRound:
         cost: no round rows, no verify results)."""
         if self.adaptive is None or self.is_tree or self._forced is not None:
             return False
+        if self.idle is not None and self.idle.covers(request_ids):
+            return True  # the same idle requests as the last plain round, none of them due to probe yet
         if self.timer.timing() or self.adaptive.all_idle(request_ids):
             return True  # (the common case of a drafter that does not pay: one pass, no state made)
         return all(self._length(rid).steps == 0 for rid in request_ids)
@@ -242,13 +249,14 @@ class SpeculativeRound:
         seconds = None if shares_forward else time.perf_counter() - t0
         self.timer.plain(seconds, rows=len(request_ids), timing=timing, steady_next=not shares_forward)
         self.timer.end_round()
-        if self.adaptive is not None and not timing:
-            self.adaptive.observe_idle(request_ids)  # every one at 0: `drafts_nothing` said so
+        if self.idle is not None and not timing:
+            self.idle.count(request_ids)  # every one at 0: `drafts_nothing` said so
         return out
 
     def _observe(self, request_ids: Sequence[str], num_accepted: Sequence[int]) -> None:
         """Each request's adaptive length sees the round: its accepted drafts (capped at its length)."""
-        assert self.adaptive is not None
+        assert self.adaptive is not None and self.idle is not None
+        self.idle.report()
         self.adaptive.observe_requests(request_ids, num_accepted, self.costs if self.costs.ready else None)
 
     def draft_lengths(self, rows: Sequence[RoundRow]) -> list[int]:
