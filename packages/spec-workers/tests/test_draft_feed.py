@@ -1,6 +1,6 @@
 """`DraftFeed` keeps every committed token of a request, in position order, until its draft extend: checked
 against a plain per-request list under random mixes of decode steps (which extend the open run of decode
-forwards with no per-request work), prompt chunks, accepted paths, reorders, flushes and drops."""
+forwards with no per-request bookkeeping), prompt chunks, accepted paths, reorders, flushes and drops."""
 
 from __future__ import annotations
 
@@ -192,3 +192,23 @@ def test_decode_steps_extend_the_run_only_at_each_requests_next_position() -> No
     assert got["b"] == want["b"]
     # in the order fed (positions are counted from the first: the gap is the caller's to avoid)
     assert [t for _, t, _, _ in got["a"]] == [t for _, t, _, _ in want["a"]]
+
+
+def test_counts_summing_to_the_rows_extend_no_run_unless_each_is_one() -> None:
+    """A forward whose counts sum to its number of requests without each being 1 (`[2, 0]`), or that names a
+    request twice, is no decode step: its tokens go to their own requests, in order."""
+    sink = _Sink()
+    feed = DraftFeed(sink)  # type: ignore[arg-type]
+    pos = {"a": 0, "b": 0}
+    want: dict[str, list[tuple[int, int, float, float]]] = {}
+    _forward(feed, ["a", "b"], pos, [1, 1], want)
+    _forward(feed, ["a", "b"], pos, [2, 0], want)  # a's two tokens at its next position, none for b
+    _forward(feed, ["a", "b"], pos, [1, 1], want)
+    feed.flush(["a", "b"])
+    got = _rows(sink.got[-1])
+    assert got == want and len(got["a"]) == 4 and len(got["b"]) == 2
+    feed.add_forward(
+        [1, "1"], [0, 1], [1, 1], torch.tensor([10, 11]), torch.zeros(2, 2), (torch.zeros(2, 2),)
+    )
+    feed.flush(["1"])  # one request named twice (1 and "1" are the same key): both tokens kept, in order
+    assert sink.got[-1].tokens.tolist() == [10, 11]

@@ -10,9 +10,9 @@ flush), and enter the draft KV in one extend right before the next proposal that
 accepted path straight from the verify instead (`chain_after_verify`).
 
 An engine whose requests draft nothing feeds a decode step of the same requests every step: such steps
-extend one run of records (`_Run`) with no work per request, each member's tokens there becoming a piece of
-its own only when the run closes; when the run's fullest member reaches `MAX_PENDING` one extend takes every
-member holding at least half as many, not one extend per request as each reaches it.
+extend one run of records (`_Run`) with no per-request bookkeeping, each member's tokens there becoming a
+piece of its own only when the run closes; when the run's fullest member reaches `MAX_PENDING` one extend
+takes every member holding at least half as many, not one extend per request as each reaches it.
 """
 
 from __future__ import annotations
@@ -77,8 +77,9 @@ class _Waiting:
 class _Run:
     """Consecutive plain decode forwards of the same requests in the same order, each request one token at
     the next position (an idle speculative engine's steady state): extended by one record per step with no
-    per-request work; a member's tokens in it become a `_RunRows` piece when the run closes (another kind of
-    forward, a member flushed or dropped)."""
+    per-request bookkeeping; a member's tokens in it become a `_RunRows` piece when the run closes (any
+    forward that does not extend it: other requests, order or positions, a prompt chunk, an accepted path's
+    `add`; a member flushed or dropped)."""
 
     req_ids: list[Hashable]  # as the forwards give them (compared whole, each step)
     keys: list[str]
@@ -157,7 +158,8 @@ class DraftFeed:
                 f"{len(start_positions)} and {len(num_tokens)}"
             )
         starts, counts = list(start_positions), list(num_tokens)
-        if n and (min(counts) < 0 or min(starts) < 0):
+        fewest = min(counts, default=0)
+        if n and (fewest < 0 or min(starts) < 0):
             raise ValueError("num_tokens, start_positions: expected values >= 0")
         total = sum(counts)
         for name, t, dim in (
@@ -170,16 +172,17 @@ class DraftFeed:
                 raise ValueError(f"{name}: expected shape {want} (sum(num_tokens) rows), got {list(t.shape)}")
         record = _Record(tokens, hidden.clone(), tuple(a.clone() for a in aux))
         run = self._run
-        if run is not None and total == n and run.next_starts == starts and run.req_ids == list(req_ids):
-            # one token each at its next position (total == n with these starts: every count is 1)
+        one_each = fewest == 1 and total == n  # (counts of at least 1 that sum to n are all 1)
+        if one_each and run is not None and run.next_starts == starts and run.req_ids == list(req_ids):
+            # one token each, each at its next position
             run.records.append(record)
             run.next_starts = [p + 1 for p in starts]
             if run.held_before + len(run.records) >= MAX_PENDING:
                 self._flush_run()
             return
         self._close_run()
-        if n and counts.count(1) == n:
-            self._open_run(req_ids, starts, record)
+        if one_each and len(keys := [str(r) for r in req_ids]) == len(set(keys)):
+            self._open_run(req_ids, keys, starts, record)
         else:
             self._keep_rows(req_ids, starts, counts, record)
 
@@ -203,9 +206,10 @@ class DraftFeed:
         if full:
             self.flush(full)
 
-    def _open_run(self, req_ids: Sequence[Hashable], starts: list[int], record: _Record) -> None:
-        """A decode forward (one token per request) that no run continues starts one."""
-        keys = [str(r) for r in req_ids]
+    def _open_run(
+        self, req_ids: Sequence[Hashable], keys: list[str], starts: list[int], record: _Record
+    ) -> None:
+        """A decode forward (one token per request, distinct requests) that no run continues starts one."""
         members: list[_Waiting] = []
         for j, (key, start) in enumerate(zip(keys, starts, strict=True)):
             waiting = self._pending.get(key)

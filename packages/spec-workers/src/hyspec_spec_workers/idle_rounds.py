@@ -3,8 +3,9 @@
 When drafting does not pay, every request sits at adaptive length 0 and each engine step is a plain round
 (`SpeculativeRound.plain_round`); its only news for the controller is one more round at 0 per request, which
 matters only for the probes (`AdaptiveDraftLength.idle_round`). While the same requests keep running plain
-rounds and none of them is due to probe (`AdaptiveController.idle_window`), the rounds are only counted here,
-with no work per request, and go to the controller in one `observe_idle` before anything reads or changes it.
+rounds and none of them is due to probe (`AdaptiveController.idle_window`), the rounds are only counted
+here, with no per-request bookkeeping, and go to the controller in one `observe_idle` before anything reads
+or changes it.
 Each probe then starts in the very round it would start in with every round reported on its own.
 """
 
