@@ -131,6 +131,7 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
 
         targets += [
             ("  forward_verify", runner, "forward_verify"),
+            ("    graphs.prepare_verify", runner.graphs, "prepare_verify"),
             ("  verify logits", runner, "compute_logits"),
             ("  greedy_tail_result", verify_mod, "greedy_tail_result"),
             ("  choose_tokens", verify_mod, "choose_tokens"),

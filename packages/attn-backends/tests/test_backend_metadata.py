@@ -42,7 +42,7 @@ D = 4  # verify block size (the plan's Dmax)
 IDS = ["r0", "r1", "r2", "r3"]
 
 
-def _backend(device: str = "cpu") -> HybridBackend:
+def _backend(device: str = "cpu", *, move_verify: bool = False) -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
         max_context=320,
@@ -54,7 +54,7 @@ def _backend(device: str = "cpu") -> HybridBackend:
         dtypes=StateDtypes(kv=torch.float32, conv=torch.float32, recurrent=torch.float32),
     )
     pool = HybridStatePool(plan, device=torch.device(device), debug=device == "cpu")
-    backend = HybridBackend(pool, layers=LAYERS, layer_types=TYPES)
+    backend = HybridBackend(pool, layers=LAYERS, layer_types=TYPES, move_verify=move_verify)
     # request rows, state slots and batch rows all differ: detached slots first, then freed requests
     pool.alloc_detached_slots(2)
     pool.alloc(["gone0", "r3", "gone1", "r1"])
@@ -441,3 +441,137 @@ def test_cuda_tree_parents_on_the_device_equal_the_reference() -> None:
             pad_to=case.pad_to,
         )
         assert _fields(batch) == _reference(be.pool, case), name
+
+
+def _verify_walk(seed: int, rounds: int) -> Iterator[tuple[list[str], list[int], int | None, torch.Tensor]]:
+    """Rounds of chain verify blocks of the same requests, each row 1..D tokens on per round (pages cross
+    every few rounds), with a padded graph size; the blocks' tokens random."""
+    g = torch.Generator().manual_seed(seed)
+    ids = ["r2", "r0", "r3"]
+    prefix = [37, 5, 120]
+    for _ in range(rounds):
+        yield ids, list(prefix), 6, torch.randint(0, 90, (len(ids), D), generator=g)
+        prefix = [p + int(torch.randint(1, D + 1, (1,), generator=g)) for p in prefix]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_verify_batch_moved_on_equals_a_fresh_build(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`move_verify`: each round's chain verify batch of the same rows, a few tokens on, is the last one
+    moved on in place (one `advance_verify`, no build), and every field equals a fresh build's, page
+    crossings included; a row that got a page meanwhile (remapped: its page-table row in the buffers is
+    stale) is built afresh, and so is the round after any other build."""
+    moving, fresh = _backend(move_verify=True), _backend()
+    builds = [0]
+    real = moving.builder._build
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        builds[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moving.builder, "_build", counted)
+    for k, (ids, prefix, pad, tokens) in enumerate(_verify_walk(seed, 14)):
+        if k == 6:
+            for be in (moving, fresh):  # r0 gets more pages: its row is remapped
+                be.pool.ensure_kv_capacity(["r0"], [320])
+        if k == 10:
+            for be in (moving, fresh):  # another batch in the same buffers
+                Case(ForwardMode.DECODE, ("r1",), (40,)).call(be)
+        got = [
+            be.prepare_verify(
+                req_rows=be.pool.req_rows(ids), block_tokens=tokens, prefix_lens=prefix, pad_to=pad
+            )
+            for be in (moving, fresh)
+        ]
+        assert _fields(got[0]) == _fields(got[1]), k
+        _assert_views_of_the_buffers(moving, got[0])
+        assert got[0].req_rows is not None and got[0].req_rows.tolist() == moving.pool.req_rows(ids).tolist()
+    # built: the first round, the one after r0's remap, the decode batch and the round after it; moved: the
+    # other ten
+    assert builds[0] == 4
+
+
+def test_a_verify_batch_is_built_afresh_unless_it_is_the_last_one_moved_on() -> None:
+    """Rows in another order, another block length or padding, a tree, a row no further or more than D
+    further, a prefix tensor: each is built (and equals the fresh build); a position without a page raises
+    as the build does."""
+    moving, fresh = _backend(move_verify=True), _backend()
+    tok = torch.arange(3 * D).view(3, D)
+    builds = [0]
+    real = moving.builder._build
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        builds[0] += 1
+        return real(*args, **kwargs)
+
+    moving.builder._build = counted  # type: ignore[method-assign]
+
+    def both(ids: list[str], prefix: list[int], *, pad: int | None = None, parents: Any = None) -> None:
+        out = []
+        for be in (moving, fresh):
+            n = len(ids)
+            out.append(
+                be.prepare_verify(
+                    req_rows=be.pool.req_rows(ids),
+                    block_tokens=tok[:n],
+                    prefix_lens=prefix,
+                    pad_to=pad,
+                    tree_parents=parents,
+                )
+            )
+        assert _fields(out[0]) == _fields(out[1])
+
+    def moved_last(call: Any) -> bool:
+        before = moving.num_builds
+        call()
+        last = moving.builder._last_verify
+        return (
+            last is not None
+            and last.num_builds == moving.num_builds == before + 1
+            and last.prefix == call.prefix
+        )
+
+    both(["r0", "r1"], [10, 20])
+    both(["r1", "r0"], [12, 22])  # other order
+    both(["r1", "r0"], [12, 22])  # no row further
+    both(["r1", "r0"], [12 + D + 1, 23])  # a row more than D further
+    both(["r1", "r0"], [18, 25], pad=4)  # other padding
+    tree = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 1]], dtype=torch.int32)
+    both(["r1", "r0"], [20, 27], pad=4, parents=tree)  # a tree: never moved, and the next is built
+    both(["r1", "r0"], [21, 28], pad=4)
+    both(["r1", "r0"], [23, 29], pad=4)  # moved on
+    for be in (moving, fresh):
+        with pytest.raises(ValueError):
+            be.prepare_verify(
+                req_rows=be.pool.req_rows(["r1", "r0"]),
+                block_tokens=tok[:2],
+                prefix_lens=[24, 320 - D + 2],  # past the table width
+                pad_to=4,
+            )
+    both(["r1", "r0"], [24, 30], pad=4)
+    # built: every call but [23, 29] and [24, 30] (moved on), the raising one included
+    assert builds[0] == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_verify_batches_moved_on_equal_fresh_builds_without_a_sync() -> None:
+    """On CUDA (the Triton `advance_verify`), with device block tokens as a round passes them: each moved
+    batch equals a fresh build, and moving one syncs nothing."""
+    moving, fresh = _backend("cuda", move_verify=True), _backend("cuda")
+    for k, (ids, prefix, pad, tokens) in enumerate(_verify_walk(7, 12)):
+        got = []
+        for be in (moving, fresh):
+            rows = be.pool.req_rows(ids)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                got.append(
+                    be.prepare_verify(
+                        req_rows=rows, block_tokens=tokens.cuda(), prefix_lens=prefix, pad_to=pad
+                    )
+                )
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert _fields(got[0]) == _fields(got[1]), k
+    last = moving.builder._last_verify
+    assert last is not None and last.num_builds == moving.num_builds  # the last round was moved on

@@ -102,6 +102,9 @@ class HybridBackend:
             max_num_seqs · max(Dmax, 256)).
         mixed_steps: `prepare_mixed` is used (an engine step's prompt chunks beside its verify blocks): a
             second set of batch buffers is allocated for the chunks (needs verify scratch).
+        move_verify: a chain verify batch of the same rows as the last one, a few tokens on, is that batch
+            moved on in place (`BatchBuilder`'s `move_verify`: a target's; a drafter's graphs move their
+            batch buffers themselves).
 
     Batches are built by its `BatchBuilder` (how they share preallocated buffers and what `num_builds`
     counts: see there; a MIXED step's by a `MixedBuilder` over two), the commit after verify is its
@@ -117,6 +120,7 @@ class HybridBackend:
         max_num_seqs: int | None = None,
         max_tokens: int | None = None,
         mixed_steps: bool = False,
+        move_verify: bool = False,
     ) -> None:
         self.pool = pool
         self.kinds = check_routing(layers, layer_types, pool.plan.specs)
@@ -131,6 +135,7 @@ class HybridBackend:
                 max_num_seqs=max_num_seqs,
                 max_tokens=max_tokens,
                 kernel_checks=self._kernel_checks,
+                move_verify=move_verify,
             )
 
         # job 1, batch metadata: the static batch buffers and the `prepare_*` that fill them

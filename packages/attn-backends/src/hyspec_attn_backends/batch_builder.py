@@ -8,14 +8,14 @@ place, overwrites the previous one; `num_builds` counts those writes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
-from hyspec_kernels import StateSave
+from hyspec_kernels import StateSave, advance_verify
 from hyspec_statepool.indices import ReqRows
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.positions import packed_positions
-from hyspec_statepool.transfer import host_staging, pin_for, upload, write_into
+from hyspec_statepool.transfer import host_staging, pin_for, to_device, upload, write_into
 from torch import Tensor
 
 from hyspec_attn_backends.advance import advance_in_place, chain_after_block, check_advance, check_chain_start
@@ -34,6 +34,10 @@ class BatchBuilder:
         max_num_seqs, max_tokens: size of the preallocated batch buffers (default: the pool's max_num_seqs and
             max_num_seqs · max(Dmax, 256)).
         kernel_checks: the kernels' value-check setting (`hyspec_kernels.value_checks`), for tree parents.
+        move_verify: a chain verify batch of the same rows as the last one built, each a few tokens on, is
+            that batch moved on in its buffers (`prepare_verify`) instead of built again. Only for a backend
+            whose batch buffers nothing but its `prepare_*` and `advance_*` writes (a drafter's proposal
+            graphs move theirs in place: not for those).
 
     Every batch lives in the same preallocated buffers (so CUDA graphs can read them): preparing a batch, or
     advancing one in place, overwrites the previous one. `num_builds` counts those writes, so a batch
@@ -50,6 +54,7 @@ class BatchBuilder:
         max_num_seqs: int | None = None,
         max_tokens: int | None = None,
         kernel_checks: bool | None = None,
+        move_verify: bool = False,
     ) -> None:
         self.pool = pool
         self.num_builds = 0
@@ -71,6 +76,8 @@ class BatchBuilder:
         )
         # kernels' own value checks (hyspec_kernels.value_checks): the backend's setting
         self._kernel_checks = kernel_checks
+        self._move_verify = move_verify
+        self._last_verify: _LastVerify | None = None  # the last chain verify batch built (`move_verify`)
 
     def prepare_extend(
         self,
@@ -158,7 +165,11 @@ class BatchBuilder:
             )
         if tree_parents is not None:
             check_tree_parents(tree_parents, num_seqs=n, verify_len=d, check_values=self._kernel_checks)
-        return self._build(
+        elif self._move_verify:
+            moved = self._move_last_verify(req_rows, block_tokens, prefix_lens, pad_to)
+            if moved is not None:
+                return moved
+        batch = self._build(
             ForwardMode.TARGET_VERIFY,
             req_rows,
             block_tokens.reshape(-1),
@@ -168,6 +179,72 @@ class BatchBuilder:
             d,
             pad_to,
         )
+        rows = req_rows.host_values
+        self._last_verify = None
+        if (
+            self._move_verify
+            and tree_parents is None
+            and rows is not None
+            and not isinstance(prefix_lens, Tensor)
+        ):
+            table = self.pool.table
+            self._last_verify = _LastVerify(
+                batch,
+                tuple(rows),
+                [int(p) for p in prefix_lens],
+                pad_to,
+                [table.row_versions[r] for r in rows],
+                self.num_builds,
+            )
+        return batch
+
+    def _move_last_verify(
+        self, req_rows: ReqRows, block_tokens: Tensor, prefix_lens: Sequence[int] | Tensor, pad_to: int | None
+    ) -> ForwardBatch | None:
+        """The last chain verify batch moved on to these prefixes (`hyspec_kernels.advance_verify`: one launch
+        and one small copy instead of a build) when it is that batch a few tokens on: nothing written into
+        the buffers since, the same rows in the same order at the same block length and padding, each row
+        1..D tokens further, none of them remapped since (their page table and state slot rows in the
+        buffers are the pool's), every new position on a page. Else None (the caller builds it)."""
+        last = self._last_verify
+        rows = req_rows.host_values
+        if (
+            last is None
+            or last.num_builds != self.num_builds
+            or isinstance(prefix_lens, Tensor)
+            or rows is None
+            or tuple(rows) != last.rows
+            or pad_to != last.pad_to
+            or block_tokens.shape[1] != last.batch.verify_len
+        ):
+            return None
+        d, table = last.batch.verify_len, self.pool.table
+        size, width = table.page_size, table.width
+        steps: list[int] = []
+        for row, p, q, version in zip(rows, prefix_lens, last.prefix, last.versions, strict=True):
+            if not (q > 0 and 1 <= p - q <= d and p + d <= width and table.row_versions[row] == version):
+                return None
+            pages = table.host_pages[row]
+            if (p + d - 1) // size >= len(pages) or min(pages[p // size : (p + d - 1) // size + 1]) < 0:
+                return None  # a position without a page: the build raises
+            steps.append(p - q)
+        b = last.batch
+        dev = b.positions.device
+        assert b.kv_slots is not None
+        advance_verify(
+            positions=b.positions,
+            kv_slots=b.kv_slots.tensor,
+            prefix_lens=b.prefix_lens,
+            kv_lens=b.kv_lens,
+            page_table=b.page_table,
+            steps=to_device(steps + [0] * b.num_padded, dtype=torch.int32, device=dev),
+            input_ids=b.input_ids,
+            tokens=block_tokens.to(device=dev, dtype=torch.int64),
+            page_size=size,
+        )
+        self.num_builds += 1
+        last.prefix, last.num_builds = [int(p) for p in prefix_lens], self.num_builds
+        return replace(b, req_rows=req_rows)
 
     def prepare_idle(self) -> ForwardBatch:
         """An empty batch (e.g. a data-parallel rank with no requests)."""
@@ -317,6 +394,18 @@ class BatchBuilder:
         # depth computed on the device from device parents: the prefixes go up, then one add there
         per_node = prefix_t[:, None].expand(-1, depth.shape[1]).reshape(-1)  # [N * D]
         return write_into(self.buffers.positions, per_node).add_(depth.reshape(-1))
+
+
+@dataclass(slots=True)
+class _LastVerify:
+    """The last chain verify batch built and what it was built from (`BatchBuilder._move_last_verify`)."""
+
+    batch: ForwardBatch
+    rows: tuple[int, ...]  # its request rows
+    prefix: list[int]  # [N] its rows' prefixes (live rows)
+    pad_to: int | None
+    versions: list[int]  # its rows' `RequestTable.row_versions` when it was built
+    num_builds: int  # the builder's count right after it was written
 
 
 def static_max_q_len(batch: ForwardBatch) -> int | None:

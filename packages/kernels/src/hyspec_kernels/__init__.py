@@ -5,13 +5,15 @@ Ops: gated delta rule (`gdn_prefill`, `gdn_decode`, `gdn_verify`), causal depthw
 `conv_decode`, `conv_verify`), state commit after verify (`commit_states`), attention over a paged KV cache
 (`store_kv`, `paged_attention`), GDN gating (`gdn_gating`), norms (`gated_rmsnorm`, `rms_norm`,
 `add_rms_norm`), SwiGLU's product (`silu_and_mul`), rotary embedding (`apply_rotary`) and a verify block's
-greedy walk with its stop / budget cut (`accept_walk`). The prefills also write states part-way through a
+greedy walk with its stop / budget cut (`accept_walk`); a chain verify batch's metadata moved on by each row's
+committed tokens (`advance_verify`). The prefills also write states part-way through a
 sequence to spare slots (`StateSave`).
 `python -m hyspec_kernels.selfcheck` runs each against its reference.
 """
 
 from hyspec_kernels._checks import value_checks
 from hyspec_kernels.accept import AcceptResult, accept_walk
+from hyspec_kernels.advance import advance_verify
 from hyspec_kernels.attention import paged_attention, store_kv
 from hyspec_kernels.commit import StatePair, commit_states
 from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
@@ -29,6 +31,7 @@ __all__ = [
     "StateSave",
     "accept_walk",
     "add_rms_norm",
+    "advance_verify",
     "apply_rotary",
     "commit_states",
     "conv_decode",

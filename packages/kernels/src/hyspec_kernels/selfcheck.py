@@ -45,6 +45,7 @@ def _nan_pool(shape: tuple[int, ...], used: list[int], gen: torch.Generator, dev
 
 def build_cases(device: str) -> dict[str, Case]:
     from hyspec_kernels.accept import accept_walk
+    from hyspec_kernels.advance import advance_verify
     from hyspec_kernels.attention import paged_attention, store_kv
     from hyspec_kernels.commit import commit_states
     from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
@@ -281,6 +282,34 @@ def build_cases(device: str) -> dict[str, Case]:
         return {f: getattr(r, f) for f in ("num_accepted", "accept_index", "output_tokens", "finished")}
 
     cases["accept_walk (tree, stop, budget, padded chain)"] = accept_case
+
+    # a chain verify batch of two live rows (D = 3, pages of 4: the first row's block crosses into its next
+    # page) and a padded row, moved on by 3, 1 and 0 tokens
+    def advance_case(be: Backend) -> Result:
+        positions = i64([6, 7, 8, 13, 14, 15, 0, 1, 2])
+        table = torch.tensor(
+            [[3, 9, 5, 2, 7], [4, 8, 1, 6, 0], [-1, -1, -1, -1, -1]], dtype=torch.int32, device=device
+        )
+        slots = (table.long().gather(1, positions.view(3, 3) // 4) * 4 + positions.view(3, 3) % 4).view(-1)
+        slots[6:] = -1
+        out = {
+            "positions": positions,
+            "kv_slots": slots.to(torch.int32),
+            "prefix_lens": idx([6, 13, 0]),
+            "kv_lens": idx([9, 16, 0]),
+            "input_ids": i64([0] * 9),
+        }
+        advance_verify(
+            **out,
+            page_table=table,
+            steps=idx([3, 1, 0]),
+            tokens=i64([[5, 6, 7], [8, 9, 10]]),
+            page_size=4,
+            backend=be,
+        )
+        return out
+
+    cases["advance_verify (chain batch moved on, page crossing, padded row)"] = advance_case
     return cases
 
 

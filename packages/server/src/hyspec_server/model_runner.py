@@ -215,6 +215,8 @@ class HyspecModelRunner:
             max_num_seqs=max_num_seqs,
             max_tokens=max(step_capacity(args, max_num_seqs, self._max_model_len), max_num_seqs * dmax),
             mixed_steps=spec_config is not None,
+            # a round's verify batch is the last round's moved on (no graph of the target moves its buffers)
+            move_verify=spec_config is not None,
         )
         self._sampler = Sampler(self._device, seed=args.seed)
         # the target's forward returns the layers a model drafter reads too (decode stays graphed with one)
