@@ -458,8 +458,8 @@ def _verify_walk(seed: int, rounds: int) -> Iterator[tuple[list[str], list[int],
 def test_a_verify_batch_moved_on_equals_a_fresh_build(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """`move_verify`: each round's chain verify batch of the same rows, a few tokens on, is the last one
     moved on in place (one `advance_verify`, no build), and every field equals a fresh build's, page
-    crossings included; a row that got a page meanwhile (remapped: its page-table row in the buffers is
-    stale) is built afresh, and so is the round after any other build."""
+    crossings included, and a row that got pages meanwhile (its page-table row uploaded again); a row on
+    another state slot is built afresh, and so is the round after any other build."""
     moving, fresh = _backend(move_verify=True), _backend()
     builds = [0]
     real = moving.builder._build
@@ -476,6 +476,10 @@ def test_a_verify_batch_moved_on_equals_a_fresh_build(seed: int, monkeypatch: py
         if k == 10:
             for be in (moving, fresh):  # another batch in the same buffers
                 Case(ForwardMode.DECODE, ("r1",), (40,)).call(be)
+        if k == 12:
+            for be in (moving, fresh):  # r3 moves to another state slot (as a prefix-cache restore may)
+                row = be.pool.req_rows(["r3"]).tolist()[0]
+                be.pool.table.map_slot([row], [8])
         got = [
             be.prepare_verify(
                 req_rows=be.pool.req_rows(ids), block_tokens=tokens, prefix_lens=prefix, pad_to=pad
@@ -485,8 +489,8 @@ def test_a_verify_batch_moved_on_equals_a_fresh_build(seed: int, monkeypatch: py
         assert _fields(got[0]) == _fields(got[1]), k
         _assert_views_of_the_buffers(moving, got[0])
         assert got[0].req_rows is not None and got[0].req_rows.tolist() == moving.pool.req_rows(ids).tolist()
-    # built: the first round, the one after r0's remap, the decode batch and the round after it; moved: the
-    # other ten
+    # built: the first round, the decode batch, the round after it and the one after r3's new state slot;
+    # moved: the other ten (r0's new pages included: its page-table row uploaded again)
     assert builds[0] == 4
 
 
@@ -560,15 +564,14 @@ def test_cuda_verify_batches_moved_on_equal_fresh_builds_without_a_sync() -> Non
     moving, fresh = _backend("cuda", move_verify=True), _backend("cuda")
     for k, (ids, prefix, pad, tokens) in enumerate(_verify_walk(7, 12)):
         got = []
+        tokens = tokens.cuda()  # a round's drafts are on the device already
         for be in (moving, fresh):
             rows = be.pool.req_rows(ids)
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
                 got.append(
-                    be.prepare_verify(
-                        req_rows=rows, block_tokens=tokens.cuda(), prefix_lens=prefix, pad_to=pad
-                    )
+                    be.prepare_verify(req_rows=rows, block_tokens=tokens, prefix_lens=prefix, pad_to=pad)
                 )
             finally:
                 torch.cuda.set_sync_debug_mode("default")

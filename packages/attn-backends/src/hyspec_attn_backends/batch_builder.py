@@ -194,6 +194,7 @@ class BatchBuilder:
                 [int(p) for p in prefix_lens],
                 pad_to,
                 [table.row_versions[r] for r in rows],
+                [table.host_row_to_slot[r] for r in rows],
                 self.num_builds,
             )
         return batch
@@ -204,8 +205,9 @@ class BatchBuilder:
         """The last chain verify batch moved on to these prefixes (`hyspec_kernels.advance_verify`: one launch
         and one small copy instead of a build) when it is that batch a few tokens on: nothing written into
         the buffers since, the same rows in the same order at the same block length and padding, each row
-        1..D tokens further, none of them remapped since (their page table and state slot rows in the
-        buffers are the pool's), every new position on a page. Else None (the caller builds it)."""
+        1..D tokens further on its same state slot, every new position on a page. Rows whose pages changed
+        since (a page mapped at a page boundary) get their page-table rows uploaded again. Else None (the
+        caller builds it)."""
         last = self._last_verify
         rows = req_rows.host_values
         if (
@@ -221,9 +223,16 @@ class BatchBuilder:
         d, table = last.batch.verify_len, self.pool.table
         size, width = table.page_size, table.width
         steps: list[int] = []
-        for row, p, q, version in zip(rows, prefix_lens, last.prefix, last.versions, strict=True):
-            if not (q > 0 and 1 <= p - q <= d and p + d <= width and table.row_versions[row] == version):
+        remapped = False
+        for row, p, q, version, slot in zip(
+            rows, prefix_lens, last.prefix, last.versions, last.slots, strict=True
+        ):
+            if not (q > 0 and 1 <= p - q <= d and p + d <= width):
                 return None
+            if table.row_versions[row] != version:
+                if table.host_row_to_slot[row] != slot:
+                    return None  # its state slot moved (the buffers hold the old one): built
+                remapped = True  # its pages changed: the buffers' page-table row is stale
             pages = table.host_pages[row]
             if (p + d - 1) // size >= len(pages) or min(pages[p // size : (p + d - 1) // size + 1]) < 0:
                 return None  # a position without a page: the build raises
@@ -231,6 +240,9 @@ class BatchBuilder:
         b = last.batch
         dev = b.positions.device
         assert b.kv_slots is not None
+        if remapped:
+            upload(self.pool.host_page_table(req_rows, pad_to=b.num_seqs), b.page_table)
+            last.versions = [table.row_versions[r] for r in rows]
         advance_verify(
             positions=b.positions,
             kv_slots=b.kv_slots.tensor,
@@ -404,7 +416,8 @@ class _LastVerify:
     rows: tuple[int, ...]  # its request rows
     prefix: list[int]  # [N] its rows' prefixes (live rows)
     pad_to: int | None
-    versions: list[int]  # its rows' `RequestTable.row_versions` when it was built
+    versions: list[int]  # its rows' `RequestTable.row_versions` when its page-table rows were written
+    slots: list[int]  # its rows' state slots
     num_builds: int  # the builder's count right after it was written
 
 
