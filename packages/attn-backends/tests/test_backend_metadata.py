@@ -552,8 +552,29 @@ def test_a_verify_batch_is_built_afresh_unless_it_is_the_last_one_moved_on() -> 
                 pad_to=4,
             )
     both(["r1", "r0"], [24, 30], pad=4)
-    # built: every call but [23, 29] and [24, 30] (moved on), the raising one included
-    assert builds[0] == 8
+    # r1 has pages up to position 300 or so: a block past them is no move (the build raises, as it must)
+    last_page = (len(moving.pool.table.host_pages[moving.pool.req_rows(["r1"]).tolist()[0]]) - 1) * 4
+    both(["r1", "r0"], [last_page - 2, 32], pad=4)
+    for be in (moving, fresh):
+        with pytest.raises(ValueError):
+            be.prepare_verify(
+                req_rows=be.pool.req_rows(["r1", "r0"]),
+                block_tokens=tok[:2],
+                prefix_lens=[last_page + 2, 33],
+                pad_to=4,
+            )
+    for bad in (True, 4.0):  # a pad_to the build refuses is refused, not moved
+        with pytest.raises(ValueError, match="pad_to"):
+            moving.prepare_verify(
+                req_rows=moving.pool.req_rows(["r1", "r0"]),
+                block_tokens=tok[:2],
+                prefix_lens=[last_page - 1, 33],
+                pad_to=bad,  # type: ignore[arg-type]
+            )
+    with pytest.raises(ValueError, match="move_verify"):
+        moving.builder.advance_one_token(Case(ForwardMode.DECODE, ("r1",), (40,)).call(moving))
+    # built: every call but [23, 29] and [24, 30] (moved on), the raising ones and the decode included
+    assert builds[0] == 13
 
 
 @pytest.mark.gpu

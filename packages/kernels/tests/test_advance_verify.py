@@ -114,3 +114,22 @@ def test_advance_verify_on_cuda_equals_the_reference(n_live: int, n_pad: int, d:
     advance_verify(**got, steps=steps.to(torch.int32).cuda(), tokens=tokens.cuda(), page_size=page)
     for k in ("positions", "kv_slots", "prefix_lens", "kv_lens", "input_ids"):
         assert torch.equal(got[k].cpu(), want[k]), k
+
+
+def test_advance_verify_refuses_a_move_onto_no_page() -> None:
+    """Value checks (on the CPU always): a negative step, a moved position past the page table or on an
+    unmapped page (-1) is a ValueError naming the argument, not a wrong KV slot."""
+    base = _batch(1, 2, 1, 4, 4, pages=10)
+    tokens = torch.zeros(2, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="steps"):
+        advance_verify(**base, steps=torch.tensor([1, -1, 0], dtype=torch.int32), tokens=tokens, page_size=4)
+    holed = base | {"page_table": base["page_table"].clone()}
+    row0_last = int(base["positions"][3]) // 4
+    holed["page_table"][0, row0_last + 1 :] = -1  # row 0 has no page past its block
+    with pytest.raises(ValueError, match="page_table"):
+        advance_verify(**holed, steps=torch.tensor([4, 1, 0], dtype=torch.int32), tokens=tokens, page_size=4)
+    narrow = base | {"page_table": base["page_table"][:, : row0_last + 1]}
+    with pytest.raises(ValueError, match="page_table"):
+        advance_verify(**narrow, steps=torch.tensor([4, 1, 0], dtype=torch.int32), tokens=tokens, page_size=4)
+    # a padded row (step 0) reaches nothing: its missing pages do not matter
+    advance_verify(**holed, steps=torch.tensor([0, 1, 0], dtype=torch.int32), tokens=tokens, page_size=4)

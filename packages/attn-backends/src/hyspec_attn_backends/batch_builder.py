@@ -199,6 +199,16 @@ class BatchBuilder:
             )
         return batch
 
+    def _check_moves_own_buffers(self) -> None:
+        """`advance_one_token` and `start_chain` run inside graphs, whose replays move the buffers without
+        `num_builds` knowing: a builder that moves its last verify batch on must never see them."""
+        if self._move_verify:
+            raise ValueError(
+                "move_verify: this builder moves its last verify batch on, which a graph replay of "
+                "advance_one_token / start_chain would invalidate unseen (a drafter's backend: build it "
+                "without move_verify)"
+            )
+
     def _move_last_verify(
         self, req_rows: ReqRows, block_tokens: Tensor, prefix_lens: Sequence[int] | Tensor, pad_to: int | None
     ) -> ForwardBatch | None:
@@ -215,6 +225,8 @@ class BatchBuilder:
             or last.num_builds != self.num_builds
             or isinstance(prefix_lens, Tensor)
             or rows is None
+            or req_rows.bound != self.pool.plan.max_num_seqs  # another pool's rows: the build says so
+            or not (pad_to is None or type(pad_to) is int)  # a bad pad_to: the build says so
             or tuple(rows) != last.rows
             or pad_to != last.pad_to
             or block_tokens.shape[1] != last.batch.verify_len
@@ -251,7 +263,7 @@ class BatchBuilder:
             page_table=b.page_table,
             steps=to_device(steps + [0] * b.num_padded, dtype=torch.int32, device=dev),
             input_ids=b.input_ids,
-            tokens=block_tokens.to(device=dev, dtype=torch.int64),
+            tokens=to_device(block_tokens, dtype=torch.int64, device=dev),
             page_size=size,
         )
         self.num_builds += 1
@@ -293,6 +305,7 @@ class BatchBuilder:
         recurrent state to scratch, so a next position would not see it).
         """
         check_advance(batch, self.kinds)
+        self._check_moves_own_buffers()
         self.num_builds += 1
         advance_in_place(batch, page_size=self.pool.plan.page_size)
 
@@ -310,6 +323,7 @@ class BatchBuilder:
             tokens are the caller's to write.
         """
         check_chain_start(batch, at, self.kinds)
+        self._check_moves_own_buffers()
         self.num_builds += 1
         return chain_after_block(batch, at, page_size=self.pool.plan.page_size)
 

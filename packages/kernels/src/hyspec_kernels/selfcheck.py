@@ -300,7 +300,11 @@ def build_cases(device: str) -> dict[str, Case]:
             "input_ids": i64([0] * 9),
         }
         advance_verify(
-            **out,
+            positions=out["positions"],
+            kv_slots=out["kv_slots"],
+            prefix_lens=out["prefix_lens"],
+            kv_lens=out["kv_lens"],
+            input_ids=out["input_ids"],
             page_table=table,
             steps=idx([3, 1, 0]),
             tokens=i64([[5, 6, 7], [8, 9, 10]]),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hyspec_kernels._checks import Backend, check_tensor, implementation
+from hyspec_kernels._checks import Backend, check_tensor, implementation, value_checks
 from hyspec_kernels.advance.reference import advance_verify_reference
 from hyspec_kernels.advance.torch_impl import advance_verify_torch
 
@@ -29,6 +29,7 @@ def advance_verify(
     tokens: torch.Tensor,
     page_size: int,
     backend: Backend = "auto",
+    check_values: bool | None = None,
 ) -> None:
     """Moves a chain verify batch of N rows and D tokens per row on, in place.
 
@@ -41,6 +42,9 @@ def advance_verify(
         input_ids: [N * D] int64; its first M * D entries become `tokens`.
         tokens: [M, D] int64 with M <= N, the next blocks of the first M rows.
         page_size: positions per KV page.
+        backend: "auto" (Triton on CUDA, the torch path elsewhere), "reference", "torch" or "triton".
+        check_values: the rule of the value checks (`value_checks`: always on the CPU, on CUDA when asked;
+            they read the device): steps >= 0 and every moved position on a page of the page table.
     """
     steps = check_tensor("steps", steps, ("N",), dtypes=(torch.int32,))
     n, dev = int(steps.shape[0]), steps.device
@@ -61,6 +65,8 @@ def advance_verify(
         raise ValueError(f"tokens: expected at most N = {n} rows, got {list(tokens.shape)}")
     if page_size < 1 or page_table.shape[1] < 1:
         raise ValueError(f"page_size, page_table: expected >= 1 and pages, got {page_size}")
+    if value_checks(dev, check_values):
+        _check_values(positions, page_table, steps, page_size)
     fn = implementation(
         backend,
         dev,
@@ -79,6 +85,24 @@ def advance_verify(
         tokens=tokens,
         page_size=page_size,
     )
+
+
+def _check_values(
+    positions: torch.Tensor, page_table: torch.Tensor, steps: torch.Tensor, page_size: int
+) -> None:
+    """Steps >= 0, and every position a moved row reaches inside the page table and on a page (>= 0): the
+    kernels would write a wrong KV slot otherwise."""
+    if bool((steps < 0).any()):
+        raise ValueError(f"steps: expected values >= 0, got {steps.tolist()}")
+    n = int(steps.shape[0])
+    moved = steps > 0  # [N]
+    cols = (positions.view(n, -1) + steps.long()[:, None]) // page_size  # [N, D]
+    inside = cols < page_table.shape[1]
+    pages = page_table.long().gather(1, cols.clamp(max=page_table.shape[1] - 1))
+    if not bool((inside & (pages >= 0))[moved].all()):
+        raise ValueError(
+            "page_table: expected a page for every position a moved row reaches (the caller maps them first)"
+        )
 
 
 def _triton() -> object:
