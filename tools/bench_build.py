@@ -2,7 +2,8 @@
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench_build.py [--iters 100]
 
-For each batch kind (DECODE and chain / tree TARGET_VERIFY padded to a graph size, a ragged EXTEND) prints:
+For each batch kind (DECODE and chain / tree TARGET_VERIFY padded to a graph size, a chain verify batch moved
+on from the last round's instead of built, `move_verify`, a ragged EXTEND) prints:
 the host time of one build (builds queued back to back, as in serving; the median over rounds of their mean),
 the device operations one build queues (kernel launches, copies and memsets, counted by the profiler's CUDA
 runtime events), and whether the build runs under `torch.cuda.set_sync_debug_mode("error")` (it raises on
@@ -30,7 +31,9 @@ TYPES = ["linear_attention", "full_attention"]
 DEVICE_OPS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync", "cudaMemsetAsync", "cudaMemcpy2DAsync")
 
 
-def _backend(max_num_seqs: int, page_size: int, max_context: int, d: int) -> HybridBackend:
+def _backend(
+    max_num_seqs: int, page_size: int, max_context: int, d: int, *, move_verify: bool = False
+) -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
         max_context=max_context,
@@ -42,7 +45,7 @@ def _backend(max_num_seqs: int, page_size: int, max_context: int, d: int) -> Hyb
         dtypes=StateDtypes(kv=torch.bfloat16, conv=torch.bfloat16),
     )
     pool = HybridStatePool(plan, device="cuda")
-    return HybridBackend(pool, layers=LAYERS, layer_types=TYPES)
+    return HybridBackend(pool, layers=LAYERS, layer_types=TYPES, move_verify=move_verify)
 
 
 def _count_ops(build: Callable[[], ForwardBatch]) -> int:
@@ -124,6 +127,23 @@ def main() -> None:
                 q_lens=q,
                 prefix_lens=[p - 600 for p in prefix],
             )
+        # a round's verify batch of the same rows, each one token further than the last (as after a round that
+        # accepted nothing): moved on in place after the first build
+        moving = _backend(64, args.page_size, args.max_context, d, move_verify=True)
+        moving.pool.alloc_detached_slots(1)
+        moving.pool.alloc(ids)
+        calls = 20 + 7 * args.iters + 4  # warm-up, timing rounds, op count and sync check
+        moving.pool.ensure_kv_capacity(ids, [p + d + calls for p in prefix])
+        moved_rows = moving.pool.req_rows(ids)
+        at = [list(prefix)]
+
+        def moved() -> ForwardBatch:
+            at[0] = [p + 1 for p in at[0]]
+            return moving.prepare_verify(
+                req_rows=moved_rows, block_tokens=dev_block, prefix_lens=at[0], pad_to=pad
+            )
+
+        cases["verify chain moved on"] = moved
         for name, build in cases.items():
             for _ in range(20):
                 build()  # warm-up
