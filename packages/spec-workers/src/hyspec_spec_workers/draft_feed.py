@@ -52,13 +52,11 @@ class _Rows:
 
 @dataclass(frozen=True, slots=True)
 class _RunRows:
-    """A request's waiting tokens in a run of decode records (`_Run`): row `row` of records [first, first +
-    count), one token per record."""
+    """A request's waiting tokens in a closed run of decode records (`_Run`): row `row` of every record, one
+    token per record (a run closes before any member leaves it, so each member's piece is the whole run)."""
 
     records: list[_Record]
     row: int
-    first: int
-    count: int
 
 
 @dataclass(slots=True)
@@ -149,8 +147,8 @@ class DraftFeed:
         (once for the whole forward): a CUDA graph's outputs are overwritten by its next replay.
 
         A decode forward of the same requests, in the same order, each one position on from the last one's
-        (the steady state of an engine whose requests draft nothing) extends the open run: no work per
-        request."""
+        (the steady state of an engine whose requests draft nothing) extends the open run: no per-request
+        bookkeeping."""
         n = len(req_ids)
         if not len(start_positions) == len(num_tokens) == n:
             raise ValueError(
@@ -230,7 +228,7 @@ class DraftFeed:
         m = len(run.records)
         for w in run.members:
             if w.run_row >= 0:
-                w.pieces.append(_RunRows(run.records, w.run_row, 0, m))
+                w.pieces.append(_RunRows(run.records, w.run_row))
                 w.num_tokens += m
                 w.run_row = -1
 
@@ -289,8 +287,7 @@ class DraftFeed:
                     base = bases[id(piece.records)] = size
                     stack.extend(piece.records)
                     size += width * len(piece.records)
-                at = base + piece.first * width + piece.row
-                rows += range(at, at + piece.count * width, width)
+                rows += range(base + piece.row, base + len(piece.records) * width, width)
 
         def gather(parts: list[torch.Tensor]) -> torch.Tensor:
             whole = parts[0] if len(parts) == 1 else torch.cat(parts)
