@@ -138,6 +138,7 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
             ("  commit_after_verify", runner, "commit_after_verify"),
             ("  accepted_path", verify_mod, "accepted_path"),
             ("  to_verified", verify_mod, "to_verified"),
+            ("  _propose_after", verify_mod, "_propose_after"),
             ("  trim_draft", round_mod, "trim_draft"),
             ("  decode (no drafts)", runner, "decode"),
         ]
@@ -148,6 +149,7 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
             targets += [
                 ("  chain.draft", chain, "draft"),
                 # the next round's proposal queued right after a greedy verify, and its drafts taken
+                ("  feed.chain_after_verify", spec.feed, "chain_after_verify"),
                 ("  chain.draft_after_verify", chain, "draft_after_verify"),
                 ("  chain.settle", chain, "settle"),
                 ("  chain.take_prepared", chain, "take_prepared"),
@@ -179,18 +181,20 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
     saved = [(obj, attr, getattr(obj, attr)) for _, obj, attr in targets]
     for name, obj, attr in targets:
         setattr(obj, attr, timed(name, getattr(obj, attr)))
-    # HostRound.read: the round's one device read (its wait for the verify's GPU work included)
-    from hyspec_spec_workers.choose import HostRound
+    # the round's one device read: queued (HostRound.start), then waited for (PendingRound.wait, its wait for
+    # the verify's GPU work included)
+    from hyspec_spec_workers.choose import HostRound, PendingRound
 
-    read = HostRound.__dict__["read"]
-    HostRound.read = staticmethod(timed("  HostRound.read", HostRound.read))  # type: ignore[method-assign]
+    start, wait = HostRound.__dict__["start"], PendingRound.wait
+    HostRound.start = staticmethod(timed("  HostRound.start", HostRound.start))  # type: ignore[method-assign]
+    PendingRound.wait = timed("  PendingRound.wait", PendingRound.wait)  # type: ignore[method-assign]
     try:
         run()
     finally:
-        HostRound.read = read  # type: ignore[method-assign]
+        HostRound.start, PendingRound.wait = start, wait  # type: ignore[method-assign]
         for obj, attr, fn in reversed(saved):
             setattr(obj, attr, fn)
-    for name in [t[0] for t in targets] + ["  HostRound.read"]:
+    for name in [t[0] for t in targets] + ["  HostRound.start", "  PendingRound.wait"]:
         if calls[name]:
             med = sorted(each[name])[len(each[name]) // 2]
             print(

@@ -95,7 +95,20 @@ def test_chain_path_proposes_what_the_general_path_proposes(
     spec: dict[str, Any] = {"method": method, "num_speculative_tokens": S}
     if method == "eagle3":
         spec["model"] = str(t.eagle3())
-    fast, fast_shapes, drafter = _proposals(t, spec, general=False)
+    rewritten = [0]
+
+    def count_rewrites(d: Any) -> None:
+        builder = d.chain.pairs.kv.backend.builder
+        real = builder._move_last_verify
+
+        def counted(*a: Any) -> Any:
+            out = real(*a)
+            rewritten[0] += out is not None
+            return out
+
+        builder._move_last_verify = counted
+
+    fast, fast_shapes, drafter = _proposals(t, spec, general=False, hook=count_rewrites)
     slow, slow_shapes, _ = _proposals(t, spec, general=True)
     assert drafter.chain is not None  # the fast path exists for this drafter
     assert len(fast) == len(slow) > 0
@@ -109,6 +122,9 @@ def test_chain_path_proposes_what_the_general_path_proposes(
     # most proposals were queued right after the verify before them (the rest: a round after a prompt)
     assert c["start"] + c["taken"] == len(fast) and c["taken"] >= len(fast) // 2 > 0
     assert {d for _, d in slow_shapes} == set(range(1, S + 1))
+    # the first blocks of the same rows were the last block batch rewritten (`move_verify`), not built, in
+    # most proposals: after the in-place steps of the proposal before, with the general path's drafts
+    assert rewritten[0] >= (c["start"] + c["after"]) // 2 > 0
 
 
 def test_multi_layer_mtp_keeps_the_general_path(target: Callable[[str], Any]) -> None:

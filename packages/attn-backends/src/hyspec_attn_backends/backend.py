@@ -102,9 +102,9 @@ class HybridBackend:
             max_num_seqs · max(Dmax, 256)).
         mixed_steps: `prepare_mixed` is used (an engine step's prompt chunks beside its verify blocks): a
             second set of batch buffers is allocated for the chunks (needs verify scratch).
-        move_verify: a chain verify batch of the same rows as the last one, a few tokens on, is that batch
-            moved on in place (`BatchBuilder`'s `move_verify`: a target's; a drafter's graphs move their
-            batch buffers themselves).
+        move_verify: a chain verify batch of the same rows as the last one, at other positions, is that batch
+            rewritten in place (`BatchBuilder`'s `move_verify`: a speculative target's and a chained drafter's
+            block batches).
 
     Batches are built by its `BatchBuilder` (how they share preallocated buffers and what `num_builds`
     counts: see there; a MIXED step's by a `MixedBuilder` over two), the commit after verify is its

@@ -34,10 +34,12 @@ class BatchBuilder:
         max_num_seqs, max_tokens: size of the preallocated batch buffers (default: the pool's max_num_seqs and
             max_num_seqs · max(Dmax, 256)).
         kernel_checks: the kernels' value-check setting (`hyspec_kernels.value_checks`), for tree parents.
-        move_verify: a chain verify batch of the same rows as the last one built, each a few tokens on, is
-            that batch moved on in its buffers (`prepare_verify`) instead of built again. Only for a backend
-            whose batch buffers nothing but its `prepare_*` and `advance_*` writes (a drafter's proposal
-            graphs move theirs in place: not for those).
+        move_verify: a chain verify batch of the same rows as the last one built (same order, block length,
+            padding and state slots, its pages mapped) is that batch rewritten at the new prefixes in its
+            buffers (`prepare_verify`, `hyspec_kernels.advance_verify`) instead of built again. The rewrite
+            writes every field but the page table (re-uploaded for rows whose pages changed), state slots and
+            batch rows, which only a build writes: a drafter's graphs may step the batch on in between
+            (`advance_one_token`, `start_chain`).
 
     Every batch lives in the same preallocated buffers (so CUDA graphs can read them): preparing a batch, or
     advancing one in place, overwrites the previous one. `num_builds` counts those writes, so a batch
@@ -58,6 +60,9 @@ class BatchBuilder:
     ) -> None:
         self.pool = pool
         self.num_builds = 0
+        # builds that may write the page table, state slots or batch rows (`prepare_*`, not the in-place steps
+        # of a drafter's graphs nor a rewrite of the last verify batch): `_move_last_verify` needs none since
+        self._layout_builds = 0
         self.kinds = tuple(kinds)
         plan = pool.plan
         self.max_verify_len = plan.max_draft_tokens if plan.draft_shape is not None else 0
@@ -191,38 +196,27 @@ class BatchBuilder:
             self._last_verify = _LastVerify(
                 batch,
                 tuple(rows),
-                [int(p) for p in prefix_lens],
                 pad_to,
                 [table.row_versions[r] for r in rows],
                 [table.host_row_to_slot[r] for r in rows],
-                self.num_builds,
+                self._layout_builds,
             )
         return batch
-
-    def _check_moves_own_buffers(self) -> None:
-        """`advance_one_token` and `start_chain` run inside graphs, whose replays move the buffers without
-        `num_builds` knowing: a builder that moves its last verify batch on must never see them."""
-        if self._move_verify:
-            raise ValueError(
-                "move_verify: this builder moves its last verify batch on, which a graph replay of "
-                "advance_one_token / start_chain would invalidate unseen (a drafter's backend: build it "
-                "without move_verify)"
-            )
 
     def _move_last_verify(
         self, req_rows: ReqRows, block_tokens: Tensor, prefix_lens: Sequence[int] | Tensor, pad_to: int | None
     ) -> ForwardBatch | None:
-        """The last chain verify batch moved on to these prefixes (`hyspec_kernels.advance_verify`: one launch
-        and one small copy instead of a build) when it is that batch a few tokens on: nothing written into
-        the buffers since, the same rows in the same order at the same block length and padding, each row
-        1..D tokens further on its same state slot, every new position on a page. Rows whose pages changed
-        since (a page mapped at a page boundary) get their page-table rows uploaded again. Else None (the
-        caller builds it)."""
+        """The last chain verify batch rewritten at these prefixes (`hyspec_kernels.advance_verify`: one
+        launch and one small copy instead of a build) when it is that batch at other positions: no other build
+        since (`_layout_builds`: graph steps of the batch in place do not count, the rewrite covers what they
+        write), the same rows in the same order at the same block length and padding, each on its same state
+        slot, every new position on a page. Rows whose pages changed since (a page mapped at a page
+        boundary) get their page-table rows uploaded again. Else None (the caller builds it)."""
         last = self._last_verify
         rows = req_rows.host_values
         if (
             last is None
-            or last.num_builds != self.num_builds
+            or last.num_builds != self._layout_builds
             or isinstance(prefix_lens, Tensor)
             or rows is None
             or req_rows.bound != self.pool.plan.max_num_seqs  # another pool's rows: the build says so
@@ -234,13 +228,11 @@ class BatchBuilder:
             return None
         d, table = last.batch.verify_len, self.pool.table
         size, width = table.page_size, table.width
-        steps: list[int] = []
+        prefix: list[int] = []
         remapped = False
-        for row, p, q, version, slot in zip(
-            rows, prefix_lens, last.prefix, last.versions, last.slots, strict=True
-        ):
-            if not (q > 0 and 1 <= p - q <= d and p + d <= width):
-                return None
+        for row, p, version, slot in zip(rows, prefix_lens, last.versions, last.slots, strict=True):
+            if not (type(p) is int and 0 <= p and p + d <= width):
+                return None  # a bad or too long prefix: the build says so
             if table.row_versions[row] != version:
                 if table.host_row_to_slot[row] != slot:
                     return None  # its state slot moved (the buffers hold the old one): built
@@ -248,7 +240,7 @@ class BatchBuilder:
             pages = table.host_pages[row]
             if (p + d - 1) // size >= len(pages) or min(pages[p // size : (p + d - 1) // size + 1]) < 0:
                 return None  # a position without a page: the build raises
-            steps.append(p - q)
+            prefix.append(p)
         b = last.batch
         dev = b.positions.device
         assert b.kv_slots is not None
@@ -260,19 +252,22 @@ class BatchBuilder:
             kv_slots=b.kv_slots.tensor,
             prefix_lens=b.prefix_lens,
             kv_lens=b.kv_lens,
+            q_lens=b.q_lens,
+            cu_seqlens_q=b.cu_seqlens_q,
+            has_initial_state=b.has_initial_state,
             page_table=b.page_table,
-            steps=to_device(steps + [0] * b.num_padded, dtype=torch.int32, device=dev),
+            prefix=to_device(prefix + [0] * b.num_padded, dtype=torch.int32, device=dev),
             input_ids=b.input_ids,
             tokens=to_device(block_tokens, dtype=torch.int64, device=dev),
             page_size=size,
         )
         self.num_builds += 1
-        last.prefix, last.num_builds = [int(p) for p in prefix_lens], self.num_builds
         return replace(b, req_rows=req_rows)
 
     def prepare_idle(self) -> ForwardBatch:
         """An empty batch (e.g. a data-parallel rank with no requests)."""
         self.num_builds += 1
+        self._layout_builds += 1
         b = self.buffers
         return ForwardBatch(
             mode=ForwardMode.IDLE,
@@ -305,7 +300,6 @@ class BatchBuilder:
         recurrent state to scratch, so a next position would not see it).
         """
         check_advance(batch, self.kinds)
-        self._check_moves_own_buffers()
         self.num_builds += 1
         advance_in_place(batch, page_size=self.pool.plan.page_size)
 
@@ -323,7 +317,6 @@ class BatchBuilder:
             tokens are the caller's to write.
         """
         check_chain_start(batch, at, self.kinds)
-        self._check_moves_own_buffers()
         self.num_builds += 1
         return chain_after_block(batch, at, page_size=self.pool.plan.page_size)
 
@@ -363,6 +356,7 @@ class BatchBuilder:
         batch_rows = self._batch_rows.head(h.num_seqs)  # 0..n-1, written once in __init__
 
         self.num_builds += 1  # from here on the buffers change
+        self._layout_builds += 1
         cu, q_view, prefix_view, kv_lens = b.write_lens(q_lens=h.q_lens, prefix_lens=h.prefix_lens)
         parents_view = mask_view = None
         if h.tree is None:
@@ -428,11 +422,10 @@ class _LastVerify:
 
     batch: ForwardBatch
     rows: tuple[int, ...]  # its request rows
-    prefix: list[int]  # [N] its rows' prefixes (live rows)
     pad_to: int | None
     versions: list[int]  # its rows' `RequestTable.row_versions` when its page-table rows were written
     slots: list[int]  # its rows' state slots
-    num_builds: int  # the builder's count right after it was written
+    num_builds: int  # the builder's `_layout_builds` right after it was written
 
 
 def static_max_q_len(batch: ForwardBatch) -> int | None:

@@ -5,8 +5,8 @@ Ops: gated delta rule (`gdn_prefill`, `gdn_decode`, `gdn_verify`), causal depthw
 `conv_decode`, `conv_verify`), state commit after verify (`commit_states`), attention over a paged KV cache
 (`store_kv`, `paged_attention`), GDN gating (`gdn_gating`), norms (`gated_rmsnorm`, `rms_norm`,
 `add_rms_norm`), SwiGLU's product (`silu_and_mul`), rotary embedding (`apply_rotary`) and a verify block's
-greedy walk with its stop / budget cut (`accept_walk`); a chain verify batch's metadata moved on by each row's
-committed tokens (`advance_verify`). The prefills also write states part-way through a
+greedy walk with its stop / budget cut (`accept_walk`); a chain verify batch's metadata written for its rows'
+next prefixes (`advance_verify`). The prefills also write states part-way through a
 sequence to spare slots (`StateSave`).
 `python -m hyspec_kernels.selfcheck` runs each against its reference.
 """

@@ -283,37 +283,42 @@ def build_cases(device: str) -> dict[str, Case]:
 
     cases["accept_walk (tree, stop, budget, padded chain)"] = accept_case
 
-    # a chain verify batch of two live rows (D = 3, pages of 4: the first row's block crosses into its next
-    # page) and a padded row, moved on by 3, 1 and 0 tokens
+    # a chain verify batch of two live rows (D = 3, pages of 4) and a padded row, its fields stale (as a
+    # drafter's graph leaves them), written at new prefixes 9 and 14: the first row's block crosses a page
     def advance_case(be: Backend) -> Result:
-        positions = i64([6, 7, 8, 13, 14, 15, 0, 1, 2])
         table = torch.tensor(
             [[3, 9, 5, 2, 7], [4, 8, 1, 6, 0], [-1, -1, -1, -1, -1]], dtype=torch.int32, device=device
         )
-        slots = (table.long().gather(1, positions.view(3, 3) // 4) * 4 + positions.view(3, 3) % 4).view(-1)
-        slots[6:] = -1
         out = {
-            "positions": positions,
-            "kv_slots": slots.to(torch.int32),
-            "prefix_lens": idx([6, 13, 0]),
-            "kv_lens": idx([9, 16, 0]),
-            "input_ids": i64([0] * 9),
+            "positions": i64([7] * 9),
+            "kv_slots": torch.full((9,), 5, dtype=torch.int32, device=device),
+            "prefix_lens": idx([1, 1, 1]),
+            "kv_lens": idx([2, 2, 2]),
+            "q_lens": idx([1, 1, 1]),
+            "cu_seqlens_q": idx([0, 1, 2, 3]),
+            "has_initial_state": torch.zeros(3, dtype=torch.bool, device=device),
+            "input_ids": i64([4] * 9),
         }
         advance_verify(
             positions=out["positions"],
             kv_slots=out["kv_slots"],
             prefix_lens=out["prefix_lens"],
             kv_lens=out["kv_lens"],
+            q_lens=out["q_lens"],
+            cu_seqlens_q=out["cu_seqlens_q"],
+            has_initial_state=out["has_initial_state"],
             input_ids=out["input_ids"],
             page_table=table,
-            steps=idx([3, 1, 0]),
+            prefix=idx([9, 14, 3]),
             tokens=i64([[5, 6, 7], [8, 9, 10]]),
             page_size=4,
             backend=be,
         )
         return out
 
-    cases["advance_verify (chain batch moved on, page crossing, padded row)"] = advance_case
+    cases["advance_verify (chain batch at new prefixes over stale fields, page crossing, padded row)"] = (
+        advance_case
+    )
     return cases
 
 

@@ -215,7 +215,7 @@ class HyspecModelRunner:
             max_num_seqs=max_num_seqs,
             max_tokens=max(step_capacity(args, max_num_seqs, self._max_model_len), max_num_seqs * dmax),
             mixed_steps=spec_config is not None,
-            # a round's verify batch is the last round's moved on (no graph of the target moves its buffers)
+            # a round's verify batch is the last round's rewritten at the new prefixes
             move_verify=spec_config is not None,
         )
         self._sampler = Sampler(self._device, seed=args.seed)

@@ -212,12 +212,37 @@ class HostRound:
 
     @staticmethod
     def read(res: VerifyResult, *, with_paths: bool) -> HostRound:
-        d = res.output_tokens.shape[1]
+        return HostRound.start(res, with_paths=with_paths).wait()
+
+    @staticmethod
+    def start(res: VerifyResult, *, with_paths: bool) -> PendingRound:
+        """The outcome's copy to the host, queued now (`PendingRound.wait` reads it): work the caller queues
+        after this call (a next proposal) is not waited for."""
         parts = [res.num_accepted[:, None], res.output_tokens] + ([res.accept_index] if with_paths else [])
-        rows = torch.cat(parts, dim=1).tolist()  # [N, 1 + D (+ D)], one device read
+        return PendingRound(torch.cat(parts, dim=1), res.output_tokens.shape[1], with_paths)
+
+
+class PendingRound:
+    """A round's outcome on its way to the host (`HostRound.start`): on CUDA one non-blocking copy into
+    pinned memory and an event behind it, so `wait` waits for the work queued before the copy only."""
+
+    def __init__(self, packed: torch.Tensor, block_size: int, with_paths: bool) -> None:
+        self._d, self._with_paths = block_size, with_paths
+        self._event: torch.cuda.Event | None = None
+        self._packed = packed  # [N, 1 + D (+ D)] int64
+        if packed.device.type == "cuda":
+            self._packed = packed.to("cpu", non_blocking=True)  # pinned by torch for a non-blocking copy
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record()
+
+    def wait(self) -> HostRound:
+        if self._event is not None:
+            self._event.synchronize()
+        d = self._d
+        rows = self._packed.tolist()  # [N, 1 + D (+ D)], the round's one device read
         acc = [int(r[0]) for r in rows]
         tokens = [r[1 : 2 + k] for r, k in zip(rows, acc, strict=True)]
-        paths = [r[1 + d :] for r in rows] if with_paths else None
+        paths = [r[1 + d :] for r in rows] if self._with_paths else None
         return HostRound(acc, tokens, paths)
 
 

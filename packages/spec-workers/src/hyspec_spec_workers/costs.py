@@ -9,7 +9,7 @@ exponential averages of a draft step, a verify forward per block size and a catc
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -267,15 +267,18 @@ class DraftClock:
     """Times a round's drafting without making the host wait for it.
 
     On CUDA two events on the stream bracket each drafting interval (the proposal, and the next round's
-    proposal queued right after the verify, `round_verify.py`); their intervals are read after the round's
-    one host read (everything queued is done by then), so the host queues the verify forward while the
-    device still drafts. The verify cost is the rest of the round's wall time. On the CPU the proposals'
-    wall time.
+    proposal queued right after the verify, `round_verify.py`), and `seconds` sums the finished ones: the
+    host queues the verify forward while the device still drafts, and reads the round's outcome before the
+    proposal queued behind it is done. An interval still running is left to the next round's clock
+    (`unfinished`, passed on as `carried`). The verify cost is the rest of the round's wall time. On the CPU
+    the proposals' wall time.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(
+        self, device: torch.device, carried: Sequence[tuple[torch.cuda.Event, torch.cuda.Event]] = ()
+    ) -> None:
         self._cuda = device.type == "cuda"
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = list(carried)
         self._t0 = self._wall = 0.0
 
     def start(self) -> None:
@@ -291,7 +294,16 @@ class DraftClock:
         self._wall += time.perf_counter() - self._t0
 
     def seconds(self) -> float:
-        """Every interval's seconds, summed."""
-        if self._events:
-            return sum(float(a.elapsed_time(b)) for a, b in self._events) / 1e3
+        """Every finished interval's seconds, summed (each counted once: `unfinished` keeps the others)."""
+        if self._cuda:
+            # b done: a is too (one stream)
+            finished = [b.query() for _, b in self._events]  # type: ignore[no-untyped-call]
+            done = [e for e, f in zip(self._events, finished, strict=True) if f]
+            self._events = [e for e, f in zip(self._events, finished, strict=True) if not f]
+            return sum(float(a.elapsed_time(b)) for a, b in done) / 1e3
         return self._wall
+
+    @property
+    def unfinished(self) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
+        """The intervals `seconds` has not counted yet: for the next round's clock."""
+        return list(self._events)

@@ -108,7 +108,11 @@ class DraftKV:
             dtypes=StateDtypes(kv=kv, conv=kv),
         )
         self.pool = HybridStatePool(plan, device=device)
-        self.backend = HybridBackend(self.pool, layers=layers, layer_types=["full_attention"] * len(layers))
+        # a chained drafter's block batch of the same rows round after round is the last one rewritten at the
+        # new lengths (`move_verify`: one launch instead of a build, also after its graphs stepped it on)
+        self.backend = HybridBackend(
+            self.pool, layers=layers, layer_types=["full_attention"] * len(layers), move_verify=True
+        )
         self.lengths: dict[Hashable, int] = {}
         self.lag = lag
         self.max_block = max_block

@@ -107,6 +107,8 @@ class SpeculativeRound:
         # plain rounds of idle requests, counted and reported at once (forgotten with the controller)
         self.idle = None if self.adaptive is None else IdleRounds(self.adaptive)
         self.costs = CostTracker()
+        # drafting intervals still on the device at the last round's end (`DraftClock.unfinished`)
+        self._draft_carry: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.timer = RoundTimer(self.costs, cost_aware=cfg is not None and cfg.cost_aware)
         if self._start_up_catch_up is not None:
             self.costs.record_catch_up(self._start_up_catch_up)
@@ -304,7 +306,7 @@ class SpeculativeRound:
         if shares_forward and timing:
             raise ValueError("shares_forward: this round times a plain step, which must run alone")
         steps = self.draft_lengths(rows)
-        clock = DraftClock(target.device)
+        clock = DraftClock(target.device, self._draft_carry)
         draft: DraftOutput | None = None
         on_host: DraftOnHost | None = None  # constrained rounds: the draft on its way to the host
         t0 = time.perf_counter()
@@ -345,13 +347,15 @@ class SpeculativeRound:
             timing_next = self._forced is None and self.timer.next_is_timing()
             propose_next = not timing_next and (self.adaptive is None or min(steps) > 0)
             results, block = self._verify(target, rows, draft, on_host, propose_next, clock)
-            # the round's outcome has been read: the device is done, the drafting time can be read
+            # the round's outcome has been read: what the device drafted before it is done (a proposal
+            # queued after the verify may still run: the next round's clock counts it)
             drafting = clock.seconds()
-            rest = time.perf_counter() - t0 - drafting
+            rest = max(0.0, time.perf_counter() - t0 - drafting)
             self.timer.drafted(max(steps), block, drafting, rest if timed else None)
             num_acc = [r.num_accepted for r in results]
         if not timed and not shares_forward:  # a catch-up round of its own
             self.timer.catch_up(time.perf_counter() - t0, max(steps))
+        self._draft_carry = clock.unfinished
         self.timer.end_round()
         if self.adaptive is not None and not timing and self._forced is None:
             self._observe(ids, num_acc)

@@ -76,6 +76,9 @@ def verify_round(
         # token choice and commit as one function of tensors: a graphed target replays it
         tail = greedy_tail_result(target, batch, hidden, nodes, stop_ids, budgets)
         if tail is not None:
+            # the outcome goes to the host first: the read below then waits for the verify and the tail, not
+            # for the next proposal queued behind them, which the device runs while the host goes on
+            pending = HostRound.start(tail, with_paths=False)
             # a chain drafter proposes the next round now, from the verify's outputs, queued behind it
             after = (
                 feed is not None
@@ -95,7 +98,7 @@ def verify_round(
                     clock,
                 )
             )
-            host = HostRound.read(tail, with_paths=False)  # the round's one read of its outcome
+            host = pending.wait()  # the round's one read of its outcome
             if feed is not None and after:
                 feed.settle(host.num_accepted, [t[-1] for t in host.tokens])
             elif feed is not None:

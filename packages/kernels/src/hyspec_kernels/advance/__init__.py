@@ -1,4 +1,4 @@
-"""A chain verify batch's metadata moved on in place by each row's committed tokens (`advance_verify`)."""
+"""A chain verify batch's metadata written in place for its rows' next prefixes (`advance_verify`)."""
 
 from hyspec_kernels.advance.op import advance_verify
 

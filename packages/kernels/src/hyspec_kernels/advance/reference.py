@@ -1,12 +1,12 @@
-"""Readable reference of `advance_verify`: a chain verify batch moved on by each row's committed tokens.
+"""Readable reference of `advance_verify`: a chain verify batch moved on to its rows' next prefixes.
 
-A chain TARGET_VERIFY batch of N rows (live, then padded) holds, per row i, D tokens at positions
-`prefix[i] .. prefix[i] + D - 1`, their KV slots (-1 on padded rows), `prefix_lens` and
-`kv_lens = prefix + D`.
-After the round commits `steps[i]` tokens of row i, the next round's block of the same rows starts `steps[i]`
-positions later: every position, both lengths and every KV slot (the new position's, from the batch's own
-page table: `page * page_size + pos % page_size`) move on; rows with `steps[i] = 0` (padded ones) stay as
-they are. The first rows' input tokens become the next block's tokens.
+A chain TARGET_VERIFY batch of N rows (M live, then padded) holds, per live row i, D tokens at positions
+`prefix[i] .. prefix[i] + D - 1`, their KV slots (the position's page from the batch's own page table:
+`page * page_size + pos % page_size`), `prefix_lens = prefix`, `kv_lens = prefix + D`, `q_lens = D`,
+`has_initial_state = prefix > 0` and its block's tokens; a padded row sits at prefix 0 with KV slots -1 and
+token 0; `cu_seqlens_q[i] = i * D`. After a round commits, the next round's block of the same rows starts at
+the new prefixes: every one of those fields is written from the prefixes and the page table alone, so
+whatever the buffers held in between (a drafter's graph steps them on in place) does not matter.
 """
 
 from __future__ import annotations
@@ -16,26 +16,35 @@ import torch
 
 def advance_verify_reference(
     *,
-    positions: torch.Tensor,  # [N * D] int64, in place
-    kv_slots: torch.Tensor,  # [N * D] int32, in place
-    prefix_lens: torch.Tensor,  # [N] int32, in place
-    kv_lens: torch.Tensor,  # [N] int32, in place
+    positions: torch.Tensor,  # [N * D] int64, written
+    kv_slots: torch.Tensor,  # [N * D] int32, written
+    prefix_lens: torch.Tensor,  # [N] int32, written
+    kv_lens: torch.Tensor,  # [N] int32, written
+    q_lens: torch.Tensor,  # [N] int32, written
+    cu_seqlens_q: torch.Tensor,  # [N + 1] int32, written
+    has_initial_state: torch.Tensor,  # [N] bool, written
     page_table: torch.Tensor,  # [N, P] int32
-    steps: torch.Tensor,  # [N] int32 >= 0
-    input_ids: torch.Tensor,  # [N * D] int64, in place: its first M * D entries
-    tokens: torch.Tensor,  # [M, D] int64, M <= N
+    prefix: torch.Tensor,  # [N] int32 >= 0, the new prefixes (padded rows' entries ignored)
+    input_ids: torch.Tensor,  # [N * D] int64, written
+    tokens: torch.Tensor,  # [M, D] int64, M <= N: the live rows' blocks
     page_size: int,
 ) -> None:
-    n = int(steps.shape[0])
+    n = int(prefix.shape[0])
     d = int(positions.shape[0]) // max(n, 1)
-    for i in range(n):
-        s = int(steps[i])
-        if s > 0:
-            for j in range(d):
-                pos = int(positions[i * d + j]) + s
-                positions[i * d + j] = pos
-                kv_slots[i * d + j] = int(page_table[i, pos // page_size]) * page_size + pos % page_size
-            prefix_lens[i] += s
-            kv_lens[i] += s
     m = int(tokens.shape[0])
-    input_ids[: m * d] = tokens.reshape(-1)
+    for i in range(n):
+        live = i < m
+        p = int(prefix[i]) if live else 0
+        for j in range(d):
+            pos = p + j
+            positions[i * d + j] = pos
+            kv_slots[i * d + j] = (
+                int(page_table[i, pos // page_size]) * page_size + pos % page_size if live else -1
+            )
+            input_ids[i * d + j] = int(tokens[i, j]) if live else 0
+        prefix_lens[i] = p
+        kv_lens[i] = p + d
+        q_lens[i] = d
+        has_initial_state[i] = p > 0
+        cu_seqlens_q[i + 1] = (i + 1) * d
+    cu_seqlens_q[0] = 0

@@ -11,24 +11,32 @@ def advance_verify_torch(
     kv_slots: torch.Tensor,
     prefix_lens: torch.Tensor,
     kv_lens: torch.Tensor,
+    q_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    has_initial_state: torch.Tensor,
     page_table: torch.Tensor,
-    steps: torch.Tensor,
+    prefix: torch.Tensor,
     input_ids: torch.Tensor,
     tokens: torch.Tensor,
     page_size: int,
 ) -> None:
     """The reference's result (`reference.py`), arguments as there."""
-    n = int(steps.shape[0])
+    n = int(prefix.shape[0])
     d = int(positions.shape[0]) // max(n, 1)
-    moved = steps > 0  # [N] bool
-    pos = positions.view(n, d) + steps.long()[:, None]  # [N, D]
-    # a row that stays (padded) may index anywhere: its pages are never used
+    m = int(tokens.shape[0])
+    dev = prefix.device
+    live = torch.arange(n, device=dev) < m  # [N] bool
+    p = torch.where(live, prefix, 0)  # [N] int32
+    pos = p.long()[:, None] + torch.arange(d, device=dev)[None, :]  # [N, D]
+    # a padded row may index anywhere: its KV slots are -1
     cols = (pos // page_size).clamp_(0, page_table.shape[1] - 1)
     slots = page_table.long().gather(1, cols) * page_size + pos % page_size  # [N, D]
-    kv = kv_slots.view(n, d)
-    kv.copy_(torch.where(moved[:, None], slots, kv.long()))
+    kv_slots.view(n, d).copy_(torch.where(live[:, None], slots, -1))
     positions.view(n, d).copy_(pos)
-    prefix_lens.add_(steps)
-    kv_lens.add_(steps)
-    m = int(tokens.shape[0])
+    prefix_lens.copy_(p)
+    kv_lens.copy_(p + d)
+    q_lens.fill_(d)
+    has_initial_state.copy_(p > 0)
+    cu_seqlens_q.copy_(torch.arange(n + 1, device=dev, dtype=torch.int32) * d)
     input_ids[: m * d].copy_(tokens.reshape(-1))
+    input_ids[m * d :].zero_()

@@ -9,17 +9,20 @@ import triton.language as tl
 from ..jit import jit_varying
 
 
-@jit_varying("num_tokens_rows")
+@jit_varying("num_live")
 def advance_verify_kernel(  # type: ignore[no-untyped-def]
     positions_ptr,  # [N * D] int64
     kv_slots_ptr,  # [N * D] int32
-    prefix_ptr,  # [N] int32
+    prefix_lens_ptr,  # [N] int32
     kv_lens_ptr,  # [N] int32
+    q_lens_ptr,  # [N] int32
+    cu_ptr,  # [N + 1] int32
+    has_initial_ptr,  # [N] bool
     page_table_ptr,  # [N, P] int32, row stride s_pt
-    steps_ptr,  # [N] int32
+    prefix_ptr,  # [N] int32
     input_ids_ptr,  # [N * D] int64
     tokens_ptr,  # [M, D] int64 contiguous
-    num_tokens_rows,  # M
+    num_live,  # M
     s_pt,
     num_pages,
     D: tl.constexpr,
@@ -29,18 +32,24 @@ def advance_verify_kernel(  # type: ignore[no-untyped-def]
     i = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BD)
     m = o < D
-    s = tl.load(steps_ptr + i)
-    if s > 0:
-        pos = tl.load(positions_ptr + i * D + o, mask=m, other=0) + s
-        col = tl.minimum(pos // PAGE, num_pages - 1)
-        page = tl.load(page_table_ptr + i * s_pt + col, mask=m, other=0).to(tl.int64)
-        tl.store(positions_ptr + i * D + o, pos, mask=m)
-        tl.store(kv_slots_ptr + i * D + o, (page * PAGE + pos % PAGE).to(tl.int32), mask=m)
-        tl.store(prefix_ptr + i, tl.load(prefix_ptr + i) + s)
-        tl.store(kv_lens_ptr + i, tl.load(kv_lens_ptr + i) + s)
-    if i < num_tokens_rows:
-        tok = tl.load(tokens_ptr + i * D + o, mask=m, other=0)
-        tl.store(input_ids_ptr + i * D + o, tok, mask=m)
+    live = i < num_live
+    lm = m & ((o * 0 + i) < num_live)  # [BD] the live row's entries
+    p = tl.where(live, tl.load(prefix_ptr + i), 0)
+    pos = p.to(tl.int64) + o
+    col = tl.minimum(pos // PAGE, num_pages - 1)
+    page = tl.load(page_table_ptr + i * s_pt + col, mask=lm, other=0).to(tl.int64)
+    slot = tl.where(live, page * PAGE + pos % PAGE, -1)
+    tok = tl.load(tokens_ptr + i * D + o, mask=lm, other=0)
+    tl.store(positions_ptr + i * D + o, pos, mask=m)
+    tl.store(kv_slots_ptr + i * D + o, slot.to(tl.int32), mask=m)
+    tl.store(input_ids_ptr + i * D + o, tok, mask=m)
+    tl.store(prefix_lens_ptr + i, p)
+    tl.store(kv_lens_ptr + i, p + D)
+    tl.store(q_lens_ptr + i, D)
+    tl.store(has_initial_ptr + i, p > 0)
+    tl.store(cu_ptr + i + 1, ((i + 1) * D).to(tl.int32))
+    if i == 0:
+        tl.store(cu_ptr, 0)
 
 
 def advance_verify_triton(
@@ -49,19 +58,22 @@ def advance_verify_triton(
     kv_slots: torch.Tensor,
     prefix_lens: torch.Tensor,
     kv_lens: torch.Tensor,
+    q_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    has_initial_state: torch.Tensor,
     page_table: torch.Tensor,
-    steps: torch.Tensor,
+    prefix: torch.Tensor,
     input_ids: torch.Tensor,
     tokens: torch.Tensor,
     page_size: int,
 ) -> None:
     """The reference's result in one launch (arguments as there; the page table's rows may be strided)."""
-    n = int(steps.shape[0])
+    n = int(prefix.shape[0])
     if n == 0:
         return
     d = int(positions.shape[0]) // n
     advance_verify_kernel[(n,)](
-        positions, kv_slots, prefix_lens, kv_lens, page_table, steps, input_ids, tokens.contiguous(),
-        int(tokens.shape[0]), page_table.stride(0), page_table.shape[1],
-        D=d, BD=max(triton.next_power_of_2(d), 2), PAGE=page_size,
+        positions, kv_slots, prefix_lens, kv_lens, q_lens, cu_seqlens_q, has_initial_state, page_table,
+        prefix, input_ids, tokens.contiguous(), int(tokens.shape[0]), page_table.stride(0),
+        page_table.shape[1], D=d, BD=max(triton.next_power_of_2(d), 2), PAGE=page_size,
     )  # fmt: skip
