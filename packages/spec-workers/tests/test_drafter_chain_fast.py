@@ -98,15 +98,15 @@ def test_chain_path_proposes_what_the_general_path_proposes(
     rewritten = [0]
 
     def count_rewrites(d: Any) -> None:
-        builder = d.chain.pairs.kv.backend.builder
-        real = builder._move_last_verify
+        rewrite = d.chain.pairs.kv.backend.builder._rewrite
+        real = rewrite.rewrite
 
         def counted(*a: Any) -> Any:
             out = real(*a)
             rewritten[0] += out is not None
             return out
 
-        builder._move_last_verify = counted
+        rewrite.rewrite = counted
 
     fast, fast_shapes, drafter = _proposals(t, spec, general=False, hook=count_rewrites)
     slow, slow_shapes, _ = _proposals(t, spec, general=True)

@@ -8,14 +8,14 @@ place, overwrites the previous one; `num_builds` counts those writes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
-from hyspec_kernels import StateSave, advance_verify
+from hyspec_kernels import StateSave
 from hyspec_statepool.indices import ReqRows
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.positions import packed_positions
-from hyspec_statepool.transfer import host_staging, pin_for, to_device, upload, write_into
+from hyspec_statepool.transfer import host_staging, pin_for, upload, write_into
 from torch import Tensor
 
 from hyspec_attn_backends.advance import advance_in_place, chain_after_block, check_advance, check_chain_start
@@ -23,6 +23,7 @@ from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, check_tree_pa
 from hyspec_attn_backends.host_batch import host_batch
 from hyspec_attn_backends.layers import MixerKind
 from hyspec_attn_backends.modes import ForwardMode
+from hyspec_attn_backends.verify_rewrite import VerifyRewrite
 
 
 class BatchBuilder:
@@ -61,7 +62,7 @@ class BatchBuilder:
         self.pool = pool
         self.num_builds = 0
         # builds that may write the page table, state slots or batch rows (`prepare_*`, not the in-place steps
-        # of a drafter's graphs nor a rewrite of the last verify batch): `_move_last_verify` needs none since
+        # of a drafter's graphs nor a rewritten verify batch): `VerifyRewrite.rewrite` needs none since
         self._layout_builds = 0
         self.kinds = tuple(kinds)
         plan = pool.plan
@@ -81,8 +82,8 @@ class BatchBuilder:
         )
         # kernels' own value checks (hyspec_kernels.value_checks): the backend's setting
         self._kernel_checks = kernel_checks
-        self._move_verify = move_verify
-        self._last_verify: _LastVerify | None = None  # the last chain verify batch built (`move_verify`)
+        # the last chain verify batch built, rewritten at new prefixes when it is asked for again
+        self._rewrite = VerifyRewrite(pool) if move_verify else None
 
     def prepare_extend(
         self,
@@ -170,9 +171,10 @@ class BatchBuilder:
             )
         if tree_parents is not None:
             check_tree_parents(tree_parents, num_seqs=n, verify_len=d, check_values=self._kernel_checks)
-        elif self._move_verify:
-            moved = self._move_last_verify(req_rows, block_tokens, prefix_lens, pad_to)
+        elif self._rewrite is not None:
+            moved = self._rewrite.rewrite(req_rows, block_tokens, prefix_lens, pad_to, self._layout_builds)
             if moved is not None:
+                self.num_builds += 1
                 return moved
         batch = self._build(
             ForwardMode.TARGET_VERIFY,
@@ -184,85 +186,9 @@ class BatchBuilder:
             d,
             pad_to,
         )
-        rows = req_rows.host_values
-        self._last_verify = None
-        if (
-            self._move_verify
-            and tree_parents is None
-            and rows is not None
-            and not isinstance(prefix_lens, Tensor)
-        ):
-            table = self.pool.table
-            self._last_verify = _LastVerify(
-                batch,
-                tuple(rows),
-                pad_to,
-                [table.row_versions[r] for r in rows],
-                [table.host_row_to_slot[r] for r in rows],
-                self._layout_builds,
-            )
+        if self._rewrite is not None:
+            self._rewrite.remember(batch, req_rows, prefix_lens, tree_parents, pad_to, self._layout_builds)
         return batch
-
-    def _move_last_verify(
-        self, req_rows: ReqRows, block_tokens: Tensor, prefix_lens: Sequence[int] | Tensor, pad_to: int | None
-    ) -> ForwardBatch | None:
-        """The last chain verify batch rewritten at these prefixes (`hyspec_kernels.advance_verify`: one
-        launch and one small copy instead of a build) when it is that batch at other positions: no other build
-        since (`_layout_builds`: graph steps of the batch in place do not count, the rewrite covers what they
-        write), the same rows in the same order at the same block length and padding, each on its same state
-        slot, every new position on a page. Rows whose pages changed since (a page mapped at a page
-        boundary) get their page-table rows uploaded again. Else None (the caller builds it)."""
-        last = self._last_verify
-        rows = req_rows.host_values
-        if (
-            last is None
-            or last.num_builds != self._layout_builds
-            or isinstance(prefix_lens, Tensor)
-            or rows is None
-            or req_rows.bound != self.pool.plan.max_num_seqs  # another pool's rows: the build says so
-            or not (pad_to is None or type(pad_to) is int)  # a bad pad_to: the build says so
-            or tuple(rows) != last.rows
-            or pad_to != last.pad_to
-            or block_tokens.shape[1] != last.batch.verify_len
-        ):
-            return None
-        d, table = last.batch.verify_len, self.pool.table
-        size, width = table.page_size, table.width
-        prefix: list[int] = []
-        remapped = False
-        for row, p, version, slot in zip(rows, prefix_lens, last.versions, last.slots, strict=True):
-            if not (type(p) is int and 0 <= p and p + d <= width):
-                return None  # a bad or too long prefix: the build says so
-            if table.row_versions[row] != version:
-                if table.host_row_to_slot[row] != slot:
-                    return None  # its state slot moved (the buffers hold the old one): built
-                remapped = True  # its pages changed: the buffers' page-table row is stale
-            pages = table.host_pages[row]
-            if (p + d - 1) // size >= len(pages) or min(pages[p // size : (p + d - 1) // size + 1]) < 0:
-                return None  # a position without a page: the build raises
-            prefix.append(p)
-        b = last.batch
-        dev = b.positions.device
-        assert b.kv_slots is not None
-        if remapped:
-            upload(self.pool.host_page_table(req_rows, pad_to=b.num_seqs), b.page_table)
-            last.versions = [table.row_versions[r] for r in rows]
-        advance_verify(
-            positions=b.positions,
-            kv_slots=b.kv_slots.tensor,
-            prefix_lens=b.prefix_lens,
-            kv_lens=b.kv_lens,
-            q_lens=b.q_lens,
-            cu_seqlens_q=b.cu_seqlens_q,
-            has_initial_state=b.has_initial_state,
-            page_table=b.page_table,
-            prefix=to_device(prefix + [0] * b.num_padded, dtype=torch.int32, device=dev),
-            input_ids=b.input_ids,
-            tokens=to_device(block_tokens, dtype=torch.int64, device=dev),
-            page_size=size,
-        )
-        self.num_builds += 1
-        return replace(b, req_rows=req_rows)
 
     def prepare_idle(self) -> ForwardBatch:
         """An empty batch (e.g. a data-parallel rank with no requests)."""
@@ -366,10 +292,10 @@ class BatchBuilder:
             parents, mask, depth = h.tree  # [N, D], [N, D, D], [N, D] where the parents were
             parents_view = write_into(b.tree_parents, parents)
             mask_view = write_into(b.tree_mask, mask)
-            positions = self._tree_positions(h.prefix_lens, depth)
+            positions = _tree_positions(b, h.prefix_lens, depth)
         return ForwardBatch(
             mode=mode,
-            input_ids=self._write_tokens(input_ids, h.num_tokens),
+            input_ids=_write_tokens(b, input_ids, h.num_tokens),
             positions=positions,
             req_rows=req_rows,
             state_slots=h.state_slots.copy_into(b.state_slots),
@@ -389,43 +315,33 @@ class BatchBuilder:
             host_cu_seqlens=h.host_cu_seqlens,
         )
 
-    def _write_tokens(self, input_ids: Tensor, total: int) -> Tensor:
-        """The tokens, then token 0 up to `total` (padded rows), into the input buffer: `[total]` int64."""
-        t_live = int(input_ids.shape[0])
-        if input_ids.device.type != "cpu":
-            # tokens already on the device (drafts, sampled tokens): device copies
-            view = self.buffers.input_ids[:total]
-            view[:t_live].copy_(input_ids)
-            if total > t_live:
-                view[t_live:].zero_()
-            return view
-        if total == t_live:
-            return write_into(self.buffers.input_ids, input_ids)
-        staged = host_staging((total,), dtype=torch.int64, device=self.pool.device)
-        staged[:t_live] = input_ids
-        staged[t_live:] = 0
-        return upload(staged, self.buffers.input_ids)
 
-    def _tree_positions(self, prefix: list[int], depth: Tensor) -> Tensor:
-        """Node positions `prefix + depth`, flattened `[N * D]` int64, into the positions buffer."""
-        prefix_t = torch.tensor(prefix, dtype=torch.long)  # [N]
-        if depth.device.type == "cpu":
-            return write_into(self.buffers.positions, (prefix_t[:, None] + depth).reshape(-1))
-        # depth computed on the device from device parents: the prefixes go up, then one add there
-        per_node = prefix_t[:, None].expand(-1, depth.shape[1]).reshape(-1)  # [N * D]
-        return write_into(self.buffers.positions, per_node).add_(depth.reshape(-1))
+def _write_tokens(buffers: BatchBuffers, input_ids: Tensor, total: int) -> Tensor:
+    """The tokens, then token 0 up to `total` (padded rows), into the input buffer: `[total]` int64."""
+    t_live = int(input_ids.shape[0])
+    if input_ids.device.type != "cpu":
+        # tokens already on the device (drafts, sampled tokens): device copies
+        view = buffers.input_ids[:total]
+        view[:t_live].copy_(input_ids)
+        if total > t_live:
+            view[t_live:].zero_()
+        return view
+    if total == t_live:
+        return write_into(buffers.input_ids, input_ids)
+    staged = host_staging((total,), dtype=torch.int64, device=buffers.input_ids.device)
+    staged[:t_live] = input_ids
+    staged[t_live:] = 0
+    return upload(staged, buffers.input_ids)
 
 
-@dataclass(slots=True)
-class _LastVerify:
-    """The last chain verify batch built and what it was built from (`BatchBuilder._move_last_verify`)."""
-
-    batch: ForwardBatch
-    rows: tuple[int, ...]  # its request rows
-    pad_to: int | None
-    versions: list[int]  # its rows' `RequestTable.row_versions` when its page-table rows were written
-    slots: list[int]  # its rows' state slots
-    num_builds: int  # the builder's `_layout_builds` right after it was written
+def _tree_positions(buffers: BatchBuffers, prefix: list[int], depth: Tensor) -> Tensor:
+    """Node positions `prefix + depth`, flattened `[N * D]` int64, into the positions buffer."""
+    prefix_t = torch.tensor(prefix, dtype=torch.long)  # [N]
+    if depth.device.type == "cpu":
+        return write_into(buffers.positions, (prefix_t[:, None] + depth).reshape(-1))
+    # depth computed on the device from device parents: the prefixes go up, then one add there
+    per_node = prefix_t[:, None].expand(-1, depth.shape[1]).reshape(-1)  # [N * D]
+    return write_into(buffers.positions, per_node).add_(depth.reshape(-1))
 
 
 def static_max_q_len(batch: ForwardBatch) -> int | None:

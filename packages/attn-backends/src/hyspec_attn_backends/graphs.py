@@ -102,6 +102,8 @@ class CudaGraphRunner:
         self.num_replays = 0
         self.num_eager = 0
         self._graphs: dict[GraphKey, Captured] = {}
+        # captured sizes per (mode, D, tree), sorted: asked for before every batch (forgotten on a capture)
+        self._sizes: dict[tuple[ForwardMode, int, bool], list[int]] = {}
         # called after each graph is captured (the server's progress bar)
         self.on_capture: Callable[[GraphKey], None] | None = None
 
@@ -162,6 +164,7 @@ class CudaGraphRunner:
         for key in sorted(keys, key=lambda k: -k.batch_size):
             if key not in self._graphs:
                 self._graphs[key] = self._capture(key)
+                self._sizes.clear()
                 if self.on_capture is not None:
                     self.on_capture(key)
 
@@ -177,17 +180,25 @@ class CudaGraphRunner:
 
     def captured_sizes(self, mode: ForwardMode, *, verify_len: int = 0, tree: bool = False) -> list[int]:
         """Captured padded batch sizes for this mode (and D, tree), ascending."""
-        return sorted(
-            k.batch_size
-            for k in self._graphs
-            if k.mode is mode and k.verify_len == verify_len and k.tree == tree
-        )
+        return list(self._sorted_sizes(mode, verify_len, tree))
+
+    def _sorted_sizes(self, mode: ForwardMode, verify_len: int, tree: bool) -> list[int]:
+        """`captured_sizes`, kept until the next capture (the caller must not change it)."""
+        at = (mode, verify_len, tree)
+        sizes = self._sizes.get(at)
+        if sizes is None:
+            sizes = self._sizes[at] = sorted(
+                k.batch_size
+                for k in self._graphs
+                if k.mode is mode and k.verify_len == verify_len and k.tree == tree
+            )
+        return sizes
 
     def padded_size(
         self, mode: ForwardMode, n: int, *, verify_len: int = 0, tree: bool = False
     ) -> int | None:
         """The smallest captured size >= n, or None (run unpadded and eager)."""
-        for b in self.captured_sizes(mode, verify_len=verify_len, tree=tree):
+        for b in self._sorted_sizes(mode, verify_len, tree):
             if b >= n:
                 return b
         return None
@@ -319,4 +330,5 @@ class CudaGraphRunner:
     def release(self) -> None:
         """Drop every graph (and with the last reference, the memory they hold)."""
         self._graphs.clear()
+        self._sizes.clear()
         self.capturer.release()

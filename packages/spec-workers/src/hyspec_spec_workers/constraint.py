@@ -56,7 +56,7 @@ class DraftOnHost:
         for dst, x in zip(self._parts, src, strict=True):
             dst.copy_(x, non_blocking=True)
         self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._event.record()
+        self._event.record(torch.cuda.current_stream(tree.tokens.device))
 
     def read(self) -> tuple[list[list[int]], list[list[int]], list[int]]:
         """(tokens [N][D], parents [N][D], real nodes per row) as Python lists, once the copies landed."""

@@ -263,47 +263,63 @@ def _share(gap: float, seconds: float) -> float:
     return gap if 0.0 <= gap <= seconds else 0.0
 
 
+@dataclass(slots=True)
+class DraftInterval:
+    """One drafting interval on the device: two events on the device's stream around it, and the draft steps
+    it ran."""
+
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    steps: int
+
+
 class DraftClock:
     """Times a round's drafting without making the host wait for it.
 
-    On CUDA two events on the stream bracket each drafting interval (the proposal, and the next round's
-    proposal queued right after the verify, `round_verify.py`), and `seconds` sums the finished ones: the
+    On CUDA two events on the device's stream bracket each drafting interval (the proposal, and the next
+    round's proposal queued right after the verify, `round_verify.py`), and `read` sums the finished ones: the
     host queues the verify forward while the device still drafts, and reads the round's outcome before the
     proposal queued behind it is done. An interval still running is left to the next round's clock
-    (`unfinished`, passed on as `carried`). The verify cost is the rest of the round's wall time. On the CPU
-    the proposals' wall time.
+    (`unfinished`, passed on as `carried`): the proposal serves that round (its drafts are taken there), so
+    its cost is that round's drafting, at the steps it ran. The verify cost is the rest of the round's wall
+    time. On the CPU the proposals' wall time.
     """
 
-    def __init__(
-        self, device: torch.device, carried: Sequence[tuple[torch.cuda.Event, torch.cuda.Event]] = ()
-    ) -> None:
+    def __init__(self, device: torch.device, carried: Sequence[DraftInterval] = ()) -> None:
+        self._device = device
         self._cuda = device.type == "cuda"
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = list(carried)
+        self._intervals: list[DraftInterval] = list(carried)
         self._t0 = self._wall = 0.0
+        self._wall_steps = 0  # the most steps of an interval timed on the host (CPU)
 
-    def start(self) -> None:
+    def start(self, steps: int) -> None:
+        """An interval of `steps` draft steps starts (`stop` ends it)."""
         if self._cuda:
             new = torch.cuda.Event
-            self._events.append((new(enable_timing=True), new(enable_timing=True)))  # type: ignore[no-untyped-call]
-            self._events[-1][0].record()
+            span = DraftInterval(new(enable_timing=True), new(enable_timing=True), steps)  # type: ignore[no-untyped-call]
+            self._intervals.append(span)
+            span.start.record(torch.cuda.current_stream(self._device))
+        self._wall_steps = max(self._wall_steps, steps)
         self._t0 = time.perf_counter()
 
     def stop(self) -> None:
-        if self._events:
-            self._events[-1][1].record()
+        if self._intervals:
+            self._intervals[-1].end.record(torch.cuda.current_stream(self._device))
         self._wall += time.perf_counter() - self._t0
 
-    def seconds(self) -> float:
-        """Every finished interval's seconds, summed (each counted once: `unfinished` keeps the others)."""
-        if self._cuda:
-            # b done: a is too (one stream)
-            finished = [b.query() for _, b in self._events]  # type: ignore[no-untyped-call]
-            done = [e for e, f in zip(self._events, finished, strict=True) if f]
-            self._events = [e for e, f in zip(self._events, finished, strict=True) if not f]
-            return sum(float(a.elapsed_time(b)) for a, b in done) / 1e3
-        return self._wall
+    def read(self) -> tuple[float, int]:
+        """(seconds, steps): every finished interval's seconds, summed, and the most steps one of them ran;
+        each interval counted once (`unfinished` keeps the others)."""
+        if not self._cuda:
+            return self._wall, self._wall_steps
+        # end done: start is too (one stream); both recorded (`stop` follows every `start`)
+        finished = [span.end.query() for span in self._intervals]  # type: ignore[no-untyped-call]
+        done = [span for span, f in zip(self._intervals, finished, strict=True) if f]
+        self._intervals = [span for span, f in zip(self._intervals, finished, strict=True) if not f]
+        seconds = sum(float(span.start.elapsed_time(span.end)) for span in done) / 1e3
+        return seconds, max((span.steps for span in done), default=0)
 
     @property
-    def unfinished(self) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
-        """The intervals `seconds` has not counted yet: for the next round's clock."""
-        return list(self._events)
+    def unfinished(self) -> list[DraftInterval]:
+        """The intervals `read` has not counted yet: for the next round's clock."""
+        return list(self._intervals)

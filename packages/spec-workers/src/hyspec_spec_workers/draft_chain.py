@@ -37,6 +37,7 @@ from functools import partial
 
 import torch
 from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, GraphCounts
+from hyspec_statepool.indices import ReqRows
 from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
@@ -96,6 +97,9 @@ class OneLayerChain:
             )
         rows = pairs.root_features.shape[0]
         self._root_index = torch.zeros(rows, dtype=torch.int64, device=model.device)  # [R] root pair's index
+        self._arange = torch.arange(rows, device=model.device)  # [R] int64: 0..R-1, sliced per round
+        # the last rows put on the device by `draft_after_verify` (most rounds have the same rows)
+        self._rows_on_device: tuple[tuple[int, ...], Tensor] | None = None
         self._prepared: _Prepared | None = None  # the next round's drafts, from the last verify
 
     def capture(self, batch_sizes: Sequence[int]) -> None:
@@ -178,7 +182,7 @@ class OneLayerChain:
         pad = e - 1 - d  # columns past the verify's nodes (a block trimmed below S + 1)
         block = torch.cat([v.block_tokens[:, :1], v.output_tokens[:, :d]], dim=1).clamp_(min=0)  # [N, 1+d]
         req_rows = kv.rows(ids)
-        rows = req_rows.tensor.long()
+        rows = self._device_rows(req_rows)  # [N] int64
         node_feats = features.view(n, dv, -1)  # [N, Dv, F]
         x = self.features_in[: n * e].view(n, e, -1)  # [N, E, F] the graph's static input
         # f[L - 1] read before it moves on below; zeros where no node is (finite: their K/V is overwritten
@@ -190,8 +194,7 @@ class OneLayerChain:
         torch.cat(parts, dim=1, out=x)
         acc = v.num_accepted  # [N] on the device
         # the next root feature f[L + num_accepted], and the root pair's block index
-        at = torch.arange(n, device=acc.device)
-        self.pairs.root_features[rows] = node_feats[at, acc].to(self.pairs.root_features.dtype)
+        self.pairs.root_features[rows] = node_feats[self._arange[:n], acc].to(self.pairs.root_features.dtype)
         torch.add(acc, 1, out=self._root_index[:n])
         runner = self.runners[s_run]
         fb = runner.prepare_verify(
@@ -199,6 +202,17 @@ class OneLayerChain:
         )
         (drafts,) = runner.run(fb)  # [>= N, s_run] graph output
         self._prepared = _Prepared(ids, written, drafts[:n].clone(), s_run)
+
+    def _device_rows(self, req_rows: ReqRows) -> Tensor:
+        """[N] int64 the rows on the device: the last call's tensor when they are the same rows (read only,
+        never written in place), else one upload."""
+        host, last = req_rows.host_values, self._rows_on_device
+        if host is not None and last is not None and last[0] == host:
+            return last[1]
+        t = req_rows.tensor.long()
+        if host is not None:
+            self._rows_on_device = (host, t)
+        return t
 
     def settle(self, num_accepted: Sequence[int], next_roots: Sequence[int]) -> None:
         """The outcome of the round `draft_after_verify` proposed after: each row's pairs up to its root pair

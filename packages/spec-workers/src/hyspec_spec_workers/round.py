@@ -40,7 +40,7 @@ from hyspec_spec_workers.constraint import (
     DraftOnHost,
     TokenBitmask,
 )
-from hyspec_spec_workers.costs import CostTracker, DraftClock, RoundTimer
+from hyspec_spec_workers.costs import CostTracker, DraftClock, DraftInterval, RoundTimer
 from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.draft_memory import DraftMemory
 from hyspec_spec_workers.drafter import (
@@ -108,7 +108,7 @@ class SpeculativeRound:
         self.idle = None if self.adaptive is None else IdleRounds(self.adaptive)
         self.costs = CostTracker()
         # drafting intervals still on the device at the last round's end (`DraftClock.unfinished`)
-        self._draft_carry: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._draft_carry: list[DraftInterval] = []
         self.timer = RoundTimer(self.costs, cost_aware=cfg is not None and cfg.cost_aware)
         if self._start_up_catch_up is not None:
             self.costs.record_catch_up(self._start_up_catch_up)
@@ -312,7 +312,7 @@ class SpeculativeRound:
         t0 = time.perf_counter()
         timed = not shares_forward
         if max(steps) > 0:
-            clock.start()
+            clock.start(max(steps))
             roots = torch.tensor([r.root_token for r in rows], dtype=torch.int64)
             hist = (
                 ()
@@ -336,8 +336,8 @@ class SpeculativeRound:
         if draft is None or draft.tree.block_size == 1:
             # nobody drafted: a plain decode step
             results = [VerifiedTokens((t,), 0, 0) for t in target.decode(rows)]
-            drafting = 0.0 if draft is None else clock.seconds()
-            seconds = time.perf_counter() - t0 - drafting if timed else None
+            drafting = 0.0 if draft is None else clock.read()[0]
+            seconds = max(0.0, time.perf_counter() - t0 - drafting) if timed else None
             # after a step with other work the next plain step's batch was not built ahead: it is not steady
             self.timer.plain(seconds, rows=n, timing=timing, steady_next=not shares_forward)
             num_acc = [0] * n
@@ -348,14 +348,18 @@ class SpeculativeRound:
             propose_next = not timing_next and (self.adaptive is None or min(steps) > 0)
             results, block = self._verify(target, rows, draft, on_host, propose_next, clock)
             # the round's outcome has been read: what the device drafted before it is done (a proposal
-            # queued after the verify may still run: the next round's clock counts it)
-            drafting = clock.seconds()
+            # queued after the verify may still run: the next round's clock counts it). A proposal queued
+            # after the last round's verify counts here, at its own steps; it may have run partly before
+            # this round began, which the rest (the verify's share) cannot go below 0 for
+            drafting, drafted = clock.read()
             rest = max(0.0, time.perf_counter() - t0 - drafting)
-            self.timer.drafted(max(steps), block, drafting, rest if timed else None)
+            self.timer.drafted(max(max(steps), drafted), block, drafting, rest if timed else None)
             num_acc = [r.num_accepted for r in results]
         if not timed and not shares_forward:  # a catch-up round of its own
             self.timer.catch_up(time.perf_counter() - t0, max(steps))
-        self._draft_carry = clock.unfinished
+        # a round that drafted nothing took no queued drafts: an interval carried to it was a proposal no
+        # round used, charged to none
+        self._draft_carry = clock.unfinished if draft is not None else []
         self.timer.end_round()
         if self.adaptive is not None and not timing and self._forced is None:
             self._observe(ids, num_acc)

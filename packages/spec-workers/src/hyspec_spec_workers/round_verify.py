@@ -136,7 +136,7 @@ def verify_round(
 def _propose_after(feed: DraftFeed, verified: VerifiedChain, clock: DraftClock | None) -> bool:
     """`DraftFeed.chain_after_verify`, timed as the round's drafting."""
     if clock is not None:
-        clock.start()
+        clock.start(verified.num_steps)
     try:
         return feed.chain_after_verify(verified)
     finally:

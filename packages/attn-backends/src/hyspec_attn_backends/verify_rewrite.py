@@ -1,0 +1,136 @@
+"""`VerifyRewrite`: a round's chain verify batch made from the last one instead of built again.
+
+A speculative target verifies the same rows round after round, and so does a chained drafter's first block;
+only the prefixes (and the tokens) change. When the last chain verify batch a builder wrote is of the same
+rows (same order, block length, padding and state slots) and nothing has rewritten its page table, state
+slots or batch rows since, `hyspec_kernels.advance_verify` rewrites it at the new prefixes in one launch,
+from the prefixes and the page table alone (rows whose pages changed get their page-table rows uploaded
+again): every field equals a fresh build's, whatever a drafter's graph steps (`advance_one_token`,
+`start_chain`) left in the buffers in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from hyspec_kernels import advance_verify
+from hyspec_statepool.indices import ReqRows
+from hyspec_statepool.pool import HybridStatePool
+from hyspec_statepool.transfer import to_device, upload
+from torch import Tensor
+
+from hyspec_attn_backends.batch import ForwardBatch
+
+
+@dataclass(slots=True)
+class _LastVerify:
+    """The last chain verify batch built and what it was built from."""
+
+    batch: ForwardBatch
+    rows: tuple[int, ...]  # its request rows
+    pad_to: int | None
+    versions: list[int]  # its rows' `RequestTable.row_versions` when its page-table rows were written
+    slots: list[int]  # its rows' state slots
+    layout_builds: int  # the builder's count of layout writes right after it was written
+
+
+class VerifyRewrite:
+    """The last chain verify batch of a `BatchBuilder` (`move_verify`) and its rewrite at new prefixes.
+
+    The builder tells it every verify batch it builds (`remember`) and asks it first for every chain verify
+    batch (`rewrite`), passing its count of the builds that write the page table, state slots or batch rows.
+    """
+
+    def __init__(self, pool: HybridStatePool) -> None:
+        self.pool = pool
+        self._last: _LastVerify | None = None
+
+    def remember(
+        self,
+        batch: ForwardBatch,
+        req_rows: ReqRows,
+        prefix_lens: Sequence[int] | Tensor,
+        tree_parents: Tensor | None,
+        pad_to: int | None,
+        layout_builds: int,
+    ) -> None:
+        """A verify batch was just built: a chain of host rows and host prefixes can be rewritten later."""
+        rows = req_rows.host_values
+        self._last = None
+        if tree_parents is None and rows is not None and not isinstance(prefix_lens, Tensor):
+            table = self.pool.table
+            self._last = _LastVerify(
+                batch,
+                tuple(rows),
+                pad_to,
+                [table.row_versions[r] for r in rows],
+                [table.host_row_to_slot[r] for r in rows],
+                layout_builds,
+            )
+
+    def rewrite(
+        self,
+        req_rows: ReqRows,
+        block_tokens: Tensor,
+        prefix_lens: Sequence[int] | Tensor,
+        pad_to: int | None,
+        layout_builds: int,
+    ) -> ForwardBatch | None:
+        """The last chain verify batch rewritten at these prefixes (one launch and one small copy instead of a
+        build) when it is that batch at other positions: no other layout write since (`layout_builds`
+        unchanged: graph steps of the batch in place do not count, the rewrite covers what they write), the
+        same rows in the same order at the same block length and padding, each on its same state slot, every
+        new position on a page. Rows whose pages changed since (a page mapped at a page boundary) get their
+        page-table rows uploaded again. Else None (the caller builds it, and its checks say what is wrong)."""
+        last = self._last
+        rows = req_rows.host_values
+        if (
+            last is None
+            or last.layout_builds != layout_builds
+            or isinstance(prefix_lens, Tensor)
+            or rows is None
+            or req_rows.bound != self.pool.plan.max_num_seqs  # another pool's rows: the build says so
+            or not (pad_to is None or type(pad_to) is int)  # a bad pad_to: the build says so
+            or tuple(rows) != last.rows
+            or pad_to != last.pad_to
+            or block_tokens.shape[1] != last.batch.verify_len
+        ):
+            return None
+        d, table = last.batch.verify_len, self.pool.table
+        size, width = table.page_size, table.width
+        prefix: list[int] = []
+        remapped = False
+        for row, p, version, slot in zip(rows, prefix_lens, last.versions, last.slots, strict=True):
+            if not (type(p) is int and 0 <= p and p + d <= width):
+                return None  # a bad or too long prefix: the build says so
+            if table.row_versions[row] != version:
+                if table.host_row_to_slot[row] != slot:
+                    return None  # its state slot moved (the buffers hold the old one): built
+                remapped = True  # its pages changed: the buffers' page-table row is stale
+            pages = table.host_pages[row]
+            if (p + d - 1) // size >= len(pages) or min(pages[p // size : (p + d - 1) // size + 1]) < 0:
+                return None  # a position without a page: the build raises
+            prefix.append(p)
+        b = last.batch
+        dev = b.positions.device
+        assert b.kv_slots is not None
+        if remapped:
+            upload(self.pool.host_page_table(req_rows, pad_to=b.num_seqs), b.page_table)
+            last.versions = [table.row_versions[r] for r in rows]
+        advance_verify(
+            positions=b.positions,
+            kv_slots=b.kv_slots.tensor,
+            prefix_lens=b.prefix_lens,
+            kv_lens=b.kv_lens,
+            q_lens=b.q_lens,
+            cu_seqlens_q=b.cu_seqlens_q,
+            has_initial_state=b.has_initial_state,
+            page_table=b.page_table,
+            prefix=to_device(prefix + [0] * b.num_padded, dtype=torch.int32, device=dev),
+            input_ids=b.input_ids,
+            tokens=to_device(block_tokens, dtype=torch.int64, device=dev),
+            page_size=size,
+        )
+        return replace(b, req_rows=req_rows)
