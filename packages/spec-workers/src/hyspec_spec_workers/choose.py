@@ -233,9 +233,8 @@ class PendingRound:
         if packed.device.type == "cuda":
             self._packed = packed.to("cpu", non_blocking=True)  # pinned by torch for a non-blocking copy
             self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._event.record(
-                torch.cuda.current_stream(packed.device)
-            )  # the copy's device, not the current one
+            # on the copy's device's stream, which need not be the current device's
+            self._event.record(torch.cuda.current_stream(packed.device))
 
     def wait(self) -> HostRound:
         if self._event is not None:
