@@ -5,10 +5,10 @@
 Builds the random Qwen3.5-9B-shaped checkpoint of `bench_decode.py` once, then runs each tree in its own
 process (its `packages/*/src` on `PYTHONPATH`), alternating before / after for `--rounds` rounds, so that the
 host's drift between processes hits both alike. Each process measures, with CUDA graphs, the plain decode
-step at batch 1 and 32 after a 512-token prompt ((time of a 66-token generate - time of a 2-token one) / 64,
-median of 3), and at batch 1 the CUDA kernels per step and their summed time (torch.profiler, a 34-token
-run minus a 2-token run), and the first 34 greedy tokens. Writes `<out>/<device>-decode-ab.json` and `.md`
-(one row per process, and the agreement of each tree's tokens with the first before-run's).
+step at batch 1 and 32 after a 512-token prompt ((time of a `--new` + 2-token generate - time of a 2-token
+one) / `--new`, median of 3), and at batch 1 the CUDA kernels per step and their summed time (torch.profiler,
+a 34-token run minus a 2-token run), and the first 34 greedy tokens. Writes `<out>/<device>-decode-ab.json`
+and `.md` (one row per process, and the agreement of each tree's tokens with the first before-run's).
 
 `--worker` is the per-process entry (internal).
 """
@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
-PROMPT, NEW = 512, 64
+PROMPT = 512
 
 
 def _generate(llm: Any, prompts: list[dict[str, Any]], n: int) -> Any:
@@ -57,7 +57,7 @@ def _kernels(llm: Any, prompts: list[dict[str, Any]], n: int) -> tuple[int, floa
     return len(events), sum(e.device_time_total for e in events), list(out[0].outputs[0].token_ids)
 
 
-def worker(ckpt: Path, max_len: int) -> dict[str, Any]:
+def worker(ckpt: Path, max_len: int, new: int) -> dict[str, Any]:
     from bench_decode import make_llm
 
     llm = make_llm(ckpt, spec=None, max_num_seqs=32, max_len=max_len)
@@ -67,7 +67,7 @@ def worker(ckpt: Path, max_len: int) -> dict[str, Any]:
             {"prompt_token_ids": [(i * 7 + j * 13) % 1000 + 5 for i in range(PROMPT)]} for j in range(batch)
         ]
         _timed(llm, prompts, 8)  # warm-up
-        steps = sorted((_timed(llm, prompts, NEW + 2) - _timed(llm, prompts, 2)) / NEW for _ in range(3))
+        steps = sorted((_timed(llm, prompts, new + 2) - _timed(llm, prompts, 2)) / new for _ in range(3))
         res[f"b{batch}_step_ms"] = round(steps[1] * 1e3, 3)
         res[f"b{batch}_tok_s"] = round(batch / steps[1], 1)
         if batch == 1:
@@ -80,10 +80,20 @@ def worker(ckpt: Path, max_len: int) -> dict[str, Any]:
     return res
 
 
-def _run_tree(tree: Path, ckpt: Path, max_len: int) -> dict[str, Any]:
+def _run_tree(tree: Path, ckpt: Path, max_len: int, new: int) -> dict[str, Any]:
     paths = sorted(str(p) for p in (tree / "packages").glob("*/src"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
-    cmd = [sys.executable, __file__, "--worker", "--ckpt", str(ckpt), "--max-len", str(max_len)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--ckpt",
+        str(ckpt),
+        "--max-len",
+        str(max_len),
+        "--new",
+        str(new),
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     line = next(x for x in out.splitlines() if x.startswith("RESULT "))
     result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
@@ -107,45 +117,63 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=4096, help="max_model_len (the graphs' KV capacity)")
     ap.add_argument("--ckpt", type=Path, default=Path("/tmp/hyspec-decode-ab"))
+    ap.add_argument("--new", type=int, default=128, help="decode steps timed (batch 32: all rows decode)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        print("RESULT " + json.dumps(worker(a.ckpt, a.max_len)), flush=True)
+        print("RESULT " + json.dumps(worker(a.ckpt, a.max_len, a.new)), flush=True)
         return
     if a.before is None:
         ap.error("--before: the repository root of the tree to compare with")
-    from bench_decode import build_checkpoint, free
+    from bench_decode import build_checkpoint, copy_bandwidth, free
 
     model, sizes = build_checkpoint(a.ckpt, a.layers)
     free(model)
+    bandwidth = copy_bandwidth()  # bytes/s
     runs: list[dict[str, Any]] = []
     for r in range(a.rounds):
         for tag, tree in (("before", a.before), ("after", a.after)):
-            runs.append({"tag": tag, "round": r + 1, **_run_tree(tree.resolve(), a.ckpt, a.max_len)})
+            runs.append({"tag": tag, "round": r + 1, **_run_tree(tree.resolve(), a.ckpt, a.max_len, a.new)})
             print(json.dumps(runs[-1]), flush=True)
     ref = runs[0]["b1_tokens"]
     for run in runs:
         run["b1_agreement_with_first_before"] = _agreement(run.pop("b1_tokens"), ref)
+        for batch in (1, 32):
+            # the bandwidth roofline: every weight and each row's fp32 GDN state (read + written) per step
+            step_bytes = sizes["weight_bytes_per_token"] + batch * sizes["gdn_state_bytes_per_token"]
+            floor_s = step_bytes / bandwidth
+            run[f"b{batch}_of_roofline"] = f"{floor_s * 1e3 / run[f'b{batch}_step_ms']:.1%}"
     device = torch.cuda.get_device_name()
-    res = {"device": device, "layers": a.layers, "max_model_len": a.max_len, "sizes": sizes, "runs": runs}
+    res = {
+        "device": device,
+        "layers": a.layers,
+        "max_model_len": a.max_len,
+        "sizes": sizes,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "runs": runs,
+    }
     a.out.mkdir(parents=True, exist_ok=True)
     stem = a.out / f"{device.lower().replace(' ', '-')}-decode-ab"
     stem.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
     cols = [
         "b1_step_ms",
         "b1_tok_s",
+        "b1_of_roofline",
         "b1_kernels_per_step",
         "b1_kernel_ms_per_step",
         "b32_step_ms",
         "b32_tok_s",
+        "b32_of_roofline",
         "b1_agreement_with_first_before",
     ]
     lines = [
         f"# Plain decode, two trees side by side, {device}",
         "",
-        f"Qwen3.5-9B-shaped random bf16 ({a.layers} layers), prompt {PROMPT}, CUDA graphs, max_model_len "
-        f"{a.max_len}; produced by `tools/bench_decode_ab.py`.",
+        f"Qwen3.5-9B-shaped random bf16 ({a.layers} layers), prompt {PROMPT}, {a.new} decode steps timed, "
+        f"CUDA graphs, max_model_len "
+        f"{a.max_len}; produced by `tools/bench_decode_ab.py`. Roofline: weights + fp32 GDN state (read and "
+        f"written) per step at the measured copy bandwidth, {bandwidth / 1e12:.2f} TB/s.",
         "",
         "| tree | round | " + " | ".join(cols) + " |",
         "| --- | --- | " + " | ".join("---" for _ in cols) + " |",

@@ -24,7 +24,10 @@ BUDGETS = [21, 9, 30, 14, 25]
 
 
 def _engine(path: Path, *, ahead: bool, spec: dict[str, Any] | None = None, **kw: Any) -> LLMEngine:
-    args: dict[str, Any] = dict(model=str(path), max_num_seqs=8, page_size=4, max_model_len=64)
+    # the decode batch alone: async scheduling (a forward queued ahead, test_server_async_scheduling.py) off
+    args: dict[str, Any] = dict(
+        model=str(path), max_num_seqs=8, page_size=4, max_model_len=64, async_scheduling=False
+    )
     args.update(kw)
     eng = build_engine(EngineArgs(speculative_config=spec, **args))
     eng.runner.ahead.enabled = ahead  # type: ignore[attr-defined]

@@ -95,6 +95,7 @@ def build_engine(args: EngineArgs, *, drafters: DrafterRegistry | None = None) -
         max_waiting=args.max_waiting,
         # a verify block adds up to Dmax - 1 drafts after the current token
         num_lookahead_tokens=0 if spec is None else spec.max_draft_tokens - 1,
+        async_scheduling=args.async_scheduling,
     )
     engine = LLMEngine(runner, tokenizer, config)
     if runner.device.type == "cuda":

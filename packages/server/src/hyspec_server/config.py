@@ -124,6 +124,13 @@ class EngineArgs:
         "4 GiB default)",
     )
     enforce_eager: bool = _arg(False, "ModelConfig", "no CUDA graphs")
+    async_scheduling: bool = _arg(
+        True,
+        "SchedulerConfig",
+        "while nobody waits to be admitted, queue each plain decode step's next decode before reading its "
+        "tokens, so the device runs it while the host emits them and schedules (lossless; a new request "
+        "waits up to one step more)",
+    )
     speculative_config: SpeculativeConfig | None = _arg(  # noqa: RUF009
         None,
         "SpeculativeConfig",
@@ -177,7 +184,7 @@ class EngineArgs:
             object.__setattr__(self, "seed", seed := 0)  # vLLM's default seed (vLLM takes None)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
-        for flag in ("enable_prefix_caching", "enforce_eager"):
+        for flag in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         every = self.prefix_cache_snapshot_interval

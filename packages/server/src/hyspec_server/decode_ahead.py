@@ -23,6 +23,10 @@ it. Anything else (a request stopped at EOS or a stop string, joined or was pree
 forward ran) drops it, and the step prepares its batch as before. A prepared batch is used once. A request
 whose next position starts a new KV page gets that page when its batch is prepared, one step before the
 scheduler would add it.
+
+With async scheduling the step also queues the prepared batch's forward before reading its tokens
+(`take_built`, `PlainForwards.run_ahead`): the checks on tokens and requests then move to the next step,
+which takes that forward's hidden states instead of running one.
 """
 
 from __future__ import annotations
@@ -141,6 +145,18 @@ class DecodeAhead:
             return None
         self.num_used += 1
         return p.batch
+
+    def take_built(self) -> _Prepared | None:
+        """The batch `build` queued in this step, for a forward queued before the step's tokens are read
+        (the engine's async scheduling): only if no build and no change of its requests' rows came since."""
+        p, self._prepared = self._prepared, None
+        if p is None:
+            return None
+        if p.layout != self.pool.row_layout(p.req_ids) or p.num_builds != self.backend.num_builds:
+            self.num_dropped += 1
+            return None
+        self.num_used += 1
+        return p
 
     def _drop(self) -> None:
         if self._prepared is not None:

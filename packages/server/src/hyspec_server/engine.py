@@ -276,6 +276,7 @@ class LLMEngine:
             result = self.runner.execute(sched, while_queued=save_snapshots)
             save_snapshots()  # a runner with nothing to overlap may not call it; before the appends below
         except Exception as e:
+            self.scheduler.ran_ahead = frozenset()  # a runner that fails forgets what it queued ahead
             if saved or any(c.state_saves for c in sched.chunks):
                 # the step's snapshots were saved (or reserved for its forward to write) before it failed:
                 # keep nothing a failed step may have half-written (rare; the cache refills)
@@ -289,6 +290,8 @@ class LLMEngine:
                 return []
             outs = [out for r in reqs if (out := self.abort(r.request_id)) is not None]
             raise EngineStepError([r.request_id for r in reqs], outs) from e
+        # before the appends: a request ending in this step caches the state its next decode left
+        self.scheduler.ran_ahead = frozenset(result.ran_ahead)
         for c in sched.chunks:
             if c.sample:
                 c.request.suspect = False  # it ran alone to a sample: cleared

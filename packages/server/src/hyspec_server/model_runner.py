@@ -287,17 +287,25 @@ class HyspecModelRunner:
     def execute(
         self, step: SchedulerOutput, *, while_queued: Callable[[], None] | None = None
     ) -> RunnerOutput:
+        try:
+            return self._execute(list(step.chunks), while_queued, step.may_run_ahead)
+        except BaseException:
+            self.plain.drop_ran_ahead()  # the engine recomputes or ends the step's requests
+            raise
+
+    def _execute(
+        self, chunks: list[ScheduledChunk], while_queued: Callable[[], None] | None, run_ahead: bool
+    ) -> RunnerOutput:
         if self.spec is not None:
             self.spec.begin_step()  # the last round's costs include the engine's work since it ended
-        chunks = list(step.chunks)
         if self.spec is None or not any(c.verify for c in chunks):
-            return self._plain_step(chunks, while_queued)
+            return self._plain_step(chunks, while_queued, run_ahead)
         ids = [c.request.request_id for c in chunks if c.verify]
         alone = len(ids) == len(chunks)
         if self.spec.drafts_nothing(ids) and (alone or self.spec.may_share_forward()):
             # nobody drafts (adaptive lengths at 0): a plain engine's step, decode batch built ahead included
             return self.spec.plain_round(
-                ids, lambda: self._plain_step(chunks, while_queued), shares_forward=not alone
+                ids, lambda: self._plain_step(chunks, while_queued, False), shares_forward=not alone
             )
         plain = [i for i, c in enumerate(chunks) if not c.verify]
         ver = [i for i, c in enumerate(chunks) if c.verify]
@@ -334,13 +342,20 @@ class HyspecModelRunner:
         return RunnerOutput(tuple(tokens), tuple(verified), prompt_rows)
 
     def _plain_step(
-        self, chunks: list[ScheduledChunk], while_queued: Callable[[], None] | None
+        self,
+        chunks: list[ScheduledChunk],
+        while_queued: Callable[[], None] | None,
+        run_ahead: bool,
     ) -> RunnerOutput:
-        """One plain forward of these chunks (verify chunks decode their current token), sampled."""
+        """One plain forward of these chunks (verify chunks decode their current token), sampled; with
+        `run_ahead` (the step's `may_run_ahead`) the next step's decode queued before its tokens are read."""
         queued = self.plain.forward(PlainInputs.of(chunks))
         if while_queued is not None:
-            while_queued()  # the device runs the forward meanwhile
-        return RunnerOutput(tuple(self.plain.read(queued)), prompt_logprobs=queued.prompt_logprobs)
+            while_queued()  # the device runs the forward meanwhile (its saves queue before a run-ahead)
+        ran = self.plain.run_ahead(queued) if run_ahead else ()
+        return RunnerOutput(
+            tuple(self.plain.read(queued)), prompt_logprobs=queued.prompt_logprobs, ran_ahead=ran
+        )
 
     def _round_row(self, c: ScheduledChunk) -> RoundRow:
         """A verify chunk as a row of the speculative round."""

@@ -19,7 +19,14 @@ from hyspec_attn_backends import CudaGraphRunner, HybridBackend
 from hyspec_kernels import StateSave
 from hyspec_spec_workers.constraint import TokenBitmask
 from hyspec_spec_workers.round import SpeculativeRound
-from hyspec_spec_workers.sampling import SampledToken, Sampler, SamplerOutput, sample_rows, to_sampled_tokens
+from hyspec_spec_workers.sampling import (
+    PendingSample,
+    SampledToken,
+    Sampler,
+    SamplerOutput,
+    sample_rows,
+    to_sampled_tokens,
+)
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.transfer import to_device
 
@@ -74,13 +81,47 @@ class QueuedTokens:
     chunks: Sequence[ScheduledChunk]
     out: SamplerOutput | None
     prompt_logprobs: tuple[PromptLogprobRows | None, ...]
+    host: PendingSample | None = None  # `out`'s copy to the host, queued right after the sampler
 
     def read(self) -> list[SampledToken | None]:
         """The sampled tokens spread over the chunks (one device read)."""
         if self.out is None:
             return [None] * len(self.chunks)
         reqs = [c.request for c in self.chunks if c.sample]
-        return spread_tokens(self.chunks, to_sampled_tokens(self.out, reqs))
+        out = self.out if self.host is None else self.host.wait()
+        return spread_tokens(self.chunks, to_sampled_tokens(out, reqs))
+
+
+@dataclass(slots=True)
+class _RanAhead:
+    """A decode forward queued before the tokens it feeds were read (`PlainForwards.run_ahead`)."""
+
+    chunks: Sequence[ScheduledChunk]  # of the step that queued it
+    requests: tuple[Request, ...]  # its rows' requests, in order
+    prefix_lens: tuple[int, ...]  # the position each row decodes
+    hidden: torch.Tensor  # [n, H] the forward's output (a graph's buffer: valid until its next replay)
+    keep: tuple[int, ...]  # the queuing step's rows it holds
+    tokens: tuple[int, ...] | None = None  # the tokens it feeds, once the host read them
+
+    def rows_of(self, inp: PlainInputs) -> list[int] | None:
+        """Its rows that decode `inp`'s chunks, in order (the next step: these requests less the ones that
+        ended), or None when `inp` is not such a step."""
+        rows: list[int] = []
+        j = 0
+        for c, token in zip(inp.chunks, inp.tokens, strict=False):
+            while j < len(self.requests) and self.requests[j] is not c.request:
+                j += 1
+            if (
+                j == len(self.requests)
+                or c.num_new != 1
+                or c.start != self.prefix_lens[j]
+                or self.tokens is None
+                or token != self.tokens[j]
+            ):
+                return None
+            rows.append(j)
+            j += 1
+        return rows if len(inp.tokens) == len(inp.chunks) else None
 
 
 class PlainForwards:
@@ -109,6 +150,8 @@ class PlainForwards:
         self.model, self.graphs, self.backend, self.pool = model, graphs, backend, pool
         self.ahead, self.sampler, self.spec = ahead, sampler, spec
         self._masks = TokenBitmask()  # structured outputs' masks
+        self._ran: _RanAhead | None = None  # the next step's decode, queued ahead (`run_ahead`)
+        self.num_ran_ahead = 0  # decode forwards queued before the tokens they feed were read
 
     def run(
         self, chunks: Sequence[ScheduledChunk]
@@ -121,28 +164,74 @@ class PlainForwards:
     def read(self, queued: QueuedTokens) -> list[SampledToken | None]:
         """The tokens of a `forward` (one device read), told to the decode batch built ahead on them."""
         out = queued.read()
-        self.ahead.sampled([0 if t is None else t.token_id for t in out])
+        tokens = [0 if t is None else t.token_id for t in out]
+        self.ahead.sampled(tokens)
+        if self._ran is not None and self._ran.chunks is queued.chunks:
+            self._ran.tokens = tuple(tokens[i] for i in self._ran.keep)
         return out
+
+    def run_ahead(self, queued: QueuedTokens) -> tuple[str, ...]:
+        """Queues the forward of the decode batch this step built ahead (`decode_ahead.py`) now, before the
+        step's tokens are read, so that the device runs it while the host reads them, emits them and
+        schedules (vLLM's async scheduling). Its requests' KV and recurrent state then hold one more token
+        than the host has read: the next step must be their decode (any that ended drop out), which
+        `forward` takes instead of running one (a step that holds any of them otherwise raises). Returns
+        the requests it decodes (none when there was no batch or it no longer matches)."""
+        built = self.ahead.take_built()
+        if built is None or self.spec is not None:
+            return ()  # (a drafter's feed would need the forward's layers: not run ahead)
+        requests = tuple(queued.chunks[i].request for i in built.keep)
+        if built.req_ids != tuple(r.request_id for r in requests) or self._ran is not None:
+            raise RuntimeError("the decode batch built ahead is not this step's")
+        hidden, *_ = self.graphs.run(built.batch)  # [n, H]
+        self._ran = _RanAhead(queued.chunks, requests, built.prefix_lens, hidden, built.keep)
+        self.num_ran_ahead += 1
+        return built.req_ids
+
+    def drop_ran_ahead(self) -> None:
+        """Forget a decode that ran ahead (the engine recomputes its requests: a failed step)."""
+        self._ran = None
+
+    def _take_ran(self, inp: PlainInputs) -> torch.Tensor | None:
+        """The hidden states [T, H] of `inp`'s decode if it ran ahead, else None."""
+        ran, self._ran = self._ran, None
+        if ran is None:
+            return None
+        rows = ran.rows_of(inp)
+        if rows is None:
+            if any(r is c.request for r in ran.requests for c in inp.chunks):
+                # their state already holds the token this step would feed again: never compute it twice
+                raise RuntimeError("a step holds requests whose next decode ran ahead, not as that decode")
+            return None  # its requests all ended
+        if rows == list(range(len(ran.requests))):
+            return ran.hidden
+        return ran.hidden[to_device(rows, dtype=torch.int64, device=ran.hidden.device)]
 
     def forward(self, inp: PlainInputs) -> QueuedTokens:
         """One forward of plain chunks (EXTEND, or DECODE when each brings one token), sampling queued."""
         rows = self.pool.req_rows(inp.ids)
         decode = all(q == 1 for q in inp.q_lens)
-        # prepared during the previous step when it decoded these very requests (else None)
-        batch = self.ahead.take(req_ids=inp.ids, prefix_lens=inp.prefix, tokens=inp.tokens)
-        if batch is None and decode:
-            # one token per request: recurrent decode kernels, replayed from a graph when one fits
-            batch = self.graphs.prepare_decode(req_rows=rows, input_ids=inp.input_ids, prefix_lens=inp.prefix)
-        elif batch is None:
-            batch = self.backend.prepare_extend(
-                req_rows=rows,
-                input_ids=inp.input_ids,
-                q_lens=inp.q_lens,
-                prefix_lens=inp.prefix,
-                state_saves=inp.state_saves,
-            )
-        hidden, *aux = self.graphs.run(batch)  # [T, H] of the live tokens (graph outputs: read them now)
-        queued = self.queue_sampling(inp, hidden, tuple(aux))
+        ran = self._take_ran(inp)  # [T, H]: queued during the last step, before its tokens were read
+        if ran is not None:
+            queued = self.queue_sampling(inp, ran, ())
+        else:
+            # prepared during the previous step when it decoded these very requests (else None)
+            batch = self.ahead.take(req_ids=inp.ids, prefix_lens=inp.prefix, tokens=inp.tokens)
+            if batch is None and decode:
+                # one token per request: recurrent decode kernels, replayed from a graph when one fits
+                batch = self.graphs.prepare_decode(
+                    req_rows=rows, input_ids=inp.input_ids, prefix_lens=inp.prefix
+                )
+            elif batch is None:
+                batch = self.backend.prepare_extend(
+                    req_rows=rows,
+                    input_ids=inp.input_ids,
+                    q_lens=inp.q_lens,
+                    prefix_lens=inp.prefix,
+                    state_saves=inp.state_saves,
+                )
+            hidden, *aux = self.graphs.run(batch)  # [T, H] of the live tokens (graph outputs: read them now)
+            queued = self.queue_sampling(inp, hidden, tuple(aux))
         if decode and queued.out is not None and all(c.sample for c in inp.chunks):
             # the device is still busy with this step: build the next one's batch now (decode_ahead.py),
             # without the requests this step's token ends by their budget
@@ -192,7 +281,8 @@ class PlainForwards:
         logits = self.model.compute_logits(picked)  # [n_sample, V]
         reqs = [chunks[i].request for i in sample]
         apply_grammar_masks(logits, reqs, self._masks)
-        return QueuedTokens(chunks, sample_rows(self.sampler, logits, reqs), prompt_lp)
+        out = sample_rows(self.sampler, logits, reqs)
+        return QueuedTokens(chunks, out, prompt_lp, out.start_read())
 
 
 def _last_token(req: Request) -> bool:

@@ -53,6 +53,9 @@ class RunnerOutput:
     tokens: tuple[SampledToken | None, ...]
     verified: tuple[VerifiedTokens | None, ...] = ()
     prompt_logprobs: tuple[PromptLogprobRows | None, ...] = ()
+    # the requests whose next decode the runner queued before reading this step's tokens, as the step's
+    # `may_run_ahead` allowed: their KV and recurrent state hold one token more than they have computed
+    ran_ahead: tuple[str, ...] = ()
 
 
 class ModelRunner(Protocol):

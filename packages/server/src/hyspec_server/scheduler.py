@@ -42,12 +42,15 @@ class SchedulerConfig:
     num_lookahead_tokens: speculative decoding: draft tokens a verify block may add after the current
         token (Dmax - 1); 0 without speculation. A decoding request then gets a verify chunk with KV room
         for its whole block and costs Dmax tokens of the budget.
+    async_scheduling: a decode step whose next step is surely the same requests' decode lets the runner
+        queue that decode before its tokens are read (`SchedulerOutput.may_run_ahead`).
     """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_waiting: int
     num_lookahead_tokens: int = 0
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
@@ -57,6 +60,8 @@ class SchedulerConfig:
         v = self.num_lookahead_tokens
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"num_lookahead_tokens must be an int >= 0, got {v!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[Request, ...]
+    # every running request decodes one token and nobody waits: unless some end, the next step is these
+    # requests' next decode, which the runner may queue before this step's tokens are read
+    may_run_ahead: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +111,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the youngest
         self.num_preemptions = 0
+        # requests whose next decode the runner queued ahead in the last step (the engine sets it after each
+        # step): their state holds one token more than they computed, so the next step is that decode
+        self.ran_ahead: frozenset[str] = frozenset()
 
     def add(self, request: Request, *, bounded: bool = True) -> None:
         if bounded and len(self.waiting) >= self.config.max_waiting:
@@ -113,11 +124,35 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        if self.ran_ahead and any(r.request_id in self.ran_ahead for r in self.running):
+            return self._decode_ran_ahead()
         out = self._schedule()
-        if not self.memory.inner_snapshots:
-            return out
-        # after every lookup of the step: none may resume from a snapshot its forward has yet to write
-        return SchedulerOutput(self._with_inner_saves(out.chunks), out.preempted)
+        if self.memory.inner_snapshots:
+            # after every lookup of the step: none may resume from a snapshot its forward has yet to write
+            out = SchedulerOutput(self._with_inner_saves(out.chunks), out.preempted)
+        return replace(out, may_run_ahead=self._may_run_ahead(out))
+
+    def _may_run_ahead(self, out: SchedulerOutput) -> bool:
+        """The next step is surely `out`'s requests' next decode, less the ones that end: every running
+        request decodes one token in `out`, nobody waits to be admitted, nothing was preempted."""
+        return (
+            self.config.async_scheduling
+            and self.config.num_lookahead_tokens == 0
+            and not self.waiting
+            and not out.preempted
+            and 0 < len(out.chunks) == len(self.running)
+            and all(c.num_new == 1 and c.sample and not c.request.suspect for c in out.chunks)
+        )
+
+    def _decode_ran_ahead(self) -> SchedulerOutput:
+        """The step after one whose next decode ran ahead: that decode, of its requests still running (in
+        order; the runner checks that they are its rows). Nobody is admitted or preempted in it: their KV
+        room was reserved when it was queued."""
+        chunks = tuple(ScheduledChunk(r, r.num_computed_tokens, 1) for r in self.running)
+        if not self.memory.grow([c.request.request_id for c in chunks], [c.end for c in chunks]):
+            raise RuntimeError("no KV room for a decode that ran ahead: its pages were reserved when queued")
+        out = SchedulerOutput(chunks, ())
+        return replace(out, may_run_ahead=self._may_run_ahead(out))
 
     def _schedule(self) -> SchedulerOutput:
         suspect = next((r for r in self.running if r.suspect), None)
@@ -207,6 +242,7 @@ class Scheduler:
         one at a time. Nothing of theirs is cached: the failed step may have half-written their state (the
         engine resets the prefix cache when the step's snapshots were already saved)."""
         reqs = [r for r in requests if r in self.running]
+        self.ran_ahead = frozenset()  # (the runner forgot it too: a failed step) recomputed from scratch
         for req in reversed(reqs):
             self.running.remove(req)
             self.memory.free(req.request_id)
@@ -319,7 +355,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         n = req.num_computed_tokens
-        if 0 < n < req.num_tokens:
+        if 0 < n < req.num_tokens and req.request_id not in self.ran_ahead:
             # its recompute resumes from here (unless the pages it frees are reclaimed first)
             self.memory.save_prefixes([self._save(req, n)])
         self.memory.free(req.request_id)
@@ -339,10 +375,10 @@ class Scheduler:
         if not done:
             return
         ending = [req for req in self.running if id(req) in done]
-        # the state holds exactly the first num_computed_tokens tokens unless a stop string cut tokens the
-        # state had already seen
+        # the state holds exactly the first num_computed_tokens tokens (all of them when the next decode
+        # ran ahead) unless a stop string cut tokens the state had already seen
         saves = [
-            self._save(req, req.num_computed_tokens)
+            self._save(req, req.num_computed_tokens + (req.request_id in self.ran_ahead))
             for req in ending
             if req.num_computed_tokens and req.num_tokens == req.num_computed_tokens + 1
         ]

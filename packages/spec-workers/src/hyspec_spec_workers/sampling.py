@@ -166,6 +166,40 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [N, k] fp32
     ranks: torch.Tensor | None = None  # [N] int64, 1-based rank of the chosen token (with `logprobs`)
 
+    def start_read(self) -> PendingSample:
+        """The output's copy to the host, queued now: `PendingSample.wait` waits for the work queued before
+        this call only (on CUDA non-blocking copies into pinned memory, an event behind them), so a forward
+        queued after it runs on while the host reads the tokens."""
+        if self.token_ids.device.type != "cuda":
+            return PendingSample(self, None)
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to("cpu", non_blocking=True)  # pinned by torch
+
+        out = SamplerOutput(
+            self.token_ids.to("cpu", non_blocking=True),
+            host(self.logprobs),
+            host(self.top_ids),
+            host(self.top_logprobs),
+            host(self.ranks),
+        )
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.token_ids.device))  # the copies' device's stream
+        return PendingSample(out, event)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingSample:
+    """A `SamplerOutput` on its way to the host (`SamplerOutput.start_read`)."""
+
+    out: SamplerOutput  # on the host once `event` has passed
+    event: torch.cuda.Event | None
+
+    def wait(self) -> SamplerOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.out
+
 
 def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p, renormalised (greedy rows: temperature 1).

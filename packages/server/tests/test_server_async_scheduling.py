@@ -1,0 +1,199 @@
+"""Async scheduling: a plain decode step's next decode queued before its tokens are read (`run_ahead`).
+
+The queued decode feeds the sampled tokens on the device and advances every row's KV and recurrent state by
+one token before the host knows whether a request ended, so each test compares against the same engine with
+`async_scheduling=False` and counts the decodes that ran ahead (a feature that never runs would pass the
+comparisons). On the CPU the runner leaves the decode batch built ahead off, as on a GPU it is on; these
+tests turn it on. The GPU test runs the same through CUDA graphs in bf16.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hyspec_server import LLM, EngineArgs, LLMEngine, SamplingParams
+from hyspec_server.builder import build_engine
+from hyspec_server.outputs import RequestOutput
+from hyspec_server.plain_forward import PlainForwards
+
+PROMPTS: list[list[int]] = [[5, 9, 17, 33, 2, 7, 5, 9, 11], [40, 41], [7, 7, 7, 8, 7], [1], [20, 30, 40, 20]]
+BUDGETS = [21, 9, 30, 14, 25]
+
+
+def _engine(path: Path, *, run_ahead: bool, **kw: Any) -> LLMEngine:
+    args: dict[str, Any] = dict(model=str(path), max_num_seqs=8, page_size=4, max_model_len=64)
+    args.update(kw)
+    eng = build_engine(EngineArgs(async_scheduling=run_ahead, **args))
+    eng.runner.ahead.enabled = True  # type: ignore[attr-defined]
+    return eng
+
+
+def _plain(eng: LLMEngine) -> PlainForwards:
+    plain = eng.runner.plain  # type: ignore[attr-defined]
+    assert isinstance(plain, PlainForwards)
+    return plain
+
+
+def _generate(eng: LLMEngine, params: list[SamplingParams], prompts: list[list[int]] = PROMPTS) -> Any:
+    return LLM.from_engine(eng).generate([{"prompt_token_ids": p} for p in prompts], params)
+
+
+def _greedy(budgets: list[int] = BUDGETS, **kw: Any) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, **kw) for m in budgets]
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_5"])
+def test_decodes_run_ahead_and_outputs_equal_synchronous_steps(
+    arch: str, request: pytest.FixtureRequest
+) -> None:
+    path: Path = request.getfixturevalue(f"tiny_{arch}")
+    ref = [o.outputs[0].token_ids for o in _generate(_engine(path, run_ahead=False), _greedy())]
+    eng = _engine(path, run_ahead=True)
+    got = [o.outputs[0].token_ids for o in _generate(eng, _greedy())]
+    assert got == ref
+    # one prefill step, then 29 decode steps: all but the last (whose requests all end by their budget,
+    # so it builds nothing ahead) queue the next one; the 4 steps after a request ended too
+    assert _plain(eng).num_ran_ahead == 28
+    eng.leak_check()
+
+
+def test_requests_ending_at_a_stop_token_drop_out_of_the_decode_that_ran_ahead(tiny_qwen3_5: Path) -> None:
+    """A stop token (and EOS) ends a request after its next decode was queued: the next step takes that
+    decode without its row. Sampled rows with seeds, penalties and logprobs equal the synchronous engine's
+    (their sampling runs after the host read the tokens, as before)."""
+    ref = [o.outputs[0].token_ids for o in _generate(_engine(tiny_qwen3_5, run_ahead=False), _greedy())]
+    stops = {0: ref[0][3], 2: ref[2][4], 4: ref[4][10]}
+    params = [
+        SamplingParams(
+            max_tokens=m,
+            temperature=0.8 if i in (1, 3) else 0,
+            seed=100 + i,
+            repetition_penalty=1.3 if i == 3 else 1.0,
+            presence_penalty=0.5 if i == 1 else 0.0,
+            logprobs=2,
+            ignore_eos=i != 4,
+            stop_token_ids=[stops[i]] if i in stops else None,
+        )
+        for i, m in enumerate(BUDGETS)
+    ]
+    outs, logprobs = [], []
+    for run_ahead in (False, True):
+        eng = _engine(tiny_qwen3_5, run_ahead=run_ahead)
+        got = [o.outputs[0] for o in _generate(eng, params)]
+        outs.append([(o.token_ids, o.finish_reason) for o in got])
+        # the top-2 of each position: (token, logprob) pairs
+        logprobs.append([[(t, lp.logprob) for d in o.logprobs for t, lp in sorted(d.items())] for o in got])
+        eng.leak_check()
+    assert outs[1] == outs[0]
+    assert [reason for _, reason in outs[1]][::2] == ["stop"] * 3
+    for a, b in zip(*logprobs, strict=True):
+        # a step after a request ended ran its forward with that row still in the batch: other fp32 sums
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], rel=1e-4, abs=1e-5)
+    # the longest request (row 3, 14 tokens) decodes in 13 steps: every one but its last ran the next
+    # ahead, also those whose tokens ended other requests at their stop tokens
+    assert _plain(eng).num_ran_ahead == 12
+
+
+def test_a_request_arriving_mid_decode_waits_at_most_a_step_and_aborts_drop_out(tiny_lfm2: Path) -> None:
+    """Requests added and aborted between steps, driven step by step: each output equals the synchronous
+    engine's under the same calls; the newcomer is admitted (no run-ahead while it waits)."""
+
+    def drive(eng: LLMEngine) -> dict[str, list[int]]:
+        params = _greedy()
+        ids = [eng.add_request(p, params[i], request_id=f"r{i}") for i, p in enumerate(PROMPTS[:3])]
+        finished: dict[str, list[int]] = {}
+        steps = 0
+        while eng.has_unfinished() or steps < 6:
+            steps += 1
+            if steps == 4:
+                eng.add_request(PROMPTS[3], params[3], request_id="late")
+            if steps == 7:
+                aborted = eng.abort(ids[2])
+                assert aborted is not None
+                finished[ids[2]] = aborted.outputs[0].token_ids
+            outs: list[RequestOutput] = eng.step()
+            for o in outs:
+                if o.finished:
+                    finished[o.request_id] = o.outputs[0].token_ids
+        return finished
+
+    ref = drive(_engine(tiny_lfm2, run_ahead=False))
+    eng = _engine(tiny_lfm2, run_ahead=True)
+    got = drive(eng)
+    assert got.keys() == ref.keys() == {"r0", "r1", "r2", "late"}
+    assert got == ref
+    assert eng.requests == {} and _plain(eng).num_ran_ahead > 10
+    eng.leak_check()
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_5"])
+def test_a_finished_request_caches_the_state_its_run_ahead_decode_left(
+    arch: str, request: pytest.FixtureRequest
+) -> None:
+    """A request that ends at a stop token after its next decode was queued caches its state with that
+    token in it (one more than it computed): the next turn resumes from it and equals a run without the
+    prefix cache. Caching it as the computed tokens alone would resume from a state one token ahead."""
+    path: Path = request.getfixturevalue(f"tiny_{arch}")
+    first = PROMPTS[0]
+    ref = _generate(_engine(path, run_ahead=False, enable_prefix_caching=False), _greedy([12]), [first])
+    stop = ref[0].outputs[0].token_ids[6]
+
+    def turns(eng: LLMEngine) -> tuple[list[int], list[int], list[int], list[int]]:
+        one = _generate(eng, [SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop])], [first])
+        out1 = one[0].outputs[0].token_ids
+        # the next turn; and a branch off the first output's third token (position 12, where a decode step
+        # saved a snapshot at the interval, queued before the decode that ran ahead of it)
+        more = _generate(eng, _greedy([8, 8]), [first + out1 + [3, 4], first + out1[:3] + [3, 4]])
+        return out1, *(o.outputs[0].token_ids for o in more), [o.num_cached_tokens for o in more]
+
+    base = turns(_engine(path, run_ahead=True, enable_prefix_caching=False))
+    eng = _engine(path, run_ahead=True, prefix_cache_snapshot_interval=4)
+    got = turns(eng)
+    assert got[:3] == base[:3]
+    assert base[0][-1] == stop and len(base[0]) <= 7
+    # the whole first conversation (prompt, its output with the stop token) came from the cache, and the
+    # branch resumed at the decode's snapshot
+    assert got[3] == [len(first) + len(base[0]), 12]
+    assert _plain(eng).num_ran_ahead > 0
+    eng.leak_check()
+
+
+def test_one_running_request_at_a_time(tiny_qwen3_5: Path) -> None:
+    """`max_num_seqs=1`: the others wait, so only the last request's decodes run ahead."""
+    ref = [o.outputs[0].token_ids for o in _generate(_engine(tiny_qwen3_5, run_ahead=False), _greedy())]
+    eng = _engine(tiny_qwen3_5, run_ahead=True, max_num_seqs=1)
+    assert [o.outputs[0].token_ids for o in _generate(eng, _greedy())] == ref
+    # the last request ([20, 30, 40, 20], 25 tokens) runs alone: 24 decode steps, all but its last ahead
+    assert _plain(eng).num_ran_ahead == 23
+    eng.leak_check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_5"])
+def test_graphed_decodes_run_ahead_on_the_gpu(arch: str, request: pytest.FixtureRequest) -> None:
+    """On CUDA (graphs, bf16, the decode batch built ahead on by default): the same tokens and finish
+    reasons with and without async scheduling, stop tokens included, and most decodes ran ahead."""
+    path: Path = request.getfixturevalue(f"tiny_{arch}")
+    outs = []
+    for run_ahead in (False, True):
+        eng = build_engine(
+            EngineArgs(
+                model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=8, async_scheduling=run_ahead
+            )
+        )
+        greedy = _generate(eng, _greedy())
+        stops = [o.outputs[0].token_ids[5] for o in greedy]
+        params = [
+            SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, stop_token_ids=[stops[i]])
+            for i, m in enumerate(BUDGETS)
+        ]
+        stopped = _generate(eng, params)
+        outs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in [*greedy, *stopped]])
+        eng.leak_check()
+    assert outs[1] == outs[0]
+    assert _plain(eng).num_ran_ahead >= 28
