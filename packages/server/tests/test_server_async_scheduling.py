@@ -162,13 +162,20 @@ def test_a_finished_request_caches_the_state_its_run_ahead_decode_left(
     eng.leak_check()
 
 
-def test_one_running_request_at_a_time(tiny_qwen3_5: Path) -> None:
-    """`max_num_seqs=1`: the others wait, so only the last request's decodes run ahead."""
-    ref = [o.outputs[0].token_ids for o in _generate(_engine(tiny_qwen3_5, run_ahead=False), _greedy())]
-    eng = _engine(tiny_qwen3_5, run_ahead=True, max_num_seqs=1)
-    assert [o.outputs[0].token_ids for o in _generate(eng, _greedy())] == ref
-    # the last request ([20, 30, 40, 20], 25 tokens) runs alone: 24 decode steps, all but its last ahead
-    assert _plain(eng).num_ran_ahead == 23
+@pytest.mark.parametrize("max_num_seqs", [1, 2])
+def test_decodes_run_ahead_while_the_others_wait_for_a_seat(tiny_qwen3_5: Path, max_num_seqs: int) -> None:
+    """Every seat taken: nobody can be admitted before a request ends, so decodes run ahead although
+    requests wait; the step after a seat frees is the decode that ran ahead, the one after it admits."""
+    params = _greedy()
+    ref = [o.outputs[0].token_ids for o in _generate(_engine(tiny_qwen3_5, run_ahead=False), params)]
+    eng = _engine(tiny_qwen3_5, run_ahead=True, max_num_seqs=max_num_seqs)
+    assert [o.outputs[0].token_ids for o in _generate(eng, params)] == ref
+    if max_num_seqs == 1:
+        # a request of budget m decodes in m - 1 steps, all but the last ahead (m - 2); the one-token prompt
+        # [1] prefills as a decode, which runs its first decode ahead too: 19 + 7 + 28 + 13 + 23
+        assert _plain(eng).num_ran_ahead == 90
+    else:
+        assert _plain(eng).num_ran_ahead == 55  # (23 with run-ahead only while nobody waits)
     eng.leak_check()
 
 

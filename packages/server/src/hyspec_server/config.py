@@ -127,9 +127,9 @@ class EngineArgs:
     async_scheduling: bool = _arg(
         True,
         "SchedulerConfig",
-        "while nobody waits to be admitted, queue each plain decode step's next decode before reading its "
+        "while nobody waits for a free seat, queue each plain decode step's next decode before reading its "
         "tokens, so the device runs it while the host emits them and schedules (lossless; a new request "
-        "waits up to one step more)",
+        "may wait one step more)",
     )
     speculative_config: SpeculativeConfig | None = _arg(  # noqa: RUF009
         None,

@@ -134,11 +134,12 @@ class Scheduler:
 
     def _may_run_ahead(self, out: SchedulerOutput) -> bool:
         """The next step is surely `out`'s requests' next decode, less the ones that end: every running
-        request decodes one token in `out`, nobody waits to be admitted, nothing was preempted."""
+        request decodes one token in `out`, nothing was preempted, and nobody waits to be admitted unless
+        every seat is taken (a seat that frees admits the next request one step later than it would)."""
         return (
             self.config.async_scheduling
             and self.config.num_lookahead_tokens == 0
-            and not self.waiting
+            and (not self.waiting or len(self.running) >= self.config.max_num_seqs)
             and not out.preempted
             and 0 < len(out.chunks) == len(self.running)
             and all(c.num_new == 1 and c.sample and not c.request.suspect for c in out.chunks)
