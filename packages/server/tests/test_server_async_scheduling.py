@@ -130,6 +130,42 @@ def test_a_request_arriving_mid_decode_waits_at_most_a_step_and_aborts_drop_out(
     eng.leak_check()
 
 
+@pytest.mark.parametrize("fail_step", [5, 8])
+def test_a_step_that_fails_after_its_decode_ran_ahead_forgets_it(tiny_qwen3_5: Path, fail_step: int) -> None:
+    """The read of a step's tokens fails after the next decode was queued: the engine recomputes the
+    step's requests one by one (quarantine), which must not meet the forgotten decode again; the outputs
+    equal the synchronous engine's under the same failure."""
+
+    def drive(eng: LLMEngine) -> dict[str, list[int]]:
+        plain = _plain(eng)
+        read = plain.read
+        steps = {"n": 0}
+
+        def failing(queued: Any) -> Any:
+            if steps["n"] == fail_step:
+                steps["n"] += 1
+                raise RuntimeError("injected read failure")
+            return read(queued)
+
+        plain.read = failing  # type: ignore[method-assign]
+        params = _greedy()
+        for i, prompt in enumerate(PROMPTS):
+            eng.add_request(prompt, params[i], request_id=f"r{i}")
+        finished: dict[str, list[int]] = {}
+        while eng.has_unfinished():
+            steps["n"] += 1
+            for o in eng.step():
+                if o.finished:
+                    finished[o.request_id] = o.outputs[0].token_ids
+        return finished
+
+    ref = drive(_engine(tiny_qwen3_5, run_ahead=False))
+    eng = _engine(tiny_qwen3_5, run_ahead=True)
+    assert drive(eng) == ref and len(ref) == len(PROMPTS)
+    assert _plain(eng).num_ran_ahead > 0
+    eng.leak_check()
+
+
 @pytest.mark.parametrize("arch", ["lfm2", "qwen3_5"])
 def test_a_finished_request_caches_the_state_its_run_ahead_decode_left(
     arch: str, request: pytest.FixtureRequest
@@ -177,6 +213,64 @@ def test_decodes_run_ahead_while_the_others_wait_for_a_seat(tiny_qwen3_5: Path, 
     else:
         assert _plain(eng).num_ran_ahead == 55  # (23 with run-ahead only while nobody waits)
     eng.leak_check()
+
+
+# lengths from acceptance alone (no measured costs, which differ between runs): the same rounds in both
+ADAPTIVE_MTP = {
+    "method": "mtp",
+    "num_speculative_tokens": 3,
+    "adaptive": {"candidate_steps": [1, 3], "warmup_batches": 0, "update_interval": 1, "cost_aware": False},
+}
+
+
+def _lengths_at_zero(eng: LLMEngine, probe_wait: int) -> tuple[list[int], list[Any]]:
+    """Every request's adaptive length starts at 0 and probes after `probe_wait` rounds at 0; returns the
+    rows of each verify round run, and the quarantines (a step that failed: a run-ahead the round broke)."""
+    rnd: Any = eng.runner.spec  # type: ignore[attr-defined]
+    new_request = rnd.adaptive.new_request
+
+    def at_zero(costs: Any = None) -> Any:
+        st = new_request(costs)
+        st.steps, st._probe_wait = 0, probe_wait
+        return st
+
+    rnd.adaptive.new_request = at_zero
+    rounds: list[int] = []
+    run = rnd.run
+    rnd.run = lambda target, rows, **kw: rounds.append(len(rows)) or run(target, rows, **kw)
+    failed: list[Any] = []
+    quarantine = eng.scheduler.quarantine
+    eng.scheduler.quarantine = lambda reqs: failed.append(reqs) or quarantine(reqs)  # type: ignore[method-assign]
+    return rounds, failed
+
+
+@pytest.mark.parametrize("probe_wait", [10**6, 4])
+def test_speculative_rounds_that_draft_nothing_run_ahead(tiny_qwen3_5: Path, probe_wait: int) -> None:
+    """Adaptive lengths at 0 (a drafter that does not pay): the steps are plain engine steps, and while the
+    next round surely drafts nothing either (no request due to probe) the next one's decode runs ahead.
+    With probes every 4 rounds at 0, drafting rounds follow rounds that ran ahead: the same tokens, the
+    same accepted drafts (the drafter was fed the decodes that ran ahead, their layers included) and no
+    step that failed, against the same engine without async scheduling."""
+    out, stats = [], []
+    for run_ahead in (False, True):
+        eng = _engine(tiny_qwen3_5, run_ahead=run_ahead, speculative_config=ADAPTIVE_MTP)
+        rounds, failed = _lengths_at_zero(eng, probe_wait)
+        out.append([o.outputs[0].token_ids for o in _generate(eng, _greedy())])
+        stats.append((len(rounds), eng.stats.spec_num_drafts, eng.stats.spec_num_accepted_tokens))
+        assert failed == []
+        eng.leak_check()
+    assert (
+        out[1]
+        == out[0]
+        == [o.outputs[0].token_ids for o in _generate(_engine(tiny_qwen3_5, run_ahead=False), _greedy())]
+    )
+    assert stats[1] == stats[0]
+    if probe_wait == 4:
+        assert stats[1][1] > 0  # rounds drafted (probes)
+        assert 0 < _plain(eng).num_ran_ahead < 28
+    else:
+        assert stats[1] == (0, 0, 0)
+        assert _plain(eng).num_ran_ahead == 28  # as a plain engine
 
 
 @pytest.mark.gpu

@@ -127,7 +127,8 @@ class EngineArgs:
     async_scheduling: bool = _arg(
         True,
         "SchedulerConfig",
-        "while nobody waits for a free seat, queue each plain decode step's next decode before reading its "
+        "while nobody waits for a free seat, queue each plain decode step's next decode (with speculation: "
+        "a round that drafts nothing, when the next one surely drafts nothing either) before reading its "
         "tokens, so the device runs it while the host emits them and schedules (lossless; a new request "
         "may wait one step more)",
     )

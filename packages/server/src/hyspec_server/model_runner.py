@@ -296,16 +296,24 @@ class HyspecModelRunner:
     def _execute(
         self, chunks: list[ScheduledChunk], while_queued: Callable[[], None] | None, run_ahead: bool
     ) -> RunnerOutput:
-        if self.spec is not None:
-            self.spec.begin_step()  # the last round's costs include the engine's work since it ended
-        if self.spec is None or not any(c.verify for c in chunks):
+        if self.spec is None:
             return self._plain_step(chunks, while_queued, run_ahead)
+        self.spec.begin_step()  # the last round's costs include the engine's work since it ended
         ids = [c.request.request_id for c in chunks if c.verify]
         alone = len(ids) == len(chunks)
-        if self.spec.drafts_nothing(ids) and (alone or self.spec.may_share_forward()):
-            # nobody drafts (adaptive lengths at 0): a plain engine's step, decode batch built ahead included
+        plain_round = bool(ids) and self.spec.drafts_nothing(ids) and (alone or self.spec.may_share_forward())
+        if self.plain.holds_ran_ahead(chunks) and not (plain_round and alone):
+            # their state already holds the token a round would verify again (never reached: the round said
+            # it would draft nothing); the engine recomputes them
+            raise RuntimeError("a speculative step drafts for requests whose next decode ran ahead")
+        if not ids:
+            return self._plain_step(chunks, while_queued, False)
+        if plain_round:
+            # nobody drafts (adaptive lengths at 0): a plain engine's step, decode batch built ahead included,
+            # and its next decode queued ahead when the next round surely drafts nothing either
+            ahead = run_ahead and alone and self.spec.plain_next(ids)
             return self.spec.plain_round(
-                ids, lambda: self._plain_step(chunks, while_queued, False), shares_forward=not alone
+                ids, lambda: self._plain_step(chunks, while_queued, ahead), shares_forward=not alone
             )
         plain = [i for i, c in enumerate(chunks) if not c.verify]
         ver = [i for i, c in enumerate(chunks) if c.verify]

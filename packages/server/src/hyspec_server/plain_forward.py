@@ -100,6 +100,7 @@ class _RanAhead:
     requests: tuple[Request, ...]  # its rows' requests, in order
     prefix_lens: tuple[int, ...]  # the position each row decodes
     hidden: torch.Tensor  # [n, H] the forward's output (a graph's buffer: valid until its next replay)
+    aux: tuple[torch.Tensor, ...]  # [n, H] each: the layers a model drafter reads
     keep: tuple[int, ...]  # the queuing step's rows it holds
     tokens: tuple[int, ...] | None = None  # the tokens it feeds, once the host read them
 
@@ -178,13 +179,13 @@ class PlainForwards:
         `forward` takes instead of running one (a step that holds any of them otherwise raises). Returns
         the requests it decodes (none when there was no batch or it no longer matches)."""
         built = self.ahead.take_built()
-        if built is None or self.spec is not None:
-            return ()  # (a drafter's feed would need the forward's layers: not run ahead)
+        if built is None:
+            return ()
         requests = tuple(queued.chunks[i].request for i in built.keep)
         if built.req_ids != tuple(r.request_id for r in requests) or self._ran is not None:
             raise RuntimeError("the decode batch built ahead is not this step's")
-        hidden, *_ = self.graphs.run(built.batch)  # [n, H]
-        self._ran = _RanAhead(queued.chunks, requests, built.prefix_lens, hidden, built.keep)
+        hidden, *aux = self.graphs.run(built.batch)  # [n, H]
+        self._ran = _RanAhead(queued.chunks, requests, built.prefix_lens, hidden, tuple(aux), built.keep)
         self.num_ran_ahead += 1
         return built.req_ids
 
@@ -192,28 +193,34 @@ class PlainForwards:
         """Forget a decode that ran ahead (the engine recomputes its requests: a failed step)."""
         self._ran = None
 
-    def _take_ran(self, inp: PlainInputs) -> torch.Tensor | None:
-        """The hidden states [T, H] of `inp`'s decode if it ran ahead, else None."""
-        ran, self._ran = self._ran, None
-        if ran is None:
+    def holds_ran_ahead(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """Some of these chunks' requests had their next decode queued ahead (`run_ahead`)."""
+        ran = self._ran
+        return ran is not None and any(r is c.request for r in ran.requests for c in chunks)
+
+    def _take_ran(self, inp: PlainInputs) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        """The hidden states [T, H] (and a drafter's layers) of `inp`'s decode if it ran ahead, else None."""
+        if self._ran is None:
             return None
-        rows = ran.rows_of(inp)
+        rows = self._ran.rows_of(inp)
+        if rows is None and self.holds_ran_ahead(inp.chunks):
+            # their state already holds the token this step would feed again: never compute it twice
+            raise RuntimeError("a step holds requests whose next decode ran ahead, not as that decode")
+        ran, self._ran = self._ran, None
         if rows is None:
-            if any(r is c.request for r in ran.requests for c in inp.chunks):
-                # their state already holds the token this step would feed again: never compute it twice
-                raise RuntimeError("a step holds requests whose next decode ran ahead, not as that decode")
             return None  # its requests all ended
         if rows == list(range(len(ran.requests))):
-            return ran.hidden
-        return ran.hidden[to_device(rows, dtype=torch.int64, device=ran.hidden.device)]
+            return ran.hidden, ran.aux
+        index = to_device(rows, dtype=torch.int64, device=ran.hidden.device)
+        return ran.hidden[index], tuple(a[index] for a in ran.aux)
 
     def forward(self, inp: PlainInputs) -> QueuedTokens:
         """One forward of plain chunks (EXTEND, or DECODE when each brings one token), sampling queued."""
         rows = self.pool.req_rows(inp.ids)
         decode = all(q == 1 for q in inp.q_lens)
-        ran = self._take_ran(inp)  # [T, H]: queued during the last step, before its tokens were read
+        ran = self._take_ran(inp)  # queued during the last step, before its tokens were read
         if ran is not None:
-            queued = self.queue_sampling(inp, ran, ())
+            queued = self.queue_sampling(inp, *ran)
         else:
             # prepared during the previous step when it decoded these very requests (else None)
             batch = self.ahead.take(req_ids=inp.ids, prefix_lens=inp.prefix, tokens=inp.tokens)

@@ -138,7 +138,6 @@ class Scheduler:
         every seat is taken (a seat that frees admits the next request one step later than it would)."""
         return (
             self.config.async_scheduling
-            and self.config.num_lookahead_tokens == 0
             and (not self.waiting or len(self.running) >= self.config.max_num_seqs)
             and not out.preempted
             and 0 < len(out.chunks) == len(self.running)
@@ -147,10 +146,14 @@ class Scheduler:
 
     def _decode_ran_ahead(self) -> SchedulerOutput:
         """The step after one whose next decode ran ahead: that decode, of its requests still running (in
-        order; the runner checks that they are its rows). Nobody is admitted or preempted in it: their KV
-        room was reserved when it was queued."""
-        chunks = tuple(ScheduledChunk(r, r.num_computed_tokens, 1) for r in self.running)
-        if not self.memory.grow([c.request.request_id for c in chunks], [c.end for c in chunks]):
+        order; the runner checks that they are its rows; with speculation, verify chunks of their current
+        token, which the round runs as a plain step). Nobody is admitted or preempted in it: their KV room
+        was reserved when it was queued."""
+        chunks = tuple(self._plan_running(self.config.max_num_batched_tokens))
+        ends = [c.end + c.num_lookahead for c in chunks]
+        if len(chunks) != len(self.running) or any(c.num_new != 1 for c in chunks):
+            raise RuntimeError("a decode that ran ahead is not its requests' next step")
+        if not self.memory.grow([c.request.request_id for c in chunks], ends):
             raise RuntimeError("no KV room for a decode that ran ahead: its pages were reserved when queued")
         out = SchedulerOutput(chunks, ())
         return replace(out, may_run_ahead=self._may_run_ahead(out))

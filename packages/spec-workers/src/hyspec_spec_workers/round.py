@@ -236,6 +236,17 @@ class SpeculativeRound:
             return True  # (the common case of a drafter that does not pay: one pass, no state made)
         return all(self._length(rid).steps == 0 for rid in request_ids)
 
+    def plain_next(self, request_ids: Sequence[str]) -> bool:
+        """Asked before a `plain_round` of these requests: whether the round after it, over these requests or
+        any of them, surely drafts nothing too (so its forward may be queued ahead): every one at length 0
+        and none starting a probe in this round (a probe that starts with a round drafts in the next)."""
+        if self.adaptive is None or self.idle is None or self.is_tree or self._forced is not None:
+            return False
+        if self.idle.covers(request_ids):
+            return True  # one more of the counted rounds: nobody is due to probe in it
+        self.idle.report()
+        return self.adaptive.all_idle(request_ids) and self.adaptive.idle_window(request_ids) > 0
+
     def plain_round(self, request_ids: Sequence[str], step: Callable[[], _T], *, shares_forward: bool) -> _T:
         """A step that drafts nothing (`drafts_nothing`), run by `step` (the caller's plain forward of these
         requests' current tokens, and of its other work when `shares_forward`): timed and counted as `run`
