@@ -160,6 +160,24 @@ def _target_forward(
     return forward
 
 
+def round_row(c: ScheduledChunk, max_model_len: int) -> RoundRow:
+    """A verify chunk as a row of the speculative round."""
+    req = c.request
+    # tokens the request may still emit (>= 1 for a live request)
+    budget = max(1, min(req.params.max_tokens - len(req.output_token_ids), max_model_len - req.num_tokens))
+    return RoundRow(
+        request=req,
+        prefix_len=c.start,
+        root_token=req.token_slice(c.start, c.end)[0],
+        max_drafts=c.num_lookahead,
+        max_new_tokens=budget,
+        stop_token_ids=req.eos_token_ids
+        | req.params.stop_token_set
+        | (req.grammar.stop_token_ids if req.grammar is not None else frozenset()),
+        constraint=req.grammar,
+    )
+
+
 def _capture_with_progress(graphs: CudaGraphRunner, sizes: Sequence[int]) -> None:
     """`graphs.capture(sizes)` with a progress bar where someone watches (a terminal), as vLLM shows one."""
     from tqdm import tqdm
@@ -317,7 +335,7 @@ class HyspecModelRunner:
             )
         plain = [i for i, c in enumerate(chunks) if not c.verify]
         ver = [i for i, c in enumerate(chunks) if c.verify]
-        rows = [self._round_row(chunks[i]) for i in ver]
+        rows = [round_row(chunks[i], self._max_model_len) for i in ver]
         tokens: list[SampledToken | None] = [None] * len(chunks)
         verified: list[VerifiedTokens | None] = [None] * len(chunks)
         prompt_rows: tuple[PromptLogprobRows | None, ...] = ()
@@ -363,25 +381,6 @@ class HyspecModelRunner:
         ran = self.plain.run_ahead(queued) if run_ahead else ()
         return RunnerOutput(
             tuple(self.plain.read(queued)), prompt_logprobs=queued.prompt_logprobs, ran_ahead=ran
-        )
-
-    def _round_row(self, c: ScheduledChunk) -> RoundRow:
-        """A verify chunk as a row of the speculative round."""
-        req = c.request
-        # tokens the request may still emit (>= 1 for a live request)
-        budget = max(
-            1, min(req.params.max_tokens - len(req.output_token_ids), self._max_model_len - req.num_tokens)
-        )
-        return RoundRow(
-            request=req,
-            prefix_len=c.start,
-            root_token=req.token_slice(c.start, c.end)[0],
-            max_drafts=c.num_lookahead,
-            max_new_tokens=budget,
-            stop_token_ids=req.eos_token_ids
-            | req.params.stop_token_set
-            | (req.grammar.stop_token_ids if req.grammar is not None else frozenset()),
-            constraint=req.grammar,
         )
 
     # ---------------------------------------------------------------- VerifyTarget (spec-workers' round)
@@ -456,7 +455,7 @@ class HyspecModelRunner:
         return self.graphs.run_tail(batch, hidden, (packed,))
 
     def decode(self, rows: Sequence[RoundRow]) -> list[SampledToken]:
-        # the round's rows are this runner's own requests (`_round_row`)
+        # the round's rows are this runner's own requests (`round_row`)
         chunks = [
             ScheduledChunk(cast(Request, r.request), r.prefix_len, 1, verify=True, num_lookahead=r.max_drafts)
             for r in rows
