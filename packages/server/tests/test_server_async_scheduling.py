@@ -238,6 +238,14 @@ def _lengths_at_zero(eng: LLMEngine, probe_wait: int) -> tuple[list[int], list[A
     rounds: list[int] = []
     run = rnd.run
     rnd.run = lambda target, rows, **kw: rounds.append(len(rows)) or run(target, rows, **kw)
+    plain_round = rnd.plain_round
+    rnd.queued_ahead = []  # per plain round: its forward was queued during the last step
+
+    def recording(ids: Any, step: Any, **kw: Any) -> Any:
+        rnd.queued_ahead.append(kw.get("queued_ahead", False))
+        return plain_round(ids, step, **kw)
+
+    rnd.plain_round = recording
     failed: list[Any] = []
     quarantine = eng.scheduler.quarantine
     eng.scheduler.quarantine = lambda reqs: failed.append(reqs) or quarantine(reqs)  # type: ignore[method-assign]
@@ -271,6 +279,24 @@ def test_speculative_rounds_that_draft_nothing_run_ahead(tiny_qwen3_5: Path, pro
     else:
         assert stats[1] == (0, 0, 0)
         assert _plain(eng).num_ran_ahead == 28  # as a plain engine
+    # each decode that ran ahead is its next round's forward, which the cost model charges the whole step
+    queued = eng.runner.spec.queued_ahead  # type: ignore[attr-defined]
+    assert sum(queued) == _plain(eng).num_ran_ahead
+
+
+def test_a_round_that_drafts_after_its_decode_ran_ahead_recomputes_even_alone(tiny_qwen3_5: Path) -> None:
+    """An over-eager `plain_next` (never expected) lets a probe round meet a decode that ran ahead: the
+    step fails with RanAheadMismatch and the engine recomputes its request, at batch 1 too (not an abort),
+    with the output of the synchronous engine."""
+    params = _greedy([21])
+    ref = _generate(_engine(tiny_qwen3_5, run_ahead=False), params, PROMPTS[:1])[0].outputs[0]
+    eng = _engine(tiny_qwen3_5, run_ahead=True, speculative_config=ADAPTIVE_MTP)
+    _, failed = _lengths_at_zero(eng, 4)
+    eng.runner.spec.plain_next = lambda ids: True  # type: ignore[attr-defined]
+    got = _generate(eng, params, PROMPTS[:1])[0].outputs[0]
+    assert (got.token_ids, got.finish_reason) == (ref.token_ids, "length")
+    assert len(failed) >= 1  # the mismatch happened, and was recomputed
+    eng.leak_check()
 
 
 @pytest.mark.gpu

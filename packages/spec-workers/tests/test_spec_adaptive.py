@@ -848,3 +848,33 @@ def test_a_drafting_round_knows_when_the_next_round_times_a_plain_step(
         assert timer.timing() == last
         timer.end_round()
     assert not costs_mod.RoundTimer(costs_mod.CostTracker(), cost_aware=False).next_is_timing()
+
+
+def test_a_plain_round_whose_forward_was_queued_ahead_is_charged_the_whole_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plain round's step is charged the engine's time since the last round only while that gap is no
+    longer than the step (else the engine idled). A round whose forward was queued during the last step
+    (async scheduling) measures only what was left of the forward: it is charged the whole gap, or plain
+    decoding looks cheaper than it is (here 1 ms of forward left after 3 ms of the engine's work: 4 ms a
+    step, not 1)."""
+    from hyspec_spec_workers import costs as costs_mod
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(costs_mod.time, "perf_counter", lambda: clock["t"])
+
+    def decode_cost(queued_ahead: bool) -> float:
+        costs = costs_mod.CostTracker()
+        timer = costs_mod.RoundTimer(costs, cost_aware=True)
+        for _ in range(3):  # steady plain rounds: 3 ms between rounds, then a 1 ms step
+            clock["t"] += 0.003
+            timer.begin_step()
+            clock["t"] += 0.001
+            timer.plain(0.001, rows=1, timing=False, queued_ahead=queued_ahead)
+            timer.end_round()
+        clock["t"] += 0.003
+        timer.begin_step()  # the last round is recorded here, with the engine's 3 ms since it
+        return costs.decode_s()
+
+    assert decode_cost(queued_ahead=False) == pytest.approx(0.001)
+    assert decode_cost(queued_ahead=True) == pytest.approx(0.004)

@@ -21,7 +21,7 @@ from hyspec_statepool.prefix_cache import PrefixCacheStats
 from hyspec_server.memory import MemoryUsage
 from hyspec_server.outputs import Logprob, RequestOutput, SpecDecodeStats
 from hyspec_server.request import Request
-from hyspec_server.runner import ModelRunner, PromptLogprobRows
+from hyspec_server.runner import ModelRunner, PromptLogprobRows, RanAheadMismatch
 from hyspec_server.sampling_params import RequestOutputKind, SamplingParams
 from hyspec_server.scheduler import Scheduler, SchedulerConfig
 from hyspec_server.structured import GrammarCompiler
@@ -283,8 +283,9 @@ class LLMEngine:
                 log.warning("model step failed after saving prefix-cache snapshots; resetting the cache")
                 self.runner.memory.reset_prefix_cache()
             reqs = list(dict.fromkeys(c.request for c in sched.chunks))
-            if len(reqs) > 1:
+            if len(reqs) > 1 or isinstance(e, RanAheadMismatch):
                 # not attributable yet: each request is recomputed alone; one that fails alone is the cause
+                # (a decode that ran ahead and did not fit the step is no request's fault: recomputed too)
                 log.warning("model step of %d requests failed (%s); retrying each alone", len(reqs), e)
                 self.scheduler.quarantine(reqs)
                 return []

@@ -46,7 +46,7 @@ from hyspec_server.decode_ahead import DecodeAhead
 from hyspec_server.plain_forward import PlainForwards, PlainInputs, QueuedTokens
 from hyspec_server.pool_memory import StatePoolMemory
 from hyspec_server.request import Request
-from hyspec_server.runner import PromptLogprobRows, RunnerOutput
+from hyspec_server.runner import PromptLogprobRows, RanAheadMismatch, RunnerOutput
 from hyspec_server.runner_memory import build_memory
 from hyspec_server.scheduler import ScheduledChunk, SchedulerOutput
 from hyspec_server.speculative import DrafterRegistry
@@ -320,10 +320,11 @@ class HyspecModelRunner:
         ids = [c.request.request_id for c in chunks if c.verify]
         alone = len(ids) == len(chunks)
         plain_round = bool(ids) and self.spec.drafts_nothing(ids) and (alone or self.spec.may_share_forward())
-        if self.plain.holds_ran_ahead(chunks) and not (plain_round and alone):
+        held = self.plain.holds_ran_ahead(chunks)
+        if held and not (plain_round and alone):
             # their state already holds the token a round would verify again (never reached: the round said
             # it would draft nothing); the engine recomputes them
-            raise RuntimeError("a speculative step drafts for requests whose next decode ran ahead")
+            raise RanAheadMismatch("a speculative step drafts for requests whose next decode ran ahead")
         if not ids:
             return self._plain_step(chunks, while_queued, False)
         if plain_round:
@@ -331,7 +332,10 @@ class HyspecModelRunner:
             # and its next decode queued ahead when the next round surely drafts nothing either
             ahead = run_ahead and alone and self.spec.plain_next(ids)
             return self.spec.plain_round(
-                ids, lambda: self._plain_step(chunks, while_queued, ahead), shares_forward=not alone
+                ids,
+                lambda: self._plain_step(chunks, while_queued, ahead),
+                shares_forward=not alone,
+                queued_ahead=held,
             )
         plain = [i for i, c in enumerate(chunks) if not c.verify]
         ver = [i for i, c in enumerate(chunks) if c.verify]

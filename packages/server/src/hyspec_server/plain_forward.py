@@ -32,7 +32,12 @@ from hyspec_statepool.transfer import to_device
 
 from hyspec_server.decode_ahead import DecodeAhead
 from hyspec_server.request import Request
-from hyspec_server.runner import PromptLogprobRows, prompt_logprob_rows, spread_tokens
+from hyspec_server.runner import (
+    PromptLogprobRows,
+    RanAheadMismatch,
+    prompt_logprob_rows,
+    spread_tokens,
+)
 from hyspec_server.scheduler import ScheduledChunk
 from hyspec_server.structured import apply_grammar_masks
 
@@ -205,7 +210,7 @@ class PlainForwards:
         rows = self._ran.rows_of(inp)
         if rows is None and self.holds_ran_ahead(inp.chunks):
             # their state already holds the token this step would feed again: never compute it twice
-            raise RuntimeError("a step holds requests whose next decode ran ahead, not as that decode")
+            raise RanAheadMismatch("a step holds requests whose next decode ran ahead, not as that decode")
         ran, self._ran = self._ran, None
         if rows is None:
             return None  # its requests all ended

@@ -41,6 +41,12 @@ class PromptLogprobRows:
     top_logprobs: list[list[float]]
 
 
+class RanAheadMismatch(RuntimeError):
+    """A step holds requests whose next decode the runner queued ahead (`RunnerOutput.ran_ahead`), but not
+    as that decode: their state already holds a token the step would compute again. Never expected; the
+    engine recomputes the step's requests from scratch, also a lone one."""
+
+
 @dataclass(frozen=True, slots=True)
 class RunnerOutput:
     """One entry per chunk of the step, in order; None for chunks that did not sample.

@@ -216,14 +216,28 @@ class RoundTimer:
         if record is not None:
             record(time.perf_counter() - self._last_end)
 
-    def plain(self, seconds: float | None, *, rows: int, timing: bool, steady_next: bool = True) -> None:
+    def plain(
+        self,
+        seconds: float | None,
+        *,
+        rows: int,
+        timing: bool,
+        steady_next: bool = True,
+        queued_ahead: bool = False,
+    ) -> None:
         """The round was a plain decode step of `rows` requests taking `seconds` (None: not timed);
-        `steady_next`: a plain step right after it is steady (False after a step that ran other work)."""
+        `steady_next`: a plain step right after it is steady (False after a step that ran other work);
+        `queued_ahead`: its forward was queued during the last step (async scheduling) and ran while the
+        engine emitted and scheduled, so `seconds` holds only what was left of it: the step costs the whole
+        time since the last round, however long the engine's part of it."""
         if seconds is not None:
             steady = self._plain_before
-            self._pending = lambda gap: self.costs.record_decode(
-                seconds + _share(gap, seconds), rows=rows, steady=steady
-            )
+
+            def record(gap: float) -> None:
+                charged = max(gap, 0.0) if queued_ahead else _share(gap, seconds)
+                self.costs.record_decode(seconds + charged, rows=rows, steady=steady)
+
+            self._pending = record
         if timing:
             self._timing_left -= 1
         self._plain_before = steady_next

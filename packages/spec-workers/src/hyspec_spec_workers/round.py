@@ -247,10 +247,19 @@ class SpeculativeRound:
         self.idle.report()
         return self.adaptive.all_idle(request_ids) and self.adaptive.idle_window(request_ids) > 0
 
-    def plain_round(self, request_ids: Sequence[str], step: Callable[[], _T], *, shares_forward: bool) -> _T:
+    def plain_round(
+        self,
+        request_ids: Sequence[str],
+        step: Callable[[], _T],
+        *,
+        shares_forward: bool,
+        queued_ahead: bool = False,
+    ) -> _T:
         """A step that drafts nothing (`drafts_nothing`), run by `step` (the caller's plain forward of these
         requests' current tokens, and of its other work when `shares_forward`): timed and counted as `run`
-        times and counts a round without drafts, so the adaptive lengths and costs see the same rounds."""
+        times and counts a round without drafts, so the adaptive lengths and costs see the same rounds.
+        `queued_ahead`: the step's forward was queued during the last step (`plain_next`): the step is
+        charged the whole time since the last round (`RoundTimer.plain`)."""
         if not self.drafts_nothing(request_ids):
             raise ValueError("request_ids: some of these requests draft this round (use run)")
         self.timer.begin_step()
@@ -260,7 +269,13 @@ class SpeculativeRound:
         t0 = time.perf_counter()
         out = step()
         seconds = None if shares_forward else time.perf_counter() - t0
-        self.timer.plain(seconds, rows=len(request_ids), timing=timing, steady_next=not shares_forward)
+        self.timer.plain(
+            seconds,
+            rows=len(request_ids),
+            timing=timing,
+            steady_next=not shares_forward,
+            queued_ahead=queued_ahead,
+        )
         self.timer.end_round()
         if self.idle is not None and not timing:
             self.idle.count(request_ids)  # every one at 0: `drafts_nothing` said so
