@@ -95,8 +95,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[Request, ...]
-    # every running request decodes one token and nobody waits: unless some end, the next step is these
-    # requests' next decode, which the runner may queue before this step's tokens are read
+    # every running request decodes one token and nobody waits for a free seat: unless some end, the next
+    # step is these requests' next decode, which the runner may queue before this step's tokens are read
     may_run_ahead: bool = False
 
     @property
