@@ -407,3 +407,15 @@ def test_launch_tiles_fit_their_inputs() -> None:
         bm, _, _ = _launch_config(8192, 4, head_dim, False, half=half)
         assert bm * 4 <= 64, (head_dim, half)
     assert _launch_config(8192, 4, 256, True)[0] * 4 <= 16  # the interpreter's small tiles
+
+
+def test_short_kv_blocks_only_for_few_decode_programs() -> None:
+    """Batch-1 decode (4 KV heads, 132 SMs: 4 programs split 32 ways) gets 32-position KV blocks; a batch of
+    8 (32 programs), a verify or prefill tile of more than 32 rows, and blocks already short keep theirs."""
+    from hyspec_kernels.attention.triton_kernel import _short_kv_blocks
+
+    assert _short_kv_blocks(64, 16, 4, 132) == 32
+    assert _short_kv_blocks(128, 32, 8, 132) == 32
+    assert _short_kv_blocks(64, 16, 32, 132) == 64
+    assert _short_kv_blocks(64, 64, 4, 132) == 64
+    assert _short_kv_blocks(16, 16, 4, 132) == 16

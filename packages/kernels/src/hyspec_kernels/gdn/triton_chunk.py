@@ -2,11 +2,11 @@
 
 Same math as torch_impl.torch_prefill (64-token chunks, WY / UT form), in three launches:
 
-1. `gdn_chunk_wy_kernel`, one program per (chunk, value head), all in parallel: gamma = cumsum(g) inside the
-   chunk, A = strict_lower(beta K K^T ⊙ decay) as one [64, 64] product, (I + A)^-1 by forward substitution
-   on its four diagonal 16x16 blocks and block back-substitution for the rest (the blocks split out of A and
-   put back together in registers), then W = (I + A)^-1 (beta K e^gamma) and U = (I + A)^-1 (beta V) as
-   [64, 64] x [64, D] products.
+1. `gdn_chunk_wy_kernel`, one program per (chunk, value head), all in parallel, on the chunk's four 16-row
+   blocks: gamma = cumsum(g) inside the chunk, the ten lower 16x16 blocks of
+   A = strict_lower(beta K K^T ⊙ decay) as products of key row blocks, (I + A)^-1 by forward substitution
+   on the four diagonal blocks and block back-substitution for the rest, then W = (I + A)^-1 (beta K e^gamma)
+   and U = (I + A)^-1 (beta V) as sums of [16, 16] x [16, D] block products.
 2. `gdn_chunk_state_kernel`, one program per (sequence, value head, V tile): the only sequential part. It
    walks the sequence's chunks, storing the state at the start of each chunk, v_new = U - W S and the next
    state; the initial state comes from state[slot] and the final one goes back there (and the state at the
@@ -14,8 +14,9 @@ Same math as torch_impl.torch_prefill (64-token chunks, WY / UT form), in three 
 3. `gdn_chunk_out_kernel`, one program per (chunk, value head, V tile), all in parallel:
    o = (Q e^gamma) S_chunk + ((Q K^T) ⊙ decay) v_new.
 
-With bf16/fp16 inputs the matrix products take bf16 operands with fp32 accumulation (tensor cores); with fp32
-inputs they are exact fp32. The recurrent state itself is always carried in fp32.
+With bf16/fp16 inputs the matrix products take bf16 operands with fp32 accumulation (tensor cores), the
+solve's block merges TF32 operands; with fp32 inputs they are exact fp32. The recurrent state itself is
+always carried in fp32.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ..transfer import to_device
 from .checks import token_rows
 from .reference import CHUNK_SIZE
 
-SUB = 16  # rows of one diagonal block of the (I + A)^-1 solve; CHUNK_SIZE == 4 * SUB
+SUB = 16  # rows of one block of the WY stage; CHUNK_SIZE == 4 * SUB
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -54,68 +55,92 @@ def _load_rows_normed(ptr, rows, m_rows, s_t, o_k, m_k):  # type: ignore[no-unty
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _inv_unit_lower4(a0, a1, a2, a3, BC: tl.constexpr):  # type: ignore[no-untyped-def]
-    # (I + a)^-1 for four strictly lower [BC, BC] blocks at once (one [4, BC, BC] tensor, so the row loop
-    # runs once), by forward substitution: row r of the strict part of the inverse is
-    # -a[r] - sum_m a[r, m] * x[m] over the rows m < r already done
-    o_b = tl.arange(0, 4)[:, None, None]
-    x = -tl.where(o_b == 0, a0[None, :, :], tl.where(o_b == 1, a1[None, :, :], tl.where(o_b == 2, a2, a3)))
+def _unit_lower_inv4(a0, a1, a2, a3, BC: tl.constexpr):  # type: ignore[no-untyped-def]
+    # (I + a)^-1 of four strictly lower [BC, BC] blocks by forward substitution, the four in one loop (four
+    # independent chains the scheduler can interleave). With x = (I + a)^-1 - I, row r of x is
+    # -a[r] - sum_m a[r, m] x[m] = n + sum_m n[m] x[m] where n = -a[r] (zero from column r on, so the rows
+    # of x not yet done drop out); rows 0 and 1 are -a[0] = 0 and -a[1] already
     o_r = tl.arange(0, BC)
-    for r in range(1, BC):
-        sel = (o_r == r)[None, :, None]
-        row = tl.sum(tl.where(sel, x, 0.0), 1)  # [4, BC] = -a[r]
-        row = row + tl.sum(row[:, :, None] * x, 1)
-        x = tl.where(sel, row[:, None, :], x)
-    x = x + (o_r[:, None] == o_r[None, :]).to(tl.float32)[None, :, :]
-    x0 = tl.sum(tl.where(o_b == 0, x, 0.0), 0)
-    x1 = tl.sum(tl.where(o_b == 1, x, 0.0), 0)
-    x2 = tl.sum(tl.where(o_b == 2, x, 0.0), 0)
-    x3 = tl.sum(tl.where(o_b == 3, x, 0.0), 0)
-    return x0, x1, x2, x3
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _split_cols(x, M: tl.constexpr, N: tl.constexpr):  # type: ignore[no-untyped-def]
-    # [M, N] -> its left and right [M, N // 2] halves
-    return tl.split(tl.permute(tl.reshape(x, (M, 2, N // 2)), (0, 2, 1)))
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _split_rows(x, M: tl.constexpr, N: tl.constexpr):  # type: ignore[no-untyped-def]
-    # [M, N] -> its top and bottom [M // 2, N] halves
-    return tl.split(tl.permute(tl.reshape(x, (2, M // 2, N)), (1, 2, 0)))
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _cat_cols(a, b, M: tl.constexpr, N: tl.constexpr):  # type: ignore[no-untyped-def]
-    # two [M, N] -> [M, 2N], a on the left
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (M, 2 * N))
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _cat_rows(a, b, M: tl.constexpr, N: tl.constexpr):  # type: ignore[no-untyped-def]
-    # two [M, N] -> [2M, N], a on top
-    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * M, N))
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _quarters(x, M: tl.constexpr):  # type: ignore[no-untyped-def]
-    # [M, M] -> its four [M // 2, M // 2] quarters: top-left, top-right, bottom-left, bottom-right
-    top, bottom = _split_rows(x, M, M)
-    tl_, tr = _split_cols(top, M // 2, M)
-    bl, br = _split_cols(bottom, M // 2, M)
-    return tl_, tr, bl, br
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _from_quarters(q00, q01, q10, q11, H: tl.constexpr):  # type: ignore[no-untyped-def]
-    # four [H, H] quarters -> [2H, 2H]
-    return _cat_rows(_cat_cols(q00, q01, H, H), _cat_cols(q10, q11, H, H), H, 2 * H)
+    x0, x1, x2, x3 = -a0, -a1, -a2, -a3
+    for r in range(2, BC):
+        sel = (o_r == r)[:, None]
+        n0 = tl.sum(tl.where(sel, x0, 0.0), 0)  # [BC] = -a0[r]: row r of x0 is still -a0[r]
+        n1 = tl.sum(tl.where(sel, x1, 0.0), 0)
+        n2 = tl.sum(tl.where(sel, x2, 0.0), 0)
+        n3 = tl.sum(tl.where(sel, x3, 0.0), 0)
+        x0 = tl.where(sel, (n0 + tl.sum(n0[:, None] * x0, 0))[None, :], x0)
+        x1 = tl.where(sel, (n1 + tl.sum(n1[:, None] * x1, 0))[None, :], x1)
+        x2 = tl.where(sel, (n2 + tl.sum(n2[:, None] * x2, 0))[None, :], x2)
+        x3 = tl.where(sel, (n3 + tl.sum(n3[:, None] * x3, 0))[None, :], x3)
+    eye = (o_r[:, None] == o_r[None, :]).to(tl.float32)
+    return x0 + eye, x1 + eye, x2 + eye, x3 + eye
 
 
 @triton.jit
-def _ieee(a, b):  # type: ignore[no-untyped-def]
-    return tl.dot(a, b, input_precision="ieee")
+def _load_rows(ptr, rows, m_r, s_t, o_c, m_c):  # type: ignore[no-untyped-def]
+    # [R, C] fp32: rows `rows` (token stride s_t) at columns o_c; masked rows and columns come back as zeros
+    return tl.load(ptr + rows[:, None] * s_t + o_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0.0).to(
+        tl.float32
+    )
+
+
+@triton.jit
+def _store_rows(ptr, x, rows, m_r, s_t, o_c, m_c):  # type: ignore[no-untyped-def]
+    tl.store(
+        ptr + rows[:, None] * s_t + o_c[None, :], x.to(ptr.dtype.element_ty), mask=m_r[:, None] & m_c[None, :]
+    )
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _k_rows(k_ptr, rows, m_r, s_kt, o_k, m_k, LOWP: tl.constexpr):  # type: ignore[no-untyped-def]
+    # [BC, BK] key rows, L2-normalised (bf16 when the products take bf16), and their 1 / |k| [BC] fp32
+    kf = _load_rows(k_ptr, rows, m_r, s_kt, o_k, m_k)
+    rk = tl.rsqrt(tl.sum(kf * kf, 1) + 1e-6)
+    kn = kf * rk[:, None]
+    if LOWP:
+        kn = kn.to(tl.bfloat16)
+    return kn, rk
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _a_block(ki, kj, bi, gi, gj, LOWP: tl.constexpr):  # type: ignore[no-untyped-def]
+    # an off-diagonal [BC, BC] block of A = beta_i k_i k_j^T e^(gamma_i - gamma_j) (rows i after columns j)
+    return _mm(ki, tl.trans(kj), LOWP) * (bi[:, None] * tl.exp(gi[:, None] - gj[None, :]))
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _a_diag(ki, bi, gi, BC: tl.constexpr, LOWP: tl.constexpr):  # type: ignore[no-untyped-def]
+    # a diagonal [BC, BC] block of A, strictly lower
+    o = tl.arange(0, BC)
+    strict = o[:, None] > o[None, :]
+    decay = tl.exp(tl.where(strict, gi[:, None] - gi[None, :], float("-inf")))
+    return tl.where(strict, _mm(ki, tl.trans(ki), LOWP) * (bi[:, None] * decay), 0.0)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _merge(a, b, LOWP: tl.constexpr):  # type: ignore[no-untyped-def]
+    # a block product of the solve's merge: TF32 tensor cores with bf16 inputs (X is rounded to bf16 for W
+    # and U anyway, and TF32 keeps two more mantissa bits; FMA-based fp32 products made the merge the slowest
+    # part of the stage), exact fp32 with fp32 inputs
+    if LOWP:
+        return tl.dot(a, b, input_precision="tf32")
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _store_lower_product(  # type: ignore[no-untyped-def]
+    ptr, s_t, o_c, m_c, xs, y0, y1, y2, y3, r0, r1, r2, r3, m0, m1, m2, m3, LOWP: tl.constexpr
+):
+    # the four row blocks of X Y to rows r0..r3: X block lower triangular, its ten blocks in `xs` row by
+    # row; Y four [BC, C] row blocks
+    x00, x10, x11, x20, x21, x22, x30, x31, x32, x33 = xs
+    _store_rows(ptr, _mm(x00, y0, LOWP), r0, m0, s_t, o_c, m_c)
+    _store_rows(ptr, _mm(x10, y0, LOWP) + _mm(x11, y1, LOWP), r1, m1, s_t, o_c, m_c)
+    z2 = _mm(x20, y0, LOWP) + _mm(x21, y1, LOWP) + _mm(x22, y2, LOWP)
+    _store_rows(ptr, z2, r2, m2, s_t, o_c, m_c)
+    z3 = _mm(x30, y0, LOWP) + _mm(x31, y1, LOWP) + _mm(x32, y2, LOWP) + _mm(x33, y3, LOWP)
+    _store_rows(ptr, z3, r3, m3, s_t, o_c, m_c)
 
 
 @jit_varying("chunk_start_ptr", "chunk_end_ptr")
@@ -143,9 +168,9 @@ def gdn_chunk_wy_kernel(  # type: ignore[no-untyped-def]
     LOWP: tl.constexpr,
 ):
     # k and v may be column slices of a wider projection (token strides s_kt, s_vt); the outputs and g, beta
-    # are contiguous, with token strides HV * K, HV * V and HV. The chunk's products are whole
-    # [BT, *] matrix products; only the (I + A)^-1 solve works on [BC, BC] blocks, split out of A and put
-    # back together in registers
+    # are contiguous, with token strides HV * K, HV * V and HV. The chunk is four [BC] row blocks: A's ten
+    # lower [BC, BC] blocks are products of key row blocks, (I + A)^-1 = X is solved by blocks and W, U are
+    # sums of [BC, BC] x [BC, *] block products, so no [BT, BT] matrix is ever split or put together
     tl.static_assert(BT == 4 * BC)
     i_ch = tl.program_id(0)
     i_c = i_ch // HV
@@ -153,63 +178,84 @@ def gdn_chunk_wy_kernel(  # type: ignore[no-untyped-def]
     i_hk = i_hv // (HV // HK)
     bos = tl.load(chunk_start_ptr + i_c).to(tl.int64)
     end = tl.load(chunk_end_ptr + i_c).to(tl.int64)
-    o_t = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BV)
-    rows = bos + o_t
-    m_t = rows < end
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    m_tv = m_t[:, None] & (o_v < V)[None, :]
+    m_k = o_k < K
+    r0 = bos + o_c
+    r1 = r0 + BC
+    r2 = r1 + BC
+    r3 = r2 + BC
+    m0, m1, m2, m3 = r0 < end, r1 < end, r2 < end, r3 < end
 
-    b_k = tl.load(k_ptr + rows[:, None] * s_kt + i_hk * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_k = b_k.to(tl.float32)
-    b_rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)  # [BT]
-    # the sequential stage scales raw k rows by this instead of re-normalising them
-    tl.store(rk_ptr + rows * HV + i_hv, b_rk, mask=m_t)
-    b_k = b_k * b_rk[:, None]  # [BT, BK]
-    b_beta = tl.load(beta_ptr + rows * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_g = tl.load(g_ptr + rows * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_gamma = tl.cumsum(b_g, 0)  # [BT]
-    tl.store(gamma_ptr + rows * HV + i_hv, b_gamma, mask=m_t)
-    b_kb = b_k * b_beta[:, None]  # [BT, BK]
+    kp = k_ptr + i_hk * K
+    k0, rk0 = _k_rows(kp, r0, m0, s_kt, o_k, m_k, LOWP)
+    k1, rk1 = _k_rows(kp, r1, m1, s_kt, o_k, m_k, LOWP)
+    k2, rk2 = _k_rows(kp, r2, m2, s_kt, o_k, m_k, LOWP)
+    k3, rk3 = _k_rows(kp, r3, m3, s_kt, o_k, m_k, LOWP)
+    # the sequential stage scales raw k rows by 1 / |k| instead of re-normalising them
+    tl.store(rk_ptr + r0 * HV + i_hv, rk0, mask=m0)
+    tl.store(rk_ptr + r1 * HV + i_hv, rk1, mask=m1)
+    tl.store(rk_ptr + r2 * HV + i_hv, rk2, mask=m2)
+    tl.store(rk_ptr + r3 * HV + i_hv, rk3, mask=m3)
+    b0 = tl.load(beta_ptr + r0 * HV + i_hv, mask=m0, other=0.0).to(tl.float32)
+    b1 = tl.load(beta_ptr + r1 * HV + i_hv, mask=m1, other=0.0).to(tl.float32)
+    b2 = tl.load(beta_ptr + r2 * HV + i_hv, mask=m2, other=0.0).to(tl.float32)
+    b3 = tl.load(beta_ptr + r3 * HV + i_hv, mask=m3, other=0.0).to(tl.float32)
+    g0 = tl.load(g_ptr + r0 * HV + i_hv, mask=m0, other=0.0).to(tl.float32)
+    g1 = tl.load(g_ptr + r1 * HV + i_hv, mask=m1, other=0.0).to(tl.float32)
+    g2 = tl.load(g_ptr + r2 * HV + i_hv, mask=m2, other=0.0).to(tl.float32)
+    g3 = tl.load(g_ptr + r3 * HV + i_hv, mask=m3, other=0.0).to(tl.float32)
+    # gamma = cumsum(g) over the chunk, block by block
+    c0 = tl.cumsum(g0, 0)
+    c1 = tl.cumsum(g1, 0) + tl.sum(g0, 0)
+    c2 = tl.cumsum(g2, 0) + (tl.sum(g0, 0) + tl.sum(g1, 0))
+    c3 = tl.cumsum(g3, 0) + (tl.sum(g0, 0) + tl.sum(g1, 0) + tl.sum(g2, 0))
+    tl.store(gamma_ptr + r0 * HV + i_hv, c0, mask=m0)
+    tl.store(gamma_ptr + r1 * HV + i_hv, c1, mask=m1)
+    tl.store(gamma_ptr + r2 * HV + i_hv, c2, mask=m2)
+    tl.store(gamma_ptr + r3 * HV + i_hv, c3, mask=m3)
 
-    # A = strict_lower(beta K K^T (.) e^(gamma_i - gamma_j)), one product over the chunk
-    strict = o_t[:, None] > o_t[None, :]
-    decay = tl.exp(tl.where(strict, b_gamma[:, None] - b_gamma[None, :], float("-inf")))
-    b_a = tl.where(strict, _mm(b_kb, tl.trans(b_k), LOWP) * decay, 0.0)  # [BT, BT] fp32
+    # A = strict_lower(beta K K^T (.) e^(gamma_i - gamma_j)) by [BC, BC] blocks
+    a00 = _a_diag(k0, b0, c0, BC, LOWP)
+    a11 = _a_diag(k1, b1, c1, BC, LOWP)
+    a22 = _a_diag(k2, b2, c2, BC, LOWP)
+    a33 = _a_diag(k3, b3, c3, BC, LOWP)
+    a10 = _a_block(k1, k0, b1, c1, c0, LOWP)
+    a20 = _a_block(k2, k0, b2, c2, c0, LOWP)
+    a21 = _a_block(k2, k1, b2, c2, c1, LOWP)
+    a30 = _a_block(k3, k0, b3, c3, c0, LOWP)
+    a31 = _a_block(k3, k1, b3, c3, c1, LOWP)
+    a32 = _a_block(k3, k2, b3, c3, c2, LOWP)
 
-    # (I + A)^-1 = X by blocks: the diagonal blocks by forward substitution, then
+    # X = (I + A)^-1 by blocks: the diagonal ones by forward substitution, then
     # X_ij = -X_ii sum_{m=j}^{i-1} A_im X_mj
-    q00, _q01, q10, q11 = _quarters(b_a, BT)
-    a00, _a01, a10, a11 = _quarters(q00, BT // 2)
-    a20, a21, a30, a31 = _quarters(q10, BT // 2)
-    a22, _a23, a32, a33 = _quarters(q11, BT // 2)
-    x00, x11, x22, x33 = _inv_unit_lower4(a00, a11, a22, a33, BC)
-    x10 = -_ieee(x11, _ieee(a10, x00))
-    x21 = -_ieee(x22, _ieee(a21, x11))
-    x32 = -_ieee(x33, _ieee(a32, x22))
-    x20 = -_ieee(x22, _ieee(a20, x00) + _ieee(a21, x10))
-    x31 = -_ieee(x33, _ieee(a31, x11) + _ieee(a32, x21))
-    x30 = -_ieee(x33, _ieee(a30, x00) + _ieee(a31, x10) + _ieee(a32, x20))
-    zero = tl.zeros((BC, BC), dtype=tl.float32)
-    zero2 = tl.zeros((2 * BC, 2 * BC), dtype=tl.float32)
-    b_x = _from_quarters(
-        _from_quarters(x00, zero, x10, x11, BC),
-        zero2,
-        _from_quarters(x20, x21, x30, x31, BC),
-        _from_quarters(x22, zero, x32, x33, BC),
-        2 * BC,
-    )  # [BT, BT]
+    x00, x11, x22, x33 = _unit_lower_inv4(a00, a11, a22, a33, BC)
+    x10 = -_merge(x11, _merge(a10, x00, LOWP), LOWP)
+    x21 = -_merge(x22, _merge(a21, x11, LOWP), LOWP)
+    x32 = -_merge(x33, _merge(a32, x22, LOWP), LOWP)
+    x20 = -_merge(x22, _merge(a20, x00, LOWP) + _merge(a21, x10, LOWP), LOWP)
+    x31 = -_merge(x33, _merge(a31, x11, LOWP) + _merge(a32, x21, LOWP), LOWP)
+    x30 = -_merge(x33, _merge(a30, x00, LOWP) + _merge(a31, x10, LOWP) + _merge(a32, x20, LOWP), LOWP)
 
-    # W = X (beta k e^gamma), U = X (beta v)
-    b_w = _mm(b_x, b_kb * tl.exp(b_gamma)[:, None], LOWP)  # [BT, BK]
-    tl.store(
-        w_ptr + rows[:, None] * (HV * K) + i_hv * K + o_k[None, :], b_w.to(w_ptr.dtype.element_ty), mask=m_tk
+    # W = X (beta k e^gamma), U = X (beta v), row block by row block
+    s0 = k0.to(tl.float32) * (b0 * tl.exp(c0))[:, None]
+    s1 = k1.to(tl.float32) * (b1 * tl.exp(c1))[:, None]
+    s2 = k2.to(tl.float32) * (b2 * tl.exp(c2))[:, None]
+    s3 = k3.to(tl.float32) * (b3 * tl.exp(c3))[:, None]
+    xs = (x00, x10, x11, x20, x21, x22, x30, x31, x32, x33)
+    _store_lower_product(
+        w_ptr + i_hv * K, HV * K, o_k, m_k, xs, s0, s1, s2, s3, r0, r1, r2, r3, m0, m1, m2, m3, LOWP
     )
-    b_v = tl.load(v_ptr + rows[:, None] * s_vt + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
-    b_u = _mm(b_x, b_v.to(tl.float32) * b_beta[:, None], LOWP)  # [BT, BV]
-    tl.store(
-        u_ptr + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_u.to(u_ptr.dtype.element_ty), mask=m_tv
+
+    o_v = tl.arange(0, BV)
+    m_v = o_v < V
+    vp = v_ptr + i_hv * V
+    v0 = _load_rows(vp, r0, m0, s_vt, o_v, m_v) * b0[:, None]
+    v1 = _load_rows(vp, r1, m1, s_vt, o_v, m_v) * b1[:, None]
+    v2 = _load_rows(vp, r2, m2, s_vt, o_v, m_v) * b2[:, None]
+    v3 = _load_rows(vp, r3, m3, s_vt, o_v, m_v) * b3[:, None]
+    _store_lower_product(
+        u_ptr + i_hv * V, HV * V, o_v, m_v, xs, v0, v1, v2, v3, r0, r1, r2, r3, m0, m1, m2, m3, LOWP
     )
 
 
