@@ -236,7 +236,13 @@ def bench_prefill(lengths: list[int], fla: Any) -> list[dict[str, Any]]:
         init = torch.tensor([False], device=DEV)
         ours = bench_ms(
             lambda: gdn_prefill(
-                **x, cu_seqlens=cu, state=pool, state_slots=slots, has_initial_state=init, check_indices=False
+                **x,
+                cu_seqlens=cu,
+                cu_seqlens_host=[0, t],  # as the engine calls it: no read back of the offsets
+                state=pool,
+                state_slots=slots,
+                has_initial_state=init,
+                check_indices=False,
             ),
             rep=100,
         )
