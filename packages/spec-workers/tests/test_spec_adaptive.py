@@ -742,7 +742,7 @@ def test_counted_idle_rounds_start_every_probe_where_round_by_round_reports_do(
         for i, ids in enumerate(timeline):
             for rid in ids:
                 if rid not in ctl.requests:
-                    st = spec._length(rid)
+                    st = spec.lengths.length(rid, spec.costs)
                     st.steps, st._probe_wait, st._zero_rounds = 0, waits[rid], 0
             spec.timer.cost_aware = False  # no timing rounds: every round counts
             for rid in ids:

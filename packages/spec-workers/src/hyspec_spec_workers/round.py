@@ -34,7 +34,7 @@ from typing import TypeVar
 import torch
 from hyspec_statepool.prefix_cache import PrefixSave
 
-from hyspec_spec_workers.adaptive import AdaptiveController, AdaptiveDraftLength
+from hyspec_spec_workers.adaptive import AdaptiveController
 from hyspec_spec_workers.config import AdaptiveConfig, SpeculativeConfig
 from hyspec_spec_workers.constraint import (
     DraftOnHost,
@@ -42,6 +42,7 @@ from hyspec_spec_workers.constraint import (
 )
 from hyspec_spec_workers.costs import CostTracker, DraftClock, DraftInterval, RoundTimer
 from hyspec_spec_workers.draft_feed import DraftFeed
+from hyspec_spec_workers.draft_lengths import DraftLengths
 from hyspec_spec_workers.draft_memory import DraftMemory
 from hyspec_spec_workers.drafter import (
     DraftBatch,
@@ -93,31 +94,34 @@ class SpeculativeRound:
         self.feed = None if self.model_drafter is None else DraftFeed(self.model_drafter)
         self.memory = DraftMemory(drafter, self.feed)
         self.max_draft_tokens = drafter.max_draft_tokens if max_draft_tokens is None else max_draft_tokens
-        self._adaptive_config = adaptive
         self._start_up_catch_up: float | None = None  # `warm_up`'s timing, kept across `reset_measurements`
-        self._forced: int | None = None  # `forced_length`
+        self.lengths = DraftLengths(num_speculative_tokens, tree=tree, adaptive=adaptive)
         self.reset_measurements()
         self.masks = TokenBitmask()  # structured outputs' masks at verify nodes
 
     def reset_measurements(self) -> None:
         """Forget the measured costs, the adaptive evidence and every request's length (the start-up warm-up's
         rounds, with their first-use work, must not weigh in the first served ones)."""
-        cfg, s = self._adaptive_config, self.num_speculative_tokens
-        self.adaptive = None if cfg is None else AdaptiveController(cfg, s)
-        # plain rounds of idle requests, counted and reported at once (forgotten with the controller)
-        self.idle = None if self.adaptive is None else IdleRounds(self.adaptive)
+        cfg = self.lengths.config
         self.costs = CostTracker()
         # drafting intervals still on the device at the last round's end (`DraftClock.unfinished`)
         self._draft_carry: list[DraftInterval] = []
         self.timer = RoundTimer(self.costs, cost_aware=cfg is not None and cfg.cost_aware)
+        self.lengths.reset()
         if self._start_up_catch_up is not None:
             self.costs.record_catch_up(self._start_up_catch_up)
 
+    @property
+    def adaptive(self) -> AdaptiveController | None:
+        return self.lengths.adaptive
+
+    @property
+    def idle(self) -> IdleRounds | None:
+        return self.lengths.idle
+
     def warm_up_lengths(self) -> tuple[int, ...]:
         """Every draft length a round may run: the adaptive candidates, or S (a tree drafts all S or none)."""
-        if self.adaptive is not None and not self.is_tree:
-            return self.adaptive.config.candidate_steps
-        return (self.num_speculative_tokens,)
+        return self.lengths.candidates()
 
     @contextmanager
     def forced_length(self, steps: int) -> Iterator[None]:
@@ -126,11 +130,11 @@ class SpeculativeRound:
         length the engine may choose before anything is served. On exit the measurements start afresh."""
         if steps not in self.warm_up_lengths():
             raise ValueError(f"steps: expected one of {self.warm_up_lengths()}, got {steps}")
-        self._forced = steps
+        self.lengths.forced = steps
         try:
             yield
         finally:
-            self._forced = None
+            self.lengths.forced = None
             self.reset_measurements()
 
     @staticmethod
@@ -154,9 +158,7 @@ class SpeculativeRound:
         self.memory.on_alloc(request_id)
 
     def on_free(self, request_id: str) -> None:
-        if self.adaptive is not None and self.idle is not None:
-            self.idle.report()
-            self.adaptive.forget(request_id)
+        self.lengths.forget(request_id)
         self.memory.on_free(request_id)
 
     def on_prefix_hit(
@@ -168,11 +170,7 @@ class SpeculativeRound:
         # a request whose adaptive length is 0 (its drafts do not pay) saves no draft KV: writing its pending
         # tokens now would be an eager draft extend at every prompt end and finish for nothing (a later hit
         # on its prefix resumes the draft from zeros, which costs acceptance, never correctness)
-        paying = [
-            s
-            for s in self.memory.with_draft_kv(saves)
-            if self.adaptive is None or self._length(str(s.req_id)).steps > 0
-        ]
+        paying = [s for s in self.memory.with_draft_kv(saves) if self.lengths.pays(str(s.req_id), self.costs)]
         if paying:
             t0 = time.perf_counter()
             self.memory.save_prefixes(paying)
@@ -183,7 +181,7 @@ class SpeculativeRound:
         self.memory.on_prefix_reset()
 
     def leak_check(self) -> None:
-        self.memory.leak_check(also_held=set() if self.adaptive is None else set(self.adaptive.requests))
+        self.memory.leak_check(also_held=self.lengths.held())
 
     # ---------------------------------------------------------------- feeding the drafter
 
@@ -214,38 +212,18 @@ class SpeculativeRound:
 
     # ---------------------------------------------------------------- one round
 
-    def _length(self, request_id: str) -> AdaptiveDraftLength:
-        """A request's adaptive length state (adaptive rounds), made at its first round."""
-        assert self.adaptive is not None and self.idle is not None
-        self.idle.report()  # a new request's state starts from the evidence up to now
-        # with measured costs a request may start at 0: the engine's earlier requests showed that its drafts
-        # do not pay (`AdaptiveController.shared`)
-        known = self.costs if self.costs.ready and self.costs.has_decode else None
-        return self.adaptive.length(request_id, known)
-
     def drafts_nothing(self, request_ids: Sequence[str]) -> bool:
         """Whether a round over these requests would draft for none of them, whatever their rows: adaptive
         lengths all at 0 (a drafter that does not pay), or a timing round. The caller may then run the step
         as a plain engine does, through `plain_round`, instead of `run` (the same outcome, at a plain step's
         cost: no round rows, no verify results)."""
-        if self.adaptive is None or self.is_tree or self._forced is not None:
-            return False
-        if self.idle is not None and self.idle.covers(request_ids):
-            return True  # the same idle requests as the last plain round, none of them due to probe yet
-        if self.timer.timing() or self.adaptive.all_idle(request_ids):
-            return True  # (the common case of a drafter that does not pay: one pass, no state made)
-        return all(self._length(rid).steps == 0 for rid in request_ids)
+        return self.lengths.drafts_nothing(request_ids, self.costs, timing=self.timer.timing())
 
     def plain_next(self, request_ids: Sequence[str]) -> bool:
         """Asked before a `plain_round` of these requests: whether the round after it, over these requests or
         any of them, surely drafts nothing too (so its forward may be queued ahead): every one at length 0
         and none starting a probe in this round (a probe that starts with a round drafts in the next)."""
-        if self.adaptive is None or self.idle is None or self.is_tree or self._forced is not None:
-            return False
-        if self.idle.covers(request_ids):
-            return True  # one more of the counted rounds: nobody is due to probe in it
-        self.idle.report()
-        return self.adaptive.all_idle(request_ids) and self.adaptive.idle_window(request_ids) > 0
+        return self.lengths.plain_next(request_ids)
 
     def plain_round(
         self,
@@ -277,41 +255,18 @@ class SpeculativeRound:
             queued_ahead=queued_ahead,
         )
         self.timer.end_round()
-        if self.idle is not None and not timing:
-            self.idle.count(request_ids)  # every one at 0: `drafts_nothing` said so
+        if not timing:
+            self.lengths.count_idle(request_ids)
         return out
-
-    def _observe(self, request_ids: Sequence[str], num_accepted: Sequence[int]) -> None:
-        """Each request's adaptive length sees the round: its accepted drafts (capped at its length)."""
-        assert self.adaptive is not None and self.idle is not None
-        self.idle.report()
-        self.adaptive.observe_requests(request_ids, num_accepted, self.costs if self.costs.ready else None)
 
     def draft_lengths(self, rows: Sequence[RoundRow]) -> list[int]:
-        if self._forced is not None:
-            k = self._forced
-            if self.is_tree:
-                return [k if r.max_new_tokens > 1 and r.max_drafts > 0 else 0 for r in rows]
-            return [max(0, min(k, r.max_drafts, r.max_new_tokens - 1)) for r in rows]
-        out: list[int] = []
-        for r in rows:
-            if self.is_tree:
-                # a tree drafts its whole depth or nothing; the budget cut happens after verification
-                out.append(self.num_speculative_tokens if r.max_new_tokens > 1 and r.max_drafts > 0 else 0)
-                continue
-            want = self.num_speculative_tokens
-            if self.adaptive is not None:
-                want = self._length(r.request.request_id).steps
-            out.append(max(0, min(want, r.max_drafts, r.max_new_tokens - 1)))
-        if self.timer.timing():
-            return [0] * len(out)
-        return out
+        return self.lengths.for_rows(rows, self.costs, timing=self.timer.timing())
 
     def may_share_forward(self) -> bool:
         """Whether the next round may run other work in its target forward (`run(shares_forward=True)`):
         not while the cost model times plain steps, which run alone (a timing needs plain rounds of their
         own, and would never finish while other work keeps arriving)."""
-        return self._forced is not None or not self.timer.timing()
+        return self.lengths.forced is not None or not self.timer.timing()
 
     def begin_step(self) -> None:
         """The engine starts a step: call it first thing in every step, rounds or not (`RoundTimer`)."""
@@ -328,7 +283,8 @@ class SpeculativeRound:
         self.timer.begin_step()  # records the last round if the caller's step did not (a loop without steps)
         n = len(rows)
         ids = [r.request.request_id for r in rows]
-        timing = self.timer.timing() and self._forced is None
+        forced = self.lengths.forced is not None
+        timing = self.timer.timing() and not forced
         if shares_forward and timing:
             raise ValueError("shares_forward: this round times a plain step, which must run alone")
         steps = self.draft_lengths(rows)
@@ -370,7 +326,7 @@ class SpeculativeRound:
         else:
             # the rows' next proposal may be queued behind this verify unless it would likely go unused: an
             # adaptive row that drafts nothing now, or a timing round next
-            timing_next = self._forced is None and self.timer.next_is_timing()
+            timing_next = not forced and self.timer.next_is_timing()
             propose_next = not timing_next and (self.adaptive is None or min(steps) > 0)
             results, block = self._verify(target, rows, draft, on_host, propose_next, clock)
             # the round's outcome has been read: what the device drafted before it is done (a proposal
@@ -387,8 +343,8 @@ class SpeculativeRound:
         # round used, charged to none
         self._draft_carry = clock.unfinished if draft is not None else []
         self.timer.end_round()
-        if self.adaptive is not None and not timing and self._forced is None:
-            self._observe(ids, num_acc)
+        if not timing and not forced:
+            self.lengths.observe(ids, num_acc, self.costs)
         return results
 
     def _verify(
