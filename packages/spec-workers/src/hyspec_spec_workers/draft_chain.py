@@ -21,7 +21,7 @@ token j, the target's feature at node j) for j = 0..num_accepted, the last of th
 first block is the verify's outputs as they are, [root, emitted tokens] with [root feature, node features],
 and the root index num_accepted + 1 comes from the device. The proposal is queued right behind the verify and
 read with it; the next round takes its drafts (`take_prepared`) for the rows whose roots and draft lengths
-are the ones prepared for (the drafter drafts the others, `HiddenStateDrafter._chain_drafts`). Past each
+are the ones prepared for (the others are drafted then, `OneLayerChain.drafts`). Past each
 row's root pair the block holds the rejected nodes' pairs: the root's causal mask hides them, and the chain
 steps and the next block overwrite those positions before anything reads them, as with the padding of the
 general first block. The drafts equal the general path's bit for bit when
@@ -257,6 +257,34 @@ class OneLayerChain:
         if idx == list(range(len(p.ids))):
             return p.drafts[:, :s_run], have
         return p.drafts[to_device(idx, dtype=torch.int64, device=p.drafts.device), :s_run], have
+
+    def drafts(self, ids: list[Hashable], root: Tensor, root_dev: Tensor, s_run: int) -> Tensor:
+        """The round's drafts [N, s_run]: those prepared right after the last verify for the rows they serve
+        (`take_prepared`), the others' drafted now (rows that joined since, or moved on). root: [N] host
+        roots, root_dev: the same on the device."""
+        n = len(ids)
+        got, have = self.take_prepared(ids, root.tolist(), s_run)
+        if len(have) == n:
+            assert got is not None
+            return got
+        served = set(have)
+        rest = [i for i in range(n) if i not in served]
+        with torch.no_grad():
+            if not have:
+                return self.draft(ids, root_dev, s_run)
+            fresh = self.draft(
+                [ids[i] for i in rest],
+                root_dev[to_device(rest, dtype=torch.int64, device=root_dev.device)],
+                s_run,
+            )
+        assert got is not None
+        # back into the round's row order: stacked rows are (served..., rest...)
+        order = have + rest
+        perm = [0] * n
+        for stacked, row in enumerate(order):
+            perm[row] = stacked
+        both = torch.cat([got, fresh])  # [N, s_run]
+        return both[to_device(perm, dtype=torch.int64, device=both.device)]
 
     def forget(self, req_ids: Sequence[Hashable]) -> None:
         """These requests (freed, or resumed elsewhere) are served no prepared drafts: one added again under

@@ -250,7 +250,7 @@ class HiddenStateDrafter:
         if self._fast_chain:
             assert self.chain is not None
             root_dev = to_device(root, dtype=torch.int64, device=self.model.device)
-            drafts = self._chain_drafts(ids, root, root_dev, s_run)
+            drafts = self.chain.drafts(ids, root, root_dev, s_run)
             # the block stays on the device (node counts from the host's `steps`): no wait for the drafts
             return DraftOutput(VerifyTree.chain(root_dev, drafts, torch.tensor(steps)))
         self.pairs.write(ids)  # the general path reads only written pairs
@@ -266,34 +266,6 @@ class HiddenStateDrafter:
         return DraftOutput(builder.build(d, num_nodes=num, device=batch.root_tokens.device))
 
     # ---------------------------------------------------------------- drafting
-
-    def _chain_drafts(self, ids: list[Hashable], root: Tensor, root_dev: Tensor, s_run: int) -> Tensor:
-        """A one-layer chain's drafts [N, s_run]: those queued right after the last verify for the rows they
-        serve (draft_chain.py), the others' drafted now (rows that joined since, or moved on)."""
-        assert self.chain is not None
-        n = len(ids)
-        got, have = self.chain.take_prepared(ids, root.tolist(), s_run)
-        if len(have) == n:
-            assert got is not None
-            return got
-        served = set(have)
-        rest = [i for i in range(n) if i not in served]
-        with torch.no_grad():
-            if not have:
-                return self.chain.draft(ids, root_dev, s_run)
-            fresh = self.chain.draft(
-                [ids[i] for i in rest],
-                root_dev[to_device(rest, dtype=torch.int64, device=root_dev.device)],
-                s_run,
-            )
-        assert got is not None
-        # back into the round's row order: stacked rows are (served..., rest...)
-        order = have + rest
-        perm = [0] * n
-        for stacked, row in enumerate(order):
-            perm[row] = stacked
-        both = torch.cat([got, fresh])  # [N, s_run]
-        return both[to_device(perm, dtype=torch.int64, device=both.device)]
 
     def draft_logits(
         self,
