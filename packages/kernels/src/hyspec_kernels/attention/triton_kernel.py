@@ -436,7 +436,7 @@ def paged_attention_triton(
     block_d = max(16, triton.next_power_of_2(head_dim))
     tiles = triton.cdiv(max_q_len, block_m)
     programs = num_seqs * tiles * num_kv_heads
-    if q.device.type == "cuda":
+    if q.device.type == "cuda" and num_kv_splits is None:  # (a forced split count keeps its blocks)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         block_n = _short_kv_blocks(block_n, block_m * group_pad, programs, sms)
     splits = num_kv_splits or _num_splits(programs, max_kv_len, block_n, q.device)
