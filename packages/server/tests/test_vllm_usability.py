@@ -419,3 +419,71 @@ def test_tokenize_messages_renders_as_chat_completions() -> None:
             assert ok.json()["tokens"] == list(b"user: hi\nassistant: he\nassistant:")
     finally:
         srv.stop()
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:
+    """vLLM's `truncate_prompt_tokens`: a request runs its prompt's last k tokens (-1: the last
+    max_model_len), exactly as if only those had been sent; anything else is a ValueError naming it."""
+    llm = LLM.from_engine(toy_engine())
+    ids = list(range(40, 70))
+    (out,) = llm.generate(
+        [{"prompt_token_ids": ids}],
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, truncate_prompt_tokens=5),
+        use_tqdm=False,
+    )
+    assert out.prompt_token_ids == ids[-5:]
+    assert (
+        out.outputs[0].token_ids
+        == toy_greedy(ids[-5:], 6, ignore_eos=True)
+        != toy_greedy(ids, 6, ignore_eos=True)
+    )
+    for k in (-1, 30, 100):  # no cut: the prompt is within k
+        (same,) = llm.generate(
+            [{"prompt_token_ids": ids}],
+            SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, truncate_prompt_tokens=k),
+            use_tqdm=False,
+        )
+        assert same.prompt_token_ids == ids and same.outputs[0].token_ids == toy_greedy(
+            ids, 6, ignore_eos=True
+        )
+    for bad in (0, -2, 1.5, True, "5"):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):  # over max_model_len (256)
+        llm.generate([{"prompt_token_ids": ids}], SamplingParams(truncate_prompt_tokens=257), use_tqdm=False)
+    llm.leak_check()
+
+
+def test_truncate_prompt_tokens_and_message_content_over_http() -> None:
+    import httpx
+
+    srv = ServerThread(toy_engine(), model_name="toy").start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+            prompt = list(range(40, 70))
+            body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            r = c.post("/v1/completions", json=body | {"truncate_prompt_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
+            cut = bytes(toy_greedy(prompt[-3:], 4, ignore_eos=True)).decode()
+            assert r.json()["choices"][0]["text"] == cut
+            for extra, param in (
+                ({"truncate_prompt_tokens": -5}, "truncate_prompt_tokens"),
+                ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
+                ({"truncate_prompt_tokens": 3, "echo": True}, "echo"),
+            ):
+                bad = c.post("/v1/completions", json=body | extra)
+                assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.json()
+            # a chat without max_tokens gets the room its truncated prompt leaves
+            msgs = [{"role": "user", "content": "x" * 300}]  # over max_model_len (256) untruncated
+            assert c.post("/v1/chat/completions", json={"messages": msgs}).status_code == 400
+            r = c.post("/v1/chat/completions", json={"messages": msgs, "truncate_prompt_tokens": 250})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 250
+            assert r.json()["usage"]["completion_tokens"] <= 6
+            bad = c.post("/v1/chat/completions", json={"messages": msgs, "truncate_prompt_tokens": 300})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
+            # as `LLM.chat`: a message without content is refused unless an assistant's with tool_calls
+            for m in ({"role": "user"}, {"role": "user", "content": None}, {"role": "assistant"}):
+                bad = c.post("/v1/chat/completions", json={"messages": [m], "max_tokens": 2})
+                assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages", bad.json()
+    finally:
+        srv.stop()

@@ -61,6 +61,9 @@ async def completions(raw: Request) -> Response:
         raise APIError(400, f"best_of must be an int in [n={n}, {MAX_N}], got {best_of}", param="best_of")
     if best_of > n and req.stream:
         raise APIError(400, "best_of > n cannot be streamed", param="best_of")
+    if req.echo and req.truncate_prompt_tokens is not None:
+        # the echo would show the prompt as sent, the logprobs and the output its truncated tokens
+        raise APIError(400, "echo cannot be combined with truncate_prompt_tokens", param="echo")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"logprobs must be an int in [0, {MAX_LOGPROBS}]", param="logprobs")
     echo = bool(req.echo)
@@ -197,7 +200,13 @@ async def chat(raw: Request) -> Response:
     tok = ctx.tokenizer
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
-        max_tokens = ctx.max_model_len - len(prompt_ids)
+        try:  # the room left by the prompt as the request runs it
+            ran = SamplingParams(truncate_prompt_tokens=req.truncate_prompt_tokens).truncate(
+                prompt_ids, ctx.max_model_len
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), param="truncate_prompt_tokens") from e
+        max_tokens = ctx.max_model_len - len(ran)
         if max_tokens < 1:
             raise APIError(
                 400,
@@ -385,9 +394,11 @@ async def _submit(
             raise APIError(429, str(e.cause), type_="rate_limit_error", code="queue_full") from e
         if isinstance(e.cause, ValueError):
             msg = str(e.cause)
+            first = msg.split(" ", 1)[0].rstrip(":")  # a sampling field's message names it first
+            param = first if first in _SAMPLING_FIELDS else "max_tokens" if "max_tokens" in msg else "prompt"
             if batch:
                 msg = f"prompt[{e.index // per_prompt}]: {msg}"
-            raise APIError(400, msg, param="max_tokens" if "max_tokens" in msg else "prompt") from e
+            raise APIError(400, msg, param=param) from e
         raise
 
 

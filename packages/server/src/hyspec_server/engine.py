@@ -185,6 +185,7 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
+        ids = params.truncate(ids, self.max_model_len)
         if not ids:
             raise ValueError("prompt must have at least one token")
         vocab = self.runner.vocab_size

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # re-exported: the HTTP server and `LLM.generate` share the cap and the per-sample seeds
 from hyspec_server.sampling_params import MAX_LOGPROBS as MAX_LOGPROBS
@@ -91,6 +91,8 @@ class _SamplingFields(_Strict):
     prompt_logprobs: int | None = None
     # vLLM extension: requests with different salts share no prefix-cache entry
     cache_salt: str | None = Field(default=None, min_length=1)
+    # vLLM extension: keep only the prompt's last k tokens (-1: the last max_model_len)
+    truncate_prompt_tokens: int | None = None
     # OpenAI's (vLLM takes it on completions too) and vLLM's extra field for the other constraints
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -188,6 +190,7 @@ class _SamplingFields(_Strict):
             # a response that is not streamed is written once, from the final output: the engine builds
             # none for the steps before (and the reader is not woken per step)
             output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -232,6 +235,13 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        # as `LLM.chat` takes them: only an assistant's message may carry tool_calls instead of content
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("a message needs content (an assistant message may have tool_calls instead)")
+        return self
 
     def text(self) -> str:
         if self.content is None:

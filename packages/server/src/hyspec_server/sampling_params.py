@@ -186,6 +186,8 @@ class SamplingParams:
             the request stops when the constrained text is complete.
         output_kind: which outputs the engine returns for the request (`RequestOutputKind`; vLLM's).
             `LLM.generate` runs its requests as FINAL_ONLY whatever this says (it returns final outputs).
+        truncate_prompt_tokens: None, or keep only the prompt's last k tokens (vLLM's; -1: the last
+            max_model_len), applied when the engine takes the request (`truncate`).
 
     Token ids of `logit_bias` must be in the model's vocabulary too, which the engine checks when it takes
     the request (`check_vocab`).
@@ -212,6 +214,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -292,6 +295,23 @@ class SamplingParams:
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {_short(self.output_kind)}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k == -1 or 1 <= k <= MAX_ID)):
+            raise ValueError(f"truncate_prompt_tokens must be None, -1 or an int >= 1, got {_short(k)}")
+
+    def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as the request runs it: its last `truncate_prompt_tokens` tokens (-1: the last
+        max_model_len); ValueError when that is more than the model's context, as in vLLM."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        k = max_model_len if k == -1 else k
+        if k > max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens ({k}) is over the model's context length "
+                f"max_model_len={max_model_len}"
+            )
+        return prompt_token_ids[-k:] if len(prompt_token_ids) > k else prompt_token_ids
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raises ValueError when a token id of `logit_bias` is outside the model's vocabulary [0, vocab_size)
