@@ -487,3 +487,54 @@ def test_truncate_prompt_tokens_and_message_content_over_http() -> None:
                 assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages", bad.json()
     finally:
         srv.stop()
+
+
+def test_guided_fields_constrain_and_unimplemented_output_fields_are_refused() -> None:
+    """vLLM's earlier `guided_*` fields constrain as `structured_outputs` does (they used to be ignored:
+    unconstrained output); vLLM fields that would change the output and that hyspec lacks are a 400 naming
+    them, never ignored."""
+    import httpx
+
+    srv = ServerThread(toy_engine(), model_name="toy").start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+            body: dict[str, object] = {"prompt": "ab", "max_tokens": 20, "temperature": 0}
+            for extra, allowed in (
+                ({"guided_choice": ["yes", "no"]}, {"yes", "no"}),
+                ({"guided_regex": "[xyz]{3}"}, None),
+            ):
+                r = c.post("/v1/completions", json=body | extra)
+                assert r.status_code == 200, r.json()
+                text = r.json()["choices"][0]["text"]
+                assert text in allowed if allowed else len(text) == 3 and set(text) <= set("xyz"), text
+                same = c.post(
+                    "/v1/completions",
+                    json=body | {"structured_outputs": {k[7:]: v for k, v in extra.items()}},
+                )
+                assert same.json()["choices"][0]["text"] == text
+            for extra, param in (
+                ({"guided_regex": "[", "max_tokens": 3}, "guided_regex"),
+                ({"guided_choice": []}, "guided_choice"),
+                ({"guided_json": {"type": "object"}, "structured_outputs": {"regex": "a"}}, "guided_json"),
+                ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_json"),
+                ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+                ({"bad_words": ["x"]}, "bad_words"),
+                ({"logits_processors": ["m.f"]}, "logits_processors"),
+                ({"use_beam_search": True}, "use_beam_search"),
+            ):
+                bad = c.post("/v1/completions", json=body | extra)
+                assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (extra, bad.json())
+            # their defaults (as vLLM's clients send them) are fine
+            ok = c.post("/v1/completions", json=body | {"use_beam_search": False, "bad_words": []})
+            assert ok.status_code == 200
+            chat = c.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "a"}],
+                    "max_tokens": 5,
+                    "guided_choice": ["ok"],
+                },
+            )
+            assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == "ok"
+    finally:
+        srv.stop()

@@ -96,6 +96,17 @@ class _SamplingFields(_Strict):
     # OpenAI's (vLLM takes it on completions too) and vLLM's extra field for the other constraints
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's earlier names for structured outputs' json / regex / choice / grammar (scripts still send them)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM fields that would change the output and that hyspec does not implement: refused (400), where
+    # ignoring them would return output the request did not ask for
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    use_beam_search: Any = None
 
     def structured(self) -> StructuredOutputsParams | None:
         """The request's constraint, from `response_format` or `structured_outputs` (not both); APIError 400
@@ -105,6 +116,26 @@ class _SamplingFields(_Strict):
             raise APIError(
                 400, "give response_format or structured_outputs, not both", param="structured_outputs"
             )
+        guided: dict[str, Any] = {
+            kind: value
+            for kind, value in (
+                ("json", self.guided_json),
+                ("regex", self.guided_regex),
+                ("choice", self.guided_choice),
+                ("grammar", self.guided_grammar),
+            )
+            if value is not None
+        }
+        if guided:
+            param = f"guided_{next(iter(guided))}"
+            if so is not None or (rf is not None and rf.get("type", "text") != "text"):
+                raise APIError(
+                    400, f"give {param} or structured_outputs / response_format, not both", param=param
+                )
+            try:
+                return StructuredOutputsParams(**guided)
+            except (TypeError, ValueError) as e:
+                raise APIError(400, f"{param}: {e}", param=param) from e
         try:
             if so is not None:
                 return StructuredOutputsParams(**so)
@@ -134,6 +165,10 @@ class _SamplingFields(_Strict):
         """Raises APIError for values the server does not support (types were checked by pydantic)."""
         if not 1 <= self.num_choices <= MAX_N:
             raise APIError(400, f"n must be an int in [1, {MAX_N}], got {self.n}", param="n")
+        for name in ("allowed_token_ids", "bad_words", "logits_processors", "use_beam_search"):
+            value = getattr(self, name)
+            if value is not None and value is not False and value != []:
+                raise APIError(400, f"{name} is not supported by hyspec", param=name)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         if self.prompt_logprobs is not None:
