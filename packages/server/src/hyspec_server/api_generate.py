@@ -414,11 +414,9 @@ async def _compile_constraint(
         await asyncio.to_thread(ctx.engine.engine.grammars.compile, so)
     except ValueError as e:
         param = "structured_outputs" if req.structured_outputs is not None else "response_format"
-        guided = [
-            f"guided_{k}" for k in ("json", "regex", "choice", "grammar") if getattr(req, f"guided_{k}")
-        ]
+        guided = req.guided()
         if guided:
-            param = guided[0]
+            param = f"guided_{next(iter(guided))}"
         if (
             isinstance(req, ChatCompletionRequest)
             and req.tools

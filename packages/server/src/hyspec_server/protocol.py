@@ -108,6 +108,16 @@ class _SamplingFields(_Strict):
     logits_processors: Any = None
     use_beam_search: Any = None
 
+    def guided(self) -> dict[str, Any]:
+        """The `guided_*` fields given, by structured-output kind ("json", "regex", "choice", "grammar")."""
+        given = (
+            ("json", self.guided_json),
+            ("regex", self.guided_regex),
+            ("choice", self.guided_choice),
+            ("grammar", self.guided_grammar),
+        )
+        return {kind: value for kind, value in given if value is not None}
+
     def structured(self) -> StructuredOutputsParams | None:
         """The request's constraint, from `response_format` or `structured_outputs` (not both); APIError 400
         naming the field when it is malformed."""
@@ -116,16 +126,7 @@ class _SamplingFields(_Strict):
             raise APIError(
                 400, "give response_format or structured_outputs, not both", param="structured_outputs"
             )
-        guided: dict[str, Any] = {
-            kind: value
-            for kind, value in (
-                ("json", self.guided_json),
-                ("regex", self.guided_regex),
-                ("choice", self.guided_choice),
-                ("grammar", self.guided_grammar),
-            )
-            if value is not None
-        }
+        guided = self.guided()
         if guided:
             param = f"guided_{next(iter(guided))}"
             if so is not None or (rf is not None and rf.get("type", "text") != "text"):
