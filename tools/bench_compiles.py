@@ -47,9 +47,9 @@ def main() -> None:
         return out
 
     jit.JITFunction._do_compile = recorded  # type: ignore[method-assign]
+    from hyspec_runner.config import EngineArgs
     from hyspec_server import SamplingParams
     from hyspec_server.builder import build_engine
-    from hyspec_server.config import EngineArgs
 
     spec = json.loads(a.speculative_config) if a.speculative_config else None
     t0 = time.perf_counter()

@@ -232,7 +232,7 @@ def oracle_registry(refs: Sequence[list[int]], steps: int, *, wrong: bool = Fals
     from its reference (a bf16 near-tie) goes on with another reference that continues its history (rows
     of one prompt), else proposes nothing from then on (`reanchored` runs it again on its own output).
     """
-    from hyspec_server.speculative import DrafterContext, DrafterRegistry
+    from hyspec_runner.speculative import DrafterContext, DrafterRegistry
     from hyspec_spec_workers import DraftBatch, DraftOutput, VerifyTree
 
     class Oracle:
@@ -327,9 +327,9 @@ def make_llm(
 ) -> Any:
     """An engine on the GPU; `kv_cache_bytes` bounds its cache (several engines in one process) instead of
     the default share of GPU memory."""
-    from hyspec_server import LLM
+    # EngineArgs as the server exports it: the same import in trees from before the runner's package
+    from hyspec_server import LLM, EngineArgs
     from hyspec_server.builder import build_engine
-    from hyspec_server.config import EngineArgs
 
     args = EngineArgs(
         model=str(path),

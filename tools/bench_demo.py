@@ -187,9 +187,9 @@ class Bench:
         self.plain_engine: Any = None
 
     def llm(self, spec: dict[str, Any] | None, seqs: int, drafters: Any = None) -> Any:
+        from hyspec_runner.config import EngineArgs
         from hyspec_server import LLM
         from hyspec_server.builder import build_engine
-        from hyspec_server.config import EngineArgs
 
         args = EngineArgs(
             model=str(self.target),

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=${HYSPEC_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
-PACKAGES=(kernels statepool attn-backends models spec-workers server testing)
+PACKAGES=(kernels statepool attn-backends models spec-workers runner server testing)
 
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then
@@ -60,7 +60,7 @@ case "$cmd" in
     # exit 5 = no tests collected (for example a selection that only matches GPU tests)
     if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
     "$VENV/bin/python" -m mypy -p hyspec_kernels -p hyspec_statepool -p hyspec_attn_backends \
-      -p hyspec_models -p hyspec_spec_workers -p hyspec_server -p hyspec_testing
+      -p hyspec_models -p hyspec_spec_workers -p hyspec_runner -p hyspec_server -p hyspec_testing
     "$VENV/bin/python" -m ruff check packages tools
     "$VENV/bin/python" -m ruff format --check packages tools
     ;;

@@ -8,10 +8,10 @@ import json
 from typing import Any
 
 import pytest
+from hyspec_runner.config import DEFAULT_SPECULATIVE_CONFIG
 from hyspec_server import LLM, SamplingParams
 from hyspec_server.cli import main
 from hyspec_server.default_model import (
-    DEFAULT_SPECULATIVE_CONFIG,
     DEMO_MODELS,
     default_model_dir,
     demo_model_dir,

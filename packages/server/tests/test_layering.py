@@ -13,7 +13,12 @@ import pytest
 
 PACKAGES = Path(__file__).resolve().parents[2]
 ORDER = ("hyspec_kernels", "hyspec_statepool", "hyspec_attn_backends", "hyspec_models")
-ORDER += ("hyspec_spec_workers", "hyspec_server", "hyspec_testing")  # test support: above everything
+ORDER += (
+    "hyspec_spec_workers",
+    "hyspec_runner",
+    "hyspec_server",
+    "hyspec_testing",
+)  # test support: above everything
 
 
 def _modules() -> dict[str, Path]:

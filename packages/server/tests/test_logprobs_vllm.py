@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+from hyspec_runner.speculative import DrafterRegistry
 from hyspec_server import LLM, EngineArgs, Logprob, RequestOutput, SamplingParams
 from hyspec_server import detokenizer as detok_mod
 from hyspec_server.builder import build_engine
 from hyspec_server.detokenizer import IncrementalDetokenizer, stream_backend
 from hyspec_server.request import Request
-from hyspec_server.speculative import DrafterRegistry
 from hyspec_server.tokenizer import HFTokenizer
 from hyspec_testing.hf_reference import hf_logits
 from hyspec_testing.server import TOY_VOCAB, ByteTokenizer, toy_engine, toy_greedy, toy_next_token

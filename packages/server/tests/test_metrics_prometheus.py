@@ -15,14 +15,14 @@ from typing import Any
 
 import httpx
 import pytest
+from hyspec_runner.pool_memory import StatePoolMemory
+from hyspec_runner.speculative import DrafterRegistry
 from hyspec_server import LLM, EngineArgs, SamplingParams
 from hyspec_server.async_engine import AsyncEngine
 from hyspec_server.builder import build_engine
 from hyspec_server.engine import LLMEngine
 from hyspec_server.metrics import EngineMetrics
-from hyspec_server.pool_memory import StatePoolMemory
 from hyspec_server.serve import ServerThread
-from hyspec_server.speculative import DrafterRegistry
 from hyspec_testing.server import metric_sample, toy_engine
 from hyspec_testing.spec import ForcedDrafter
 from prometheus_client import CONTENT_TYPE_LATEST

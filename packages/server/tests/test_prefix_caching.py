@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
+from hyspec_runner.config import MIN_SNAPSHOT_SLOTS, EngineArgs
 from hyspec_server import LLM, SamplingParams
 from hyspec_server.cli import build_parser
-from hyspec_server.config import MIN_SNAPSHOT_SLOTS, EngineArgs
 from hyspec_server.engine import LLMEngine
 from hyspec_server.metrics import EngineMetrics
 from hyspec_server.serve import ServerThread

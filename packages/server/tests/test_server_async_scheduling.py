@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
+from hyspec_runner.plain_forward import PlainForwards
 from hyspec_server import LLM, EngineArgs, LLMEngine, SamplingParams
 from hyspec_server.builder import build_engine
 from hyspec_server.outputs import RequestOutput
-from hyspec_server.plain_forward import PlainForwards
 
 PROMPTS: list[list[int]] = [[5, 9, 17, 33, 2, 7, 5, 9, 11], [40, 41], [7, 7, 7, 8, 7], [1], [20, 30, 40, 20]]
 BUDGETS = [21, 9, 30, 14, 25]

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from hyspec_runner.decode_ahead import DecodeAhead
 from hyspec_server import LLM, EngineArgs, LLMEngine, SamplingParams
 from hyspec_server.builder import build_engine
-from hyspec_server.decode_ahead import DecodeAhead
 
 # mixed lengths (prefills of different sizes join decodes), and budgets that end requests at different
 # steps, so batches change under prepared ones

@@ -2,9 +2,9 @@ import random
 from collections.abc import Callable
 
 import pytest
+from hyspec_runner.runner import RunnerOutput
 from hyspec_server import LLM, EngineArgs, SamplingParams
 from hyspec_server.engine import EngineStepError, LLMEngine
-from hyspec_server.runner import RunnerOutput
 from hyspec_server.scheduler import QueueFullError, SchedulerConfig, SchedulerOutput
 from hyspec_spec_workers.config import SpeculativeConfig
 from hyspec_testing.server import TOY_EOS, ByteTokenizer, ToyModelRunner, toy_engine, toy_greedy, toy_pool

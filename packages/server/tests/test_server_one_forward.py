@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+from hyspec_runner.speculative import DrafterContext, DrafterRegistry
 from hyspec_server import LLM, EngineArgs, LLMEngine, SamplingParams
 from hyspec_server.builder import build_engine
-from hyspec_server.speculative import DrafterContext, DrafterRegistry
 from hyspec_spec_workers.drafter import Drafter
 from hyspec_testing.spec import ForcedDrafter
 from hyspec_testing.tiny import VOCAB_SIZE

@@ -21,12 +21,12 @@ import openai
 import pytest
 import torch
 from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, ForwardMode, capture_sizes
+from hyspec_runner.speculative import DrafterContext, DrafterRegistry, parse_speculative_config
 from hyspec_server import LLM, EngineArgs, LLMEngine, SamplingParams
 from hyspec_server.builder import build_engine
 from hyspec_server.cli import main
 from hyspec_server.metrics import EngineMetrics
 from hyspec_server.serve import ServerThread
-from hyspec_server.speculative import DrafterContext, DrafterRegistry, parse_speculative_config
 from hyspec_spec_workers.drafter import Drafter
 from hyspec_spec_workers.tree import VerifyTree
 from hyspec_testing.server import metric_sample

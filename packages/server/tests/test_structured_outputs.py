@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
+from hyspec_runner.speculative import DrafterContext, DrafterRegistry
 from hyspec_server import LLM, EngineArgs, SamplingParams, StructuredOutputsParams
 from hyspec_server.builder import build_engine
 from hyspec_server.serve import ServerThread
-from hyspec_server.speculative import DrafterContext, DrafterRegistry
 from hyspec_spec_workers.drafter import Drafter
 from hyspec_testing.server import toy_engine, toy_greedy
 from hyspec_testing.spec import DRAFTER_CASES, DrafterCase, ForcedDrafter, build_case_checkpoints

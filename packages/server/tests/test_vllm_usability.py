@@ -41,7 +41,7 @@ def test_chat_one_conversation_and_many() -> None:
 
 
 def test_offline_generate_is_not_bounded_by_the_server_queue_and_names_the_bad_prompt() -> None:
-    from hyspec_server.config import EngineArgs
+    from hyspec_runner.config import EngineArgs
 
     llm = LLM.from_engine(toy_engine())
     bound = llm.engine.scheduler.config.max_waiting

@@ -4,7 +4,8 @@ Owns: the engine (scheduler + model runner), the `LLM` Python API, the OpenAI HT
 CLI. Never implements numerics: every op comes from the packages below.
 """
 
-from hyspec_server.config import EngineArgs
+from hyspec_runner.config import EngineArgs
+
 from hyspec_server.engine import LLMEngine
 from hyspec_server.llm import LLM
 from hyspec_server.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SpecDecodeStats

@@ -9,11 +9,11 @@ from types import MappingProxyType
 from typing import Any
 
 from hyspec_attn_backends import capture_sizes
+from hyspec_runner.config import EngineArgs, step_tokens
+from hyspec_runner.speculative import DrafterRegistry
 
-from hyspec_server.config import EngineArgs, step_tokens
 from hyspec_server.engine import LLMEngine
 from hyspec_server.scheduler import SchedulerConfig
-from hyspec_server.speculative import DrafterRegistry
 from hyspec_server.tokenizer import HFTokenizer
 from hyspec_server.warm_up import warm_up_engine
 
@@ -84,7 +84,7 @@ def build_engine(args: EngineArgs, *, drafters: DrafterRegistry | None = None) -
             f"max_num_batched_tokens={args.max_num_batched_tokens} is below the verify block size "
             f"{spec.max_draft_tokens} of speculative_config; raise it"
         )
-    from hyspec_server.model_runner import HyspecModelRunner
+    from hyspec_runner.model_runner import HyspecModelRunner
 
     model_dir = resolve_model_dir(args.model)
     runner = HyspecModelRunner(args, model_dir, drafters=drafters)

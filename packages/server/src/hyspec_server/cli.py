@@ -18,10 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hyspec_runner.config import DEFAULT_SPECULATIVE_CONFIG, IGNORED_VLLM_ARGS, UNSUPPORTED_VLLM_ARGS
+
 from hyspec_server.bench_cli import add_bench_command, run_bench
 from hyspec_server.client_cli import add_client_commands, run_client
-from hyspec_server.config import IGNORED_VLLM_ARGS, UNSUPPORTED_VLLM_ARGS
-from hyspec_server.default_model import DEFAULT_NAME, DEFAULT_SPECULATIVE_CONFIG
+from hyspec_server.default_model import DEFAULT_NAME
 from hyspec_server.engine_flags import add_engine_flags, engine_args
 from hyspec_server.sampling_params import SamplingParams
 

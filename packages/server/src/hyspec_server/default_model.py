@@ -8,23 +8,17 @@ README says how, on which device, and how well they do):
 - `lfm2`: LFM2 architecture (short convolutions + attention), with `lfm2-eagle3`.
 
 With no model argument, `LLM()`, `hyspec generate` and `hyspec serve` load `qwen3_5` with MTP speculation
-(`DEFAULT_SPECULATIVE_CONFIG`) unless a speculative config is given. To run the demo model without
-speculation, pass its directory (`default_model_dir()`) as the model.
+(hyspec_runner's `config.DEFAULT_SPECULATIVE_CONFIG`) unless a speculative config is given. To run the demo
+model without speculation, pass its directory (`default_model_dir()`) as the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any, Final
+from typing import Final
 
 DEMO_MODELS: Final = Path(__file__).resolve().parent / "demo_models"
 DEFAULT_NAME: Final = "qwen3_5"
-DEFAULT_SPECULATIVE_CONFIG: Final[Mapping[str, Any]] = MappingProxyType(
-    {"method": "mtp", "num_speculative_tokens": 3}
-)
-"""Speculation of the embedded default: its MTP layer drafting chains of 3 tokens."""
 
 
 def demo_model_dir(name: str) -> Path:

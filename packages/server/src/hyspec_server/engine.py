@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from hyspec_runner.memory import MemoryUsage
+from hyspec_runner.runner import ModelRunner, PromptLogprobRows, RanAheadMismatch
 from hyspec_spec_workers.round_types import VerifiedTokens
 from hyspec_spec_workers.sampling import SampledToken
 from hyspec_statepool.prefix_cache import PrefixCacheStats
 
-from hyspec_server.memory import MemoryUsage
 from hyspec_server.outputs import Logprob, RequestOutput, SpecDecodeStats
 from hyspec_server.request import Request
-from hyspec_server.runner import ModelRunner, PromptLogprobRows, RanAheadMismatch
 from hyspec_server.sampling_params import RequestOutputKind, SamplingParams
 from hyspec_server.scheduler import Scheduler, SchedulerConfig
 from hyspec_server.structured import GrammarCompiler

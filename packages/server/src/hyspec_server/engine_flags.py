@@ -7,7 +7,7 @@ import argparse
 from dataclasses import fields
 from typing import Any
 
-from hyspec_server.config import DTYPES, ENGINE_DEFAULTS, EngineArgs
+from hyspec_runner.config import DTYPES, ENGINE_DEFAULTS, EngineArgs
 
 
 def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str, only_given: bool = False) -> None:

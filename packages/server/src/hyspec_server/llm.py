@@ -8,7 +8,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from hyspec_server.config import engine_args_from
+from hyspec_runner.config import engine_args_from
+
 from hyspec_server.engine import LLMEngine, parse_prompt
 from hyspec_server.outputs import RequestMetrics, RequestOutput, SpecDecodeStats
 from hyspec_server.sampling_params import RequestOutputKind, SamplingParams, derived_seed

@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from hyspec_runner.grammar import GrammarState
+
 from hyspec_server.detokenizer import IncrementalDetokenizer, find_stop
 from hyspec_server.outputs import (
     CompletionOutput,
@@ -23,7 +25,6 @@ from hyspec_server.outputs import (
     SpecDecodeStats,
 )
 from hyspec_server.sampling_params import RequestOutputKind, SamplingParams
-from hyspec_server.structured import GrammarState
 from hyspec_server.tokenizer import Tokenizer
 
 

@@ -21,9 +21,10 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from hyspec_runner.memory import RequestMemory
+from hyspec_runner.schedule import ScheduledChunk, SchedulerOutput
 from hyspec_statepool.prefix_cache import PrefixSave
 
-from hyspec_server.memory import RequestMemory
 from hyspec_server.request import Request, RequestStatus
 
 
@@ -64,46 +65,6 @@ class SchedulerConfig:
             raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """`num_new` tokens of `request` starting at absolute position `start`, computed in this step.
-
-    A `verify` chunk (speculative decoding) is a decoding request's current token (`num_new == 1`, the last
-    token) plus up to `num_lookahead` drafts the runner proposes; KV room for all of them is reserved.
-    """
-
-    request: Request
-    start: int
-    num_new: int
-    verify: bool = False
-    num_lookahead: int = 0
-    # prefix-cache snapshots inside a prefill chunk: (position, state slot) pairs, start < position < end;
-    # the forward writes the request's state after `position` tokens into the slot
-    state_saves: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new
-
-    @property
-    def sample(self) -> bool:
-        # the chunk reaches the last known token, so its logits give the next one
-        return self.end == self.request.num_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    chunks: tuple[ScheduledChunk, ...]
-    preempted: tuple[Request, ...]
-    # every running request decodes one token and nobody waits for a free seat: unless some end, the next
-    # step is these requests' next decode, which the runner may queue before this step's tokens are read
-    may_run_ahead: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_new for c in self.chunks)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, memory: RequestMemory) -> None:
         self.config = config
@@ -123,7 +84,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput[Request]:
         if self.ran_ahead and any(r.request_id in self.ran_ahead for r in self.running):
             return self._decode_ran_ahead()
         out = self._schedule()
@@ -132,7 +93,7 @@ class Scheduler:
             out = SchedulerOutput(self._with_inner_saves(out.chunks), out.preempted)
         return replace(out, may_run_ahead=self._may_run_ahead(out))
 
-    def _may_run_ahead(self, out: SchedulerOutput) -> bool:
+    def _may_run_ahead(self, out: SchedulerOutput[Request]) -> bool:
         """The next step is surely `out`'s requests' next decode, less the ones that end: every running
         request decodes one token in `out`, nothing was preempted, and nobody waits to be admitted unless
         every seat is taken (a seat that frees admits the next request one step later than it would)."""
@@ -144,7 +105,7 @@ class Scheduler:
             and all(c.num_new == 1 and c.sample and not c.request.suspect for c in out.chunks)
         )
 
-    def _decode_ran_ahead(self) -> SchedulerOutput:
+    def _decode_ran_ahead(self) -> SchedulerOutput[Request]:
         """The step after one whose next decode ran ahead: that decode, of its requests still running (in
         order; the runner checks that they are its rows; with speculation, verify chunks of their current
         token, which the round runs as a plain step). Nobody is admitted or preempted in it: their KV room
@@ -158,14 +119,14 @@ class Scheduler:
         out = SchedulerOutput(chunks, ())
         return replace(out, may_run_ahead=self._may_run_ahead(out))
 
-    def _schedule(self) -> SchedulerOutput:
+    def _schedule(self) -> SchedulerOutput[Request]:
         suspect = next((r for r in self.running if r.suspect), None)
         if suspect is None and self.waiting and self.waiting[0].suspect:
             suspect = self.waiting[0]
         if suspect is not None:
             return self._schedule_alone(suspect)
         budget = self.config.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
+        chunks: list[ScheduledChunk[Request]] = []
         preempted: list[Request] = []
         i = 0
         # the running requests' chunks as planned without preemption; when memory holds all of them at
@@ -222,10 +183,10 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(tuple(chunks), tuple(preempted))
 
-    def _plan_running(self, budget: int) -> list[ScheduledChunk]:
+    def _plan_running(self, budget: int) -> list[ScheduledChunk[Request]]:
         """The running requests' chunks in order within the token budget, as `schedule` makes them when
         nobody is preempted."""
-        out: list[ScheduledChunk] = []
+        out: list[ScheduledChunk[Request]] = []
         for req in self.running:
             if budget <= 0:
                 break
@@ -233,7 +194,7 @@ class Scheduler:
             budget -= c.num_new + c.num_lookahead
         return out
 
-    def _running_chunk(self, req: Request, budget: int) -> ScheduledChunk:
+    def _running_chunk(self, req: Request, budget: int) -> ScheduledChunk[Request]:
         """A running request's chunk this step, within `budget` tokens."""
         look = self.config.num_lookahead_tokens
         n = self._chunk_len(req, budget)
@@ -255,7 +216,7 @@ class Scheduler:
             req.suspect = True
             self.waiting.appendleft(req)
 
-    def _schedule_alone(self, req: Request) -> SchedulerOutput:
+    def _schedule_alone(self, req: Request) -> SchedulerOutput[Request]:
         """A step of one suspect request (a plain chunk, no verify block), preempting the youngest others when
         it needs their memory; the other running requests wait (lossless: they only pause)."""
         preempted: list[Request] = []
@@ -304,7 +265,9 @@ class Scheduler:
                 n = min(n, boundary - start)
         return n
 
-    def _with_inner_saves(self, chunks: tuple[ScheduledChunk, ...]) -> tuple[ScheduledChunk, ...]:
+    def _with_inner_saves(
+        self, chunks: tuple[ScheduledChunk[Request], ...]
+    ) -> tuple[ScheduledChunk[Request], ...]:
         """The chunks with the snapshots inside them reserved (`state_saves`, all of the step's in one call):
         the positions at multiples of the snapshot interval strictly between a prefill chunk's start and end
         (its end is saved by `save_snapshots`)."""
@@ -325,7 +288,7 @@ class Scheduler:
             out.append(replace(c, state_saves=saves) if saves else c)
         return tuple(out)
 
-    def save_snapshots(self, chunks: Iterable[ScheduledChunk]) -> None:
+    def save_snapshots(self, chunks: Iterable[ScheduledChunk[Request]]) -> None:
         """Saves prefix-cache snapshots where this step's prefill chunks end: at a snapshot interval and at
         the end of a prefill. Call it once the step's forward is queued and before its tokens are appended
         (the engine does it while the device runs the forward): the copies queue behind the forward that

@@ -13,11 +13,11 @@ from typing import Any
 
 import h11
 import uvicorn
+from hyspec_runner.config import EngineArgs
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from hyspec_server.api_server import build_app
 from hyspec_server.async_engine import AsyncEngine
-from hyspec_server.config import EngineArgs
 from hyspec_server.engine import LLMEngine
 
 

@@ -8,83 +8,26 @@ constrained requests runs where xgrammar is not installed.
 
 Flow: `GrammarCompiler.compile` turns a `StructuredOutputsParams` into a compiled grammar (cached by the
 constraint's text, so the HTTP server compiles on a worker thread before queueing and the engine thread then
-finds it compiled); each request gets a `GrammarState` (a matcher). Before sampling, `apply_grammar_masks`
-sets the logits of every token the constraint forbids to -inf for the constrained rows; the engine advances
-the matcher by each appended token (`Request.append_token`) and stops the request when the constraint is
-complete. With speculative decoding, a `GrammarState` is the row's `TokenConstraint` in spec-workers'
-round (`constraint.py`): drafts are cut at the first forbidden token and every kept verify position is masked
-(accept, then roll back), so verification never chooses from an unmasked position.
+finds it compiled); each request gets a `GrammarState` (a matcher; hyspec_runner's `grammar.py`). Before
+sampling, the runner's `apply_grammar_masks` sets the logits of every token the constraint forbids to -inf
+for the constrained rows; the engine advances the matcher by each appended token (`Request.append_token`)
+and stops the request when the constraint is complete. With speculative decoding, a `GrammarState` is the
+row's `TokenConstraint` in spec-workers' round (`constraint.py`): drafts are cut at the first forbidden
+token and every kept verify position is masked (accept, then roll back), so verification never chooses
+from an unmasked position.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-from hyspec_spec_workers.constraint import TokenBitmask
+from hyspec_runner.grammar import GrammarState
 
 from hyspec_server.sampling_params import StructuredOutputsParams
 from hyspec_server.tokenizer import Tokenizer
-
-
-class _Constrained(Protocol):
-    @property
-    def grammar(self) -> GrammarState | None: ...
-
-
-class GrammarState:
-    """One request's position in its constraint."""
-
-    def __init__(self, matcher: Any) -> None:
-        self.matcher = matcher
-        # tokens that complete the constrained text (the tokenizer's EOS): they end the request even with
-        # ignore_eos, so a verify round cuts there like at any stop token
-        self.stop_token_ids = frozenset(int(t) for t in matcher.stop_token_ids)
-
-    def accept(self, token_id: int) -> None:
-        """Advances by one generated token; a token the constraint forbids is a bug upstream: it raises."""
-        if not self.matcher.accept_token(token_id):
-            raise RuntimeError(f"token {token_id} violates the request's structured-output constraint")
-
-    def allowed_drafts(self, drafts: Sequence[int]) -> int:
-        """How many leading drafts the constraint takes (spec-workers' `TokenConstraint`; state unchanged)."""
-        n = 0
-        for t in drafts:
-            if not self.matcher.accept_token(t):
-                break
-            n += 1
-            if self.matcher.is_terminated():
-                break  # a stop token ends the constrained text: nothing after it is allowed
-        if n:
-            self.matcher.rollback(n)
-        return n
-
-    def fill_tree_masks(self, tokens: Sequence[int], parents: Sequence[int], bitmask: torch.Tensor) -> None:
-        """Row j of `bitmask` [len(tokens), W] int32 (host) after the path to node j, for every node the
-        constraint allows (spec-workers' `TokenConstraint`; a depth-first walk that accepts each node's token
-        and rolls it back: the state ends as it started)."""
-        children: list[list[int]] = [[] for _ in tokens]
-        for j in range(1, len(tokens)):
-            children[parents[j]].append(j)
-
-        def visit(j: int) -> None:
-            if self.matcher.is_terminated():
-                return  # after the stop token: the round stops there, the row stays all-allowed
-            self.matcher.fill_next_token_bitmask(bitmask, j)
-            for c in children[j]:
-                if self.matcher.accept_token(tokens[c]):
-                    visit(c)
-                    self.matcher.rollback(1)
-
-        visit(0)
-
-    @property
-    def done(self) -> bool:
-        """The constrained text is complete (its stop token was accepted)."""
-        return bool(self.matcher.is_terminated())
 
 
 class GrammarCompiler:
@@ -155,25 +98,6 @@ class GrammarCompiler:
         t = torch.arange(self.vocab_size)
         if not bool(((bitmask[0, t // 32] >> (t % 32)) & 1).any()):
             raise ValueError(f"structured_outputs.{kind}: the constraint allows no token at its start")
-
-
-def apply_grammar_masks(
-    logits: torch.Tensor, requests: Sequence[_Constrained], masks: TokenBitmask | None = None
-) -> None:
-    """Sets the logits of forbidden tokens to -inf in place for constrained rows ([N, V], row i is
-    `requests[i]`); rows without a constraint are untouched, and nothing runs when none has one. `masks`:
-    the engine's `TokenBitmask` (it keeps the vocabulary's bit tables; a fresh one builds them)."""
-    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
-    if not rows:
-        return
-    import xgrammar as xgr
-
-    masks = masks or TokenBitmask()
-    bitmask = masks.host((len(requests),), int(logits.shape[-1]), pinned=logits.is_cuda)  # [N, W]
-    matchers = [g.matcher for g in (requests[i].grammar for i in rows) if g is not None]
-    # one call fills every row (the matchers' own loop; threads would cost more than 32 rows' fill)
-    xgr.BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask(matchers, bitmask, rows)
-    masks.apply(logits, bitmask)
 
 
 def _tokenizer_info(xgr: Any, tokenizer: Tokenizer) -> Any:

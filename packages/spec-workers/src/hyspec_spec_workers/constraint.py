@@ -26,7 +26,7 @@ Block = tuple[list[int], list[int]]
 
 
 class TokenConstraint(Protocol):
-    """One request's matcher (the server's `structured.GrammarState`)."""
+    """One request's matcher (the runner's `grammar.GrammarState`)."""
 
     def allowed_drafts(self, drafts: Sequence[int]) -> int:
         """How many leading drafts the constraint accepts from its current state (state unchanged)."""

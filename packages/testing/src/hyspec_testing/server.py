@@ -12,11 +12,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from hyspec_runner.grammar import apply_grammar_masks
+from hyspec_runner.pool_memory import StatePoolMemory
+from hyspec_runner.runner import RunnerOutput, prompt_logprob_rows, spread_tokens
+from hyspec_runner.schedule import RunnerRequest, SchedulerOutput
 from hyspec_server.engine import LLMEngine
-from hyspec_server.pool_memory import StatePoolMemory
-from hyspec_server.runner import RunnerOutput, prompt_logprob_rows, spread_tokens
-from hyspec_server.scheduler import SchedulerConfig, SchedulerOutput
-from hyspec_server.structured import apply_grammar_masks
+from hyspec_server.scheduler import SchedulerConfig
 from hyspec_server.tokenizer import DEFAULT_CHAT_OPTIONS, ChatOptions
 from hyspec_spec_workers.constraint import TokenBitmask
 from hyspec_spec_workers.sampling import Sampler, sampling_tensors, to_sampled_tokens
@@ -175,7 +176,7 @@ class ToyModelRunner:
         return TOY_VOCAB
 
     def execute(
-        self, step: SchedulerOutput, *, while_queued: Callable[[], None] | None = None
+        self, step: SchedulerOutput[RunnerRequest], *, while_queued: Callable[[], None] | None = None
     ) -> RunnerOutput:
         if self.fail_next_step:
             self.fail_next_step = False

@@ -41,15 +41,14 @@ from hyspec_spec_workers.sampling import (
     Sampler,
 )
 
-from hyspec_server.config import EngineArgs, step_capacity
-from hyspec_server.decode_ahead import DecodeAhead
-from hyspec_server.plain_forward import PlainForwards, PlainInputs, QueuedTokens
-from hyspec_server.pool_memory import StatePoolMemory
-from hyspec_server.request import Request
-from hyspec_server.runner import PromptLogprobRows, RanAheadMismatch, RunnerOutput
-from hyspec_server.runner_memory import build_memory
-from hyspec_server.scheduler import ScheduledChunk, SchedulerOutput
-from hyspec_server.speculative import DrafterRegistry
+from hyspec_runner.config import EngineArgs, step_capacity
+from hyspec_runner.decode_ahead import DecodeAhead
+from hyspec_runner.plain_forward import PlainForwards, PlainInputs, QueuedTokens
+from hyspec_runner.pool_memory import StatePoolMemory
+from hyspec_runner.runner import PromptLogprobRows, RanAheadMismatch, RunnerOutput
+from hyspec_runner.runner_memory import build_memory
+from hyspec_runner.schedule import RunnerRequest, ScheduledChunk, SchedulerOutput
+from hyspec_runner.speculative import DrafterRegistry
 
 log = logging.getLogger("hyspec.runner")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -143,7 +142,7 @@ class _Riders:
     """A speculative step's plain chunks (prompt chunks, plain decodes): they run in the round's one target
     forward, whichever it is (`forward_verify` or `decode`), and `queued` holds their sampling once it ran."""
 
-    chunks: list[ScheduledChunk]
+    chunks: list[ScheduledChunk[RunnerRequest]]
     queued: QueuedTokens | None = None
 
 
@@ -160,7 +159,7 @@ def _target_forward(
     return forward
 
 
-def round_row(c: ScheduledChunk, max_model_len: int) -> RoundRow:
+def round_row(c: ScheduledChunk[RunnerRequest], max_model_len: int) -> RoundRow:
     """A verify chunk as a row of the speculative round."""
     req = c.request
     # tokens the request may still emit (>= 1 for a live request)
@@ -303,7 +302,7 @@ class HyspecModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, step: SchedulerOutput, *, while_queued: Callable[[], None] | None = None
+        self, step: SchedulerOutput[RunnerRequest], *, while_queued: Callable[[], None] | None = None
     ) -> RunnerOutput:
         try:
             return self._execute(list(step.chunks), while_queued, step.may_run_ahead)
@@ -312,7 +311,10 @@ class HyspecModelRunner:
             raise
 
     def _execute(
-        self, chunks: list[ScheduledChunk], while_queued: Callable[[], None] | None, run_ahead: bool
+        self,
+        chunks: list[ScheduledChunk[RunnerRequest]],
+        while_queued: Callable[[], None] | None,
+        run_ahead: bool,
     ) -> RunnerOutput:
         if self.spec is None:
             return self._plain_step(chunks, while_queued, run_ahead)
@@ -373,7 +375,7 @@ class HyspecModelRunner:
 
     def _plain_step(
         self,
-        chunks: list[ScheduledChunk],
+        chunks: list[ScheduledChunk[RunnerRequest]],
         while_queued: Callable[[], None] | None,
         run_ahead: bool,
     ) -> RunnerOutput:
@@ -461,7 +463,9 @@ class HyspecModelRunner:
     def decode(self, rows: Sequence[RoundRow]) -> list[SampledToken]:
         # the round's rows are this runner's own requests (`round_row`)
         chunks = [
-            ScheduledChunk(cast(Request, r.request), r.prefix_len, 1, verify=True, num_lookahead=r.max_drafts)
+            ScheduledChunk(
+                cast(RunnerRequest, r.request), r.prefix_len, 1, verify=True, num_lookahead=r.max_drafts
+            )
             for r in rows
         ]
         riders = self._pending_riders()
@@ -484,6 +488,6 @@ class HyspecModelRunner:
 
     # ---------------------------------------------------------------- plain forwards (`plain_forward.py`)
 
-    def run_plain(self, chunks: Sequence[ScheduledChunk]) -> list[SampledToken | None]:
+    def run_plain(self, chunks: Sequence[ScheduledChunk[RunnerRequest]]) -> list[SampledToken | None]:
         """Prefill chunks and one-token decodes in one forward; a token for every chunk that samples."""
         return self.plain.run(chunks)[0]

@@ -18,7 +18,7 @@ from hyspec_statepool.draft_shape import DraftShape
 from hyspec_statepool.sizing import MemoryPlan, plan_memory
 from hyspec_statepool.specs import ModelStateSpecs, StateDtypes
 
-from hyspec_server.config import DEFAULT_MAX_NUM_SEQS, EngineArgs, device_kind
+from hyspec_runner.config import DEFAULT_MAX_NUM_SEQS, EngineArgs, device_kind
 
 CPU_KV_CACHE_BYTES = 4 << 30
 # CUDA-graph pools, the allocator's fragmentation and kernel workspaces, on top of the activation estimate

@@ -9,7 +9,7 @@ from hyspec_statepool.errors import PoolExhaustedError
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.prefix_cache import PrefixCache, PrefixCacheStats, PrefixSave
 
-from hyspec_server.memory import MemoryUsage
+from hyspec_runner.memory import MemoryUsage
 
 
 class MemoryFollower(Protocol):

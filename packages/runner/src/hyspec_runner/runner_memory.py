@@ -18,9 +18,9 @@ from hyspec_statepool.prefix_cache import PrefixCache
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.specs import StateDtypes
 
-from hyspec_server.config import EngineArgs, num_snapshot_slots, step_capacity
-from hyspec_server.pool_memory import MemoryFollower, StatePoolMemory
-from hyspec_server.sizing import (
+from hyspec_runner.config import EngineArgs, num_snapshot_slots, step_capacity
+from hyspec_runner.pool_memory import MemoryFollower, StatePoolMemory
+from hyspec_runner.sizing import (
     Budget,
     PoolShape,
     activation_bytes,
@@ -29,7 +29,7 @@ from hyspec_server.sizing import (
     max_concurrency,
     memory_budget,
 )
-from hyspec_server.speculative import DrafterContext, DrafterRegistry
+from hyspec_runner.speculative import DrafterContext, DrafterRegistry
 
 log = logging.getLogger("hyspec.runner")
 

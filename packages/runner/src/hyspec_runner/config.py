@@ -10,7 +10,7 @@ from typing import Any, Final, Literal
 
 from hyspec_spec_workers.config import SpeculativeConfig
 
-from hyspec_server.speculative import parse_speculative_config
+from hyspec_runner.speculative import parse_speculative_config
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: Final = ("auto", "float32", "bfloat16", "float16")
@@ -19,6 +19,12 @@ DTYPES: Final = ("auto", "float32", "bfloat16", "float16")
 # the defaults that depend on the device, here with the others
 DEFAULT_MAX_NUM_SEQS: Final = MappingProxyType({"cuda": 256, "cpu": 16})
 DEFAULT_MAX_NUM_BATCHED_TOKENS: Final = MappingProxyType({"cuda": 8192, "cpu": 512})
+
+
+DEFAULT_SPECULATIVE_CONFIG: Final[Mapping[str, Any]] = MappingProxyType(
+    {"method": "mtp", "num_speculative_tokens": 3}
+)
+"""Speculation of the embedded default model (no `model` given): its MTP layer drafting chains of 3 tokens."""
 
 
 def device_kind(device: str) -> Literal["cuda", "cpu"]:
@@ -201,8 +207,6 @@ class EngineArgs:
             _check_int("kv_cache_bytes", self.kv_cache_bytes, 1)
         raw: SpeculativeConfig | Mapping[str, Any] | str | None = self.speculative_config
         if self.model is None and raw is None:
-            from hyspec_server.default_model import DEFAULT_SPECULATIVE_CONFIG
-
             raw = DEFAULT_SPECULATIVE_CONFIG
         # the one parse: everything downstream reads the validated config
         object.__setattr__(self, "speculative_config", parse_speculative_config(raw))

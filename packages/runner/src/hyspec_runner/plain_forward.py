@@ -30,23 +30,22 @@ from hyspec_spec_workers.sampling import (
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.transfer import to_device
 
-from hyspec_server.decode_ahead import DecodeAhead
-from hyspec_server.request import Request
-from hyspec_server.runner import (
+from hyspec_runner.decode_ahead import DecodeAhead
+from hyspec_runner.grammar import apply_grammar_masks
+from hyspec_runner.runner import (
     PromptLogprobRows,
     RanAheadMismatch,
     prompt_logprob_rows,
     spread_tokens,
 )
-from hyspec_server.scheduler import ScheduledChunk
-from hyspec_server.structured import apply_grammar_masks
+from hyspec_runner.schedule import RunnerRequest, ScheduledChunk
 
 
 @dataclass(frozen=True, slots=True)
 class PlainInputs:
     """The host inputs of a forward over plain chunks."""
 
-    chunks: Sequence[ScheduledChunk]
+    chunks: Sequence[ScheduledChunk[RunnerRequest]]
     ids: list[str]
     tokens: list[int]  # packed chunk by chunk
     q_lens: list[int]
@@ -55,7 +54,7 @@ class PlainInputs:
     state_saves: tuple[StateSave, ...]  # the chunks' inner prefix-cache snapshots, in packed tokens
 
     @staticmethod
-    def of(chunks: Sequence[ScheduledChunk]) -> PlainInputs:
+    def of(chunks: Sequence[ScheduledChunk[RunnerRequest]]) -> PlainInputs:
         tokens = [t for c in chunks for t in c.request.token_slice(c.start, c.start + c.num_new)]
         q_lens = [c.num_new for c in chunks]
         offsets = itertools.accumulate(q_lens, initial=0)  # packed start of each chunk
@@ -83,7 +82,7 @@ class QueuedTokens:
     forward shared with other chunks puts these first); None when no chunk samples.
     """
 
-    chunks: Sequence[ScheduledChunk]
+    chunks: Sequence[ScheduledChunk[RunnerRequest]]
     out: SamplerOutput | None
     prompt_logprobs: tuple[PromptLogprobRows | None, ...]
     host: PendingSample | None = None  # `out`'s copy to the host, queued right after the sampler
@@ -101,8 +100,8 @@ class QueuedTokens:
 class _RanAhead:
     """A decode forward queued before the tokens it feeds were read (`PlainForwards.run_ahead`)."""
 
-    chunks: Sequence[ScheduledChunk]  # of the step that queued it
-    requests: tuple[Request, ...]  # its rows' requests, in order
+    chunks: Sequence[ScheduledChunk[RunnerRequest]]  # of the step that queued it
+    requests: tuple[RunnerRequest, ...]  # its rows' requests, in order
     prefix_lens: tuple[int, ...]  # the position each row decodes
     hidden: torch.Tensor  # [n, H] the forward's output (a graph's buffer: valid until its next replay)
     aux: tuple[torch.Tensor, ...]  # [n, H] each: the layers a model drafter reads
@@ -160,7 +159,7 @@ class PlainForwards:
         self.num_ran_ahead = 0  # decode forwards queued before the tokens they feed were read
 
     def run(
-        self, chunks: Sequence[ScheduledChunk]
+        self, chunks: Sequence[ScheduledChunk[RunnerRequest]]
     ) -> tuple[list[SampledToken | None], tuple[PromptLogprobRows | None, ...]]:
         """One forward of these chunks: a token for every chunk that samples (None for the others), and the
         prompt logprobs it scored (`prompt_logprob_rows`)."""
@@ -198,7 +197,7 @@ class PlainForwards:
         """Forget a decode that ran ahead (the engine recomputes its requests: a failed step)."""
         self._ran = None
 
-    def holds_ran_ahead(self, chunks: Sequence[ScheduledChunk]) -> bool:
+    def holds_ran_ahead(self, chunks: Sequence[ScheduledChunk[RunnerRequest]]) -> bool:
         """Some of these chunks' requests had their next decode queued ahead (`run_ahead`)."""
         ran = self._ran
         return ran is not None and any(r is c.request for r in ran.requests for c in chunks)
@@ -297,6 +296,6 @@ class PlainForwards:
         return QueuedTokens(chunks, out, prompt_lp, out.start_read())
 
 
-def _last_token(req: Request) -> bool:
+def _last_token(req: RunnerRequest) -> bool:
     """The token this step samples for `req` is its last: its `max_tokens` budget ends there."""
     return len(req.output_token_ids) + 1 >= req.params.max_tokens

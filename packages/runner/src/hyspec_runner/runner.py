@@ -17,8 +17,8 @@ from hyspec_spec_workers.round_types import VerifiedTokens
 from hyspec_spec_workers.sampling import SampledToken, chosen_ranks
 from hyspec_statepool.transfer import to_device
 
-from hyspec_server.memory import RequestMemory
-from hyspec_server.scheduler import ScheduledChunk, SchedulerOutput
+from hyspec_runner.memory import RequestMemory
+from hyspec_runner.schedule import RunnerRequest, ScheduledChunk, SchedulerOutput
 
 PROMPT_LOGPROB_ROWS = 256
 """Prompt positions whose full-vocabulary logprobs exist at once ([rows, V] fp32): bounds what a long prefill
@@ -82,7 +82,7 @@ class ModelRunner(Protocol):
         ...
 
     def execute(
-        self, step: SchedulerOutput, *, while_queued: Callable[[], None] | None = None
+        self, step: SchedulerOutput[RunnerRequest], *, while_queued: Callable[[], None] | None = None
     ) -> RunnerOutput:
         """Runs the step. `while_queued`: the engine's host work for the step (prefix-cache saves) that may
         overlap the device: called once, after the step's forward is queued and before its outcome is
@@ -91,7 +91,7 @@ class ModelRunner(Protocol):
 
 
 def spread_tokens(
-    chunks: Sequence[ScheduledChunk], sampled: Sequence[SampledToken]
+    chunks: Sequence[ScheduledChunk[RunnerRequest]], sampled: Sequence[SampledToken]
 ) -> list[SampledToken | None]:
     """The sampled tokens (sampling chunks only, in order) spread over all chunks; None where none sampled."""
     it = iter(sampled)
@@ -99,7 +99,7 @@ def spread_tokens(
 
 
 def prompt_logprob_rows(
-    chunks: Sequence[ScheduledChunk],
+    chunks: Sequence[ScheduledChunk[RunnerRequest]],
     logits_at: Callable[[torch.Tensor], torch.Tensor],
     device: torch.device,
 ) -> tuple[PromptLogprobRows | None, ...]:
@@ -110,7 +110,7 @@ def prompt_logprob_rows(
         chunks: the step's chunks, their tokens packed in this order.
         logits_at: packed token rows ([n] int64 on `device`) -> the step's logits there, [n, V] any float.
     """
-    if all(c.request.prompt_logprobs is None for c in chunks):
+    if all(c.request.params.prompt_logprobs is None for c in chunks):
         return ()  # the common step: a few microseconds for a full decode batch
     rows: list[int] = []  # packed rows whose logits score a prompt token
     targets: list[int] = []  # the prompt token each row scores (the one after its position)
