@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hyspec_attn_backends import verify_rewrite
 from hyspec_server import LLM, EngineArgs, SamplingParams
 from hyspec_server.builder import build_engine
 from hyspec_server.engine import LLMEngine
@@ -49,7 +50,9 @@ def _record_prompt_lens(eng: LLMEngine) -> list[int]:
     return lens
 
 
-def test_warm_up_runs_every_round_shape_and_leaves_nothing_behind(tiny_qwen3_5: Path) -> None:
+def test_warm_up_runs_every_round_shape_and_leaves_nothing_behind(
+    tiny_qwen3_5: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ref = _outputs(_engine(tiny_qwen3_5))
     eng = _engine(tiny_qwen3_5)
     runner: Any = eng.runner
@@ -61,11 +64,24 @@ def test_warm_up_runs_every_round_shape_and_leaves_nothing_behind(tiny_qwen3_5: 
         shapes.add((len(kw["req_ids"]), int(kw["block_tokens"].shape[1])))
         return verify(**kw)
 
+    # the verify batches rewritten from the last round's (`advance_verify`, a Triton kernel per block size):
+    # the block sizes, the target's and the drafter's first block (S + 2) alike
+    rewritten: set[int] = set()
+    rewrite = verify_rewrite.advance_verify
+
+    def recording_rewrite(**kw: Any) -> None:
+        rewritten.add(int(kw["tokens"].shape[1]))
+        rewrite(**kw)
+
     runner.forward_verify = recording
+    monkeypatch.setattr(verify_rewrite, "advance_verify", recording_rewrite)
     steps = warm_up_engine(eng, spec, [1, 3])
     del runner.forward_verify
+    monkeypatch.undo()
     # every batch size drafted every candidate length: blocks of k + 1 tokens
     assert {(1, 2), (3, 2), (1, 4), (3, 4)} <= shapes, shapes
+    # and every block size was rewritten once at least: a served round compiles no rewrite kernel
+    assert {2, 4} <= rewritten, rewritten
     assert steps > 0 and not eng.has_unfinished()
     assert eng.stats.num_steps == 0 and eng.stats.num_prompt_tokens == 0
     stats = runner.memory.prefix_cache_stats()

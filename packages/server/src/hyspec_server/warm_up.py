@@ -18,7 +18,8 @@ So on CUDA the builder runs, before serving (`warm_up_engine`):
   compiles;
 - a speculative engine, for every captured batch size and every draft length its round may choose, a batch of
   short requests whose rounds draft that length (`SpeculativeRound.forced_length`: acceptance, the commit's
-  replay, whose tiles follow the padded batch size, the drafter's extend), and one long request per length.
+  replay, whose tiles follow the padded batch size, the drafter's extend), and one long request per length
+  that drafts it in two rounds in a row (the second round's verify batch rewritten from the first's).
 
 Then its statistics, prefix cache and the round's measured costs and adaptive evidence start afresh.
 """
@@ -91,14 +92,17 @@ def warm_up_engine(engine: LLMEngine, spec: SpeculativeRound | None, batch_sizes
         assert spec is not None
         # enough tokens that the first round may draft k (a round never emits past the budget)
         params = SamplingParams(max_tokens=k + 2, temperature=0.0, ignore_eos=True)
-        long = min(LONG_PROMPT, engine.max_model_len - params.max_tokens)
-        if len(PROMPT) > long:
+        # the long request drafts k in two rounds in a row whatever they accept (1 + 2 (k + 1) tokens): the
+        # second round's verify batch is the first's rewritten (`advance_verify`, a kernel per block size)
+        twice = SamplingParams(max_tokens=2 * k + 3, temperature=0.0, ignore_eos=True)
+        long = min(LONG_PROMPT, engine.max_model_len - twice.max_tokens)
+        if len(PROMPT) + params.max_tokens > engine.max_model_len:
             continue  # no request that drafts k fits max_model_len: the round never runs k
         with spec.forced_length(k):
             for b in batch_sizes:
                 steps += drain([[t % vocab for t in PROMPT]] * b, params)
             if long > len(PROMPT):
-                steps += drain([prompt(long)], params)
+                steps += drain([prompt(long)], twice)
     # nothing of the warm-up stays: its prompts' snapshots, its figures, its costs
     engine.runner.memory.reset_prefix_cache(counters=True)
     engine.stats = EngineStats()
