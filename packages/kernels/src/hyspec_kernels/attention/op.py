@@ -27,7 +27,8 @@ from hyspec_kernels._checks import (
 )
 from hyspec_kernels.attention.reference import paged_attention_reference, store_kv_reference
 from hyspec_kernels.attention.torch_impl import paged_attention_torch, store_kv_torch
-from hyspec_kernels.attention.triton_kernel import paged_attention_triton, store_kv_triton
+from hyspec_kernels.attention.triton_kernel import paged_attention_triton
+from hyspec_kernels.attention.triton_store_kv import store_kv_triton
 
 
 def _check_caches(

@@ -1,4 +1,4 @@
-"""Triton kernels: KV store into pages, and flash-attention style paged attention.
+"""Triton kernels: flash-attention style paged attention (the KV store into pages is `triton_store_kv.py`).
 
 Attention grid: (sequence, query tile, counted from the last, KV head). A program takes BLOCK_M query tokens
 of one sequence and all GROUP query heads that share one KV head, as BLOCK_M * GROUP_PAD rows of a single
@@ -22,75 +22,6 @@ _LOG2E = 1.4426950408889634
 # the most KV splits the heuristic picks; the merge kernel's split tile is this wide for every split count,
 # so one compiled merge serves them all (a tile per power of two compiled one more while serving)
 _MAX_SPLITS = 32
-
-
-@jit_varying("slots_ptr")
-def _store_kv_kernel(  # type: ignore[no-untyped-def]
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slots_ptr,
-    k_stride_t,
-    k_stride_h,
-    v_stride_t,
-    v_stride_h,
-    kc_stride_page,
-    kc_stride_off,
-    kc_stride_h,
-    vc_stride_page,
-    vc_stride_off,
-    vc_stride_h,
-    page_size,
-    num_heads,
-    head_dim,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    live = slot >= 0
-    page = tl.where(live, slot, 0) // page_size
-    offset = tl.where(live, slot, 0) % page_size
-    h = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
-    d = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
-    # A padded token (slot -1) copies zero heads; folding it into the bound keeps the mask a comparison.
-    mask = (h < tl.where(live, num_heads, 0)) & (d < head_dim)
-    k = tl.load(k_ptr + t * k_stride_t + h * k_stride_h + d, mask=mask)
-    v = tl.load(v_ptr + t * v_stride_t + h * v_stride_h + d, mask=mask)
-    tl.store(k_cache_ptr + page * kc_stride_page + offset * kc_stride_off + h * kc_stride_h + d, k, mask=mask)
-    tl.store(v_cache_ptr + page * vc_stride_page + offset * vc_stride_off + h * vc_stride_h + d, v, mask=mask)
-
-
-def store_kv_triton(
-    k: torch.Tensor, v: torch.Tensor, *, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor
-) -> None:
-    """Unvalidated launcher: last dims of k, v and the caches must have stride 1 (the wrapper checks)."""
-    num_tokens, num_heads, head_dim = k.shape
-    if num_tokens == 0:
-        return
-    _store_kv_kernel[(num_tokens,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        kv_slots,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        k_cache.shape[1],
-        num_heads,
-        head_dim,
-        BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-    )
 
 
 @triton.jit  # type: ignore[untyped-decorator]
