@@ -324,3 +324,31 @@ def test_graphed_decodes_run_ahead_on_the_gpu(arch: str, request: pytest.Fixture
         eng.leak_check()
     assert outs[1] == outs[0]
     assert _plain(eng).num_ran_ahead >= 28
+
+
+def test_the_cost_models_timing_rounds_run_ahead_as_a_plain_engines_steps(tiny_qwen3_5: Path) -> None:
+    """Cost-aware adaptive lengths time plain steps in rounds where nobody drafts (`RoundTimer`): the first
+    of a timing queues the second's forward ahead and the second the third's, so the steady ones are timed as
+    a plain engine runs them (a synchronous step is slower, which would make drafting look cheaper). The
+    outputs stay the plain engine's and no step fails."""
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": {"candidate_steps": [1, 3]}}
+    eng = _engine(tiny_qwen3_5, run_ahead=True, speculative_config=spec)
+    rnd: Any = eng.runner.spec  # type: ignore[attr-defined]
+    seen: list[tuple[bool, bool]] = []  # per plain round: (a timing round, its forward was queued ahead)
+    plain_round = rnd.plain_round
+
+    def recording(ids: Any, step: Any, **kw: Any) -> Any:
+        seen.append((rnd.timer.timing(), kw.get("queued_ahead", False)))
+        return plain_round(ids, step, **kw)
+
+    rnd.plain_round = recording
+    failed: list[Any] = []
+    quarantine = eng.scheduler.quarantine
+    eng.scheduler.quarantine = lambda reqs: failed.append(reqs) or quarantine(reqs)  # type: ignore[method-assign]
+    got = [o.outputs[0].token_ids for o in _generate(eng, _greedy())]
+    assert got == [
+        o.outputs[0].token_ids for o in _generate(_engine(tiny_qwen3_5, run_ahead=False), _greedy())
+    ]
+    assert seen[:3] == [(True, False), (True, True), (True, True)], seen
+    assert failed == []
+    eng.leak_check()

@@ -206,6 +206,11 @@ class RoundTimer:
         """This round is a timing round: nobody drafts."""
         return self.cost_aware and (self._timing_left > 0 or not self.costs.has_decode)
 
+    def timing_continues(self) -> bool:
+        """Asked before a timing round's plain step: the round after it times a plain step too (nobody
+        drafts in it), so its forward may be queued ahead and timed as a plain engine runs it."""
+        return self.cost_aware and self._timing_left >= 2
+
     def next_is_timing(self) -> bool:
         """Called during a drafting round: the next round times a plain step (nobody drafts in it)."""
         return self.cost_aware and (self._since_timing + 1 >= TIMING_EVERY or not self.costs.has_decode)

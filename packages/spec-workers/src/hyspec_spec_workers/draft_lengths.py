@@ -86,10 +86,12 @@ class DraftLengths:
             return True  # (the common case of a drafter that does not pay: one pass, no state made)
         return all(self.length(rid, costs).steps == 0 for rid in request_ids)
 
-    def plain_next(self, request_ids: Sequence[str]) -> bool:
-        """`SpeculativeRound.plain_next`."""
+    def plain_next(self, request_ids: Sequence[str], *, timing_next: bool = False) -> bool:
+        """`SpeculativeRound.plain_next`; `timing_next`: the next round times a plain step."""
         if self.adaptive is None or self.idle is None or self.is_tree or self.forced is not None:
             return False
+        if timing_next:
+            return True  # nobody drafts in a timing round (`drafts_nothing`)
         if self.idle.covers(request_ids):
             return True  # one more of the counted rounds: nobody is due to probe in it
         self.idle.report()

@@ -1,6 +1,6 @@
 """The speculative round: draft, verify, choose tokens, truncate, commit, feed the drafter back.
 
-The one round every caller runs: a server's model runner and this package's own generation loop
+The one round every caller runs: hyspec_runner's model runner and this package's own generation loop
 (`testing.generate`) alike. It talks to the target through `VerifyTarget` (`round_types.py`, owned by this
 package; a runner with CUDA graphs and an eager loop both satisfy it) and sees requests as `RoundRow`s.
 
@@ -222,8 +222,9 @@ class SpeculativeRound:
     def plain_next(self, request_ids: Sequence[str]) -> bool:
         """Asked before a `plain_round` of these requests: whether the round after it, over these requests or
         any of them, surely drafts nothing too (so its forward may be queued ahead): every one at length 0
-        and none starting a probe in this round (a probe that starts with a round drafts in the next)."""
-        return self.lengths.plain_next(request_ids)
+        and none starting a probe in this round (a probe that starts with a round drafts in the next), or
+        the next round times a plain step (`RoundTimer.timing_continues`: timed as a plain engine runs it)."""
+        return self.lengths.plain_next(request_ids, timing_next=self.timer.timing_continues())
 
     def plain_round(
         self,

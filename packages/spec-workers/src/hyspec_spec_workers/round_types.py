@@ -1,7 +1,7 @@
 """What a speculative round sees and returns, and what it needs from the target (`round.py` runs it).
 
 `RoundRow` is one decoding request in a round, `VerifiedTokens` its outcome, `VerifyTarget` the protocol a
-target's runner satisfies (a server's model runner with CUDA graphs, or an eager loop).
+target's runner satisfies (hyspec_runner's model runner with CUDA graphs, or an eager loop).
 """
 
 from __future__ import annotations

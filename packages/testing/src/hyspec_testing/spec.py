@@ -3,7 +3,7 @@
 It drives a target model, its `HybridBackend` and pool directly (no scheduler, no CUDA graphs): one batched
 prefill of all prompts (mixed lengths), then plain decode steps or speculative rounds until every row has
 hit its stop token or budget. The rounds are the product's own (`round.SpeculativeRound`, the round a
-server's runner runs), over `EagerTarget`, the eager `VerifyTarget`. Finished rows are freed at once, so
+engine's runner runs), over `EagerTarget`, the eager `VerifyTarget`. Finished rows are freed at once, so
 the batch shrinks and request rows, state slots and batch rows stop lining up, as in a real engine.
 
 A `ModelDrafter` is followed as an engine follows it: its requests are added at prefill, the prompt and then
