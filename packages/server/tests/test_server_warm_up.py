@@ -25,10 +25,36 @@ SPEC: dict[str, Any] = {
 PROMPTS = [[5, 9, 17, 33, 2, 7], [40, 41], [7, 7, 7, 8]]
 
 
-def _engine(path: Path) -> LLMEngine:
+def _engine(path: Path, max_model_len: int = 64) -> LLMEngine:
     return build_engine(
-        EngineArgs(model=str(path), speculative_config=SPEC, max_num_seqs=4, page_size=4, max_model_len=64)
+        EngineArgs(
+            model=str(path), speculative_config=SPEC, max_num_seqs=4, page_size=4, max_model_len=max_model_len
+        )
     )
+
+
+def _record_rounds(eng: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> tuple[set[tuple[int, int]], set[int]]:
+    """From now on: the (rows, block size) of every verify forward, and the block sizes of the verify
+    batches rewritten from the last round's (`advance_verify`, a Triton kernel per block size), the
+    target's and the drafter's first block (S + 2) alike."""
+    runner: Any = eng.runner
+    shapes: set[tuple[int, int]] = set()
+    verify = runner.forward_verify
+
+    def recording(**kw: Any) -> Any:
+        shapes.add((len(kw["req_ids"]), int(kw["block_tokens"].shape[1])))
+        return verify(**kw)
+
+    rewritten: set[int] = set()
+    rewrite = verify_rewrite.advance_verify
+
+    def recording_rewrite(**kw: Any) -> None:
+        rewritten.add(int(kw["tokens"].shape[1]))
+        rewrite(**kw)
+
+    monkeypatch.setattr(runner, "forward_verify", recording)
+    monkeypatch.setattr(verify_rewrite, "advance_verify", recording_rewrite)
+    return shapes, rewritten
 
 
 def _outputs(eng: LLMEngine) -> list[list[int]]:
@@ -57,26 +83,8 @@ def test_warm_up_runs_every_round_shape_and_leaves_nothing_behind(
     eng = _engine(tiny_qwen3_5)
     runner: Any = eng.runner
     spec = runner.spec
-    shapes: set[tuple[int, int]] = set()
-    verify = runner.forward_verify
-
-    def recording(**kw: Any) -> Any:
-        shapes.add((len(kw["req_ids"]), int(kw["block_tokens"].shape[1])))
-        return verify(**kw)
-
-    # the verify batches rewritten from the last round's (`advance_verify`, a Triton kernel per block size):
-    # the block sizes, the target's and the drafter's first block (S + 2) alike
-    rewritten: set[int] = set()
-    rewrite = verify_rewrite.advance_verify
-
-    def recording_rewrite(**kw: Any) -> None:
-        rewritten.add(int(kw["tokens"].shape[1]))
-        rewrite(**kw)
-
-    runner.forward_verify = recording
-    monkeypatch.setattr(verify_rewrite, "advance_verify", recording_rewrite)
+    shapes, rewritten = _record_rounds(eng, monkeypatch)
     steps = warm_up_engine(eng, spec, [1, 3])
-    del runner.forward_verify
     monkeypatch.undo()
     # every batch size drafted every candidate length: blocks of k + 1 tokens
     assert {(1, 2), (3, 2), (1, 4), (3, 4)} <= shapes, shapes
@@ -93,6 +101,22 @@ def test_warm_up_runs_every_round_shape_and_leaves_nothing_behind(
     eng.leak_check()
     assert eng.new_request_id() == "req-0"
     assert _outputs(eng) == ref
+    eng.leak_check()
+
+
+@pytest.mark.parametrize("max_model_len", [6, 11])
+def test_warm_up_covers_the_round_shapes_of_a_short_max_model_len(
+    tiny_qwen3_5: Path, monkeypatch: pytest.MonkeyPatch, max_model_len: int
+) -> None:
+    """At 6 positions a served one-token prompt drafts 3 (a block of 4): so does a warm-up round. At 11 a
+    request fits two rounds of 3 drafts in a row: the warm-up rewrites a block of 4 as served rounds do."""
+    eng = _engine(tiny_qwen3_5, max_model_len)
+    shapes, rewritten = _record_rounds(eng, monkeypatch)
+    warm_up_engine(eng, eng.runner.spec, [1])  # type: ignore[attr-defined]
+    monkeypatch.undo()
+    assert (1, 4) in shapes, shapes
+    if max_model_len == 11:
+        assert {2, 4} <= rewritten, rewritten
     eng.leak_check()
 
 

@@ -1,5 +1,5 @@
 """CUDA graphs for DECODE and TARGET_VERIFY forwards, captured once per padded batch size: the one graph
-runner of the repo (the server's target forward and every drafter's proposal forwards each have one).
+runner of the repo (the model runner's target forward and every drafter's proposal forwards each have one).
 
 A CUDA graph replays the kernel launches of one forward with the addresses they were captured with. Every
 tensor of a `ForwardBatch` is a view at offset 0 of the backend's `BatchBuffers`, which `prepare_*` refill in
@@ -104,7 +104,7 @@ class CudaGraphRunner:
         self._graphs: dict[GraphKey, Captured] = {}
         # captured sizes per (mode, D, tree), sorted: asked for before every batch (forgotten on a capture)
         self._sizes: dict[tuple[ForwardMode, int, bool], list[int]] = {}
-        # called after each graph is captured (the server's progress bar)
+        # called after each graph is captured (the model runner's progress bar)
         self.on_capture: Callable[[GraphKey], None] | None = None
 
     # ------------------------------------------------------------------ capture

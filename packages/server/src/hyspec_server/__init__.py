@@ -1,7 +1,7 @@
 """Engine with continuous batching, OpenAI-compatible HTTP server, CLI and Python API.
 
-Owns: the engine (scheduler + model runner), the `LLM` Python API, the OpenAI HTTP server and the `hyspec`
-CLI. Never implements numerics: every op comes from the packages below.
+Owns: the engine loop and scheduler (over hyspec_runner's model runner), the `LLM` Python API, the OpenAI
+HTTP server and the `hyspec` CLI. Never implements numerics: every op comes from the packages below.
 """
 
 from hyspec_runner.config import EngineArgs

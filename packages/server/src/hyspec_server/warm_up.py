@@ -96,12 +96,14 @@ def warm_up_engine(engine: LLMEngine, spec: SpeculativeRound | None, batch_sizes
         # second round's verify batch is the first's rewritten (`advance_verify`, a kernel per block size)
         twice = SamplingParams(max_tokens=2 * k + 3, temperature=0.0, ignore_eos=True)
         long = min(LONG_PROMPT, engine.max_model_len - twice.max_tokens)
-        if len(PROMPT) + params.max_tokens > engine.max_model_len:
+        # two tokens where they fit, else one (a served one-token prompt may draft k at k + 3 positions)
+        short = [t % vocab for t in PROMPT][: engine.max_model_len - params.max_tokens]
+        if not short:
             continue  # no request that drafts k fits max_model_len: the round never runs k
         with spec.forced_length(k):
             for b in batch_sizes:
-                steps += drain([[t % vocab for t in PROMPT]] * b, params)
-            if long > len(PROMPT):
+                steps += drain([short] * b, params)
+            if long >= 1:
                 steps += drain([prompt(long)], twice)
     # nothing of the warm-up stays: its prompts' snapshots, its figures, its costs
     engine.runner.memory.reset_prefix_cache(counters=True)
