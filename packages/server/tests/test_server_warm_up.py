@@ -104,19 +104,21 @@ def test_warm_up_runs_every_round_shape_and_leaves_nothing_behind(
     eng.leak_check()
 
 
-@pytest.mark.parametrize("max_model_len", [6, 11])
+@pytest.mark.parametrize("max_model_len", [4, 6, 11])
 def test_warm_up_covers_the_round_shapes_of_a_short_max_model_len(
     tiny_qwen3_5: Path, monkeypatch: pytest.MonkeyPatch, max_model_len: int
 ) -> None:
-    """At 6 positions a served one-token prompt drafts 3 (a block of 4): so does a warm-up round. At 11 a
-    request fits two rounds of 3 drafts in a row: the warm-up rewrites a block of 4 as served rounds do."""
+    """At 4 positions no request drafts 3 (a one-token prompt drafts 1 at most): the warm-up runs no such
+    round. At 6 a served one-token prompt drafts 3 (a block of 4): so does a warm-up round. At 11 a request
+    fits two rounds of 3 drafts in a row: the warm-up rewrites a block of 4 as served rounds do."""
     eng = _engine(tiny_qwen3_5, max_model_len)
     shapes, rewritten = _record_rounds(eng, monkeypatch)
     warm_up_engine(eng, eng.runner.spec, [1])  # type: ignore[attr-defined]
     monkeypatch.undo()
-    assert (1, 4) in shapes, shapes
+    assert (1, 2) in shapes and ((1, 4) in shapes) == (max_model_len > 4), shapes
     if max_model_len == 11:
         assert {2, 4} <= rewritten, rewritten
+    assert not eng.has_unfinished()
     eng.leak_check()
 
 

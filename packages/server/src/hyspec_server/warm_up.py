@@ -97,7 +97,7 @@ def warm_up_engine(engine: LLMEngine, spec: SpeculativeRound | None, batch_sizes
         twice = SamplingParams(max_tokens=2 * k + 3, temperature=0.0, ignore_eos=True)
         long = min(LONG_PROMPT, engine.max_model_len - twice.max_tokens)
         # two tokens where they fit, else one (a served one-token prompt may draft k at k + 3 positions)
-        short = [t % vocab for t in PROMPT][: engine.max_model_len - params.max_tokens]
+        short = [t % vocab for t in PROMPT][: max(0, engine.max_model_len - params.max_tokens)]
         if not short:
             continue  # no request that drafts k fits max_model_len: the round never runs k
         with spec.forced_length(k):
