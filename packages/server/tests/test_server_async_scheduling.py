@@ -223,6 +223,14 @@ ADAPTIVE_MTP = {
 }
 
 
+def _failed_steps(eng: LLMEngine) -> list[Any]:
+    """From now on, the requests of every step that failed and was recomputed one by one (quarantined)."""
+    failed: list[Any] = []
+    quarantine = eng.scheduler.quarantine
+    eng.scheduler.quarantine = lambda reqs: failed.append(reqs) or quarantine(reqs)  # type: ignore[method-assign]
+    return failed
+
+
 def _lengths_at_zero(eng: LLMEngine, probe_wait: int) -> tuple[list[int], list[Any]]:
     """Every request's adaptive length starts at 0 and probes after `probe_wait` rounds at 0; returns the
     rows of each verify round run, and the quarantines (a step that failed: a run-ahead the round broke)."""
@@ -246,9 +254,7 @@ def _lengths_at_zero(eng: LLMEngine, probe_wait: int) -> tuple[list[int], list[A
         return plain_round(ids, step, **kw)
 
     rnd.plain_round = recording
-    failed: list[Any] = []
-    quarantine = eng.scheduler.quarantine
-    eng.scheduler.quarantine = lambda reqs: failed.append(reqs) or quarantine(reqs)  # type: ignore[method-assign]
+    failed = _failed_steps(eng)
     return rounds, failed
 
 
@@ -342,9 +348,7 @@ def test_the_cost_models_timing_rounds_run_ahead_as_a_plain_engines_steps(tiny_q
         return plain_round(ids, step, **kw)
 
     rnd.plain_round = recording
-    failed: list[Any] = []
-    quarantine = eng.scheduler.quarantine
-    eng.scheduler.quarantine = lambda reqs: failed.append(reqs) or quarantine(reqs)  # type: ignore[method-assign]
+    failed = _failed_steps(eng)
     got = [o.outputs[0].token_ids for o in _generate(eng, _greedy())]
     assert got == [
         o.outputs[0].token_ids for o in _generate(_engine(tiny_qwen3_5, run_ahead=False), _greedy())
