@@ -344,7 +344,7 @@ def test_the_cost_models_timing_rounds_run_ahead_as_a_plain_engines_steps(tiny_q
     plain_round = rnd.plain_round
 
     def recording(ids: Any, step: Any, **kw: Any) -> Any:
-        seen.append((rnd.timer.timing(), kw.get("queued_ahead", False)))
+        seen.append((rnd.timer.timing(len(ids)), kw.get("queued_ahead", False)))
         return plain_round(ids, step, **kw)
 
     rnd.plain_round = recording

@@ -50,6 +50,8 @@ def _staggered(
     model, execute, spec = runner.model, runner.execute, runner.spec
     calls: list[str] = []
     alone: list[bool] = []  # per step: its round timed a plain step, which runs alone
+    after: list[bool] = []  # per step: its round ran after other work of the step (`after_other_work`)
+    misses: list[int] = []  # steps whose round was told wrongly whether other work ran before it
     shared: list[str] = []
     forwards: list[int] = []  # target forwards of every step
     forward = model.forward
@@ -60,20 +62,26 @@ def _staggered(
 
     spec_run = None if spec is None else spec.run
 
-    def run(target: Any, rows: Any, *, shares_forward: bool = False) -> Any:
+    def run(target: Any, rows: Any, *, shares_forward: bool = False, after_other_work: bool = False) -> Any:
         assert spec is not None and spec_run is not None
-        alone.append(spec.timer.timing())
-        return spec_run(target, rows, shares_forward=shares_forward)
+        alone.append(spec.timer.timing(len(rows)))
+        after.append(after_other_work)
+        return spec_run(target, rows, shares_forward=shares_forward, after_other_work=after_other_work)
 
     def step(sched: Any, **kw: Any) -> Any:
         calls.clear()
         alone.clear()
+        after.clear()
         replays = runner.graphs.counts.replays
         out = execute(sched, **kw)
         # a graph replay runs the target without calling `model.forward`: it counts as one forward
         calls.extend(["replay"] * (runner.graphs.counts.replays - replays))
         # recorded, not raised here: the engine would retry a failed step request by request
         forwards.append(len(calls) - (1 if alone == [True] and len(calls) == 2 else 0))
+        if alone and after != [len(calls) == 2]:
+            # a timing round's plain chunks ran in a forward of their own, queued before it: its time is
+            # no cost measurement (`SpeculativeRound.run`)
+            misses.append(len(forwards))
         if any(c.verify for c in sched.chunks) and not all(c.verify for c in sched.chunks):
             shared.append(calls[0])
         return out
@@ -97,6 +105,7 @@ def _staggered(
         if spec is not None:
             del spec.run
     assert forwards and set(forwards) == {1}, forwards
+    assert not misses, misses
     return [done[i] for i in ids], shared
 
 
@@ -212,9 +221,10 @@ def test_riders_keep_seeded_sampling_and_prompt_logprobs(ckpts: dict[str, Path],
 
 
 def test_adaptive_drafting_survives_a_steady_stream_of_arrivals(ckpts: dict[str, Path]) -> None:
-    """Cost-aware adaptive lengths time plain steps before they draft. Those timing rounds run alone: were
-    they to share their forward with arriving prompts, they would not count, and with a new request every
-    other step the timing would never end and nothing would ever be drafted."""
+    """Cost-aware adaptive lengths time plain steps before they draft. Those timing rounds run alone once
+    they have shared their step's forward a few times (`RoundTimer.may_share`): a shared round does not
+    count, and with a new request every other step the timing would never end and nothing would ever be
+    drafted."""
     path = ckpts["lfm2"]
     base = dict(max_num_seqs=4, page_size=4, max_model_len=512, max_num_batched_tokens=64)
     prompts = [[5, 9, 17, 33] * 4, [40, 41, 42] * 5]
@@ -231,6 +241,14 @@ def test_adaptive_drafting_survives_a_steady_stream_of_arrivals(ckpts: dict[str,
         "adaptive": {"candidate_steps": [1, 3], "warmup_batches": 1, "update_interval": 1},
     }
     eng = build_engine(EngineArgs(model=str(path), speculative_config=spec, **base), drafters=perfect)
+    rnd: Any = eng.runner.spec  # type: ignore[attr-defined]
+    run, after = rnd.run, []
+
+    def recording(target: Any, rows: Any, **kw: bool) -> Any:
+        after.append(kw.get("after_other_work", False))
+        return run(target, rows, **kw)
+
+    rnd.run = recording
     ids = [eng.add_request(p, greedy) for p in prompts]
     done: dict[str, list[int]] = {}
     steps = 0
@@ -244,6 +262,9 @@ def test_adaptive_drafting_survives_a_steady_stream_of_arrivals(ckpts: dict[str,
     assert [done[i] for i in ids] == refs
     runner: Any = eng.runner
     assert runner.spec.costs.has_decode and eng.stats.spec_num_drafts > 10, eng.stats.spec_num_drafts
+    # the timing rounds shared the arrivals' forwards a few times, then one ran after them, told so (it
+    # waits for their forward before its clock starts)
+    assert any(after), after
     assert runner.num_mixed > 0  # and drafting rounds shared their forward with the arrivals
     eng.leak_check()
 

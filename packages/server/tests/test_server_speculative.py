@@ -777,13 +777,13 @@ def test_one_off_draft_extends_are_not_timed(tiny_qwen3_5: Path, idle_rounds: in
     record, record_catch_up = spec.costs.record_draft, spec.costs.record_catch_up
     caught_up: list[tuple[int, int]] = []  # (round, drafts) of each recorded catch-up
 
-    def counted(num_steps: int, seconds: float) -> None:
+    def counted(num_steps: int, seconds: float, rows: int = 1) -> None:
         timed.append(len(rounds) - 1)
-        record(num_steps, seconds)
+        record(num_steps, seconds, rows)
 
-    def counted_catch_up(seconds: float, num_drafts: int = 0) -> None:
+    def counted_catch_up(seconds: float, num_drafts: int = 0, rows: int = 1) -> None:
         caught_up.append((len(rounds) - 1, num_drafts))
-        record_catch_up(seconds, num_drafts)
+        record_catch_up(seconds, num_drafts, rows)
 
     spec.draft_lengths = lengths
     spec.costs.record_draft = counted

@@ -17,6 +17,7 @@ from hyspec_spec_workers.adaptive import (
     expected_accepted,
     probe_wait_floor,
 )
+from hyspec_spec_workers.costs import batch_bucket
 
 CHEAP = CostEstimate(decode=1.0, draft_step=0.05, verify_base=1.05)
 DEAR = CostEstimate(decode=1.0, draft_step=1.0, verify_base=1.0)
@@ -98,13 +99,37 @@ def test_cost_tracker_measures_and_extrapolates() -> None:
     t.record_verify(2, 1.2)
     t.record_verify(4, 1.6)
     t.record_draft(3, 0.3)
-    assert not ready_before and t.ready
-    assert t.decode_s() == pytest.approx(1.2)  # no plain decode timed yet: smallest verify block
+    one = t.at(1)
+    assert not ready_before and t.ready and one.ready
+    assert one.decode_s() == pytest.approx(1.2)  # no plain decode timed yet: smallest verify block
     t.record_decode(1.0)
-    assert t.decode_s() == pytest.approx(1.0)
-    assert t.round_s(3) == pytest.approx(3 * 0.1 + 1.6)
-    assert t.round_s(7) == pytest.approx(7 * 0.1 + 1.6 + 0.2 * 4)
-    assert t.round_s(0) == pytest.approx(1.0)
+    assert one.decode_s() == pytest.approx(1.0)
+    assert one.round_s(3) == pytest.approx(3 * 0.1 + 1.6)
+    assert one.round_s(7) == pytest.approx(7 * 0.1 + 1.6 + 0.2 * 4)
+    assert one.round_s(0) == pytest.approx(1.0)
+
+
+def test_cost_tracker_keeps_costs_per_batch_bucket() -> None:
+    """Rounds and plain steps are judged against those of their own batch bucket (rows padded as the CUDA
+    graphs pad them): a round measured while a batch ramped up (cheap, a few rows) must not judge the full
+    batch's."""
+    buckets = [batch_bucket(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 17, 24, 25, 32, 33)]
+    assert buckets == [1, 1, 2, 4, 4, 8, 8, 16, 24, 24, 32, 32, 40]
+    t = CostTracker(alpha=1.0)
+    t.record_decode(5.0, rows=1)
+    t.record_draft(1, 1.0, rows=1)
+    t.record_verify(2, 5.5, rows=1)
+    t.record_decode(11.0, rows=32)
+    assert t.at(1).ready and t.at(1).round_s(1) == pytest.approx(6.5)
+    assert t.at(1).decode_s() == pytest.approx(5.0) and t.at(25).decode_s() == pytest.approx(11.0)
+    # batch 32 has a plain step but no round yet: not ready; batch 8 has nothing
+    assert t.at(32).has_decode and not t.at(32).ready and not t.at(8).has_decode and not t.at(8).ready
+    t.record_draft(1, 1.5, rows=30)
+    t.record_verify(2, 10.5, rows=30)
+    assert t.at(32).round_s(1) == pytest.approx(12.0) and t.at(1).round_s(1) == pytest.approx(6.5)
+    # a catch-up round is weighed against its own bucket's round
+    t.record_catch_up(20.0, 1, rows=32)
+    assert t.catch_up_s() == pytest.approx(8.0) and t.at(1).catch_up_s() == pytest.approx(8.0)
 
 
 def test_cost_tracker_catch_ups_and_rows() -> None:
@@ -121,7 +146,7 @@ def test_cost_tracker_catch_ups_and_rows() -> None:
     t.record_catch_up(1.0, 3)  # cheaper than an ordinary round: no negative cost
     assert t.catch_up_s() == pytest.approx(0.5 * (0.5 * 3.1 + 0.5 * 0.5))
     t.record_decode(1.0, rows=4)
-    assert t.rows_per_step() == 4.0 and t.decode_s() == 1.0
+    assert t.rows_per_step() == 4.0 and t.at(4).decode_s() == 1.0
     for _ in range(20):
         t.record_catch_up(2.0, 0)
     assert t.catch_up_s() == pytest.approx(2.0, rel=1e-2)  # only the latest few count
@@ -156,13 +181,19 @@ def test_probe_budget_sets_the_waits_and_spares_confirming_probes() -> None:
     while s.observe(0, dear) == 0:
         n += 1
     assert n == floor1 == 800 > 4 * MAX_PROBE_BACKOFF
-    # a request starting from this history waits as long, less the rounds spent at 0 meanwhile
+    # a request starting from this history waits as long, less the rounds spent at 0 meanwhile by requests
+    # that ended; while one that started from them lives, a new one waits the whole wait (a batch that
+    # starts together probes once, not once per request)
     s2 = AdaptiveController(cfg, initial_steps=3)
     s2.shared.add(0, 3)
-    first = s2.new_request(dear)
+    first = s2.length("first", dear)
     assert first.steps == 0 and [first.observe(0, dear) for _ in range(300)] == [0] * 300
-    r = s2.new_request(dear)
+    together = s2.length("together", dear)
+    assert together.steps == 0 and together.rounds_to_probe() == floor1
+    s2.forget("first")
+    r = s2.length("r", dear)
     assert [r.observe(0, dear) for _ in range(floor1 - 300)] == [0] * (floor1 - 301) + [1]
+    assert s2.shared.idle_rounds == 0 and s2.length("next", dear).rounds_to_probe() == floor1
 
 
 # an H100 with a 9B target as measured by the engine (session 5): plain decode 8.1 ms, a round with one
@@ -274,7 +305,8 @@ def _request(
     """
     rng = random.Random(seed)
     ctl = AdaptiveController(AdaptiveConfig(), initial_steps=3) if ctl is None else ctl
-    state = ctl.new_request(costs)
+    rid = f"request-{seed}"
+    state = ctl.length(rid, costs)
     run = _Run(plain_s=num_tokens * costs.decode_s())
     done = 0
     while done < num_tokens:
@@ -292,6 +324,7 @@ def _request(
         done += accepted + 1
         if fixed is None:
             state.observe(accepted, costs)
+    ctl.forget(rid)  # as the engine does when a request ends
     return run
 
 
@@ -333,6 +366,25 @@ def test_warmup_measures_at_the_smallest_length_while_in_doubt() -> None:
     assert [s.observe(0, H100) for _ in range(4)] == [1, 1, 1, 0]
     unaware = AdaptiveController(AdaptiveConfig(cost_aware=False), initial_steps=3).new_request()
     assert {unaware.observe(0, H100) for _ in range(10)} == {3}  # no cost check: warm-up keeps its length
+
+
+# cheap drafting: a 9B-shaped target with graphs on an H100 (measured 2026-11-28): a plain step 6.7 ms, a
+# round with k drafts 6.8 + 1.3 k ms, where a drafter pays from a >= 0.21
+GRAPHS_9B = CostEstimate(decode=6.7e-3, draft_step=1.3e-3, verify_base=6.8e-3)
+
+
+def test_warmup_still_in_doubt_at_its_last_round_drops_a_drafter_that_never_paid() -> None:
+    run = _request(0.0, 128, GRAPHS_9B)
+    # 3 / (3 + F) stays above 0.21 through the warm-up's ten rounds; at the last one 2 / (2 + 9) does
+    # not: it drops there instead of drafting through two EMA evaluations and a confirming probe (19)
+    assert run.lengths[:11] == [3] + [1] * 9 + [0]
+    # measured 1.0259 (a probe of four rounds at 1 after 50 at 0 included); 1.0406 before
+    assert run.ratio <= 1.03
+    # a fair drafter unlucky in its warm-up goes on: S = 4, F = 6 at the last round, in doubt (4 / 10 <
+    # 0.46), but (4 + 2) / (4 + 2 + 6) would pay (a margin of 1, a probe's, would drop it: 5 / 11 < 0.46)
+    s = AdaptiveController(AdaptiveConfig(), initial_steps=3).new_request()
+    got = [s.observe(k, H100) for k in [0, 1, 0, 1, 0, 1, 0, 1, 0, 0]]
+    assert got == [1, 3, 1, 3, 1, 3, 1, 3, 1, 1] and s.rounds == 10
 
 
 @pytest.mark.parametrize("costs", [H100, SLOW])
@@ -515,19 +567,19 @@ def test_a_thin_useless_history_warms_up_at_the_smallest_length() -> None:
 
 def test_cost_tracker_counts_only_steady_plain_steps() -> None:
     t = CostTracker(alpha=1.0)
-    t.record_verify(2, 1.2)
+    t.record_verify(2, 1.2, rows=3)
     t.record_decode(
         2.0, rows=3, steady=False
     )  # an isolated plain round: its batch built on the critical path
-    assert not t.has_decode and t.decode_s() == pytest.approx(1.2) and t.rows_per_step() == 1.0
+    assert not t.has_decode and t.at(3).decode_s() == pytest.approx(1.2) and t.rows_per_step() == 1.0
     t.record_decode(0.8, rows=3, steady=True)
-    assert t.has_decode and t.decode_s() == pytest.approx(0.8) and t.rows_per_step() == 3.0
+    assert t.has_decode and t.at(3).decode_s() == pytest.approx(0.8) and t.rows_per_step() == 3.0
     # the fastest of the latest few steady steps: a cold or stalled one does not hold the estimate up
     t.record_decode(2.4, rows=3)
-    assert t.decode_s() == pytest.approx(0.8)
+    assert t.at(3).decode_s() == pytest.approx(0.8)
     for _ in range(CostTracker.DECODE_SAMPLES):
         t.record_decode(1.0, rows=3)
-    assert t.decode_s() == pytest.approx(1.0)
+    assert t.at(3).decode_s() == pytest.approx(1.0)
 
 
 def test_rounds_time_plain_steps_in_a_row_at_start_and_every_timing_interval(
@@ -607,14 +659,31 @@ def test_rounds_time_plain_steps_in_a_row_at_start_and_every_timing_interval(
     )
     target = Target()
     rows = [RoundRow(Req("a"), 10, 1, 1, 1000, frozenset()), RoundRow(Req("b"), 12, 1, 1, 1000, frozenset())]
-    kinds = []
-    for _ in range(12):
+
+    def step(batch: list[RoundRow], **kw: bool) -> str:
         before = len(target.decodes)
-        spec.run(target, rows)  # type: ignore[arg-type]
-        kinds.append("plain" if len(target.decodes) > before else "draft")
+        spec.run(target, batch, **kw)  # type: ignore[arg-type]
+        return "plain" if len(target.decodes) > before else "draft"
+
+    kinds = [step(rows) for _ in range(12)]
     assert kinds[:3] == ["plain"] * 3 and recorded[:3] == [False, True, True]
     assert kinds[3:8] == ["draft"] * 5 and kinds[8:11] == ["plain"] * 3 and kinds[11:] == ["draft"]
     assert recorded == [False, True, True, False, True, True]
+    # the batch grows into a bucket (9 rows: 16) without a plain step timed: its rounds time one first. While
+    # the batch ramps up (prompt chunks in every step) a timing round may share its step's forward,
+    # measuring nothing, `TIMING_DEFER` rounds in a row; then it runs alone, the other work before it
+    wide = [RoundRow(Req(f"w{i}"), 10, 1, 1, 1000, frozenset()) for i in range(9)]
+    kinds, recorded[:] = [], []
+    for _ in range(costs_mod.TIMING_DEFER):
+        assert spec.may_share_forward(len(wide))
+        kinds.append(step(wide, shares_forward=True))
+    assert recorded == [] and not spec.may_share_forward(len(wide)) and spec.may_share_forward(len(rows))
+    with pytest.raises(ValueError, match="shares_forward"):
+        spec.run(target, wide, shares_forward=True)  # type: ignore[arg-type]
+    kinds += [step(wide, after_other_work=True), step(wide), step(wide)]
+    # the first alone is not steady (after a step with other work in its forward), the second is
+    assert kinds == ["plain"] * (costs_mod.TIMING_DEFER + 2) + ["draft"] and recorded == [False, True]
+    assert spec.costs.at(9).has_decode and spec.costs.at(16).has_decode and not spec.costs.at(17).has_decode
 
 
 def test_a_round_is_charged_the_engine_work_until_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -649,6 +718,7 @@ def test_plain_round_counts_and_times_like_a_round_without_drafts(monkeypatch: p
     round without drafts: the same timing rounds and recorded plain-step costs, the same rounds at 0 for
     the adaptive lengths; and it refuses a round in which some request drafts, or other work in a timed
     step."""
+    from hyspec_spec_workers import costs as costs_mod
     from hyspec_spec_workers.round import SpeculativeRound
     from hyspec_spec_workers.round_types import RoundRow
     from hyspec_spec_workers.sampling import SampledToken
@@ -704,7 +774,10 @@ def test_plain_round_counts_and_times_like_a_round_without_drafts(monkeypatch: p
     assert by_plain.adaptive.length("a")._zero_rounds > 0
 
     fresh, _ = engine()
-    assert fresh.timer.timing()  # the first rounds time plain steps: they run alone
+    assert fresh.timer.timing(len(ids))  # the first rounds time plain steps: they run alone, once they
+    for _ in range(costs_mod.TIMING_DEFER):  # have shared their step's forward a few rounds in a row
+        fresh.plain_round(ids, plain_step, shares_forward=True)
+    assert fresh.timer.timing(len(ids))  # (which measured nothing)
     with pytest.raises(ValueError, match="shares_forward"):
         fresh.plain_round(ids, plain_step, shares_forward=True)
     by_plain.adaptive.length("b").steps = 1  # "b" drafts again
@@ -828,26 +901,26 @@ def test_a_drafting_round_knows_when_the_next_round_times_a_plain_step(
 
     monkeypatch.setattr(costs_mod, "TIMING_EVERY", 4)
     timer = costs_mod.RoundTimer(costs_mod.CostTracker(), cost_aware=True)
-    assert timer.timing() and timer.next_is_timing()  # nothing timed yet
+    assert timer.timing(1) and timer.next_is_timing(1)  # nothing timed yet
     for _ in range(costs_mod.TIMING_ROUNDS):
         timer.begin_step()
-        assert timer.timing()
+        assert timer.timing(1)
         timer.plain(0.001, rows=1, timing=True)
         timer.end_round()
     for i in range(2 * costs_mod.TIMING_EVERY):
         timer.begin_step()
-        if timer.timing():  # the second timing: its plain rounds
+        if timer.timing(1):  # the second timing: its plain rounds
             timer.plain(0.001, rows=1, timing=True)
             timer.end_round()
             continue
-        last = timer.next_is_timing()
+        last = timer.next_is_timing(1)
         assert last == (i == costs_mod.TIMING_EVERY - 1)
-        timer.drafted(1, 2, 0.001, 0.001)
+        timer.drafted(1, 2, 0.001, 0.001, rows=1)
         timer.end_round()
         timer.begin_step()
-        assert timer.timing() == last
+        assert timer.timing(1) == last
         timer.end_round()
-    assert not costs_mod.RoundTimer(costs_mod.CostTracker(), cost_aware=False).next_is_timing()
+    assert not costs_mod.RoundTimer(costs_mod.CostTracker(), cost_aware=False).next_is_timing(1)
 
 
 def test_a_plain_round_whose_forward_was_queued_ahead_is_charged_the_whole_step(
@@ -874,7 +947,7 @@ def test_a_plain_round_whose_forward_was_queued_ahead_is_charged_the_whole_step(
             timer.end_round()
         clock["t"] += 0.003
         timer.begin_step()  # the last round is recorded here, with the engine's 3 ms since it
-        return costs.decode_s()
+        return costs.at(1).decode_s()
 
     assert decode_cost(queued_ahead=False) == pytest.approx(0.001)
     assert decode_cost(queued_ahead=True) == pytest.approx(0.004)

@@ -321,7 +321,8 @@ class HyspecModelRunner:
         self.spec.begin_step()  # the last round's costs include the engine's work since it ended
         ids = [c.request.request_id for c in chunks if c.verify]
         alone = len(ids) == len(chunks)
-        plain_round = bool(ids) and self.spec.drafts_nothing(ids) and (alone or self.spec.may_share_forward())
+        shared = alone or self.spec.may_share_forward(len(ids))
+        plain_round = bool(ids) and self.spec.drafts_nothing(ids) and shared
         held = self.plain.holds_ran_ahead(chunks)
         if held and not (plain_round and alone):
             # their state already holds the token a round would verify again (never reached: the round said
@@ -346,14 +347,20 @@ class HyspecModelRunner:
         verified: list[VerifiedTokens | None] = [None] * len(chunks)
         prompt_rows: tuple[PromptLogprobRows | None, ...] = ()
         riders = _Riders([chunks[i] for i in plain]) if plain else None
-        if riders is not None and self.spec.may_share_forward():
+        if riders is not None and self.spec.may_share_forward(len(rows)):
             self._riders = riders  # the plain chunks run in the round's forward (one target forward per step)
         elif riders is not None:
-            # a round that times a plain step runs alone (a few per TIMING_EVERY rounds): the plain chunks go
-            # first, in a forward of their own
+            # a round that times a plain step runs alone once its timing has shared enough forwards
+            # (`RoundTimer.may_share`): the plain chunks go first, in a forward of their own, which the round
+            # waits for before its clock starts
             riders.queued = self.plain.forward(PlainInputs.of(riders.chunks))
         try:
-            results = self.spec.run(self, rows, shares_forward=self._riders is not None)
+            results = self.spec.run(
+                self,
+                rows,
+                shares_forward=self._riders is not None,
+                after_other_work=riders is not None and self._riders is None,
+            )
         finally:
             self._riders = None
         if riders is not None and riders.queued is None:

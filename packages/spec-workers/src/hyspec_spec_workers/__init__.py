@@ -10,7 +10,7 @@ own target weights.
 
 from hyspec_spec_workers.adaptive import AdaptiveController, AdaptiveDraftLength
 from hyspec_spec_workers.config import METHODS, AdaptiveConfig, Method, SpeculativeConfig
-from hyspec_spec_workers.costs import CostEstimate, CostModel, CostTracker
+from hyspec_spec_workers.costs import BatchCosts, CostEstimate, CostModel, CostTracker
 from hyspec_spec_workers.dflash import DFlashDraft, DFlashDrafter, build_dflash_drafter, load_dflash_draft
 from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.draft_kv import DraftKV, DraftMemory
@@ -62,6 +62,7 @@ __all__ = [
     "AdaptiveConfig",
     "AdaptiveController",
     "AdaptiveDraftLength",
+    "BatchCosts",
     "ChainsAfterVerify",
     "CommittedTokens",
     "CostEstimate",

@@ -21,7 +21,10 @@ Cost check (with a `CostModel` and `cost_aware`):
   rounds are needed (four at 13.8 + 1.5k ms, where a >= 0.46 pays: a drafter with a = 0.8 runs four empty
   rounds with probability 0.2^4). While the plain fit loses but the margin holds, the request measures at
   the smallest candidate, which costs less and tells as much (a round's first draft decides whether it
-  accepts anything); once the plain fit pays again it returns to its initial length.
+  accepts anything); once the plain fit pays again it returns to its initial length. A request still in
+  doubt at the warm-up's last round drops unless some length would pay with `WARMUP_END_MARGIN` (2) more
+  accepted: where drafting is cheap (a round with one draft 1.2 plain steps) a drafter that never pays
+  stops after 10 rounds, not after two EMA evaluations and a confirming probe more.
 - Later, every `update_interval` rounds the length the EMA chose must pay at a fitted to the EMA; if it
   does not, the best length at that a replaces it. If none pays, the EMA (a few rounds) may just have
   dipped: a confirming probe measures afresh before the request drops.
@@ -54,7 +57,9 @@ observations (same ratio), a prior that a few of its own rounds overrule. With c
 length pays with `WARMUP_MARGIN` more accepted) the request starts at 0: later requests skip the warm-up
 the earlier ones paid. It probes after the engine's wait less the rounds other requests spent at 0 since
 the last probe, so the engine probes about once per wait in all (not once per request, nor never when
-requests are shorter than the wait), and a drafter that turns good is found again. Evidence is per
+requests are shorter than the wait), and a drafter that turns good is found again. Only one live request
+starts from those rounds (`SharedEvidence.claimed`); others that start meanwhile wait the whole wait (a
+batch of 8 arriving together all probed at once: 8 catch-ups, 0.86x plain on the 9B shape). Evidence is per
 controller: another engine (model, drafter, hardware) learns its own.
 
 Simulated with those two costs, a request whose drafts are never accepted takes at most 2.5% longer than
@@ -80,6 +85,10 @@ from hyspec_spec_workers.costs import CostModel
 MAX_PROBE_BACKOFF = 16
 # warm-up gives up on drafting only if it would not pay even with this many more drafts accepted
 WARMUP_MARGIN = 3.0
+# and at its last round, a request still in doubt stops unless some length would pay with this many more
+# accepted: ten empty rounds (2 / 12) rule out a drafter that needs a >= 0.17 to pay, while a fair one that
+# accepted a few drafts through bad luck (4 of 10 rounds ending at a rejection at a = 0.7) goes on
+WARMUP_END_MARGIN = 2.0
 # a probe stops early if drafting would not pay with this many more drafts accepted, and resumes drafting
 # only if it would still pay with this many more rejected (see the module docstring for both)
 PROBE_MARGIN = 1.0
@@ -173,13 +182,16 @@ class SharedEvidence:
     request, decayed by `1 - 1 / PRIOR_MEMORY` per reported round, so they weigh roughly the last
     `PRIOR_MEMORY` rounds. `probe_wait` is the wait left by the most recent probe that resumed drafting or
     failed a retry (None before any did; a confirming probe that drops leaves it, as it leaves its own),
-    `idle_rounds` counts the rounds at 0 of all requests since a retry probe last started or ended.
+    `idle_rounds` counts the rounds at 0 of all requests since a retry probe last started or ended, and
+    `claimed` is the live request that started from them (only one does: requests that start together, a
+    batch, would otherwise all probe at once, each paying a catch-up).
     """
 
     accepted: float = 0.0
     rejections: float = 0.0
     probe_wait: int | None = None
     idle_rounds: int = 0
+    claimed: AdaptiveDraftLength | None = None
 
     def add(self, num_accepted: int, num_drafts: int) -> None:
         keep = 1.0 - 1.0 / PRIOR_MEMORY
@@ -193,7 +205,7 @@ class SharedEvidence:
         return _Evidence(accepted=self.accepted * scale, rejections=self.rejections * scale)
 
     def probe_ended(self, wait: int) -> None:
-        self.probe_wait, self.idle_rounds = wait, 0
+        self.probe_wait, self.idle_rounds, self.claimed = wait, 0, None
 
 
 class AdaptiveDraftLength:
@@ -245,7 +257,9 @@ class AdaptiveDraftLength:
         self._warming_up = False
         self._drop(failed_probe=False, costs=None)
         self._probe_wait = max(shared.probe_wait or self.config.probe_interval, self._floor(costs, 1))
-        self._zero_rounds = min(shared.idle_rounds, self._probe_wait - 1)
+        if shared.claimed is None:
+            self._zero_rounds = min(shared.idle_rounds, self._probe_wait - 1)
+            shared.claimed = self
 
     def idle_round(self, rounds: int = 1) -> None:
         """Record `rounds` rounds at length 0 (nothing drafted): what `observe` does at 0, the probe's count
@@ -305,9 +319,16 @@ class AdaptiveDraftLength:
             self._warming_up = False
             self._drop(failed_probe=False, costs=costs)
         elif best_length(ev.rate(), cands, costs) == 0:
-            # in doubt: go on measuring at the smallest length, which costs less and tells as much (a
-            # round's first draft decides whether it accepts anything)
-            self.steps = cands[0]
+            if self._warming_up or best_length(ev.rate(more_accepted=WARMUP_END_MARGIN), cands, costs) > 0:
+                # in doubt: go on measuring at the smallest length, which costs less and tells as much (a
+                # round's first draft decides whether it accepts anything)
+                self.steps = cands[0]
+            else:
+                # still in doubt at the warm-up's last round, and losing even with `WARMUP_END_MARGIN`
+                # more accepted: left to the EMA, a drafter that never pays would draft through two
+                # evaluations and a confirming probe more (19 rounds instead of 10 where a round with one
+                # draft costs 1.2 plain steps: 2% of a 128-token request)
+                self._drop(failed_probe=False, costs=costs)
         else:
             self.steps = self._initial
 
@@ -315,7 +336,8 @@ class AdaptiveDraftLength:
         self.steps, self._zero_rounds = self.config.candidate_steps[0], 0
         self._probe, self._evidence = kind, _Evidence()
         if self._shared is not None and kind is _Probe.RETRY:
-            self._shared.idle_rounds = 0  # one probe per engine-wide wait (see `_start_from_history`)
+            # one probe per engine-wide wait (see `_start_from_history`)
+            self._shared.idle_rounds, self._shared.claimed = 0, None
 
     def _probe_round(self, costs: CostModel | None) -> None:
         cfg, ev = self.config, self._evidence
@@ -447,8 +469,11 @@ class AdaptiveController:
         return min((reqs[rid].rounds_to_probe() for rid in request_ids), default=1) - 1
 
     def forget(self, request_id: str) -> None:
-        """Drops an ended request's state."""
-        self._requests.pop(request_id, None)
+        """Drops an ended request's state (and its claim on the engine's rounds at 0: the next new request
+        starts from them)."""
+        st = self._requests.pop(request_id, None)
+        if st is not None and self.shared.claimed is st:
+            self.shared.claimed = None
 
     @property
     def requests(self) -> frozenset[str]:

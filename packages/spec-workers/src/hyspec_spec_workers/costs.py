@@ -1,8 +1,9 @@
 """What speculation costs, measured: the numbers the adaptive draft length weighs against plain decoding.
 
 `CostModel` is the seam (`adaptive.py` reads it); `CostEstimate` gives fixed costs (simulations, tests);
-`CostTracker` keeps what the engine measures: the fastest of the latest steady plain decode steps, and
-exponential averages of a draft step, a verify forward per block size and a catch-up draft extend.
+`CostTracker` keeps what the engine measures, per batch bucket: the fastest of the latest steady plain
+decode steps, and exponential averages of a draft step and a verify forward per block size; and of a
+catch-up draft extend. `CostTracker.at(rows)` is the `CostModel` a round over `rows` requests is judged by.
 `DraftClock` times a round's drafting without making the host wait for it.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -75,15 +76,37 @@ class CostEstimate:
         )
 
 
-class CostTracker:
-    """Measured costs: EMAs of plain-decode, per-draft-step and per-block-size verify times.
+def batch_bucket(rows: int) -> int:
+    """The cost bucket of a round over `rows` requests: `rows` padded as the engine's CUDA graphs pad a
+    batch (1, 2, 4, 8, then multiples of 8: `hyspec_attn_backends.capture_sizes`), whose size a step's cost
+    follows. (Power-of-two buckets were too coarse: 17 rows cost 30% less than 32 on the 9B shape.)"""
+    if rows <= 4:
+        return 1 << max(rows - 1, 0).bit_length()
+    return -(-rows // 8) * 8
 
-    Before a steady plain decode step has been timed, decode cost is taken as the verify time of the smallest
-    block seen (a D = 1 verify is a decode step); unmeasured block sizes are extrapolated linearly.
+
+@dataclass(slots=True)
+class _Bucket:
+    """One batch bucket's measurements (`CostTracker`)."""
+
+    decode_recent: list[float] = field(default_factory=list)  # the latest steady plain steps, oldest first
+    draft_step: float | None = None
+    verify: dict[int, float] = field(default_factory=dict)  # seconds per verify block size
+
+
+class CostTracker:
+    """Measured costs, per batch bucket (`batch_bucket`): the fastest of the latest steady plain steps, EMAs
+    of a draft step and of a verify forward per block size; and EMAs of catch-up rounds and rows per step.
+
+    A step's cost grows with its batch (9B shape on an H200: a plain step 5.2 ms at 1 row and 10.4 ms at
+    32, a round with one draft 6.5 and 12.1 ms), so a round is judged by what rounds and plain steps of its
+    own batch bucket cost (`at`). Pooled over every batch, rounds timed while a batch ramped up (a few rows
+    at a time, cheap) judged the full batch's rounds: drafting that lost 38% at 32 rows looked free.
 
     Catch-up rounds (`record_catch_up`) are rare and their cost moves with the load, so their EMA weighs
-    each new one by `CATCH_UP_ALPHA`; they are kept as (seconds, drafts) and weighed against the round costs
-    known when asked, since the first ones often come before any ordinary round was timed.
+    each new one by `CATCH_UP_ALPHA`; they are kept as (seconds, drafts, rows) and weighed against the round
+    costs of their bucket known when asked, since the first ones often come before any ordinary round was
+    timed.
     """
 
     CATCH_UP_ALPHA = 0.5
@@ -93,14 +116,19 @@ class CostTracker:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha: expected in (0, 1], got {alpha}")
         self.alpha = alpha
-        self._decode_recent: list[float] = []  # the latest steady plain steps, oldest first
+        self._buckets: dict[int, _Bucket] = {}
         self._rows: float | None = None
-        self._draft_step: float | None = None
-        self._verify: dict[int, float] = {}
-        self._catch_up: list[tuple[float, int]] = []  # the latest few (seconds, drafts), oldest first
+        self._catch_up: list[tuple[float, int, int]] = []  # the latest few (seconds, drafts, rows)
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1.0 - self.alpha) * old + self.alpha * new
+
+    def _bucket(self, rows: int) -> _Bucket:
+        return self._buckets.setdefault(batch_bucket(rows), _Bucket())
+
+    def at(self, rows: int) -> BatchCosts:
+        """The costs of a round over `rows` requests: those measured in its batch bucket."""
+        return BatchCosts(self, self._buckets.get(batch_bucket(rows), _Bucket()))
 
     def record_decode(self, seconds: float, rows: int = 1, *, steady: bool = True) -> None:
         """A plain decode step of `rows` requests took `seconds`; `steady`: it came right after another
@@ -110,65 +138,103 @@ class CostTracker:
             # the fastest of the latest few: a plain step's first replay at a new batch size (a cold graph)
             # or a stall would otherwise hold the estimate up for many rounds, and a high plain cost makes
             # drafting look better than it is
-            self._decode_recent = [*self._decode_recent[-(self.DECODE_SAMPLES - 1) :], seconds]
+            b = self._bucket(rows)
+            b.decode_recent = [*b.decode_recent[-(self.DECODE_SAMPLES - 1) :], seconds]
             self._rows = self._ema(self._rows, float(max(rows, 1)))
 
-    def record_catch_up(self, seconds: float, num_drafts: int = 0) -> None:
-        """A round (or a bare draft extend, `num_drafts` 0) that caught the draft KV up took `seconds`."""
-        self._catch_up = [*self._catch_up[-7:], (seconds, num_drafts)]
+    def record_catch_up(self, seconds: float, num_drafts: int = 0, rows: int = 1) -> None:
+        """A round of `rows` requests (or a bare draft extend, `num_drafts` 0) that caught the draft KV up
+        took `seconds`."""
+        self._catch_up = [*self._catch_up[-7:], (seconds, num_drafts, rows)]
 
     def catch_up_s(self) -> float:
         excess: float | None = None
         a = self.CATCH_UP_ALPHA
-        for seconds, k in self._catch_up:
-            extra = max(0.0, seconds - (self.round_s(k) if k and self.ready else 0.0))
+        for seconds, k, rows in self._catch_up:
+            round_costs = self.at(rows)
+            extra = max(0.0, seconds - (round_costs.round_s(k) if k and round_costs.ready else 0.0))
             excess = extra if excess is None else (1.0 - a) * excess + a * extra
         return excess or 0.0
 
     def rows_per_step(self) -> float:
         return self._rows or 1.0
 
-    def record_draft(self, num_steps: int, seconds: float) -> None:
+    def record_draft(self, num_steps: int, seconds: float, rows: int = 1) -> None:
         if num_steps >= 1:
-            self._draft_step = self._ema(self._draft_step, seconds / num_steps)
+            b = self._bucket(rows)
+            b.draft_step = self._ema(b.draft_step, seconds / num_steps)
 
-    def record_verify(self, block_size: int, seconds: float) -> None:
-        self._verify[block_size] = self._ema(self._verify.get(block_size), seconds)
+    def record_verify(self, block_size: int, seconds: float, rows: int = 1) -> None:
+        b = self._bucket(rows)
+        b.verify[block_size] = self._ema(b.verify.get(block_size), seconds)
 
     @property
     def ready(self) -> bool:
-        return self._draft_step is not None and bool(self._verify)
+        """Some batch bucket has its round costs (`BatchCosts.ready`)."""
+        return any(BatchCosts(self, b).ready for b in self._buckets.values())
+
+    @property
+    def has_decode(self) -> bool:
+        """Some batch bucket has a plain step timed (`BatchCosts.has_decode`)."""
+        return any(b.decode_recent for b in self._buckets.values())
+
+
+class BatchCosts:
+    """The `CostModel` of one batch bucket of a `CostTracker` (`CostTracker.at`).
+
+    Before a steady plain decode step has been timed in the bucket, decode cost is taken as the verify time
+    of the smallest block seen (a D = 1 verify is a decode step); unmeasured block sizes are extrapolated
+    linearly. Catch-ups and rows per step are the tracker's (every bucket's).
+    """
+
+    def __init__(self, tracker: CostTracker, bucket: _Bucket) -> None:
+        self._tracker = tracker
+        self._b = bucket
+
+    @property
+    def ready(self) -> bool:
+        return self._b.draft_step is not None and bool(self._b.verify)
 
     @property
     def has_decode(self) -> bool:
         """A plain decode step has been timed (before that, `decode_s` is a verify time: too high)."""
-        return bool(self._decode_recent)
+        return bool(self._b.decode_recent)
 
     def _verify_s(self, d: int) -> float:
-        if d in self._verify:
-            return self._verify[d]
-        sizes = sorted(self._verify)
+        verify = self._b.verify
+        if d in verify:
+            return verify[d]
+        sizes = sorted(verify)
         if len(sizes) == 1:
-            return self._verify[sizes[0]]
+            return verify[sizes[0]]
         lo, hi = (sizes[0], sizes[1]) if d < sizes[0] else (sizes[-2], sizes[-1])
-        slope = (self._verify[hi] - self._verify[lo]) / (hi - lo)
-        return max(self._verify[lo] + slope * (d - lo), 0.0)
+        slope = (verify[hi] - verify[lo]) / (hi - lo)
+        return max(verify[lo] + slope * (d - lo), 0.0)
 
     def decode_s(self) -> float:
-        if self._decode_recent:
-            return min(self._decode_recent)
-        return self._verify_s(min(self._verify)) if self._verify else 1.0
+        if self._b.decode_recent:
+            return min(self._b.decode_recent)
+        return self._verify_s(min(self._b.verify)) if self._b.verify else 1.0
 
     def round_s(self, num_drafts: int) -> float:
         if num_drafts == 0:
             return self.decode_s()
-        return num_drafts * (self._draft_step or 0.0) + self._verify_s(num_drafts + 1)
+        return num_drafts * (self._b.draft_step or 0.0) + self._verify_s(num_drafts + 1)
+
+    def catch_up_s(self) -> float:
+        return self._tracker.catch_up_s()
+
+    def rows_per_step(self) -> float:
+        return self._tracker.rows_per_step()
 
 
 # drafting rounds between two timings of a steady plain decode step (`RoundTimer`), and the plain rounds of
 # a timing (the first is not steady): three plain rounds in 256 cost about 1% of what drafting gains
 TIMING_EVERY = 256
 TIMING_ROUNDS = 3
+# timing rounds in a row that may share their step's forward with other work (a batch ramping up as its
+# prompts prefill), measuring nothing, before one runs alone (so that arrivals cannot starve a timing)
+TIMING_DEFER = 8
 
 
 class RoundTimer:
@@ -179,8 +245,14 @@ class RoundTimer:
     among drafting ones (or the engine's first) builds its batch on the critical path and can cost twice as
     much, which makes drafting look better than it is; so a timing runs `TIMING_ROUNDS` plain rounds in a
     row and records all but the first (`CostTracker.record_decode` keeps the fastest of the latest), at the
-    start and again every `TIMING_EVERY` drafting rounds (the plain step's cost moves with the batch size).
+    start and again every `TIMING_EVERY` drafting rounds; and a round over a batch whose bucket has no plain
+    step timed yet is a timing round too (costs are kept per batch bucket: `CostTracker.at`).
     Timing rounds cost nothing against plain decoding; the requests' length states do not observe them.
+    A timing round's plain step runs alone, as it would in a plain engine; where its step has other work
+    (prompt chunks) it may share their forward instead, measuring nothing, up to `TIMING_DEFER` times
+    until a steady step is measured (`may_share`): a batch ramping up through several buckets would
+    otherwise run two forwards a step. After that it runs alone, the other work in a forward of its own
+    before it.
 
     What a round is charged: what the engine spends per step because of it, the round itself plus the
     engine's work around it (emitting its tokens, scheduling the next step), which grows with the tokens a
@@ -198,22 +270,37 @@ class RoundTimer:
         self.cost_aware = cost_aware
         self._plain_before = False  # the last round was a plain decode step (the next one is steady)
         self._timing_left = TIMING_ROUNDS  # plain rounds still to run for the current timing
+        self._deferred = 0  # timing rounds that shared their forward since a steady one (`may_share`)
         self._since_timing = 0  # drafting rounds since the last timing
         self._pending: Callable[[float], None] | None = None  # the last round's record, awaiting its gap
         self._last_end = 0.0
 
-    def timing(self) -> bool:
-        """This round is a timing round: nobody drafts."""
-        return self.cost_aware and (self._timing_left > 0 or not self.costs.has_decode)
+    def timing(self, rows: int) -> bool:
+        """This round, over `rows` requests, is a timing round: nobody drafts."""
+        return self.cost_aware and (self._timing_left > 0 or not self.costs.at(rows).has_decode)
 
-    def timing_continues(self) -> bool:
-        """Asked before a timing round's plain step: the round after it times a plain step too (nobody
-        drafts in it), so its forward may be queued ahead and timed as a plain engine runs it."""
-        return self.cost_aware and self._timing_left >= 2
+    def may_share(self, rows: int) -> bool:
+        """Whether this round, over `rows` requests, may run other work of its step in its forward: unless
+        it times a plain step, or while timing rounds have shared their forward fewer than `TIMING_DEFER`
+        times since the last steady one was measured (rounds alone in between are not steady after a
+        shared one: with a prompt arriving every other step, they would never be)."""
+        return not self.timing(rows) or self._deferred < TIMING_DEFER
 
-    def next_is_timing(self) -> bool:
-        """Called during a drafting round: the next round times a plain step (nobody drafts in it)."""
-        return self.cost_aware and (self._since_timing + 1 >= TIMING_EVERY or not self.costs.has_decode)
+    def timing_continues(self, rows: int) -> bool:
+        """Asked before a timing round's plain step over `rows` requests: the round after it (over as many)
+        times a plain step too (nobody drafts in it), so its forward may be queued ahead and timed as a
+        plain engine runs it. So it does while the timing has rounds left after this one, or while this one
+        is not steady in a bucket without a plain step timed (it records nothing)."""
+        if not self.cost_aware:
+            return False
+        return self._timing_left >= 2 or not (self._plain_before or self.costs.at(rows).has_decode)
+
+    def next_is_timing(self, rows: int) -> bool:
+        """Called during a drafting round over `rows` requests: the next round (over as many) times a plain
+        step (nobody drafts in it)."""
+        return self.cost_aware and (
+            self._since_timing + 1 >= TIMING_EVERY or not self.costs.at(rows).has_decode
+        )
 
     def begin_step(self) -> None:
         """The engine starts a step (rounds or not): the last round is recorded with the gap since it."""
@@ -243,13 +330,19 @@ class RoundTimer:
                 self.costs.record_decode(seconds + charged, rows=rows, steady=steady)
 
             self._pending = record
-        if timing:
-            self._timing_left -= 1
+        if timing and seconds is None:
+            self._deferred += 1  # it shared its forward (`may_share`): the timing goes on
+        elif timing:
+            self._timing_left = max(self._timing_left - 1, 0)
+            if self._plain_before:
+                self._deferred = 0  # a steady step is measured: the timing has its due
         self._plain_before = steady_next
 
-    def drafted(self, num_drafts: int, block_size: int, drafting: float, rest: float | None) -> None:
-        """The round drafted `num_drafts` steps (`drafting` seconds on the device) and verified a block of
-        `block_size` in `rest` more seconds (None: not timed, a catch-up round)."""
+    def drafted(
+        self, num_drafts: int, block_size: int, drafting: float, rest: float | None, *, rows: int
+    ) -> None:
+        """The round over `rows` requests drafted `num_drafts` steps (`drafting` seconds on the device) and
+        verified a block of `block_size` in `rest` more seconds (None: not timed, a catch-up round)."""
         self._plain_before = False
         self._since_timing += 1
         if self._since_timing >= TIMING_EVERY:
@@ -257,14 +350,16 @@ class RoundTimer:
         if rest is not None:
 
             def record(gap: float) -> None:
-                self.costs.record_draft(num_drafts, drafting)
-                self.costs.record_verify(block_size, rest + _share(gap, drafting + rest))
+                self.costs.record_draft(num_drafts, drafting, rows)
+                self.costs.record_verify(block_size, rest + _share(gap, drafting + rest), rows)
 
             self._pending = record
 
-    def catch_up(self, seconds: float, num_drafts: int) -> None:
+    def catch_up(self, seconds: float, num_drafts: int, *, rows: int) -> None:
         """The round's draft extend caught up on more than a block: the round is timed as a catch-up."""
-        self._pending = lambda gap: self.costs.record_catch_up(seconds + _share(gap, seconds), num_drafts)
+        self._pending = lambda gap: self.costs.record_catch_up(
+            seconds + _share(gap, seconds), num_drafts, rows
+        )
 
     def end_round(self) -> None:
         self._last_end = time.perf_counter()

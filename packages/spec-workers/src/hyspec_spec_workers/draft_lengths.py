@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from hyspec_spec_workers.adaptive import AdaptiveController, AdaptiveDraftLength
 from hyspec_spec_workers.config import AdaptiveConfig
-from hyspec_spec_workers.costs import CostTracker
+from hyspec_spec_workers.costs import BatchCosts
 from hyspec_spec_workers.idle_rounds import IdleRounds
 from hyspec_spec_workers.round_types import RoundRow
 
@@ -25,7 +25,8 @@ class DraftLengths:
         tree: rows draft all S steps or none.
         adaptive: per-request adaptive lengths, or None for S every round.
 
-    `costs` below are the round's measured costs, `timing` whether its timer times a plain step this round.
+    `costs` below are the round's measured costs (its batch bucket's: `CostTracker.at`), `timing` whether
+    its timer times a plain step this round.
     """
 
     def __init__(
@@ -54,7 +55,7 @@ class DraftLengths:
             return self.adaptive.config.candidate_steps
         return (self.num_speculative_tokens,)
 
-    def length(self, request_id: str, costs: CostTracker) -> AdaptiveDraftLength:
+    def length(self, request_id: str, costs: BatchCosts) -> AdaptiveDraftLength:
         """A request's adaptive length state (adaptive rounds), made at its first round."""
         assert self.adaptive is not None and self.idle is not None
         self.idle.report()  # a new request's state starts from the evidence up to now
@@ -63,7 +64,7 @@ class DraftLengths:
         known = costs if costs.ready and costs.has_decode else None
         return self.adaptive.length(request_id, known)
 
-    def pays(self, request_id: str, costs: CostTracker) -> bool:
+    def pays(self, request_id: str, costs: BatchCosts) -> bool:
         """Whether the request drafts at all now (always, without adaptive lengths)."""
         return self.adaptive is None or self.length(request_id, costs).steps > 0
 
@@ -76,7 +77,7 @@ class DraftLengths:
             self.idle.report()
             self.adaptive.forget(request_id)
 
-    def drafts_nothing(self, request_ids: Sequence[str], costs: CostTracker, *, timing: bool) -> bool:
+    def drafts_nothing(self, request_ids: Sequence[str], costs: BatchCosts, *, timing: bool) -> bool:
         """`SpeculativeRound.drafts_nothing`."""
         if self.adaptive is None or self.is_tree or self.forced is not None:
             return False
@@ -102,14 +103,14 @@ class DraftLengths:
         if self.idle is not None:
             self.idle.count(request_ids)
 
-    def observe(self, request_ids: Sequence[str], num_accepted: Sequence[int], costs: CostTracker) -> None:
+    def observe(self, request_ids: Sequence[str], num_accepted: Sequence[int], costs: BatchCosts) -> None:
         """Each request's adaptive length sees the round: its accepted drafts (capped at its length)."""
         if self.adaptive is None or self.idle is None:
             return
         self.idle.report()
         self.adaptive.observe_requests(request_ids, num_accepted, costs if costs.ready else None)
 
-    def for_rows(self, rows: Sequence[RoundRow], costs: CostTracker, *, timing: bool) -> list[int]:
+    def for_rows(self, rows: Sequence[RoundRow], costs: BatchCosts, *, timing: bool) -> list[int]:
         """Each row's drafts this round (0 for every row while the cost model times a plain step)."""
         if self.forced is not None:
             k = self.forced

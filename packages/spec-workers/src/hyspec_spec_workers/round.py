@@ -107,6 +107,7 @@ class SpeculativeRound:
         # drafting intervals still on the device at the last round's end (`DraftClock.unfinished`)
         self._draft_carry: list[DraftInterval] = []
         self.timer = RoundTimer(self.costs, cost_aware=cfg is not None and cfg.cost_aware)
+        self._last_rows = 1  # the latest round's batch size (whose costs judge a prompt end's save)
         self.lengths.reset()
         if self._start_up_catch_up is not None:
             self.costs.record_catch_up(self._start_up_catch_up)
@@ -170,7 +171,8 @@ class SpeculativeRound:
         # a request whose adaptive length is 0 (its drafts do not pay) saves no draft KV: writing its pending
         # tokens now would be an eager draft extend at every prompt end and finish for nothing (a later hit
         # on its prefix resumes the draft from zeros, which costs acceptance, never correctness)
-        paying = [s for s in self.memory.with_draft_kv(saves) if self.lengths.pays(str(s.req_id), self.costs)]
+        costs = self.costs.at(self._last_rows)  # (the batch of the engine's latest round)
+        paying = [s for s in self.memory.with_draft_kv(saves) if self.lengths.pays(str(s.req_id), costs)]
         if paying:
             t0 = time.perf_counter()
             self.memory.save_prefixes(paying)
@@ -217,14 +219,15 @@ class SpeculativeRound:
         lengths all at 0 (a drafter that does not pay), or a timing round. The caller may then run the step
         as a plain engine does, through `plain_round`, instead of `run` (the same outcome, at a plain step's
         cost: no round rows, no verify results)."""
-        return self.lengths.drafts_nothing(request_ids, self.costs, timing=self.timer.timing())
+        n = len(request_ids)
+        return self.lengths.drafts_nothing(request_ids, self.costs.at(n), timing=self.timer.timing(n))
 
     def plain_next(self, request_ids: Sequence[str]) -> bool:
         """Asked before a `plain_round` of these requests: whether the round after it, over these requests or
         any of them, surely drafts nothing too (so its forward may be queued ahead): every one at length 0
         and none starting a probe in this round (a probe that starts with a round drafts in the next), or
         the next round times a plain step (`RoundTimer.timing_continues`: timed as a plain engine runs it)."""
-        return self.lengths.plain_next(request_ids, timing_next=self.timer.timing_continues())
+        return self.lengths.plain_next(request_ids, timing_next=self.timer.timing_continues(len(request_ids)))
 
     def plain_round(
         self,
@@ -242,15 +245,16 @@ class SpeculativeRound:
         if not self.drafts_nothing(request_ids):
             raise ValueError("request_ids: some of these requests draft this round (use run)")
         self.timer.begin_step()
-        timing = self.timer.timing()
-        if shares_forward and timing:
+        n = self._last_rows = len(request_ids)
+        timing = self.timer.timing(n)
+        if shares_forward and not self.timer.may_share(n):
             raise ValueError("shares_forward: this round times a plain step, which must run alone")
         t0 = time.perf_counter()
         out = step()
         seconds = None if shares_forward else time.perf_counter() - t0
         self.timer.plain(
             seconds,
-            rows=len(request_ids),
+            rows=n,
             timing=timing,
             steady_next=not shares_forward,
             queued_ahead=queued_ahead,
@@ -261,37 +265,50 @@ class SpeculativeRound:
         return out
 
     def draft_lengths(self, rows: Sequence[RoundRow]) -> list[int]:
-        return self.lengths.for_rows(rows, self.costs, timing=self.timer.timing())
+        n = len(rows)
+        return self.lengths.for_rows(rows, self.costs.at(n), timing=self.timer.timing(n))
 
-    def may_share_forward(self) -> bool:
-        """Whether the next round may run other work in its target forward (`run(shares_forward=True)`):
-        not while the cost model times plain steps, which run alone (a timing needs plain rounds of their
+    def may_share_forward(self, num_rows: int) -> bool:
+        """Whether the next round, over `num_rows` requests, may run other work in its target forward
+        (`run(shares_forward=True)`): not while the cost model times plain steps, which run alone, once
+        they have shared a few rounds in a row (`RoundTimer.may_share`: a timing needs plain rounds of its
         own, and would never finish while other work keeps arriving)."""
-        return self.lengths.forced is not None or not self.timer.timing()
+        return self.lengths.forced is not None or self.timer.may_share(num_rows)
 
     def begin_step(self) -> None:
         """The engine starts a step: call it first thing in every step, rounds or not (`RoundTimer`)."""
         self.timer.begin_step()
 
     def run(
-        self, target: VerifyTarget, rows: Sequence[RoundRow], *, shares_forward: bool = False
+        self,
+        target: VerifyTarget,
+        rows: Sequence[RoundRow],
+        *,
+        shares_forward: bool = False,
+        after_other_work: bool = False,
     ) -> list[VerifiedTokens]:
         """One speculative round over these decoding rows.
 
         `shares_forward`: the target runs other work of the engine step in the round's forward (allowed when
-        `may_share_forward()`); the round's time is then no cost measurement.
+        `may_share_forward(len(rows))`), and the round's time is then no cost measurement;
+        `after_other_work`: the step queued other work on the device right before the round (a timing
+        round's prompt chunks, in a forward of their own), which the round waits for before its clock starts
+        (9B shape: a plain step of 7 rows timed behind a prefill chunk measured 8.9 ms against 6.7 ms alone:
+        drafting looked free).
         """
         self.timer.begin_step()  # records the last round if the caller's step did not (a loop without steps)
-        n = len(rows)
+        n = self._last_rows = len(rows)
         ids = [r.request.request_id for r in rows]
         forced = self.lengths.forced is not None
-        timing = self.timer.timing() and not forced
-        if shares_forward and timing:
+        timing = self.timer.timing(n) and not forced
+        if shares_forward and not (forced or self.timer.may_share(n)):
             raise ValueError("shares_forward: this round times a plain step, which must run alone")
         steps = self.draft_lengths(rows)
         clock = DraftClock(target.device, self._draft_carry)
         draft: DraftOutput | None = None
         on_host: DraftOnHost | None = None  # constrained rounds: the draft on its way to the host
+        if after_other_work and target.device.type == "cuda":
+            torch.cuda.current_stream(target.device).synchronize()
         t0 = time.perf_counter()
         timed = not shares_forward
         if max(steps) > 0:
@@ -327,7 +344,7 @@ class SpeculativeRound:
         else:
             # the rows' next proposal may be queued behind this verify unless it would likely go unused: an
             # adaptive row that drafts nothing now, or a timing round next
-            timing_next = not forced and self.timer.next_is_timing()
+            timing_next = not forced and self.timer.next_is_timing(n)
             propose_next = not timing_next and (self.adaptive is None or min(steps) > 0)
             results, block = self._verify(target, rows, draft, on_host, propose_next, clock)
             # the round's outcome has been read: what the device drafted before it is done (a proposal
@@ -336,16 +353,16 @@ class SpeculativeRound:
             # this round began, which the rest (the verify's share) cannot go below 0 for
             drafting, drafted = clock.read()
             rest = max(0.0, time.perf_counter() - t0 - drafting)
-            self.timer.drafted(max(max(steps), drafted), block, drafting, rest if timed else None)
+            self.timer.drafted(max(max(steps), drafted), block, drafting, rest if timed else None, rows=n)
             num_acc = [r.num_accepted for r in results]
         if not timed and not shares_forward:  # a catch-up round of its own
-            self.timer.catch_up(time.perf_counter() - t0, max(steps))
+            self.timer.catch_up(time.perf_counter() - t0, max(steps), rows=n)
         # a round that drafted nothing took no queued drafts: an interval carried to it was a proposal no
         # round used, charged to none
         self._draft_carry = clock.unfinished if draft is not None else []
         self.timer.end_round()
         if not timing and not forced:
-            self.lengths.observe(ids, num_acc, self.costs)
+            self.lengths.observe(ids, num_acc, self.costs.at(n))
         return results
 
     def _verify(
