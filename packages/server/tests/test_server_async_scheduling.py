@@ -356,3 +356,24 @@ def test_the_cost_models_timing_rounds_run_ahead_as_a_plain_engines_steps(tiny_q
     assert seen[:3] == [(True, False), (True, True), (True, True)], seen
     assert failed == []
     eng.leak_check()
+
+
+def test_a_batch_that_shrinks_into_a_timed_bucket_after_a_timing_step_ran_ahead(tiny_qwen3_5: Path) -> None:
+    """A timing round over a bucket without a plain step timed must not promise that the next round drafts
+    nothing: a request ending in it leaves a smaller batch, in a bucket whose costs are measured, which
+    drafts; its decode queued ahead would fail the step (found by review: the 5th request of a batch of 5)."""
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": {"candidate_steps": [1, 3]}}
+    eng = _engine(tiny_qwen3_5, run_ahead=True, speculative_config=spec)
+    rnd: Any = eng.runner.spec  # type: ignore[attr-defined]
+    # as after a while at 4 rows: bucket 4 measured, the start-up timing done; a 5th request joins (bucket 8)
+    for _ in range(3):
+        rnd.costs.record_decode(0.010, rows=4)
+    rnd.costs.record_draft(1, 0.001, rows=4)
+    rnd.costs.record_verify(2, 0.0105, rows=4)
+    rnd.costs.record_verify(4, 0.011, rows=4)
+    rnd.timer._timing_left = 0
+    failed = _failed_steps(eng)
+    prompts = [[5, 9, 17, 33, 2, 7], [40, 41], [7, 7, 7, 8, 7], [1, 3], [20, 30, 40, 20]]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (12, 12, 12, 12, 2)]
+    outs = LLM.from_engine(eng).generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert failed == [] and [len(o.outputs[0].token_ids) for o in outs] == [12, 12, 12, 12, 2]

@@ -59,7 +59,8 @@ the earlier ones paid. It probes after the engine's wait less the rounds other r
 the last probe, so the engine probes about once per wait in all (not once per request, nor never when
 requests are shorter than the wait), and a drafter that turns good is found again. Only one live request
 starts from those rounds (`SharedEvidence.claimed`); others that start meanwhile wait the whole wait (a
-batch of 8 arriving together all probed at once: 8 catch-ups, 0.86x plain on the 9B shape). Evidence is per
+batch of 8 arriving together all probed at once: 8 catch-ups, 0.86x plain on the 9B shape). Requests that
+outlive the wait still probe together at its end: once per wait per batch, not per engine. Evidence is per
 controller: another engine (model, drafter, hardware) learns its own.
 
 Simulated with those two costs, a request whose drafts are never accepted takes at most 2.5% longer than

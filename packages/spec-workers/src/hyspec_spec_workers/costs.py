@@ -289,11 +289,10 @@ class RoundTimer:
     def timing_continues(self, rows: int) -> bool:
         """Asked before a timing round's plain step over `rows` requests: the round after it (over as many)
         times a plain step too (nobody drafts in it), so its forward may be queued ahead and timed as a
-        plain engine runs it. So it does while the timing has rounds left after this one, or while this one
-        is not steady in a bucket without a plain step timed (it records nothing)."""
-        if not self.cost_aware:
-            return False
-        return self._timing_left >= 2 or not (self._plain_before or self.costs.at(rows).has_decode)
+        plain engine runs it. So it does while the timing has rounds left after this one. (Not for a bucket
+        without a plain step timed: the next round's batch may be smaller, in a bucket that has one, and
+        draft after its forward was queued ahead.)"""
+        return self.cost_aware and self._timing_left >= 2
 
     def next_is_timing(self, rows: int) -> bool:
         """Called during a drafting round over `rows` requests: the next round (over as many) times a plain
@@ -343,7 +342,7 @@ class RoundTimer:
     ) -> None:
         """The round over `rows` requests drafted `num_drafts` steps (`drafting` seconds on the device) and
         verified a block of `block_size` in `rest` more seconds (None: not timed, a catch-up round)."""
-        self._plain_before = False
+        self._plain_before, self._deferred = False, 0  # (a timing left unfinished owes nothing)
         self._since_timing += 1
         if self._since_timing >= TIMING_EVERY:
             self._since_timing, self._timing_left = 0, TIMING_ROUNDS

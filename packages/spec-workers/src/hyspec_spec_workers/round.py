@@ -60,8 +60,9 @@ _T = TypeVar("_T")
 
 # A round runs exactly one target forward: `forward_verify`, or `decode` when nobody drafted. A target may run
 # other work of the same engine step in that forward (a server's prompt chunks: one forward per step) when
-# `SpeculativeRound.may_share_forward()`; the caller says so with `run(..., shares_forward=True)`, and the
-# round is then not timed.
+# `SpeculativeRound.may_share_forward(num_rows)`; the caller says so with `run(..., shares_forward=True)`,
+# and the round is then not timed. Otherwise that work runs in a forward of its own before the round
+# (`run(..., after_other_work=True)`: a timing round, a few per timing).
 
 
 class SpeculativeRound:
@@ -338,7 +339,8 @@ class SpeculativeRound:
             results = [VerifiedTokens((t,), 0, 0) for t in target.decode(rows)]
             drafting = 0.0 if draft is None else clock.read()[0]
             seconds = max(0.0, time.perf_counter() - t0 - drafting) if timed else None
-            # after a step with other work the next plain step's batch was not built ahead: it is not steady
+            # after a step with other work in its forward the next plain step's batch was not built ahead: it
+            # is not steady (work in a forward of its own before the round does not change that)
             self.timer.plain(seconds, rows=n, timing=timing, steady_next=not shares_forward)
             num_acc = [0] * n
         else:
