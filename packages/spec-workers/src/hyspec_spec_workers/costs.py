@@ -286,12 +286,12 @@ class RoundTimer:
         shared one: with a prompt arriving every other step, they would never be)."""
         return not self.timing(rows) or self._deferred < TIMING_DEFER
 
-    def timing_continues(self, rows: int) -> bool:
-        """Asked before a timing round's plain step over `rows` requests: the round after it (over as many)
-        times a plain step too (nobody drafts in it), so its forward may be queued ahead and timed as a
-        plain engine runs it. So it does while the timing has rounds left after this one. (Not for a bucket
-        without a plain step timed: the next round's batch may be smaller, in a bucket that has one, and
-        draft after its forward was queued ahead.)"""
+    def timing_continues(self) -> bool:
+        """Asked before a timing round's plain step: the round after it times a plain step too (nobody
+        drafts in it), so its forward may be queued ahead and timed as a plain engine runs it. So it does
+        while the timing has rounds left after this one. (Not for a bucket without a plain step timed: the
+        next round's batch may be smaller, in a bucket that has one, and draft after its forward was queued
+        ahead.)"""
         return self.cost_aware and self._timing_left >= 2
 
     def next_is_timing(self, rows: int) -> bool:

@@ -228,7 +228,7 @@ class SpeculativeRound:
         any of them, surely drafts nothing too (so its forward may be queued ahead): every one at length 0
         and none starting a probe in this round (a probe that starts with a round drafts in the next), or
         the next round times a plain step (`RoundTimer.timing_continues`: timed as a plain engine runs it)."""
-        return self.lengths.plain_next(request_ids, timing_next=self.timer.timing_continues(len(request_ids)))
+        return self.lengths.plain_next(request_ids, timing_next=self.timer.timing_continues())
 
     def plain_round(
         self,
