@@ -57,9 +57,18 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 2 / ((time.perf_counter() - t) / n)
 
 
-def build_checkpoint(out: Path, layers: int, vocab_size: int | None = None) -> tuple[Any, dict[str, Any]]:
+def build_checkpoint(
+    out: Path, layers: int, vocab_size: int | None = None, *, decisive: bool = False
+) -> tuple[Any, dict[str, Any]]:
     """Random bf16 Qwen3.5-9B-shaped checkpoint with one MTP layer (`vocab_size`: another vocabulary than
-    Qwen3.5's) -> (config, byte counts)."""
+    Qwen3.5's) -> (config, byte counts).
+
+    `decisive`: the same shapes with values whose greedy choices are far from ties. A random model's logits
+    are nearly flat and its residual stream is chaotic, so bf16 verify blocks and decode steps (or two batch
+    shapes) pick different tokens at a large share of positions. Here every residual branch's output
+    projection is scaled by 1e-3 (the final hidden state is mostly the current token's embedding) and the
+    lm_head rows are the embedding rows in a random order, so each token's greedy successor wins by a wide
+    margin (a fixed random permutation of the vocabulary). Speed does not depend on the values."""
     from hyspec_testing.tiny_tokenizer import write_tokenizer
     from safetensors.torch import save_file
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -71,6 +80,15 @@ def build_checkpoint(out: Path, layers: int, vocab_size: int | None = None) -> t
     with torch.device("cuda"):
         model = Qwen3_5ForCausalLM._from_config(cfg, dtype=BF16)
     model.eval()
+    if decisive:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+                    p.mul_(1e-3)
+            emb_w = model.model.embed_tokens.weight
+            perm = torch.randperm(emb_w.shape[0], generator=torch.Generator().manual_seed(2))
+            assert model.lm_head.weight.data_ptr() != emb_w.data_ptr(), "a tied lm_head"
+            model.lm_head.weight.copy_(emb_w[perm.to(emb_w.device)].clone())
     nparam = sum(p.numel() for p in model.parameters())
     emb = model.model.embed_tokens.weight.numel()
     model.save_pretrained(out)

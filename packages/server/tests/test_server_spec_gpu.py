@@ -29,6 +29,7 @@ import pytest
 import torch
 from hyspec_attn_backends import ForwardMode
 from hyspec_testing.spec import DRAFTER_CASES, LOSSLESS_NEW_TOKENS, LOSSLESS_PROMPTS, DrafterCase
+from hyspec_testing.tiny import VOCAB_SIZE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -42,6 +43,12 @@ AGREE_SLACK = 0.1  # speculative rows may match fp32 greedy on at most this frac
 
 CASES = [
     *DRAFTER_CASES,
+    # a draft vocabulary (every even token): the chain's captured steps compute logits over it alone
+    DrafterCase(
+        "mtp-draft-vocab",
+        "qwen3_5",
+        {"method": "mtp", "num_speculative_tokens": S, "draft_vocab": list(range(0, VOCAB_SIZE, 2))},
+    ),
     DrafterCase(
         "ngram-adaptive",
         "lfm2",

@@ -438,6 +438,39 @@ def test_mtp_drafter_through_the_factory(tiny_qwen3_5: Path) -> None:
     small.leak_check()
 
 
+def test_mtp_with_a_draft_vocabulary_file_equals_plain(tiny_qwen3_5: Path, tmp_path: Path) -> None:
+    """A draft vocabulary given as a file path through `speculative_config`: greedy output unchanged, drafts
+    only from the file's tokens, and a bad file refused naming the field."""
+    args = {"model": str(tiny_qwen3_5), "max_num_seqs": 4, "page_size": 4, "max_model_len": 64}
+    ref = [o.outputs[0].token_ids for o in LLM(**args).generate(_ids(PROMPTS[:3]), _greedy(12))]
+    vocab_size = int(json.loads((tiny_qwen3_5 / "config.json").read_text())["vocab_size"])
+    kept = list(range(0, vocab_size, 2))  # every even token
+    (tmp_path / "vocab.json").write_text(json.dumps(kept))
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_vocab": str(tmp_path / "vocab.json")}
+    llm = LLM(**args, speculative_config=spec)
+    drafter = llm.engine.runner.spec.drafter  # type: ignore[attr-defined]
+    vocab = drafter.model.vocab
+    assert vocab is not None and set(vocab.ids.tolist()) >= set(kept)
+    drafted: list[torch.Tensor] = []
+    propose = drafter.propose
+
+    def keep(batch: Any) -> Any:
+        out = propose(batch)
+        drafted.append(out.tree.tokens[:, 1:].reshape(-1).cpu())
+        return out
+
+    drafter.propose = keep
+    outs = llm.generate(_ids(PROMPTS[:3]), _greedy(12))
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    tokens = torch.cat(drafted)
+    tokens = tokens[tokens >= 0]
+    assert tokens.numel() > 0 and torch.isin(tokens, vocab.ids.cpu()).all()
+    (tmp_path / "bad.json").write_text(json.dumps([0, vocab_size]))
+    for bad in (str(tmp_path / "bad.json"), str(tmp_path / "missing.json")):
+        with pytest.raises(ValueError, match=r"speculative_config\.draft_vocab"):
+            LLM(**args, speculative_config={**spec, "draft_vocab": bad})
+
+
 @pytest.fixture(scope="module")
 def spec_server(tiny_lfm2: Path) -> Iterator[tuple[ServerThread, list[list[int]]]]:
     base = build_engine(EngineArgs(model=str(tiny_lfm2), max_num_seqs=8, page_size=4, max_model_len=64))

@@ -104,6 +104,12 @@ class MTPDraft(nn.Module):
         out: Tensor = self._shared[1](hidden_states)
         return out
 
+    @property
+    def head_weight(self) -> Tensor:
+        """[V, H] the target's lm_head weight, shared by the draft (a draft vocabulary takes its rows)."""
+        weight: Tensor = self._shared[1].weight
+        return weight
+
     def forward(
         self, batch: ForwardBatch, backend: HybridBackend, *, hidden_states: Tensor, step: int = 0
     ) -> ModelOutput:

@@ -1,5 +1,6 @@
-"""`hyspec serve`, `generate`, `chat`, `complete`, `bench`: the one command-line parser (the clients' and the
-benchmarks' flags are added by `client_cli.py` and `bench_cli.py`; the benchmarks' client, report and offline
+"""`hyspec serve`, `generate`, `chat`, `complete`, `bench`, `draft-vocab`: the one command-line parser (the
+clients', the benchmarks' and draft-vocab's flags are added by `client_cli.py`, `bench_cli.py` and
+`draft_vocab_cli.py`; the benchmarks' client, report and offline
 runs are in `bench_client.py`, `bench_report.py` and `bench_offline.py`).
 
 Engine flags are generated from the `EngineArgs` fields (`engine_flags.py`), so a new engine argument is a
@@ -23,6 +24,7 @@ from hyspec_runner.config import DEFAULT_SPECULATIVE_CONFIG, IGNORED_VLLM_ARGS, 
 from hyspec_server.bench_cli import add_bench_command, run_bench
 from hyspec_server.client_cli import add_client_commands, run_client
 from hyspec_server.default_model import DEFAULT_NAME
+from hyspec_server.draft_vocab_cli import add_draft_vocab_command, run_draft_vocab
 from hyspec_server.engine_flags import add_engine_flags, engine_args
 from hyspec_server.sampling_params import SamplingParams
 
@@ -108,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true", help="print one JSON object with token ids and stats")
     add_client_commands(sub)  # `hyspec chat` / `hyspec complete` against a running server (client_cli.py)
     add_bench_command(sub)  # `hyspec bench serve|latency|throughput` (bench_cli.py)
+    add_draft_vocab_command(sub)  # `hyspec draft-vocab` (draft_vocab_cli.py)
     return parser
 
 
@@ -173,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_client(ns)
     if ns.command == "bench":
         return run_bench(ns)
+    if ns.command == "draft-vocab":
+        return run_draft_vocab(ns)
     try:
         if ns.command == "serve":
             from hyspec_server.serve import serve

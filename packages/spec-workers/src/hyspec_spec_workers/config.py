@@ -146,6 +146,8 @@ class SpeculativeConfig:
         chain_hidden_states: multi_layer_mtp only: step i + 1 consumes step i's output hidden state.
         prompt_lookup_min, prompt_lookup_max: ngram only: n-gram sizes tried, longest first.
         adaptive: per-request draft length, or None.
+        draft_vocab: a draft vocabulary (a file path or token ids, draft_vocab.py): model drafters propose
+            from these tokens only, computing logits for them alone. None: the whole vocabulary.
     """
 
     method: Method
@@ -157,6 +159,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 0
     prompt_lookup_max: int = 0
     adaptive: AdaptiveConfig | None = field(default=None)
+    draft_vocab: str | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -198,6 +201,7 @@ class SpeculativeConfig:
                 "chain_hidden_states", f"only valid with method 'multi_layer_mtp', got {self.method!r}"
             )
         self._check_ngram()
+        self._check_draft_vocab()
         if self.adaptive is not None:
             if not isinstance(self.adaptive, AdaptiveConfig):
                 raise _err("adaptive", f"expected an AdaptiveConfig or None, got {self.adaptive!r}")
@@ -205,6 +209,20 @@ class SpeculativeConfig:
                 raise _err("adaptive", "adaptive draft length needs a chain (topk 1)")
             if s not in self.adaptive.candidate_steps:
                 raise _err("adaptive.candidate_steps", f"must contain num_speculative_tokens {s}")
+
+    def _check_draft_vocab(self) -> None:
+        v = self.draft_vocab
+        if v is None:
+            return
+        if self.method == "ngram":
+            raise _err("draft_vocab", "a draft vocabulary needs a model drafter, not method 'ngram'")
+        if isinstance(v, str):
+            if not v:
+                raise _err("draft_vocab", "expected a file path, got an empty string")
+        elif not isinstance(v, tuple) or not v:
+            raise _err("draft_vocab", f"expected a file path or a non-empty list of token ids, got {v!r}")
+        elif any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in v):
+            raise _err("draft_vocab", "expected token ids >= 0")
 
     def _check_ngram(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -295,6 +313,11 @@ class SpeculativeConfig:
         if s < 1:
             raise _err("num_speculative_tokens", f"expected an integer >= 1, got {s}")
         method = d["method"]
+        vocab = d.get("draft_vocab")
+        if isinstance(vocab, list | tuple):
+            vocab = tuple(vocab)
+        elif vocab is not None and not isinstance(vocab, str):
+            raise _err("draft_vocab", f"expected a file path or a list of token ids, got {vocab!r}")
         return SpeculativeConfig(
             method=METHOD_ALIASES.get(method, method) if isinstance(method, str) else method,  # type: ignore[arg-type]
             num_speculative_tokens=s,
@@ -312,4 +335,5 @@ class SpeculativeConfig:
                 initial_steps=s,
                 max_default_steps=s if method == "multi_layer_mtp" else None,
             ),
+            draft_vocab=vocab,
         )

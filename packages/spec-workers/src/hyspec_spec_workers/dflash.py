@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from hyspec_spec_workers.config import Method, SpeculativeConfig
 from hyspec_spec_workers.draft_kv import DraftKV, DraftMemory
+from hyspec_spec_workers.draft_vocab import DraftVocab, draft_vocab_of, head_weight
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, DraftOutput
 from hyspec_spec_workers.tree import VerifyTree
 
@@ -217,6 +218,15 @@ class DFlashDraft(nn.Module):
     def logits(self, normed: Tensor) -> Tensor:
         return self._target[0].compute_logits(normed)
 
+    @property
+    def target_config(self) -> Any:
+        return self._target[0].config
+
+    @property
+    def head_weight(self) -> Tensor:
+        """[V, H] the target's lm_head weight, shared by the draft (a draft vocabulary takes its rows)."""
+        return head_weight(self._target[0], what="the target")
+
 
 class DFlashDrafter:
     """The DFlash `ModelDrafter` (see the module docstring).
@@ -225,9 +235,17 @@ class DFlashDrafter:
         draft: the draft network.
         num_speculative_tokens: S <= block_size - 1 drafts per row (adaptive: the largest candidate).
         memory: sizing of the draft's own context KV pool.
+        vocab: a draft vocabulary the drafts come from (None: the target's whole vocabulary).
     """
 
-    def __init__(self, draft: DFlashDraft, *, num_speculative_tokens: int, memory: DraftMemory) -> None:
+    def __init__(
+        self,
+        draft: DFlashDraft,
+        *,
+        num_speculative_tokens: int,
+        memory: DraftMemory,
+        vocab: DraftVocab | None = None,
+    ) -> None:
         b = draft.cfg.block_size
         if not 1 <= num_speculative_tokens <= b - 1:
             raise ValueError(
@@ -235,6 +253,7 @@ class DFlashDrafter:
                 f"tokens, got {num_speculative_tokens}"
             )
         self.draft = draft
+        self.vocab = vocab
         self.num_speculative_tokens = num_speculative_tokens
         param = next(draft.parameters())
         self.kv = DraftKV(
@@ -348,7 +367,10 @@ class DFlashDrafter:
         node_parents: Tensor,
         nodes: Tensor,
     ) -> Tensor:
-        """Logits [N, B - 1, V] of the block's mask positions `nodes` [N, B - 1]; an override point."""
+        """Logits [N, B - 1, V_d] over the draft's vocabulary (the target's, or `vocab`) of the block's mask
+        positions `nodes` [N, B - 1]; an override point."""
+        if self.vocab is not None:
+            return self.vocab.logits(normed).float()
         return self.draft.logits(normed).float()
 
     def propose(self, batch: DraftBatch) -> DraftOutput:
@@ -392,7 +414,9 @@ class DFlashDrafter:
                 )
         finally:
             self.kv.release(ids)
-        drafts = logits.argmax(dim=-1)[:, :s_run]  # [N, S_run]
+        drafts = logits[:, :s_run].argmax(dim=-1)  # [N, S_run] indices into the draft's vocabulary
+        if self.vocab is not None:
+            drafts = self.vocab.to_target(drafts)
         tree = VerifyTree.chain(root.to(dev), drafts, torch.tensor(steps, device=dev))
         return DraftOutput(tree.to(batch.root_tokens.device))
 
@@ -434,4 +458,7 @@ def build_dflash_drafter(
     if config.method != "dflash" or config.model is None:
         raise ValueError(f"config: expected method 'dflash' with a model directory, got {config.method!r}")
     draft = load_dflash_draft(config.model, target)
-    return DFlashDrafter(draft, num_speculative_tokens=config.max_num_speculative_tokens, memory=memory)
+    vocab = None if config.draft_vocab is None else draft_vocab_of(config, draft.head_weight, target.config)
+    return DFlashDrafter(
+        draft, num_speculative_tokens=config.max_num_speculative_tokens, memory=memory, vocab=vocab
+    )

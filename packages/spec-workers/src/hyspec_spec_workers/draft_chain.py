@@ -334,7 +334,7 @@ class OneLayerChain:
         normed, out = self.model.run(batch, self.pairs.kv.backend, features=x, step=self.layer)
         rows = torch.arange(n, device=normed.device)
         at = self._root_index[:n]  # [N]
-        tok = self.model.logits(normed.view(n, e, -1)[rows, at]).argmax(dim=-1)  # [N]
+        tok = self.model.to_target(self.model.logits(normed.view(n, e, -1)[rows, at]).argmax(dim=-1))  # [N]
         return tok, out.view(n, e, -1)[rows, at]
 
     def _chain_step(self, batch: ForwardBatch) -> tuple[Tensor]:
@@ -347,7 +347,8 @@ class OneLayerChain:
         n = batch.num_seqs
         backend = self.pairs.kv.backend
         normed, out = self.model.run(batch, backend, features=self.features_in[:n], step=self.layer)
-        tok = self.model.logits(normed).argmax(dim=-1)  # [N] int64 (greedy draft: top-1 child)
+        # [N] int64 target ids (greedy draft: top-1 child of the draft's vocabulary)
+        tok = self.model.to_target(self.model.logits(normed).argmax(dim=-1))
         batch.input_ids.copy_(tok)
         if self.chain_hidden:
             self.features_in[:n].copy_(out)

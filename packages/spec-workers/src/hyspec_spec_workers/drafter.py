@@ -310,5 +310,10 @@ class HiddenStateDraftModel(Protocol):
         ...
 
     def logits(self, normed: Tensor) -> Tensor:
-        """[.., H] -> [.., V] logits over the target vocabulary."""
+        """[.., H] -> [.., V_d] logits over the draft's vocabulary (the target's, or a draft vocabulary:
+        draft_vocab.py)."""
+        ...
+
+    def to_target(self, index: Tensor) -> Tensor:
+        """Indices into the draft's vocabulary (any shape, int64) -> target token ids (same shape)."""
         ...

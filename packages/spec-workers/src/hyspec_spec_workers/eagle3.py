@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from hyspec_spec_workers.config import SpeculativeConfig
 from hyspec_spec_workers.draft_kv import DraftMemory
+from hyspec_spec_workers.draft_vocab import DraftVocab, draft_vocab_of, head_weight
 from hyspec_spec_workers.hidden_state_drafter import HiddenStateDrafter
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -177,18 +178,28 @@ class Eagle3Draft(nn.Module):
         return self._target[0].embed(ids)
 
     def logits(self, normed: Tensor) -> Tensor:
-        """[.., H] -> [.., V] over the target vocabulary (tokens outside a reduced draft vocab get -inf)."""
+        """[.., H] -> [.., V_draft] over the draft's own vocabulary (`to_target` maps an index to a token)."""
         if self.lm_head is None:
             shared: Tensor = self._target[0].compute_logits(normed)
             return shared
         draft: Tensor = self.lm_head(normed)  # [.., V_draft]
+        return draft
+
+    def to_target(self, index: Tensor) -> Tensor:
+        """Draft-vocabulary indices -> target token ids (draft id i is target id i + d2t[i])."""
         if self.cfg.draft_vocab_size == self.cfg.vocab_size:
-            return draft
-        d2t = self.get_buffer("d2t")  # [V_draft] int64
-        target_ids = torch.arange(self.cfg.draft_vocab_size, device=draft.device) + d2t
-        full = draft.new_full((*draft.shape[:-1], self.cfg.vocab_size), float("-inf"))
-        full[..., target_ids] = draft
-        return full
+            return index
+        return index + self.get_buffer("d2t")[index]
+
+    @property
+    def head_weight(self) -> Tensor:
+        """[V, H] the head the logits come from (its own, or the target's), for a draft vocabulary."""
+        if self.cfg.draft_vocab_size < self.cfg.vocab_size:
+            raise ValueError(
+                "speculative_config.draft_vocab: this EAGLE-3 draft already has a reduced vocabulary (d2t); "
+                "a draft vocabulary needs a head over the whole vocabulary"
+            )
+        return head_weight(self if self.lm_head is not None else self._target[0], what="the EAGLE-3 draft")
 
     def forward(
         self, batch: ForwardBatch, backend: HybridBackend, *, features: Tensor
@@ -203,8 +214,9 @@ class Eagle3Draft(nn.Module):
 class Eagle3DraftModel:
     """`HiddenStateDraftModel` over an `Eagle3Draft`."""
 
-    def __init__(self, draft: Eagle3Draft) -> None:
+    def __init__(self, draft: Eagle3Draft, *, vocab: DraftVocab | None = None) -> None:
         self.draft = draft
+        self.vocab = vocab
         param = next(draft.parameters())
         self._dtype, self._device = param.dtype, param.device
 
@@ -243,7 +255,12 @@ class Eagle3DraftModel:
         return normed, out
 
     def logits(self, normed: Tensor) -> Tensor:
-        return self.draft.logits(normed)
+        if self.vocab is not None:
+            return self.vocab.logits(normed)  # [.., K]
+        return self.draft.logits(normed)  # [.., V_draft]
+
+    def to_target(self, index: Tensor) -> Tensor:
+        return self.draft.to_target(index) if self.vocab is None else self.vocab.to_target(index)
 
 
 def _target_dims(target: HybridCausalLM) -> tuple[int, int, int]:
@@ -293,8 +310,13 @@ def load_eagle3_draft(path: str | Path, target: HybridCausalLM) -> Eagle3Draft:
 def eagle3_drafter(
     draft: Eagle3Draft, config: SpeculativeConfig, *, memory: DraftMemory
 ) -> HiddenStateDrafter:
+    vocab = (
+        None
+        if config.draft_vocab is None
+        else draft_vocab_of(config, draft.head_weight, draft._target[0].config)
+    )
     return HiddenStateDrafter(
-        Eagle3DraftModel(draft),
+        Eagle3DraftModel(draft, vocab=vocab),
         method="eagle3",
         num_speculative_tokens=config.max_num_speculative_tokens,
         topk=config.topk,

@@ -284,7 +284,8 @@ class HiddenStateDrafter:
             node_tokens, node_parents: [N, B] the forward's tree (node 0 = root).
             nodes: [N, E] block indices of the expanded nodes.
         Returns:
-            [N, E, V] fp32 logits over the target vocabulary.
+            [N, E, V_d] fp32 logits over the draft's vocabulary (`model.to_target` maps an index to a
+            target token id; the target's vocabulary unless a draft vocabulary is set).
         """
         return self.model.logits(normed).float()
 
@@ -323,6 +324,7 @@ class HiddenStateDrafter:
                     h, req_ids=ids, node_tokens=tok[:, :block], node_parents=par[:, :block], nodes=expanded
                 )
                 p, t = torch.softmax(logits, dim=-1).topk(k, dim=-1)  # [N, E, K] each
+                t = self.model.to_target(t)  # draft-vocabulary indices -> target ids
                 base = builder.num_candidates
                 picked = builder.add_step(t, p) - base  # [N, K] candidate index within this step
                 if j + 1 == s_run:

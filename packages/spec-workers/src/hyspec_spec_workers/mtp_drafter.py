@@ -24,14 +24,16 @@ from torch import Tensor
 
 from hyspec_spec_workers.config import SpeculativeConfig
 from hyspec_spec_workers.draft_kv import DraftMemory
+from hyspec_spec_workers.draft_vocab import DraftVocab, draft_vocab_of
 from hyspec_spec_workers.hidden_state_drafter import HiddenStateDrafter
 
 
 class MTPDraftModel:
     """`HiddenStateDraftModel` over `hyspec_models.MTPDraft`; features: the target's final hidden states."""
 
-    def __init__(self, draft: MTPDraft) -> None:
+    def __init__(self, draft: MTPDraft, *, vocab: DraftVocab | None = None) -> None:
         self.draft = draft
+        self.vocab = vocab
         param = next(draft.parameters())
         self._dtype, self._device = param.dtype, param.device
 
@@ -68,12 +70,17 @@ class MTPDraftModel:
         return h, h
 
     def logits(self, normed: Tensor) -> Tensor:
-        return self.draft.compute_logits(normed)
+        if self.vocab is not None:
+            return self.vocab.logits(normed)  # [.., K]
+        return self.draft.compute_logits(normed)  # [.., V]
+
+    def to_target(self, index: Tensor) -> Tensor:
+        return index if self.vocab is None else self.vocab.to_target(index)
 
 
 def mtp_drafter(draft: MTPDraft, config: SpeculativeConfig, *, memory: DraftMemory) -> HiddenStateDrafter:
     """The drafter for method "mtp" or "multi_layer_mtp" over an already built MTP draft."""
-    model = MTPDraftModel(draft)
+    model = MTPDraftModel(draft, vocab=draft_vocab_of(config, draft.head_weight, draft.config))
     s = config.max_num_speculative_tokens
     if config.method == "mtp":
         return HiddenStateDrafter(

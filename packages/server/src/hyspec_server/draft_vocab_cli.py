@@ -1,0 +1,79 @@
+"""`hyspec draft-vocab`: a draft vocabulary of a model's most frequent tokens in a text corpus.
+
+    hyspec draft-vocab --model DIR --corpus a.txt b.jsonl --size 32768 --output vocab.json
+
+Counts the tokens of every corpus file (`.jsonl`: the "text" field of each line, or its "prompt" and
+"completion"; any other file: its lines) with the model's tokenizer, keeps the `--size` most frequent
+(ties by token id), adds every special token, and writes the sorted ids as a JSON list: the file
+`speculative_config.draft_vocab` takes (`hyspec_spec_workers.draft_vocab`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def add_draft_vocab_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Adds the "draft-vocab" subcommand to `sub` (the top-level parser's subparsers)."""
+    p = sub.add_parser(
+        "draft-vocab",
+        help="write a draft vocabulary (the most frequent tokens of a corpus) for speculative_config",
+        description=__doc__.split("\n\n")[2] if __doc__ else None,
+    )
+    p.add_argument("--model", required=True, help="model directory whose tokenizer counts the corpus")
+    p.add_argument("--corpus", nargs="+", type=Path, required=True, help="text or .jsonl files")
+    p.add_argument("--size", type=int, default=32768, help="tokens kept, before special tokens (32768)")
+    p.add_argument("--output", type=Path, required=True, help="the JSON file to write")
+
+
+def _texts(path: Path) -> Iterator[str]:
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if path.suffix != ".jsonl":
+                yield line
+                continue
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if isinstance(row, dict):
+                yield from (str(row[k]) for k in ("text", "prompt", "completion") if k in row)
+
+
+def run_draft_vocab(ns: argparse.Namespace) -> int:
+    """Counts, keeps and writes (module docstring); an error message and 2 for a bad argument."""
+    from hyspec_server.tokenizer import HFTokenizer
+
+    if ns.size < 1:
+        print(f"hyspec draft-vocab: error: --size: expected an integer >= 1, got {ns.size}", file=sys.stderr)
+        return 2
+    missing = [str(p) for p in ns.corpus if not p.is_file()]
+    if missing:
+        print(f"hyspec draft-vocab: error: --corpus: no such file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    try:
+        tok = HFTokenizer(ns.model)
+    except (OSError, ValueError) as e:
+        print(
+            f"hyspec draft-vocab: error: --model: cannot load a tokenizer from {ns.model}: {e}",
+            file=sys.stderr,
+        )
+        return 2
+    counts: Counter[int] = Counter()
+    for path in ns.corpus:
+        for text in _texts(path):
+            counts.update(tok.encode(text, add_special_tokens=False))
+    kept = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: ns.size]]
+    special = [int(t) for t in tok.hf_tokenizer.all_special_ids] + sorted(tok.eos_token_ids)
+    ids = sorted({*kept, *special})
+    ns.output.write_text(json.dumps(ids))
+    covered = sum(counts[t] for t in kept) / max(1, sum(counts.values()))
+    print(
+        f"wrote {len(ids)} token ids to {ns.output} ({len(kept)} of {len(counts)} distinct corpus tokens, "
+        f"covering {covered:.1%} of its {sum(counts.values())} tokens, plus special tokens)"
+    )
+    return 0
