@@ -1,7 +1,7 @@
 """Speculative rounds on the 9B shape at batch 1, 8 and 32: what a round costs and what the oracle gains.
 
     python tools/bench_round_9b.py --ckpt /tmp/ck9b --out result.json [--batches 1,8,32] [--sizes 32768]
-        [--repeat 3] [--no-oracle]
+        [--repeat 3] [--no-oracle] [--tree] [--runs mtp_s3,oracle_s3]
 
 Builds (or reuses) the 9B-shaped random checkpoint of `bench_decode.build_checkpoint` (vocabulary 248320,
 hidden 4096: its lm_head is 2 GB of bf16, read by every MTP draft step), by default with decisive values
@@ -15,6 +15,7 @@ configuration serving every batch size in turn:
   The random MTP head accepts nothing, so every step of these engines is a whole round (3 drafts, the verify
   of 4 tokens per row, commit) producing one token per row: its steady step time (every row decoding) is the
   round's cost, against the plain engine's steady step;
+- with `--tree`, an MTP tree of the same depth (topk 2, 6 verify nodes), each step one tree round;
 - the oracle (`bench_decode.oracle_registry`: every draft right, re-anchored on its own greedy output,
   `bench_decode.reanchored`), whose speed-up is its first-to-last-token decode rate against plain's.
 
@@ -66,6 +67,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="32768", help="draft vocabulary sizes, comma-separated")
     ap.add_argument("--repeat", type=int, default=3, help="runs per engine and batch size (their median)")
     ap.add_argument("--no-oracle", action="store_true")
+    ap.add_argument("--tree", action="store_true", help="also an MTP tree (topk 2, 6 nodes) of depth S")
+    ap.add_argument("--runs", help="only these runs (comma-separated names), plain always included")
     ap.add_argument("--flat", action="store_true", help="a plain random checkpoint (default: decisive)")
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
@@ -92,8 +95,21 @@ def main() -> None:
     for k in (int(x) for x in a.sizes.split(",") if x):
         ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(k))[:k].tolist()
         configs.append((f"mtp_s3_vocab{k}", {"method": "mtp", "draft_vocab": ids}, None))
+    if a.tree:
+        # a tree of depth S (topk 2, 6 verify nodes) against the chain: the random head accepts nothing here
+        # either, so each step is one tree round
+        tree = {"method": "mtp", "topk": 2, "num_draft_tokens": 6}
+        configs.append(("mtp_tree_k2_d6", tree, None))
+        for name, spec, _ in configs[2:]:
+            if name.startswith("mtp_s3_vocab") and spec is not None:
+                configs.append(
+                    (f"mtp_tree_k2_d6_{name[7:]}", {**tree, "draft_vocab": spec["draft_vocab"]}, None)
+                )
     if not a.no_oracle:
         configs.append(("oracle_s3", {"method": "ngram"}, lambda: oracle_registry(refs, S)))
+    if a.runs:
+        keep = {"plain", *a.runs.split(",")}
+        configs = [c for c in configs if c[0] in keep]
     outputs: dict[str, dict[int, list[list[int]]]] = {}
     for name, spec, registry in configs:
         if spec is not None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -68,4 +69,44 @@ def test_bad_arguments_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixtu
     for extra, flag in cases:
         assert main([*base, *extra]) == 2
         assert f"error: {flag}" in capsys.readouterr().err
+    assert not (tmp_path / "v.json").exists()
+
+
+def test_jsonl_rows_are_counted(tmp_path: Path) -> None:
+    # the .jsonl rows alone decide the top tokens: the text file holds one rare line
+    rows = [{"text": "alpha beta"}, {"prompt": "alpha", "completion": "alpha gamma"}, {"messages": []}]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "d.txt").write_text("zeta\n")
+    out = tmp_path / "v.json"
+    argv = [
+        "draft-vocab",
+        "--model",
+        str(MODEL),
+        "--corpus",
+        str(tmp_path / "c.jsonl"),
+        str(tmp_path / "d.txt"),
+    ]
+    assert main([*argv, "--size", "1", "--output", str(out)]) == 0
+    tok = HFTokenizer(MODEL)
+    counts: Counter[int] = Counter()
+    for text in ("alpha beta", "alpha", "alpha gamma", "zeta\n"):
+        counts.update(tok.encode(text, add_special_tokens=False))
+    (top, n), (_, second) = counts.most_common(2)
+    assert n > second  # one token wins outright
+    special = set(tok.hf_tokenizer.all_special_ids) | set(tok.eos_token_ids)
+    assert set(json.loads(out.read_text())) == {top} | special
+
+
+def test_bad_corpora_and_outputs_are_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n{not json\n')
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    (tmp_path / "a.txt").write_text("x\n")
+    cases = [
+        (str(tmp_path / "bad.jsonl"), str(tmp_path / "v.json"), "--corpus: .*bad.jsonl:2 is not valid JSON"),
+        (str(tmp_path / "empty.jsonl"), str(tmp_path / "v.json"), "--corpus: no text found"),
+        (str(tmp_path / "a.txt"), str(tmp_path / "no" / "v.json"), "--output: no such directory"),
+    ]
+    for corpus, output, match in cases:
+        assert main(["draft-vocab", "--model", str(MODEL), "--corpus", corpus, "--output", output]) == 2
+        assert re.search("error: " + match, capsys.readouterr().err)
     assert not (tmp_path / "v.json").exists()

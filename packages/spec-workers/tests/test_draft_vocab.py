@@ -76,13 +76,21 @@ def test_config_takes_a_path_or_ids_and_refuses_the_rest() -> None:
     assert cfg.draft_vocab == (3, 1, 2)
     assert SpeculativeConfig.from_dict({"method": "mtp", "draft_vocab": "v.json"}).draft_vocab == "v.json"
     assert SpeculativeConfig.from_dict({"method": "mtp"}).draft_vocab is None
+    # a list or a path given to the dataclass itself is normalised
+    assert SpeculativeConfig(method="mtp", draft_vocab=[2, 1]).draft_vocab == (2, 1)  # type: ignore[arg-type]
+    assert (
+        SpeculativeConfig.from_dict({"method": "mtp", "draft_vocab": Path("v.json")}).draft_vocab == "v.json"
+    )
+    # kept out of the repr (a log line): 32k ids would fill it
+    assert "draft_vocab" not in repr(SpeculativeConfig.from_dict({"method": "mtp", "draft_vocab": [1, 2]}))
     bad: list[tuple[dict[str, Any], str]] = [
         ({"method": "ngram", "draft_vocab": [1]}, "ngram"),
         ({"method": "mtp", "draft_vocab": 5}, "file path"),
         ({"method": "mtp", "draft_vocab": ""}, "empty string"),
         ({"method": "mtp", "draft_vocab": []}, "non-empty"),
-        ({"method": "mtp", "draft_vocab": [1, True]}, "ids >= 0"),
-        ({"method": "mtp", "draft_vocab": [1, -2]}, "ids >= 0"),
+        ({"method": "mtp", "draft_vocab": [1, True]}, "integer token ids >= 0"),
+        ({"method": "mtp", "draft_vocab": [1, -2]}, "integer token ids >= 0"),
+        ({"method": "mtp", "draft_vocab": ["1"]}, "integer token ids >= 0"),
     ]
     for d, match in bad:
         with pytest.raises(ValueError, match="speculative_config.draft_vocab: .*" + match):
@@ -129,11 +137,19 @@ def _spec(t: Any, method: str, variant: str, vocab: list[int] | None) -> dict[st
     return spec
 
 
-def _proposals(t: Any, spec: dict[str, Any], *, mask: torch.Tensor | None) -> tuple[list[torch.Tensor], Any]:
+def _proposals(
+    t: Any,
+    spec: dict[str, Any],
+    *,
+    mask: torch.Tensor | None,
+    hook: Callable[[Any], None] | None = None,
+) -> tuple[list[torch.Tensor], Any]:
     """Every proposed block of a greedy generation (`mask`: the reference, whole-vocabulary logits with the
-    tokens outside `mask` at -inf, through the `draft_logits` hook)."""
+    tokens outside `mask` at -inf, through the `draft_logits` hook; `hook`: called with the drafter first)."""
     cfg = SpeculativeConfig.from_dict(spec)
     drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
+    if hook is not None:
+        hook(drafter)
     if mask is not None:
         inner = drafter.draft_logits
 
@@ -198,3 +214,53 @@ def test_drafts_come_from_the_draft_vocabulary_and_match_masked_full_logits(
         drafted += drafts.numel()
         assert torch.isin(drafts, allowed).all()
     assert drafted > 0
+
+
+def test_eagle3_with_a_reduced_head_maps_through_d2t_and_refuses_a_draft_vocabulary(
+    target: Callable[[str], Any],
+) -> None:
+    """An EAGLE-3 draft with its own reduced head (`d2t`): the one-token chain path (captured in a CUDA graph
+    on a GPU) and the general path propose the same drafts, every one a token of the draft's vocabulary
+    (`arange(V_d) + d2t`); a draft vocabulary on top of it is refused, naming the field."""
+    t = target("lfm2")
+    spec: dict[str, Any] = {"method": "eagle3", "num_speculative_tokens": S, "model": str(t.eagle3(200))}
+    fast, drafter = _proposals(t, spec, mask=None)
+    assert drafter.chain is not None
+    d2t = drafter.model.draft.get_buffer("d2t")
+    allowed = torch.arange(d2t.numel()) + d2t
+    general_drafter: Any = None
+
+    def general(d: Any) -> None:
+        nonlocal general_drafter
+        general_drafter = d
+        d.draft_logits = d.draft_logits  # an instance-level hook: the general path
+
+    slow, _ = _proposals(t, spec, mask=None, hook=general)
+    assert general_drafter is not None and len(fast) == len(slow) > 0
+    drafted = 0
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
+        drafts = a[:, 1:].reshape(-1)
+        drafts = drafts[drafts >= 0]
+        drafted += drafts.numel()
+        assert torch.isin(drafts, allowed).all()
+    assert drafted > 0
+    with pytest.raises(ValueError, match=r"speculative_config\.draft_vocab: .*reduced vocabulary"):
+        build_drafter(
+            SpeculativeConfig.from_dict({**spec, "draft_vocab": [1, 2, 3]}),
+            t.model,
+            target_path=t.path,
+            memory=t.memory(),
+        )
+
+
+def test_a_tree_needs_topk_tokens_in_its_draft_vocabulary(target: Callable[[str], Any]) -> None:
+    t = target("qwen3_5")
+    spec = {**_spec(t, "mtp", "tree", [5]), "topk": 2}
+    cfg = SpeculativeConfig.from_dict(spec)
+    if t.model.config.eos_token_id is None:
+        with pytest.raises(ValueError, match=r"speculative_config\.draft_vocab: a tree of topk 2"):
+            build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
+    else:  # EOS joins the vocabulary: two tokens are enough
+        drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
+        assert drafter.model.vocab.size == 2

@@ -125,7 +125,14 @@ def build_memory(
             )
             plan = fit_pool(shape, budget, max_num_seqs=max_num_seqs, default=max_num_seqs)
         spec = SpeculativeRound.from_config(spec_config, drafter)
-        log.info("speculative decoding: %s", spec_config)
+        vocab = spec_config.draft_vocab
+        log.info(
+            "speculative decoding: %s%s",
+            spec_config,
+            ""
+            if vocab is None
+            else f" with draft vocabulary {vocab if isinstance(vocab, str) else len(vocab)}",
+        )
         followers.append(spec)
     pool = HybridStatePool(plan, device=device)
     num_snapshots = plan.num_state_slots - max_num_seqs

@@ -32,16 +32,25 @@ def add_draft_vocab_command(sub: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def _texts(path: Path) -> Iterator[str]:
+    """The texts of a corpus file; ValueError naming the file and line for a malformed .jsonl line."""
     with path.open(encoding="utf-8") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if path.suffix != ".jsonl":
                 yield line
                 continue
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{number} is not valid JSON ({e})") from None
             if isinstance(row, dict):
                 yield from (str(row[k]) for k in ("text", "prompt", "completion") if k in row)
+
+
+def _error(flag: str, msg: str) -> int:
+    print(f"hyspec draft-vocab: error: {flag}: {msg}", file=sys.stderr)
+    return 2
 
 
 def run_draft_vocab(ns: argparse.Namespace) -> int:
@@ -49,24 +58,27 @@ def run_draft_vocab(ns: argparse.Namespace) -> int:
     from hyspec_server.tokenizer import HFTokenizer
 
     if ns.size < 1:
-        print(f"hyspec draft-vocab: error: --size: expected an integer >= 1, got {ns.size}", file=sys.stderr)
-        return 2
+        return _error("--size", f"expected an integer >= 1, got {ns.size}")
     missing = [str(p) for p in ns.corpus if not p.is_file()]
     if missing:
-        print(f"hyspec draft-vocab: error: --corpus: no such file: {', '.join(missing)}", file=sys.stderr)
-        return 2
+        return _error("--corpus", f"no such file: {', '.join(missing)}")
+    if not ns.output.parent.is_dir():
+        return _error("--output", f"no such directory: {ns.output.parent}")
     try:
         tok = HFTokenizer(ns.model)
     except (OSError, ValueError) as e:
-        print(
-            f"hyspec draft-vocab: error: --model: cannot load a tokenizer from {ns.model}: {e}",
-            file=sys.stderr,
-        )
-        return 2
+        return _error("--model", f"cannot load a tokenizer from {ns.model}: {e}")
     counts: Counter[int] = Counter()
-    for path in ns.corpus:
-        for text in _texts(path):
-            counts.update(tok.encode(text, add_special_tokens=False))
+    try:
+        for path in ns.corpus:
+            for text in _texts(path):
+                counts.update(tok.encode(text, add_special_tokens=False))
+    except (ValueError, UnicodeDecodeError) as e:
+        return _error("--corpus", str(e))
+    if not counts:
+        return _error(
+            "--corpus", "no text found (a .jsonl line needs a 'text', 'prompt' or 'completion' field)"
+        )
     kept = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: ns.size]]
     special = [int(t) for t in tok.hf_tokenizer.all_special_ids] + sorted(tok.eos_token_ids)
     ids = sorted({*kept, *special})

@@ -12,6 +12,7 @@ ngram; `adaptive` off (`true` means the `AdaptiveConfig` defaults).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -159,7 +160,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 0
     prompt_lookup_max: int = 0
     adaptive: AdaptiveConfig | None = field(default=None)
-    draft_vocab: str | tuple[int, ...] | None = None
+    # kept out of the repr: a list of 32k ids would fill a log line
+    draft_vocab: str | tuple[int, ...] | None = field(default=None, repr=False)  # a list or path: normalised
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -211,9 +213,15 @@ class SpeculativeConfig:
                 raise _err("adaptive.candidate_steps", f"must contain num_speculative_tokens {s}")
 
     def _check_draft_vocab(self) -> None:
-        v = self.draft_vocab
+        v: object = self.draft_vocab  # the dataclass may be built with a list or a path: normalised here
         if v is None:
             return
+        if isinstance(v, os.PathLike):
+            v = os.fspath(v)
+            object.__setattr__(self, "draft_vocab", v)
+        elif isinstance(v, list):
+            v = tuple(v)
+            object.__setattr__(self, "draft_vocab", v)
         if self.method == "ngram":
             raise _err("draft_vocab", "a draft vocabulary needs a model drafter, not method 'ngram'")
         if isinstance(v, str):
@@ -222,7 +230,7 @@ class SpeculativeConfig:
         elif not isinstance(v, tuple) or not v:
             raise _err("draft_vocab", f"expected a file path or a non-empty list of token ids, got {v!r}")
         elif any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in v):
-            raise _err("draft_vocab", "expected token ids >= 0")
+            raise _err("draft_vocab", "expected integer token ids >= 0")
 
     def _check_ngram(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -316,6 +324,8 @@ class SpeculativeConfig:
         vocab = d.get("draft_vocab")
         if isinstance(vocab, list | tuple):
             vocab = tuple(vocab)
+        elif isinstance(vocab, os.PathLike):
+            vocab = os.fspath(vocab)
         elif vocab is not None and not isinstance(vocab, str):
             raise _err("draft_vocab", f"expected a file path or a list of token ids, got {vocab!r}")
         return SpeculativeConfig(

@@ -219,10 +219,6 @@ class DFlashDraft(nn.Module):
         return self._target[0].compute_logits(normed)
 
     @property
-    def target_config(self) -> Any:
-        return self._target[0].config
-
-    @property
     def head_weight(self) -> Tensor:
         """[V, H] the target's lm_head weight, shared by the draft (a draft vocabulary takes its rows)."""
         return head_weight(self._target[0], what="the target")
@@ -367,8 +363,9 @@ class DFlashDrafter:
         node_parents: Tensor,
         nodes: Tensor,
     ) -> Tensor:
-        """Logits [N, B - 1, V_d] over the draft's vocabulary (the target's, or `vocab`) of the block's mask
-        positions `nodes` [N, B - 1]; an override point."""
+        """Logits [N, B - 1, V_d] over the draft's vocabulary (the target's, or `vocab`: an override returning
+        whole-vocabulary logits fits only a drafter without one) of the block's mask positions `nodes`
+        [N, B - 1]; an override point."""
         if self.vocab is not None:
             return self.vocab.logits(normed).float()
         return self.draft.logits(normed).float()

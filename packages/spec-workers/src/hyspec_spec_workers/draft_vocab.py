@@ -1,8 +1,9 @@
 """Draft vocabulary: the subset of the target's tokens a drafter proposes from.
 
-A drafter that shares the target's lm_head (MTP, multi-layer MTP, DFlash, an EAGLE-3 draft without a head of
-its own) reads the whole head matrix at every draft step: [V, H] bf16 is 2 GB for Qwen3.5's 248k-token
-vocabulary at H = 4096, so three MTP drafts read as much as a third of a 9B target's decode step. With a
+A drafter over a whole-vocabulary head (MTP, multi-layer MTP and DFlash share the target's; an EAGLE-3 draft
+uses the target's or a whole-vocabulary head of its own) reads the whole head matrix at every draft step:
+[V, H] bf16 is 2 GB for Qwen3.5's 248k-token vocabulary at H = 4096, so three MTP drafts read as much as a
+third of a 9B target's decode step. With a
 draft vocabulary of the K most frequent tokens (FR-Spec; SGLang's `speculative_token_map`, llama.cpp's
 `--spec-draft-vocab`) each draft step computes logits for those K rows only, from a gathered copy of them.
 
@@ -13,8 +14,8 @@ the draft vocabulary ([.., K]) and `to_target` maps indices back to target token
 
 Files (`speculative_config.draft_vocab`): `.json` (a list of token ids), `.pt` (a 1-D integer tensor, as
 SGLang's token maps) or `.bin` (little-endian int32 ids, llama.cpp's format); a list of ids is also taken.
-Ids are deduplicated and sorted; the target config's EOS ids are always added, so a draft can end a run.
-`tools/make_draft_vocab.py` builds one from a text corpus and a tokenizer.
+Ids are deduplicated and sorted; the target config's `eos_token_id` ids are always added, so a draft can end
+a run. `hyspec draft-vocab` builds one from a text corpus and the model's tokenizer.
 """
 
 from __future__ import annotations
@@ -133,4 +134,6 @@ def draft_vocab_of(config: SpeculativeConfig, head: Tensor, model_config: Any) -
     if config.draft_vocab is None:
         return None
     ids = read_draft_vocab(config.draft_vocab, vocab_size=int(head.shape[0]), always=eos_ids(model_config))
+    if ids.numel() < config.topk:
+        raise _err(f"a tree of topk {config.topk} needs at least {config.topk} tokens, got {ids.numel()}")
     return DraftVocab(ids, head)

@@ -285,7 +285,8 @@ class HiddenStateDrafter:
             nodes: [N, E] block indices of the expanded nodes.
         Returns:
             [N, E, V_d] fp32 logits over the draft's vocabulary (`model.to_target` maps an index to a
-            target token id; the target's vocabulary unless a draft vocabulary is set).
+            target token id; the target's vocabulary unless a draft vocabulary or an EAGLE-3 `d2t` is set:
+            an override returning whole-vocabulary logits fits only drafters without either).
         """
         return self.model.logits(normed).float()
 
