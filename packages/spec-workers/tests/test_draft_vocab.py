@@ -189,6 +189,19 @@ def _proposals(
     return blocks, drafter
 
 
+def _same_drafts_from(got: list[torch.Tensor], want: list[torch.Tensor], allowed: torch.Tensor) -> None:
+    """Round by round the same blocks, some drafts among them, every draft a token of `allowed`."""
+    assert len(got) == len(want) > 0
+    drafted = 0
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+        drafts = a[:, 1:].reshape(-1)
+        drafts = drafts[drafts >= 0]
+        drafted += drafts.numel()
+        assert torch.isin(drafts, allowed).all()
+    assert drafted > 0
+
+
 @pytest.mark.parametrize(("arch", "method", "variant"), CASES, ids=["-".join(c) for c in CASES])
 def test_drafts_come_from_the_draft_vocabulary_and_match_masked_full_logits(
     target: Callable[[str], Any], arch: str, method: str, variant: str
@@ -205,15 +218,7 @@ def test_drafts_come_from_the_draft_vocabulary_and_match_masked_full_logits(
     assert set(allowed.tolist()) >= set(subset)
     assert drafter.logit_widths and set(drafter.logit_widths) == {vocab.size}
     want, _ = _proposals(t, _spec(t, method, variant, None), mask=allowed)
-    assert len(got) == len(want) > 0
-    drafted = 0
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)
-        drafts = a[:, 1:].reshape(-1)
-        drafts = drafts[drafts >= 0]
-        drafted += drafts.numel()
-        assert torch.isin(drafts, allowed).all()
-    assert drafted > 0
+    _same_drafts_from(got, want, allowed)
 
 
 def test_eagle3_with_a_reduced_head_maps_through_d2t_and_refuses_a_draft_vocabulary(
@@ -236,15 +241,8 @@ def test_eagle3_with_a_reduced_head_maps_through_d2t_and_refuses_a_draft_vocabul
         d.draft_logits = d.draft_logits  # an instance-level hook: the general path
 
     slow, _ = _proposals(t, spec, mask=None, hook=general)
-    assert general_drafter is not None and len(fast) == len(slow) > 0
-    drafted = 0
-    for a, b in zip(fast, slow, strict=True):
-        assert torch.equal(a, b)
-        drafts = a[:, 1:].reshape(-1)
-        drafts = drafts[drafts >= 0]
-        drafted += drafts.numel()
-        assert torch.isin(drafts, allowed).all()
-    assert drafted > 0
+    assert general_drafter is not None
+    _same_drafts_from(fast, slow, allowed)
     with pytest.raises(ValueError, match=r"speculative_config\.draft_vocab: .*reduced vocabulary"):
         build_drafter(
             SpeculativeConfig.from_dict({**spec, "draft_vocab": [1, 2, 3]}),
