@@ -14,8 +14,10 @@ import argparse
 import json
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from hyspec_server.tokenizer import HFTokenizer, Tokenizer
 
 
 def add_draft_vocab_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,10 +55,25 @@ def _error(flag: str, msg: str) -> int:
     return 2
 
 
+def count_tokens(tok: Tokenizer, corpus: Sequence[Path]) -> Counter[int]:
+    """Token counts of the corpus files (`_texts`), special tokens not added."""
+    counts: Counter[int] = Counter()
+    for path in corpus:
+        for text in _texts(path):
+            counts.update(tok.encode(text, add_special_tokens=False))
+    return counts
+
+
+def draft_vocab_ids(tok: HFTokenizer, counts: Counter[int], size: int) -> tuple[list[int], list[int]]:
+    """(the draft vocabulary: sorted ids of the `size` most frequent tokens, ties by id, and every special
+    token; those most frequent tokens in frequency order)."""
+    kept = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]]
+    special = [int(t) for t in tok.hf_tokenizer.all_special_ids] + sorted(tok.eos_token_ids)
+    return sorted({*kept, *special}), kept
+
+
 def run_draft_vocab(ns: argparse.Namespace) -> int:
     """Counts, keeps and writes (module docstring); an error message and 2 for a bad argument."""
-    from hyspec_server.tokenizer import HFTokenizer
-
     if ns.size < 1:
         return _error("--size", f"expected an integer >= 1, got {ns.size}")
     missing = [str(p) for p in ns.corpus if not p.is_file()]
@@ -68,20 +85,15 @@ def run_draft_vocab(ns: argparse.Namespace) -> int:
         tok = HFTokenizer(ns.model)
     except (OSError, ValueError) as e:
         return _error("--model", f"cannot load a tokenizer from {ns.model}: {e}")
-    counts: Counter[int] = Counter()
     try:
-        for path in ns.corpus:
-            for text in _texts(path):
-                counts.update(tok.encode(text, add_special_tokens=False))
+        counts = count_tokens(tok, ns.corpus)
     except (ValueError, UnicodeDecodeError) as e:
         return _error("--corpus", str(e))
     if not counts:
         return _error(
             "--corpus", "no text found (a .jsonl line needs a 'text', 'prompt' or 'completion' field)"
         )
-    kept = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: ns.size]]
-    special = [int(t) for t in tok.hf_tokenizer.all_special_ids] + sorted(tok.eos_token_ids)
-    ids = sorted({*kept, *special})
+    ids, kept = draft_vocab_ids(tok, counts, ns.size)
     ns.output.write_text(json.dumps(ids))
     covered = sum(counts[t] for t in kept) / max(1, sum(counts.values()))
     print(
