@@ -173,11 +173,13 @@ def _proposals(
     if vocab is not None:
         # every draft step's logits are over the K tokens of the draft vocabulary
         drafter.logit_widths = widths = []
+        drafter.logit_shapes = []
         real = vocab.logits
 
         def spy(x: torch.Tensor) -> torch.Tensor:
             out: torch.Tensor = real(x)
             widths.append(out.shape[-1])
+            drafter.logit_shapes.append(tuple(out.shape))
             return out
 
         vocab.logits = spy
@@ -262,3 +264,16 @@ def test_a_tree_needs_topk_tokens_in_its_draft_vocabulary(target: Callable[[str]
     else:  # EOS joins the vocabulary: two tokens are enough
         drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
         assert drafter.model.vocab.size == 2
+
+
+def test_dflash_computes_logits_for_the_drafted_positions_only(target: Callable[[str], Any]) -> None:
+    """A DFlash block of 4 drafting at most 2 tokens: the head's rows are the drafted positions of each row,
+    not the block's 3 mask positions (the head's GEMM grows with its rows)."""
+    t = target("qwen3_5")
+    spec = {
+        **_spec(t, "dflash", "chain", list(range(0, int(t.model.config.vocab_size), 3))),
+        "num_speculative_tokens": 2,
+    }
+    _, drafter = _proposals(t, spec, mask=None)
+    # 2 per row, or 1 where every row is within one token of its budget: never the block's 3
+    assert drafter.logit_shapes and max(s[1] for s in drafter.logit_shapes) == 2

@@ -363,9 +363,9 @@ class DFlashDrafter:
         node_parents: Tensor,
         nodes: Tensor,
     ) -> Tensor:
-        """Logits [N, B - 1, V_d] over the draft's vocabulary (the target's, or `vocab`: an override returning
-        whole-vocabulary logits fits only a drafter without one) of the block's mask positions `nodes`
-        [N, B - 1]; an override point."""
+        """Logits [N, S_run, V_d] over the draft's vocabulary (the target's, or `vocab`: an override
+        returning whole-vocabulary logits fits only a drafter without one) of the block's first S_run mask
+        positions, `nodes` [N, S_run] (the round's longest draft); an override point."""
         if self.vocab is not None:
             return self.vocab.logits(normed).float()
         return self.draft.logits(normed).float()
@@ -405,13 +405,19 @@ class DFlashDrafter:
             with torch.no_grad():
                 (normed,) = self.graphs.run(fb)
                 normed = normed.view(n, b, -1)
-                nodes = torch.arange(1, b, device=dev).expand(n, b - 1)
+                # logits of the positions drafted only: the head's GEMM grows with its rows (B - 1 of them
+                # at a large batch would cost several drafts' worth of compute)
+                nodes = torch.arange(1, 1 + s_run, device=dev).expand(n, s_run)
                 logits = self.draft_logits(
-                    normed[:, 1:], req_ids=ids, node_tokens=tokens, node_parents=parents, nodes=nodes
+                    normed[:, 1 : 1 + s_run],
+                    req_ids=ids,
+                    node_tokens=tokens,
+                    node_parents=parents,
+                    nodes=nodes,
                 )
         finally:
             self.kv.release(ids)
-        drafts = logits[:, :s_run].argmax(dim=-1)  # [N, S_run] indices into the draft's vocabulary
+        drafts = logits.argmax(dim=-1)  # [N, S_run] indices into the draft's vocabulary
         if self.vocab is not None:
             drafts = self.vocab.to_target(drafts)
         tree = VerifyTree.chain(root.to(dev), drafts, torch.tensor(steps, device=dev))
