@@ -1,7 +1,7 @@
 """Speculative rounds on the 9B shape at batch 1, 8 and 32: what a round costs and what the oracle gains.
 
     python tools/bench_round_9b.py --ckpt /tmp/ck9b --out result.json [--batches 1,8,32] [--sizes 32768]
-        [--repeat 3] [--no-oracle] [--tree] [--runs mtp_s3,oracle_s3]
+        [--repeat 3] [--no-oracle] [--tree] [--runs mtp_s3,oracle_s3] [--profile 32]
 
 Builds (or reuses) the 9B-shaped random checkpoint of `bench_decode.build_checkpoint` (vocabulary 248320,
 hidden 4096: its lm_head is 2 GB of bf16, read by every MTP draft step), by default with decisive values
@@ -19,7 +19,9 @@ configuration serving every batch size in turn:
 - the oracle (`bench_decode.oracle_registry`: every draft right, re-anchored on its own greedy output,
   `bench_decode.reanchored`), whose speed-up is its first-to-last-token decode rate against plain's.
 
-Every figure is the median of `--repeat` runs. Greedy agreement with the plain run of the same batch is
+With `--profile B`, every engine then runs 20 steady steps at batch B under torch.profiler: wall and kernel
+time per step and the kernels with the most device time (`profile_steps`). Every figure is the median of
+`--repeat` runs. Greedy agreement with the plain run of the same batch is
 reported beside each (bf16 verify blocks and decode steps can part at near-ties on a random model; a plain
 batch's first rows are also compared with the same prompts decoded alone, which shows how often the batch
 shape alone flips a token); a draft vocabulary's run is also compared with the whole vocabulary's (the
@@ -59,6 +61,47 @@ def share(a: Sequence[list[int]], b: Sequence[list[int]]) -> float:
     return sum(agreement(x, y) for x, y in zip(a, b, strict=False)) / sum(len(y) for y in b[: len(a)])
 
 
+def profile_steps(llm: Any, rows: Sequence[list[int]], steps: int = 20) -> dict[str, Any]:
+    """torch.profiler over `steps` engine steps once every row decodes: the wall and device (kernel) time per
+    step, and the kernels with the most device time (per step). Wall well above device time: host-bound."""
+    import time
+
+    from hyspec_server import SamplingParams
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    for p in rows:
+        engine.add_request(p, params)
+    for _ in range(40):  # past every prompt's prefill (8 chunks of 2048 tokens at 32 rows)
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # CUDA only: least overhead on the host
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    while engine.has_unfinished():
+        engine.step()
+    kernels = sorted(
+        (
+            (e.key, e.self_device_time_total, e.count)
+            for e in prof.key_averages()
+            if e.self_device_time_total > 0
+        ),
+        key=lambda k: -k[1],
+    )
+    return {
+        "wall_ms_per_step": wall / steps * 1e3,
+        "device_ms_per_step": sum(k[1] for k in kernels) / steps / 1e3,
+        "top_kernels": [
+            {"name": n[:120], "ms_per_step": t / steps / 1e3, "calls_per_step": c / steps}
+            for n, t, c in kernels[:25]
+        ],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt", type=Path, required=True, help="checkpoint folder (built if it has none)")
@@ -70,6 +113,9 @@ def main() -> None:
     ap.add_argument("--tree", action="store_true", help="also an MTP tree (topk 2, 6 nodes) of depth S")
     ap.add_argument("--runs", help="only these runs (comma-separated names), plain always included")
     ap.add_argument("--flat", action="store_true", help="a plain random checkpoint (default: decisive)")
+    ap.add_argument(
+        "--profile", type=int, help="also profile 20 steady steps of every run at this batch size"
+    )
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
     if not (a.ckpt / "config.json").exists():
@@ -149,6 +195,9 @@ def main() -> None:
                     r["greedy_agreement_with_mtp_s3"] = share(outputs[name][b], outputs["mtp_s3"][b])
             res["runs"][f"{name}/b{b}"] = r
             print(name, b, f"{r['step_ms']:.3f} ms", f"{r['decode_tok_s']:.1f} tok/s", flush=True)
+        if a.profile:
+            res.setdefault("profile", {})[name] = prof = profile_steps(llm, prompts[: a.profile])
+            print(name, "profile", json.dumps(prof, indent=1), flush=True)
         llm.close()
         free(llm)
     for b in batches:
