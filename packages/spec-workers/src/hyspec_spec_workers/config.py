@@ -161,7 +161,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 0
     adaptive: AdaptiveConfig | None = field(default=None)
     # kept out of the repr: a list of 32k ids would fill a log line
-    draft_vocab: str | tuple[int, ...] | None = field(default=None, repr=False)  # a list or path: normalised
+    draft_vocab: str | tuple[int, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -3,9 +3,9 @@
 A drafter over a whole-vocabulary head (MTP, multi-layer MTP and DFlash share the target's; an EAGLE-3 draft
 uses the target's or a whole-vocabulary head of its own) reads the whole head matrix at every draft step:
 [V, H] bf16 is 2 GB for Qwen3.5's 248k-token vocabulary at H = 4096, so three MTP drafts read as much as a
-third of a 9B target's decode step. With a
-draft vocabulary of the K most frequent tokens (FR-Spec; SGLang's `speculative_token_map`, llama.cpp's
-`--spec-draft-vocab`) each draft step computes logits for those K rows only, from a gathered copy of them.
+third of a 9B target's decode step. With a draft vocabulary of the K most frequent tokens (FR-Spec; SGLang's
+`speculative_token_map`, llama.cpp's `--spec-draft-vocab`) each draft step computes logits for those K rows
+only, from a gathered copy of them.
 
 Lossless by construction: the target verifies every draft against its full vocabulary, so a draft
 vocabulary only changes which tokens are proposed (and so how many are accepted), never the output. A
@@ -16,6 +16,9 @@ Files (`speculative_config.draft_vocab`): `.json` (a list of token ids), `.pt` (
 SGLang's token maps) or `.bin` (little-endian int32 ids, llama.cpp's format); a list of ids is also taken.
 Ids are deduplicated and sorted; the target config's `eos_token_id` ids are always added, so a draft can end
 a run. `hyspec draft-vocab` builds one from a text corpus and the model's tokenizer.
+
+The copy is of a plain [V, H] weight on one device. A vocabulary-parallel head (tensor parallelism) would
+gather each rank's rows of its own shard, and a quantized head its rows' scales with them: not built yet.
 """
 
 from __future__ import annotations
