@@ -30,7 +30,7 @@ from hyspec_server.serve import ServerThread
 from hyspec_spec_workers.drafter import Drafter
 from hyspec_spec_workers.tree import VerifyTree
 from hyspec_testing.server import metric_sample
-from hyspec_testing.spec import ForcedDrafter
+from hyspec_testing.spec import ForcedDrafter, track_proposals
 
 S = 3
 NEW = 24
@@ -451,18 +451,10 @@ def test_mtp_with_a_draft_vocabulary_file_equals_plain(tiny_qwen3_5: Path, tmp_p
     drafter = llm.engine.runner.spec.drafter  # type: ignore[attr-defined]
     vocab = drafter.model.vocab
     assert vocab is not None and set(vocab.ids.tolist()) >= set(kept)
-    drafted: list[torch.Tensor] = []
-    propose = drafter.propose
-
-    def keep(batch: Any) -> Any:
-        out = propose(batch)
-        drafted.append(out.tree.tokens[:, 1:].reshape(-1).cpu())
-        return out
-
-    drafter.propose = keep
+    blocks = track_proposals(drafter)
     outs = llm.generate(_ids(PROMPTS[:3]), _greedy(12))
     assert [o.outputs[0].token_ids for o in outs] == ref
-    tokens = torch.cat(drafted)
+    tokens = torch.cat([b[:, 1:].reshape(-1).cpu() for b in blocks])
     tokens = tokens[tokens >= 0]
     assert tokens.numel() > 0 and torch.isin(tokens, vocab.ids.cpu()).all()
     (tmp_path / "bad.json").write_text(json.dumps([0, vocab_size]))

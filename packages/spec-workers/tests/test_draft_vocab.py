@@ -19,7 +19,7 @@ import torch
 from hyspec_spec_workers import SpeculativeConfig
 from hyspec_spec_workers.draft_vocab import DraftVocab, eos_ids, read_draft_vocab
 from hyspec_spec_workers.factory import build_drafter
-from hyspec_testing.spec import generate
+from hyspec_testing.spec import generate, track_proposals
 
 S = 3
 
@@ -160,15 +160,7 @@ def _proposals(
             return out
 
         drafter.draft_logits = masked
-    blocks: list[torch.Tensor] = []
-    propose = drafter.propose
-
-    def keep(batch: Any) -> Any:
-        out = propose(batch)
-        blocks.append(out.tree.tokens.clone())
-        return out
-
-    drafter.propose = keep
+    blocks = track_proposals(drafter)
     vocab = getattr(drafter, "vocab", None) or getattr(getattr(drafter, "model", None), "vocab", None)
     if vocab is not None:
         # every draft step's logits are over the K tokens of the draft vocabulary

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hyspec_spec_workers import SpeculativeConfig
 from hyspec_spec_workers.factory import build_drafter
-from hyspec_testing.spec import generate
+from hyspec_testing.spec import generate, track_proposals
 
 S = 3
 
@@ -40,21 +40,16 @@ def _proposals(
     if general:
         # an instance-level draft_logits (the testing hook) sends proposals down the general path
         drafter.draft_logits = drafter.draft_logits
-    blocks: list[torch.Tensor] = []
+    blocks = track_proposals(drafter)
     shapes: list[tuple[int, int]] = []
-    propose, run = drafter.propose, drafter.model.run
-
-    def keep(batch: Any) -> Any:
-        out = propose(batch)
-        blocks.append(out.tree.tokens.clone())
-        return out
+    run = drafter.model.run
 
     def spy(batch: Any, backend: Any, **kw: Any) -> Any:
         if batch.mode.value == "target_verify":
             shapes.append((batch.num_seqs, batch.num_tokens // batch.num_seqs))
         return run(batch, backend, **kw)
 
-    drafter.propose, drafter.model.run = keep, spy
+    drafter.model.run = spy
     if drafter.chain is not None and not general:
         # how each proposal came: queued after the last verify for every row (taken), or drafted at the
         # round's start for some or all rows (start)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from hyspec_spec_workers import SpeculativeConfig
 from hyspec_spec_workers.factory import build_drafter
-from hyspec_testing.spec import generate
+from hyspec_testing.spec import generate, track_proposals
 
 S = 3
 
@@ -41,15 +41,7 @@ def _first_round(t: Any, chain: bool) -> tuple[torch.Tensor, list[dict[str, Any]
         return normed, out
 
     drafter.model.run = spy
-    trees: list[torch.Tensor] = []
-    propose = drafter.propose
-
-    def keep(batch: Any) -> Any:
-        out = propose(batch)
-        trees.append(out.tree.tokens.clone())
-        return out
-
-    drafter.propose = keep
+    trees = track_proposals(drafter)
     backend, pool = t.stack(cfg.draft_shape())
     generate(t.model, backend, pool, t.prompts, max_new_tokens=S + 2, drafter=drafter, num_steps=S)
     verify_calls = [c for c in calls if c["mode"] == "target_verify"][:S]

@@ -444,3 +444,18 @@ def track_committed(drafter: ModelDrafter) -> dict[Hashable, list[int]]:
 
     drafter.commit = commit  # type: ignore[method-assign,assignment]
     return seen
+
+
+def track_proposals(drafter: Drafter) -> list[torch.Tensor]:
+    """Wraps the drafter's `propose`: the returned list then holds every proposed block's tokens [N, D], in
+    proposal order."""
+    blocks: list[torch.Tensor] = []
+    inner = drafter.propose
+
+    def propose(batch: DraftBatch) -> DraftOutput:
+        out = inner(batch)
+        blocks.append(out.tree.tokens.clone())
+        return out
+
+    drafter.propose = propose  # type: ignore[method-assign]
+    return blocks
