@@ -31,10 +31,11 @@ random head accepts nothing with either: both verify the same blocks, so their o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,7 @@ def share(a: Sequence[list[int]], b: Sequence[list[int]]) -> float:
     return sum(agreement(x, y) for x, y in zip(a, b, strict=False)) / sum(len(y) for y in b[: len(a)])
 
 
-def profile_steps(llm: Any, rows: Sequence[list[int]], steps: int = 20) -> dict[str, Any]:
+def profile_steps(llm: Any, rows: Sequence[list[int]], steps: int = 20, host: bool = False) -> dict[str, Any]:
     """torch.profiler over `steps` engine steps once every row decodes: the wall and device (kernel) time per
     step, and the kernels with the most device time (per step). Wall well above device time: host-bound."""
     import time
@@ -73,9 +74,25 @@ def profile_steps(llm: Any, rows: Sequence[list[int]], steps: int = 20) -> dict[
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     for p in rows:
         engine.add_request(p, params)
-    for _ in range(40):  # past every prompt's prefill (8 chunks of 2048 tokens at 32 rows)
+    for _ in range(2 + -(-len(rows) * len(rows[0]) // 2048)):  # past the prefill (chunks of 2048 tokens)
         engine.step()
     torch.cuda.synchronize()
+    host_top: list[str] = []
+    if host:
+        # where the host's time goes: cProfile's cumulative top (slows the host; device times not taken)
+        import cProfile
+        import io
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(45)
+        host_top = buf.getvalue().splitlines()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # CUDA only: least overhead on the host
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -99,7 +116,24 @@ def profile_steps(llm: Any, rows: Sequence[list[int]], steps: int = 20) -> dict[
             {"name": n[:120], "ms_per_step": t / steps / 1e3, "calls_per_step": c / steps}
             for n, t, c in kernels[:25]
         ],
+        "host_profile": host_top,
     }
+
+
+@contextlib.contextmanager
+def commit_at_once(on: bool) -> Iterator[None]:
+    """With `on`, engines built inside commit GDN states right after each verify (`gdn_replay`) instead of
+    deferring to the next forward (`HybridBackend(defer_commit=True)`, what the runner builds): the other side
+    of the comparison, in the same run."""
+    import hyspec_runner.model_runner as mr
+
+    built = mr.HybridBackend
+    if on:
+        mr.HybridBackend = lambda *args, **kw: built(*args, **{**kw, "defer_commit": False})  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        mr.HybridBackend = built  # type: ignore[misc]
 
 
 def main() -> None:
@@ -112,6 +146,11 @@ def main() -> None:
     ap.add_argument("--no-oracle", action="store_true")
     ap.add_argument("--tree", action="store_true", help="also an MTP tree (topk 2, 6 nodes) of depth S")
     ap.add_argument("--runs", help="only these runs (comma-separated names), plain always included")
+    ap.add_argument("--host-profile", action="store_true", help="with --profile: cProfile 20 steps too")
+    ap.add_argument(
+        "--at-once", action="store_true", help="also every speculative run committing at once (no deferral)"
+    )
+    ap.add_argument("--at-once-first", action="store_true", help="with --at-once: those runs first")
     ap.add_argument("--flat", action="store_true", help="a plain random checkpoint (default: decisive)")
     ap.add_argument(
         "--profile", type=int, help="also profile 20 steady steps of every run at this batch size"
@@ -153,6 +192,10 @@ def main() -> None:
                 )
     if not a.no_oracle:
         configs.append(("oracle_s3", {"method": "ngram"}, lambda: oracle_registry(refs, S)))
+    if a.at_once:
+        at_once = [(f"{n}_at_once", spec, reg) for n, spec, reg in configs if spec is not None]
+        # which side runs first is a choice (a GPU's speed drifts over a run): --at-once-first swaps them
+        configs = [configs[0], *at_once, *configs[1:]] if a.at_once_first else [*configs, *at_once]
     if a.runs:
         keep = {"plain", *a.runs.split(",")}
         configs = [c for c in configs if c[0] in keep]
@@ -160,13 +203,14 @@ def main() -> None:
     for name, spec, registry in configs:
         if spec is not None:
             spec = {**spec, "num_speculative_tokens": S}
-        llm = make_llm(
-            a.ckpt,
-            spec=spec,
-            drafters=None if registry is None else registry(),
-            max_num_seqs=max(batches),
-            max_len=PROMPT + NEW + 16,
-        )
+        with commit_at_once(name.endswith("_at_once")):
+            llm = make_llm(
+                a.ckpt,
+                spec=spec,
+                drafters=None if registry is None else registry(),
+                max_num_seqs=max(batches),
+                max_len=PROMPT + NEW + 16,
+            )
         outputs[name] = {}
         for b in batches:
             rows = prompts[:b]
@@ -191,12 +235,14 @@ def main() -> None:
                 if registry is not None:  # rows whose output is their reference's continuation
                     own = [p + t for p, t in zip(rows, outputs[name][b], strict=True)]
                     r["oracle_followed"] = sum(x == y for x, y in zip(own, refs, strict=True)) / b
-                if name.startswith("mtp_s3_vocab"):
+                if name.startswith("mtp_s3_vocab") and "mtp_s3" in outputs:
                     r["greedy_agreement_with_mtp_s3"] = share(outputs[name][b], outputs["mtp_s3"][b])
             res["runs"][f"{name}/b{b}"] = r
             print(name, b, f"{r['step_ms']:.3f} ms", f"{r['decode_tok_s']:.1f} tok/s", flush=True)
         if a.profile:
-            res.setdefault("profile", {})[name] = prof = profile_steps(llm, prompts[: a.profile])
+            res.setdefault("profile", {})[name] = prof = profile_steps(
+                llm, prompts[: a.profile], host=a.host_profile
+            )
             print(name, "profile", json.dumps(prof, indent=1), flush=True)
         llm.close()
         free(llm)

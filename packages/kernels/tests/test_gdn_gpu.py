@@ -6,6 +6,8 @@ is itself checked against the token-by-token reference in the CPU tests.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hyspec_kernels.gdn import gdn_decode, gdn_prefill, gdn_verify
@@ -92,3 +94,72 @@ def test_gpu_verify_matches_torch(tree: bool) -> None:
     assert torch.equal(state, before)
     torch.testing.assert_close(o.float(), o_ref, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(scratch, sc_ref, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32])
+@pytest.mark.parametrize("tree", [False, True])
+def test_gpu_a_deferred_commit_is_bitwise_the_commit_at_once(batch: int, tree: bool) -> None:
+    """A round committed at once (verify keeping inputs, `gdn_replay`, then the next step) against the same
+    round deferred (the next step applies the pending tokens inside its kernel): bit-identical outputs and
+    states at the same batch size, for a decode and for a verify as the next step (the tiles, and so the
+    reduction order, are the same)."""
+    from hyspec_kernels.gdn import PendingTokens, gdn_replay
+
+    d, d_max, half = 4, 4, batch + 1
+    slots = torch.randperm(batch + 2, device=DEV)[:batch] + 1  # state slots != rows
+    homes = torch.randperm(half, device=DEV)[:batch]  # request rows != batch rows
+    num_slots = batch + 3
+    q, k, v, g, beta = _tokens((batch, d), seed=7)
+    q2, k2, v2, g2, beta2 = _tokens((batch, d), seed=8)
+    parents = torch.tensor([[-1, 0, 0, 1]] * batch, device=DEV) if tree else None
+    acc = torch.randint(0, d, (batch,), device=DEV)
+    col = torch.arange(d, device=DEV)[None, :]
+    paths = torch.where(col <= acc[:, None], col, -1)
+    if tree:  # accepted paths in the tree 0 -> {1, 2}, 1 -> {3}: [0], [0, 1], [0, 2] or [0, 1, 3]
+        table = torch.tensor([[0, -1, -1, -1], [0, 1, -1, -1], [0, 2, -1, -1], [0, 1, 3, -1]], device=DEV)
+        paths = table[acc]
+
+    def buffers() -> tuple[torch.Tensor, ...]:
+        return (
+            torch.full((2 * half, d_max, HK, DK), float("nan"), device=DEV),
+            torch.full((2 * half, d_max, HV, DV), float("nan"), device=DEV),
+            torch.full((2 * half, d_max, HV), float("nan"), device=DEV),
+            torch.full((2 * half, d_max, HV), float("nan"), device=DEV),
+        )
+
+    verify_kw: dict[str, Any] = {
+        "scratch": None,
+        "scratch_rows": None,
+        "parents": parents,
+        "backend": "triton",
+    }
+    first, second = (q, k, v, g, beta), (q2, k2, v2, g2, beta2)
+    for step in ("decode", "verify"):
+        # at once: the verify keeps its inputs at batch rows, the replay commits, the next step runs
+        s_now, ins_now, batch_rows = _pool(num_slots, seed=9), buffers(), torch.arange(batch, device=DEV)
+        o1_now = gdn_verify(
+            *first, state=s_now, state_slots=slots, keep_inputs=ins_now, input_rows=batch_rows, **verify_kw
+        )
+        gdn_replay(
+            *ins_now, state=s_now, state_slots=slots, rows=batch_rows, paths=paths, backend="triton",
+            tile_seqs=batch,
+        )  # fmt: skip
+        # deferred: the same verify with (empty) pending tokens, the accepted paths made pending
+        s_def, ins_def = _pool(num_slots, seed=9), buffers()
+        rows = torch.full((num_slots,), -1, dtype=torch.int32, device=DEV)
+        rows[slots] = homes.to(torch.int32)
+        pend = torch.full((num_slots, d_max), -1, dtype=torch.int32, device=DEV)
+        pending = PendingTokens(ins_def, rows, pend)
+        o1_def = gdn_verify(*first, state=s_def, state_slots=slots, pending=pending, **verify_kw)
+        assert torch.equal(o1_def, o1_now)
+        rows[slots] = (homes.to(torch.int32) + half) % (2 * half)
+        pend[slots] = paths.to(torch.int32)
+        if step == "decode":
+            one = [x[:, 0] for x in second]
+            o2_now = gdn_decode(*one, state=s_now, state_slots=slots, backend="triton")
+            o2_def = gdn_decode(*one, state=s_def, state_slots=slots, pending=pending, backend="triton")
+        else:
+            o2_now = gdn_verify(*second, state=s_now, state_slots=slots, **verify_kw)
+            o2_def = gdn_verify(*second, state=s_def, state_slots=slots, pending=pending, **verify_kw)
+        assert torch.equal(o2_def, o2_now), step
+        assert torch.equal(s_def[slots], s_now[slots]), step

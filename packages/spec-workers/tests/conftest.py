@@ -84,7 +84,9 @@ class Target:
         )
         pool = HybridStatePool(plan, debug=True)
         pool.alloc(["burn"])
-        return HybridBackend(pool, layers=layers, layer_types=self.model.layer_types), pool
+        # commits deferred to the next forward, as an engine runs them
+        backend = HybridBackend(pool, layers=layers, layer_types=self.model.layer_types, defer_commit=True)
+        return backend, pool
 
     def run(self, shape: DraftShape | None, *, eos: int | None = None, **kw: Any) -> list[list[int]]:
         backend, pool = self.stack(shape)

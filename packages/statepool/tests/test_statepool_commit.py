@@ -185,3 +185,101 @@ def test_commit_rejects_bad_arguments(make_pool: MakePool) -> None:
         commit_accepted_states(
             pool=plain, req_rows=plain_rows, batch_rows=plain.batch_rows(1), num_accepted=torch.tensor([0])
         )
+
+
+def _gdn_states(pool: HybridStatePool) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in pool.states.states.items() if n.endswith(".recurrent")}
+
+
+@pytest.mark.parametrize("backend", ["torch", TRITON])
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_deferred_commit_applied_later_equals_the_commit_at_once(
+    make_pool: MakePool, backend: str, tree: bool
+) -> None:
+    """`defer=True`: the accepted GDN tokens become pending at the rows the verify kept them at (each slot's
+    next rows, `hyspec_kernels.gdn.next_rows`); `pool.apply_pending` then gives the states the commit at once
+    gives, the row crossing a track boundary is replayed at once (its track slot is written by the commit
+    itself), and a skipped row has nothing pending."""
+    pool, rows = _busy_pool(make_pool)
+    eager, eager_rows = _busy_pool(make_pool)  # the same set-up, committed at once
+    assert eager_rows.tolist() == rows.tolist()
+    _fill_distinct(pool)
+    _fill_distinct(eager)
+    detached = pool.alloc_detached_slots(1)
+    assert eager.alloc_detached_slots(1).tolist() == detached.tolist()
+    slots = pool.state_slots(rows)
+    n, half = 3, pool.plan.scratch_rows
+    if tree:
+        paths = accept_paths_from_flat(
+            accept_positions=torch.tensor([0, 2, 3, 4, 5, 8, 10]), accept_counts=torch.tensor([3, 2, 2]),
+            block_size=4,
+        )  # fmt: skip
+        num_accepted, accept_paths = torch.tensor([2, 1, 1]), paths
+    else:
+        num_accepted, accept_paths = torch.tensor([2, 0, -1]), None  # all drafts, none, a row skipped
+    track = dict(
+        seq_lens_before=torch.tensor([14, 23, 13]), track_slots=detached.take([-1, 0, -1]), track_interval=8
+    )  # fmt: skip  (p crosses 24 at its first accepted token: replayed at once)
+    # the deferred pool's verify kept each row's inputs at its slot's next rows: copy them there
+    homes = pool.states.pending_rows[slots.tensor.long()]
+    assert homes.tolist() == rows.tolist()  # a fresh slot's home is its request row, first half
+    for name, t in pool.states.scratch.items():
+        if ".replay_" in name:
+            for b, home in enumerate(homes.tolist()):
+                t[:, home + half] = t[:, b]
+                t[:, b] = float("nan")  # a deferred commit never reads batch rows
+    common = dict(req_rows=rows, batch_rows=pool.batch_rows(n), num_accepted=num_accepted,
+                  accept_paths=accept_paths, backend=backend, **track)  # fmt: skip
+    want = commit_accepted_states(pool=eager, **common)  # type: ignore[arg-type]
+    got = commit_accepted_states(pool=pool, defer=True, **common)  # type: ignore[arg-type]
+    assert torch.equal(got.steps, want.steps)
+    committing = [i for i in range(n) if int(want.steps[i]) >= 0]
+    tracked = [i for i in range(n) if want.track_steps is not None and int(want.track_steps[i]) >= 0]
+    assert tracked == [1]
+    pend = pool.states.pending_paths[slots.tensor.long()]
+    for i in range(n):
+        # pending: every committing row but the tracked one (replayed at once), in the slot's next row
+        assert (int(pend[i, 0]) >= 0) == (i in committing and i not in tracked), i
+        assert int(pool.states.pending_rows[slots.tensor[i]]) == int(homes[i]) + half
+    track_slot = int(detached.tensor[0])
+    for name, state in _gdn_states(pool).items():
+        torch.testing.assert_close(state[:, track_slot], _gdn_states(eager)[name][:, track_slot])
+        torch.testing.assert_close(state[:, slots.tensor[1]], _gdn_states(eager)[name][:, slots.tensor[1]])
+    pool.apply_pending(slots)
+    assert bool((pool.states.pending_paths[slots.tensor.long()] == -1).all())
+    for name, state in pool.states.states.items():
+        torch.testing.assert_close(state, eager.states.states[name], rtol=1e-5, atol=1e-5)
+    pool.apply_pending(slots)  # nothing pending any more: a second apply changes nothing
+    for name, state in pool.states.states.items():
+        torch.testing.assert_close(state, eager.states.states[name], rtol=1e-5, atol=1e-5)
+
+
+def test_pending_tokens_follow_the_slot_through_copy_alloc_and_free(make_pool: MakePool) -> None:
+    """`copy_slot` copies a state with its pending tokens applied and clears the destination's; a slot freed
+    and handed out again starts with nothing pending at its new request row."""
+    pool = make_pool(max_num_seqs=4, num_state_slots=9, draft_shape=DraftShape("tree", 2, num_draft_tokens=4))
+    rows = pool.alloc(["a", "b"])
+    _fill_distinct(pool)
+    slots = pool.state_slots(rows)
+    a, b = slots.tolist()
+    half = pool.plan.scratch_rows
+    for name, t in pool.states.scratch.items():
+        if ".replay_" in name:
+            t[:, int(rows.tensor[0]) + half] = t[:, 0]
+    pool.states.pending_rows[a] = int(rows.tensor[0]) + half
+    pool.states.pending_paths[a, :2] = torch.tensor([0, 1], dtype=torch.int32)
+    pool.states.pending_paths[b, :1] = 0  # b's own pending tokens are dropped: b is overwritten
+    eager = {n: t.clone() for n, t in _gdn_states(pool).items()}
+    want = _expected(pool, eager, [(a, a, int(rows.tensor[0]) + half, [0, 1])])
+    pool.states.copy_slot(a, b)
+    for name, state in _gdn_states(pool).items():
+        torch.testing.assert_close(state[:, a], want[name][:, a], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state[:, b], want[name][:, a], rtol=1e-5, atol=1e-5)
+    assert bool((pool.states.pending_paths[[a, b]] == -1).all())
+    pool.states.pending_paths[a, 0] = 1
+    pool.free(["a"])
+    assert int(pool.states.pending_rows[a]) == -1 and bool((pool.states.pending_paths[a] == -1).all())
+    new = pool.alloc(["c"])
+    c = int(pool.state_slots(new).tensor[0])
+    assert int(pool.states.pending_rows[c]) == int(new.tensor[0])
+    assert bool((pool.states.pending_paths[c] == -1).all())

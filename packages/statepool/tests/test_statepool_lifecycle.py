@@ -230,14 +230,17 @@ def test_views_alias_the_pool_tensors(make_pool: MakePool, tiny_specs: ModelStat
     gdn = pool.layer_state(3)
     assert gdn.conv is not None and gdn.conv.shape == (7, 2 * 4 + 2 * 3, 3)
     assert gdn.recurrent is not None and gdn.recurrent.shape == (7, 2, 4, 3)
-    # a verify step keeps the replay's inputs, not a recurrent state
-    assert gdn.replay is not None
+    # a verify step keeps the replay's inputs, not a recurrent state: two halves of R = 5 rows (the second
+    # for deferred commits); the pending view shares them and the pool's per-slot tables
+    assert gdn.replay is not None and gdn.pending is not None
     assert [t.shape for t in (gdn.replay.k, gdn.replay.v, gdn.replay.g, gdn.replay.beta)] == [
-        (5, 5, 1, 4),
-        (5, 5, 2, 3),
-        (5, 5, 2),
-        (5, 5, 2),
+        (10, 5, 1, 4),
+        (10, 5, 2, 3),
+        (10, 5, 2),
+        (10, 5, 2),
     ]
+    assert gdn.pending.inputs[0].data_ptr() == gdn.replay.k.data_ptr()
+    assert gdn.pending.rows.shape == (7,) and gdn.pending.paths.shape == (7, 5)
     gdn.recurrent[2] = 5.0
     assert bool((pool.states.states["state.gdn0.recurrent"][1, 2] == 5.0).all())
     conv = pool.layer_state(2)

@@ -62,11 +62,11 @@ def _hand_bytes(
         conv = conv_dim * 3 * 2  # bf16 conv window
         per_slot = conv + 32 * 128 * 128 * 4  # and the fp32 recurrent state
         # a verify step keeps its conv window and, instead of the recurrent state, the inputs the commit's
-        # replay reads: fp32 k, v, g and beta
-        per_step = conv + (16 * 128 + 32 * 128 + 32 + 32) * 4
+        # replay reads: fp32 k, v, g and beta, in two halves of rows (the second for deferred commits)
+        inputs = (16 * 128 + 32 * 128 + 32 + 32) * 4
         return Expected(
             state=24 * (slots + 1) * per_slot,
-            scratch=24 * scratch_rows * dmax * per_step,
+            scratch=24 * scratch_rows * dmax * (conv + 2 * inputs),
             kv_per_page=2 * 8 * ps * 4 * 256 * 2,
             table=table,
         )

@@ -105,6 +105,10 @@ class HybridBackend:
         move_verify: a chain verify batch of the same rows as the last one, at other positions, is that batch
             rewritten in place (`BatchBuilder`'s `move_verify`: a speculative target's and a chained drafter's
             block batches).
+        defer_commit: GDN commits are deferred (`hyspec_kernels.gdn.pending`): a commit makes the accepted
+            tokens the slots' pending ones, and every forward applies a slot's pending tokens first (decode
+            and verify in their kernel, a prefill by a replay before it) and clears them; readers outside a
+            forward call `pool.apply_pending`. A round then reads and writes each GDN state once.
 
     Batches are built by its `BatchBuilder` (how they share preallocated buffers and what `num_builds`
     counts: see there; a MIXED step's by a `MixedBuilder` over two), the commit after verify is its
@@ -121,10 +125,16 @@ class HybridBackend:
         max_tokens: int | None = None,
         mixed_steps: bool = False,
         move_verify: bool = False,
+        defer_commit: bool = False,
     ) -> None:
         self.pool = pool
         self.kinds = check_routing(layers, layer_types, pool.plan.specs)
         self.num_layers = len(layers)
+        gdn_ids = [i for i, kind in enumerate(self.kinds) if kind is MixerKind.GDN]
+        # only a pool that keeps verify inputs has anything to defer
+        self.defer_commit = defer_commit and bool(gdn_ids) and pool.plan.scratch_rows > 0
+        # the forward's last GDN layer clears the batch's pending tokens, once every layer has applied them
+        self._last_gdn = gdn_ids[-1] if gdn_ids else -1
         # kernels' own value checks (hyspec_kernels.value_checks): a debug pool asks for them on CUDA too
         self._kernel_checks: bool | None = True if pool.debug else None
 
@@ -145,7 +155,9 @@ class HybridBackend:
             raise ValueError("mixed_steps: MIXED forwards verify blocks, the pool has no verify scratch")
         self._mixed = MixedBuilder(self.builder, new_builder()) if mixed_steps else None
         # job 3, the commit after verify
-        self.committer = VerifyCommitter(pool, kinds=self.kinds, kernel_checks=self._kernel_checks)
+        self.committer = VerifyCommitter(
+            pool, kinds=self.kinds, kernel_checks=self._kernel_checks, defer=self.defer_commit
+        )
 
     # ---------------------------------------------------------------- batch metadata (`BatchBuilder`)
 
@@ -305,7 +317,7 @@ class HybridBackend:
                     for x, pa, pb, pt in parts
                 ]
             )
-        return run_gdn(
+        o = run_gdn(
             self.pool,
             layer,
             mixed_qkv,
@@ -316,7 +328,12 @@ class HybridBackend:
             dt_bias=dt_bias,
             batch=batch,
             kernel_checks=self._kernel_checks,
+            defer=self.defer_commit,
         )
+        if self.defer_commit and layer.layer_id == self._last_gdn and batch.state_slots is not None:
+            # every layer applied the pending tokens: forget them (a verify's commit sets new ones)
+            self.pool.states.clear_pending(batch.state_slots.tensor)
+        return o
 
     def short_conv(
         self,

@@ -75,8 +75,10 @@ def run_gdn(
     dt_bias: Tensor,
     batch: ForwardBatch,
     kernel_checks: bool | None,
+    defer: bool = False,
 ) -> Tensor:
-    """Gated DeltaNet core. mixed_qkv [T, 2·HK·K + HV·V] (pre-conv), a/b [T, HV] -> o [T, HV, V]."""
+    """Gated DeltaNet core. mixed_qkv [T, 2·HK·K + HV·V] (pre-conv), a/b [T, HV] -> o [T, HV, V]; `defer`:
+    the pool's pending tokens are applied first (`HybridBackend`'s `defer_commit`)."""
     hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
     t = batch.num_tokens
     if t == 0:
@@ -105,6 +107,7 @@ def run_gdn(
         beta,
         state=st.recurrent,
         replay=st.replay,
+        pending=st.pending if defer else None,
         batch=batch,
         check_indices=kernel_checks,
     )

@@ -5,7 +5,7 @@ TARGET_VERIFY. `layer_kernels.run_gdn` / `run_short_conv` call these with the ba
 from __future__ import annotations
 
 from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
-from hyspec_kernels.gdn import gdn_decode, gdn_prefill, gdn_verify
+from hyspec_kernels.gdn import PendingTokens, apply_pending, gdn_decode, gdn_prefill, gdn_verify
 from hyspec_statepool.state_pool import ReplayInputs
 from torch import Tensor
 
@@ -85,17 +85,22 @@ def mode_recurrence(
     replay: ReplayInputs | None,
     batch: ForwardBatch,
     check_indices: bool | None,
+    pending: PendingTokens | None = None,
 ) -> Tensor:
     """The gated delta rule of a GDN layer in the batch's mode. q/k [T, HK, K], v [T, HV, V], g/beta [T, HV]
     fp32 -> o [T, HV, V]; `check_indices`: the backend's kernel-check setting.
 
     A verify keeps, per (batch row, step), the step's inputs (`replay`: the commit replays the accepted
-    steps, `gdn_replay`), no state."""
+    steps, `gdn_replay`), no state. With `pending` (deferred commits) each slot's pending tokens are applied
+    first: by the decode and verify kernels themselves (a verify then keeps its inputs at the slots' next
+    rows), by a replay before a prefill."""
     assert batch.state_slots is not None and batch.batch_rows is not None
     slots = batch.state_slots.tensor
     if batch.mode is ForwardMode.DECODE:
         # slots come from the pool (checked at prepare time): no per-layer host read of the indices
-        return gdn_decode(q, k, v, g, beta, state=state, state_slots=slots, check_indices=False)
+        return gdn_decode(
+            q, k, v, g, beta, state=state, state_slots=slots, pending=pending, check_indices=False
+        )
     if batch.mode is ForwardMode.TARGET_VERIFY:
         n, d = batch.num_seqs, batch.verify_len
         if replay is None:
@@ -113,11 +118,15 @@ def mode_recurrence(
             scratch=None,
             scratch_rows=None,
             parents=batch.tree_parents,  # a tree's branch states are recomputed in the kernel
-            keep_inputs=(replay.k, replay.v, replay.g, replay.beta),
-            input_rows=batch.batch_rows.tensor,
+            keep_inputs=None if pending is not None else (replay.k, replay.v, replay.g, replay.beta),
+            input_rows=None if pending is not None else batch.batch_rows.tensor,
+            pending=pending,
             check_indices=False,
         )
         return o.reshape(n * d, *v.shape[1:])
+    if pending is not None:
+        # a prefill reads the committed state of rows that continue (a decode riding in a prompt step)
+        apply_pending(pending, state, slots)
     out = gdn_prefill(
         q,
         k,

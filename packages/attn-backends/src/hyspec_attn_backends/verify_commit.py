@@ -29,14 +29,22 @@ class VerifyCommitter:
         pool: the statepool holding the KV, recurrent state and verify scratch.
         kinds: the mixer kind of every layer (`check_routing`): which layers hold state, which hold KV.
         kernel_checks: the kernels' value-check setting (`hyspec_kernels.value_checks`).
+        defer: GDN commits are deferred (`HybridBackend`'s `defer_commit`): the verify kept its inputs at the
+            slots' next rows, the accepted tokens become their pending ones.
     """
 
     def __init__(
-        self, pool: HybridStatePool, *, kinds: Sequence[MixerKind], kernel_checks: bool | None = None
+        self,
+        pool: HybridStatePool,
+        *,
+        kinds: Sequence[MixerKind],
+        kernel_checks: bool | None = None,
+        defer: bool = False,
     ) -> None:
         self.pool = pool
         self.kinds = tuple(kinds)
         self._kernel_checks = kernel_checks
+        self.defer = defer
 
     def commit_every_row(self, *, batch: ForwardBatch, num_accepted: Tensor) -> Tensor:
         """`commit_after_verify` of a chain batch over every row of its batch size, padded ones included:
@@ -125,6 +133,7 @@ class VerifyCommitter:
                 check_unique=self.pool.debug,
                 verify_len=batch.verify_len,
                 tile_seqs=batch.num_seqs,
+                defer=self.defer,
             ).steps
         else:
             steps = commit_steps(num_accepted=num_accepted, accept_paths=accept_paths)

@@ -234,6 +234,8 @@ class HyspecModelRunner:
             mixed_steps=spec_config is not None,
             # a round's verify batch is the last round's rewritten at the new prefixes
             move_verify=spec_config is not None,
+            # GDN commits ride on the next forward: a round reads and writes each state once
+            defer_commit=spec_config is not None,
         )
         self._sampler = Sampler(self._device, seed=args.seed)
         # the target's forward returns the layers a model drafter reads too (decode stays graphed with one)

@@ -43,6 +43,7 @@ def commit_accepted_states(
     backend: Literal["auto", "triton", "torch", "reference"] = "auto",
     verify_len: int | None = None,
     tile_seqs: int | None = None,
+    defer: bool = False,
 ) -> CommitIndices:
     """Copy each request's accepted verify step into its state slot (and a boundary step into its track slot).
 
@@ -63,6 +64,10 @@ def commit_accepted_states(
         verify_len: the verified block's length D (default Dmax): a chain's replay walks D steps, not Dmax.
         tile_seqs: the verify's batch size, padding included: the replay kernel picks its tiles (and so its
             reduction order) for it, as the verify and decode kernels did.
+        defer: the verify ran with the pool's pending tokens (`hyspec_kernels.gdn.pending`: its inputs are at
+            the slots' next rows, not at batch rows): the accepted GDN steps become each slot's pending
+            tokens, replayed by its next forward (or `pool.apply_pending`), except at a track boundary,
+            whose state is needed now.
     Returns:
         The commit and track steps actually used.
     """
@@ -148,6 +153,11 @@ def commit_accepted_states(
             col = torch.arange(verify_len or dmax, device=device)[None, :]
             paths = torch.where(col <= steps_dev[:, None], col, -1)  # [N, D]
         live = torch.where(steps_dev >= 0, slots.tensor, -1)  # [N]
+        rows = batch_rows.tensor
+        if defer:
+            live, rows = _defer(pool, slots.tensor, live, paths, t_steps_dev)
+            if t_steps_dev is None:
+                replayed = []  # nothing to replay now: no row crosses a track boundary
         for state, inputs in replayed:
             gdn_replay(
                 inputs.k,
@@ -156,7 +166,7 @@ def commit_accepted_states(
                 inputs.beta,
                 state=state,
                 state_slots=live,
-                rows=batch_rows.tensor,
+                rows=rows,
                 paths=paths,
                 track_slots=t_slots,
                 track_steps=t_steps_dev,
@@ -165,3 +175,33 @@ def commit_accepted_states(
                 tile_seqs=tile_seqs,
             )
     return CommitIndices(steps, t_steps)
+
+
+def _defer(
+    pool: HybridStatePool,
+    slots: torch.Tensor,  # [N] the verified rows' slots (-1 padded)
+    live: torch.Tensor,  # [N] slots of the rows committing (-1 skipped)
+    paths: torch.Tensor,  # [N, D] accepted block indices, -1 after
+    track_steps: torch.Tensor | None,  # [N]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deferred commit: the accepted paths become the slots' pending tokens at the rows the verify kept
+    their inputs at; -> (slots to replay now, their input rows): the rows crossing a track boundary (their
+    track slot needs the state there now), -1 elsewhere. Device ops only (a commit graph captures them)."""
+    st = pool.states
+    half = pool.plan.scratch_rows
+    s = slots.long()
+    at = torch.where(s >= 0, s, 0)  # padded rows write the dummy slot 0 its own values
+    rows = st.pending_rows[at]  # [N]
+    written = torch.where((s >= 0) & (rows >= 0), (rows + half) % (2 * half), -1)  # where the verify wrote
+    now = (
+        (live >= 0) & (track_steps >= 0) if track_steps is not None else torch.zeros_like(s, dtype=torch.bool)
+    )
+    later = (live >= 0) & ~now
+    wide = torch.full((len(s), st.pending_paths.shape[1]), -1, dtype=torch.int32, device=s.device)
+    wide[:, : paths.shape[1]] = paths
+    # a row that commits nothing (or all of it now) has nothing pending: its verify applied what it had
+    st.pending_paths[at] = torch.where(
+        (s >= 0)[:, None], torch.where(later[:, None], wide, -1), st.pending_paths[at]
+    )
+    st.pending_rows[at] = torch.where(written >= 0, written, rows).to(torch.int32)
+    return torch.where(now, live, -1), written.clamp(min=0)

@@ -7,8 +7,11 @@ page: `RequestTable.kv_slots`).
 
 GDN layers commit a verify by replay (`hyspec_kernels.gdn.gdn_replay`): instead of a recurrent state per
 verify step (2 MiB a layer at the 9B shape), their scratch keeps each step's inputs, `scratch.<g>.replay_k`
-`[L, R, Dmax, HK, K]`, `replay_v` `[L, R, Dmax, HV, V]`, `replay_g` and `replay_beta` `[L, R, Dmax, HV]`, all
-fp32 (so the replay runs on exactly what the verify ran on: 25 KiB a layer at the 9B shape).
+`[L, 2R, Dmax, HK, K]`, `replay_v` `[L, 2R, Dmax, HV, V]`, `replay_g` and `replay_beta` `[L, 2R, Dmax, HV]`,
+all fp32 (so the replay runs on exactly what the verify ran on: 25 KiB a layer and row at the 9B shape). Two
+halves of R rows: a commit replayed at once uses the first (by batch row); a deferred one (the next forward
+replays it, `hyspec_kernels.gdn.pending`) keeps a slot's pending tokens in one half and its next block's in
+the other.
 """
 
 from __future__ import annotations
@@ -88,7 +91,8 @@ def scratch_tensors(
     groups: tuple[StateGroup, ...], *, rows: int, max_draft_tokens: int, dtypes: StateDtypes
 ) -> list[TensorSpec]:
     """Verify scratch, `[L, rows, Dmax, *E]`, indexed by batch row; none when `rows` is 0 (no speculation).
-    GDN layers keep their steps' inputs instead of their recurrent states (module docstring)."""
+    GDN layers keep their steps' inputs instead of their recurrent states, in `2 * rows` rows (module
+    docstring)."""
     if rows == 0:
         return []
     out: list[TensorSpec] = []
@@ -97,7 +101,7 @@ def scratch_tensors(
         for name, shape in g.spec.state_shapes().items():
             if name == "recurrent" and isinstance(g.spec, GDNSpec):
                 out += [
-                    TensorSpec(f"scratch.{g.name}.{n}", (*lead, *e), torch.float32)
+                    TensorSpec(f"scratch.{g.name}.{n}", (lead[0], 2 * rows, lead[2], *e), torch.float32)
                     for n, e in _replay(g.spec)
                 ]
             else:

@@ -95,6 +95,7 @@ class HybridStatePool:
         for req_id, row, slot in zip(new, rows, slots, strict=True):
             self._live[req_id] = _Live(row, slot, [])
         self.table.map_slot(rows, slots)
+        self.states.set_homes(slots, rows)  # a deferred commit's input rows: the request row's
         return self.req_rows(req_ids)
 
     def free(self, req_ids: Sequence[Hashable]) -> None:
@@ -109,6 +110,7 @@ class HybridStatePool:
             self.kv.free(live.pages)
             self.table.clear_pages(live.row, 0)
             self.states.free([live.slot])
+            self.states.set_homes([live.slot], [-1])
             self._free_rows.append(live.row)
             freed_rows.append(live.row)
         # an unmapped row points at the dummy slot 0, so a stale row can never reach a reused slot
@@ -282,6 +284,14 @@ class HybridStatePool:
     def commit_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`(state [L, S + 1, *E], scratch [L, R, Dmax, *E])` pairs of every state kept per verify step."""
         return self.states.commit_pairs()
+
+    def apply_pending(self, slots: StateSlots) -> None:
+        """These slots' GDN states take their pending tokens (a deferred commit, `defer=True` in
+        `commit_accepted_states`), which are then forgotten: a reader of a slot's state outside a forward (a
+        copy, a snapshot) calls it first; forwards apply them themselves."""
+        if slots.bound != self.plan.num_state_slots + 1:
+            raise ValueError(f"slots: expected slots of this pool, got {slots!r}")
+        self.states.apply_pending(slots.tensor)
 
     def replay_layers(self) -> list[tuple[torch.Tensor, ReplayInputs]]:
         """`(state [L, S + 1, HV, K, V], inputs [L, R, Dmax, ...])` per group of GDN layers, replayed by the

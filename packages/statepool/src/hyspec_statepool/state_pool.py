@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from hyspec_kernels.gdn import PendingTokens, apply_pending
 
 from hyspec_statepool.errors import DoubleFreeError, PoolExhaustedError
 from hyspec_statepool.layout import REPLAY_INPUTS, group_linear_layers
@@ -41,6 +42,7 @@ class LinearLayerState:
     recurrent: torch.Tensor | None  # [S + 1, HV, K, V]
     conv_scratch: torch.Tensor | None  # [R, Dmax, C, W - 1]
     replay: ReplayInputs | None = None
+    pending: PendingTokens | None = None  # a deferred commit's view (the layer's inputs, the pool's tables)
 
 
 class RecurrentStatePool:
@@ -54,6 +56,12 @@ class RecurrentStatePool:
             t.name: torch.empty(t.shape, dtype=t.dtype, device=device) for t in plan.scratch_tensors
         }
         self._where = {lid: (g, i) for g in self.groups for i, lid in enumerate(g.layer_ids)}
+        # deferred commits (`hyspec_kernels.gdn.pending`), shared by every GDN layer: per slot, the input row
+        # of its pending tokens (its request row's, in one half) and their block indices (-1: none)
+        replays = any(name.endswith(".replay_k") for name in self.scratch)
+        dmax = plan.max_draft_tokens if replays else 0
+        self.pending_rows = torch.full((self.num_slots + 1,), -1, dtype=torch.int32, device=device)
+        self.pending_paths = torch.full((self.num_slots + 1, dmax), -1, dtype=torch.int32, device=device)
         if debug:
             for t in self.scratch.values():
                 t.fill_(float("nan"))
@@ -83,11 +91,19 @@ class RecurrentStatePool:
         inputs = [view("scratch", name) for name in REPLAY_INPUTS]
         k, v, g, beta = inputs
         replay = None if k is None or v is None or g is None or beta is None else ReplayInputs(k, v, g, beta)
+        pending = (
+            None
+            if replay is None
+            else PendingTokens(
+                (replay.k, replay.v, replay.g, replay.beta), self.pending_rows, self.pending_paths
+            )
+        )
         return LinearLayerState(
             conv=view("state", "conv"),
             recurrent=view("state", "recurrent"),
             conv_scratch=view("scratch", "conv"),
             replay=replay,
+            pending=pending,
         )
 
     def commit_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -120,6 +136,39 @@ class RecurrentStatePool:
                 out.append((state, ReplayInputs(k, v, gate, beta)))
         return out
 
+    def apply_pending(self, slots: torch.Tensor) -> None:
+        """Every GDN layer's state of these slots ([N], -1 skipped) takes its pending tokens (a deferred
+        commit), which are then cleared: what any reader but the decode and verify kernels needs first."""
+        if not self.pending_paths.shape[1] or not len(slots):
+            return
+        slots = slots.to(self.pending_rows.device)
+        for state, inputs in self.replay_layers():
+            apply_pending(
+                PendingTokens(
+                    (inputs.k, inputs.v, inputs.g, inputs.beta), self.pending_rows, self.pending_paths
+                ),
+                state,
+                slots,
+            )
+        self.clear_pending(slots)
+
+    def clear_pending(self, slots: torch.Tensor) -> None:
+        """Forget these slots' pending tokens ([N], -1 skipped): a forward or `apply_pending` applied them."""
+        if not self.pending_paths.shape[1] or not len(slots):
+            return
+        s = slots.to(self.pending_paths.device).long()
+        # a skipped row writes slot 0 (the dummy, never pending) its own value: no branch on the device
+        at = torch.where(s >= 0, s, 0)
+        self.pending_paths[at] = torch.where((s >= 0)[:, None], -1, self.pending_paths[at])
+
+    def set_homes(self, slots: list[int], rows: list[int]) -> None:
+        """Fresh slots (-1 rows: freed ones) own these input rows in the first half, with nothing pending."""
+        if not self.pending_paths.shape[1] or not slots:
+            return
+        at = to_device(slots, dtype=torch.long, device=self.pending_rows.device)
+        self.pending_rows[at] = to_device(rows, dtype=torch.int32, device=self.pending_rows.device)
+        self.pending_paths[at] = -1
+
     def alloc(self, n: int) -> list[int]:
         """Hand out `n` slots, zeroed so a new request never sees a previous one's state."""
         if n > len(self._free):
@@ -150,6 +199,9 @@ class RecurrentStatePool:
         for s in (src, dst):
             if not 1 <= s <= self.num_slots or not self._in_use[s]:
                 raise DoubleFreeError(f"state slot {s} is not allocated")
+        # the source's pending tokens belong in what is copied; the destination's state is overwritten
+        self.apply_pending(torch.tensor([src], device=self.pending_rows.device))
+        self.clear_pending(torch.tensor([dst], device=self.pending_rows.device))
         for tensor in self.states.values():
             tensor[:, dst].copy_(tensor[:, src])
 

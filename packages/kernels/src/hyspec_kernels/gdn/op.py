@@ -41,6 +41,7 @@ from .checks import (
     check_state,
     check_triton_dims,
 )
+from .pending import PendingTokens, apply_pending, check_pending, next_rows
 from .reference import CHUNK_SIZE
 
 
@@ -95,6 +96,7 @@ def _decode_triton(
     *,
     state: torch.Tensor,
     state_slots: torch.Tensor,
+    pending: PendingTokens | None = None,
 ) -> torch.Tensor:
     """Decode as a one-token verify block without scratch (the same recurrent kernel)."""
     one = (t.unsqueeze(1) for t in (q, k, v, g, beta))
@@ -106,6 +108,7 @@ def _decode_triton(
         scratch_rows=None,
         parents=None,
         write_state=True,
+        pending=pending,
     )
     return o.squeeze(1)
 
@@ -126,6 +129,7 @@ def _verify_triton(
     keep_inputs: reference.Inputs | None = None,
     input_rows: torch.Tensor | None = None,
     workspace: bool = False,
+    pending: PendingTokens | None = None,
 ) -> torch.Tensor:
     """The recurrent kernel over [N, D] blocks: verify (the steps' states to scratch, or nothing without
     scratch), or with `write_state` decode (the final state written back). `workspace`: the scratch is a
@@ -149,9 +153,10 @@ def _verify_triton(
         parents=None if parents is None else parents.contiguous(),
         out_dtype=q.dtype,
         verify=not write_state,
-        keep_inputs=keep_inputs,
+        keep_inputs=keep_inputs if pending is None else pending.inputs,
         input_rows=input_rows,
         branch_states_only=workspace,
+        pending=None if pending is None else (pending.rows, pending.paths),
     )
 
 
@@ -286,6 +291,7 @@ def gdn_decode(
     *,
     state: torch.Tensor,
     state_slots: torch.Tensor,
+    pending: PendingTokens | None = None,
     backend: Backend = "auto",
     check_indices: bool | None = None,
 ) -> torch.Tensor:
@@ -295,6 +301,8 @@ def gdn_decode(
         q, k: [N, HK, K] fp32/bf16/fp16. v: [N, HV, V], same dtype. g, beta: [N, HV] fp32.
         state: [S, HV, K, V] fp32/bf16 pool. state_slots: [N] in [0, S) or -1 (padded row: computed from a
             zero state, nothing read or written), distinct.
+        pending: deferred commits (`pending.py`): each slot's pending tokens are applied before its token
+            (the caller then clears `pending.paths` of these slots).
 
     Returns:
         o: [N, HV, V] in q's dtype.
@@ -309,12 +317,18 @@ def gdn_decode(
         check_distinct("state_slots", state_slots)
     else:
         state_slots = check_tensor("state_slots", state_slots, (num_seqs,), dtypes=INDEX_DTYPES, device=dev)
+    if pending is not None:
+        pending = check_pending(pending, state)
+        check_keep_inputs(pending.inputs, pending.rows[:0], k[:0, None], v[:0, None], False)
+        if resolve_backend(backend, dev) != "triton":
+            # the reference and torch paths apply the pending tokens first, as their own step
+            apply_pending(pending, state, state_slots, backend=backend)
     fn = implementation(
         backend,
         dev,
         reference=reference.reference_decode,
         torch_path=torch_impl.torch_decode,
-        triton=lambda: _decode_triton,
+        triton=lambda: partial(_decode_triton, pending=pending),
     )
     o: torch.Tensor = fn(q, k, v, g, beta, state=state, state_slots=state_slots)
     return o.to(q.dtype)
@@ -334,10 +348,11 @@ def gdn_verify(
     parents: torch.Tensor | None = None,
     keep_inputs: reference.Inputs | None = None,
     input_rows: torch.Tensor | None = None,
+    pending: PendingTokens | None = None,
     backend: Backend = "auto",
     check_indices: bool | None = None,
 ) -> torch.Tensor:
-    """Verify blocks of D tokens per sequence (chain or tree). Never writes `state`.
+    """Verify blocks of D tokens per sequence (chain or tree). Never writes `state` (but with `pending`).
 
     Args:
         q, k: [N, D, HK, K] fp32/bf16/fp16. v: [N, D, HV, V], same dtype. g, beta: [N, D, HV] fp32.
@@ -355,6 +370,10 @@ def gdn_verify(
             continues from the committed state. None means a chain. In tree mode with scratch a token's start
             state is re-read from it, so every row with a state slot needs a scratch row; rows with neither
             get unspecified output.
+        pending: deferred commits (`pending.py`), instead of `keep_inputs` and `input_rows`: each slot's
+            pending tokens are applied first and the state reached is written back to the slot; the block's
+            inputs go to the slot's next rows (`next_rows`) of `pending.inputs` (the caller then makes them
+            the slot's pending tokens, or clears them).
 
     Returns:
         o: [N, D, HV, V] in q's dtype.
@@ -366,13 +385,29 @@ def gdn_verify(
         raise ValueError("scratch, scratch_rows: expected both or neither")
     if (keep_inputs is None) != (input_rows is None):
         raise ValueError("keep_inputs, input_rows: expected both or neither")
-    if keep_inputs is not None and input_rows is not None:
+    triton = resolve_backend(backend, dev) == "triton"
+    if pending is not None:
+        if keep_inputs is not None:
+            raise ValueError("keep_inputs, pending: expected one (pending keeps the inputs itself)")
+        pending = check_pending(pending, state)
+        if triton:
+            # the kernel finds each slot's next rows itself (no per-layer index ops in a graph): the buffers'
+            # shapes are checked here, with the slots standing in for the rows
+            keep_inputs, _ = check_keep_inputs(pending.inputs, state_slots, k, v, False)
+        else:
+            rows_at = pending.rows[state_slots.long().clamp(min=0)]
+            half = pending.inputs[0].shape[0] // 2
+            input_rows = torch.where(state_slots >= 0, next_rows(rows_at, half), -1)
+            keep_inputs, input_rows = check_keep_inputs(pending.inputs, input_rows, k, v, check_indices)
+            # the reference and torch paths apply the pending tokens first, as their own step
+            apply_pending(pending, state, state_slots, backend=backend)
+    elif keep_inputs is not None and input_rows is not None:
         keep_inputs, input_rows = check_keep_inputs(keep_inputs, input_rows, k, v, check_indices)
     workspace = scratch is None and parents is not None
     # the Triton kernel recomputes a tree token's start state from the committed state along its parent's
     # path (`triton_recurrent`: no state stored); the others keep the states tokens restart from in a
     # workspace of this call
-    recompute = workspace and block <= MAX_RECOMPUTE_NODES and resolve_backend(backend, dev) == "triton"
+    recompute = workspace and block <= MAX_RECOMPUTE_NODES and triton
     if workspace and not recompute:
         scratch = torch.empty(num_seqs, block, hv, head_k, head_v, dtype=torch.float32, device=dev)
         scratch_rows = torch.arange(num_seqs, dtype=torch.int64, device=dev)
@@ -414,7 +449,7 @@ def gdn_verify(
         reference=reference.reference_verify,
         torch_path=torch_impl.torch_verify,
         # with a workspace, the Triton kernel writes to it only the states a later token restarts from
-        triton=lambda: partial(_verify_triton, workspace=workspace and not recompute),
+        triton=lambda: partial(_verify_triton, workspace=workspace and not recompute, pending=pending),
     )
     o = fn(
         q,

@@ -47,7 +47,7 @@ def _delta_step(b_s, b_k, b_v, b_g, b_beta):  # type: ignore[no-untyped-def]
     return b_s + b_k[:, None] * b_u[None, :]
 
 
-@jit_varying("slots_ptr", "rows_ptr", "parents_ptr", "in_rows_ptr")
+@jit_varying("slots_ptr", "rows_ptr", "parents_ptr", "in_rows_ptr", "pend_rows_ptr", "pend_paths_ptr")
 def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     q_ptr,  # [N, D, HK, K]
     k_ptr,  # [N, D, HK, K]
@@ -65,6 +65,10 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     gin_ptr,  # [R, Dmax, HV] fp32
     bin_ptr,  # [R, Dmax, HV] fp32
     in_rows_ptr,  # [N]
+    pend_rows_ptr,  # [S] (PENDING only): each slot's input row of its pending tokens, -1 none
+    pend_paths_ptr,  # [S, P] (PENDING only): each slot's pending block indices, -1 after
+    half_rows,  # R of the [2R, Dmax] input buffers (PENDING only)
+    path_len,  # P (PENDING only)
     num_steps,
     scale,
     s_sn,
@@ -87,6 +91,8 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     BRANCHES_ONLY: tl.constexpr,  # a tree's workspace: store only the states a later non-successor reads
     BD: tl.constexpr,  # next power of two of num_steps (BRANCHES_ONLY)
     RECOMPUTE: tl.constexpr,  # a tree without scratch (D <= MAX_RECOMPUTE_NODES): restarts recompute
+    PENDING: tl.constexpr,  # apply each slot's pending tokens (a deferred commit) before the block
+    BP: tl.constexpr,  # next power of two of path_len (PENDING)
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -107,6 +113,37 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     m_slot = m_kv & ((tl.zeros_like(o_k) + slot) >= 0)[:, None]
     p_state = state_ptr + tl.maximum(slot, 0) * s_sn + off_hkv
     b_s0 = tl.load(p_state, mask=m_slot, other=0.0).to(tl.float32)  # [BK, BV]
+    in_row = tl.load(in_rows_ptr + i_n).to(tl.int64)
+    if PENDING:
+        # a deferred commit: the previous verify's accepted tokens, kept at the slot's pending input row,
+        # are replayed here (the commit's `gdn_replay` steps) before the block, so the round reads and writes
+        # the state once; a verify writes the state it reached back (its block's own tokens then become
+        # the slot's pending ones, stored in the other half of the input buffers: no program of this launch
+        # reads what another writes)
+        p_slot = tl.maximum(slot, 0)
+        p_row = tl.load(pend_rows_ptr + p_slot).to(tl.int64)
+        # the whole path in one load; its tokens come first, -1 after: as many steps as it has tokens
+        o_p = tl.arange(0, BP)
+        p_path = tl.load(pend_paths_ptr + p_slot * path_len + o_p, mask=o_p < path_len, other=-1).to(tl.int64)
+        n_pend = tl.sum((p_path >= 0).to(tl.int32))
+        if (slot >= 0) & (p_row >= 0) & (n_pend > 0):
+            # each token's inputs are loaded one token ahead, as the block's below (a bound on load latency)
+            p_tok = p_row * in_dmax + tl.sum(tl.where(o_p == 0, p_path, 0))
+            n_ak = tl.load(kin_ptr + (p_tok * HK + i_hk) * K + o_k, mask=m_k, other=0.0)
+            n_av = tl.load(vin_ptr + (p_tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0)
+            n_ag = tl.load(gin_ptr + p_tok * HV + i_hv)
+            n_ab = tl.load(bin_ptr + p_tok * HV + i_hv)
+            for j in range(n_pend):
+                a_k, a_v, a_g, a_beta = n_ak, n_av, n_ag, n_ab
+                p_tok = p_row * in_dmax + tl.sum(tl.where(o_p == tl.minimum(j + 1, n_pend - 1), p_path, 0))
+                n_ak = tl.load(kin_ptr + (p_tok * HK + i_hk) * K + o_k, mask=m_k, other=0.0)
+                n_av = tl.load(vin_ptr + (p_tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0)
+                n_ag = tl.load(gin_ptr + p_tok * HV + i_hv)
+                n_ab = tl.load(bin_ptr + p_tok * HV + i_hv)
+                b_s0 = _delta_step(b_s0, _l2norm(a_k), a_v, a_g, a_beta)
+            if IS_VERIFY:
+                tl.store(p_state, b_s0.to(state_ptr.dtype.element_ty), mask=m_slot)
+        in_row = tl.where((slot >= 0) & (p_row >= 0), (p_row + half_rows) % (2 * half_rows), -1)
     b_s = b_s0
 
     # decode passes the slots here too; the row is only used when IS_VERIFY
@@ -115,7 +152,6 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     p_scratch = scratch_ptr + tl.maximum(row, 0) * s_xr + off_hkv
 
     tok = i_n * num_steps  # token index of step 0 in the [N * D] flattening
-    in_row = tl.load(in_rows_ptr + i_n).to(tl.int64)
     if BRANCHES_ONLY:
         o_d = tl.arange(0, BD)
         b_par = tl.load(parents_ptr + tok + o_d, mask=o_d < num_steps, other=-1).to(tl.int64)  # [BD]
@@ -229,6 +265,7 @@ def launch_recurrent(
     keep_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # k, v, g, beta
     input_rows: torch.Tensor | None = None,  # [N] rows of keep_inputs (-1: none)
     branch_states_only: bool = False,  # the scratch is a tree's workspace: only states read back are stored
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None,  # (rows [S], paths [S, P]) of keep_inputs
 ) -> torch.Tensor:
     """Runs decode (not `verify`: the final state written back) or verify (scratch or nothing written; a
     tree without scratch recomputes its branch states, D <= MAX_RECOMPUTE_NODES). Returns o [N, D, HV, V] in
@@ -250,6 +287,9 @@ def launch_recurrent(
         )
     xs = scratch if scratch is not None else state  # an unused pointer without scratch
     kin, vin, gin, bin_ = keep_inputs if keep_inputs is not None else (state, state, state, state)
+    if pending is not None and keep_inputs is None:
+        raise ValueError("pending: its tokens' inputs are read from keep_inputs, got none")
+    p_rows, p_paths = pending if pending is not None else (state_slots, state_slots)
     bv, num_warps = tiles if tiles is not None else default_tiles(num_seqs * num_v_heads, head_v)
     grid = (num_seqs * num_v_heads, triton.cdiv(head_v, bv))
     gdn_recurrent_fwd_kernel[grid](
@@ -269,6 +309,10 @@ def launch_recurrent(
         gin,
         bin_,
         input_rows if input_rows is not None else state_slots,
+        p_rows,
+        p_paths,
+        kin.shape[0] // 2 if pending is not None else 0,
+        p_paths.shape[1] if pending is not None else 0,
         steps,
         head_k**-0.5,
         state.stride(0),
@@ -287,11 +331,14 @@ def launch_recurrent(
         IS_VERIFY=is_verify,
         IS_TREE=parents is not None,
         STORE_STEPS=store_steps,
-        STORE_INPUTS=keep_inputs is not None,
+        # a decode given pending tokens reads the input buffers, never writes them
+        STORE_INPUTS=keep_inputs is not None and is_verify,
         BRANCHES_ONLY=branch_states_only and parents is not None,
         # only the tree workspace reads BD: a chain keeps one compiled kernel for every block length
         BD=triton.next_power_of_2(steps) if branch_states_only and parents is not None else 1,
         RECOMPUTE=parents is not None and scratch is None,
+        PENDING=pending is not None,
+        BP=triton.next_power_of_2(max(1, pending[1].shape[1])) if pending is not None else 1,
         num_warps=num_warps,
     )
     return o
