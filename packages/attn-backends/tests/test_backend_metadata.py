@@ -600,3 +600,30 @@ def test_cuda_verify_batches_moved_on_equal_fresh_builds_without_a_sync() -> Non
         assert _fields(got[0]) == _fields(got[1]), k
         _poison_steppable_fields(moving)
     assert builds[0] == 1  # the first round; the other eleven rewritten
+
+
+def test_tree_ancestor_mask_is_the_ancestor_relation() -> None:
+    """The closure by squaring against the node-by-node rule (a node sees itself and its ancestors; depth
+    counts them), on random trees of 1 to 40 nodes, including chains, stars and deep paths."""
+    from hyspec_attn_backends import tree_ancestor_mask
+
+    gen = torch.Generator().manual_seed(3)
+    for d in (1, 2, 3, 4, 5, 8, 17, 40):
+        parents = torch.full((6, d), -1, dtype=torch.int32)
+        for j in range(1, d):
+            parents[:, j] = torch.randint(0, j, (6,), generator=gen)
+        parents[0, 1:] = torch.arange(d - 1)  # a chain: the deepest path
+        parents[1, 1:] = 0  # a star
+        mask, depth = tree_ancestor_mask(parents)
+        assert mask.dtype == torch.bool and depth.dtype == torch.int64
+        for i in range(6):
+            want = [[False] * d for _ in range(d)]
+            want_depth = [0] * d
+            want[0][0] = True
+            for j in range(1, d):
+                p = int(parents[i, j])
+                want[j] = [*want[p]]
+                want[j][j] = True
+                want_depth[j] = want_depth[p] + 1
+            assert mask[i].tolist() == want, (d, i)
+            assert depth[i].tolist() == want_depth, (d, i)

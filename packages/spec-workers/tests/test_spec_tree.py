@@ -190,3 +190,48 @@ def test_build_keeps_fewer_nodes_where_asked_and_lands_where_asked() -> None:
     assert torch.equal(part.tokens, full.tokens) and part.node_counts() == [4, 1, 4]
     # the row without drafts verifies its root alone: padding nodes form a chain no walk reaches
     assert part.first_child[1].tolist() == [-1, -1, -1, -1] and torch.equal(part.parents[0], full.parents[0])
+
+
+def _loop_reference(
+    parents: list[int], num_nodes: int
+) -> tuple[list[list[bool]], list[int], list[int], list[int]]:
+    """One row's mask, depth, first child and next sibling, node by node (the definition): padded nodes
+    (index >= num_nodes) continue a chain from the node before and have no children or siblings."""
+    d = len(parents)
+    par = [parents[j] if j < num_nodes else j - 1 for j in range(d)]
+    mask = [[False] * d for _ in range(d)]
+    depth, first, nxt, last = [0] * d, [-1] * d, [-1] * d, [-1] * d
+    mask[0][0] = True
+    for j in range(1, d):
+        p = par[j]
+        mask[j] = [*mask[p]]
+        mask[j][j] = True
+        depth[j] = depth[p] + 1
+        if j < num_nodes:
+            if last[p] < 0:
+                first[p] = j
+            else:
+                nxt[last[p]] = j
+            last[p] = j
+    return mask, depth, first, nxt
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_from_parents_equals_the_node_by_node_definition(seed: int) -> None:
+    """The whole-block derivation (closure by squaring, first-True argmax) against the node-by-node rule, on
+    random trees of every width up to 16 nodes, with padded nodes."""
+    gen = torch.Generator().manual_seed(seed)
+    for d in (1, 2, 3, 6, 9, 16):
+        n = 5
+        parents = torch.full((n, d), -1, dtype=torch.int64)
+        for j in range(1, d):
+            parents[:, j] = torch.randint(0, j, (n,), generator=gen)
+        num_nodes = torch.randint(1, d + 1, (n,), generator=gen)
+        tokens = torch.randint(0, 100, (n, d), generator=gen)
+        tree = VerifyTree.from_parents(tokens, parents, num_nodes)
+        for i in range(n):
+            mask, depth, first, nxt = _loop_reference(parents[i].tolist(), int(num_nodes[i]))
+            assert tree.tree_mask[i].tolist() == mask, (d, i)
+            assert tree.depth[i].tolist() == depth, (d, i)
+            assert tree.first_child[i].tolist() == first, (d, i)
+            assert tree.next_sibling[i].tolist() == nxt, (d, i)

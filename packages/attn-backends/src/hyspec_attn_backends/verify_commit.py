@@ -179,11 +179,12 @@ class VerifyCommitter:
         moved = (depth <= num_accepted[:, None]) & (paths.long() != depth)  # [N, D]
         src = torch.where(moved, block_slots.gather(1, paths.clamp(min=0).long()), block_slots).reshape(-1)
         dst = block_slots.reshape(-1)
-        for i, kind in enumerate(self.kinds):
-            if kind is not MixerKind.ATTENTION:
-                continue
-            for cache in self.pool.kv_cache(i):
-                flat = cache.view(-1, *cache.shape[2:])  # [P * page_size, HKV, Dh]
-                # the gather (advanced indexing: a new tensor) reads every source before the scatter writes:
-                # a destination may be another position's source within one request
-                flat[dst] = flat[src]
+        if not any(kind is MixerKind.ATTENTION for kind in self.kinds):
+            return
+        # every attention layer at once: the pool's caches hold exactly this model's attention layers
+        for cache in (self.pool.kv.k, self.pool.kv.v):
+            assert cache is not None
+            flat = cache.view(cache.shape[0], -1, *cache.shape[3:])  # [Lkv, P * page_size, HKV, Dh]
+            # the gather (advanced indexing: a new tensor) reads every source before the scatter writes: a
+            # destination may be another position's source within one request
+            flat[:, dst] = flat[:, src]

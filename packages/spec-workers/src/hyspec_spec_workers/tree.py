@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+from hyspec_attn_backends.batch import tree_ancestor_mask
 from hyspec_statepool.transfer import to_device
 
 
@@ -167,26 +168,14 @@ class VerifyTree:
             raise ValueError("parents: expected -1 for the root (column 0) of every row")
         if d > 1 and n and not bool(((parents[:, 1:] >= 0) & (parents[:, 1:] < col[:, 1:])).all()):
             raise ValueError("parents: expected 0 <= parents[n, j] < j for every node j >= 1")
-        rows = torch.arange(n, device=dev)
-        depth = torch.zeros(n, d, dtype=torch.int64, device=dev)
-        mask = torch.zeros(n, d, d, dtype=torch.bool, device=dev)
-        first_child = torch.full((n, d), -1, dtype=torch.int64, device=dev)
-        next_sibling = torch.full((n, d), -1, dtype=torch.int64, device=dev)
-        # last child seen so far per parent, to link siblings in increasing index order
-        last_child = torch.full((n, d), -1, dtype=torch.int64, device=dev)
-        mask[:, 0, 0] = True
-        for j in range(1, d):
-            p = parents[:, j]  # [N]
-            depth[:, j] = depth[rows, p] + 1
-            mask[:, j] = mask[rows, p]
-            mask[:, j, j] = True
-            r = real[:, j]
-            prev = last_child[rows, p]
-            no_prev = r & (prev < 0)
-            first_child[rows[no_prev], p[no_prev]] = j
-            has_prev = r & (prev >= 0)
-            next_sibling[rows[has_prev], prev[has_prev]] = j
-            last_child[rows[r], p[r]] = j
+        mask, depth = tree_ancestor_mask(parents)  # [N, D, D], [N, D]
+        # whole-block ops, no loop over nodes: a real node's first child is the smallest real j whose parent
+        # it is, its next sibling the smallest real k > j with its parent (argmax picks the first True)
+        kid = real[:, None, :] & (parents[:, None, :] == col[:, :, None]) & (col[:, None, :] > 0)  # [N, D, D]
+        first_child = torch.where(kid.any(-1), kid.to(torch.int8).argmax(-1), -1)
+        later = col[:, None, :] > col[:, :, None]  # [N, D, D]: k > j
+        sib = later & real[:, None, :] & real[:, :, None] & (parents[:, None, :] == parents[:, :, None])
+        next_sibling = torch.where(sib.any(-1), sib.to(torch.int8).argmax(-1), -1)
         is_chain = bool((parents == col - 1).all())
         counts = tuple(int(k) for k in num_nodes.tolist())
         tree = VerifyTree(tokens, parents, num_nodes, depth, mask, first_child, next_sibling, is_chain)
