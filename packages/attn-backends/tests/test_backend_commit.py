@@ -30,7 +30,7 @@ LAYERS, TYPES, VOCAB = TOY_LAYERS, TOY_LAYER_TYPES, TOY_VOCAB
 Toy = ToyStack
 
 
-def _backend(num_state_slots: int = 9, *, mixed_steps: bool = False) -> HybridBackend:
+def _backend(num_state_slots: int = 9, *, mixed_steps: bool = False, defer: bool = False) -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
         max_context=32,
@@ -42,7 +42,7 @@ def _backend(num_state_slots: int = 9, *, mixed_steps: bool = False) -> HybridBa
         dtypes=F32,
     )
     pool = HybridStatePool(plan, debug=True)
-    return HybridBackend(pool, layers=LAYERS, layer_types=TYPES, mixed_steps=mixed_steps)
+    return HybridBackend(pool, layers=LAYERS, layer_types=TYPES, mixed_steps=mixed_steps, defer_commit=defer)
 
 
 def _extend(toy: Toy, be: HybridBackend, seqs: dict[str, list[int]], lens: dict[str, int]) -> None:
@@ -94,9 +94,9 @@ def _sequential(toy: Toy, prompt: list[int], accepted: list[int]) -> HybridBacke
 
 
 def _setup(
-    n: int, *, mixed_steps: bool = False
+    n: int, *, mixed_steps: bool = False, defer: bool = False
 ) -> tuple[Toy, HybridBackend, list[str], dict[str, list[int]], dict[str, int]]:
-    toy, be = Toy(), _backend(mixed_steps=mixed_steps)
+    toy, be = Toy(), _backend(mixed_steps=mixed_steps, defer=defer)
     be.pool.alloc_detached_slots(2)  # so state slots and request rows differ
     g = torch.Generator().manual_seed(1)
     ids = [f"r{i}" for i in range(n)]
@@ -126,6 +126,57 @@ def test_chain_commit_every_k_equals_sequential() -> None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         n = lens[r] + i + 1
         torch.testing.assert_close(_kv(be, r, n), _kv(ref, "s", n))
+
+
+@pytest.mark.parametrize("then", ["decode", "extend", "verify"])
+def test_a_deferred_commit_is_applied_by_every_next_forward(then: str) -> None:
+    """`defer_commit=True`: after a verify and its commit the GDN states still lack the accepted tokens
+    (pending); the next forward, a decode, a prefill-style EXTEND (a decode riding in a prompt step) or a
+    verify, applies them first: its states equal running the accepted tokens and the next one in order."""
+    d = 5
+    toy, be, ids, prompts, lens = _setup(d, defer=True)
+    g = torch.Generator().manual_seed(5)
+    blocks = torch.randint(0, VOCAB, (d, d), generator=g)
+    ids_rev = ids[::-1]
+    be.pool.ensure_kv_capacity(ids_rev, [lens[r] + d for r in ids_rev])
+    batch = be.prepare_verify(
+        req_rows=be.pool.req_rows(ids_rev), block_tokens=blocks, prefix_lens=[lens[r] for r in ids_rev]
+    )
+    toy.run(be, batch)
+    ks = torch.arange(d)
+    be.commit_after_verify(batch=batch, num_accepted=ks)
+    slots = be.pool.state_slots(be.pool.req_rows(ids_rev)).tensor.long()
+    pending = be.pool.states.pending_paths[slots]
+    assert [int((row >= 0).sum()) for row in pending] == [k + 1 for k in ks.tolist()]
+    for i, r in enumerate(ids_rev):
+        lens[r] += i + 1
+    nxt = torch.randint(0, VOCAB, (d,), generator=g)
+    order = ids  # batch rows differ from the verify's
+    nxt_of = {r: int(nxt[i]) for i, r in enumerate(order)}
+    if then == "decode":
+        be.pool.ensure_kv_capacity(order, [lens[r] + 1 for r in order])
+        step = be.prepare_decode(
+            req_rows=be.pool.req_rows(order),
+            input_ids=torch.tensor([nxt_of[r] for r in order]),
+            prefix_lens=[lens[r] for r in order],
+        )
+        toy.run(be, step)
+    elif then == "extend":
+        _extend(toy, be, {r: [nxt_of[r]] for r in order}, dict(lens))
+    else:
+        be.pool.ensure_kv_capacity(order, [lens[r] + 2 for r in order])
+        block = torch.stack([torch.tensor([nxt_of[r], 0]) for r in order])
+        step = be.prepare_verify(
+            req_rows=be.pool.req_rows(order), block_tokens=block, prefix_lens=[lens[r] for r in order]
+        )
+        toy.run(be, step)
+        be.commit_after_verify(batch=step, num_accepted=torch.zeros(d, dtype=torch.int64))
+        be.pool.apply_pending(be.pool.state_slots(be.pool.req_rows(order)))
+    assert bool((be.pool.states.pending_paths[slots] == -1).all())
+    for i, r in enumerate(ids_rev):
+        ref = _sequential(toy, prompts[r], [*blocks[i, : i + 1].tolist(), nxt_of[r]])
+        for got, want in zip(_states(be, r), _states(ref, "s"), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 TREE = [-1, 0, 0, 1, 2, 4]

@@ -141,3 +141,45 @@ def test_pending_validation_names_the_argument() -> None:
     with pytest.raises(ValueError, match="pending: expected a PendingTokens"):
         gdn_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state=state, state_slots=slots,
                    pending=(1, 2, 3))  # type: ignore[arg-type]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_deferred_commit_is_bitwise_the_commit_at_once(dtype: torch.dtype) -> None:
+    """Triton, one batch size: verify, replay at once, decode against the same verify deferred and a decode
+    applying the pending tokens: identical outputs and states, for fp32 and bf16 state pools (the kernel
+    continues from the applied state as stored)."""
+    n, d = 3, 4
+    gen = torch.Generator().manual_seed(6)
+    slots = torch.tensor([4, 1, 3])
+    homes = torch.tensor([2, 0, 1], dtype=torch.int32)
+    q, k, v, g, beta = _tokens(gen, d)
+    q, k, v, g, beta = q[:n], k[:n], v[:n], g[:n], beta[:n]
+    q2, k2, v2, g2, beta2 = (t[:n, 0] for t in _tokens(gen, 1))
+    paths = torch.tensor([[0, 1, 2, -1], [0, -1, -1, -1], [0, 1, 2, 3]])
+    base = (torch.randn(6, HV, DK, DV, generator=gen) * 0.5).to(dtype)
+
+    def buffers() -> tuple[torch.Tensor, ...]:
+        return tuple(
+            torch.full(shape, NAN) for shape in ((8, d, HK, DK), (8, d, HV, DV), (8, d, HV), (8, d, HV))
+        )
+
+    s_now, ins_now = base.clone(), buffers()
+    gdn_verify(q, k, v, g, beta, state=s_now, state_slots=slots, scratch=None, scratch_rows=None,
+               keep_inputs=ins_now, input_rows=torch.arange(n), backend="triton")  # type: ignore[arg-type]  # fmt: skip
+    gdn_replay(*ins_now, state=s_now, state_slots=slots, rows=torch.arange(n), paths=paths, backend="triton",
+               tile_seqs=n)  # fmt: skip
+    o_now = gdn_decode(q2, k2, v2, g2, beta2, state=s_now, state_slots=slots, backend="triton")
+    s_def, ins_def = base.clone(), buffers()
+    rows = torch.full((6,), -1, dtype=torch.int32)
+    rows[slots] = homes
+    pend = torch.full((6, d), -1, dtype=torch.int32)
+    pending = PendingTokens(ins_def, rows, pend)  # type: ignore[arg-type]
+    gdn_verify(q, k, v, g, beta, state=s_def, state_slots=slots, scratch=None, scratch_rows=None,
+               pending=pending, backend="triton")  # fmt: skip
+    rows[slots] = (homes + 4) % 8
+    pend[slots] = paths.to(torch.int32)
+    o_def = gdn_decode(
+        q2, k2, v2, g2, beta2, state=s_def, state_slots=slots, pending=pending, backend="triton"
+    )
+    assert torch.equal(o_def, o_now)
+    assert torch.equal(s_def[slots], s_now[slots])

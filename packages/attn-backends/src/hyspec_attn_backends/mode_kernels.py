@@ -105,8 +105,8 @@ def mode_recurrence(
         n, d = batch.num_seqs, batch.verify_len
         if replay is None:
             raise ValueError("replay: the pool has no verify scratch (plan without a draft_shape)")
-        # no state is kept per step: the kernel stores the block tokens' inputs at their batch rows, for the
-        # commit's replay
+        # no state is kept per step: the kernel stores the block tokens' inputs at their batch rows (with
+        # pending tokens: at the slots' next rows), for the commit's replay
         o = gdn_verify(
             q.reshape(n, d, *q.shape[1:]),
             k.reshape(n, d, *k.shape[1:]),

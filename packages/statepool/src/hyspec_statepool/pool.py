@@ -294,7 +294,7 @@ class HybridStatePool:
         self.states.apply_pending(slots.tensor)
 
     def replay_layers(self) -> list[tuple[torch.Tensor, ReplayInputs]]:
-        """`(state [L, S + 1, HV, K, V], inputs [L, R, Dmax, ...])` per group of GDN layers, replayed by the
+        """`(state [L, S + 1, HV, K, V], inputs [L, 2R, Dmax, ...])` per group of GDN layers, replayed by the
         commit."""
         return self.states.replay_layers()
 

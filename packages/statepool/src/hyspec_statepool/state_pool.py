@@ -25,10 +25,10 @@ class ReplayInputs:
     """A GDN layer's verify inputs per (batch row, step), for the commit by replay (fp32 each); a group's
     have a leading layer dim (`replay_layers`)."""
 
-    k: torch.Tensor  # [(L,) R, Dmax, HK, K]
-    v: torch.Tensor  # [(L,) R, Dmax, HV, V]
-    g: torch.Tensor  # [(L,) R, Dmax, HV]
-    beta: torch.Tensor  # [(L,) R, Dmax, HV]
+    k: torch.Tensor  # [(L,) 2R, Dmax, HK, K]
+    v: torch.Tensor  # [(L,) 2R, Dmax, HV, V]
+    g: torch.Tensor  # [(L,) 2R, Dmax, HV]
+    beta: torch.Tensor  # [(L,) 2R, Dmax, HV]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +119,7 @@ class RecurrentStatePool:
         return [(state, scratch) for state, scratch in pairs if scratch is not None]
 
     def replay_layers(self) -> list[tuple[torch.Tensor, ReplayInputs]]:
-        """`(recurrent state [L, S + 1, HV, K, V], its verify inputs [L, R, Dmax, ...])` per group of GDN
+        """`(recurrent state [L, S + 1, HV, K, V], its verify inputs [L, 2R, Dmax, ...])` per group of GDN
         layers, for the commit's replay (one launch per group)."""
         out = []
         for g in self.groups:
@@ -200,8 +200,9 @@ class RecurrentStatePool:
             if not 1 <= s <= self.num_slots or not self._in_use[s]:
                 raise DoubleFreeError(f"state slot {s} is not allocated")
         # the source's pending tokens belong in what is copied; the destination's state is overwritten
-        self.apply_pending(torch.tensor([src], device=self.pending_rows.device))
-        self.clear_pending(torch.tensor([dst], device=self.pending_rows.device))
+        # (indices staged without a wait for the device)
+        self.apply_pending(to_device([src], dtype=torch.long, device=self.pending_rows.device))
+        self.clear_pending(to_device([dst], dtype=torch.long, device=self.pending_rows.device))
         for tensor in self.states.values():
             tensor[:, dst].copy_(tensor[:, src])
 

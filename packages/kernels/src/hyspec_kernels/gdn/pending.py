@@ -12,6 +12,11 @@ halves of R. Slot s owns row `rows[s]` (-1: none) in one half, where its pending
 (`next_rows`), where its next verify writes its block's inputs. A forward over many slots therefore never
 reads a row that another of its programs writes, whatever the slots' batch rows were in earlier rounds.
 Who owns `rows` and `paths` and clears them after a forward: the state pool (hyspec_statepool).
+
+Bit for bit: the pending tokens are applied with the tiles (`default_tiles`) of the forward that applies
+them, so a state equals the commit at once when that forward has the verify's batch size (the steady state;
+a GPU test checks it); across a change of batch size (or `apply_pending` over other slot counts) the K
+reductions may be ordered differently, as a plain decode's are when its batch changes.
 """
 
 from __future__ import annotations

@@ -141,6 +141,8 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
                 n_ag = tl.load(gin_ptr + p_tok * HV + i_hv)
                 n_ab = tl.load(bin_ptr + p_tok * HV + i_hv)
                 b_s0 = _delta_step(b_s0, _l2norm(a_k), a_v, a_g, a_beta)
+            # continue from the state as stored (rounded to a bf16 pool's dtype), as a commit at once would
+            b_s0 = b_s0.to(state_ptr.dtype.element_ty).to(tl.float32)
             if IS_VERIFY:
                 tl.store(p_state, b_s0.to(state_ptr.dtype.element_ty), mask=m_slot)
         in_row = tl.where((slot >= 0) & (p_row >= 0), (p_row + half_rows) % (2 * half_rows), -1)
