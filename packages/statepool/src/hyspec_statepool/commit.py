@@ -14,7 +14,7 @@ from typing import Literal, NamedTuple
 import torch
 from hyspec_kernels import value_checks
 from hyspec_kernels.commit import commit_states
-from hyspec_kernels.gdn import gdn_replay
+from hyspec_kernels.gdn import gdn_replay, next_rows
 
 from hyspec_statepool.commit_math import commit_steps, track_steps
 from hyspec_statepool.indices import BatchRows, ReqRows, StateSlots
@@ -192,7 +192,7 @@ def _defer(
     s = slots.long()
     at = torch.where(s >= 0, s, 0)  # padded rows write the dummy slot 0 its own values
     rows = st.pending_rows[at]  # [N]
-    written = torch.where((s >= 0) & (rows >= 0), (rows + half) % (2 * half), -1)  # where the verify wrote
+    written = torch.where(s >= 0, next_rows(rows, half), -1)  # where the verify wrote (the kernel's rows)
     now = (
         (live >= 0) & (track_steps >= 0) if track_steps is not None else torch.zeros_like(s, dtype=torch.bool)
     )

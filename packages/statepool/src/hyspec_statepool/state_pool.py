@@ -91,13 +91,7 @@ class RecurrentStatePool:
         inputs = [view("scratch", name) for name in REPLAY_INPUTS]
         k, v, g, beta = inputs
         replay = None if k is None or v is None or g is None or beta is None else ReplayInputs(k, v, g, beta)
-        pending = (
-            None
-            if replay is None
-            else PendingTokens(
-                (replay.k, replay.v, replay.g, replay.beta), self.pending_rows, self.pending_paths
-            )
-        )
+        pending = None if replay is None else self._pending(replay)
         return LinearLayerState(
             conv=view("state", "conv"),
             recurrent=view("state", "recurrent"),
@@ -143,14 +137,14 @@ class RecurrentStatePool:
             return
         slots = slots.to(self.pending_rows.device)
         for state, inputs in self.replay_layers():
-            apply_pending(
-                PendingTokens(
-                    (inputs.k, inputs.v, inputs.g, inputs.beta), self.pending_rows, self.pending_paths
-                ),
-                state,
-                slots,
-            )
+            apply_pending(self._pending(inputs), state, slots)
         self.clear_pending(slots)
+
+    def _pending(self, inputs: ReplayInputs) -> PendingTokens:
+        """A layer's (or a group's) replay inputs with the pool's pending tables."""
+        return PendingTokens(
+            (inputs.k, inputs.v, inputs.g, inputs.beta), self.pending_rows, self.pending_paths
+        )
 
     def clear_pending(self, slots: torch.Tensor) -> None:
         """Forget these slots' pending tokens ([N], -1 skipped): a forward or `apply_pending` applied them."""
