@@ -32,16 +32,16 @@ DEVICE_OPS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync", "cudaMems
 
 
 def _backend(
-    max_num_seqs: int, page_size: int, max_context: int, d: int, *, move_verify: bool = False
+    max_num_seqs: int, page_size: int, max_model_len: int, d: int, *, move_verify: bool = False
 ) -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
-        max_context=max_context,
+        max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         draft_shape=DraftShape(kind="chain", num_steps=d - 1),
         page_size=page_size,
         num_state_slots=max_num_seqs,
-        num_kv_pages=max_num_seqs * (-(-(max_context + d) // page_size)),
+        num_kv_pages=max_num_seqs * (-(-(max_model_len + d) // page_size)),
         dtypes=StateDtypes(kv=torch.bfloat16, conv=torch.bfloat16),
     )
     pool = HybridStatePool(plan, device="cuda")
@@ -93,7 +93,7 @@ def main() -> None:
     d = 4
     rows = []
     for n, pad in ((1, 1), (8, 8), (48, 64)):
-        be = _backend(64, args.page_size, args.max_context, d)
+        be = _backend(64, args.page_size, args.max_model_len, d)
         pool = be.pool
         ids = [f"r{i}" for i in range(n)]
         pool.alloc_detached_slots(1)  # state slots != request rows
@@ -129,7 +129,7 @@ def main() -> None:
             )
         # a round's verify batch of the same rows, each one token further than the last (as after a round that
         # accepted nothing): moved on in place after the first build
-        moving = _backend(64, args.page_size, args.max_context, d, move_verify=True)
+        moving = _backend(64, args.page_size, args.max_model_len, d, move_verify=True)
         moving.pool.alloc_detached_slots(1)
         moving.pool.alloc(ids)
         calls = 20 + 7 * args.iters + 4  # warm-up, timing rounds, op count and sync check

@@ -342,9 +342,10 @@ def make_llm(
     max_num_seqs: int,
     max_len: int,
     kv_cache_bytes: int | None = None,
+    max_num_batched_tokens: int = 2048,
 ) -> Any:
     """An engine on the GPU; `kv_cache_bytes` bounds its cache (several engines in one process) instead of
-    the default share of GPU memory."""
+    the default share of GPU memory; `max_num_batched_tokens` the step's token budget (prompt chunks)."""
     # EngineArgs as the server exports it: the same import in trees from before the runner's package
     from hyspec_server import LLM, EngineArgs
     from hyspec_server.builder import build_engine
@@ -355,7 +356,7 @@ def make_llm(
         dtype="bfloat16",
         max_model_len=max_len,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=2048,
+        max_num_batched_tokens=max_num_batched_tokens,
         speculative_config=spec,
         kv_cache_bytes=kv_cache_bytes,
     )

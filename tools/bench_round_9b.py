@@ -91,7 +91,10 @@ def profile_steps(llm: Any, rows: Sequence[list[int]], steps: int = 20, host: bo
         torch.cuda.synchronize()
         pr.disable()
         buf = io.StringIO()
-        pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(45)
+        stats = pstats.Stats(pr, stream=buf)
+        stats.sort_stats("cumulative").print_stats(45)
+        stats.sort_stats("tottime").print_stats(45)  # self time: where the host's own work is
+        stats.print_callees(r"graphs.py:\d+\(run\)")
         host_top = buf.getvalue().splitlines()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # CUDA only: least overhead on the host
         t0 = time.perf_counter()
@@ -155,6 +158,13 @@ def main() -> None:
     ap.add_argument(
         "--profile", type=int, help="also profile 20 steady steps of every run at this batch size"
     )
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="every engine's step budget; at batch x prompt length every prompt prefills in one step, so the "
+        "first-to-last-token window is decode only",
+    )
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
     if not (a.ckpt / "config.json").exists():
@@ -170,6 +180,7 @@ def main() -> None:
         "checkpoint": "flat random" if a.flat else "decisive random (bench_decode.build_checkpoint)",
         "prompt_len": PROMPT,
         "new_tokens": NEW,
+        "max_num_batched_tokens": a.max_num_batched_tokens,
         "runs": {},
     }
     refs: list[list[int]] = []  # the oracle's references, set per batch size (the registry reads this list)
@@ -210,6 +221,7 @@ def main() -> None:
                 drafters=None if registry is None else registry(),
                 max_num_seqs=max(batches),
                 max_len=PROMPT + NEW + 16,
+                max_num_batched_tokens=a.max_num_batched_tokens,
             )
         outputs[name] = {}
         for b in batches:

@@ -33,7 +33,7 @@ Toy = ToyStack
 def _backend(num_state_slots: int = 9, *, mixed_steps: bool = False, defer: bool = False) -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
-        max_context=32,
+        max_model_len=32,
         max_num_seqs=7,
         draft_shape=DraftShape(kind="chain", num_steps=6),  # Dmax 7: more than any block used here
         page_size=2,

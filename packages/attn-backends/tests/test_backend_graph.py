@@ -41,7 +41,7 @@ Toy = ToyStack
 def _backend(device: str = "cpu") -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
-        max_context=32,
+        max_model_len=32,
         max_num_seqs=7,
         draft_shape=DraftShape(kind="chain", num_steps=5),  # Dmax 6
         page_size=2,

@@ -45,7 +45,7 @@ IDS = ["r0", "r1", "r2", "r3"]
 def _backend(device: str = "cpu", *, move_verify: bool = False) -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
-        max_context=320,
+        max_model_len=320,
         max_num_seqs=6,
         draft_shape=DraftShape(kind="chain", num_steps=D - 1),
         page_size=4,

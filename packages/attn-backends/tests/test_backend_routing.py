@@ -34,7 +34,7 @@ TYPES = ["linear_attention", "conv", "full_attention"]
 def _pool(layers: list[GDNLayer | ShortConvLayer | AttentionLayer]) -> HybridStatePool:
     plan = MemoryPlan(
         specs=model_state_specs(layers),
-        max_context=32,
+        max_model_len=32,
         max_num_seqs=4,
         draft_shape=DraftShape(kind="chain", num_steps=3),
         page_size=2,

@@ -21,7 +21,7 @@ def make_engine(
     max_len: int = 160,
     max_waiting: int = 1024,
 ) -> LLMEngine:
-    pool = toy_pool(max_num_seqs=seqs, max_context=max_len, num_kv_pages=pages, page_size=page_size)
+    pool = toy_pool(max_num_seqs=seqs, max_model_len=max_len, num_kv_pages=pages, page_size=page_size)
     runner = ToyModelRunner(pool, max_model_len=max_len)
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_waiting=max_waiting)
     return LLMEngine(runner, ByteTokenizer(), cfg)

@@ -167,7 +167,7 @@ def fp32_logits(ckpts: Checkpoints) -> Callable[[str, list[list[int]]], list[tor
 
         if arch not in models:
             models[arch] = load_model(ckpts.target(arch), device="cuda", dtype=torch.float32, progress=False)
-        h = Harness(models[arch], max_num_seqs=len(PROMPTS) + 1, max_context=128, debug=False)
+        h = Harness(models[arch], max_num_seqs=len(PROMPTS) + 1, max_model_len=128, debug=False)
         seqs = {i: p + o[:-1] for i, (p, o) in enumerate(zip(PROMPTS, outputs, strict=True))}
         logits = h.extend(seqs)
         return [logits[i][len(p) - 1 :].cpu() for i, p in enumerate(PROMPTS)]

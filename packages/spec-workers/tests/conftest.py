@@ -74,7 +74,7 @@ class Target:
         layers = self.model.mixer_layers()
         plan = MemoryPlan(
             specs=model_state_specs(layers),
-            max_context=MAX_CONTEXT,
+            max_model_len=MAX_CONTEXT,
             max_num_seqs=len(PROMPTS) + 2,
             draft_shape=shape,
             page_size=4,
@@ -98,7 +98,7 @@ class Target:
     @staticmethod
     def memory() -> DraftMemory:
         """Sizing of a draft's own KV pool for these prompts."""
-        return DraftMemory(max_num_seqs=len(PROMPTS) + 2, max_context=MAX_CONTEXT, page_size=4)
+        return DraftMemory(max_num_seqs=len(PROMPTS) + 2, max_model_len=MAX_CONTEXT, page_size=4)
 
     @staticmethod
     def assert_no_leak(pools: Sequence[HybridStatePool]) -> None:

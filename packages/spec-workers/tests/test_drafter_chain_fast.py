@@ -110,13 +110,14 @@ def test_chain_path_proposes_what_the_general_path_proposes(
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)
     # the chain path ran its first block (pending pairs + root, S + 2 tokens per row), then one token per
-    # row per step; the general path recomputed the root and earlier drafts (2 .. S tokens per row)
+    # row per step; the general path ran the same first block, then recomputed the root and earlier drafts
+    # (2 .. S tokens per row)
     per_row = [d for _, d in fast_shapes]
     c = drafter.chain_counts
     assert set(per_row) == {S + 2, 1} and per_row.count(S + 2) == c["start"] + c["after"]
     # most proposals were queued right after the verify before them (the rest: a round after a prompt)
     assert c["start"] + c["taken"] == len(fast) and c["taken"] >= len(fast) // 2 > 0
-    assert {d for _, d in slow_shapes} == set(range(1, S + 1))
+    assert {d for _, d in slow_shapes} == {S + 2, *range(2, S + 1)}
     # the first blocks of the same rows were the last block batch rewritten (`move_verify`), not built, in
     # most proposals: after the in-place steps of the proposal before, with the general path's drafts
     assert rewritten[0] >= (c["start"] + c["after"]) // 2 > 0
@@ -286,3 +287,54 @@ def test_rows_the_queued_drafts_do_not_serve_are_drafted_afresh_in_the_same_prop
     assert len(blocks) == len(slow) > 0 and mixed[0] >= len(blocks) // 2
     for a, b in zip(blocks, slow, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("arch", "method"), [("qwen3_5", "mtp"), ("lfm2", "eagle3")])
+def test_tree_first_block_proposes_what_a_draft_extend_gives(
+    target: Callable[[str], Any], arch: str, method: str
+) -> None:
+    """A tree over one draft layer writes the pairs committed since its last proposal in its first step's
+    block, with the root pair (no draft extend at commit): round by round its trees (tokens and parents)
+    equal those of the same drafter writing the pairs by an extend at commit and starting each proposal from
+    the root alone, on NaN-poisoned feature buffers."""
+    t = target(arch)
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": S, "topk": 2, "num_draft_tokens": 6}
+    if method == "eagle3":
+        spec["model"] = str(t.eagle3())
+
+    def watch(parents: list[torch.Tensor], extends: list[int], *, fold: bool) -> Callable[[Any], None]:
+        def hook(d: Any) -> None:
+            if not fold:
+                d.block0 = d.tree.block0 = 0  # commit writes every pair (keep=None); step 0: the root alone
+            inner, write = d.propose, d.pairs._extend
+
+            def propose(batch: Any) -> Any:
+                out = inner(batch)
+                parents.append(out.tree.parents.clone())
+                return out
+
+            def extend(ids: Any, q_lens: list[int], *a: Any) -> None:
+                extends.append(sum(q_lens))
+                write(ids, q_lens, *a)
+
+            d.propose, d.pairs._extend = propose, extend
+
+        return hook
+
+    par_f: list[torch.Tensor] = []
+    par_e: list[torch.Tensor] = []
+    ext_f: list[int] = []
+    ext_e: list[int] = []
+    folded, shapes_f, drafter = _proposals(
+        t, spec, general=False, poison=True, hook=watch(par_f, ext_f, fold=True)
+    )
+    eager, shapes_e, _ = _proposals(t, spec, general=False, poison=True, hook=watch(par_e, ext_e, fold=False))
+    assert drafter.chain is None and drafter.block0 == S + 2
+    assert len(folded) == len(eager) == len(par_f) == len(par_e) > 0
+    for a, b in zip(folded + par_f, eager + par_e, strict=True):
+        assert torch.equal(a, b)
+    # step 0 ran the first block (S + 2 tokens a row) instead of the root alone
+    assert S + 2 in {d for _, d in shapes_f} and 1 not in {d for _, d in shapes_f}
+    assert 1 in {d for _, d in shapes_e}
+    # the extends left are the prompts' (more pairs than a block holds); the eager drafter ran one a round
+    assert len(ext_f) < len(ext_e) and len(ext_e) >= len(eager)

@@ -38,7 +38,7 @@ def _stack(t: Any, model: Any, cfg: SpeculativeConfig | None) -> tuple[HybridBac
     layers = model.mixer_layers()
     plan = MemoryPlan(
         specs=model_state_specs(layers),
-        max_context=80,
+        max_model_len=80,
         max_num_seqs=len(t.prompts) + 2,
         draft_shape=None if cfg is None else cfg.draft_shape(),
         page_size=4,

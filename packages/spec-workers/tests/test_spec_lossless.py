@@ -94,7 +94,7 @@ def _stack(model: object, shape: DraftShape | None) -> tuple[HybridBackend, Hybr
     layers = model.mixer_layers()  # type: ignore[attr-defined]
     plan = MemoryPlan(
         specs=model_state_specs(layers),
-        max_context=80,
+        max_model_len=80,
         max_num_seqs=len(PROMPTS) + 2,
         draft_shape=shape,
         page_size=4,

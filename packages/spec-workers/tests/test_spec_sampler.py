@@ -1,6 +1,13 @@
 import pytest
 import torch
-from hyspec_spec_workers.sampling import NoiseKey, Sampler, SamplingTensors, filtered_probs, keyed_exponential
+from hyspec_spec_workers.sampling import (
+    NoiseKey,
+    Sampler,
+    SamplingTensors,
+    filtered_probs,
+    keyed_exponential,
+    token_logprobs,
+)
 
 CPU = torch.device("cpu")
 
@@ -176,3 +183,20 @@ def test_bad_shapes() -> None:
         SamplingTensors.build(
             temperature=[1.0], top_k=[1], top_p=[1.0], min_p=[0.0], keys=[], num_logprobs=-1, device=CPU
         )
+
+
+def test_token_logprobs_against_the_definition() -> None:
+    """The one logprob helper: log-softmax of the raw logits in fp32 (bf16 input too), ranks where ties share
+    the better rank, and the top tokens in order; none asked, none computed."""
+    logits = torch.tensor([[2.0, 1.0, 2.0, -1.0], [0.0, 0.5, 0.25, 3.0]], dtype=torch.bfloat16)
+    chosen = torch.tensor([2, 1])
+    got = token_logprobs(logits, chosen, 2)
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    assert got.logprobs.dtype == torch.float32
+    assert torch.equal(got.logprobs, ref[[0, 1], [2, 1]])
+    assert got.ranks.tolist() == [1, 2]  # row 0: tied with token 0 for the top; row 1: below token 3 only
+    assert got.top_ids is not None and got.top_logprobs is not None
+    assert got.top_ids[1].tolist() == [3, 1] and torch.equal(got.top_logprobs, ref.topk(2, dim=-1).values)
+    none = token_logprobs(logits, chosen, 0)
+    assert none.top_ids is None and none.top_logprobs is None and torch.equal(none.ranks, got.ranks)
+    assert token_logprobs(logits, chosen, 9).top_ids.shape == (2, 4)  # type: ignore[union-attr]

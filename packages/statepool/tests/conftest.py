@@ -39,12 +39,12 @@ def _make_plan(
     num_state_slots: int | None = None,
     num_kv_pages: int = 16,
     page_size: int = 2,
-    max_context: int = 16,
+    max_model_len: int = 16,
     draft_shape: DraftShape | None = CHAIN_3,
 ) -> MemoryPlan:
     return MemoryPlan(
         specs=TINY_SPECS,
-        max_context=max_context,
+        max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         draft_shape=draft_shape,
         page_size=page_size,

@@ -16,7 +16,7 @@ def _pool(*, pages: int = 32, seqs: int = 4, snapshots: int = 3) -> HybridStateP
     specs = ModelStateSpecs.from_pairs([(0, AttentionSpec(1, 2)), (1, ShortConvSpec(3, 3))])
     plan = MemoryPlan(
         specs=specs,
-        max_context=64,
+        max_model_len=64,
         max_num_seqs=seqs,
         draft_shape=None,
         page_size=PS,

@@ -19,7 +19,7 @@ MakePool = Callable[..., HybridStatePool]
 def _mixed_pool(make_pool: MakePool, **plan_args: object) -> tuple[HybridStatePool, list[str]]:
     """Live requests whose rows, state slots and pages all differ from their order (frees in between)."""
     pool = make_pool(
-        max_num_seqs=5, num_state_slots=7, num_kv_pages=30, page_size=3, max_context=24, **plan_args
+        max_num_seqs=5, num_state_slots=7, num_kv_pages=30, page_size=3, max_model_len=24, **plan_args
     )
     pool.alloc_detached_slots(2)  # state slots now run ahead of rows
     pool.alloc(["x", "a", "y", "b"])
@@ -212,7 +212,7 @@ def test_pages_of_many_rows_in_one_write(make_pool: MakePool) -> None:
     """`set_pages_many` (what a round's growth of many rows uses) writes every row's page-table entries, and
     the KV slots they give, including a last page that reaches past the table width, are what page-by-page
     reasoning says."""
-    pool = make_pool(max_num_seqs=4, num_state_slots=5, num_kv_pages=40, page_size=4, max_context=10)
+    pool = make_pool(max_num_seqs=4, num_state_slots=5, num_kv_pages=40, page_size=4, max_model_len=10)
     table = pool.table
     width, ps = table.width, table.page_size
     assert width % ps, "the case needs a last page that reaches past the table width"

@@ -94,7 +94,7 @@ def test_exhaustion_is_clear_and_all_or_nothing(make_pool: MakePool) -> None:
 
 
 def test_kv_growth_truncation_and_slots(make_pool: MakePool) -> None:
-    pool = make_pool(page_size=4, num_kv_pages=8, max_context=10)
+    pool = make_pool(page_size=4, num_kv_pages=8, max_model_len=10)
     rows = pool.alloc(["a", "b"])
     pool.ensure_kv_capacity(["a", "b"], [5, 3])
     assert pool.kv_capacity("a") == 8 and pool.kv_capacity("b") == 4
@@ -127,7 +127,7 @@ def test_kv_growth_truncation_and_slots(make_pool: MakePool) -> None:
         pool.kv_slots(req_rows=rows, start_positions=torch.tensor([3, 0]), num_tokens=-1)
     with pytest.raises(ValueError, match="ensure_kv_capacity"):
         pool.kv_slots(req_rows=rows, start_positions=torch.tensor([0, 3]), num_tokens=torch.tensor([1, 2]))
-    with pytest.raises(ValueError, match="max_context"):
+    with pytest.raises(ValueError, match="max_model_len"):
         pool.ensure_kv_capacity(["a"], [pool.plan.table_width + 1])
     pool.truncate_kv("a", 4)  # rejected drafts: only the first page is still needed
     assert pool.kv_capacity("a") == 4
@@ -143,7 +143,7 @@ def test_row_layout_moves_exactly_when_a_mapping_changes(make_pool: MakePool) ->
     """A batch prepared ahead is reused only while its rows' versions hold (`row_layout`): every change of a
     row's slot or pages must move that row's version, and calls that change nothing must not (or nothing
     prepared ahead would survive)."""
-    pool = make_pool(page_size=4, num_kv_pages=8, max_context=10)
+    pool = make_pool(page_size=4, num_kv_pages=8, max_model_len=10)
     seen = [tuple(pool.table.row_versions)]
 
     def moved() -> bool:

@@ -39,7 +39,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.page_size = page_size
         plan = MemoryPlan(
             specs=SPECS,
-            max_context=9,
+            max_model_len=9,
             max_num_seqs=MAX_RUNNING,
             draft_shape=DraftShape("chain", 2),
             page_size=page_size,
@@ -89,7 +89,7 @@ class PoolMachine(RuleBasedStateMachine):
                 self.pool.ensure_kv_capacity([req_id], [n])
             return
         if n > self.pool.plan.table_width:
-            with pytest.raises(ValueError, match="max_context"):
+            with pytest.raises(ValueError, match="max_model_len"):
                 self.pool.ensure_kv_capacity([req_id], [n])
             return
         used = sum(self._pages(t) for t in self.tokens.values())

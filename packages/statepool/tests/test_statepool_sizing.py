@@ -109,7 +109,7 @@ def test_plan_matches_hand_bytes_and_allocation(model: str, draft: DraftShape | 
     plan = plan_memory(
         budget,
         specs,
-        max_context=ctx,
+        max_model_len=ctx,
         max_num_seqs=running,
         draft_shape=draft,
         page_size=ps,
@@ -151,7 +151,7 @@ def test_kv_pages_are_capped_at_what_max_running_requests_can_use() -> None:
     plan = plan_memory(
         1 << 40,
         LFM2_1B2,
-        max_context=4096,
+        max_model_len=4096,
         max_num_seqs=4,
         draft_shape=CHAIN,
         page_size=1,
@@ -162,7 +162,7 @@ def test_kv_pages_are_capped_at_what_max_running_requests_can_use() -> None:
 
 
 def test_bf16_recurrent_state_halves_that_part() -> None:
-    kwargs = {"max_context": 1024, "max_num_seqs": 2, "draft_shape": CHAIN, "page_size": 16}
+    kwargs = {"max_model_len": 1024, "max_num_seqs": 2, "draft_shape": CHAIN, "page_size": 16}
     fp32 = plan_memory(1 << 34, QWEN35_9B, **kwargs)  # type: ignore[arg-type]
     bf16 = plan_memory(1 << 34, QWEN35_9B, dtypes=StateDtypes(recurrent=torch.bfloat16), **kwargs)  # type: ignore[arg-type]
     recurrent_fp32 = 24 * 3 * 32 * 128 * 128 * 4
@@ -177,11 +177,11 @@ def test_bf16_recurrent_state_halves_that_part() -> None:
 def test_budget_errors_name_the_knobs() -> None:
     hand = _hand_bytes("qwen", slots=4, running=4, dmax=4, spec_on=True, ps=16, ctx=2048)
     fixed = hand.state + hand.scratch + hand.table
-    kwargs = {"max_context": 2048, "max_num_seqs": 4, "draft_shape": CHAIN, "page_size": 16}
+    kwargs = {"max_model_len": 2048, "max_num_seqs": 4, "draft_shape": CHAIN, "page_size": 16}
     with pytest.raises(ValueError, match=r"budget_bytes.*max_num_seqs=4.*Dmax=4.*lower max_num_seqs"):
         plan_memory(fixed - 1, QWEN35_9B, **kwargs)  # type: ignore[arg-type]
     one_request = -(-(2048 + 4) // 16)
-    with pytest.raises(ValueError, match=r"needs 129 pages.*max_context=2048.*lower max_context"):
+    with pytest.raises(ValueError, match=r"needs 129 pages.*max_model_len=2048.*lower max_model_len"):
         plan_memory(fixed + (one_request - 1) * hand.kv_per_page, QWEN35_9B, **kwargs)  # type: ignore[arg-type]
     ok = plan_memory(fixed + one_request * hand.kv_per_page, QWEN35_9B, **kwargs)  # type: ignore[arg-type]
     assert ok.num_kv_pages == one_request == 129
@@ -191,7 +191,7 @@ def test_plan_validation() -> None:
     with pytest.raises(ValueError, match="num_state_slots: expected an int >= max_num_seqs=4"):
         MemoryPlan(
             LFM2_1B2,
-            max_context=8,
+            max_model_len=8,
             max_num_seqs=4,
             draft_shape=None,
             page_size=1,
@@ -202,7 +202,7 @@ def test_plan_validation() -> None:
     with pytest.raises(ValueError, match="one KV shape"):
         MemoryPlan(
             mixed,
-            max_context=8,
+            max_model_len=8,
             max_num_seqs=1,
             draft_shape=None,
             page_size=1,

@@ -8,7 +8,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Final, Literal
 
-from hyspec_spec_workers.config import SpeculativeConfig
+from hyspec_spec_workers.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
 
 from hyspec_runner.speculative import parse_speculative_config
 
@@ -22,7 +22,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS: Final = MappingProxyType({"cuda": 8192, "cpu": 5
 
 
 DEFAULT_SPECULATIVE_CONFIG: Final[Mapping[str, Any]] = MappingProxyType(
-    {"method": "mtp", "num_speculative_tokens": 3}
+    {"method": "mtp", "num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS}
 )
 """Speculation of the embedded default model (no `model` given): its MTP layer drafting chains of 3 tokens."""
 

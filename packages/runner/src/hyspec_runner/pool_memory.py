@@ -75,7 +75,7 @@ class StatePoolMemory:
         plan = pool.plan
         self._has_kv = bool(plan.specs.attention_layers)
         kv_tokens = plan.num_kv_pages * plan.page_size
-        self._max_tokens = min(plan.max_context, kv_tokens) if self._has_kv else plan.max_context
+        self._max_tokens = min(plan.max_model_len, kv_tokens) if self._has_kv else plan.max_model_len
 
     @property
     def max_num_tokens_per_request(self) -> int:

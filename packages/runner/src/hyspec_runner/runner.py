@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 from hyspec_spec_workers.round_types import VerifiedTokens
-from hyspec_spec_workers.sampling import SampledToken, chosen_ranks
+from hyspec_spec_workers.sampling import SampledToken, token_logprobs
 from hyspec_statepool.transfer import to_device
 
 from hyspec_runner.memory import RequestMemory
@@ -137,14 +137,12 @@ def prompt_logprob_rows(
     for a in range(0, len(rows), PROMPT_LOGPROB_ROWS):
         idx = to_device(rows[a : a + PROMPT_LOGPROB_ROWS], dtype=torch.int64, device=device)  # [r]
         tgt = to_device(targets[a : a + PROMPT_LOGPROB_ROWS], dtype=torch.int64, device=device)  # [r]
-        lp = torch.log_softmax(logits_at(idx).float(), dim=-1)  # [r, V] fp32
-        chosen = lp.gather(1, tgt[:, None])[:, 0]  # [r] fp32
-        chosen_l.append(chosen)
-        rank_l.append(chosen_ranks(lp, chosen))  # [r] int64
-        if k_max > 0:
-            v, i = torch.topk(lp, min(k_max, lp.shape[1]), dim=-1)  # [r, k] fp32, int64
-            top_v.append(v)
-            top_i.append(i)
+        lp = token_logprobs(logits_at(idx), tgt, k_max)  # [r] fp32 / int64, [r, k] each
+        chosen_l.append(lp.logprobs)
+        rank_l.append(lp.ranks)
+        if lp.top_logprobs is not None and lp.top_ids is not None:
+            top_v.append(lp.top_logprobs)
+            top_i.append(lp.top_ids)
     # one device read for the whole step
     lps = torch.cat(chosen_l).tolist()
     ranks = torch.cat(rank_l).tolist()

@@ -83,7 +83,7 @@ def build_memory(
     )
     shape = PoolShape(
         specs=specs,
-        max_context=max_model_len,
+        max_model_len=max_model_len,
         draft_shape=draft_shape,
         page_size=args.page_size,
         dtypes=dtypes,
@@ -102,7 +102,7 @@ def build_memory(
             target=model,
             target_path=model_dir,
             max_num_seqs=max_num_seqs,
-            max_context=max_model_len,
+            max_model_len=max_model_len,
             page_size=args.page_size,
             kv_dtype=dtype,
             device=device,
@@ -180,7 +180,7 @@ def log_pool_split(plan: MemoryPlan, num_snapshots: int, interval: int, budget: 
     )
     log.info(
         "maximum concurrency at max_model_len=%d: %.2fx (max_num_seqs=%d)",
-        plan.max_context,
+        plan.max_model_len,
         max_concurrency(plan),
         plan.max_num_seqs,
     )

@@ -82,7 +82,7 @@ class PoolShape:
     """Everything `plan_memory` needs besides the budget and the request count."""
 
     specs: ModelStateSpecs
-    max_context: int
+    max_model_len: int
     draft_shape: DraftShape | None
     page_size: int
     dtypes: StateDtypes
@@ -92,7 +92,7 @@ class PoolShape:
         return plan_memory(
             budget,
             self.specs,
-            max_context=self.max_context,
+            max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs,
             draft_shape=self.draft_shape,
             page_size=self.page_size,
@@ -101,10 +101,10 @@ class PoolShape:
         )
 
     def bytes_for_one(self) -> int:
-        """What one request at `max_context` needs: its state slot(s), scratch, table row and KV pages."""
+        """What one request at `max_model_len` needs: its state slot(s), scratch, table row and KV pages."""
         base = MemoryPlan(
             specs=self.specs,
-            max_context=self.max_context,
+            max_model_len=self.max_model_len,
             max_num_seqs=1,
             draft_shape=self.draft_shape,
             page_size=self.page_size,
@@ -145,7 +145,7 @@ def _no_fit(shape: PoolShape, budget: Budget, prefix: str) -> str:
     lower = "max_model_len, max_num_seqs or the draft length"
     more = "kv_cache_bytes" if budget.fixed else "gpu_memory_utilization (or use kv_cache_bytes)"
     return (
-        f"{prefix}one request at max_model_len={shape.max_context} needs {need / _GIB:.3f} GiB of KV cache "
+        f"{prefix}one request at max_model_len={shape.max_model_len} needs {need / _GIB:.3f} GiB of KV cache "
         f"and recurrent state, and {budget.source} leaves {budget.bytes / _GIB:.3f} GiB; lower {lower}, "
         f"or raise {more}"
     )

@@ -58,7 +58,7 @@ class DrafterContext:
         target: the loaded target model (only read).
         target_path: the target checkpoint directory (MTP drafters load their layers from it).
         max_num_seqs: requests followed at once (the target pool's).
-        max_context: tokens per request (prompt plus output).
+        max_model_len: tokens per request (prompt plus output).
         page_size: KV page size of the target pool (a draft pool may reuse it).
         kv_dtype: the target's KV storage dtype.
         device: the target's device.
@@ -70,7 +70,7 @@ class DrafterContext:
     target: HybridCausalLM
     target_path: Path
     max_num_seqs: int
-    max_context: int
+    max_model_len: int
     page_size: int
     kv_dtype: torch.dtype
     device: torch.device
@@ -84,7 +84,7 @@ def build_builtin_drafter(ctx: DrafterContext) -> Drafter:
     """The drafter of spec-workers' table (`factory.DRAFTERS`), its own KV pool sized like the target's."""
     memory = DraftMemory(
         max_num_seqs=ctx.max_num_seqs,
-        max_context=ctx.max_context,
+        max_model_len=ctx.max_model_len,
         page_size=ctx.page_size,
         kv_dtype=ctx.kv_dtype,
         num_snapshots=ctx.num_snapshots,

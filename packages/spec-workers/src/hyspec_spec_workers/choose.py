@@ -22,12 +22,12 @@ from hyspec_spec_workers.sampling import (
     SampledToken,
     Sampler,
     SamplingRequest,
-    chosen_ranks,
     filtered_block_probs,
     key_tensors,
     keyed_exponential,
     next_position,
     sampling_tensors,
+    token_logprobs,
 )
 from hyspec_spec_workers.tree import VerifyTree
 from hyspec_spec_workers.verify import VerifyResult, truncate_at_stop, verify_sampling
@@ -304,16 +304,12 @@ def to_verified(
         for i in want:
             k = rows[i].request.params.logprobs or 0
             nodes = paths[i][: acc[i] + 1]  # emitted token e comes from the logits after node nodes[e]
-            lp = torch.log_softmax(logits[i, nodes].float(), dim=-1)  # [e, V]
-            emitted = to_device(toks[i], dtype=torch.int64, device=lp.device)  # [e]
-            chosen_t = lp.gather(1, emitted[:, None])[:, 0]  # [e] fp32
-            ranks = chosen_ranks(lp, chosen_t).tolist()
-            chosen = chosen_t.tolist()
+            emitted = to_device(toks[i], dtype=torch.int64, device=logits.device)  # [e]
+            lp = token_logprobs(logits[i, nodes], emitted, k)
             tops: list[dict[int, float] | None] = [None] * len(nodes)
-            if k > 0:
-                tv, ti = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
-                tops = [dict(zip(a, b)) for a, b in zip(ti.tolist(), tv.tolist())]
-            lp_rows[i] = (chosen, tops, ranks)
+            if lp.top_ids is not None and lp.top_logprobs is not None:
+                tops = [dict(zip(a, b)) for a, b in zip(lp.top_ids.tolist(), lp.top_logprobs.tolist())]
+            lp_rows[i] = (lp.logprobs.tolist(), tops, lp.ranks.tolist())
     out: list[VerifiedTokens] = []
     for i, row in enumerate(toks):
         if i in lp_rows:

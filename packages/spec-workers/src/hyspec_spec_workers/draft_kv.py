@@ -35,8 +35,8 @@ class DraftMemory:
 
     Attributes:
         max_num_seqs: requests followed at once (as the target's pool).
-        max_context: tokens per request (prompt plus output), as the target's pool.
-        page_size: KV page size.
+        max_model_len: tokens per request (prompt plus output), as the target's pool.
+        page_size: KV page size (the target's `page_size`: no default of its own).
         num_kv_pages: pages in the draft KV pool; None sizes it for `max_num_seqs` full contexts.
         kv_dtype: KV storage dtype; None uses the draft's parameter dtype (lossless tests need it equal to the
             model dtype, see the package README).
@@ -44,14 +44,14 @@ class DraftMemory:
     """
 
     max_num_seqs: int
-    max_context: int
-    page_size: int = 16
+    max_model_len: int
+    page_size: int
     num_kv_pages: int | None = None
     kv_dtype: torch.dtype | None = None
     num_snapshots: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_context", "page_size"):
+        for name in ("max_num_seqs", "max_model_len", "page_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
@@ -94,11 +94,11 @@ class DraftKV:
             raise ValueError(f"lag: expected >= 0, got {lag}")
         kv = memory.kv_dtype or dtype
         shape = DraftShape("tree", 1, max(2, max_block))
-        width = memory.max_context + shape.num_draft_tokens  # type: ignore[operator]
+        width = memory.max_model_len + shape.num_draft_tokens  # type: ignore[operator]
         pages = memory.num_kv_pages or memory.max_num_seqs * -(-width // memory.page_size)
         plan = MemoryPlan(
             specs=model_state_specs(layers),
-            max_context=memory.max_context,
+            max_model_len=memory.max_model_len,
             max_num_seqs=memory.max_num_seqs,
             draft_shape=shape,
             page_size=memory.page_size,

@@ -18,7 +18,7 @@ from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.drafter import Drafter, ModelDrafter, RequestKeyedDrafter
 
 
-class DraftMemory:
+class DraftFollower:
     """A drafter's per-request memory, following the target's (see the module docstring)."""
 
     def __init__(self, drafter: Drafter, feed: DraftFeed | None) -> None:

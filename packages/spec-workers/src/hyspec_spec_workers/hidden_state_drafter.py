@@ -3,19 +3,14 @@
 Draft KV layout (EAGLE convention): draft position p holds the draft layer's K/V for the pair
 (token x[p+1], feature f[p]), where f[p] is the target's feature at position p (MTP: the final-normed hidden
 state; EAGLE-3: fc over three captured layers). The pair's output predicts x[p+2]. With L tokens committed in
-the target, positions 0..L-2 are final (written by a draft extend in `commit`) and the pair at L-1 is the
+the target, positions 0..L-2 are final (written from the pairs `commit` makes) and the pair at L-1 is the
 root pair: (current token, f[L-1]), with f[L-1] kept per request in a persistent buffer.
 
-Proposal (`propose`): step j runs one forward over the draft tree built so far, in TARGET_VERIFY mode on the
-draft's own backend at prefix L-1: node 0 is the root pair, every other node is (its token, the feature of
-its parent's computation). Chained drafters (MTP run S times, EAGLE-3, chained multi-layer MTP) take the
-parent node's output hidden state as that feature; non-chained multi-layer MTP takes the root's target
-feature. The K expanded nodes of the last step give top-k children; `TreeDraftBuilder` keeps the best D - 1
-by path probability (topk 1 is a chain). Recomputing the earlier nodes each step keeps the draft KV free of
-stale entries at no extra forwards; the node features live in a persistent buffer and every forward reads
-its features from one static input buffer (`features_in`), which is what its CUDA graph reads: step j's
-forward (1 + j·topk nodes) is captured per padded batch size by `capture_graphs` (attn-backends'
-`CudaGraphRunner`), and a chained hidden state reaches the replay through that buffer.
+Proposal (`propose`): the general path (draft_tree.py) runs one forward per draft step over the tree built
+so far (node 0 the root pair, every other node its token and its parent's feature: the parent's output for
+chained drafters, the root's target feature for non-chained multi-layer MTP); `TreeDraftBuilder` keeps the
+best D - 1 candidates by path probability (topk 1 is a chain). Over one reused draft layer its first step
+also writes the pairs committed since the last proposal, with the root pair.
 
 Chains (topk 1) over one reused draft layer (MTP, EAGLE-3) take a shorter path (draft_chain.py): node j
 depends only on nodes 0..j-1, whose K/V the earlier steps wrote with the same layer, so step j runs just
@@ -27,9 +22,10 @@ written to `features_in` for chained drafters, `HybridBackend.advance_one_token`
 batch build and one replay, no host work between the steps. `draft_logits` overrides (a testing hook)
 take the general path.
 
-`commit` (draft extend) writes the pairs of newly committed tokens with the target's features at them, so
-the draft KV never keeps anything computed from rejected drafts or from draft features; what the drafter
-keeps per request between proposals (draft KV, root feature, pending pairs) is draft_pairs.py's.
+`commit` turns newly committed tokens into pairs with the target's features at them (written by the next
+proposal's first block over one layer, else by a draft extend now), so the draft KV never keeps anything
+computed from rejected drafts or from draft features; what the drafter keeps per request between proposals
+(draft KV, root feature, pending pairs) is draft_pairs.py's.
 """
 
 from __future__ import annotations
@@ -37,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import torch
-from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, GraphCounts
+from hyspec_attn_backends import GraphCounts
 from hyspec_statepool.prefix_cache import PrefixSave
 from hyspec_statepool.transfer import to_device
 from torch import Tensor
@@ -46,6 +42,7 @@ from hyspec_spec_workers.config import Method
 from hyspec_spec_workers.draft_chain import OneLayerChain
 from hyspec_spec_workers.draft_kv import DraftMemory
 from hyspec_spec_workers.draft_pairs import DraftPairs
+from hyspec_spec_workers.draft_tree import TreeDrafts
 from hyspec_spec_workers.drafter import (
     CommittedTokens,
     DraftBatch,
@@ -53,7 +50,7 @@ from hyspec_spec_workers.drafter import (
     HiddenStateDraftModel,
     VerifiedChain,
 )
-from hyspec_spec_workers.tree import TreeDraftBuilder, VerifyTree
+from hyspec_spec_workers.tree import VerifyTree
 
 
 class HiddenStateDrafter:
@@ -100,30 +97,40 @@ class HiddenStateDrafter:
         self.num_speculative_tokens, self.topk, self.num_draft_tokens = s, k, d
         self.layer_steps = tuple(steps)
         self.chain_hidden = chain_hidden
-        one_layer_chain = k == 1 and len(set(steps)) == 1
-        # a one-layer chain's first step also writes the pairs committed since the last proposal (at most
-        # S + 1: S accepted drafts and the bonus) in one block with the root pair
-        self.block0 = s + 2 if one_layer_chain else 0
+        one_layer = len(set(steps)) == 1
+        one_layer_chain = k == 1 and one_layer
+        # over one draft layer a proposal's first step also writes the pairs committed since the last
+        # proposal (at most S + 1: S accepted drafts and the bonus) in one block with the root pair, so a
+        # round runs no draft extend of its own; other drafters write them at commit
+        self.block0 = s + 2 if one_layer else 0
         self.max_nodes = max(1 + (s - 1) * k, self.block0)  # the largest proposal forward block
+        # past the final length: the first block, then (a tree's) later steps after the written pairs
+        max_block = max(self.block0, s + 1 + 1 + (s - 1) * k) if one_layer else self.max_nodes
         # committed pairs: the draft KV, each request's root feature f[L-1] and its pending pairs
         self.pairs = DraftPairs(
             model,
             model.mixer_layers(),
             memory=memory,
             # the one-layer chain writes up to 2S + 1 positions past the final length (block, then steps)
-            max_block=2 * s + 1 if one_layer_chain else self.max_nodes,
+            max_block=max_block,
             layer_steps=steps,
             chain_hidden=chain_hidden,
         )
         self.kv = self.pairs.kv
         self.root_features = self.pairs.root_features  # [R, F] persistent, indexed by draft pool row
-        rows, f, dev, dt = memory.max_num_seqs, model.feature_dim, model.device, model.dtype
-        # persistent per proposal: each tree node's input feature, then the packed static forward input
-        self.node_features = torch.zeros(rows, self.max_nodes, f, dtype=dt, device=dev)  # [R, Nmax, F]
-        self.features_in = torch.zeros(rows * self.max_nodes, f, dtype=dt, device=dev)  # [R * Nmax, F]
-        self.graphs = CudaGraphRunner(
-            self.kv.backend, self._step_forward, decode=False, verify=[(1 + j * k, k > 1) for j in range(s)]
+        # the general path (trees, multi-layer MTP, a `draft_logits` override) and its step graphs
+        self.tree = TreeDrafts(
+            model,
+            self.pairs,
+            rows=memory.max_num_seqs,
+            num_speculative_tokens=s,
+            topk=k,
+            block0=self.block0,
+            layer_steps=steps,
+            chain_hidden=chain_hidden,
         )
+        self.features_in = self.tree.features_in  # [R * Nmax, F] the static input every draft graph reads
+        self.graphs = self.tree.graphs
         # a chain over one draft layer: its first block (pending pairs + root pair), then one-token steps
         self.chain = (
             OneLayerChain(
@@ -178,12 +185,6 @@ class HiddenStateDrafter:
         """
         return self.chain is not None and "draft_logits" not in vars(self)
 
-    def _step_forward(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
-        """Draft step j's forward: the block size says j; features from the static buffer at offset 0."""
-        j = (batch.verify_len - 1) // self.topk
-        x = self.features_in[: batch.num_tokens]  # [T, F] (padded rows read stale rows, write nothing)
-        return self.model.run(batch, self.kv.backend, features=x, step=self.layer_steps[j])
-
     def start_at(
         self, req_id: Hashable, position: int, token_ids: Sequence[int] = (), *, salt: str | None = None
     ) -> None:
@@ -205,10 +206,10 @@ class HiddenStateDrafter:
     def commit(self, committed: CommittedTokens) -> None:
         """Draft extend over newly committed tokens: their pairs enter the draft KV (`DraftPairs.commit`).
 
-        A one-layer chain keeps up to S + 1 pairs per request for the next proposal's first block instead of
-        running a forward now; more than that (a prompt, a long idle stretch) are written here.
+        A drafter over one layer keeps up to S + 1 pairs per request for the next proposal's first block
+        instead of running a forward now; more than that (a prompt, a long idle stretch) are written here.
         """
-        self.pairs.commit(committed, keep=self.block0 - 1 if self._fast_chain else None)
+        self.pairs.commit(committed, keep=self.block0 - 1 if self.block0 else None)
 
     def propose_after_verify(self, verified: VerifiedChain) -> bool:
         """`ChainsAfterVerify`: a one-layer chain drafts each row's next chain from the verify's outputs
@@ -253,9 +254,11 @@ class HiddenStateDrafter:
             drafts = self.chain.drafts(ids, root, root_dev, s_run)
             # the block stays on the device (node counts from the host's `steps`): no wait for the drafts
             return DraftOutput(VerifyTree.chain(root_dev, drafts, torch.tensor(steps)))
-        self.pairs.write(ids)  # the general path reads only written pairs
+        if not self.block0:
+            self.pairs.write(ids)  # the general path reads only written pairs (none wait: keep=None)
         with torch.no_grad():
-            builder = self._draft(ids, to_device(root, dtype=torch.int64, device=self.model.device), s_run)
+            root_dev = to_device(root, dtype=torch.int64, device=self.model.device)
+            builder = self.tree.draft(ids, root_dev, s_run, self.draft_logits)
         if self.topk == 1:
             drafts = builder.chain_drafts().to(batch.root_tokens.device)  # [N, s_run]
             return DraftOutput(VerifyTree.chain(root, drafts, torch.tensor(steps)))
@@ -289,59 +292,3 @@ class HiddenStateDrafter:
             an override returning whole-vocabulary logits fits only drafters without either).
         """
         return self.model.logits(normed).float()
-
-    def _draft(self, ids: list[Hashable], root: Tensor, s_run: int) -> TreeDraftBuilder:
-        n, k, dev = len(ids), self.topk, self.model.device
-        kv = self.kv
-        req_rows = kv.rows(ids)
-        rows = req_rows.tensor.long()
-        prefix = kv.prefix(ids)
-        blocks = 1 + (s_run - 1) * k
-        kv.reserve(ids, blocks)
-        tok = torch.zeros(n, blocks, dtype=torch.int64, device=dev)
-        par = torch.full((n, blocks), -1, dtype=torch.int64, device=dev)
-        par[:, 1:] = 0
-        tok[:, 0] = root
-        feats = self.node_features[:n]  # [N, Nmax, F] rows 0..n-1 of the batch
-        feats[:, 0] = self.root_features[rows]
-        builder = TreeDraftBuilder(root, k)
-        ar = torch.arange(n, device=dev)
-        expanded = torch.zeros(n, 1, dtype=torch.int64, device=dev)  # block indices of the nodes to expand
-        block = 1
-        try:
-            for j in range(s_run):
-                fb = self.graphs.prepare_verify(
-                    req_rows=req_rows,
-                    block_tokens=tok[:, :block],
-                    prefix_lens=prefix,
-                    tree_parents=None if k == 1 else par[:, :block],
-                )
-                # the live rows' node features (a chained step: its parents' outputs) into the static input
-                self.features_in[: n * block].copy_(feats[:, :block].reshape(n * block, -1))
-                normed, out = self.graphs.run(fb)  # [N * block, H], [N * block, F] (graph outputs)
-                normed, out = normed.view(n, block, -1), out.view(n, block, -1)
-                h = normed[ar[:, None], expanded]  # [N, E, H]
-                logits = self.draft_logits(
-                    h, req_ids=ids, node_tokens=tok[:, :block], node_parents=par[:, :block], nodes=expanded
-                )
-                p, t = torch.softmax(logits, dim=-1).topk(k, dim=-1)  # [N, E, K] each
-                t = self.model.to_target(t)  # draft-vocabulary indices -> target ids
-                base = builder.num_candidates
-                picked = builder.add_step(t, p) - base  # [N, K] candidate index within this step
-                if j + 1 == s_run:
-                    break
-                e, c = picked // k, picked % k
-                new = torch.arange(block, block + k, device=dev)
-                parent = expanded.gather(1, e)  # [N, K]
-                tok[:, new] = t[ar[:, None], e, c]
-                par[:, new] = parent
-                # the root's feature is copied out first: writing an expanded view of `feats` into `feats`
-                # overlaps itself (torch refuses it for a single row)
-                feats[:, new] = (
-                    out[ar[:, None], parent] if self.chain_hidden else feats[:, :1].expand(n, k, -1).clone()
-                )
-                expanded = new.expand(n, k)
-                block += k
-        finally:
-            kv.release(ids)
-        return builder

@@ -43,7 +43,7 @@ from hyspec_spec_workers.constraint import (
 from hyspec_spec_workers.costs import CostTracker, DraftClock, DraftInterval, RoundTimer
 from hyspec_spec_workers.draft_feed import DraftFeed
 from hyspec_spec_workers.draft_lengths import DraftLengths
-from hyspec_spec_workers.draft_memory import DraftMemory
+from hyspec_spec_workers.draft_memory import DraftFollower
 from hyspec_spec_workers.drafter import (
     DraftBatch,
     Drafter,
@@ -67,7 +67,7 @@ _T = TypeVar("_T")
 
 class SpeculativeRound:
     """Drafter, adaptive lengths and measured costs of one engine; also the engine's memory follower for
-    the drafter's per-request memory (`DraftMemory`).
+    the drafter's per-request memory (`DraftFollower`).
 
     Args:
         drafter: proposes the blocks; its `max_draft_tokens` is the largest block (Dmax).
@@ -93,7 +93,7 @@ class SpeculativeRound:
         self.is_tree = tree
         self.model_drafter = drafter if isinstance(drafter, ModelDrafter) else None
         self.feed = None if self.model_drafter is None else DraftFeed(self.model_drafter)
-        self.memory = DraftMemory(drafter, self.feed)
+        self.memory = DraftFollower(drafter, self.feed)
         self.max_draft_tokens = drafter.max_draft_tokens if max_draft_tokens is None else max_draft_tokens
         self._start_up_catch_up: float | None = None  # `warm_up`'s timing, kept across `reset_measurements`
         self.lengths = DraftLengths(num_speculative_tokens, tree=tree, adaptive=adaptive)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from hyspec_statepool.transfer import to_device
@@ -263,15 +263,13 @@ class Sampler:
             token_ids = torch.where(st.temperature == 0, greedy_ids, sampled)
         if st.num_logprobs < 0:
             return SamplerOutput(token_ids=token_ids, logprobs=None, top_ids=None, top_logprobs=None)
-        lp = torch.log_softmax(raw.float(), dim=-1)
-        chosen = lp.gather(1, token_ids[:, None])[:, 0]
-        ranks = chosen_ranks(lp, chosen)
-        top_ids: torch.Tensor | None = None
-        top_lp: torch.Tensor | None = None
-        if st.num_logprobs > 0:
-            top_lp, top_ids = torch.topk(lp, min(st.num_logprobs, lp.shape[1]), dim=-1)
+        lp = token_logprobs(raw, token_ids, st.num_logprobs)
         return SamplerOutput(
-            token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp, ranks=ranks
+            token_ids=token_ids,
+            logprobs=lp.logprobs,
+            top_ids=lp.top_ids,
+            top_logprobs=lp.top_logprobs,
+            ranks=lp.ranks,
         )
 
     def greedy(self, logits: torch.Tensor) -> SamplerOutput:
@@ -340,17 +338,32 @@ def keyed_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) 
     return -torch.log1p(-u)  # Exp(1); log1p keeps the small values (the likely winners) precise
 
 
-def chosen_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """1-based ranks of chosen tokens: 1 + how many tokens of their row are strictly more likely (ties share
-    the better rank, as vLLM counts them).
+class TokenLogprobs(NamedTuple):
+    """Chosen tokens' logprobs under a raw distribution (`token_logprobs`)."""
+
+    logprobs: torch.Tensor  # [N] fp32
+    ranks: torch.Tensor  # [N] int64, 1-based
+    top_logprobs: torch.Tensor | None  # [N, k] fp32, the k most likely tokens (None for k = 0)
+    top_ids: torch.Tensor | None  # [N, k] int64
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: int) -> TokenLogprobs:
+    """The one place logprobs are computed (sampled tokens, verified tokens, prompt tokens): each chosen
+    token's logprob under the raw logits, its 1-based rank (1 + how many tokens of its row are strictly more
+    likely: ties share the better rank, as vLLM counts them) and the `num_top` most likely tokens.
 
     Args:
-        logprobs: [N, V] fp32.
-        chosen: [N] fp32, the chosen tokens' entries of `logprobs`.
-    Returns:
-        [N] int64.
+        logits: [N, V] raw logits (any float dtype; computed in fp32).
+        chosen: [N] int64 token ids.
+        num_top: alternatives to report (<= 0: none).
     """
-    return (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [N, V] fp32
+    got = lp.gather(1, chosen[:, None])[:, 0]  # [N] fp32
+    ranks = (lp > got[:, None]).sum(dim=-1) + 1  # [N] int64
+    if num_top <= 0:
+        return TokenLogprobs(got, ranks, None, None)
+    top_lp, top_ids = torch.topk(lp, min(num_top, lp.shape[1]), dim=-1)  # [N, k] each
+    return TokenLogprobs(got, ranks, top_lp, top_ids)
 
 
 def filtered_block_probs(logits: torch.Tensor, params: Sequence[SamplingKnobs]) -> torch.Tensor:

@@ -151,8 +151,8 @@ class HybridStatePool:
             live = self._get(req_id)
             if not 0 <= n <= self.table.width:
                 raise ValueError(
-                    f"num_tokens: expected 0 <= n <= {self.table.width} (max_context + Dmax), got {n} for "
-                    f"request {req_id!r}; raise max_context"
+                    f"num_tokens: expected 0 <= n <= {self.table.width} (max_model_len + Dmax), got {n} for "
+                    f"request {req_id!r}; raise max_model_len"
                 )
             need.append(max(0, self._pages_for(n) - len(live.pages)))
         if not self.plan.specs.attention_layers:

@@ -1,7 +1,7 @@
 """The request table: per request row, its pages and its state slot.
 
 `page_table[row, j]` is the page holding positions `[j * page_size, (j + 1) * page_size)`, the layout paged
-attention reads; a row covers `max_context + Dmax` positions (the table width) so a verify block at max
+attention reads; a row covers `max_model_len + Dmax` positions (the table width) so a verify block at max
 context still fits. The KV slot of position `pos` is `page * page_size + pos % page_size` of its page (-1
 where no page is allocated yet): `kv_slots` on the device, `host_kv_run` / `host_kv_slots` on the host; no
 table of slots per position is kept (it would be [rows, width] int32 written at every new page).

@@ -26,7 +26,7 @@ class MemoryPlan:
 
     Attributes:
         specs: the model's layers.
-        max_context: most tokens one request may hold (prompt plus output).
+        max_model_len: most tokens one request may hold (prompt plus output).
         max_num_seqs: most live requests; also the number of request-table rows.
         draft_shape: the speculative shape, None without speculation (then no verify scratch).
         page_size: tokens per KV page (1 allowed).
@@ -38,7 +38,7 @@ class MemoryPlan:
     """
 
     specs: ModelStateSpecs
-    max_context: int
+    max_model_len: int
     max_num_seqs: int
     draft_shape: DraftShape | None
     page_size: int
@@ -48,7 +48,7 @@ class MemoryPlan:
     budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_context", "max_num_seqs", "page_size"):
+        for name in ("max_model_len", "max_num_seqs", "page_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)!r}")
         if not isinstance(self.num_state_slots, int) or self.num_state_slots < self.max_num_seqs:
@@ -70,7 +70,7 @@ class MemoryPlan:
     @property
     def table_width(self) -> int:
         """Request-table columns: max context plus a whole verify block, so a block never overflows a row."""
-        return self.max_context + self.max_draft_tokens
+        return self.max_model_len + self.max_draft_tokens
 
     @property
     def max_pages_per_request(self) -> int:
@@ -147,7 +147,7 @@ def plan_memory(
     budget_bytes: int,
     specs: ModelStateSpecs,
     *,
-    max_context: int,
+    max_model_len: int,
     max_num_seqs: int,
     draft_shape: DraftShape | None,
     page_size: int,
@@ -159,11 +159,11 @@ def plan_memory(
     State slots (`num_state_slots`, default `max_num_seqs`), verify scratch (`max_num_seqs + 1` rows of
     `Dmax` steps) and the request table are fixed by the request limits; every remaining byte goes to KV
     pages, up to what `max_num_seqs` requests at full width can use. Raises ValueError naming the knobs when
-    the fixed part does not fit or the rest cannot hold one request at `max_context` plus a verify block.
+    the fixed part does not fit or the rest cannot hold one request at `max_model_len` plus a verify block.
     """
     base = MemoryPlan(
         specs=specs,
-        max_context=max_context,
+        max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         draft_shape=draft_shape,
         page_size=page_size,
@@ -174,7 +174,7 @@ def plan_memory(
     )
     dmax = base.max_draft_tokens
     knobs = (
-        f"budget_bytes={budget_bytes}, max_context={max_context}, max_num_seqs={max_num_seqs}, "
+        f"budget_bytes={budget_bytes}, max_model_len={max_model_len}, max_num_seqs={max_num_seqs}, "
         f"draft length Dmax={dmax}, num_state_slots={base.num_state_slots}"
     )
     fixed = base.total_bytes
@@ -193,13 +193,13 @@ def plan_memory(
     if pages < need:
         raise ValueError(
             f"budget_bytes: after {fixed} B of state, scratch and tables, {budget_bytes - fixed} B leave "
-            f"{pages} KV pages of {page_size} tokens, but one request at max_context plus a verify block "
-            f"needs {need} pages ({knobs}); raise budget_bytes or lower max_context, max_num_seqs or the "
+            f"{pages} KV pages of {page_size} tokens, but one request at max_model_len plus a verify block "
+            f"needs {need} pages ({knobs}); raise budget_bytes or lower max_model_len, max_num_seqs or the "
             f"draft length"
         )
     return MemoryPlan(
         specs=specs,
-        max_context=max_context,
+        max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         draft_shape=draft_shape,
         page_size=page_size,

@@ -23,7 +23,7 @@ class Harness:
         model: the model (target or anything with the same forward contract).
         max_num_seqs: request rows (and verify-scratch rows - 1).
         num_state_slots: recurrent-state slots (>= max_num_seqs).
-        max_context: tokens per request.
+        max_model_len: tokens per request.
         page_size: KV page size.
         draft_shape: verify-block shape the scratch is sized for (None: no verify).
         debug: NaN-poison free slots, slot 0 and scratch.
@@ -35,7 +35,7 @@ class Harness:
         *,
         max_num_seqs: int = 6,
         num_state_slots: int | None = None,
-        max_context: int = 160,
+        max_model_len: int = 160,
         page_size: int = 4,
         draft_shape: DraftShape | None = None,
         debug: bool = True,
@@ -46,7 +46,7 @@ class Harness:
         specs = model_state_specs(model.mixer_layers())
         probe = MemoryPlan(
             specs=specs,
-            max_context=max_context,
+            max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             draft_shape=draft_shape,
             page_size=page_size,
@@ -55,7 +55,7 @@ class Harness:
         )
         plan = MemoryPlan(
             specs=specs,
-            max_context=max_context,
+            max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             draft_shape=draft_shape,
             page_size=page_size,

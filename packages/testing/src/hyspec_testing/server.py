@@ -113,7 +113,7 @@ class ByteTokenizer:
 def toy_pool(
     *,
     max_num_seqs: int,
-    max_context: int,
+    max_model_len: int,
     num_kv_pages: int,
     page_size: int,
     device: torch.device | str = "cpu",
@@ -122,7 +122,7 @@ def toy_pool(
     specs = ModelStateSpecs.from_pairs([(0, AttentionSpec(1, 1)), (1, ShortConvSpec(1, 2))])
     plan = MemoryPlan(
         specs=specs,
-        max_context=max_context,
+        max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         draft_shape=None,
         page_size=page_size,
@@ -266,7 +266,7 @@ def toy_engine(
 ) -> LLMEngine:
     """An engine over the toy runner and the byte tokenizer; `snapshots` > 0: prefix caching on."""
     pool = toy_pool(
-        max_num_seqs=seqs, max_context=max_len, num_kv_pages=pages, page_size=page_size, snapshots=snapshots
+        max_num_seqs=seqs, max_model_len=max_len, num_kv_pages=pages, page_size=page_size, snapshots=snapshots
     )
     runner = runner_cls(pool, max_model_len=max_len, snapshots=snapshots, snapshot_interval=snapshot_interval)
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_waiting=max_waiting)
