@@ -112,12 +112,35 @@ class OneLayerChain:
 
     def draft(self, ids: list[Hashable], root: Tensor, s_run: int) -> Tensor:
         """Chain drafts [N, s_run] int64 of these requests from their root tokens [N] (on the device)."""
+        n, kv = len(ids), self.pairs.kv
+        written = [kv.lengths[r] for r in ids]
+        taken = self.pairs.take_pending(ids)
+        got = gather_pending(taken)  # every row's pending pairs, row by row
+        q = [0] * n if got is None else got[2]  # each <= S + 1 (`DraftPairs.commit`)
+        try:
+            drafts = self._first_block_and_steps(ids, written, got, q, root, s_run)
+            for r, w, k in zip(ids, written, q, strict=True):
+                kv.lengths[r] = w + k  # the pending pairs are final now
+        except BaseException:
+            self.pairs.give_back(ids, taken)  # not written: pending again (the next commit lines up)
+            raise
+        finally:
+            kv.release(ids)
+        return drafts[:n]
+
+    def _first_block_and_steps(
+        self,
+        ids: list[Hashable],
+        written: list[int],
+        got: tuple[Tensor, Tensor, list[int]] | None,
+        q: list[int],
+        root: Tensor,
+        s_run: int,
+    ) -> Tensor:
+        """The proposal's one forward (module docstring) -> drafts [>= N, s_run] (a graph's static output)."""
         n, e, kv, dev = len(ids), self.block0, self.pairs.kv, root.device
         req_rows = kv.rows(ids)
         rows = req_rows.tensor.long()
-        written = [kv.lengths[r] for r in ids]
-        got = gather_pending(self.pairs.take_pending(ids))  # every row's pending pairs, row by row
-        q = [0] * n if got is None else got[2]  # each <= S + 1 (`DraftPairs.commit`)
         # pages for the block at the final length and for the steps after the root (at written + q)
         kv.pool.ensure_kv_capacity(ids, [w + max(e, k + s_run) for w, k in zip(written, q, strict=True)])
         # block row i: its pending pairs, its root pair at block index q[i], then padding
@@ -140,16 +163,11 @@ class OneLayerChain:
         feats[roots_at] = self.pairs.root_features[rows]
         self._root_index[:n].copy_(q_dev)
         runner = self.runners[s_run]
-        try:
-            fb = runner.prepare_verify(
-                req_rows=req_rows, block_tokens=block.view(n, e), prefix_lens=written, tree_parents=None
-            )
-            (drafts,) = runner.run(fb)  # [>= N, s_run] (a graph's static output: copied by the caller)
-            for r, w, k in zip(ids, written, q, strict=True):
-                kv.lengths[r] = w + k  # the pending pairs are final now
-        finally:
-            kv.release(ids)
-        return drafts[:n]
+        fb = runner.prepare_verify(
+            req_rows=req_rows, block_tokens=block.view(n, e), prefix_lens=written, tree_parents=None
+        )
+        (drafts,) = runner.run(fb)  # [>= N, s_run] (a graph's static output: copied by the caller)
+        return drafts
 
     def follows(self, verified: VerifiedChain) -> bool:
         """Whether `draft_after_verify` may propose after this verify: each row's draft holds exactly its

@@ -3,8 +3,8 @@
 A draft (MTP layers, the EAGLE-3 layer, DFlash layers) has only full-attention layers, so its pool holds
 paged KV and no recurrent state; the target's pool, routing and config are never touched. Requests are
 mirrored by id: `DraftKV.add` / `free` follow the target's alloc / free. `lengths[req]` is how many
-positions of the draft KV are final (written by a draft extend from committed target tokens); proposal
-forwards write past it and are overwritten by the next extend.
+positions of the draft KV are final (written from committed target tokens: by a draft extend, or by a
+proposal's first block); proposal forwards write past it and are overwritten by the next of those.
 
 Prefix caching: with `DraftMemory.num_snapshots` the pool has a `PrefixCache` of its own, so a request that
 resumes from the target's prefix cache also resumes the draft KV the earlier request wrote for those tokens

@@ -3,13 +3,14 @@
 Draft position p holds the draft layer's K/V for the pair (token x[p+1], target feature f[p]) (see
 hidden_state_drafter.py). With L tokens committed in the target, `DraftPairs` holds:
 
-- the draft KV (`DraftKV`): positions 0..L-2 written by a draft extend (`kv.lengths`), or some of them still
-  pending (below);
+- the draft KV (`DraftKV`): positions 0..L-2 written by a draft extend or a proposal's first block
+  (`kv.lengths`), or some of them still pending (below);
 - the root feature f[L-1] per request (`root_features`, a persistent buffer indexed by draft pool row), the
   feature of the next proposal's root pair;
-- pending pairs: committed pairs not yet in the draft KV. A chain over one reused draft layer writes up to
-  `keep` of them inside its next proposal's first block (no forward of their own); anything more, and every
-  pair of the other drafters, is written at commit by one DRAFT_EXTEND forward (`write`).
+- pending pairs: committed pairs not yet in the draft KV. A drafter over one reused draft layer (chain or
+  tree) writes up to `keep` of them inside its next proposal's first block (no forward of their own);
+  anything more, and every pair of multi-layer drafters, is written at commit by one DRAFT_EXTEND forward
+  (`write`).
 
 Only committed tokens with the target's features ever reach the draft KV: nothing computed from rejected
 drafts or from draft features stays there.
@@ -151,7 +152,7 @@ class DraftPairs:
 
     def commit(self, committed: CommittedTokens, *, keep: int | None) -> None:
         """Newly committed tokens become pairs: pending while a request holds at most `keep` of them (a
-        one-layer chain's first block writes them), else (and always for `keep=None`) written now by one
+        one-layer drafter's first block writes them), else (and always for `keep=None`) written now by one
         draft extend."""
         c = committed
         ids = list(c.req_ids)
@@ -219,9 +220,17 @@ class DraftPairs:
         return bool(self._pending.get(req_id))
 
     def take_pending(self, req_ids: Sequence[Hashable]) -> list[Pending]:
-        """The pending pairs of these requests, handed to a proposal that writes them (a chain's first
-        block); they count as written once it ran (the caller moves `kv.lengths`)."""
+        """The pending pairs of these requests, handed to a proposal that writes them (a first block); they
+        count as written once it ran (the caller moves `kv.lengths`), else the caller gives them back
+        (`give_back`)."""
         return [self._pending.pop(r, []) for r in req_ids]
+
+    def give_back(self, req_ids: Sequence[Hashable], pending: Sequence[Pending]) -> None:
+        """Pending pairs taken by a proposal that failed before writing them: pending again, ahead of any
+        committed since, for the requests still followed (a later commit checks they are all there)."""
+        for r, p in zip(req_ids, pending, strict=True):
+            if p and r in self.kv.lengths:
+                self._pending[r] = [*p, *self._pending.get(r, [])]
 
     def write(self, req_ids: Sequence[Hashable]) -> None:
         """Eager draft extend over the pending pairs of these requests, in batches that fit the draft

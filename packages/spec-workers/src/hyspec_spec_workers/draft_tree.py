@@ -94,10 +94,10 @@ class TreeDrafts:
         req_rows = kv.rows(ids)
         rows = req_rows.tensor.long()
         written = [kv.lengths[r] for r in ids]
-        got = gather_pending(self.pairs.take_pending(ids)) if self.block0 else None
+        taken = self.pairs.take_pending(ids) if self.block0 else []
+        got = gather_pending(taken)
         q = [0] * n if got is None else got[2]  # pending pairs per row (<= S + 1), written by step 0
         blocks = 1 + (s_run - 1) * k
-        kv.pool.ensure_kv_capacity(ids, [w + max(self.block0, p + blocks) for w, p in zip(written, q)])
         tok = torch.zeros(n, blocks, dtype=torch.int64, device=dev)
         par = torch.full((n, blocks), -1, dtype=torch.int64, device=dev)
         par[:, 1:] = 0
@@ -109,12 +109,14 @@ class TreeDrafts:
         expanded = torch.zeros(n, 1, dtype=torch.int64, device=dev)  # block indices of the nodes to expand
         block = 1
         try:
+            kv.pool.ensure_kv_capacity(ids, [w + max(self.block0, p + blocks) for w, p in zip(written, q)])
             for j in range(s_run):
                 if j == 0 and self.block0:
                     # the first block: pending pairs and root pair; then later steps start past the pairs
                     normed, out = self._first_block(req_rows, written, got, q, tok[:, 0], feats[:, 0])
                     for r, w, p in zip(ids, written, q, strict=True):
                         kv.lengths[r] = w + p  # the pending pairs are final now
+                    taken = []
                 else:
                     fb = self.graphs.prepare_verify(
                         req_rows=req_rows,
@@ -157,6 +159,10 @@ class TreeDrafts:
                 )
                 expanded = new.expand(n, k)
                 block += k
+        except BaseException:
+            if taken:  # not written: pending again, so the request's next commit still lines up
+                self.pairs.give_back(ids, taken)
+            raise
         finally:
             kv.release(ids)
         return builder

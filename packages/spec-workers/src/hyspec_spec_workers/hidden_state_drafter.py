@@ -111,7 +111,7 @@ class HiddenStateDrafter:
             model,
             model.mixer_layers(),
             memory=memory,
-            # the one-layer chain writes up to 2S + 1 positions past the final length (block, then steps)
+            # a first block (S + 2) at the final length, then a tree's later steps past up to S + 1 pairs
             max_block=max_block,
             layer_steps=steps,
             chain_hidden=chain_hidden,

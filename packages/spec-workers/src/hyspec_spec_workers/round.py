@@ -324,8 +324,10 @@ class SpeculativeRound:
                 # the draft KV catches up on everything committed since its last proposal; more than a
                 # round's block (a prompt, a long stretch without drafting) is a one-off forward that
                 # would inflate the per-round costs: such a round is timed as a catch-up instead (what a
-                # probe after rounds at 0 costs, see `AdaptiveConfig.probe_budget`)
-                caught_up = self.feed.flush(ids) <= self.max_draft_tokens
+                # probe after rounds at 0 costs, see `AdaptiveConfig.probe_budget`); a tree round commits at
+                # most S + 1 tokens, all its drafter writes without an extend (its block D may be larger)
+                steady = self.num_speculative_tokens + 1 if self.is_tree else self.max_draft_tokens
+                caught_up = self.feed.flush(ids) <= steady
                 timed = timed and caught_up
             draft = self.drafter.propose(
                 DraftBatch(root_tokens=roots, num_steps=steps, histories=hist, req_ids=ids)
