@@ -127,14 +127,10 @@ class TreeDrafts:
                     # the live rows' node features (a chained step: its parents' outputs) into the static
                     # input
                     self.features_in[: n * block].copy_(feats[:, :block].reshape(n * block, -1))
-                    normed_all, out_all = self.graphs.run(
-                        fb
-                    )  # [N * block, H], [N * block, F] (graph outputs)
+                    # [N * block, H], [N * block, F] graph outputs, then at the expanded nodes [N, E, *]
+                    normed_all, out_all = self.graphs.run(fb)
                     at = (ar[:, None], expanded)
-                    normed, out = (
-                        normed_all.view(n, block, -1)[at],
-                        out_all.view(n, block, -1)[at],
-                    )  # [N, E, *]
+                    normed, out = normed_all.view(n, block, -1)[at], out_all.view(n, block, -1)[at]
                 logits = draft_logits(
                     normed,
                     req_ids=ids,
