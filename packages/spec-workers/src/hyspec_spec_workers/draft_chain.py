@@ -41,7 +41,7 @@ from hyspec_statepool.indices import ReqRows
 from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
-from hyspec_spec_workers.draft_pairs import DraftPairs, gather_pending
+from hyspec_spec_workers.draft_pairs import DraftPairs, first_block, gather_pending
 from hyspec_spec_workers.drafter import HiddenStateDraftModel, VerifiedChain
 
 _FORGOTTEN = object()  # a prepared row's id once its request is gone: equal to no request id
@@ -138,29 +138,14 @@ class OneLayerChain:
         s_run: int,
     ) -> Tensor:
         """The proposal's one forward (module docstring) -> drafts [>= N, s_run] (a graph's static output)."""
-        n, e, kv, dev = len(ids), self.block0, self.pairs.kv, root.device
+        n, e, kv = len(ids), self.block0, self.pairs.kv
         req_rows = kv.rows(ids)
         rows = req_rows.tensor.long()
         # pages for the block at the final length and for the steps after the root (at written + q)
         kv.pool.ensure_kv_capacity(ids, [w + max(e, k + s_run) for w, k in zip(written, q, strict=True)])
         # block row i: its pending pairs, its root pair at block index q[i], then padding
-        block = torch.zeros(n * e, dtype=torch.int64, device=dev)  # [N * E]
-        feats = self.features_in[: n * e]  # [N * E, F]
-        # the padding after each root is stored as KV inside the row's length: stale values there (a padded
-        # replay's rows, or NaN from memory an earlier user left) would reach the root's attention as
-        # 0 * NaN, so the block starts from zeros
-        feats.zero_()
-        # the block indices of the pending pairs, of the roots, and the roots' own indices: one upload
-        at_host = [] if got is None else [i * e + k for i in range(n) for k in range(q[i])]
-        idx = to_device(at_host + [i * e + k for i, k in enumerate(q)] + q, dtype=torch.int64, device=dev)
-        p = len(at_host)
-        roots_at, q_dev = idx[p : p + n], idx[p + n :]  # [N] each
-        if got is not None:
-            at = idx[:p]  # [P]
-            block[at] = got[0].to(dev)
-            feats[at] = got[1].to(feats.dtype)
-        block[roots_at] = root
-        feats[roots_at] = self.pairs.root_features[rows]
+        x = self.features_in[: n * e]  # [N * E, F]
+        block, _, q_dev = first_block(e, q, got, root, self.pairs.root_features[rows], x)
         self._root_index[:n].copy_(q_dev)
         runner = self.runners[s_run]
         fb = runner.prepare_verify(

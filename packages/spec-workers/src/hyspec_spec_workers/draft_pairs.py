@@ -80,6 +80,37 @@ def gather_pending(pending: Sequence[Pending]) -> tuple[Tensor, Tensor, list[int
     return tok_all[idx], feat_all[idx], counts
 
 
+def first_block(
+    e: int,
+    q: Sequence[int],
+    got: tuple[Tensor, Tensor, list[int]] | None,
+    root: Tensor,
+    root_feature: Tensor,
+    x: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A one-layer drafter's first block: row i is its q[i] pending pairs (`got`, from `gather_pending`),
+    its root pair at block index q[i], then padding, `e` tokens a row. Writes the features into `x`
+    ([N * e, F], the graph's static input), zeroed first: the padding is stored as KV inside the row's block,
+    and stale values there (a padded replay's rows, NaN an earlier user left) would reach the root's
+    attention as 0 * NaN. Returns (tokens [N * e] int64, the roots' indices in it [N] int64, each row's
+    root index within its row, q [N] int64), on x's device.
+    """
+    n, dev = len(q), x.device
+    block = torch.zeros(n * e, dtype=torch.int64, device=dev)  # [N * E]
+    x.zero_()
+    # the block indices of the pending pairs, of the roots, and the roots' own indices: one upload
+    at_host = [] if got is None else [i * e + k for i in range(n) for k in range(q[i])]
+    idx = to_device(at_host + [i * e + k for i, k in enumerate(q)] + list(q), dtype=torch.int64, device=dev)
+    p = len(at_host)
+    roots_at, q_dev = idx[p : p + n], idx[p + n :]  # [N] each
+    if got is not None:
+        block[idx[:p]] = got[0].to(dev)
+        x[idx[:p]] = got[1].to(x.dtype)
+    block[roots_at] = root
+    x[roots_at] = root_feature.to(x.dtype)
+    return block, roots_at, q_dev
+
+
 class DraftPairs:
     """Committed pairs of every followed request: the draft KV, root features and pending pairs.
 

@@ -23,10 +23,9 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 from hyspec_attn_backends import CudaGraphRunner, ForwardBatch
 from hyspec_statepool.indices import ReqRows
-from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
-from hyspec_spec_workers.draft_pairs import DraftPairs, gather_pending
+from hyspec_spec_workers.draft_pairs import DraftPairs, first_block, gather_pending
 from hyspec_spec_workers.drafter import HiddenStateDraftModel
 from hyspec_spec_workers.tree import TreeDraftBuilder
 
@@ -175,21 +174,9 @@ class TreeDrafts:
         """Step 0 over one draft layer: a causal block per row of [its q pending pairs, its root pair,
         padding] (`block0` tokens) at its final draft length, as the one-layer chain's first block
         (draft_chain.py). Returns the root pairs' (normed [N, 1, H], output [N, 1, F])."""
-        n, e, dev = len(q), self.block0, self.model.device
-        block = torch.zeros(n * e, dtype=torch.int64, device=dev)  # [N * E]
+        n, e = len(q), self.block0
         x = self.features_in[: n * e]  # [N * E, F] the graph's static input
-        # the padding is stored as KV inside the row's block: zeros, not stale values (0 * NaN reaches the
-        # root's attention otherwise)
-        x.zero_()
-        at_host = [i * e + p for i in range(n) for p in range(q[i])]
-        idx = to_device(at_host + [i * e + p for i, p in enumerate(q)], dtype=torch.int64, device=dev)
-        m = len(at_host)
-        if got is not None:
-            block[idx[:m]] = got[0].to(dev)
-            x[idx[:m]] = got[1].to(x.dtype)
-        roots_at = idx[m:]  # [N]
-        block[roots_at] = root
-        x[roots_at] = root_feature
+        block, roots_at, _ = first_block(e, q, got, root, root_feature, x)
         fb = self.graphs.prepare_verify(
             req_rows=req_rows, block_tokens=block.view(n, e), prefix_lens=written, tree_parents=None
         )
