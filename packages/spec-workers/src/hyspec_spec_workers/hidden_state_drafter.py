@@ -103,9 +103,9 @@ class HiddenStateDrafter:
         # proposal (at most S + 1: S accepted drafts and the bonus) in one block with the root pair, so a
         # round runs no draft extend of its own; other drafters write them at commit
         self.block0 = s + 2 if one_layer else 0
-        self.max_nodes = max(1 + (s - 1) * k, self.block0)  # the largest proposal forward block
-        # past the final length: the first block, then (a tree's) later steps after the written pairs
-        max_block = max(self.block0, s + 1 + 1 + (s - 1) * k) if one_layer else self.max_nodes
+        # past the final length: the first block, then (a tree's) later steps after the written pairs; else
+        # the largest step block (1 + (S - 1)·topk nodes) at the final length
+        max_block = max(self.block0, s + 1 + 1 + (s - 1) * k) if one_layer else 1 + (s - 1) * k
         # committed pairs: the draft KV, each request's root feature f[L-1] and its pending pairs
         self.pairs = DraftPairs(
             model,
