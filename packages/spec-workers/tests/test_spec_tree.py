@@ -235,3 +235,58 @@ def test_from_parents_equals_the_node_by_node_definition(seed: int) -> None:
             assert tree.depth[i].tolist() == depth, (d, i)
             assert tree.first_child[i].tolist() == first, (d, i)
             assert tree.next_sibling[i].tolist() == nxt, (d, i)
+
+
+def _random_trees(seed: int, n: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    parents = torch.full((n, d), -1, dtype=torch.int64)
+    for j in range(1, d):
+        parents[:, j] = torch.randint(0, j, (n,), generator=gen)
+    return torch.randint(0, 100, (n, d), generator=gen), parents, torch.randint(1, d + 1, (n,), generator=gen)
+
+
+_GRIDS = ("tokens", "parents", "num_nodes", "depth", "tree_mask", "first_child", "next_sibling")
+
+
+def _same(a: VerifyTree, b: VerifyTree) -> bool:
+    return all(torch.equal(getattr(a, k).cpu(), getattr(b, k).cpu()) for k in _GRIDS)
+
+
+def test_from_parents_takes_host_counts_and_marks_chains() -> None:
+    tokens, parents, num = _random_trees(0, 4, 6)
+    a = VerifyTree.from_parents(tokens, parents, num.tolist())
+    b = VerifyTree.from_parents(tokens, parents, num)
+    assert _same(a, b) and a.host_num_nodes == b.host_num_nodes == tuple(num.tolist())
+    col = torch.arange(6)
+    chain = VerifyTree.from_parents(tokens, (col - 1).expand(4, 6), [6, 2, 1, 4])
+    assert chain.is_chain and not VerifyTree.from_parents(tokens, parents, [6] * 4).is_chain
+    with pytest.raises(ValueError, match="num_nodes"):
+        VerifyTree.from_parents(tokens, parents, [6, 7, 1, 1])
+    with pytest.raises(ValueError, match="num_nodes: expected shape"):
+        VerifyTree.from_parents(tokens, parents, [6, 6])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("d", [1, 3, 6, 10])
+def test_device_trees_equal_host_trees_without_a_read(d: int) -> None:
+    """A drafter's tree on the device with host counts is built there with no sync (the host goes on to the
+    verify while the device drafts) and equals the host's, grid for grid; so do its padding and trim."""
+    from hyspec_spec_workers.drafter import DraftOutput
+    from hyspec_spec_workers.round import trim_draft
+    from hyspec_spec_workers.tree import pad_block
+
+    tokens, parents, num = _random_trees(d, 5, d)
+    host = VerifyTree.from_parents(tokens, parents, num)
+    tokens_dev, parents_dev = tokens.cuda(), parents.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        dev = VerifyTree.from_parents(tokens_dev, parents_dev, num)
+        padded, _ = pad_block(dev, None, d + 2)
+        cut = trim_draft(DraftOutput(padded), 5, d + 2).tree
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not dev.is_chain and dev.host_num_nodes == tuple(num.tolist())
+    for tree, want in ((dev, host), (cut, host), (padded, pad_block(host, None, d + 2)[0])):
+        assert tree.tokens.device.type == "cuda" and _same(tree, want)

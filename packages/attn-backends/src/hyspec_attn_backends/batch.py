@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from hyspec_kernels import StateSave, value_checks
+from hyspec_kernels import StateSave, tree_grids, value_checks
 from hyspec_statepool.indices import BatchRows, KVSlots, ReqRows, StateSlots
 from hyspec_statepool.transfer import pin_for, upload
 from torch import Tensor
@@ -293,21 +293,11 @@ class BatchBuffers:
 
 def tree_ancestor_mask(parents: Tensor) -> tuple[Tensor, Tensor]:
     """parents [N, D] (-1 root, parents precede children) -> (mask [N, D, D] bool, depth [N, D] int64):
-    mask[n, j, k] when node k is node j or one of its ancestors; depth = strict ancestors.
-
-    The reflexive-transitive closure of the parent relation by repeated squaring: log2(D) batched matrix
-    products, a handful of ops whatever D, instead of a few ops per node (each a launch on a GPU, a sync-free
-    but host-bound loop). Counts in the fp32 products stay below D, so they are exact."""
-    d = parents.shape[1]
-    dev = parents.device
-    cols = torch.arange(d, device=dev)
-    # one step up (I + A): node j reaches itself and its parent
-    step = (cols[None, None, :] == cols[None, :, None]) | (cols[None, None, :] == parents.long()[:, :, None])
-    reach = step.float()  # [N, D, D]
-    for _ in range(max(0, (d - 1).bit_length())):  # paths of up to 2^k steps after k squarings
-        reach = (torch.bmm(reach, reach) > 0).float()
-    mask = reach > 0
-    return mask, mask.sum(-1) - 1
+    mask[n, j, k] when node k is node j or one of its ancestors; depth = strict ancestors
+    (`hyspec_kernels.tree_grids`: one launch on CUDA, no read; the parents' values were checked by the
+    batch's builder)."""
+    g = tree_grids(parents=parents, check_values=False)
+    return g.mask, g.depth
 
 
 def check_tree_parents(

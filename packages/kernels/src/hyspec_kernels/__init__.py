@@ -6,7 +6,8 @@ Ops: gated delta rule (`gdn_prefill`, `gdn_decode`, `gdn_verify`), causal depthw
 (`store_kv`, `paged_attention`), GDN gating (`gdn_gating`), norms (`gated_rmsnorm`, `rms_norm`,
 `add_rms_norm`), SwiGLU's product (`silu_and_mul`), rotary embedding (`apply_rotary`) and a verify block's
 greedy walk with its stop / budget cut (`accept_walk`); a chain verify batch's metadata written for its rows'
-next prefixes (`advance_verify`). The prefills also write states part-way through a
+next prefixes (`advance_verify`); verify trees' ancestor masks, depths and child / sibling links from their
+parents (`tree_grids`). The prefills also write states part-way through a
 sequence to spare slots (`StateSave`).
 `python -m hyspec_kernels.selfcheck` runs each against its reference.
 """
@@ -21,6 +22,7 @@ from hyspec_kernels.gating import add_rms_norm, gated_rmsnorm, gdn_gating, rms_n
 from hyspec_kernels.gdn import GDNPrefillOutput, gdn_decode, gdn_prefill, gdn_verify
 from hyspec_kernels.rope import apply_rotary
 from hyspec_kernels.saves import StateSave
+from hyspec_kernels.tree import TreeGrids, tree_grids
 
 __version__ = "0.1.0"
 
@@ -29,6 +31,7 @@ __all__ = [
     "GDNPrefillOutput",
     "StatePair",
     "StateSave",
+    "TreeGrids",
     "accept_walk",
     "add_rms_norm",
     "advance_verify",
@@ -46,5 +49,6 @@ __all__ = [
     "rms_norm",
     "silu_and_mul",
     "store_kv",
+    "tree_grids",
     "value_checks",
 ]

@@ -46,6 +46,7 @@ def _nan_pool(shape: tuple[int, ...], used: list[int], gen: torch.Generator, dev
 def build_cases(device: str) -> dict[str, Case]:
     from hyspec_kernels.accept import accept_walk
     from hyspec_kernels.advance import advance_verify
+    from hyspec_kernels.tree import tree_grids
     from hyspec_kernels.attention import paged_attention, store_kv
     from hyspec_kernels.commit import commit_states
     from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
@@ -319,6 +320,15 @@ def build_cases(device: str) -> dict[str, Case]:
     cases["advance_verify (chain batch at new prefixes over stale fields, page crossing, padded row)"] = (
         advance_case
     )
+
+    # two trees of six nodes: root 0 -> 1, 2; 1 -> 3, 4; 2 -> 5, and the same shape cut at four real nodes
+    def tree_case(be: Backend) -> Result:
+        g = tree_grids(
+            parents=i64([[-1, 0, 0, 1, 1, 2], [-1, 0, 0, 1, 1, 2]]), num_nodes=i64([6, 4]), backend=be
+        )
+        return g._asdict()
+
+    cases["tree_grids (tree masks, depths and links, a padded tree)"] = tree_case
     return cases
 
 

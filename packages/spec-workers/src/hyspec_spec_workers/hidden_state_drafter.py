@@ -262,11 +262,11 @@ class HiddenStateDrafter:
         if self.topk == 1:
             drafts = builder.chain_drafts().to(batch.root_tokens.device)  # [N, s_run]
             return DraftOutput(VerifyTree.chain(root, drafts, torch.tensor(steps)))
-        # rows that draft nothing keep their root only; the tree is built on the host (one device read)
-        # and stays where the roots are
+        # rows that draft nothing keep their root only; the tree is built where the drafts are, from the
+        # host's node counts: no device read, so the host goes on to the verify while the device drafts
         d = self.num_draft_tokens
         num = torch.tensor([d if k > 0 else 1 for k in steps], dtype=torch.int64)  # [N]
-        return DraftOutput(builder.build(d, num_nodes=num, device=batch.root_tokens.device))
+        return DraftOutput(builder.build(d, num_nodes=num))
 
     # ---------------------------------------------------------------- drafting
 

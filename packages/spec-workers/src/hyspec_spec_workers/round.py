@@ -405,7 +405,7 @@ def trim_draft(draft: DraftOutput, n: int, dmax: int) -> DraftOutput:
     cut = (
         resized_chain(tree, d)
         if tree.is_chain
-        else VerifyTree.from_parents(tree.tokens[:, :d], tree.parents[:, :d], tree.num_nodes)
+        else VerifyTree.from_parents(tree.tokens[:, :d], tree.parents[:, :d], tree.node_counts())
     )
     dp = None if draft.draft_probs is None else draft.draft_probs[:, :d]
     return DraftOutput(cut, dp)

@@ -12,10 +12,11 @@ cumulative path probability, sorted by candidate order so that parents precede c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
-from hyspec_attn_backends.batch import tree_ancestor_mask
+from hyspec_kernels import tree_grids, value_checks
 from hyspec_statepool.transfer import to_device
 
 
@@ -38,6 +39,15 @@ def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
         for i, part in zip(away, parts, strict=True):
             out[i] = part.view(tensors[i].shape)
     return out
+
+
+def _tree_grids(
+    tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, *, check: bool
+) -> VerifyTree:
+    """The tree of `from_parents` where its inputs are (`hyspec_kernels.tree_grids`: one launch on CUDA); the
+    parents' and counts' values are checked when `check` (a read on a device). `is_chain` False."""
+    g = tree_grids(parents=parents, num_nodes=num_nodes, check_values=check)
+    return VerifyTree(tokens, g.parents, num_nodes, g.depth, g.mask, g.first_child, g.next_sibling, False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,51 +145,48 @@ class VerifyTree:
     def from_parents(
         tokens: torch.Tensor,
         parents: torch.Tensor,
-        num_nodes: torch.Tensor,
+        num_nodes: torch.Tensor | Sequence[int],
         *,
         device: torch.device | str | None = None,
     ) -> VerifyTree:
         """Derive depth, mask and child/sibling arrays; padded nodes are re-parented as a chain.
 
+        Built where `tokens` are, without a device read, when they are on a device and the node counts on the
+        host (a drafter's tree on its way to the verify: the host runs ahead of the drafting); the values are
+        then checked only where `hyspec_kernels.value_checks` says (a debug run), and `is_chain` is False (a
+        chain-shaped block is still a valid tree). Otherwise on the host, checked, one transfer each way.
+
         Args:
             tokens: [N, D] int64.
             parents: [N, D] int; parents[n, 0] = -1 and 0 <= parents[n, j] < j for real nodes j >= 1.
-            num_nodes: [N] int in [1, D].
-            device: where the tree goes (default: `tokens`' device). It is built on the host, so "cpu"
-                spares moving it back when the caller wants it there.
+            num_nodes: [N] int in [1, D]: a tensor, or host ints.
+            device: where the tree goes (default: `tokens`' device).
         """
         if tokens.dim() != 2:
             raise ValueError(f"tokens: expected shape [N, D], got {list(tokens.shape)}")
         n, d = tokens.shape
         out_dev = tokens.device if device is None else torch.device(device)
-        # N x D bookkeeping: on the host, one transfer each way, instead of ~10 tiny device ops per node
-        dev = torch.device("cpu")
-        tokens, parents, num_nodes = _to_host(
-            _check("tokens", tokens, (n, d)),
-            _check("parents", parents, (n, d)),
-            _check("num_nodes", num_nodes, (n,)),
+        _check("tokens", tokens, (n, d))
+        _check("parents", parents, (n, d))
+        if not isinstance(num_nodes, torch.Tensor):
+            num_nodes = torch.tensor(list(num_nodes), dtype=torch.int64)
+        _check("num_nodes", num_nodes, (n,))
+        on_device = (
+            tokens.device.type != "cpu" and num_nodes.device.type == "cpu" and out_dev == tokens.device
         )
-        if n and (int(num_nodes.min()) < 1 or int(num_nodes.max()) > d):
-            raise ValueError(f"num_nodes: expected values in [1, {d}], got {num_nodes.tolist()}")
-        col = torch.arange(d, device=dev).expand(n, d)
-        real = col < num_nodes[:, None]
-        parents = torch.where(real, parents, col - 1)
-        if n and not bool((parents[:, 0] == -1).all()):
-            raise ValueError("parents: expected -1 for the root (column 0) of every row")
-        if d > 1 and n and not bool(((parents[:, 1:] >= 0) & (parents[:, 1:] < col[:, 1:])).all()):
-            raise ValueError("parents: expected 0 <= parents[n, j] < j for every node j >= 1")
-        mask, depth = tree_ancestor_mask(parents)  # [N, D, D], [N, D]
-        # whole-block ops, no loop over nodes: a real node's first child is the smallest real j whose parent
-        # it is, its next sibling the smallest real k > j with its parent (argmax picks the first True)
-        kid = real[:, None, :] & (parents[:, None, :] == col[:, :, None]) & (col[:, None, :] > 0)  # [N, D, D]
-        first_child = torch.where(kid.any(-1), kid.to(torch.int8).argmax(-1), -1)
-        later = col[:, None, :] > col[:, :, None]  # [N, D, D]: k > j
-        sib = later & real[:, None, :] & real[:, :, None] & (parents[:, None, :] == parents[:, :, None])
-        next_sibling = torch.where(sib.any(-1), sib.to(torch.int8).argmax(-1), -1)
-        is_chain = bool((parents == col - 1).all())
-        counts = tuple(int(k) for k in num_nodes.tolist())
-        tree = VerifyTree(tokens, parents, num_nodes, depth, mask, first_child, next_sibling, is_chain)
-        return replace(tree, host_num_nodes=counts).to(out_dev)
+        if not on_device:  # N x D bookkeeping on the host: one transfer each way
+            tokens, parents, num_nodes = _to_host(tokens, parents, num_nodes)
+        counts = tuple(int(k) for k in num_nodes.tolist())  # host values
+        if counts and (min(counts) < 1 or max(counts) > d):
+            raise ValueError(f"num_nodes: expected values in [1, {d}], got {list(counts)}")
+        if on_device:
+            dev = tokens.device
+            nodes = to_device(num_nodes, dtype=torch.int64, device=dev)
+            tree = _tree_grids(tokens.to(torch.int64), parents.to(dev), nodes, check=value_checks(dev))
+            return replace(tree, host_num_nodes=counts)
+        tree = _tree_grids(tokens, parents, num_nodes, check=True)
+        is_chain = bool((tree.parents == torch.arange(d) - 1).all())
+        return replace(tree, is_chain=is_chain, host_num_nodes=counts).to(out_dev)
 
     @staticmethod
     def chain(root: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor | None = None) -> VerifyTree:
@@ -366,7 +373,8 @@ def pad_block(
     else:
         tokens = torch.cat([tree.tokens, torch.zeros(n, d - d0, dtype=torch.int64, device=dev)], dim=1)
         tail = (torch.arange(d0, d, dtype=torch.int64, device=dev) - 1).expand(n, d - d0)
-        padded = VerifyTree.from_parents(tokens, torch.cat([tree.parents, tail], dim=1), tree.num_nodes)
+        # host node counts: a tree on a device stays there, unread
+        padded = VerifyTree.from_parents(tokens, torch.cat([tree.parents, tail], dim=1), tree.node_counts())
     if draft_probs is not None:
         v = draft_probs.shape[-1]
         draft_probs = torch.cat([draft_probs, draft_probs.new_zeros(n, d - d0, v)], dim=1)  # [N, d, V]
