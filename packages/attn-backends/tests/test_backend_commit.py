@@ -352,3 +352,21 @@ def test_mixed_batch_rejects_a_request_in_both_parts_and_wrong_parts() -> None:
         MixedBatch(extend=eb, verify=eb, input_ids=eb.input_ids, positions=eb.positions)
     with pytest.raises(ValueError, match="MIXED"):
         ForwardBatch(**{**{f: getattr(eb, f) for f in eb.__slots__}, "mode": ForwardMode.MIXED})  # type: ignore[attr-defined]
+
+
+def test_defer_commit_needs_verify_scratch() -> None:
+    """Asked for on a pool without verify scratch (no draft shape), deferral is refused naming the argument,
+    not silently off."""
+    plan = MemoryPlan(
+        specs=model_state_specs(LAYERS),
+        max_model_len=32,
+        max_num_seqs=3,
+        draft_shape=None,
+        page_size=2,
+        num_state_slots=4,
+        num_kv_pages=40,
+        dtypes=F32,
+    )
+    with pytest.raises(ValueError, match="defer_commit"):
+        HybridBackend(HybridStatePool(plan), layers=LAYERS, layer_types=TYPES, defer_commit=True)
+    assert not HybridBackend(HybridStatePool(plan), layers=LAYERS, layer_types=TYPES).defer_commit

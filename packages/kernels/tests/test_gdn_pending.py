@@ -141,6 +141,36 @@ def test_pending_validation_names_the_argument() -> None:
     with pytest.raises(ValueError, match="pending: expected a PendingTokens"):
         gdn_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state=state, state_slots=slots,
                    pending=(1, 2, 3))  # type: ignore[arg-type]  # fmt: skip
+    # the buffers are named as the caller passed them (pending.inputs), not as the kernel's keep_inputs
+    half = (pending.inputs[0].half(), *pending.inputs[1:])  # fp16 k: the buffers are fp32
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match=r"pending\.inputs\[0\] \(k\)"):
+            gdn_verify(q, k, v, g, beta, **kw, pending=pending._replace(inputs=half), backend=backend)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"pending\.inputs\[0\] \(k\)"):
+        gdn_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state=state, state_slots=slots,
+                   pending=pending._replace(inputs=half))  # type: ignore[arg-type]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("what", ["state_slots", "scratch_rows", "parents"])
+def test_a_rejected_verify_applies_no_pending_token(backend: str, what: str) -> None:
+    """The reference and torch paths apply the pending tokens as a step of their own: only after every
+    argument passed its checks, so a rejected call leaves the states and the pending tables as they were."""
+    pending, state, gen = _setup(seed=5)
+    q, k, v, g, beta = _tokens(gen, 3)
+    slots = torch.tensor(SLOTS)
+    kw: dict[str, object] = {"state_slots": slots, "scratch": None, "scratch_rows": None, "parents": None}
+    if what == "state_slots":
+        kw["state_slots"] = torch.tensor([6, 2, -1, 4, S])  # a slot past the pool
+    elif what == "scratch_rows":
+        kw["scratch"] = torch.zeros(2, DMAX, HV, DK, DV)
+        kw["scratch_rows"] = torch.tensor([0, 1, -1, 2, 3])  # rows past the scratch
+    else:
+        kw["parents"] = torch.tensor([[-1, 0, 2]] * len(SLOTS))  # a parent after its child
+    before = state.clone()
+    with pytest.raises(ValueError, match=what):
+        gdn_verify(q, k, v, g, beta, state=state, pending=pending, backend=backend, **kw)  # type: ignore[arg-type]
+    assert torch.equal(state.nan_to_num(7.0), before.nan_to_num(7.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

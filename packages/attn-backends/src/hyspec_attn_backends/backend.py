@@ -108,7 +108,8 @@ class HybridBackend:
         defer_commit: GDN commits are deferred (`hyspec_kernels.gdn.pending`): a commit makes the accepted
             tokens the slots' pending ones, and every forward applies a slot's pending tokens first (decode
             and verify in their kernel, a prefill by a replay before it) and clears them; readers outside a
-            forward call `pool.apply_pending`. A round then reads and writes each GDN state once.
+            forward call `pool.apply_pending`. A round then reads and writes each GDN state once. Needs verify
+            scratch (a ValueError without); nothing to defer, and off, without GDN layers.
 
     Batches are built by its `BatchBuilder` (how they share preallocated buffers and what `num_builds`
     counts: see there; a MIXED step's by a `MixedBuilder` over two), the commit after verify is its
@@ -131,8 +132,13 @@ class HybridBackend:
         self.kinds = check_routing(layers, layer_types, pool.plan.specs)
         self.num_layers = len(layers)
         gdn_ids = [i for i, kind in enumerate(self.kinds) if kind is MixerKind.GDN]
-        # only a pool that keeps verify inputs has anything to defer
-        self.defer_commit = defer_commit and bool(gdn_ids) and pool.plan.scratch_rows > 0
+        if defer_commit and gdn_ids and pool.plan.scratch_rows == 0:
+            # the deferred tokens' inputs live in the verify scratch: without one, refused (not ignored)
+            raise ValueError(
+                "defer_commit: a deferred commit keeps verify inputs, the pool has no verify scratch"
+            )
+        # a backend without GDN layers has nothing to defer
+        self.defer_commit = defer_commit and bool(gdn_ids)
         # the forward's last GDN layer clears the batch's pending tokens, once every layer has applied them
         self._last_gdn = gdn_ids[-1] if gdn_ids else -1
         # kernels' own value checks (hyspec_kernels.value_checks): a debug pool asks for them on CUDA too

@@ -46,12 +46,12 @@ def _nan_pool(shape: tuple[int, ...], used: list[int], gen: torch.Generator, dev
 def build_cases(device: str) -> dict[str, Case]:
     from hyspec_kernels.accept import accept_walk
     from hyspec_kernels.advance import advance_verify
-    from hyspec_kernels.tree import tree_grids
     from hyspec_kernels.attention import paged_attention, store_kv
     from hyspec_kernels.commit import commit_states
     from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
     from hyspec_kernels.gating import gated_rmsnorm, gdn_gating, rms_norm
     from hyspec_kernels.gdn import gdn_decode, gdn_prefill, gdn_replay, gdn_verify
+    from hyspec_kernels.tree import tree_grids
 
     gen = torch.Generator().manual_seed(0)
 

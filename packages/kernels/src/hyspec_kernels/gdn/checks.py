@@ -97,29 +97,35 @@ def check_parents(
 
 
 def check_keep_inputs(
-    keep_inputs: object, input_rows: object, k: torch.Tensor, v: torch.Tensor, check_indices: bool | None
+    keep_inputs: object,
+    input_rows: object,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    check_indices: bool | None,
+    *,
+    name: str = "keep_inputs",
+    rows_name: str = "input_rows",
 ) -> tuple[reference.Inputs, torch.Tensor]:
     """A replay's input buffers for [N, D] blocks: fp32 k [R, Dmax, HK, K], v [R, Dmax, HV, V], g and beta
-    [R, Dmax, HV], contiguous, with Dmax >= D; rows [N] in [0, R) or -1."""
+    [R, Dmax, HV], contiguous, with Dmax >= D; rows [N] in [0, R) or -1. Errors name the buffers `name` and
+    the rows `rows_name` (the caller's arguments: `pending.inputs` for a deferred commit's buffers)."""
     if not isinstance(keep_inputs, tuple) or len(keep_inputs) != 4:
-        raise ValueError("keep_inputs: expected a (k, v, g, beta) tuple of tensors")
+        raise ValueError(f"{name}: expected a (k, v, g, beta) tuple of tensors")
     n, d, hk, head_k = k.shape
     hv, head_v, dev = v.shape[2], v.shape[3], k.device
-    kb = check_tensor("keep_inputs[0] (k)", keep_inputs[0], ("R", None, hk, head_k), dtypes=FP32, device=dev)
+    kb = check_tensor(f"{name}[0] (k)", keep_inputs[0], ("R", None, hk, head_k), dtypes=FP32, device=dev)
     r, dmax = kb.shape[0], kb.shape[1]
     if dmax < d:
-        raise ValueError(f"keep_inputs: expected Dmax >= D = {d} steps, got {dmax}")
-    vb = check_tensor("keep_inputs[1] (v)", keep_inputs[1], (r, dmax, hv, head_v), dtypes=FP32, device=dev)
-    gb = check_tensor("keep_inputs[2] (g)", keep_inputs[2], (r, dmax, hv), dtypes=FP32, device=dev)
-    bb = check_tensor("keep_inputs[3] (beta)", keep_inputs[3], (r, dmax, hv), dtypes=FP32, device=dev)
-    for name, t in (("k", kb), ("v", vb), ("g", gb), ("beta", bb)):
+        raise ValueError(f"{name}: expected Dmax >= D = {d} steps, got {dmax}")
+    vb = check_tensor(f"{name}[1] (v)", keep_inputs[1], (r, dmax, hv, head_v), dtypes=FP32, device=dev)
+    gb = check_tensor(f"{name}[2] (g)", keep_inputs[2], (r, dmax, hv), dtypes=FP32, device=dev)
+    bb = check_tensor(f"{name}[3] (beta)", keep_inputs[3], (r, dmax, hv), dtypes=FP32, device=dev)
+    for part, t in (("k", kb), ("v", vb), ("g", gb), ("beta", bb)):
         if not t.is_contiguous():
-            raise ValueError(
-                f"keep_inputs ({name}): expected a contiguous buffer, got strides {list(t.stride())}"
-            )
+            raise ValueError(f"{name} ({part}): expected a contiguous buffer, got strides {list(t.stride())}")
     if check_indices_now(check_indices, dev):
-        rows = check_index("input_rows", input_rows, (n,), low=0, high=r, device=dev)
-        check_distinct("input_rows", rows)
+        rows = check_index(rows_name, input_rows, (n,), low=0, high=r, device=dev)
+        check_distinct(rows_name, rows)
     else:
-        rows = check_tensor("input_rows", input_rows, (n,), dtypes=INDEX_DTYPES, device=dev)
+        rows = check_tensor(rows_name, input_rows, (n,), dtypes=INDEX_DTYPES, device=dev)
     return (kb, vb, gb, bb), rows

@@ -319,7 +319,9 @@ def gdn_decode(
         state_slots = check_tensor("state_slots", state_slots, (num_seqs,), dtypes=INDEX_DTYPES, device=dev)
     if pending is not None:
         pending = check_pending(pending, state)
-        check_keep_inputs(pending.inputs, pending.rows[:0], k[:0, None], v[:0, None], False)
+        check_keep_inputs(
+            pending.inputs, pending.rows[:0], k[:0, None], v[:0, None], False, name="pending.inputs"
+        )
         if resolve_backend(backend, dev) != "triton":
             # the reference and torch paths apply the pending tokens first, as their own step
             apply_pending(pending, state, state_slots, backend=backend)
@@ -386,6 +388,13 @@ def gdn_verify(
     if (keep_inputs is None) != (input_rows is None):
         raise ValueError("keep_inputs, input_rows: expected both or neither")
     triton = resolve_backend(backend, dev) == "triton"
+    check = check_indices_now(check_indices, dev)
+    if check:
+        state_slots = check_index(
+            "state_slots", state_slots, (num_seqs,), low=0, high=state.shape[0], device=dev
+        )
+    else:
+        state_slots = check_tensor("state_slots", state_slots, (num_seqs,), dtypes=INDEX_DTYPES, device=dev)
     if pending is not None:
         if keep_inputs is not None:
             raise ValueError("keep_inputs, pending: expected one (pending keeps the inputs itself)")
@@ -393,14 +402,22 @@ def gdn_verify(
         if triton:
             # the kernel finds each slot's next rows itself (no per-layer index ops in a graph): the buffers'
             # shapes are checked here, with the slots standing in for the rows
-            keep_inputs, _ = check_keep_inputs(pending.inputs, state_slots, k, v, False)
+            keep_inputs, _ = check_keep_inputs(
+                pending.inputs, state_slots, k, v, False, name="pending.inputs", rows_name="state_slots"
+            )
         else:
             rows_at = pending.rows[state_slots.long().clamp(min=0)]
             half = pending.inputs[0].shape[0] // 2
             input_rows = torch.where(state_slots >= 0, next_rows(rows_at, half), -1)
-            keep_inputs, input_rows = check_keep_inputs(pending.inputs, input_rows, k, v, check_indices)
-            # the reference and torch paths apply the pending tokens first, as their own step
-            apply_pending(pending, state, state_slots, backend=backend)
+            keep_inputs, input_rows = check_keep_inputs(
+                pending.inputs,
+                input_rows,
+                k,
+                v,
+                check_indices,
+                name="pending.inputs",
+                rows_name="pending.rows",
+            )
     elif keep_inputs is not None and input_rows is not None:
         keep_inputs, input_rows = check_keep_inputs(keep_inputs, input_rows, k, v, check_indices)
     workspace = scratch is None and parents is not None
@@ -411,13 +428,6 @@ def gdn_verify(
     if workspace and not recompute:
         scratch = torch.empty(num_seqs, block, hv, head_k, head_v, dtype=torch.float32, device=dev)
         scratch_rows = torch.arange(num_seqs, dtype=torch.int64, device=dev)
-    check = check_indices_now(check_indices, dev)
-    if check:
-        state_slots = check_index(
-            "state_slots", state_slots, (num_seqs,), low=0, high=state.shape[0], device=dev
-        )
-    else:
-        state_slots = check_tensor("state_slots", state_slots, (num_seqs,), dtypes=INDEX_DTYPES, device=dev)
     if scratch is not None and scratch_rows is not None:  # else a chain keeping no state
         scratch = check_tensor(
             "scratch", scratch, (None, None, hv, head_k, head_v), dtypes=STATE_DTYPES, device=dev
@@ -443,6 +453,10 @@ def gdn_verify(
                 f"scratch_rows: tree verify needs a scratch row (>= 0) for every row with a state slot, "
                 f"got scratch_rows={scratch_rows.tolist()} for state_slots={state_slots.tolist()}"
             )
+    if pending is not None and not triton:
+        # every argument checked: the reference and torch paths apply the pending tokens first, as their own
+        # step (it writes the states: a rejected call must leave them as they were)
+        apply_pending(pending, state, state_slots, backend=backend)
     fn = implementation(
         backend,
         dev,
