@@ -242,9 +242,14 @@ def test_padded_verify_and_commit_equal_unpadded(tree: bool) -> None:
     with pytest.raises(ValueError, match="num_accepted"):
         be.commit_after_verify(batch=padded, num_accepted=every_row, accept_paths=paths)
     if tree:
-        with pytest.raises(ValueError, match="chains"):
-            be.commit_every_row(batch=padded, num_accepted=every_row)
-        be.commit_after_verify(batch=padded, num_accepted=num_accepted, accept_paths=paths)
+        assert paths is not None
+        with pytest.raises(ValueError, match="accept_paths"):
+            be.commit_every_row(batch=padded, num_accepted=every_row, accept_paths=paths)  # live rows only
+        # a commit graph's form: every row, the padded ones' values ignored (their KV moves none: their -1
+        # slots must not alias a real slot in the scatter)
+        every_path = torch.cat([paths, torch.tensor([[0, -1, -1, -1], [0, 1, 2, 3], [-1] * 4])])
+        steps = be.commit_every_row(batch=padded, num_accepted=every_row, accept_paths=every_path)
+        assert steps[:2].tolist() == [3, 1]
     else:
         with pytest.raises(ValueError, match="num_accepted"):
             be.commit_every_row(batch=padded, num_accepted=num_accepted)  # the live rows only: not every row
@@ -479,7 +484,8 @@ def test_commit_and_tail_replay_only_their_own_verify_graph() -> None:
 def test_capture_wires_commit_and_tail_graphs_on_chain_verify_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     """The capture code path on CPU with stand-in CUDA primitives (each "capture" runs eagerly once): chain
     verify keys get a commit graph and a tail graph (the tail's static inputs for the key's shape, its warm-up
-    and capture calls on the all-padding batch), tree and decode keys neither; capturing commits nothing."""
+    and capture calls on the all-padding batch), tree verify keys a commit graph with static paths, decode
+    keys neither; capturing commits nothing."""
     from contextlib import nullcontext
 
     class Stream:
@@ -520,11 +526,18 @@ def test_capture_wires_commit_and_tail_graphs_on_chain_verify_keys(monkeypatch: 
     runner.capture_or_eager([1, 2], decode=True, verify=[(3, False), (4, True)])
     assert runner.active, "a capture failed"
     for key, captured in runner._graphs.items():
-        chain = key.mode is ForwardMode.TARGET_VERIFY and not key.tree
-        assert (captured.commit is not None) == chain and (captured.tail is not None) == chain, key
-        if chain:
-            assert captured.commit is not None and captured.tail is not None
+        verify = key.mode is ForwardMode.TARGET_VERIFY
+        chain = verify and not key.tree
+        assert (captured.commit is not None) == verify and (captured.tail is not None) == chain, key
+        if verify:
+            assert captured.commit is not None
             assert captured.commit.accepted.tolist() == [-1] * key.batch_size
+            paths = captured.commit.paths
+            assert (paths is None) == chain
+            if paths is not None:  # a tree key's commit reads static paths too
+                assert paths.tolist() == [[-1] * key.verify_len] * key.batch_size
+        if chain:
+            assert captured.tail is not None
             assert captured.tail.inputs[0].shape == (key.batch_size, 4)
             assert captured.tail.outputs[0].shape == (key.batch_size,)
     # per chain key: two warm-up calls and one capture, largest first

@@ -627,3 +627,43 @@ def test_tree_ancestor_mask_is_the_ancestor_relation() -> None:
                 want_depth[j] = want_depth[p] + 1
             assert mask[i].tolist() == want, (d, i)
             assert depth[i].tolist() == want_depth, (d, i)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("name", ["verify_tree", "verify_tree_padded"])
+def test_retree_equals_a_build_of_the_new_trees(device: str, name: str) -> None:
+    """`retree` over a tree batch built for other trees and tokens gives every field a build of the new ones
+    gives (padded rows untouched), without a sync on CUDA; a chain batch or a wrong shape is refused."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    be = _backend(device)
+    case = CASES[name]
+    assert case.tree is not None
+    n = len(case.ids)
+    rows = be.pool.req_rows(list(case.ids))
+    other = torch.tensor([[-1, 0, 1, 2]] * n, dtype=torch.int64, device=device)  # chains: other depths
+    batch = be.prepare_verify(
+        req_rows=rows,
+        block_tokens=torch.zeros(n, D, dtype=torch.int64, device=device),
+        prefix_lens=list(case.prefix),
+        tree_parents=other,
+        pad_to=case.pad_to,
+    )
+    tokens = _tokens(n * D, device).view(-1, D)
+    parents = torch.tensor(case.tree, dtype=torch.int32, device=device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        be.retree(batch, block_tokens=tokens, tree_parents=parents)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    assert _fields(batch) == _reference(be.pool, case), name
+    with pytest.raises(ValueError, match="block_tokens"):
+        be.retree(batch, block_tokens=tokens[:, :2], tree_parents=parents)
+    with pytest.raises(ValueError, match="tree_parents"):
+        be.retree(batch, block_tokens=tokens, tree_parents=parents[:, :2])
+    chain = CASES["verify_chain_padded"].call(be, device)
+    with pytest.raises(ValueError, match="tree"):
+        be.retree(chain, block_tokens=tokens, tree_parents=parents)

@@ -84,8 +84,9 @@ class Target:
         )
         pool = HybridStatePool(plan, debug=True)
         pool.alloc(["burn"])
-        # commits deferred to the next forward, as an engine runs them
-        backend = HybridBackend(pool, layers=layers, layer_types=self.model.layer_types, defer_commit=True)
+        # commits deferred to the next forward, as a speculative engine runs them (a plain stack: none)
+        defer = shape is not None
+        backend = HybridBackend(pool, layers=layers, layer_types=self.model.layer_types, defer_commit=defer)
         return backend, pool
 
     def run(self, shape: DraftShape | None, *, eos: int | None = None, **kw: Any) -> list[list[int]]:

@@ -105,8 +105,9 @@ def _stack(model: object, shape: DraftShape | None) -> tuple[HybridBackend, Hybr
     pool = HybridStatePool(plan, debug=True)
     # burn a request so request rows and state slots differ from batch rows
     pool.alloc(["burn"])
-    # commits deferred to the next forward, as an engine runs them
-    backend = HybridBackend(pool, layers=layers, layer_types=model.layer_types, defer_commit=True)  # type: ignore[attr-defined]
+    # commits deferred to the next forward, as a speculative engine runs them (a plain stack: none)
+    defer = plan.scratch_rows > 0
+    backend = HybridBackend(pool, layers=layers, layer_types=model.layer_types, defer_commit=defer)  # type: ignore[attr-defined]
     return backend, pool
 
 

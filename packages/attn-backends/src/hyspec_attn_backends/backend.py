@@ -233,6 +233,10 @@ class HybridBackend:
             pad_to=pad_to,
         )
 
+    def retree(self, batch: ForwardBatch, *, block_tokens: Tensor, tree_parents: Tensor) -> None:
+        """Other trees of the same size for a tree verify batch, in place: `BatchBuilder.retree`."""
+        self.builder.retree(batch, block_tokens=block_tokens, tree_parents=tree_parents)
+
     def prepare_mixed(
         self,
         *,
@@ -373,9 +377,13 @@ class HybridBackend:
 
     # ---------------------------------------------------------------- commit (`VerifyCommitter`)
 
-    def commit_every_row(self, *, batch: ForwardBatch, num_accepted: Tensor) -> Tensor:
-        """A chain's commit over every row of a padded batch: `VerifyCommitter.commit_every_row`."""
-        return self.committer.commit_every_row(batch=batch, num_accepted=num_accepted)
+    def commit_every_row(
+        self, *, batch: ForwardBatch, num_accepted: Tensor, accept_paths: Tensor | None = None
+    ) -> Tensor:
+        """The commit over every row of a padded batch: `VerifyCommitter.commit_every_row`."""
+        return self.committer.commit_every_row(
+            batch=batch, num_accepted=num_accepted, accept_paths=accept_paths
+        )
 
     def commit_after_verify(
         self,

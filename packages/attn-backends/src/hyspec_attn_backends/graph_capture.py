@@ -1,7 +1,7 @@
 """Capturing the graphs of one `CudaGraphRunner` (`graphs.py`, which picks the shapes and replays them): the
 all-padding batch each shape is captured on, the eager warm-up runs before each capture, the memory pool and
-warm-up stream every graph of the runner shares, and the commit and tail graphs captured after a chain
-verify graph.
+warm-up stream every graph of the runner shares, the commit graph captured after every verify graph (chain or
+tree) and the tail graph after a chain's.
 
 A graph is captured on an all-padding batch (no live rows), which writes no state and no KV, so capturing
 at start-up never disturbs a request. Warm-up runs go first because Triton compiles and autotunes on a
@@ -44,11 +44,12 @@ class VerifyTail(Protocol):
 
 @dataclass(slots=True)
 class CommitGraph:
-    """A chain verify key's commit, captured over every row of its batch size (`CudaGraphRunner.commit`)."""
+    """A verify key's commit, captured over every row of its batch size (`CudaGraphRunner.commit`)."""
 
     graph: torch.cuda.CUDAGraph
     accepted: Tensor  # [B] int64 static input: accepted drafts per row, -1 on padded rows
     steps: Tensor  # [B] int64 static output: the committed step per row
+    paths: Tensor | None = None  # [B, D] int64 static input of a tree key: accepted paths, -1 past them
 
 
 @dataclass(slots=True)
@@ -62,8 +63,8 @@ class TailGraph:
 
 @dataclass(slots=True)
 class Captured:
-    """Everything captured for one `GraphKey`: the forward's graph, the buffers it reads, and for a chain
-    verify key the graphs captured after it."""
+    """Everything captured for one `GraphKey`: the forward's graph, the buffers it reads, and for a verify
+    key the graphs captured after it (a commit; a chain's tail)."""
 
     graph: torch.cuda.CUDAGraph
     outputs: tuple[Tensor, ...]  # the forward's static outputs, every row
@@ -137,8 +138,9 @@ class GraphCapturer:
                 f"{key} (a host sync or host-to-device copy inside the forward?)",
             )
             commit_graph = tail_graph = None
-            if key.mode is ForwardMode.TARGET_VERIFY and not key.tree:
+            if key.mode is ForwardMode.TARGET_VERIFY:
                 commit_graph = self._capture_commit(key, batch) if commit else None
+            if key.mode is ForwardMode.TARGET_VERIFY and not key.tree:
                 tail_graph = None if tail is None else self._capture_tail(key, batch, outputs, tail)
         return Captured(graph, outputs, batch_pointers(batch), commit_graph, tail_graph)
 
@@ -175,10 +177,18 @@ class GraphCapturer:
 
     def _capture_commit(self, key: GraphKey, batch: ForwardBatch) -> CommitGraph:
         """The commit after a verify of `key`, over all its rows: the verify batch's own state slots and
-        batch rows (-1 slots on the padded ones) and a static accepted count per row (every row -1 while
-        warming up and capturing: the kernels load, nothing is committed)."""
-        accepted = torch.full((key.batch_size,), -1, dtype=torch.int64, device=self.backend.pool.device)
-        graph, steps = self._warm_and_capture(
-            lambda: self.backend.commit_every_row(batch=batch, num_accepted=accepted), f"{key}'s commit"
+        batch rows (-1 slots on the padded ones) and a static accepted count per row, for a tree key also a
+        static accepted path per row (every row -1 while warming up and capturing: the kernels load, nothing
+        is committed)."""
+        dev = self.backend.pool.device
+        accepted = torch.full((key.batch_size,), -1, dtype=torch.int64, device=dev)
+        paths = (
+            torch.full((key.batch_size, key.verify_len), -1, dtype=torch.int64, device=dev)
+            if key.tree
+            else None
         )
-        return CommitGraph(graph, accepted, steps)
+        graph, steps = self._warm_and_capture(
+            lambda: self.backend.commit_every_row(batch=batch, num_accepted=accepted, accept_paths=paths),
+            f"{key}'s commit",
+        )
+        return CommitGraph(graph, accepted, steps, paths)

@@ -49,8 +49,8 @@ class CudaGraphRunner:
         warmup_runs: eager runs before each capture (Triton compiles and autotunes there, not in the graph).
         decode: `capture` captures DECODE graphs.
         verify: the (D, tree) TARGET_VERIFY shapes `capture` captures (D within the backend's Dmax).
-        commit: with each chain verify graph also capture its commit (`backend.commit_every_row`: every row of
-            the batch size), which `commit` replays: a target's verify, not a drafter's.
+        commit: with each verify graph (chain or tree) also capture its commit (`backend.commit_every_row`:
+            every row of the batch size), which `commit` replays: a target's verify, not a drafter's.
         tail: with each chain verify graph also capture this tail, which `run_tail` replays.
         share_pool_with: capture into that runner's memory pool (and with its warm-up runs) instead of a
             pool of its own: for runners of one backend whose graphs never run at the same time and whose
@@ -281,15 +281,16 @@ class CudaGraphRunner:
 
     def commit(self, batch: ForwardBatch, *, num_accepted: Tensor, accept_paths: Tensor | None) -> Tensor:
         """`backend.commit_after_verify` after `run(batch)` (a TARGET_VERIFY batch): replayed from the graph
-        captured with the batch's verify graph when there is one (a chain's), else run eagerly -> [N] int64
-        committed step per live row.
+        captured with the batch's verify graph when there is one, else run eagerly -> [N] int64 committed
+        step per live row.
 
-        `num_accepted`: [N] int accepted drafts per live row (-1 skips one), on the device.
+        `num_accepted`: [N] int accepted drafts per live row (-1 skips one), on the device; `accept_paths`:
+        [N, D] for a tree batch (its commit graph reads them), None for a chain.
         """
         n = batch.num_live
         captured = self._replayable(batch)
         c = None if captured is None else captured.commit
-        if c is None or accept_paths is not None:
+        if c is None or (accept_paths is None) != (c.paths is None):
             steps = self.backend.commit_after_verify(
                 batch=batch, num_accepted=num_accepted, accept_paths=accept_paths
             )
@@ -297,6 +298,13 @@ class CudaGraphRunner:
             return steps
         if tuple(num_accepted.shape) != (n,):
             raise ValueError(f"num_accepted: expected shape [{n}], got {list(num_accepted.shape)}")
+        if accept_paths is not None and c.paths is not None:
+            if tuple(accept_paths.shape) != (n, c.paths.shape[1]):
+                raise ValueError(
+                    f"accept_paths: expected shape [{n}, {c.paths.shape[1]}], got {list(accept_paths.shape)}"
+                )
+            c.paths[:n].copy_(accept_paths, non_blocking=True)
+            c.paths[n:].fill_(-1)
         c.accepted[:n].copy_(num_accepted, non_blocking=True)
         if n < c.accepted.shape[0]:
             c.accepted[n:].fill_(-1)  # padded rows commit nothing

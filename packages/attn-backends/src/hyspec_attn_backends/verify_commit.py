@@ -46,14 +46,14 @@ class VerifyCommitter:
         self._kernel_checks = kernel_checks
         self.defer = defer
 
-    def commit_every_row(self, *, batch: ForwardBatch, num_accepted: Tensor) -> Tensor:
-        """`commit_after_verify` of a chain batch over every row of its batch size, padded ones included:
-        `num_accepted` [batch.num_seqs] (a padded row's value is ignored: its state slot is -1). What a CUDA
-        graph of the commit captures (`CudaGraphRunner.commit`), whose batch size is fixed; no tracking."""
-        if batch.is_tree:
-            # padded rows' KV slots are -1: their (no-op) moves would alias a real slot in the scatter
-            raise ValueError("batch: a commit over every row is for chains (a tree's takes its live rows)")
-        return self._commit(batch, batch.num_seqs, num_accepted, None, None, None)
+    def commit_every_row(
+        self, *, batch: ForwardBatch, num_accepted: Tensor, accept_paths: Tensor | None = None
+    ) -> Tensor:
+        """`commit_after_verify` over every row of the batch size, padded ones included: `num_accepted`
+        [batch.num_seqs] and, for a tree, `accept_paths` [batch.num_seqs, D] (a padded row's values are
+        ignored: its state slot is -1, its KV moves none). What a CUDA graph of the commit captures
+        (`CudaGraphRunner.commit`), whose batch size is fixed; no tracking."""
+        return self._commit(batch, batch.num_seqs, num_accepted, accept_paths, None, None)
 
     def commit_after_verify(
         self,
@@ -175,6 +175,9 @@ class VerifyCommitter:
         assert batch.kv_slots is not None
         d = batch.verify_len
         block_slots = batch.kv_slots.tensor[: n * d].long().reshape(n, d)  # [N, D] slot of block position j
+        # a padded row (KV slots -1: a commit over every row) moves nothing; its copies go to row 0's root
+        # slot, which row 0 copies onto itself too (a root never moves): every copy there is of the same value
+        block_slots = torch.where(block_slots >= 0, block_slots, block_slots[:1, :1])
         depth = torch.arange(d, device=paths.device)[None, :]
         moved = (depth <= num_accepted[:, None]) & (paths.long() != depth)  # [N, D]
         src = torch.where(moved, block_slots.gather(1, paths.clamp(min=0).long()), block_slots).reshape(-1)

@@ -12,8 +12,12 @@ its final draft length; the pairs become final there, at no draft extend of thei
 run past them. Multi-layer MTP writes its pairs at commit (layer j's K/V at the earlier positions come only
 from layer j's own forward) and starts from the root alone.
 
-Every forward reads its features from one static input buffer (`features_in`), which is what its CUDA graph
-reads: each step's block (the first block, or 1 + j·topk nodes) is captured per padded batch size.
+Over one reused layer the later steps all run the proposal's largest block (1 + (s - 1)·topk nodes): the nodes
+not drafted yet are leaves that no drafted node sees (their K/V, past the pairs, is rewritten by the next
+step), so the steps share one batch whose trees are rewritten in place (`HybridBackend.retree`) instead of a
+build per step. Multi-layer MTP runs each step's own block (1 + j·topk nodes: the block size names the step's
+layer). Every forward reads its features from one static input buffer (`features_in`), which is what its CUDA
+graph reads; each block size is captured per padded batch size.
 """
 
 from __future__ import annotations
@@ -106,7 +110,11 @@ class TreeDrafts:
         builder = TreeDraftBuilder(root, k)
         ar = torch.arange(n, device=dev)
         expanded = torch.zeros(n, 1, dtype=torch.int64, device=dev)  # block indices of the nodes to expand
-        block = 1
+        block = 1  # the nodes drafted so far
+        # over one reused layer every later step runs the run's largest block, whose nodes not drafted yet are
+        # leaves no drafted node sees: one batch for them all, its trees rewritten in place (`retree`)
+        fixed = bool(self.block0)
+        steps_batch: ForwardBatch | None = None
         try:
             kv.pool.ensure_kv_capacity(ids, [w + max(self.block0, p + blocks) for w, p in zip(written, q)])
             for j in range(s_run):
@@ -117,19 +125,25 @@ class TreeDrafts:
                         kv.lengths[r] = w + p  # the pending pairs are final now
                     taken = []
                 else:
-                    fb = self.graphs.prepare_verify(
-                        req_rows=req_rows,
-                        block_tokens=tok[:, :block],
-                        prefix_lens=[w + p for w, p in zip(written, q, strict=True)],
-                        tree_parents=None if k == 1 else par[:, :block],
-                    )
+                    size = blocks if fixed else block
+                    if steps_batch is not None:
+                        kv.backend.retree(steps_batch, block_tokens=tok[:, :size], tree_parents=par[:, :size])
+                        fb = steps_batch
+                    else:
+                        fb = self.graphs.prepare_verify(
+                            req_rows=req_rows,
+                            block_tokens=tok[:, :size],
+                            prefix_lens=[w + p for w, p in zip(written, q, strict=True)],
+                            tree_parents=None if k == 1 else par[:, :size],
+                        )
+                        steps_batch = fb if fixed and k > 1 else None
                     # the live rows' node features (a chained step: its parents' outputs) into the static
                     # input
-                    self.features_in[: n * block].copy_(feats[:, :block].reshape(n * block, -1))
-                    # [N * block, H], [N * block, F] graph outputs, then at the expanded nodes [N, E, *]
+                    self.features_in[: n * size].copy_(feats[:, :size].reshape(n * size, -1))
+                    # [N * size, H], [N * size, F] graph outputs, then at the expanded nodes [N, E, *]
                     normed_all, out_all = self.graphs.run(fb)
                     at = (ar[:, None], expanded)
-                    normed, out = normed_all.view(n, block, -1)[at], out_all.view(n, block, -1)[at]
+                    normed, out = normed_all.view(n, size, -1)[at], out_all.view(n, size, -1)[at]
                 logits = draft_logits(
                     normed,
                     req_ids=ids,
