@@ -6,6 +6,8 @@ forward of the same graph reads).
 - `advance_in_place` (`BatchBuilder.advance_one_token`): a one-token-per-row batch to the next position.
 - `chain_after_block` (`BatchBuilder.start_chain`): a chain verify block to the one-token batch right after
   one chosen token of each row's block (a drafter's first block, then its one-token steps, in one graph).
+- `retree_in_place` (`BatchBuilder.retree`): a tree verify batch to other trees of the same size at the same
+  prefixes (a tree drafter's later steps over one block).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from hyspec_kernels import tree_grids
 from torch import Tensor
 
-from hyspec_attn_backends.batch import ForwardBatch
+from hyspec_attn_backends.batch import ForwardBatch, check_tree_parents
 from hyspec_attn_backends.layers import MixerKind
 from hyspec_attn_backends.modes import ForwardMode
 
@@ -121,3 +124,29 @@ def chain_after_block(batch: ForwardBatch, at: Tensor, *, page_size: int) -> For
         verify_len=1,
         num_padded=batch.num_padded,
     )
+
+
+def check_retree(batch: ForwardBatch, tokens: Tensor, parents: Tensor, *, check_values: bool | None) -> None:
+    """Raise unless `retree_in_place(batch, tokens, parents)` applies: a tree TARGET_VERIFY batch, and a
+    block of tokens and well-formed parents (values read where `value_checks` says) per live row."""
+    if batch.mode is not ForwardMode.TARGET_VERIFY or not batch.is_tree:
+        raise ValueError(f"batch: expected a tree TARGET_VERIFY batch, got a {batch.mode} one")
+    n, d = batch.num_live, batch.verify_len
+    if tuple(tokens.shape) != (n, d):
+        raise ValueError(f"block_tokens: expected shape [{n}, {d}], got {list(tokens.shape)}")
+    check_tree_parents(parents, num_seqs=n, verify_len=d, check_values=check_values)
+
+
+def retree_in_place(batch: ForwardBatch, tokens: Tensor, parents: Tensor) -> None:
+    """The live rows' tokens, parents, ancestor masks and node positions (prefix + depth) of the trees
+    `parents` [N, D] with `tokens` [N, D], written into `batch`'s own buffers by a few device ops (one
+    `tree_grids` launch), no host read: rows, prefixes, KV slots and lengths stay (the blocks occupy the same
+    positions), and so do padded rows. `batch` passed `check_retree`."""
+    assert batch.tree_parents is not None and batch.tree_mask is not None
+    n, d = batch.num_live, batch.verify_len
+    g = tree_grids(parents=parents, check_values=False)  # [N, D] / [N, D, D] where the parents are
+    batch.input_ids[: n * d].copy_(tokens.reshape(-1), non_blocking=True)
+    batch.tree_parents[:n].copy_(g.parents, non_blocking=True)
+    batch.tree_mask[:n].copy_(g.mask, non_blocking=True)
+    depth = g.depth.to(batch.positions.device, non_blocking=True)
+    batch.positions[: n * d].copy_((batch.prefix_lens[:n].long()[:, None] + depth).reshape(-1))

@@ -11,14 +11,21 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
-from hyspec_kernels import StateSave, tree_grids
+from hyspec_kernels import StateSave
 from hyspec_statepool.indices import ReqRows
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.positions import packed_positions
 from hyspec_statepool.transfer import host_staging, pin_for, upload, write_into
 from torch import Tensor
 
-from hyspec_attn_backends.advance import advance_in_place, chain_after_block, check_advance, check_chain_start
+from hyspec_attn_backends.advance import (
+    advance_in_place,
+    chain_after_block,
+    check_advance,
+    check_chain_start,
+    check_retree,
+    retree_in_place,
+)
 from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, check_tree_parents
 from hyspec_attn_backends.host_batch import host_batch
 from hyspec_attn_backends.layers import MixerKind
@@ -212,32 +219,13 @@ class BatchBuilder:
         )
 
     def retree(self, batch: ForwardBatch, *, block_tokens: Tensor, tree_parents: Tensor) -> None:
-        """Other trees of the same size for a tree verify batch's live rows, in place: their tokens, parents,
-        ancestor masks and node positions (prefix + depth) by a few device ops on the batch's own buffers (one
-        `tree_grids` launch), no host read. Rows, prefixes, KV slots and lengths stay: the blocks occupy the
-        same positions. A tree drafter's later steps, each over the block of its last one (its nodes not yet
-        drafted are leaves that no real node sees), instead of a build per step.
-
-        Args:
-            batch: a tree TARGET_VERIFY batch of this builder's, N live rows of D nodes (padded rows stay).
-            block_tokens: [N, D] int64 the new blocks' tokens.
-            tree_parents: [N, D] int their parents (checked as `prepare_verify` checks them).
-        """
-        if batch.mode is not ForwardMode.TARGET_VERIFY or not batch.is_tree:
-            raise ValueError(f"batch: expected a tree TARGET_VERIFY batch, got a {batch.mode} one")
-        assert batch.tree_parents is not None and batch.tree_mask is not None
-        n, d = batch.num_live, batch.verify_len
-        if tuple(block_tokens.shape) != (n, d):
-            raise ValueError(f"block_tokens: expected shape [{n}, {d}], got {list(block_tokens.shape)}")
-        check_tree_parents(tree_parents, num_seqs=n, verify_len=d, check_values=self._kernel_checks)
-        g = tree_grids(parents=tree_parents, check_values=False)  # [N, D] / [N, D, D] where the parents are
-        dev = batch.input_ids.device
-        batch.input_ids[: n * d].copy_(block_tokens.reshape(-1), non_blocking=True)
-        batch.tree_parents[:n].copy_(g.parents, non_blocking=True)
-        batch.tree_mask[:n].copy_(g.mask, non_blocking=True)
-        depth = g.depth.to(dev, non_blocking=True)
-        batch.positions[: n * d].copy_((batch.prefix_lens[:n].long()[:, None] + depth).reshape(-1))
+        """Other trees of the same size for a tree verify batch's live rows, in place (`advance.py`
+        `retree_in_place`): a tree drafter's later steps, each over the block of its last one, instead of a
+        build per step. `block_tokens` and `tree_parents`: [N, D] for its N live rows (parents checked as
+        `prepare_verify` checks them)."""
+        check_retree(batch, block_tokens, tree_parents, check_values=self._kernel_checks)
         self.num_builds += 1
+        retree_in_place(batch, block_tokens, tree_parents)
 
     def advance_one_token(self, batch: ForwardBatch) -> None:
         """Move a one-token-per-row batch one position on, in place: the next token of each live row
