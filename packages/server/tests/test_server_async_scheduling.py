@@ -248,10 +248,20 @@ def _lengths_at_zero(eng: LLMEngine, probe_wait: int) -> tuple[list[int], list[A
     rnd.run = lambda target, rows, **kw: rounds.append(len(rows)) or run(target, rows, **kw)
     plain_round = rnd.plain_round
     rnd.queued_ahead = []  # per plain round: its forward was queued during the last step
+    rnd.timed_rows = []  # per plain round: (rows its cost is recorded at, rows its forward ran, its requests)
+    timer_plain = rnd.timer.plain
 
     def recording(ids: Any, step: Any, **kw: Any) -> Any:
         rnd.queued_ahead.append(kw.get("queued_ahead", False))
-        return plain_round(ids, step, **kw)
+        ran = kw.get("queued_rows") if kw.get("queued_ahead") else None
+        rnd.timer.plain = lambda *a, **k: (
+            rnd.timed_rows.append((k["rows"], ran or len(ids), len(ids))),
+            timer_plain(*a, **k),
+        )
+        try:
+            return plain_round(ids, step, **kw)
+        finally:
+            rnd.timer.plain = timer_plain  # (a drafting round's own plain steps are not followed)
 
     rnd.plain_round = recording
     failed = _failed_steps(eng)
@@ -288,6 +298,27 @@ def test_speculative_rounds_that_draft_nothing_run_ahead(tiny_qwen3_5: Path, pro
     # each decode that ran ahead is its next round's forward, which the cost model charges the whole step
     queued = eng.runner.spec.queued_ahead  # type: ignore[attr-defined]
     assert sum(queued) == _plain(eng).num_ran_ahead
+    timed = eng.runner.spec.timed_rows  # type: ignore[attr-defined]
+    assert timed and all(rows == ran for rows, ran, _ in timed), timed
+
+
+def test_a_plain_step_that_ran_ahead_is_timed_at_the_batch_it_ran(tiny_qwen3_5: Path) -> None:
+    """A request that ends on a stop token nobody foresaw leaves its next decode queued ahead in a batch one
+    row larger than the next step's: that step's cost goes to the batch size that ran (its bucket), not to
+    the smaller one's; outputs as the synchronous engine's."""
+    plain = _generate(_engine(tiny_qwen3_5, run_ahead=False), _greedy())
+    toks = plain[1].outputs[0].token_ids
+    stop = next(t for i, t in enumerate(toks) if i >= 2 and t not in toks[:i])  # first met at index >= 2
+    params = _greedy()
+    params[1] = SamplingParams(max_tokens=BUDGETS[1], temperature=0, ignore_eos=True, stop_token_ids=[stop])
+    ref = _generate(_engine(tiny_qwen3_5, run_ahead=False), params)
+    eng = _engine(tiny_qwen3_5, run_ahead=True, speculative_config=ADAPTIVE_MTP)
+    _, failed = _lengths_at_zero(eng, 10**6)
+    out = _generate(eng, params)
+    assert failed == [] and [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    timed = eng.runner.spec.timed_rows  # type: ignore[attr-defined]
+    assert all(rows == ran for rows, ran, _ in timed), timed
+    assert any(ran > ids for _, ran, ids in timed), timed  # the step after the stop
 
 
 def test_a_round_that_drafts_after_its_decode_ran_ahead_recomputes_even_alone(tiny_qwen3_5: Path) -> None:

@@ -341,6 +341,7 @@ class HyspecModelRunner:
                 lambda: self._plain_step(chunks, while_queued, ahead),
                 shares_forward=not alone,
                 queued_ahead=held,
+                queued_rows=self.plain.ran_ahead_rows() if held else None,
             )
         plain = [i for i, c in enumerate(chunks) if not c.verify]
         ver = [i for i, c in enumerate(chunks) if c.verify]

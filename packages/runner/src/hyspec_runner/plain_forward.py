@@ -202,6 +202,10 @@ class PlainForwards:
         ran = self._ran
         return ran is not None and any(r is c.request for r in ran.requests for c in chunks)
 
+    def ran_ahead_rows(self) -> int | None:
+        """The rows of the decode queued ahead (requests may have ended since), or None without one."""
+        return None if self._ran is None else len(self._ran.requests)
+
     def _take_ran(self, inp: PlainInputs) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
         """The hidden states [T, H] (and a drafter's layers) of `inp`'s decode if it ran ahead, else None."""
         if self._ran is None:

@@ -237,12 +237,14 @@ class SpeculativeRound:
         *,
         shares_forward: bool,
         queued_ahead: bool = False,
+        queued_rows: int | None = None,
     ) -> _T:
         """A step that drafts nothing (`drafts_nothing`), run by `step` (the caller's plain forward of these
         requests' current tokens, and of its other work when `shares_forward`): timed and counted as `run`
         times and counts a round without drafts, so the adaptive lengths and costs see the same rounds.
         `queued_ahead`: the step's forward was queued during the last step (`plain_next`): the step is
-        charged the whole time since the last round (`RoundTimer.plain`)."""
+        charged the whole time since the last round (`RoundTimer.plain`), at the batch size that forward ran
+        (`queued_rows`, when given: requests may have ended since it was queued)."""
         if not self.drafts_nothing(request_ids):
             raise ValueError("request_ids: some of these requests draft this round (use run)")
         self.timer.begin_step()
@@ -255,7 +257,7 @@ class SpeculativeRound:
         seconds = None if shares_forward else time.perf_counter() - t0
         self.timer.plain(
             seconds,
-            rows=n,
+            rows=queued_rows if queued_ahead and queued_rows else n,
             timing=timing,
             steady_next=not shares_forward,
             queued_ahead=queued_ahead,
