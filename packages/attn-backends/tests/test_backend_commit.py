@@ -370,3 +370,54 @@ def test_defer_commit_needs_verify_scratch() -> None:
     with pytest.raises(ValueError, match="defer_commit"):
         HybridBackend(HybridStatePool(plan), layers=LAYERS, layer_types=TYPES, defer_commit=True)
     assert not HybridBackend(HybridStatePool(plan), layers=LAYERS, layer_types=TYPES).defer_commit
+
+
+def test_a_padded_tree_commit_moves_kv_into_the_last_slot_as_the_live_one() -> None:
+    """A tree commit over every row (a commit graph's form) equals the live rows' commit when a live row
+    moves K/V into the cache's last slot: the slot a padded row's -1 KV slot would wrap to (its no-op copy of
+    the old value must not land after the move)."""
+    plan = MemoryPlan(
+        specs=model_state_specs(LAYERS),
+        max_model_len=32,
+        max_num_seqs=4,
+        draft_shape=DraftShape(kind="chain", num_steps=3),
+        page_size=2,
+        num_state_slots=6,
+        num_kv_pages=4,
+        dtypes=F32,
+    )
+    be = HybridBackend(HybridStatePool(plan, debug=True), layers=LAYERS, layer_types=TYPES)
+    pool, toy = be.pool, Toy()
+    pool.alloc(["b"])
+    pool.ensure_kv_capacity(["b"], [4])  # pages 0 and 1
+    pool.alloc(["a"])
+    pool.ensure_kv_capacity(["a"], [4])  # pages 2 and 3: positions 2 and 3 are the cache's last two slots
+    pool.free(["b"])
+    toy.run(be, be.prepare_extend(req_rows=pool.req_rows(["a"]), input_ids=torch.tensor([3, 1]), q_lens=[2],
+                                  prefix_lens=[0]))  # fmt: skip
+    d = 4
+    pool.ensure_kv_capacity(["a"], [2 + d])
+    kw = {
+        "req_rows": pool.req_rows(["a"]),
+        "block_tokens": torch.tensor([[5, 6, 7, 8]]),
+        "prefix_lens": [2],
+        "tree_parents": torch.tensor([[-1, 0, 0, 2]], dtype=torch.int32),
+    }
+    paths = torch.tensor(
+        [[0, 2, 3, -1]]
+    )  # node 2's K/V to block position 1 (the cache's last slot), 3's to 2
+    before = {k: t.clone() for k, t in pool.tensors().items()}
+    plain = be.prepare_verify(**kw)  # type: ignore[arg-type]
+    assert plain.kv_slots is not None and plain.kv_slots.tolist()[1] == 4 * 2 - 1
+    toy.run(be, plain)
+    be.commit_after_verify(batch=plain, num_accepted=torch.tensor([2]), accept_paths=paths)
+    want = {k: t.clone() for k, t in pool.tensors().items()}
+    for k, t in pool.tensors().items():
+        t.copy_(before[k])
+    padded = be.prepare_verify(**kw, pad_to=3)  # type: ignore[arg-type]
+    toy.run(be, padded)
+    every = torch.cat([paths, torch.full((2, d), -1)])
+    be.commit_every_row(batch=padded, num_accepted=torch.tensor([2, -1, -1]), accept_paths=every)
+    for name, t in pool.tensors().items():
+        if name.startswith("kv."):
+            assert torch.equal(t.nan_to_num(7.0), want[name].nan_to_num(7.0)), name

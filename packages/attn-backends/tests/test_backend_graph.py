@@ -419,8 +419,9 @@ def test_runner_policy_counts_and_live_rows_without_a_gpu() -> None:
 def test_commit_and_tail_replay_only_their_own_verify_graph() -> None:
     """The replay policy of the graphs captured after a chain verify graph, on CPU with stand-in graphs:
     `commit` replays for a batch of that key in the captured buffers (padded rows' accepted counts -1) and
-    commits eagerly for a tree; `run_tail` replays only when the forward's hidden states are that graph's own
-    output (a MIXED step's verify part, run eagerly in the same buffers, must not), and checks its inputs."""
+    commits eagerly for a batch of no captured key; `run_tail` replays only when the forward's hidden states
+    are that graph's own output (a MIXED step's verify part, run eagerly in the same buffers, must not), and
+    checks its inputs."""
     from hyspec_attn_backends.graph_capture import Captured, CommitGraph, TailGraph
 
     toy = Toy()
@@ -543,3 +544,75 @@ def test_capture_wires_commit_and_tail_graphs_on_chain_verify_keys(monkeypatch: 
     # per chain key: two warm-up calls and one capture, largest first
     assert tail.calls == [(2, 3)] * 3 + [(1, 3)] * 3
     _assert_only_changed(be, before, slots=[], kv_slots=[])
+
+
+def test_a_tree_commit_replay_equals_the_eager_commit() -> None:
+    """`CudaGraphRunner.commit` of a tree batch, on CPU with a stand-in graph whose replay runs the captured
+    call (`commit_every_row` over the captured buffers and static inputs): the committed steps, KV and states
+    equal the eager commit of the live rows, also for a smaller batch after a larger one (the static paths
+    of the rows that left must read as padding)."""
+    from hyspec_attn_backends import batch_pointers
+    from hyspec_attn_backends.graph_capture import Captured, CommitGraph, padding_batch
+
+    toy = Toy()
+    be, lens = _setup(toy)
+    pool = be.pool
+    d, b = 4, 4
+    ids3 = ["r0", "r1", "r3"]
+    pool.ensure_kv_capacity(ids3, [lens[r] + d for r in ids3])
+    runner = CudaGraphRunner(be, lambda batch: (toy.run(be, batch),), commit=True)
+    first = be.prepare_verify(
+        req_rows=pool.req_rows(ids3),
+        block_tokens=torch.ones(3, d, dtype=torch.long),
+        prefix_lens=[lens[r] for r in ids3],
+        tree_parents=torch.tensor([[-1, 0, 0, 2]] * 3),
+        pad_to=b,
+    )
+    key = GraphKey.of(first)
+    assert key is not None and key.tree
+    cap = padding_batch(be, key)
+    accepted = torch.full((b,), -1, dtype=torch.int64)
+    paths = torch.full((b, d), -1, dtype=torch.int64)
+    steps = torch.full((b,), -1, dtype=torch.int64)
+
+    class Graph:
+        def replay(self) -> None:
+            steps.copy_(be.commit_every_row(batch=cap, num_accepted=accepted, accept_paths=paths))
+
+    runner._graphs[key] = Captured(
+        graph=Graph(),  # type: ignore[arg-type]
+        outputs=(torch.zeros(1),),
+        pointers=batch_pointers(cap),
+        commit=CommitGraph(Graph(), accepted, steps, paths),  # type: ignore[arg-type]
+    )
+    for ids, acc, path in (
+        (ids3, [2, 1, 0], [[0, 2, 3, -1], [0, 1, -1, -1], [0, -1, -1, -1]]),
+        (["r3", "r1"], [1, 2], [[0, 2, -1, -1], [0, 2, 3, -1]]),
+    ):
+        n = len(ids)
+        kw = {
+            "req_rows": pool.req_rows(ids),
+            "block_tokens": torch.arange(n * d).view(n, d) % 7,
+            "prefix_lens": [lens[r] for r in ids],
+            "tree_parents": torch.tensor([[-1, 0, 0, 2]] * n),
+        }
+        before = _snapshot(be)
+        batch = be.prepare_verify(**kw, pad_to=b)  # type: ignore[arg-type]
+        assert runner.can_replay(batch)
+        toy.run(be, batch)
+        got_steps = runner.commit(batch, num_accepted=torch.tensor(acc), accept_paths=torch.tensor(path))
+        got_steps, got = got_steps.clone(), _snapshot(be)
+        _restore(be, before)
+        batch = be.prepare_verify(**kw)  # type: ignore[arg-type]
+        toy.run(be, batch)
+        want = be.commit_after_verify(
+            batch=batch, num_accepted=torch.tensor(acc), accept_paths=torch.tensor(path)
+        )
+        assert got_steps.tolist() == want.tolist()
+        for name, t in pool.tensors().items():
+            if "scratch" not in name:
+                assert torch.equal(t.nan_to_num(7.0), got[name].nan_to_num(7.0)), name
+    assert runner.counts.commit_replays == 2 and runner.counts.commit_eager == 0
+    padded = be.prepare_verify(**kw, pad_to=b)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="accept_paths"):
+        runner.commit(padded, num_accepted=torch.tensor(acc), accept_paths=torch.tensor(path)[:, :2])

@@ -151,6 +151,19 @@ def test_pending_validation_names_the_argument() -> None:
                    pending=pending._replace(inputs=half))  # type: ignore[arg-type]  # fmt: skip
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_a_slot_twice_is_named_as_state_slots(backend: str) -> None:
+    """With pending tokens a verify writes each slot's state back: a slot given twice is the caller's
+    `state_slots` error (not the next rows derived from them), and nothing is applied."""
+    pending, state, gen = _setup(seed=6)
+    q, k, v, g, beta = _tokens(gen, 3)
+    before = state.clone()
+    with pytest.raises(ValueError, match="state_slots: expected distinct"):
+        gdn_verify(q, k, v, g, beta, state=state, state_slots=torch.tensor([6, 6, -1, 4, 7]), scratch=None,
+                   scratch_rows=None, pending=pending, backend=backend, check_indices=True)  # type: ignore[arg-type]  # fmt: skip
+    assert torch.equal(state.nan_to_num(7.0), before.nan_to_num(7.0))
+
+
 @pytest.mark.parametrize("backend", ["reference", "torch"])
 @pytest.mark.parametrize("what", ["state_slots", "scratch_rows", "parents"])
 def test_a_rejected_verify_applies_no_pending_token(backend: str, what: str) -> None:

@@ -151,10 +151,11 @@ class VerifyTree:
     ) -> VerifyTree:
         """Derive depth, mask and child/sibling arrays; padded nodes are re-parented as a chain.
 
-        Built where `tokens` are, without a device read, when they are on a device and the node counts on the
-        host (a drafter's tree on its way to the verify: the host runs ahead of the drafting); the values are
-        then checked only where `hyspec_kernels.value_checks` says (a debug run), and `is_chain` is False (a
-        chain-shaped block is still a valid tree). Otherwise on the host, checked, one transfer each way.
+        Built where `tokens` are, without a device read, when they are on a device and the node counts on
+        the host (a drafter's tree on its way to the verify: the host runs ahead of the drafting); the
+        parents' values are then not read on CUDA (`hyspec_kernels.value_checks`: a drafter's trees are well
+        formed by construction, `TreeDraftBuilder.build`), and `is_chain` is False (a chain-shaped block is
+        still a valid tree). Otherwise on the host, checked, one transfer each way.
 
         Args:
             tokens: [N, D] int64.
@@ -172,7 +173,10 @@ class VerifyTree:
             num_nodes = torch.tensor(list(num_nodes), dtype=torch.int64)
         _check("num_nodes", num_nodes, (n,))
         on_device = (
-            tokens.device.type != "cpu" and num_nodes.device.type == "cpu" and out_dev == tokens.device
+            tokens.device.type != "cpu"
+            and num_nodes.device.type == "cpu"
+            and out_dev.type == tokens.device.type
+            and out_dev.index in (None, tokens.device.index)  # "cuda" is where cuda:0 tokens are
         )
         if not on_device:  # N x D bookkeeping on the host: one transfer each way
             tokens, parents, num_nodes = _to_host(tokens, parents, num_nodes)
@@ -328,9 +332,9 @@ class TreeDraftBuilder:
 
         Candidates are numbered step by step, so a parent's index is below its children's; a child's score
         never exceeds its parent's, and ties prefer the lower index, so every selected node's parent is
-        selected too (`VerifyTree.from_parents` checks it: a lost parent would be a -1). Sorting the
-        selection by candidate index then puts parents before children. `num_nodes` [N] (default all)
-        keeps fewer real nodes per row; `device` as in `from_parents`.
+        selected too (`VerifyTree.from_parents` checks it on the host: a lost parent would be a -1).
+        Sorting the selection by candidate index then puts parents before children. `num_nodes` [N]
+        (default all) keeps fewer real nodes per row; `device` as in `from_parents`.
         """
         d = num_draft_tokens
         if d < 1 or d - 1 > self._num_candidates:

@@ -393,6 +393,8 @@ def gdn_verify(
         state_slots = check_index(
             "state_slots", state_slots, (num_seqs,), low=0, high=state.shape[0], device=dev
         )
+        if pending is not None:
+            check_distinct("state_slots", state_slots)  # each slot's state is written back
     else:
         state_slots = check_tensor("state_slots", state_slots, (num_seqs,), dtypes=INDEX_DTYPES, device=dev)
     if pending is not None:
