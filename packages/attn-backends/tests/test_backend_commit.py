@@ -30,7 +30,9 @@ LAYERS, TYPES, VOCAB = TOY_LAYERS, TOY_LAYER_TYPES, TOY_VOCAB
 Toy = ToyStack
 
 
-def _backend(num_state_slots: int = 9, *, mixed_steps: bool = False, defer: bool = False) -> HybridBackend:
+def _backend(
+    num_state_slots: int = 9, *, mixed_steps: bool = False, defer: bool = False, num_kv_pages: int = 7 * 20
+) -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
         max_model_len=32,
@@ -38,7 +40,7 @@ def _backend(num_state_slots: int = 9, *, mixed_steps: bool = False, defer: bool
         draft_shape=DraftShape(kind="chain", num_steps=6),  # Dmax 7: more than any block used here
         page_size=2,
         num_state_slots=num_state_slots,
-        num_kv_pages=7 * 20,
+        num_kv_pages=num_kv_pages,
         dtypes=F32,
     )
     pool = HybridStatePool(plan, debug=True)
@@ -376,17 +378,7 @@ def test_a_padded_tree_commit_moves_kv_into_the_last_slot_as_the_live_one() -> N
     """A tree commit over every row (a commit graph's form) equals the live rows' commit when a live row
     moves K/V into the cache's last slot: the slot a padded row's -1 KV slot would wrap to (its no-op copy of
     the old value must not land after the move)."""
-    plan = MemoryPlan(
-        specs=model_state_specs(LAYERS),
-        max_model_len=32,
-        max_num_seqs=4,
-        draft_shape=DraftShape(kind="chain", num_steps=3),
-        page_size=2,
-        num_state_slots=6,
-        num_kv_pages=4,
-        dtypes=F32,
-    )
-    be = HybridBackend(HybridStatePool(plan, debug=True), layers=LAYERS, layer_types=TYPES)
+    be = _backend(num_kv_pages=4)
     pool, toy = be.pool, Toy()
     pool.alloc(["b"])
     pool.ensure_kv_capacity(["b"], [4])  # pages 0 and 1
