@@ -30,14 +30,22 @@ LAYERS, TYPES, VOCAB = TOY_LAYERS, TOY_LAYER_TYPES, TOY_VOCAB
 Toy = ToyStack
 
 
+CHAIN6 = DraftShape(kind="chain", num_steps=6)  # Dmax 7: more than any block used here
+
+
 def _backend(
-    num_state_slots: int = 9, *, mixed_steps: bool = False, defer: bool = False, num_kv_pages: int = 7 * 20
+    num_state_slots: int = 9,
+    *,
+    mixed_steps: bool = False,
+    defer: bool = False,
+    num_kv_pages: int = 7 * 20,
+    draft_shape: DraftShape | None = CHAIN6,
 ) -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
         max_model_len=32,
         max_num_seqs=7,
-        draft_shape=DraftShape(kind="chain", num_steps=6),  # Dmax 7: more than any block used here
+        draft_shape=draft_shape,
         page_size=2,
         num_state_slots=num_state_slots,
         num_kv_pages=num_kv_pages,
@@ -359,19 +367,9 @@ def test_mixed_batch_rejects_a_request_in_both_parts_and_wrong_parts() -> None:
 def test_defer_commit_needs_verify_scratch() -> None:
     """Asked for on a pool without verify scratch (no draft shape), deferral is refused naming the argument,
     not silently off."""
-    plan = MemoryPlan(
-        specs=model_state_specs(LAYERS),
-        max_model_len=32,
-        max_num_seqs=3,
-        draft_shape=None,
-        page_size=2,
-        num_state_slots=4,
-        num_kv_pages=40,
-        dtypes=F32,
-    )
     with pytest.raises(ValueError, match="defer_commit"):
-        HybridBackend(HybridStatePool(plan), layers=LAYERS, layer_types=TYPES, defer_commit=True)
-    assert not HybridBackend(HybridStatePool(plan), layers=LAYERS, layer_types=TYPES).defer_commit
+        _backend(draft_shape=None, defer=True)
+    assert not _backend(draft_shape=None).defer_commit
 
 
 def test_a_padded_tree_commit_moves_kv_into_the_last_slot_as_the_live_one() -> None:
