@@ -1,5 +1,6 @@
-"""accept_walk: the Triton kernel equals the host reference on random chains and trees, every accept length,
-stop ids inside and past the accepted run, every budget; the reference is checked by hand on small cases."""
+"""accept_walk: the Triton kernel and the batched torch path equal the host reference on random chains and
+trees, every accept length, stop ids inside and past the accepted run, every budget; the reference is checked
+by hand on small cases."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import pytest
 import torch
 from hyspec_kernels.accept import accept_walk
 
-BACKENDS = ["reference", "triton"]
+BACKENDS = ["reference", "torch", "triton"]
 
 
 def device_for(backend: str) -> str:
-    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    return "cuda" if backend != "reference" and torch.cuda.is_available() else "cpu"
 
 
 def links(parents: list[int], num_nodes: int, d: int) -> tuple[list[int], list[int]]:
@@ -73,14 +74,18 @@ FIELDS = ("num_accepted", "accept_index", "output_tokens", "bonus", "commit_step
 @pytest.mark.parametrize("chain", [True, False])
 @pytest.mark.parametrize("d", [1, 2, 4, 7])
 @pytest.mark.parametrize("with_stops", [True, False])
-def test_triton_equals_reference(chain: bool, d: int, with_stops: bool) -> None:
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_equals_reference(backend: str, chain: bool, d: int, with_stops: bool) -> None:
     case = random_blocks(d * 10 + chain, n=24, d=d, vocab=5, chain=chain)
     if not with_stops:
         case["stop_ids"] = None  # type: ignore[assignment]
         case["budget"] = None  # type: ignore[assignment]
     want = accept_walk(**case, backend="reference")
-    dev = device_for("triton")
-    got = accept_walk(**{k: None if v is None else v.to(dev) for k, v in case.items()}, backend="triton")
+    dev = device_for(backend)
+    got = accept_walk(
+        **{k: None if v is None else v.to(dev) for k, v in case.items()},
+        backend=backend,  # type: ignore[arg-type]
+    )
     for f in FIELDS:
         assert torch.equal(getattr(got, f).cpu(), getattr(want, f)), f
     # every accept length occurs, so the comparison covers them

@@ -3,7 +3,7 @@
 A speculative round verifies N blocks of D nodes (chains or trees, given by `first_child` / `next_sibling`)
 against `choice`, the token the target picks after every node (its argmax, or a keyed draw for seeded
 sampling). The walk and the truncation are defined in `reference.py`; on CUDA they are one Triton launch
-where a composition of small torch ops costs about fifty launches of host time.
+where the batched torch ops of `torch_impl.py` cost about ten launches a node of host time.
 
 All outputs are consistent with each other, as the commit, the drafter and the emitted tokens need:
 `num_accepted` (accepted drafts, bonus excluded) tokens were accepted, `accept_index[:, :num_accepted + 1]`
@@ -20,6 +20,7 @@ import torch
 
 from hyspec_kernels._checks import Backend, check_tensor, implementation, value_checks
 from hyspec_kernels.accept.reference import AcceptTensors, accept_walk_reference
+from hyspec_kernels.accept.torch_impl import accept_walk_torch
 from hyspec_kernels.accept.triton_kernel import accept_walk_triton
 
 _INTS = (torch.int64,)
@@ -57,16 +58,17 @@ def accept_walk(
         next_sibling: [N, D] int64, every node's next sibling in verification order, -1 for the last.
         stop_ids: [N, M] int64 stop token ids per row (EOS included), -1 padded; or None.
         budget: [N] int64 >= 1, tokens each row may still emit; or None.
-        backend: "auto" (Triton on CUDA, the host reference elsewhere), "triton" or "reference".
+        backend: "auto" (Triton on CUDA, the host reference elsewhere), "triton", "torch" (batched torch ops,
+            no host read) or "reference".
         check_values: the rule of the value checks, which read the device (`value_checks`).
     """
-    if backend == "torch":
-        backend = "reference"  # the host loop is the fast CPU path: a block has a few nodes per row
     choice = check_tensor("choice", choice, ("N", "D"), dtypes=_INTS)
     n, d = choice.shape
     if d < 1:
         raise ValueError(f"choice: expected D >= 1 nodes per block, got shape {list(choice.shape)}")
     dev = choice.device
+    if backend == "auto" and dev.type != "cuda":
+        backend = "reference"  # the host loop is the fast CPU path: a block has a few nodes per row
     tokens = check_tensor("tokens", tokens, (n, d), dtypes=_INTS, device=dev)
     first_child = check_tensor("first_child", first_child, (n, d), dtypes=_INTS, device=dev)
     next_sibling = check_tensor("next_sibling", next_sibling, (n, d), dtypes=_INTS, device=dev)
@@ -85,12 +87,11 @@ def accept_walk(
                 raise ValueError(f"{name}: expected -1 or a later node index in [0, {d}) for every node")
         if budget is not None and bool((budget < 1).any()):
             raise ValueError(f"budget: expected values >= 1, got {budget.tolist()}")
-    # the walk is sequential per row: the reference serves as the torch path too
     run = implementation(
         backend,
         dev,
         reference=accept_walk_reference,
-        torch_path=accept_walk_reference,
+        torch_path=accept_walk_torch,
         triton=lambda: accept_walk_triton,
     )
     out: AcceptTensors = run(
