@@ -128,6 +128,7 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
             targets.append(("draft extend (flush)", spec.feed, "flush"))
         import hyspec_spec_workers.round as round_mod
         import hyspec_spec_workers.round_verify as verify_mod
+        import hyspec_spec_workers.tree as tree_mod
 
         targets += [
             ("  forward_verify", runner, "forward_verify"),
@@ -143,6 +144,16 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
             ("  decode (no drafts)", runner, "decode"),
         ]
         drafter = spec.drafter
+        tree = getattr(drafter, "tree", None)
+        if tree is not None and getattr(drafter, "topk", 1) > 1:
+            # a tree proposal: over one layer its first block, then every later step in one forward
+            targets += [
+                ("  tree.draft_tree", tree, "draft_tree"),
+                ("  tree.draft (steps)", tree, "draft"),
+                ("    tree prepare_verify", tree.graphs, "prepare_verify"),
+                ("    tree graphs.run", tree.graphs, "run"),
+                ("  VerifyTree.from_parents", tree_mod.VerifyTree, "from_parents"),
+            ]
         chain = getattr(drafter, "chain", None)
         if chain is not None:
             # a one-layer chain's proposal (`draft_chain.py`): one batch build and one graph run per round

@@ -667,3 +667,38 @@ def test_retree_equals_a_build_of_the_new_trees(device: str, name: str) -> None:
     chain = CASES["verify_chain_padded"].call(be, device)
     with pytest.raises(ValueError, match="tree"):
         be.retree(chain, block_tokens=tokens, tree_parents=parents)
+
+
+def test_retree_of_every_row_keeps_padded_rows_writing_nothing() -> None:
+    """`retree` with a tree for every row, padded ones included (what a CUDA graph captured on an
+    all-padding batch runs): the live rows get what a build of their new trees gives, and the padded rows
+    their trees, while their KV slots stay -1 (they write no KV), their prefixes and lengths unchanged."""
+    be = _backend("cpu")
+    case = CASES["verify_tree_padded"]
+    assert case.tree is not None and case.pad_to == 3
+    n, b = len(case.ids), case.pad_to
+    rows = be.pool.req_rows(list(case.ids))
+    batch = be.prepare_verify(
+        req_rows=rows,
+        block_tokens=torch.zeros(n, D, dtype=torch.int64),
+        prefix_lens=list(case.prefix),
+        tree_parents=torch.tensor([[-1, 0, 1, 2]] * n),
+        pad_to=b,
+    )
+    before = _fields(batch)
+    tokens = _tokens(b * D, "cpu").view(b, D)
+    trees = [list(case.tree[0]), [-1, 0, 0, 0], [-1, 0, 1, 1]]  # the live row's, then two padded rows'
+    be.retree(batch, block_tokens=tokens, tree_parents=torch.tensor(trees))
+    got, want = _fields(batch), _reference(be.pool, case)
+    live = n * D  # the live rows' token entries come first
+    for name in ("input_ids", "positions"):
+        assert got[name][:live] == want[name][:live], name
+    assert got["tree_parents"][:n] == want["tree_parents"][:n]
+    assert got["tree_mask"][:n] == want["tree_mask"][:n]
+    assert got["input_ids"][live:] == tokens[n:].reshape(-1).tolist()
+    assert got["tree_parents"][n:] == trees[n:]
+    for name in ("kv_slots", "prefix_lens", "kv_lens", "q_lens", "cu_seqlens_q", "state_slots"):
+        assert got[name] == before[name], name
+    assert set(got["kv_slots"][live:]) == {-1}
+    with pytest.raises(ValueError, match="block_tokens"):
+        be.retree(batch, block_tokens=tokens[:2], tree_parents=torch.tensor(trees[:2]))

@@ -338,3 +338,49 @@ def test_tree_first_block_proposes_what_a_draft_extend_gives(
     assert 1 in {d for _, d in shapes_e}
     # the extends left are the prompts' (more pairs than a block holds); the eager drafter ran one a round
     assert len(ext_f) < len(ext_e) and len(ext_e) >= len(eager)
+
+
+@pytest.mark.parametrize(("arch", "method"), [("qwen3_5", "mtp"), ("lfm2", "eagle3")])
+def test_tree_one_forward_proposes_what_the_step_path_proposes(
+    target: Callable[[str], Any], arch: str, method: str
+) -> None:
+    """Over one draft layer a tree's steps after the first block and its node selection run as one forward
+    (`TreeDrafts.draft_tree`: one graph replay on a GPU, its tree rewritten in place between the steps):
+    round by round its trees (tokens and parents) equal those of the step-by-step path (an instance-level
+    `draft_logits` hook), on NaN-poisoned feature buffers, and the generations are lossless."""
+    t = target(arch)
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": S, "topk": 2, "num_draft_tokens": 6}
+    if method == "eagle3":
+        spec["model"] = str(t.eagle3())
+
+    def watch(parents: list[torch.Tensor], calls: list[int]) -> Callable[[Any], None]:
+        def hook(d: Any) -> None:
+            inner, one = d.propose, d.tree.draft_tree
+
+            def propose(batch: Any) -> Any:
+                out = inner(batch)
+                parents.append(out.tree.parents.clone())
+                return out
+
+            def counted(*a: Any) -> Any:
+                calls.append(len(a[0]))
+                return one(*a)
+
+            d.propose, d.tree.draft_tree = propose, counted
+
+        return hook
+
+    par_one: list[torch.Tensor] = []
+    par_steps: list[torch.Tensor] = []
+    calls_one: list[int] = []
+    calls_steps: list[int] = []
+    one, _, drafter = _proposals(t, spec, general=False, poison=True, hook=watch(par_one, calls_one))
+    steps, _, _ = _proposals(t, spec, general=True, poison=True, hook=watch(par_steps, calls_steps))
+    assert drafter.tree.one_forward
+    assert len(one) == len(steps) == len(par_one) == len(par_steps) > 0
+    for a, b in zip(one + par_one, steps + par_steps, strict=True):
+        assert torch.equal(a, b)
+    # every drafting round of the first generation took the one forward, none of the second; some had rows
+    # drafting nothing (ended budgets) beside rows that drafted
+    drafted = [b for b in one if b.shape[1] > 1]
+    assert len(calls_one) == len(drafted) > 0 and not calls_steps

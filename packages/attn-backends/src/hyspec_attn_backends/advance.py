@@ -128,22 +128,27 @@ def chain_after_block(batch: ForwardBatch, at: Tensor, *, page_size: int) -> For
 
 def check_retree(batch: ForwardBatch, tokens: Tensor, parents: Tensor, *, check_values: bool | None) -> None:
     """Raise unless `retree_in_place(batch, tokens, parents)` applies: a tree TARGET_VERIFY batch, and a
-    block of tokens and well-formed parents (values read where `value_checks` says) per live row."""
+    block of tokens and well-formed parents (values read where `value_checks` says) per live row, or per row
+    with the padded ones (a CUDA graph's forward, captured on an all-padding batch, rewrites every row)."""
     if batch.mode is not ForwardMode.TARGET_VERIFY or not batch.is_tree:
         raise ValueError(f"batch: expected a tree TARGET_VERIFY batch, got a {batch.mode} one")
-    n, d = batch.num_live, batch.verify_len
-    if tuple(tokens.shape) != (n, d):
-        raise ValueError(f"block_tokens: expected shape [{n}, {d}], got {list(tokens.shape)}")
+    n, d = tokens.shape[0] if tokens.dim() == 2 else -1, batch.verify_len
+    if n not in (batch.num_live, batch.num_seqs) or tuple(tokens.shape) != (n, d):
+        raise ValueError(
+            f"block_tokens: expected shape [{batch.num_live} live rows or {batch.num_seqs} rows, {d}], got "
+            f"{list(tokens.shape)}"
+        )
     check_tree_parents(parents, num_seqs=n, verify_len=d, check_values=check_values)
 
 
 def retree_in_place(batch: ForwardBatch, tokens: Tensor, parents: Tensor) -> None:
-    """The live rows' tokens, parents, ancestor masks and node positions (prefix + depth) of the trees
-    `parents` [N, D] with `tokens` [N, D], written into `batch`'s own buffers by a few device ops (one
-    `tree_grids` launch), no host read: rows, prefixes, KV slots and lengths stay (the blocks occupy the same
-    positions), and so do padded rows. `batch` passed `check_retree`."""
+    """The first N rows' tokens, parents, ancestor masks and node positions (prefix + depth) of the trees
+    `parents` [N, D] with `tokens` [N, D] (N: the live rows, or every row), written into `batch`'s own
+    buffers by a few device ops (one `tree_grids` launch), no host read: rows, prefixes, KV slots and lengths
+    stay (the blocks occupy the same positions; a padded row keeps its KV slots -1, so it still writes
+    nothing). `batch` passed `check_retree`."""
     assert batch.tree_parents is not None and batch.tree_mask is not None
-    n, d = batch.num_live, batch.verify_len
+    n, d = tokens.shape[0], batch.verify_len
     g = tree_grids(parents=parents, check_values=False)  # [N, D] / [N, D, D] where the parents are
     batch.input_ids[: n * d].copy_(tokens.reshape(-1), non_blocking=True)
     batch.tree_parents[:n].copy_(g.parents, non_blocking=True)

@@ -221,8 +221,8 @@ class BatchBuilder:
     def retree(self, batch: ForwardBatch, *, block_tokens: Tensor, tree_parents: Tensor) -> None:
         """Other trees of the same size for a tree verify batch's live rows, in place (`advance.py`
         `retree_in_place`): a tree drafter's later steps, each over the block of its last one, instead of a
-        build per step. `block_tokens` and `tree_parents`: [N, D] for its N live rows (parents checked as
-        `prepare_verify` checks them)."""
+        build per step. `block_tokens` and `tree_parents`: [N, D] for its N live rows, or for every row (a
+        CUDA graph's forward; parents checked as `prepare_verify` checks them)."""
         check_retree(batch, block_tokens, tree_parents, check_values=self._kernel_checks)
         self.num_builds += 1
         retree_in_place(batch, block_tokens, tree_parents)

@@ -15,9 +15,12 @@ from layer j's own forward) and starts from the root alone.
 Over one reused layer the later steps all run the proposal's largest block (1 + (s - 1)·topk nodes): the nodes
 not drafted yet are leaves that no drafted node sees (their K/V, past the pairs, is rewritten by the next
 step), so the steps share one batch whose trees are rewritten in place (`HybridBackend.retree`) instead of a
-build per step. Multi-layer MTP runs each step's own block (1 + j·topk nodes: the block size names the step's
-layer). Every forward reads its features from one static input buffer (`features_in`), which is what its CUDA
-graph reads; each block size is captured per padded batch size.
+build per step. With the model's own logits those steps, their top-k bookkeeping and the selection of the D
+nodes are one forward (`draft_tree` -> `_tree_steps`, one CUDA graph replay): a proposal is two batch builds
+and two replays, and the tree stays on the device. Multi-layer MTP runs each step's own block (1 + j·topk
+nodes: the block size names the step's layer). Every forward reads its features from one static input
+buffer (`features_in`), which is what its CUDA graph reads; each block size is captured per padded batch
+size.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class TreeDrafts:
         block0: int,
         layer_steps: Sequence[int],
         chain_hidden: bool,
+        num_draft_tokens: int,
     ) -> None:
         s, k = num_speculative_tokens, topk
         self.model, self.pairs, self.kv = model, pairs, pairs.kv
@@ -72,6 +76,15 @@ class TreeDrafts:
         # persistent per proposal: each tree node's input feature, then the packed static forward input
         self.node_features = torch.zeros(rows, max_nodes, f, dtype=dt, device=dev)  # [R, Nmax, F]
         self.features_in = torch.zeros(rows * max_nodes, f, dtype=dt, device=dev)  # [R * Nmax, F]
+        # over one reused layer a tree's later steps and its selection are one forward (`_tree_steps`: one
+        # graph replay), which reads these static inputs, filled before it runs
+        self.num_draft_tokens = num_draft_tokens
+        r1 = rows if block0 and k > 1 else 0
+        self.tok_in = torch.zeros(r1, max_nodes, dtype=torch.int64, device=dev)  # [R, Nmax] node tokens
+        self.par_in = torch.zeros(r1, max_nodes, dtype=torch.int64, device=dev)  # [R, Nmax] node parents
+        self.root_in = torch.zeros(r1, dtype=torch.int64, device=dev)  # [R] the roots
+        self.root_normed = torch.zeros(r1, f, dtype=dt, device=dev)  # [R, H = F] first block at the roots
+        self.root_out = torch.zeros(r1, f, dtype=dt, device=dev)  # [R, F]
         first = [(block0, False)] if block0 else [(1, k > 1)]
         self.graphs = CudaGraphRunner(
             self.kv.backend,
@@ -82,7 +95,14 @@ class TreeDrafts:
 
     def _step_forward(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
         """Draft step j's forward: the block size says j (one layer for every step where a first block is
-        used); features from the static buffer at offset 0."""
+        used); features from the static buffer at offset 0. Over one reused layer a tree block is all the
+        steps after the first block (`_tree_steps`)."""
+        if self.one_forward and batch.is_tree:
+            return self._tree_steps(batch)
+        return self._layer_forward(batch)
+
+    def _layer_forward(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
+        """One draft layer's forward over `batch` (`_step_forward` without the tree steps)."""
         j = 0 if self.block0 else (batch.verify_len - 1) // self.topk
         x = self.features_in[: batch.num_tokens]  # [T, F] (padded rows read stale rows, write nothing)
         return self.model.run(batch, self.kv.backend, features=x, step=self.layer_steps[j])
@@ -141,7 +161,12 @@ class TreeDrafts:
                     # input
                     self.features_in[: n * size].copy_(feats[:, :size].reshape(n * size, -1))
                     # [N * size, H], [N * size, F] graph outputs, then at the expanded nodes [N, E, *]
-                    normed_all, out_all = self.graphs.run(fb)
+                    if self.one_forward:
+                        # the graphs of tree blocks run all the steps at once (`_tree_steps`): one step
+                        # alone (a `draft_logits` hook's proposal) runs eagerly
+                        normed_all, out_all = (x[: n * size] for x in self._layer_forward(fb))
+                    else:
+                        normed_all, out_all = self.graphs.run(fb)
                     at = (ar[:, None], expanded)
                     normed, out = normed_all.view(n, size, -1)[at], out_all.view(n, size, -1)[at]
                 logits = draft_logits(
@@ -151,22 +176,8 @@ class TreeDrafts:
                     node_parents=par[:, :block],
                     nodes=expanded,
                 )
-                prob, t = torch.softmax(logits, dim=-1).topk(k, dim=-1)  # [N, E, K] each
-                t = self.model.to_target(t)  # draft-vocabulary indices -> target ids
-                base = builder.num_candidates
-                picked = builder.add_step(t, prob) - base  # [N, K] candidate index within this step
-                if j + 1 == s_run:
-                    break
-                e, c = picked // k, picked % k
-                new = torch.arange(block, block + k, device=dev)
-                tok[:, new] = t[ar[:, None], e, c]
-                par[:, new] = expanded.gather(1, e)
-                # the root's feature is copied out first: writing an expanded view of `feats` into `feats`
-                # overlaps itself (torch refuses it for a single row)
-                feats[:, new] = (
-                    out[ar[:, None], e] if self.chain_hidden else feats[:, :1].expand(n, k, -1).clone()
-                )
-                expanded = new.expand(n, k)
+                last = j + 1 == s_run
+                expanded = self._grow(builder, logits, last, (tok, par, feats), out, expanded, block)
                 block += k
         except BaseException:
             if taken:  # not written: pending again, so the request's next commit still lines up
@@ -175,6 +186,128 @@ class TreeDrafts:
         finally:
             kv.release(ids)
         return builder
+
+    def _grow(
+        self,
+        builder: TreeDraftBuilder,
+        logits: Tensor,
+        last: bool,
+        tree: tuple[Tensor, Tensor, Tensor],
+        out: Tensor,
+        expanded: Tensor,
+        block: int,
+    ) -> Tensor:
+        """One step's children from the logits [N, E, V_d] at the `expanded` nodes [N, E]: the builder's
+        candidates, and (unless `last`) the K best as nodes `block..block+K-1` of the tree (tokens, parents,
+        input features [N, *]), whose indices [N, K] it returns: the nodes the next step expands."""
+        k = self.topk
+        tok, par, feats = tree
+        n = tok.shape[0]
+        prob, t = torch.softmax(logits, dim=-1).topk(k, dim=-1)  # [N, E, K] each
+        t = self.model.to_target(t)  # draft-vocabulary indices -> target ids
+        base = builder.num_candidates
+        picked = builder.add_step(t, prob) - base  # [N, K] candidate index within this step
+        if last:
+            return expanded
+        ar = torch.arange(n, device=tok.device)
+        e, c = picked // k, picked % k
+        new = torch.arange(block, block + k, device=tok.device)
+        tok[:, new] = t[ar[:, None], e, c]
+        par[:, new] = expanded.gather(1, e)
+        # the root's feature is copied out first: writing an expanded view of `feats` into `feats` overlaps
+        # itself (torch refuses it for a single row)
+        feats[:, new] = out[ar[:, None], e] if self.chain_hidden else feats[:, :1].expand(n, k, -1).clone()
+        return new.expand(n, k)
+
+    @property
+    def one_forward(self) -> bool:
+        """Over one reused layer (`block0` > 0), a tree's steps after the first block are one forward."""
+        return bool(self.block0) and self.topk > 1 and self.tok_in.shape[0] > 0
+
+    def takes_one_forward(self, s_run: int) -> bool:
+        """Whether a proposal of `s_run` steps runs its steps after the first block as one forward
+        (`draft_tree`): over one reused layer, a tree of at least two steps with room for its D nodes."""
+        k = self.topk
+        return self.one_forward and s_run >= 2 and self.num_draft_tokens <= 1 + k + (s_run - 1) * k * k
+
+    def draft_tree(self, ids: list[Hashable], root: Tensor, s_run: int) -> tuple[Tensor, Tensor]:
+        """A proposal with the model's own logits (`takes_one_forward(s_run)`): the first block, then every
+        later step and the selection of the D nodes in one forward, on the device. Returns the block's
+        (tokens [N, D], parents [N, D]) int64, what `TreeDraftBuilder.select` gives after `draft`."""
+        n, k, kv = len(ids), self.topk, self.kv
+        req_rows = kv.rows(ids)
+        rows = req_rows.tensor.long()
+        written = [kv.lengths[r] for r in ids]
+        taken = self.pairs.take_pending(ids)
+        got = gather_pending(taken)
+        q = [0] * n if got is None else got[2]
+        size = 1 + (s_run - 1) * k
+        try:
+            kv.pool.ensure_kv_capacity(ids, [w + max(self.block0, p + size) for w, p in zip(written, q)])
+            root_feature = self.pairs.root_features[rows]  # [N, F]
+            normed, out = self._first_block(req_rows, written, got, q, root, root_feature)
+            for r, w, p in zip(ids, written, q, strict=True):
+                kv.lengths[r] = w + p  # the pending pairs are final now
+            taken = []
+            if normed.shape[-1] != self.root_normed.shape[-1]:
+                raise ValueError(
+                    f"draft model: a tree over one layer expects normed outputs of the feature width "
+                    f"{self.root_normed.shape[-1]}, got {normed.shape[-1]}"
+                )
+            self.root_in[:n].copy_(root)
+            self.root_normed[:n].copy_(normed[:, 0])
+            self.root_out[:n].copy_(out[:, 0])
+            self.node_features[:n, 0] = root_feature
+            # the steps' block past each row's pairs: laid out as a star (every node a child of the root), the
+            # layout after step 0 whatever its tokens, which the forward writes (`_tree_steps`)
+            star = torch.zeros(n, size, dtype=torch.int64)
+            star[:, 0] = -1
+            fb = self.graphs.prepare_verify(
+                req_rows=req_rows,
+                block_tokens=torch.zeros(n, size, dtype=torch.int64),
+                prefix_lens=[w + p for w, p in zip(written, q, strict=True)],
+                tree_parents=star,
+            )
+            tokens, parents = self.graphs.run(fb)  # [>= N, D] each (a graph's static outputs: copied)
+            return tokens[:n].clone(), parents[:n].clone()
+        except BaseException:
+            if taken:  # not written: pending again, so the request's next commit still lines up
+                self.pairs.give_back(ids, taken)
+            raise
+        finally:
+            kv.release(ids)
+
+    def _tree_steps(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
+        """Every step of a proposal after its first block, over every row of `batch` (a tree block of
+        1 + (s - 1)·K nodes per row past its pairs), then the selection: step 0's children from the first
+        block's outputs at the roots, each later step one forward of the tree grown so far (rewritten in
+        place, `HybridBackend.retree`), the D best candidates laid out last -> (tokens [B, D], parents
+        [B, D]). Device ops only, on the static inputs `draft_tree` fills: a CUDA graph replays it. Padded
+        rows draft from stale inputs and write no KV (their slots stay -1)."""
+        b, size, k = batch.num_seqs, batch.verify_len, self.topk
+        s_run = (size - 1) // k + 1
+        tok, par, feats = self.tok_in[:b, :size], self.par_in[:b, :size], self.node_features[:b]
+        tok.zero_()
+        tok[:, 0] = self.root_in[:b]
+        par.zero_()
+        par[:, 0] = -1
+        builder = TreeDraftBuilder(self.root_in[:b], k)
+        ar = torch.arange(b, device=tok.device)
+        expanded = torch.zeros(b, 1, dtype=torch.int64, device=tok.device)  # block indices of the expanded
+        normed, out = self.root_normed[:b, None], self.root_out[:b, None]  # [B, 1, H], [B, 1, F]
+        backend = self.kv.backend
+        for j in range(s_run):
+            if j:
+                backend.retree(batch, block_tokens=tok, tree_parents=par)
+                x = self.features_in[: b * size]  # [B * size, F]
+                x.copy_(feats[:, :size].reshape(b * size, -1))
+                normed_all, out_all = self.model.run(batch, backend, features=x, step=self.layer_steps[j])
+                at = (ar[:, None], expanded)
+                normed, out = normed_all.view(b, size, -1)[at], out_all.view(b, size, -1)[at]
+            logits = self.model.logits(normed).float()  # [B, E, V_d]
+            last = j + 1 == s_run
+            expanded = self._grow(builder, logits, last, (tok, par, feats), out, expanded, 1 + j * k)
+        return builder.select(self.num_draft_tokens)
 
     def _first_block(
         self,

@@ -128,6 +128,7 @@ class HiddenStateDrafter:
             block0=self.block0,
             layer_steps=steps,
             chain_hidden=chain_hidden,
+            num_draft_tokens=d,
         )
         self.features_in = self.tree.features_in  # [R * Nmax, F] the static input every draft graph reads
         self.graphs = self.tree.graphs
@@ -183,7 +184,12 @@ class HiddenStateDrafter:
         layer j's own forward over them writes, so it recomputes them on the general path; so does an
         overridden `draft_logits` (a testing hook).
         """
-        return self.chain is not None and "draft_logits" not in vars(self)
+        return self.chain is not None and self._own_logits
+
+    @property
+    def _own_logits(self) -> bool:
+        """The children's logits are the model's own: `draft_logits` is not overridden (a testing hook)."""
+        return "draft_logits" not in vars(self) and type(self).draft_logits is HiddenStateDrafter.draft_logits
 
     def start_at(
         self, req_id: Hashable, position: int, token_ids: Sequence[int] = (), *, salt: str | None = None
@@ -256,16 +262,19 @@ class HiddenStateDrafter:
             return DraftOutput(VerifyTree.chain(root_dev, drafts, torch.tensor(steps)))
         if not self.block0:
             self.pairs.write(ids)  # the general path reads only written pairs (none wait: keep=None)
+        # rows that draft nothing keep their root only; a tree is built where the drafts are, from the host's
+        # node counts: no device read, so the host goes on to the verify while the device drafts
+        d = self.num_draft_tokens
+        num = torch.tensor([d if k > 0 else 1 for k in steps], dtype=torch.int64)  # [N]
         with torch.no_grad():
             root_dev = to_device(root, dtype=torch.int64, device=self.model.device)
+            if self._own_logits and self.tree.takes_one_forward(s_run):
+                tokens, parents = self.tree.draft_tree(ids, root_dev, s_run)  # [N, D] each, on the device
+                return DraftOutput(VerifyTree.from_parents(tokens, parents, num))
             builder = self.tree.draft(ids, root_dev, s_run, self.draft_logits)
         if self.topk == 1:
             drafts = builder.chain_drafts().to(batch.root_tokens.device)  # [N, s_run]
             return DraftOutput(VerifyTree.chain(root, drafts, torch.tensor(steps)))
-        # rows that draft nothing keep their root only; the tree is built where the drafts are, from the
-        # host's node counts: no device read, so the host goes on to the verify while the device drafts
-        d = self.num_draft_tokens
-        num = torch.tensor([d if k > 0 else 1 for k in steps], dtype=torch.int64)  # [N]
         return DraftOutput(builder.build(d, num_nodes=num))
 
     # ---------------------------------------------------------------- drafting

@@ -343,6 +343,17 @@ class TreeDraftBuilder:
         if d == 1:
             root_only = VerifyTree.chain(self.root, torch.zeros(n, 0, dtype=torch.int64, device=dev))
             return root_only if device is None else root_only.to(device)
+        tree_tokens, tree_parents = self.select(d)
+        if num_nodes is None:
+            num_nodes = torch.full((n,), d, dtype=torch.int64)
+        return VerifyTree.from_parents(tree_tokens, tree_parents, num_nodes, device=device)
+
+    def select(self, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`build`'s layout alone, device ops only (a CUDA graph may run it): the root and the best
+        `num_draft_tokens - 1` candidates as a block's (tokens [N, D], parents [N, D]) int64, parents before
+        their children. D >= 2."""
+        d = num_draft_tokens
+        n, dev = self.root.shape[0], self.root.device
         tokens = torch.cat(self._tokens, dim=1)  # [N, M]
         scores = torch.cat(self._scores, dim=1)  # [N, M]
         parents = torch.cat(self._parents, dim=1)  # [N, M]
@@ -359,9 +370,7 @@ class TreeDraftBuilder:
         tree_parents = torch.cat(
             [torch.full((n, 1), -1, dtype=torch.int64, device=dev), block_parents], dim=1
         )
-        if num_nodes is None:
-            num_nodes = torch.full((n,), d, dtype=torch.int64)
-        return VerifyTree.from_parents(tree_tokens, tree_parents, num_nodes, device=device)
+        return tree_tokens, tree_parents
 
 
 def pad_block(
