@@ -303,6 +303,57 @@ def test_start_chain_equals_preparing_one_token_after_each_chosen_block_token() 
         assert _batch_fields(step) == want, chosen
 
 
+@pytest.mark.parametrize("size", [1, 3, 4])
+def test_start_tree_equals_preparing_a_star_rooted_at_each_chosen_block_token(size: int) -> None:
+    """A chain verify block turned in place into the tree batch of `size` nodes rooted at block token
+    `at[i]` of each row is, on its live rows, the batch `prepare_verify` builds for a star tree at those
+    prefixes (rows != batch rows, pages crossed at different nodes); its padded row writes no KV."""
+    layers: list[GDNLayer | ShortConvLayer | AttentionLayer] = [
+        AttentionLayer(layer_id=0, num_heads=2, num_kv_heads=1, head_dim=8, scale=8**-0.5)
+    ]
+    pool = _pool(layers)
+    be = HybridBackend(pool, layers=layers, layer_types=["full_attention"])
+    ids = ["a", "b", "c"]
+    pool.alloc(["pad0", *ids])
+    prefix, d = [0, 5, 2], 4  # Dmax of the pool
+    for t in range(1, max(prefix) + 2 * d + 1):  # interleaved pages, as in the advance test
+        pool.ensure_kv_capacity(ids, [min(t, p + 2 * d) for p in prefix])
+    rows = pool.req_rows(["c", "a", "b"])
+    start = [prefix[i] for i in (2, 0, 1)]
+    star = torch.zeros(3, size, dtype=torch.int64)
+    star[:, 0] = -1
+    for chosen in ([0, 0, 0], [3, 1, 2], [1, 3, 0]):
+        roots = [p + k for p, k in zip(start, chosen, strict=True)]
+        want_batch = be.prepare_verify(
+            req_rows=rows, block_tokens=star.clamp(min=0), prefix_lens=roots, tree_parents=star, pad_to=4
+        )
+        want = _batch_fields(want_batch)
+        want_tree = (want_batch.tree_parents[:3].tolist(), want_batch.tree_mask[:3].tolist())  # type: ignore[union-attr]
+        block = be.prepare_verify(
+            req_rows=rows, block_tokens=torch.zeros(3, d, dtype=torch.int64), prefix_lens=start, pad_to=4
+        )
+        tree = be.start_tree(block, torch.tensor([*chosen, 2]), size)  # the padded row's index: any in [0, D)
+        assert (
+            tree.verify_len == size and tree.is_tree and tree.num_padded == 1 and tree.num_tokens == 4 * size
+        )
+        got = _batch_fields(tree)
+        live = 3 * size
+        assert got["positions"][:live] == want["positions"][:live], chosen
+        assert got["kv_slots"][:live] == want["kv_slots"][:live], chosen
+        assert set(got["kv_slots"][live:]) == {-1} and got["prefix_lens"][3] == 0
+        for name in ("prefix_lens", "kv_lens", "has_initial_state", "cu_seqlens_q"):
+            assert got[name] == want[name], (name, chosen)
+        assert (tree.tree_parents[:3].tolist(), tree.tree_mask[:3].tolist()) == want_tree  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="size"):
+        be.start_tree(
+            be.prepare_verify(
+                req_rows=rows, block_tokens=torch.zeros(3, d, dtype=torch.int64), prefix_lens=start
+            ),
+            torch.zeros(3, dtype=torch.int64),
+            d + 1,
+        )
+
+
 def _one_request(attention_only: bool) -> tuple[HybridBackend, ReqRows]:
     """A backend (hybrid, or attention-only) with one request holding 8 positions of KV, and its rows."""
     layers: list[GDNLayer | ShortConvLayer | AttentionLayer] = (

@@ -6,6 +6,8 @@ forward of the same graph reads).
 - `advance_in_place` (`BatchBuilder.advance_one_token`): a one-token-per-row batch to the next position.
 - `chain_after_block` (`BatchBuilder.start_chain`): a chain verify block to the one-token batch right after
   one chosen token of each row's block (a drafter's first block, then its one-token steps, in one graph).
+- `tree_after_block` (`BatchBuilder.start_tree`): a chain verify block to a tree block rooted at one chosen
+  token of each row's block (a tree drafter's first block, then its later steps, in one graph).
 - `retree_in_place` (`BatchBuilder.retree`): a tree verify batch to other trees of the same size at the same
   prefixes (a tree drafter's later steps over one block).
 """
@@ -13,6 +15,7 @@ forward of the same graph reads).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from hyspec_kernels import tree_grids
@@ -107,22 +110,66 @@ def chain_after_block(batch: ForwardBatch, at: Tensor, *, page_size: int) -> For
     positions.copy_(pos)
     kv_slots = batch.kv_slots.head(n)
     kv_slots.tensor.copy_(new_slots)
-    return ForwardBatch(
-        mode=ForwardMode.TARGET_VERIFY,
-        input_ids=batch.input_ids[:n],
+    # rows, slots, page table and the lens rows are the same buffers, rewritten above
+    return replace(batch, input_ids=batch.input_ids[:n], positions=positions, kv_slots=kv_slots, verify_len=1)
+
+
+def check_tree_start(batch: ForwardBatch, at: Tensor, size: int, kinds: Sequence[MixerKind]) -> None:
+    """Raise unless `tree_after_block(batch, at, size=size)` applies: what `start_chain` needs, and a tree of
+    1 <= size <= D nodes (it takes the block's own entries)."""
+    check_chain_start(batch, at, kinds)
+    if not 1 <= size <= batch.verify_len:
+        raise ValueError(f"size: expected 1 <= size <= the block's {batch.verify_len} tokens, got {size}")
+
+
+def tree_after_block(
+    batch: ForwardBatch, at: Tensor, *, size: int, parents: Tensor, mask: Tensor, page_size: int
+) -> ForwardBatch:
+    """The tree TARGET_VERIFY batch of `size` nodes per row rooted at block token `at[i]` of each live row
+    of the chain verify batch `batch` (prefix `prefix + at[i]`: the root re-runs at that token's position),
+    written in place into the leading entries of the same buffers, its tree a star (every node a child of
+    the root; `retree` gives it others).
+
+    It equals `prepare_verify` of those rows at those prefixes with star parents and the same padding, input
+    tokens excepted (the caller's, as for `retree`). Padded rows (their block KV slots -1) stay padding:
+    prefix 0, KV slots -1. `parents` [max_num_seqs, Dmax] int32 and `mask` [max_num_seqs, Dmax, Dmax] bool:
+    the builder's tree buffers. `batch` passed `check_tree_start`; it is stale afterwards.
+    """
+    assert batch.kv_slots is not None
+    n, d = batch.num_seqs, batch.verify_len
+    slots = batch.kv_slots.tensor  # [N * D] int32, -1 on padded rows
+    dev = slots.device
+    rows = torch.arange(n, device=dev)
+    live = slots.view(n, d)[rows, at.long()] >= 0  # [N] bool: the chosen token has a KV slot
+    # every new value is computed before the first write: the tree's entries overlap the block's
+    prefix = torch.where(live, batch.prefix_lens + at.to(torch.int32), 0)  # [N] int32
+    node = torch.arange(size, device=dev)  # [size]
+    pos = prefix.long()[:, None] + node  # [N, size] each node's KV position (block index, not depth)
+    pages = batch.page_table.gather(1, pos // page_size).long()  # [N, size]
+    new_slots = torch.where(live[:, None], pages * page_size + pos % page_size, -1).to(torch.int32)
+    batch.prefix_lens.copy_(prefix)
+    batch.kv_lens.copy_(prefix + size)
+    batch.q_lens.fill_(size)
+    batch.cu_seqlens_q.copy_(torch.arange(0, (n + 1) * size, size, dtype=torch.int32, device=dev))
+    batch.has_initial_state.copy_(prefix > 0)
+    positions = batch.positions[: n * size]
+    positions.copy_((prefix.long()[:, None] + (node > 0).long()).reshape(-1))  # prefix + depth
+    kv_slots = batch.kv_slots.head(n * size)
+    kv_slots.tensor.copy_(new_slots.reshape(-1))
+    tree_parents = parents[:n, :size]
+    tree_parents.fill_(0)
+    tree_parents[:, 0] = -1
+    tree_mask = mask[:n, :size, :size]
+    star = torch.eye(size, dtype=torch.bool, device=dev) | (node == 0)[None, :]  # [size, size] self or root
+    tree_mask.copy_(star.expand(n, size, size))
+    return replace(
+        batch,
+        input_ids=batch.input_ids[: n * size],
         positions=positions,
-        req_rows=batch.req_rows,
-        state_slots=batch.state_slots,
-        batch_rows=batch.batch_rows,
         kv_slots=kv_slots,
-        page_table=batch.page_table,
-        cu_seqlens_q=batch.cu_seqlens_q,
-        q_lens=batch.q_lens,
-        prefix_lens=batch.prefix_lens,
-        kv_lens=batch.kv_lens,
-        has_initial_state=batch.has_initial_state,
-        verify_len=1,
-        num_padded=batch.num_padded,
+        verify_len=size,
+        tree_parents=tree_parents,
+        tree_mask=tree_mask,
     )
 
 

@@ -281,6 +281,10 @@ class HybridBackend:
         """The one-token batch after block token `at[i]` of each row, in place: `BatchBuilder.start_chain`."""
         return self.builder.start_chain(batch, at)
 
+    def start_tree(self, batch: ForwardBatch, at: Tensor, size: int) -> ForwardBatch:
+        """The tree batch rooted at block token `at[i]` of each row, in place: `BatchBuilder.start_tree`."""
+        return self.builder.start_tree(batch, at, size)
+
     # ---------------------------------------------------------------- layer calls
 
     def _check_layer(self, layer: MixerLayer, kind: MixerKind) -> None:

@@ -24,7 +24,9 @@ from hyspec_attn_backends.advance import (
     check_advance,
     check_chain_start,
     check_retree,
+    check_tree_start,
     retree_in_place,
+    tree_after_block,
 )
 from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, check_tree_parents
 from hyspec_attn_backends.host_batch import host_batch
@@ -261,6 +263,27 @@ class BatchBuilder:
         check_chain_start(batch, at, self.kinds)
         self.num_builds += 1
         return chain_after_block(batch, at, page_size=self.pool.plan.page_size)
+
+    def start_tree(self, batch: ForwardBatch, at: Tensor, size: int) -> ForwardBatch:
+        """The tree batch of `size` nodes per row rooted at block token `at[i]` of each row of a chain verify
+        batch, in place in the same buffers (`advance.tree_after_block`): a tree drafter's first block and
+        its later steps then run in one graph with no batch prepared between them. Device ops only (it can
+        run inside a CUDA graph); the KV pages for the tree's positions must have been ensured beforehand.
+
+        Args:
+            batch: a chain TARGET_VERIFY batch of an attention-only backend; stale afterwards.
+            at: [N] int block index per row (padded rows included), in [0, D), on the device.
+            size: the tree's nodes per row, at most the block's D.
+        Returns:
+            The tree batch (a star: every node a child of the root, `retree` gives it others) at prefix
+            `prefix + at` per live row; its input tokens are the caller's to write.
+        """
+        check_tree_start(batch, at, size, self.kinds)
+        self.num_builds += 1
+        b = self.buffers
+        return tree_after_block(
+            batch, at, size=size, parents=b.tree_parents, mask=b.tree_mask, page_size=self.pool.plan.page_size
+        )
 
     def _build(
         self,

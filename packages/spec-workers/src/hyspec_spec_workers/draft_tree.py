@@ -26,9 +26,10 @@ size.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from functools import partial
 
 import torch
-from hyspec_attn_backends import CudaGraphRunner, ForwardBatch
+from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, GraphCounts
 from hyspec_statepool.indices import ReqRows
 from torch import Tensor
 
@@ -76,33 +77,45 @@ class TreeDrafts:
         # persistent per proposal: each tree node's input feature, then the packed static forward input
         self.node_features = torch.zeros(rows, max_nodes, f, dtype=dt, device=dev)  # [R, Nmax, F]
         self.features_in = torch.zeros(rows * max_nodes, f, dtype=dt, device=dev)  # [R * Nmax, F]
-        # over one reused layer a tree's later steps and its selection are one forward (`_tree_steps`: one
-        # graph replay), which reads these static inputs, filled before it runs
+        # over one reused layer a tree proposal of s >= 2 steps is one forward (`_propose_forward`: the first
+        # block, `start_tree`, every later step, the selection), a runner per s sharing one memory pool, with
+        # these static working buffers
         self.num_draft_tokens = num_draft_tokens
-        r1 = rows if block0 and k > 1 else 0
+        one = bool(block0) and k > 1
+        r1 = rows if one else 0
         self.tok_in = torch.zeros(r1, max_nodes, dtype=torch.int64, device=dev)  # [R, Nmax] node tokens
         self.par_in = torch.zeros(r1, max_nodes, dtype=torch.int64, device=dev)  # [R, Nmax] node parents
-        self.root_in = torch.zeros(r1, dtype=torch.int64, device=dev)  # [R] the roots
-        self.root_normed = torch.zeros(r1, f, dtype=dt, device=dev)  # [R, H = F] first block at the roots
-        self.root_out = torch.zeros(r1, f, dtype=dt, device=dev)  # [R, F]
+        self._root_index = torch.zeros(r1, dtype=torch.int64, device=dev)  # [R] root pair's block index
+        self.runners: dict[int, CudaGraphRunner] = {}
+        for s_run in range(2, s + 1) if one else ():
+            self.runners[s_run] = CudaGraphRunner(
+                self.kv.backend,
+                partial(self._propose_forward, s_run),
+                decode=False,
+                verify=[(self._block_width(s_run), False)],
+                share_pool_with=self.runners.get(2),
+            )
         first = [(block0, False)] if block0 else [(1, k > 1)]
-        self.graphs = CudaGraphRunner(
-            self.kv.backend,
-            self._step_forward,
-            decode=False,
-            verify=first + [(1 + j * k, k > 1) for j in range(1, s)],
-        )
+        later = [] if one else [(1 + j * k, k > 1) for j in range(1, s)]  # one: a step alone runs eagerly
+        self.graphs = CudaGraphRunner(self.kv.backend, self._step_forward, decode=False, verify=first + later)
+
+    def capture(self, batch_sizes: Sequence[int]) -> None:
+        self.graphs.capture(batch_sizes)
+        for runner in self.runners.values():
+            runner.capture(batch_sizes)
+
+    @property
+    def counts(self) -> list[GraphCounts]:
+        return [self.graphs.counts, *(r.counts for r in self.runners.values())]
+
+    def _block_width(self, s_run: int) -> int:
+        """A one-forward proposal's first block: `block0`, or wider where the later steps' tree is (its
+        padding past the root: positions the tree's nodes overwrite)."""
+        return max(self.block0, 1 + (s_run - 1) * self.topk)
 
     def _step_forward(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
         """Draft step j's forward: the block size says j (one layer for every step where a first block is
-        used); features from the static buffer at offset 0. Over one reused layer a tree block is all the
-        steps after the first block (`_tree_steps`)."""
-        if self.one_forward and batch.is_tree:
-            return self._tree_steps(batch)
-        return self._layer_forward(batch)
-
-    def _layer_forward(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
-        """One draft layer's forward over `batch` (`_step_forward` without the tree steps)."""
+        used); features from the static buffer at offset 0."""
         j = 0 if self.block0 else (batch.verify_len - 1) // self.topk
         x = self.features_in[: batch.num_tokens]  # [T, F] (padded rows read stale rows, write nothing)
         return self.model.run(batch, self.kv.backend, features=x, step=self.layer_steps[j])
@@ -150,7 +163,12 @@ class TreeDrafts:
                         kv.backend.retree(steps_batch, block_tokens=tok[:, :size], tree_parents=par[:, :size])
                         fb = steps_batch
                     else:
-                        fb = self.graphs.prepare_verify(
+                        # over one layer a tree's steps are captured only as one forward (`runners`): a
+                        # step alone (a `draft_logits` hook's proposal) is built and runs eagerly
+                        prepare = (
+                            self.kv.backend.prepare_verify if self.one_forward else self.graphs.prepare_verify
+                        )
+                        fb = prepare(
                             req_rows=req_rows,
                             block_tokens=tok[:, :size],
                             prefix_lens=[w + p for w, p in zip(written, q, strict=True)],
@@ -161,12 +179,8 @@ class TreeDrafts:
                     # input
                     self.features_in[: n * size].copy_(feats[:, :size].reshape(n * size, -1))
                     # [N * size, H], [N * size, F] graph outputs, then at the expanded nodes [N, E, *]
-                    if self.one_forward:
-                        # the graphs of tree blocks run all the steps at once (`_tree_steps`): one step
-                        # alone (a `draft_logits` hook's proposal) runs eagerly
-                        normed_all, out_all = (x[: n * size] for x in self._layer_forward(fb))
-                    else:
-                        normed_all, out_all = self.graphs.run(fb)
+                    run = self._step_forward if self.one_forward else self.graphs.run
+                    normed_all, out_all = run(fb)
                     at = (ar[:, None], expanded)
                     normed, out = normed_all.view(n, size, -1)[at], out_all.view(n, size, -1)[at]
                 logits = draft_logits(
@@ -221,89 +235,87 @@ class TreeDrafts:
 
     @property
     def one_forward(self) -> bool:
-        """Over one reused layer (`block0` > 0), a tree's steps after the first block are one forward."""
-        return bool(self.block0) and self.topk > 1 and self.tok_in.shape[0] > 0
+        """Over one reused layer (`block0` > 0) a tree proposal is one forward (`runners`)."""
+        return bool(self.block0) and bool(self.runners)
 
     def takes_one_forward(self, s_run: int) -> bool:
-        """Whether a proposal of `s_run` steps runs its steps after the first block as one forward
-        (`draft_tree`): over one reused layer, a tree of at least two steps with room for its D nodes."""
+        """Whether a proposal of `s_run` steps is one forward (`draft_tree`): over one reused layer, a tree
+        of at least two steps with room for its D nodes."""
         k = self.topk
-        return self.one_forward and s_run >= 2 and self.num_draft_tokens <= 1 + k + (s_run - 1) * k * k
+        return (
+            self.one_forward
+            and s_run in self.runners
+            and self.num_draft_tokens <= 1 + k + (s_run - 1) * k * k
+        )
 
     def draft_tree(self, ids: list[Hashable], root: Tensor, s_run: int) -> tuple[Tensor, Tensor]:
-        """A proposal with the model's own logits (`takes_one_forward(s_run)`): the first block, then every
-        later step and the selection of the D nodes in one forward, on the device. Returns the block's
-        (tokens [N, D], parents [N, D]) int64, what `TreeDraftBuilder.select` gives after `draft`."""
-        n, k, kv = len(ids), self.topk, self.kv
+        """A proposal with the model's own logits (`takes_one_forward(s_run)`) as one forward on the device
+        (one graph replay): the first block, then every later step and the selection of the D nodes.
+        Returns the block's (tokens [N, D], parents [N, D]) int64: what `TreeDraftBuilder.select` gives
+        after `draft`."""
+        n, kv = len(ids), self.kv
         req_rows = kv.rows(ids)
         rows = req_rows.tensor.long()
         written = [kv.lengths[r] for r in ids]
         taken = self.pairs.take_pending(ids)
         got = gather_pending(taken)
-        q = [0] * n if got is None else got[2]
-        size = 1 + (s_run - 1) * k
+        q = [0] * n if got is None else got[2]  # pending pairs per row (<= S + 1)
+        e, size = self._block_width(s_run), 1 + (s_run - 1) * self.topk
+        runner = self.runners[s_run]
         try:
-            kv.pool.ensure_kv_capacity(ids, [w + max(self.block0, p + size) for w, p in zip(written, q)])
-            root_feature = self.pairs.root_features[rows]  # [N, F]
-            normed, out = self._first_block(req_rows, written, got, q, root, root_feature)
+            # pages for the first block at the final length and for the tree past each row's pairs
+            kv.pool.ensure_kv_capacity(ids, [w + max(e, p + size) for w, p in zip(written, q, strict=True)])
+            x = self.features_in[: n * e]  # [N * E, F]
+            block, _, q_dev = first_block(e, q, got, root, self.pairs.root_features[rows], x)
+            self._root_index[:n].copy_(q_dev)
+            fb = runner.prepare_verify(
+                req_rows=req_rows, block_tokens=block.view(n, e), prefix_lens=written, tree_parents=None
+            )
+            tokens, parents = runner.run(fb)  # [>= N, D] each (a graph's static outputs: copied)
             for r, w, p in zip(ids, written, q, strict=True):
                 kv.lengths[r] = w + p  # the pending pairs are final now
-            taken = []
-            if normed.shape[-1] != self.root_normed.shape[-1]:
-                raise ValueError(
-                    f"draft model: a tree over one layer expects normed outputs of the feature width "
-                    f"{self.root_normed.shape[-1]}, got {normed.shape[-1]}"
-                )
-            self.root_in[:n].copy_(root)
-            self.root_normed[:n].copy_(normed[:, 0])
-            self.root_out[:n].copy_(out[:, 0])
-            self.node_features[:n, 0] = root_feature
-            # the steps' block past each row's pairs: laid out as a star (every node a child of the root), the
-            # layout after step 0 whatever its tokens, which the forward writes (`_tree_steps`)
-            star = torch.zeros(n, size, dtype=torch.int64)
-            star[:, 0] = -1
-            fb = self.graphs.prepare_verify(
-                req_rows=req_rows,
-                block_tokens=torch.zeros(n, size, dtype=torch.int64),
-                prefix_lens=[w + p for w, p in zip(written, q, strict=True)],
-                tree_parents=star,
-            )
-            tokens, parents = self.graphs.run(fb)  # [>= N, D] each (a graph's static outputs: copied)
             return tokens[:n].clone(), parents[:n].clone()
         except BaseException:
-            if taken:  # not written: pending again, so the request's next commit still lines up
-                self.pairs.give_back(ids, taken)
+            self.pairs.give_back(ids, taken)  # not written: pending again (the next commit lines up)
             raise
         finally:
             kv.release(ids)
 
-    def _tree_steps(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
-        """Every step of a proposal after its first block, over every row of `batch` (a tree block of
-        1 + (s - 1)·K nodes per row past its pairs), then the selection: step 0's children from the first
-        block's outputs at the roots, each later step one forward of the tree grown so far (rewritten in
-        place, `HybridBackend.retree`), the D best candidates laid out last -> (tokens [B, D], parents
-        [B, D]). Device ops only, on the static inputs `draft_tree` fills: a CUDA graph replays it. Padded
-        rows draft from stale inputs and write no KV (their slots stay -1)."""
-        b, size, k = batch.num_seqs, batch.verify_len, self.topk
-        s_run = (size - 1) // k + 1
+    def _propose_forward(self, s_run: int, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
+        """A proposal of `s_run` steps from the first block `batch` (rows of [pending pairs, root pair,
+        padding]; the root pairs' block indices in `_root_index`) -> (tokens [B, D], parents [B, D]).
+
+        The first block's forward gives step 0's children at each root pair; `HybridBackend.start_tree`
+        turns the batch, in place, into a tree block of 1 + (s - 1)·K nodes rooted at the root pair's
+        position, which every later step runs with its tree rewritten in place (`retree`), over every row
+        of the batch; the D best candidates are laid out last. Device ops only: a CUDA graph replays it.
+        Padded rows draft from stale inputs and write no KV (their KV slots stay -1)."""
+        b, e, k = batch.num_seqs, batch.verify_len, self.topk
+        backend = self.kv.backend
+        x = self.features_in[: b * e]
+        normed, out = self.model.run(batch, backend, features=x, step=self.layer_steps[0])
+        ar = torch.arange(b, device=normed.device)
+        at = self._root_index[:b]  # [B]
+        root = batch.input_ids.view(b, e)[ar, at]  # [B] the roots (read before the tree overwrites them)
+        size = 1 + (s_run - 1) * k
         tok, par, feats = self.tok_in[:b, :size], self.par_in[:b, :size], self.node_features[:b]
+        feats[:, 0] = x.view(b, e, -1)[ar, at]  # each root pair's feature, before the steps reuse `x`
+        normed, out = normed.view(b, e, -1)[ar, at][:, None], out.view(b, e, -1)[ar, at][:, None]  # [B, 1, *]
+        tree = backend.start_tree(batch, at, size)
         tok.zero_()
-        tok[:, 0] = self.root_in[:b]
+        tok[:, 0] = root
         par.zero_()
         par[:, 0] = -1
-        builder = TreeDraftBuilder(self.root_in[:b], k)
-        ar = torch.arange(b, device=tok.device)
+        builder = TreeDraftBuilder(root, k)
         expanded = torch.zeros(b, 1, dtype=torch.int64, device=tok.device)  # block indices of the expanded
-        normed, out = self.root_normed[:b, None], self.root_out[:b, None]  # [B, 1, H], [B, 1, F]
-        backend = self.kv.backend
         for j in range(s_run):
             if j:
-                backend.retree(batch, block_tokens=tok, tree_parents=par)
-                x = self.features_in[: b * size]  # [B * size, F]
-                x.copy_(feats[:, :size].reshape(b * size, -1))
-                normed_all, out_all = self.model.run(batch, backend, features=x, step=self.layer_steps[j])
-                at = (ar[:, None], expanded)
-                normed, out = normed_all.view(b, size, -1)[at], out_all.view(b, size, -1)[at]
+                backend.retree(tree, block_tokens=tok, tree_parents=par)
+                xt = self.features_in[: b * size]  # [B * size, F]
+                xt.copy_(feats[:, :size].reshape(b * size, -1))
+                normed_all, out_all = self.model.run(tree, backend, features=xt, step=self.layer_steps[j])
+                where = (ar[:, None], expanded)
+                normed, out = normed_all.view(b, size, -1)[where], out_all.view(b, size, -1)[where]
             logits = self.model.logits(normed).float()  # [B, E, V_d]
             last = j + 1 == s_run
             expanded = self._grow(builder, logits, last, (tok, par, feats), out, expanded, 1 + j * k)

@@ -167,14 +167,14 @@ class HiddenStateDrafter:
 
     def capture_graphs(self, batch_sizes: Sequence[int]) -> None:
         if self.chain is None:
-            self.graphs.capture(batch_sizes)
+            self.tree.capture(batch_sizes)
         else:
             self.chain.capture(batch_sizes)
 
     @property
     def graph_counts(self) -> GraphCounts:
         chain = [] if self.chain is None else self.chain.counts
-        return GraphCounts.total([self.graphs.counts, *chain])
+        return GraphCounts.total([*self.tree.counts, *chain])
 
     @property
     def _fast_chain(self) -> bool:
