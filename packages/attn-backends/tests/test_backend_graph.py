@@ -482,11 +482,11 @@ def test_commit_and_tail_replay_only_their_own_verify_graph() -> None:
     assert runner.counts.commit_eager == 1 and commit_graph.count == 1
 
 
-def test_capture_wires_commit_and_tail_graphs_on_chain_verify_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The capture code path on CPU with stand-in CUDA primitives (each "capture" runs eagerly once): chain
-    verify keys get a commit graph and a tail graph (the tail's static inputs for the key's shape, its warm-up
-    and capture calls on the all-padding batch), tree verify keys a commit graph with static paths, decode
-    keys neither; capturing commits nothing."""
+def test_capture_wires_commit_and_tail_graphs_on_verify_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capture code path on CPU with stand-in CUDA primitives (each "capture" runs eagerly once): verify
+    keys get a commit graph (a tree key's with static paths) and a tail graph (the tail's static inputs for
+    the key's shape, its warm-up and capture calls on the all-padding batch), chain and tree keys alike,
+    decode keys neither; capturing commits nothing."""
     from contextlib import nullcontext
 
     class Stream:
@@ -529,7 +529,7 @@ def test_capture_wires_commit_and_tail_graphs_on_chain_verify_keys(monkeypatch: 
     for key, captured in runner._graphs.items():
         verify = key.mode is ForwardMode.TARGET_VERIFY
         chain = verify and not key.tree
-        assert (captured.commit is not None) == verify and (captured.tail is not None) == chain, key
+        assert (captured.commit is not None) == verify and (captured.tail is not None) == verify, key
         if verify:
             assert captured.commit is not None
             assert captured.commit.accepted.tolist() == [-1] * key.batch_size
@@ -537,12 +537,12 @@ def test_capture_wires_commit_and_tail_graphs_on_chain_verify_keys(monkeypatch: 
             assert (paths is None) == chain
             if paths is not None:  # a tree key's commit reads static paths too
                 assert paths.tolist() == [[-1] * key.verify_len] * key.batch_size
-        if chain:
+        if verify:
             assert captured.tail is not None
-            assert captured.tail.inputs[0].shape == (key.batch_size, 4)
+            assert captured.tail.inputs[0].shape == (key.batch_size, key.verify_len + 1)
             assert captured.tail.outputs[0].shape == (key.batch_size,)
-    # per chain key: two warm-up calls and one capture, largest first
-    assert tail.calls == [(2, 3)] * 3 + [(1, 3)] * 3
+    # per verify key: two warm-up calls and one capture
+    assert sorted(tail.calls) == sorted([(b, d) for b in (1, 2) for d in (3, 4)] * 3)
     _assert_only_changed(be, before, slots=[], kv_slots=[])
 
 

@@ -84,6 +84,47 @@ def test_graphed_greedy_tail_equals_plain_decoding(arch_fixture: str, request: p
 
 @pytest.mark.gpu
 @gpu
+def test_graphed_greedy_tree_tail_equals_plain_decoding() -> None:
+    """All-greedy tree rounds (the trained demo model's MTP, topk 2, 6 nodes) replay the greedy tail captured
+    after each tree verify graph (links from the batch's parents, token choice, stop and budget cut, commit
+    with accepted paths in one replay), padded rows included (6 requests in graphs of 8): fp32 greedy output
+    equals plain decoding's, with budgets and a stop token ending rows."""
+    from hyspec_server import EngineArgs
+    from hyspec_server.builder import build_engine
+    from hyspec_server.default_model import default_model_dir
+
+    kw: dict[str, Any] = dict(
+        model=str(default_model_dir()),
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+    )
+    budgets = [40, 9, 40, 17, 40, 23]
+    greedy = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in budgets]
+    plain = LLM.from_engine(build_engine(EngineArgs(**kw)))
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy)]
+    del plain
+    stop = ref[4][11]
+    params = [
+        SamplingParams(
+            max_tokens=m, temperature=0, ignore_eos=True, stop_token_ids=[stop] if i == 4 else None
+        )
+        for i, m in enumerate(budgets)
+    ]
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 6}
+    eng = build_engine(EngineArgs(**kw, speculative_config=spec))
+    got = [o.outputs[0].token_ids for o in LLM.from_engine(eng).generate(PROMPTS, params)]
+    want = [r[: r.index(stop) + 1] if i == 4 else r for i, r in enumerate(ref)]
+    assert got == want
+    counts = eng.runner.graphs.counts  # type: ignore[attr-defined]
+    assert counts.tail_replays > 0 and counts.verify_eager == 0 and counts.commit_eager == 0, counts
+    assert max(eng.stats.accept_lengths) >= 3  # trees accepted past the root's children
+    eng.leak_check()
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("arch_fixture", ["tiny_lfm2", "tiny_qwen3_5"])
 def test_cuda_graph_decode_equals_eager(arch_fixture: str, request: pytest.FixtureRequest) -> None:
     ckpt: Path = request.getfixturevalue(arch_fixture)

@@ -59,30 +59,33 @@ def _case(
     return logits, nodes, tokens, stops, budgets
 
 
+def _general_path(
+    tree: VerifyTree, logits: torch.Tensor, nodes: list[int], stops: torch.Tensor, budgets: torch.Tensor
+) -> Any:
+    """What the general path chooses for plain greedy rows (`choose_tokens`)."""
+    reqs = [Req(Params()) for _ in nodes]
+    sampler = Sampler(torch.device("cpu"))
+    return choose_tokens(
+        tree, logits, None, reqs, nodes=nodes, sampler=sampler, stop_token_ids=stops, max_new_tokens=budgets
+    )
+
+
 @pytest.mark.parametrize("padded", [0, 3], ids=["live-rows", "graph-rows"])
 @pytest.mark.parametrize("seed", range(12))
 def test_tail_equals_choose_tokens_and_commits_its_counts(seed: int, padded: int) -> None:
     n, d = 5, 4
     logits, nodes, tokens, stops, budgets = _case(seed, n, d)
     tree = VerifyTree.chain(tokens[:, 0], tokens[:, 1:], torch.tensor(nodes) - 1)
-    want = choose_tokens(
-        tree,
-        logits,
-        None,
-        [Req(Params()) for _ in range(n)],
-        nodes=nodes,
-        sampler=Sampler(torch.device("cpu")),
-        stop_token_ids=stops,
-        max_new_tokens=budgets,
-    )
+    want = _general_path(tree, logits, nodes, stops, budgets)
 
     rows = n + padded
     hidden = torch.cat([logits.reshape(n * d, V), torch.randn(padded * d, V)])  # identity "logits" of hidden
     input_ids = torch.cat([tokens.reshape(-1), torch.zeros(padded * d, dtype=torch.int64)])
-    batch: Any = SimpleNamespace(verify_len=d, input_ids=input_ids, num_seqs=rows)
+    batch: Any = SimpleNamespace(verify_len=d, input_ids=input_ids, num_seqs=rows, tree_parents=None)
     committed: list[torch.Tensor] = []
 
-    def commit(batch: Any, num_accepted: torch.Tensor) -> torch.Tensor:
+    def commit(batch: Any, num_accepted: torch.Tensor, paths: torch.Tensor | None) -> torch.Tensor:
+        assert paths is None  # a chain commits counts only
         committed.append(num_accepted.clone())
         return num_accepted
 
@@ -98,8 +101,52 @@ def test_tail_equals_choose_tokens_and_commits_its_counts(seed: int, padded: int
     assert (acc[n:] == 0).all()  # a padded row: its root only (and its state slot -1 commits nothing)
 
 
+@pytest.mark.parametrize("padded", [0, 2], ids=["live-rows", "graph-rows"])
+@pytest.mark.parametrize("seed", range(8))
+def test_tree_tail_equals_choose_tokens_and_commits_its_paths(seed: int, padded: int) -> None:
+    """A tree block (random parents, rows with fewer real nodes whose padding continues a chain, as
+    `pad_block` lays it out): the tail's links come from the batch's parents cut at the real nodes, and its
+    tokens and accepted paths are `choose_tokens`'."""
+    n, d = 5, 6
+    logits, nodes, tokens, stops, budgets = _case(seed, n, d)
+    rnd = random.Random(100 + seed)
+    parents = torch.full((n, d), -1, dtype=torch.int64)
+    for i in range(n):
+        for j in range(1, d):
+            # real nodes: any earlier node; padding: the chain after the last real node
+            parents[i, j] = rnd.randrange(j) if j < nodes[i] else j - 1
+        for j in range(1, nodes[i]):
+            if rnd.random() < 0.7:  # often the target's token after the parent: deep accepted paths
+                tokens[i, j] = logits[i, parents[i, j]].argmax()
+    tree = VerifyTree.from_parents(tokens, parents, nodes)
+    want = _general_path(tree, logits, nodes, stops, budgets)
+    rows = n + padded
+    hidden = torch.cat([logits.reshape(n * d, V), torch.randn(padded * d, V)])
+    input_ids = torch.cat([tokens.reshape(-1), torch.zeros(padded * d, dtype=torch.int64)])
+    chain = (torch.arange(d) - 1).expand(padded, d)  # a padded row's block (prepare_verify's)
+    tree_parents = torch.cat([parents, chain]).int()
+    batch: Any = SimpleNamespace(verify_len=d, input_ids=input_ids, num_seqs=rows, tree_parents=tree_parents)
+    committed: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def commit(batch: Any, num_accepted: torch.Tensor, paths: torch.Tensor | None) -> torch.Tensor:
+        assert paths is not None
+        committed.append((num_accepted.clone(), paths.clone()))
+        return num_accepted
+
+    tail = GreedyTail(lambda h: h, commit)
+    packed = tail.pack(nodes, stops, budgets, rows=rows)
+    assert packed is not None
+    got = GreedyTail.result(tail(batch, (hidden,), (packed,)), n)
+    for name in ("num_accepted", "accept_index", "output_tokens", "bonus", "commit_steps", "finished"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    ((acc, paths),) = committed
+    assert torch.equal(acc[:n], want.num_accepted) and torch.equal(paths[:n], want.accept_index)
+    assert (acc[n:] == 0).all() and (paths[n:, 1:] == -1).all()  # a padded row: its root only
+    assert max(want.num_accepted.tolist()) >= 1  # some walks went past the root
+
+
 def test_static_inputs_are_padded_rows_and_too_many_stop_ids_take_the_general_path() -> None:
-    tail = GreedyTail(lambda h: h, lambda b, a: a)
+    tail = GreedyTail(lambda h: h, lambda b, a, p: a)
     (static,) = tail.static_inputs(4, 3, torch.device("cpu"))
     assert (
         static.shape == (4, 2 + MAX_TAIL_STOP_IDS)
@@ -113,4 +160,4 @@ def test_static_inputs_are_padded_rows_and_too_many_stop_ids_take_the_general_pa
     packed = tail.pack([2], wide, torch.tensor([5]), rows=2)
     assert packed is not None and packed[0, :3].tolist() == [2, 5, 3]
     with pytest.raises(ValueError, match="max_stop_ids"):
-        GreedyTail(lambda h: h, lambda b, a: a, max_stop_ids=0)
+        GreedyTail(lambda h: h, lambda b, a, p: a, max_stop_ids=0)

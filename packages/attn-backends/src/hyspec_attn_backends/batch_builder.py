@@ -230,54 +230,26 @@ class BatchBuilder:
         retree_in_place(batch, block_tokens, tree_parents)
 
     def advance_one_token(self, batch: ForwardBatch) -> None:
-        """Move a one-token-per-row batch one position on, in place: the next token of each live row
-        (`advance.py`).
-
-        For a chain of forwards that each add one token per request at the next position (a chained
-        drafter's steps): positions, prefix and KV lengths grow by one and each live row's KV slot becomes
-        the slot of its new position, read from the batch's own page table (so the pages must have been
-        ensured for every position the chain reaches before the batch was prepared). Padded rows stay
-        padding. Only device ops on the batch's own buffers, no host reads: it can run inside a CUDA graph,
-        and a replay then advances the very buffers the next replay reads. Input tokens are the caller's.
-
-        DECODE batches, or TARGET_VERIFY with D = 1 on an attention-only backend (a verify forward writes
-        recurrent state to scratch, so a next position would not see it).
-        """
+        """Move a one-token-per-row batch one position on, in place, by device ops on its own buffers (a CUDA
+        graph may run it): `advance.advance_in_place`; what it takes, `advance.check_advance`. The pages of
+        every position the chain reaches must be ensured before the batch was prepared."""
         check_advance(batch, self.kinds)
         self.num_builds += 1
         advance_in_place(batch, page_size=self.pool.plan.page_size)
 
     def start_chain(self, batch: ForwardBatch, at: Tensor) -> ForwardBatch:
-        """The one-token-per-row batch right after block token `at[i]` of each row of a chain verify batch,
-        in place in the same buffers (`advance.chain_after_block`): a chained drafter's first block and its
-        one-token steps then run in one graph with no batch prepared between them. Device ops only (it can
-        run inside a CUDA graph); the KV pages for the new positions must have been ensured beforehand.
-
-        Args:
-            batch: a chain TARGET_VERIFY batch of an attention-only backend; stale afterwards.
-            at: [N] int block index per row (padded rows included), in [0, D), on the device.
-        Returns:
-            The D = 1 batch at position `prefix + at + 1` per live row (padded rows stay padding); its input
-            tokens are the caller's to write.
-        """
+        """The one-token batch right after block token `at[i]` ([N] int, on the device) of each row of a chain
+        verify batch, in place in the same buffers (`advance.chain_after_block`: device ops only), so a
+        chained drafter's first block and its steps run in one graph; `batch` is stale afterwards."""
         check_chain_start(batch, at, self.kinds)
         self.num_builds += 1
         return chain_after_block(batch, at, page_size=self.pool.plan.page_size)
 
     def start_tree(self, batch: ForwardBatch, at: Tensor, size: int) -> ForwardBatch:
-        """The tree batch of `size` nodes per row rooted at block token `at[i]` of each row of a chain verify
-        batch, in place in the same buffers (`advance.tree_after_block`): a tree drafter's first block and
-        its later steps then run in one graph with no batch prepared between them. Device ops only (it can
-        run inside a CUDA graph); the KV pages for the tree's positions must have been ensured beforehand.
-
-        Args:
-            batch: a chain TARGET_VERIFY batch of an attention-only backend; stale afterwards.
-            at: [N] int block index per row (padded rows included), in [0, D), on the device.
-            size: the tree's nodes per row, at most the block's D.
-        Returns:
-            The tree batch (a star: every node a child of the root, `retree` gives it others) at prefix
-            `prefix + at` per live row; its input tokens are the caller's to write.
-        """
+        """The star tree batch of `size` nodes per row rooted at block token `at[i]` ([N] int, on the device)
+        of each row of a chain verify batch, in place in the same buffers (`advance.tree_after_block`:
+        device ops only), so a tree drafter's first block and its later steps run in one graph; `batch` is
+        stale afterwards."""
         check_tree_start(batch, at, size, self.kinds)
         self.num_builds += 1
         b = self.buffers

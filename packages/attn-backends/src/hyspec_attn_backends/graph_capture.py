@@ -1,7 +1,7 @@
 """Capturing the graphs of one `CudaGraphRunner` (`graphs.py`, which picks the shapes and replays them): the
 all-padding batch each shape is captured on, the eager warm-up runs before each capture, the memory pool and
-warm-up stream every graph of the runner shares, the commit graph captured after every verify graph (chain or
-tree) and the tail graph after a chain's.
+warm-up stream every graph of the runner shares, the commit graph and the tail graph captured after every
+verify graph (chain or tree).
 
 A graph is captured on an all-padding batch (no live rows), which writes no state and no KV, so capturing
 at start-up never disturbs a request. Warm-up runs go first because Triton compiles and autotunes on a
@@ -29,7 +29,7 @@ _R = TypeVar("_R")
 
 
 class VerifyTail(Protocol):
-    """Work captured after each chain verify forward, in a graph of its own (`CudaGraphRunner.run_tail`):
+    """Work captured after each verify forward, in a graph of its own (`CudaGraphRunner.run_tail`):
     a function of the batch, the forward's outputs and static inputs the caller fills before each replay
     (spec-workers' greedy tail: logits, token choice and commit)."""
 
@@ -54,7 +54,7 @@ class CommitGraph:
 
 @dataclass(slots=True)
 class TailGraph:
-    """A chain verify key's tail (`VerifyTail`), captured over every row of its batch size."""
+    """A verify key's tail (`VerifyTail`), captured over every row of its batch size."""
 
     graph: torch.cuda.CUDAGraph
     inputs: tuple[Tensor, ...]  # static, filled before each replay
@@ -64,7 +64,7 @@ class TailGraph:
 @dataclass(slots=True)
 class Captured:
     """Everything captured for one `GraphKey`: the forward's graph, the buffers it reads, and for a verify
-    key the graphs captured after it (a commit; a chain's tail)."""
+    key the graphs captured after it (a commit; a tail)."""
 
     graph: torch.cuda.CUDAGraph
     outputs: tuple[Tensor, ...]  # the forward's static outputs, every row
@@ -124,8 +124,8 @@ class GraphCapturer:
     def capture(
         self, key: GraphKey, forward: ForwardFn, *, commit: bool, tail: VerifyTail | None
     ) -> Captured:
-        """`forward` captured on the all-padding batch of `key`; for a chain verify key also its commit (if
-        `commit`) and `tail` (if any), each in a graph of its own right after it. Needs CUDA."""
+        """`forward` captured on the all-padding batch of `key`; for a verify key (chain or tree) also its
+        commit (if `commit`) and `tail` (if any), each in a graph of its own right after it. Needs CUDA."""
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         batch = padding_batch(self.backend, key)
@@ -140,7 +140,6 @@ class GraphCapturer:
             commit_graph = tail_graph = None
             if key.mode is ForwardMode.TARGET_VERIFY:
                 commit_graph = self._capture_commit(key, batch) if commit else None
-            if key.mode is ForwardMode.TARGET_VERIFY and not key.tree:
                 tail_graph = None if tail is None else self._capture_tail(key, batch, outputs, tail)
         return Captured(graph, outputs, batch_pointers(batch), commit_graph, tail_graph)
 

@@ -51,7 +51,7 @@ class CudaGraphRunner:
         verify: the (D, tree) TARGET_VERIFY shapes `capture` captures (D within the backend's Dmax).
         commit: with each verify graph (chain or tree) also capture its commit (`backend.commit_every_row`:
             every row of the batch size), which `commit` replays: a target's verify, not a drafter's.
-        tail: with each chain verify graph also capture this tail, which `run_tail` replays.
+        tail: with each verify graph also capture this tail, which `run_tail` replays.
         share_pool_with: capture into that runner's memory pool (and with its warm-up runs) instead of a
             pool of its own: for runners of one backend whose graphs never run at the same time and whose
             outputs are read before another of them replays (e.g. a drafter's proposal per draft length).

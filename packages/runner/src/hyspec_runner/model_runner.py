@@ -247,14 +247,14 @@ class HyspecModelRunner:
             self._forward,
             enabled=self.use_graphs,
             verify=() if spec_config is None else spec_config.verify_shapes(),
-            commit=True,  # a chain verify's commit replays a graph too (`CudaGraphRunner.commit`)
+            commit=True,  # a verify's commit replays a graph too (`CudaGraphRunner.commit`)
             # and so do an all-greedy round's token choice and commit (spec-workers' greedy tail); inside
             # the graph it commits every row of the batch size through the backend itself
             tail=None
-            if spec_config is None or spec_config.is_tree
+            if spec_config is None
             else GreedyTail(
                 self.model.compute_logits,
-                lambda b, a: self.backend.commit_every_row(batch=b, num_accepted=a),
+                lambda b, a, p: self.backend.commit_every_row(batch=b, num_accepted=a, accept_paths=p),
             ),
         )
         _capture_with_progress(self.graphs, capture_sizes(max_num_seqs))

@@ -1,12 +1,14 @@
-"""The greedy tail of a chain verify: logits, argmax, the accept walk with its stop / budget cut, the commit.
+"""The greedy tail of a verify: logits, argmax, the accept walk with its stop / budget cut, the commit.
 
-When every row of a round is greedy without penalties, logprobs or a grammar, and the block is a chain, the
-round's token choice needs nothing from the host but three numbers per row (real nodes, token budget, stop
-ids). `GreedyTail` is that work as one function of tensors, so a graphed target captures it after each chain
-verify graph (attn-backends' `VerifyTail`: one replay instead of about twenty eager launches of host time)
+When every row of a round is greedy without penalties, logprobs or a grammar, the round's token choice needs
+nothing from the host but three numbers per row (real nodes, token budget, stop ids): a chain's links follow
+from the node count, a tree's from the batch's own parents (`hyspec_kernels.tree_grids`, links past the real
+nodes cut, as `VerifyTree.from_parents` cuts them). `GreedyTail` is that work as one function of tensors, so a
+graphed target captures it after each verify graph (attn-backends' `VerifyTail`: one replay instead of about
+twenty eager launches of host time)
 and the round runs the very same function eagerly otherwise: the tokens are `choose_tokens`' for such rows
 (argmax of the unpenalised logits, walked and cut by `hyspec_kernels.accept_walk`), and the commit is
-`commit_after_verify`'s.
+`commit_after_verify`'s (a tree's with its accepted paths).
 
 Its one input is packed per row, so that a round fills it with one host-to-device copy:
 `[num_nodes, budget, stop id 0, ..., stop id M-1]` int64 (`pack`), -1 padded stop ids; padded rows of a
@@ -20,6 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from hyspec_attn_backends import ForwardBatch
+from hyspec_kernels import tree_grids
 from hyspec_kernels.accept import accept_walk
 from hyspec_statepool.transfer import to_device
 from torch import Tensor
@@ -31,15 +34,16 @@ from hyspec_spec_workers.verify import VerifyResult
 MAX_TAIL_STOP_IDS = 8
 
 LogitsFn = Callable[[Tensor], Tensor]  # hidden [T, H] -> logits [T, V]
-CommitFn = Callable[[ForwardBatch, Tensor], Tensor]  # (batch, num_accepted [rows]) -> committed steps
+# (batch, num_accepted [rows], accepted paths [rows, D] of a tree batch, else None) -> committed steps
+CommitFn = Callable[[ForwardBatch, Tensor, Tensor | None], Tensor]
 
 
 class GreedyTail:
-    """Greedy choice and commit after a chain verify forward (module docstring).
+    """Greedy choice and commit after a verify forward, chain or tree (module docstring).
 
     Args:
         compute_logits: the target's logits of hidden states.
-        commit: (batch, num_accepted) -> steps, the chain commit of the input's rows: the target's
+        commit: (batch, num_accepted, accept_paths) -> steps, the commit of the input's rows: the target's
             `commit_after_verify` of the live rows when run eagerly, the backend's `commit_every_row` inside
             a graph (the backend's own, not a wrapper that replays another graph).
         max_stop_ids: M, the stop ids per row the packed input holds.
@@ -94,18 +98,26 @@ class GreedyTail:
         rows, d = packed.shape[0], batch.verify_len
         logits = self.compute_logits(outputs[0][: rows * d]).view(rows, d, -1)  # [rows, D, V]
         choice = logits.argmax(dim=-1)  # [rows, D] int64
-        col = torch.arange(d, device=packed.device)
-        # a chain: node j's only child is j + 1 when that node is real (`VerifyTree.chain`)
-        first_child = torch.where(col[None, :] + 1 < packed[:, :1], col[None, :] + 1, -1)  # [rows, D]
+        if batch.tree_parents is None:
+            col = torch.arange(d, device=packed.device)
+            # a chain: node j's only child is j + 1 when that node is real (`VerifyTree.chain`)
+            first_child = torch.where(col[None, :] + 1 < packed[:, :1], col[None, :] + 1, -1)  # [rows, D]
+            next_sibling = torch.full_like(first_child, -1)
+        else:
+            # a tree: its real nodes' links, from the batch's parents (padded rows: a chain of one real node)
+            g = tree_grids(
+                parents=batch.tree_parents[:rows], num_nodes=packed[:, 0].contiguous(), check_values=False
+            )
+            first_child, next_sibling = g.first_child, g.next_sibling  # [rows, D] int64 each
         r = accept_walk(
             choice=choice,
             tokens=batch.input_ids[: rows * d].view(rows, d),
             first_child=first_child,
-            next_sibling=torch.full_like(first_child, -1),
+            next_sibling=next_sibling,
             stop_ids=packed[:, 2:],
             budget=packed[:, 1],
         )
-        self.commit(batch, r.num_accepted)
+        self.commit(batch, r.num_accepted, None if batch.tree_parents is None else r.accept_index)
         return (r.num_accepted, r.accept_index, r.output_tokens, r.bonus, r.commit_steps, r.finished)
 
     @staticmethod
@@ -116,7 +128,7 @@ class GreedyTail:
 
 @runtime_checkable
 class GreedyTailTarget(Protocol):
-    """A target that captured the greedy tail (`GreedyTail`) after its chain verify graphs."""
+    """A target that captured the greedy tail (`GreedyTail`) after its verify graphs."""
 
     def replay_greedy_tail(
         self, batch: ForwardBatch, hidden: torch.Tensor, packed: torch.Tensor
@@ -141,13 +153,13 @@ def greedy_tail_result(
     stop_ids: torch.Tensor,
     budgets: torch.Tensor,
 ) -> VerifyResult | None:
-    """The greedy tail (`greedy_tail.py`) of a chain verify whose rows are all plain greedy: replayed by a
+    """The greedy tail (`greedy_tail.py`) of a verify whose rows are all plain greedy: replayed by a
     target that captured it for this batch, else run eagerly on the live rows -> the live rows' result; None
     when a row carries more stop ids than the tail holds (the caller takes the general path)."""
     n = len(nodes)
     gt = GreedyTail(
         target.compute_logits,
-        lambda b, a: target.commit_after_verify(batch=b, num_accepted=a, accept_paths=None),
+        lambda b, a, p: target.commit_after_verify(batch=b, num_accepted=a, accept_paths=p),
     )
     packed = gt.pack(nodes, stop_ids, budgets, rows=batch.num_seqs)  # every row: a graph's input shape
     if packed is None:

@@ -72,7 +72,7 @@ def verify_round(
     )
     stop_ids = _stop_ids(rows)
     budgets = torch.tensor([r.max_new_tokens for r in rows], dtype=torch.int64)
-    if not as_tree and all(plain_greedy(r) for r in rows):
+    if all(plain_greedy(r) for r in rows):
         # token choice and commit as one function of tensors: a graphed target replays it
         tail = greedy_tail_result(target, batch, hidden, nodes, stop_ids, budgets)
         if tail is not None:
@@ -83,6 +83,7 @@ def verify_round(
             after = (
                 feed is not None
                 and propose_next
+                and not as_tree
                 and _propose_after(
                     feed,
                     VerifiedChain(
