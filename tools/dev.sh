@@ -56,8 +56,11 @@ case "$cmd" in
   test)
     setup
     status=0
-    # one worker per core (pytest-xdist; the root conftest keeps each at one torch thread), modules kept whole
-    "$VENV/bin/python" -m pytest packages -q -n auto --dist loadscope "$@" || status=$?
+    # on a CPU machine one worker per core (pytest-xdist; the root conftest keeps each at one torch thread),
+    # modules kept whole; with CUDA one process (GPU tests size their memory for a GPU of their own)
+    local workers=()
+    if [ "${TRITON_INTERPRET:-}" = "1" ]; then workers=(-n auto --dist loadscope); fi
+    "$VENV/bin/python" -m pytest packages -q "${workers[@]}" "$@" || status=$?
     # exit 5 = no tests collected (for example a selection that only matches GPU tests)
     if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
     "$VENV/bin/python" -m mypy -p hyspec_kernels -p hyspec_statepool -p hyspec_attn_backends \

@@ -340,16 +340,20 @@ def test_tree_first_block_proposes_what_a_draft_extend_gives(
     assert len(ext_f) < len(ext_e) and len(ext_e) >= len(eager)
 
 
-@pytest.mark.parametrize(("arch", "method"), [("qwen3_5", "mtp"), ("lfm2", "eagle3")])
+@pytest.mark.parametrize(
+    ("arch", "method", "k", "d"),
+    [("qwen3_5", "mtp", 2, 6), ("lfm2", "eagle3", 2, 6), ("qwen3_5", "mtp", 3, 8)],
+)
 def test_tree_one_forward_proposes_what_the_step_path_proposes(
-    target: Callable[[str], Any], arch: str, method: str
+    target: Callable[[str], Any], arch: str, method: str, k: int, d: int
 ) -> None:
     """Over one draft layer a tree's steps after the first block and its node selection run as one forward
     (`TreeDrafts.draft_tree`: one graph replay on a GPU, its tree rewritten in place between the steps):
     round by round its trees (tokens and parents) equal those of the step-by-step path (an instance-level
-    `draft_logits` hook), on NaN-poisoned feature buffers, and the generations are lossless."""
+    `draft_logits` hook), on NaN-poisoned feature buffers, and the generations are lossless; with topk 3 the
+    later steps' tree (7 nodes) is wider than the first block's S + 2, which then widens to it."""
     t = target(arch)
-    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": S, "topk": 2, "num_draft_tokens": 6}
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": S, "topk": k, "num_draft_tokens": d}
     if method == "eagle3":
         spec["model"] = str(t.eagle3())
 
@@ -377,6 +381,7 @@ def test_tree_one_forward_proposes_what_the_step_path_proposes(
     one, _, drafter = _proposals(t, spec, general=False, poison=True, hook=watch(par_one, calls_one))
     steps, _, _ = _proposals(t, spec, general=True, poison=True, hook=watch(par_steps, calls_steps))
     assert drafter.tree.one_forward
+    assert drafter.tree._block_width(S) == max(S + 2, 1 + (S - 1) * k)
     assert len(one) == len(steps) == len(par_one) == len(par_steps) > 0
     for a, b in zip(one + par_one, steps + par_steps, strict=True):
         assert torch.equal(a, b)
@@ -384,3 +389,30 @@ def test_tree_one_forward_proposes_what_the_step_path_proposes(
     # drafting nothing (ended budgets) beside rows that drafted
     drafted = [b for b in one if b.shape[1] > 1]
     assert len(calls_one) == len(drafted) > 0 and not calls_steps
+
+
+@pytest.mark.parametrize(("arch", "method"), [("qwen3_5", "mtp"), ("lfm2", "eagle3")])
+def test_tree_one_forward_on_padded_batches_with_stale_nan_features(
+    target: Callable[[str], Any], arch: str, method: str
+) -> None:
+    """A graph's padded rows draft from stale inputs and may leave NaN in the node features of their batch
+    rows: with every proposal padded to the pool's rows (as a graph bucket pads them) and the node features
+    NaN from the start, the trees equal those of unpadded proposals on clean buffers (each proposal zeroes
+    the nodes it has not drafted yet: a masked node's 0 * NaN would reach the live rows)."""
+    t = target(arch)
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": S, "topk": 2, "num_draft_tokens": 6}
+    if method == "eagle3":
+        spec["model"] = str(t.eagle3())
+
+    def pad_and_poison(d: Any) -> None:
+        rows = d.tree.tok_in.shape[0]
+        for runner in (d.tree.graphs, *d.tree.runners.values()):
+            runner.padded_size = lambda mode, n, **kw: rows if n <= rows else None
+        d.tree.node_features.fill_(float("nan"))
+
+    padded, _, drafter = _proposals(t, spec, general=False, poison=True, hook=pad_and_poison)
+    clean, _, _ = _proposals(t, spec, general=False)
+    assert drafter.tree.one_forward and drafter.tree.tok_in.shape[0] > len(t.prompts) - 1
+    assert len(padded) == len(clean) > 0
+    for a, b in zip(padded, clean, strict=True):
+        assert torch.equal(a, b)

@@ -139,6 +139,9 @@ class TreeDrafts:
         par[:, 1:] = 0
         tok[:, 0] = root
         feats = self.node_features[:n]  # [N, Nmax, F] rows 0..n-1 of the batch
+        # nodes not drafted yet are in every step's block (masked): zeros, not what an earlier proposal (or
+        # a graph's padded row, which drafts from stale inputs) left there, which may be NaN (0 * NaN = NaN)
+        feats[:, 1:].zero_()
         feats[:, 0] = self.pairs.root_features[rows]
         builder = TreeDraftBuilder(root, k)
         ar = torch.arange(n, device=dev)
@@ -299,6 +302,9 @@ class TreeDrafts:
         root = batch.input_ids.view(b, e)[ar, at]  # [B] the roots (read before the tree overwrites them)
         size = 1 + (s_run - 1) * k
         tok, par, feats = self.tok_in[:b, :size], self.par_in[:b, :size], self.node_features[:b]
+        # the nodes not drafted yet (masked in every step's block) start at zero: a padded row drafts from
+        # stale inputs and may leave NaN here, which a later live row would read as 0 * NaN
+        feats[:, 1:size].zero_()
         feats[:, 0] = x.view(b, e, -1)[ar, at]  # each root pair's feature, before the steps reuse `x`
         normed, out = normed.view(b, e, -1)[ar, at][:, None], out.view(b, e, -1)[ar, at][:, None]  # [B, 1, *]
         tree = backend.start_tree(batch, at, size)
