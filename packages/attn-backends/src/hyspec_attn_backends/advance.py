@@ -130,9 +130,10 @@ def tree_after_block(
     written in place into the leading entries of the same buffers, its tree a star (every node a child of
     the root; `retree` gives it others).
 
-    It equals `prepare_verify` of those rows at those prefixes with star parents and the same padding, input
+    On its live rows it equals `prepare_verify` of those rows at those prefixes with star parents, input
     tokens excepted (the caller's, as for `retree`). Padded rows (their block KV slots -1) stay padding:
-    prefix 0, KV slots -1. `parents` [max_num_seqs, Dmax] int32 and `mask` [max_num_seqs, Dmax, Dmax] bool:
+    prefix 0, KV slots -1 (their tree a star too, where `prepare_verify` pads with chains: they write
+    nothing either way). `parents` [max_num_seqs, Dmax] int32 and `mask` [max_num_seqs, Dmax, Dmax] bool:
     the builder's tree buffers. `batch` passed `check_tree_start`; it is stale afterwards.
     """
     assert batch.kv_slots is not None
