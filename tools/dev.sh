@@ -58,7 +58,7 @@ case "$cmd" in
     status=0
     # on a CPU machine one worker per core (pytest-xdist; the root conftest keeps each at one torch thread),
     # modules kept whole; with CUDA one process (GPU tests size their memory for a GPU of their own)
-    local workers=()
+    workers=()
     if [ "${TRITON_INTERPRET:-}" = "1" ]; then workers=(-n auto --dist loadscope); fi
     "$VENV/bin/python" -m pytest packages -q "${workers[@]}" "$@" || status=$?
     # exit 5 = no tests collected (for example a selection that only matches GPU tests)
