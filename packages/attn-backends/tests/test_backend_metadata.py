@@ -511,10 +511,53 @@ def test_a_verify_batch_moved_on_equals_a_fresh_build(seed: int) -> None:
     assert builds[0] == 4
 
 
+def _random_trees(g: torch.Generator, n: int) -> torch.Tensor:
+    """[n, D] random parents (-1 root, each node's parent before it): chains, stars and everything between."""
+    parents = torch.full((n, D), -1, dtype=torch.int64)
+    for j in range(1, D):
+        parents[:, j] = torch.randint(0, j, (n,), generator=g)
+    return parents
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_tree_verify_batch_moved_on_equals_a_fresh_build(seed: int) -> None:
+    """`move_verify` with trees: each round's tree verify batch of the same rows (other trees, a few tokens
+    on) is the last one rewritten (`advance_verify`, then the trees), and every field equals a fresh build's,
+    padded rows' chains included, even with every field a drafter's in-place steps write poisoned in between
+    (its star trees in the padded rows' parents and masks too); a chain after trees is built, and so is a
+    tree after a chain."""
+    moving, fresh = _backend(move_verify=True), _backend()
+    builds = _count_builds(moving)
+    g = torch.Generator().manual_seed(100 + seed)
+    for k, (ids, prefix, pad, tokens) in enumerate(_verify_walk(seed, 12)):
+        if k == 6:
+            for be in (moving, fresh):  # r0 gets more pages: its row is remapped
+                be.pool.ensure_kv_capacity(["r0"], [320])
+        parents = None if k == 9 else _random_trees(g, len(ids))  # one chain round in between
+        got = [
+            be.prepare_verify(
+                req_rows=be.pool.req_rows(ids),
+                block_tokens=tokens,
+                prefix_lens=prefix,
+                tree_parents=parents,
+                pad_to=pad,
+            )
+            for be in (moving, fresh)
+        ]
+        assert _fields(got[0]) == _fields(got[1]), k
+        _assert_views_of_the_buffers(moving, got[0])
+        _poison_steppable_fields(moving)
+        b = moving.builder.buffers
+        b.tree_parents.fill_(0)
+        b.tree_mask.fill_(True)
+    # built: the first round, the chain round (k = 9) and the tree round after it; moved: the other nine
+    assert builds[0] == 3
+
+
 def test_a_verify_batch_is_built_afresh_unless_it_is_the_last_one_moved_on() -> None:
-    """Rows in another order, another block length or padding, a tree: each is built (and equals the fresh
-    build); the same rows at any other prefixes (no further, further than a block, back) are rewritten and
-    equal it too; a position without a page or past the table raises as the build does."""
+    """Rows in another order, another block length or padding, a tree after a chain: each is built (and
+    equals the fresh build); the same rows at any other prefixes (no further, further than a block, back)
+    are rewritten and equal it too; a position without a page or past the table raises as the build does."""
     moving, fresh = _backend(move_verify=True), _backend()
     tok = torch.arange(3 * D).view(3, D)
     builds = _count_builds(moving)
@@ -541,7 +584,7 @@ def test_a_verify_batch_is_built_afresh_unless_it_is_the_last_one_moved_on() -> 
     both(["r1", "r0"], [0, 3])  # back to the start (no initial state): rewritten
     both(["r1", "r0"], [18, 25], pad=4)  # other padding
     tree = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 1]], dtype=torch.int32)
-    both(["r1", "r0"], [20, 27], pad=4, parents=tree)  # a tree: never moved, and the next is built
+    both(["r1", "r0"], [20, 27], pad=4, parents=tree)  # a tree after a chain: built, and the next chain too
     both(["r1", "r0"], [21, 28], pad=4)
     both(["r1", "r0"], [23, 29], pad=4)  # moved on
     for be in (moving, fresh):
@@ -600,6 +643,39 @@ def test_cuda_verify_batches_moved_on_equal_fresh_builds_without_a_sync() -> Non
         assert _fields(got[0]) == _fields(got[1]), k
         _poison_steppable_fields(moving)
     assert builds[0] == 1  # the first round; the other eleven rewritten
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tree_verify_batches_moved_on_equal_fresh_builds_without_a_sync() -> None:
+    """On CUDA, device block tokens and device trees as a tree round passes them: each moved tree batch
+    equals a fresh build (padded rows' chains included), and moving one syncs nothing."""
+    moving, fresh = _backend("cuda", move_verify=True), _backend("cuda")
+    builds = _count_builds(moving)
+    g = torch.Generator().manual_seed(11)
+    for k, (ids, prefix, pad, tokens) in enumerate(_verify_walk(8, 10)):
+        got = []
+        tokens, parents = tokens.cuda(), _random_trees(g, len(ids)).cuda()
+        for be in (moving, fresh):
+            rows = be.pool.req_rows(ids)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                got.append(
+                    be.prepare_verify(
+                        req_rows=rows,
+                        block_tokens=tokens,
+                        prefix_lens=prefix,
+                        tree_parents=parents,
+                        pad_to=pad,
+                    )
+                )
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert _fields(got[0]) == _fields(got[1]), k
+        _poison_steppable_fields(moving)
+        moving.builder.buffers.tree_mask.fill_(True)
+    assert builds[0] == 1  # the first round; the other nine rewritten
 
 
 def test_tree_ancestor_mask_is_the_ancestor_relation() -> None:

@@ -102,9 +102,9 @@ class HybridBackend:
             max_num_seqs · max(Dmax, 256)).
         mixed_steps: `prepare_mixed` is used (an engine step's prompt chunks beside its verify blocks): a
             second set of batch buffers is allocated for the chunks (needs verify scratch).
-        move_verify: a chain verify batch of the same rows as the last one, at other positions, is that batch
-            rewritten in place (`BatchBuilder`'s `move_verify`: a speculative target's and a chained drafter's
-            block batches).
+        move_verify: a verify batch (chain or tree) of the same rows as the last one, at other positions, is
+            that batch rewritten in place (`BatchBuilder`'s `move_verify`: a speculative target's and a
+            chained drafter's block batches).
         defer_commit: GDN commits are deferred (`hyspec_kernels.gdn.pending`): a commit makes the accepted
             tokens the slots' pending ones, and every forward applies a slot's pending tokens first (decode
             and verify in their kernel, a prefill by a replay before it) and clears them; readers outside a

@@ -180,8 +180,10 @@ class BatchBuilder:
             )
         if tree_parents is not None:
             check_tree_parents(tree_parents, num_seqs=n, verify_len=d, check_values=self._kernel_checks)
-        elif self._rewrite is not None:
-            moved = self._rewrite.rewrite(req_rows, block_tokens, prefix_lens, pad_to, self._layout_builds)
+        if self._rewrite is not None:
+            moved = self._rewrite.rewrite(
+                req_rows, block_tokens, prefix_lens, tree_parents, pad_to, self._layout_builds
+            )
             if moved is not None:
                 self.num_builds += 1
                 return moved

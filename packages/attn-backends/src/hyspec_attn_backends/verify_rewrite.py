@@ -1,12 +1,13 @@
-"""`VerifyRewrite`: a round's chain verify batch made from the last one instead of built again.
+"""`VerifyRewrite`: a round's verify batch made from the last one instead of built again.
 
 A speculative target verifies the same rows round after round, and so does a chained drafter's first block;
-only the prefixes (and the tokens) change. When the last chain verify batch a builder wrote is of the same
-rows (same order, block length, padding and state slots) and nothing has rewritten its page table, state
-slots or batch rows since, `hyspec_kernels.advance_verify` rewrites it at the new prefixes in one launch,
-from the prefixes and the page table alone (rows whose pages changed get their page-table rows uploaded
-again): every field equals a fresh build's, whatever a drafter's graph steps (`advance_one_token`,
-`start_chain`) left in the buffers in between.
+only the prefixes (and the tokens, and a tree's shape) change. When the last verify batch a builder wrote is
+of the same rows (same order, block length, padding, state slots, chain or tree) and nothing has rewritten
+its page table, state slots or batch rows since, `hyspec_kernels.advance_verify` rewrites it at the new
+prefixes in one launch, from the prefixes and the page table alone (rows whose pages changed get their
+page-table rows uploaded again), and a tree's parents, masks and node positions follow by `retree_in_place`
+(one `tree_grids` launch): every field equals a fresh build's, whatever a drafter's graph steps
+(`advance_one_token`, `start_chain`, `start_tree`) left in the buffers in between.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.transfer import to_device, upload
 from torch import Tensor
 
+from hyspec_attn_backends.advance import retree_in_place
 from hyspec_attn_backends.batch import ForwardBatch
 
 
 @dataclass(slots=True)
 class _LastVerify:
-    """The last chain verify batch built and what it was built from."""
+    """The last verify batch built and what it was built from."""
 
     batch: ForwardBatch
     rows: tuple[int, ...]  # its request rows
@@ -37,15 +39,17 @@ class _LastVerify:
 
 
 class VerifyRewrite:
-    """The last chain verify batch of a `BatchBuilder` (`move_verify`) and its rewrite at new prefixes.
+    """The last verify batch of a `BatchBuilder` (`move_verify`) and its rewrite at new prefixes.
 
-    The builder tells it every verify batch it builds (`remember`) and asks it first for every chain verify
-    batch (`rewrite`), passing its count of the builds that write the page table, state slots or batch rows.
+    The builder tells it every verify batch it builds (`remember`) and asks it first for every verify batch
+    (`rewrite`), passing its count of the builds that write the page table, state slots or batch rows.
     """
 
     def __init__(self, pool: HybridStatePool) -> None:
         self.pool = pool
         self._last: _LastVerify | None = None
+        # D -> a chain's parents [D] int32 and ancestor mask [D, D] bool: a tree batch's padded rows
+        self._chains: dict[int, tuple[Tensor, Tensor]] = {}
 
     def remember(
         self,
@@ -56,10 +60,10 @@ class VerifyRewrite:
         pad_to: int | None,
         layout_builds: int,
     ) -> None:
-        """A verify batch was just built: a chain of host rows and host prefixes can be rewritten later."""
+        """A verify batch was just built: one of host rows and host prefixes can be rewritten later."""
         rows = req_rows.host_values
         self._last = None
-        if tree_parents is None and rows is not None and not isinstance(prefix_lens, Tensor):
+        if rows is not None and not isinstance(prefix_lens, Tensor):
             table = self.pool.table
             self._last = _LastVerify(
                 batch,
@@ -75,15 +79,18 @@ class VerifyRewrite:
         req_rows: ReqRows,
         block_tokens: Tensor,
         prefix_lens: Sequence[int] | Tensor,
+        tree_parents: Tensor | None,
         pad_to: int | None,
         layout_builds: int,
     ) -> ForwardBatch | None:
-        """The last chain verify batch rewritten at these prefixes (one launch and one small copy instead of a
-        build) when it is that batch at other positions: no other layout write since (`layout_builds`
-        unchanged: graph steps of the batch in place do not count, the rewrite covers what they write), the
-        same rows in the same order at the same block length and padding, each on its same state slot, every
-        new position on a page. Rows whose pages changed since (a page mapped at a page boundary) get their
-        page-table rows uploaded again. Else None (the caller builds it, and its checks say what is wrong)."""
+        """The last verify batch rewritten at these prefixes (one launch and one small copy instead of a
+        build; a tree: its trees written by one more launch and a few copies) when it is that batch at other
+        positions: no other layout write since (`layout_builds` unchanged: graph steps of the batch in place
+        do not count, the rewrite covers what they write), the same rows in the same order at the same block
+        length and padding, each on its same state slot, a tree again if it was one (`tree_parents` checked by
+        the caller), every new position on a page. Rows whose pages changed since (a page mapped at a page
+        boundary) get their page-table rows uploaded again. Else None (the caller builds it, and its checks
+        say what is wrong)."""
         last = self._last
         rows = req_rows.host_values
         if (
@@ -96,6 +103,7 @@ class VerifyRewrite:
             or tuple(rows) != last.rows
             or pad_to != last.pad_to
             or block_tokens.shape[1] != last.batch.verify_len
+            or (tree_parents is None) != (last.batch.tree_parents is None)
         ):
             return None
         d, table = last.batch.verify_len, self.pool.table
@@ -119,6 +127,7 @@ class VerifyRewrite:
         if remapped:
             upload(self.pool.host_page_table(req_rows, pad_to=b.num_seqs), b.page_table)
             last.versions = [table.row_versions[r] for r in rows]
+        tokens = to_device(block_tokens, dtype=torch.int64, device=dev)  # [N, D]
         advance_verify(
             positions=b.positions,
             kv_slots=b.kv_slots.tensor,
@@ -130,7 +139,29 @@ class VerifyRewrite:
             page_table=b.page_table,
             prefix=to_device(prefix + [0] * b.num_padded, dtype=torch.int32, device=dev),
             input_ids=b.input_ids,
-            tokens=to_device(block_tokens, dtype=torch.int64, device=dev),
+            tokens=tokens,
             page_size=size,
         )
+        if tree_parents is not None:
+            self._write_trees(b, tokens, tree_parents.to(dev, non_blocking=True))
         return replace(b, req_rows=req_rows)
+
+    def _write_trees(self, b: ForwardBatch, tokens: Tensor, parents: Tensor) -> None:
+        """The live rows' trees (positions prefix + depth: `advance_verify` wrote prefix + block index) and a
+        chain per padded row, as the build writes them (a drafter's `start_tree` in these buffers may have
+        left a star there)."""
+        assert b.tree_parents is not None and b.tree_mask is not None
+        retree_in_place(b, tokens, parents)
+        if b.num_padded:
+            d = b.verify_len
+            chain = self._chains.get(d)
+            if chain is None:
+                dev = b.tree_parents.device
+                chain = (
+                    torch.arange(d, dtype=torch.int32, device=dev) - 1,  # [D] parent j - 1
+                    torch.ones(d, d, dtype=torch.bool, device=dev).tril(),  # [D, D] i sees j <= i
+                )
+                self._chains[d] = chain
+            n = b.num_seqs - b.num_padded
+            b.tree_parents[n:].copy_(chain[0].expand(b.num_padded, d))
+            b.tree_mask[n:].copy_(chain[1].expand(b.num_padded, d, d))
