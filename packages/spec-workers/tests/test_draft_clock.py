@@ -157,7 +157,7 @@ def test_a_round_counts_a_carried_interval_at_its_steps_or_drops_it_when_it_draf
     monkeypatch.setattr(
         spec,
         "_verify",
-        lambda target, rows, draft, on_host, propose_next, clock: (
+        lambda target, rows, draft, on_host, propose_next, clock, steps: (
             [VerifiedTokens((SampledToken(1, None, None),) * 4, 3, 3)] * len(rows),
             4,
         ),

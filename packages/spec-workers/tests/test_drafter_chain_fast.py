@@ -215,7 +215,7 @@ def test_drafts_queued_after_a_verify_serve_only_the_rows_they_were_made_for(
     checked = [0]
 
     def probe(ids: Any, roots: Any, s_run: int) -> Any:
-        p = chain._prepared
+        p = chain.after._prepared
         if p is not None and p.roots is not None and len(p.ids) > 1 and not checked[0]:
             checked[0] = 1
             kv = drafter.kv
@@ -227,28 +227,28 @@ def test_drafts_queued_after_a_verify_serve_only_the_rows_they_were_made_for(
                 ((p.ids, [*p.roots[:-1], p.roots[-1] + 1], p.steps), list(range(last))),  # one other root
             ]
             for args, served in cases:
-                chain._prepared = p
+                chain.after._prepared = p
                 got, have = take(*args)
                 assert have == served and (got is None) == (not served)
                 if served:
-                    assert torch.equal(got, p.drafts[served, : args[2]])
-            chain._prepared = p
+                    assert torch.equal(got, p.outputs[0][served, : args[2]])
+            chain.after._prepared = p
             kv.lengths[p.ids[0]] += 1  # the draft moved on (a commit since)
             assert take(p.ids, p.roots, p.steps)[1] == list(range(1, len(p.ids)))
             kv.lengths[p.ids[0]] -= 1
-            chain._prepared = p
+            chain.after._prepared = p
             sub = [last, 0]  # two rows, reversed
             got, have = take([p.ids[i] for i in sub], [p.roots[i] for i in sub], 1)
-            assert have == [0, 1] and torch.equal(got, p.drafts[sub, :1])
-            assert chain._prepared is None  # one round only
-            chain._prepared = p
+            assert have == [0, 1] and torch.equal(got, p.outputs[0][sub, :1])
+            assert chain.after._prepared is None  # one round only
+            chain.after._prepared = p
             ids, roots = list(p.ids), list(p.roots)
-            chain.forget(["nobody"])  # another request freed: every row still served
-            assert chain._prepared is p and p.ids == ids
-            chain.forget([ids[-1]])  # one of its requests freed (it may come back under its id)
+            chain.after.forget(["nobody"])  # another request freed: every row still served
+            assert chain.after._prepared is p and p.ids == ids
+            chain.after.forget([ids[-1]])  # one of its requests freed (it may come back under its id)
             assert take(ids, roots, p.steps)[1] == list(range(last))  # that row no longer served
             p.ids = ids
-            chain._prepared = p
+            chain.after._prepared = p
         return take(ids, roots, s_run)
 
     chain.take_prepared = probe
@@ -259,28 +259,32 @@ def test_drafts_queued_after_a_verify_serve_only_the_rows_they_were_made_for(
     assert out == t.reference() and checked[0] == 1
 
 
+@pytest.mark.parametrize("topk", [1, 2])
 def test_rows_the_queued_drafts_do_not_serve_are_drafted_afresh_in_the_same_proposal(
-    target: Callable[[str], Any],
+    target: Callable[[str], Any], topk: int
 ) -> None:
-    """A round whose rows are only partly served by the drafts queued after the last verify (rows that joined
-    since, or moved on) drafts the others afresh and merges both in the round's row order: with the first
-    served row of every round refused (so every round mixes both), the proposals equal the general path's
-    and the output stays the plain greedy one."""
+    """A round whose rows are only partly served by the chains or trees queued after the last verify (rows
+    that joined since, or moved on) drafts the others afresh and merges both in the round's row order: with
+    the first served row of every round refused (so every round mixes both), the proposals equal the general
+    path's and the output stays the plain greedy one."""
     t = target("qwen3_5")
     spec: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": S}
+    if topk > 1:
+        spec |= {"topk": topk, "num_draft_tokens": 6}
     mixed = [0]
 
     def refuse_first_served(drafter: Any) -> None:
-        take = drafter.chain.take_prepared
+        after = drafter.chain.after if topk == 1 else drafter.tree.after
+        take = after.take
 
-        def refuse(ids: Any, roots: Any, s_run: int) -> Any:
-            got, have = take(ids, roots, s_run)
+        def refuse(ids: Any, roots: Any, usable: Any) -> Any:
+            got, have = take(ids, roots, usable)
             if len(have) > 1:
                 mixed[0] += 1
-                return got[1:], have[1:]
+                return tuple(o[1:] for o in got), have[1:]
             return got, have
 
-        drafter.chain.take_prepared = refuse
+        after.take = refuse
 
     blocks, _, _ = _proposals(t, spec, general=False, hook=refuse_first_served)
     slow, _, _ = _proposals(t, spec, general=True)
@@ -348,36 +352,44 @@ def test_tree_one_forward_proposes_what_the_step_path_proposes(
     target: Callable[[str], Any], arch: str, method: str, k: int, d: int
 ) -> None:
     """Over one draft layer a tree's steps after the first block and its node selection run as one forward
-    (`TreeDrafts.draft_tree`: one graph replay on a GPU, its tree rewritten in place between the steps):
-    round by round its trees (tokens and parents) equal those of the step-by-step path (an instance-level
-    `draft_logits` hook), on NaN-poisoned feature buffers, and the generations are lossless; with topk 3 the
-    later steps' tree (7 nodes) is wider than the first block's S + 2, which then widens to it."""
+    (`TreeDrafts.draft_tree`: one graph replay on a GPU, its tree rewritten in place between the steps), and
+    after an all-greedy verify the next one is queued right behind it (`draft_after_verify`): round by round
+    its trees (tokens and parents) equal those of the step-by-step path (an instance-level `draft_logits`
+    hook), on NaN-poisoned feature buffers, and the generations are lossless; with topk 3 the later steps'
+    tree (7 nodes) is wider than the first block's S + 2, which then widens to it."""
     t = target(arch)
     spec: dict[str, Any] = {"method": method, "num_speculative_tokens": S, "topk": k, "num_draft_tokens": d}
     if method == "eagle3":
         spec["model"] = str(t.eagle3())
 
-    def watch(parents: list[torch.Tensor], calls: list[int]) -> Callable[[Any], None]:
+    def watch(parents: list[torch.Tensor], calls: dict[str, list[int]]) -> Callable[[Any], None]:
         def hook(d: Any) -> None:
-            inner, one = d.propose, d.tree.draft_tree
+            inner = d.propose
 
             def propose(batch: Any) -> Any:
                 out = inner(batch)
                 parents.append(out.tree.parents.clone())
                 return out
 
-            def counted(*a: Any) -> Any:
-                calls.append(len(a[0]))
-                return one(*a)
+            def counted(name: str) -> None:
+                real = getattr(d.tree, name)
 
-            d.propose, d.tree.draft_tree = propose, counted
+                def call(*a: Any) -> Any:
+                    calls.setdefault(name, []).append(len(a[0]) if name != "draft_after_verify" else 1)
+                    return real(*a)
+
+                setattr(d.tree, name, call)
+
+            d.propose = propose
+            for name in ("proposal", "draft_tree", "draft_after_verify"):
+                counted(name)
 
         return hook
 
     par_one: list[torch.Tensor] = []
     par_steps: list[torch.Tensor] = []
-    calls_one: list[int] = []
-    calls_steps: list[int] = []
+    calls_one: dict[str, list[int]] = {}
+    calls_steps: dict[str, list[int]] = {}
     one, _, drafter = _proposals(t, spec, general=False, poison=True, hook=watch(par_one, calls_one))
     steps, _, _ = _proposals(t, spec, general=True, poison=True, hook=watch(par_steps, calls_steps))
     assert drafter.tree.one_forward
@@ -385,10 +397,13 @@ def test_tree_one_forward_proposes_what_the_step_path_proposes(
     assert len(one) == len(steps) == len(par_one) == len(par_steps) > 0
     for a, b in zip(one + par_one, steps + par_steps, strict=True):
         assert torch.equal(a, b)
-    # every drafting round of the first generation took the one forward, none of the second; some had rows
-    # drafting nothing (ended budgets) beside rows that drafted
+    # every drafting round of the first generation took the one forward (some had rows drafting nothing,
+    # ended budgets, beside rows that drafted), most of them queued after the last verify (the rounds that
+    # drafted the trees afresh, for some rows or all, are fewer); none of the second
     drafted = [b for b in one if b.shape[1] > 1]
-    assert len(calls_one) == len(drafted) > 0 and not calls_steps
+    assert len(calls_one["proposal"]) == len(drafted) > 0 and not calls_steps
+    assert 0 < len(calls_one.get("draft_tree", [])) < len(drafted)
+    assert len(calls_one["draft_after_verify"]) >= len(drafted) // 2
 
 
 @pytest.mark.parametrize(("arch", "method"), [("qwen3_5", "mtp"), ("lfm2", "eagle3")])

@@ -642,7 +642,7 @@ def test_rounds_time_plain_steps_in_a_row_at_start_and_every_timing_interval(
     monkeypatch.setattr(
         spec,
         "_verify",
-        lambda target, rows, draft, on_host, propose_next, clock: (
+        lambda target, rows, draft, on_host, propose_next, clock, steps: (
             [VerifiedTokens((SampledToken(1, None, None),) * 2, 1, 1)] * len(rows),
             2,
         ),

@@ -15,16 +15,10 @@ step j runs just node j, one token per request at position L-1+j. A proposal of 
 
 So the host prepares one batch per proposal and replays one graph, with no host work between the steps.
 
-After an all-greedy chain verify the next proposal needs nothing from the host but lengths it already knows
-(`draft_after_verify`): the pairs the round commits are the verified block's root pair again, then (emitted
-token j, the target's feature at node j) for j = 0..num_accepted, the last of them the next root pair, so the
-first block is the verify's outputs as they are, [root, emitted tokens] with [root feature, node features],
-and the root index num_accepted + 1 comes from the device. The proposal is queued right behind the verify and
-read with it; the next round takes its drafts (`take_prepared`) for the rows whose roots and draft lengths
-are the ones prepared for (the others are drafted then, `OneLayerChain.drafts`). Past each
-row's root pair the block holds the rejected nodes' pairs: the root's causal mask hides them, and the chain
-steps and the next block overwrite those positions before anything reads them, as with the padding of the
-general first block. The drafts equal the general path's bit for bit when
+After an all-greedy chain verify the next proposal is queued right behind it, from the verify's outputs
+(`draft_after_verify`, draft_after.py), and the next round takes its drafts (`take_prepared`) for the rows
+whose roots and draft lengths are the ones prepared for (the others are drafted then, `OneLayerChain.drafts`).
+The drafts equal the general path's bit for bit when
 the drafter's features are the hidden states themselves (MTP); EAGLE-3's fc runs over every node instead of
 the accepted ones, which may round differently on a GPU (drafts only: verification decides the output).
 """
@@ -32,30 +26,16 @@ the accepted ones, which may round differently on a GPU (drafts only: verificati
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, GraphCounts
-from hyspec_statepool.indices import ReqRows
 from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
+from hyspec_spec_workers.draft_after import AfterVerify, merge_rows
 from hyspec_spec_workers.draft_pairs import DraftPairs, first_block, gather_pending
 from hyspec_spec_workers.drafter import HiddenStateDraftModel, VerifiedChain
-
-_FORGOTTEN = object()  # a prepared row's id once its request is gone: equal to no request id
-
-
-@dataclass(slots=True)
-class _Prepared:
-    """A proposal queued right after a verify (`OneLayerChain.draft_after_verify`), for the next round."""
-
-    ids: list[Hashable]
-    written: list[int]  # each row's final draft length once settled (before: at the proposal)
-    drafts: Tensor  # [N, steps] int64, the rows' next drafts (a copy: graph outputs are overwritten)
-    steps: int
-    roots: list[int] | None = None  # the next roots, once the round's outcome is read (`settle`)
 
 
 class OneLayerChain:
@@ -97,10 +77,7 @@ class OneLayerChain:
             )
         rows = pairs.root_features.shape[0]
         self._root_index = torch.zeros(rows, dtype=torch.int64, device=model.device)  # [R] root pair's index
-        self._arange = torch.arange(rows, device=model.device)  # [R] int64: 0..R-1, sliced per round
-        # the last rows put on the device by `draft_after_verify` (most rounds have the same rows)
-        self._rows_on_device: tuple[tuple[int, ...], Tensor] | None = None
-        self._prepared: _Prepared | None = None  # the next round's drafts, from the last verify
+        self.after = AfterVerify(pairs)  # the next round's drafts, queued after the last verify
 
     def capture(self, batch_sizes: Sequence[int]) -> None:
         for runner in self.runners.values():
@@ -155,111 +132,42 @@ class OneLayerChain:
         return drafts
 
     def follows(self, verified: VerifiedChain) -> bool:
-        """Whether `draft_after_verify` may propose after this verify: each row's draft holds exactly its
-        committed pairs before the round's root pair (the round's own proposal wrote them)."""
-        v, kv = verified, self.pairs.kv
-        if not 1 <= v.num_steps <= len(self.runners):
-            return False
-        for r, p in zip(v.req_ids, v.prefix_lens, strict=True):
-            if kv.lengths.get(r, -1) != p - 1 or self.pairs.has_pending(r):
-                return False
-        return True
+        """Whether `draft_after_verify` may propose after this chain verify (`AfterVerify.follows`)."""
+        v = verified
+        return v.accept_index is None and 1 <= v.num_steps <= len(self.runners) and self.after.follows(v)
 
     def draft_after_verify(self, verified: VerifiedChain, features: Tensor) -> None:
-        """Queues every row's next proposal from a greedy chain verify's outputs (module docstring), before
-        the round's outcome is read; `settle` completes it. Only after `follows(verified)`.
+        """Queues every row's next proposal from a greedy chain verify's outputs (draft_after.py), before
+        the round's outcome is read; `after.settle` completes it. Only after `follows(verified)`.
 
         Args:
             verified: the verify's outputs ([N, Dv] blocks and emitted tokens, [N] accepted drafts).
             features: [N * Dv, F] the drafter's features of the target's hidden states at every node.
         """
-        v, kv, e = verified, self.pairs.kv, self.block0
-        ids = list(v.req_ids)
-        n, dv = v.block_tokens.shape
-        written = [kv.lengths[r] for r in ids]
-        s_run, d = v.num_steps, min(dv, e - 1)  # d: verify nodes the block takes (root index <= d)
+        e, s_run = self.block0, verified.num_steps
         # the block at the final length, then up to s - 1 steps after a root at block index <= e - 1
-        kv.pool.ensure_kv_capacity(ids, [w + e - 1 + max(1, s_run) for w in written])
-        # few device ops on purpose (each costs host time): the block's tokens and features by one cat each
-        # ([root, emitted...] and [root feature, node features...]), -1 past a row's path made a valid id
-        pad = e - 1 - d  # columns past the verify's nodes (a block trimmed below S + 1)
-        block = torch.cat([v.block_tokens[:, :1], v.output_tokens[:, :d]], dim=1).clamp_(min=0)  # [N, 1+d]
-        req_rows = kv.rows(ids)
-        rows = self._device_rows(req_rows)  # [N] int64
-        node_feats = features.view(n, dv, -1)  # [N, Dv, F]
-        x = self.features_in[: n * e].view(n, e, -1)  # [N, E, F] the graph's static input
-        # f[L - 1] read before it moves on below; zeros where no node is (finite: their K/V is overwritten
-        # before anything reads it)
-        parts = [self.pairs.root_features[rows][:, None], node_feats[:, :d]]
-        if pad:
-            block = torch.nn.functional.pad(block, (0, pad))
-            parts.append(x.new_zeros(n, pad, x.shape[2]))
-        torch.cat(parts, dim=1, out=x)
-        acc = v.num_accepted  # [N] on the device
-        # the next root feature f[L + num_accepted], and the root pair's block index
-        self.pairs.root_features[rows] = node_feats[self._arange[:n], acc].to(self.pairs.root_features.dtype)
-        torch.add(acc, 1, out=self._root_index[:n])
+        ids, written, req_rows, block = self.after.first_block(
+            verified,
+            features,
+            width=e,
+            extent=e - 1 + max(1, s_run),
+            x=self.features_in,
+            root_index=self._root_index,
+        )
         runner = self.runners[s_run]
         fb = runner.prepare_verify(
             req_rows=req_rows, block_tokens=block, prefix_lens=written, tree_parents=None
         )
         (drafts,) = runner.run(fb)  # [>= N, s_run] graph output
-        self._prepared = _Prepared(ids, written, drafts[:n].clone(), s_run)
-
-    def _device_rows(self, req_rows: ReqRows) -> Tensor:
-        """[N] int64 the rows on the device: the last call's tensor when they are the same rows (read only,
-        never written in place), else one upload."""
-        host, last = req_rows.host_values, self._rows_on_device
-        if host is not None and last is not None and last[0] == host:
-            return last[1]
-        t = req_rows.tensor.long()
-        if host is not None:
-            self._rows_on_device = (host, t)
-        return t
-
-    def settle(self, num_accepted: Sequence[int], next_roots: Sequence[int]) -> None:
-        """The outcome of the round `draft_after_verify` proposed after: each row's pairs up to its root pair
-        are final, and its drafts wait for a next round rooted at `next_roots`."""
-        p = self._prepared
-        if p is None or p.roots is not None:
-            raise ValueError("settle: no proposal queued after a verify waits for its outcome")
-        if not len(num_accepted) == len(next_roots) == len(p.ids):
-            raise ValueError(
-                f"num_accepted, next_roots: expected {len(p.ids)} each, got {len(num_accepted)} and "
-                f"{len(next_roots)}"
-            )
-        kv = self.pairs.kv
-        p.written = [w + a + 1 for w, a in zip(p.written, num_accepted, strict=True)]
-        for r, w in zip(p.ids, p.written, strict=True):
-            kv.lengths[r] = w
-        p.roots = list(next_roots)
-        kv.release(p.ids)
+        self.after.hold(ids, written, (drafts[: len(ids)].clone(),), s_run)
 
     def take_prepared(
         self, ids: Sequence[Hashable], roots: Sequence[int], s_run: int
     ) -> tuple[Tensor | None, list[int]]:
-        """The drafts prepared after the last verify for those of these rows they serve: `(drafts [K, s_run],
-        the K rows' indices in ids)`, `(None, [])` for none. A row is served when it was prepared for, has not
-        moved on since (a commit, another root) and the round wants no longer chains. The prepared drafts are
-        dropped either way: they serve one round."""
-        p, self._prepared = self._prepared, None
-        if p is None or p.roots is None or s_run > p.steps:
-            return None, []
-        where = {r: i for i, r in enumerate(p.ids)}
-        have: list[int] = []  # rows of this round that are served
-        idx: list[int] = []  # their rows in the prepared drafts
-        for k, (r, t) in enumerate(zip(ids, roots, strict=True)):
-            i = where.get(r)
-            if i is None or p.roots[i] != t or self.pairs.kv.lengths.get(r) != p.written[i]:
-                continue
-            if not self.pairs.has_pending(r):
-                have.append(k)
-                idx.append(i)
-        if not idx:
-            return None, []
-        if idx == list(range(len(p.ids))):
-            return p.drafts[:, :s_run], have
-        return p.drafts[to_device(idx, dtype=torch.int64, device=p.drafts.device), :s_run], have
+        """The drafts prepared after the last verify for those of these rows they serve (`AfterVerify.take`:
+        `(drafts [K, s_run], the K rows' indices in ids)`); a round that wants longer chains takes none."""
+        got, have = self.after.take(ids, roots, lambda steps: s_run <= steps)
+        return (None, []) if got is None else (got[0][:, :s_run], have)
 
     def drafts(self, ids: list[Hashable], root: Tensor, root_dev: Tensor, s_run: int) -> Tensor:
         """The round's drafts [N, s_run]: those prepared right after the last verify for the rows they serve
@@ -270,32 +178,12 @@ class OneLayerChain:
         if len(have) == n:
             assert got is not None
             return got
-        served = set(have)
-        rest = [i for i in range(n) if i not in served]
         with torch.no_grad():
-            if not have:
+            if got is None:
                 return self.draft(ids, root_dev, s_run)
-            fresh = self.draft(
-                [ids[i] for i in rest],
-                root_dev[to_device(rest, dtype=torch.int64, device=root_dev.device)],
-                s_run,
-            )
-        assert got is not None
-        # back into the round's row order: stacked rows are (served..., rest...)
-        order = have + rest
-        perm = [0] * n
-        for stacked, row in enumerate(order):
-            perm[row] = stacked
-        both = torch.cat([got, fresh])  # [N, s_run]
-        return both[to_device(perm, dtype=torch.int64, device=both.device)]
-
-    def forget(self, req_ids: Sequence[Hashable]) -> None:
-        """These requests (freed, or resumed elsewhere) are served no prepared drafts: one added again under
-        the same id must not find them. The other rows keep theirs (a batch's rows finish one by one)."""
-        p = self._prepared
-        if p is not None:
-            gone = set(req_ids)
-            p.ids = [_FORGOTTEN if r in gone else r for r in p.ids]
+            rest = [i for i in range(n) if i not in set(have)]
+            at = to_device(rest, dtype=torch.int64, device=root_dev.device)
+            return merge_rows(have, got, self.draft([ids[i] for i in rest], root_dev[at], s_run), n)
 
     def _propose_forward(self, steps: int, batch: ForwardBatch) -> tuple[Tensor]:
         """A proposal of `steps` drafts per row from the first block `batch` (module docstring) -> the

@@ -17,10 +17,11 @@ not drafted yet are leaves that no drafted node sees (their K/V, past the pairs,
 step), so the steps share one batch whose trees are rewritten in place (`HybridBackend.retree`) instead of a
 build per step. With the model's own logits those steps, their top-k bookkeeping and the selection of the D
 nodes are one forward (`draft_tree` -> `_tree_steps`, one CUDA graph replay): a proposal is two batch builds
-and two replays, and the tree stays on the device. Multi-layer MTP runs each step's own block (1 + j·topk
-nodes: the block size names the step's layer). Every forward reads its features from one static input
-buffer (`features_in`), which is what its CUDA graph reads; each block size is captured per padded batch
-size.
+and two replays, and the tree stays on the device; after an all-greedy verify the next one is queued right
+behind it (`draft_after_verify`, draft_after.py), as a chain's. Multi-layer MTP runs each step's own block
+(1 + j·topk nodes: the block size names the step's layer). Every forward reads its features from one
+static input buffer (`features_in`), which is what its CUDA graph reads; each block size is captured per
+padded batch size.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from functools import partial
 import torch
 from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, GraphCounts
 from hyspec_statepool.indices import ReqRows
+from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
+from hyspec_spec_workers.draft_after import AfterVerify, merge_rows
 from hyspec_spec_workers.draft_pairs import DraftPairs, first_block, gather_pending
-from hyspec_spec_workers.drafter import HiddenStateDraftModel
+from hyspec_spec_workers.drafter import HiddenStateDraftModel, VerifiedChain
 from hyspec_spec_workers.tree import TreeDraftBuilder
 
 # (normed [N, E, H] at the expanded nodes, req_ids=, node_tokens=, node_parents=, nodes=) -> [N, E, V_d] fp32
@@ -95,6 +98,7 @@ class TreeDrafts:
                 verify=[(self._block_width(s_run), False)],
                 share_pool_with=self.runners.get(2),
             )
+        self.after = AfterVerify(pairs)  # the next round's trees, queued after the last verify
         first = [(block0, False)] if block0 else [(1, k > 1)]
         later = [] if one else [(1 + j * k, k > 1) for j in range(1, s)]  # one: a step alone runs eagerly
         self.graphs = CudaGraphRunner(self.kv.backend, self._step_forward, decode=False, verify=first + later)
@@ -283,6 +287,53 @@ class TreeDrafts:
             raise
         finally:
             kv.release(ids)
+
+    def follows(self, verified: VerifiedChain) -> bool:
+        """Whether `draft_after_verify` may propose after this verify: a tree verify's (`accept_index`) of a
+        proposal that is one forward, and `AfterVerify.follows`."""
+        v = verified
+        return v.accept_index is not None and self.takes_one_forward(v.num_steps) and self.after.follows(v)
+
+    def draft_after_verify(self, verified: VerifiedChain, features: Tensor) -> None:
+        """Queues every row's next tree from a greedy tree verify's outputs (draft_after.py), before the
+        round's outcome is read; `after.settle` completes it. Only after `follows(verified)`.
+
+        Args:
+            verified: the verify's outputs ([N, Dv] blocks and emitted tokens, [N] accepted drafts and their
+                accepted paths).
+            features: [N * Dv, F] the drafter's features of the target's hidden states at every node.
+        """
+        s_run = verified.num_steps
+        e, size = self._block_width(s_run), 1 + (s_run - 1) * self.topk
+        # the first block at the final length, then the tree past a root at block index <= e - 1
+        ids, written, req_rows, block = self.after.first_block(
+            verified, features, width=e, extent=e - 1 + size, x=self.features_in, root_index=self._root_index
+        )
+        runner = self.runners[s_run]
+        fb = runner.prepare_verify(
+            req_rows=req_rows, block_tokens=block, prefix_lens=written, tree_parents=None
+        )
+        tokens, parents = runner.run(fb)  # [>= N, D] each (a graph's static outputs: copied)
+        n = len(ids)
+        self.after.hold(ids, written, (tokens[:n].clone(), parents[:n].clone()), s_run)
+
+    def proposal(
+        self, ids: list[Hashable], root: Tensor, root_dev: Tensor, s_run: int
+    ) -> tuple[Tensor, Tensor]:
+        """The round's trees (tokens [N, D], parents [N, D]) of a proposal that is one forward
+        (`takes_one_forward(s_run)`): those queued after the last verify for the rows they serve
+        (`AfterVerify.take`), the others' drafted now (`draft_tree`). root: [N] host roots, root_dev: the
+        same on the device."""
+        n = len(ids)
+        got, have = self.after.take(ids, root.tolist(), lambda steps: steps == s_run)
+        if got is not None and len(have) == n:
+            return got[0], got[1]
+        if got is None:
+            return self.draft_tree(ids, root_dev, s_run)
+        rest = [i for i in range(n) if i not in set(have)]
+        at = to_device(rest, dtype=torch.int64, device=root_dev.device)
+        tokens, parents = self.draft_tree([ids[i] for i in rest], root_dev[at], s_run)
+        return merge_rows(have, got[0], tokens, n), merge_rows(have, got[1], parents, n)
 
     def _propose_forward(self, s_run: int, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
         """A proposal of `s_run` steps from the first block `batch` (rows of [pending pairs, root pair,

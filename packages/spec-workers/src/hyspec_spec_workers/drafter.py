@@ -245,8 +245,9 @@ class ModelDrafter(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class VerifiedChain:
-    """A greedy chain verify's outputs on the device, before the round's outcome is read: what a drafter
-    that proposes each row's next chain right away (`ChainsAfterVerify`) drafts from."""
+    """A greedy verify's outputs on the device, before the round's outcome is read: what a drafter that
+    proposes each row's next block right away (`ChainsAfterVerify`) drafts from. The accepted path is a chain
+    whether the verified block was one or a tree (`accept_index` then says which nodes it took)."""
 
     req_ids: Sequence[Hashable]
     prefix_lens: Sequence[int]  # each row's root position L: its tokens in the target before the round
@@ -255,13 +256,15 @@ class VerifiedChain:
     num_accepted: Tensor  # [N] int64 accepted drafts per row, bonus excluded
     hidden_states: Tensor  # [N * Dv, H] the target's at every block node
     aux_hidden_states: tuple[Tensor, ...]  # each [N * Dv, H]: the drafter's `capture_layers`
-    num_steps: int  # drafts per row of the proposal (>= 1)
+    num_steps: int  # draft steps per row of the proposal (>= 1; a tree's depth)
+    # [N, Dv] int64 a tree's accepted path, block indices root first, -1 after; None: a chain (node j)
+    accept_index: Tensor | None = None
 
 
 @runtime_checkable
 class ChainsAfterVerify(Protocol):
-    """A model drafter that proposes the rows' next chains right after a greedy chain verify, from the
-    verify's own outputs on the device, so the proposal is queued behind the verify and read with it: the
+    """A model drafter that proposes the rows' next blocks right after a greedy verify, from the verify's
+    own outputs on the device, so the proposal is queued behind the verify and read with it: the
     accepted path then needs no commit of its own (no `commit` of the round's tokens) and the next round
     takes the drafts as they are for the rows whose roots and lengths are the ones prepared for."""
 

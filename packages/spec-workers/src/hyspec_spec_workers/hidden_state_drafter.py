@@ -20,7 +20,8 @@ pair), `HybridBackend.start_chain` turning its batch into the one-token batch af
 one-token steps (the logits' argmax written as the next step's input token, the output hidden state
 written to `features_in` for chained drafters, `HybridBackend.advance_one_token` moving the batch on): one
 batch build and one replay, no host work between the steps. `draft_logits` overrides (a testing hook)
-take the general path.
+take the general path. Over one reused layer, after an all-greedy verify, the next chain or tree is queued
+right behind it from the verify's outputs (`propose_after_verify`, draft_after.py).
 
 `commit` turns newly committed tokens into pairs with the target's features at them (written by the next
 proposal's first block over one layer, else by a draft extend now), so the draft KV never keeps anything
@@ -39,6 +40,7 @@ from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
 from hyspec_spec_workers.config import Method
+from hyspec_spec_workers.draft_after import AfterVerify
 from hyspec_spec_workers.draft_chain import OneLayerChain
 from hyspec_spec_workers.draft_kv import DraftMemory
 from hyspec_spec_workers.draft_pairs import DraftPairs
@@ -145,6 +147,7 @@ class HiddenStateDrafter:
             if one_layer_chain
             else None
         )
+        self._queued: AfterVerify | None = None  # the proposal queued after the last verify, until settled
 
     # ---------------------------------------------------------------- ModelDrafter
 
@@ -194,8 +197,7 @@ class HiddenStateDrafter:
     def start_at(
         self, req_id: Hashable, position: int, token_ids: Sequence[int] = (), *, salt: str | None = None
     ) -> None:
-        if self.chain is not None:
-            self.chain.forget([req_id])
+        self._forget([req_id])
         self.pairs.start_at(req_id, position, token_ids, salt=salt)
 
     def save_prefixes(self, saves: Sequence[PrefixSave]) -> None:
@@ -205,9 +207,14 @@ class HiddenStateDrafter:
         self.kv.reset_cache()
 
     def free_requests(self, req_ids: Sequence[Hashable]) -> None:
-        if self.chain is not None:
-            self.chain.forget(req_ids)
+        self._forget(req_ids)
         self.pairs.free(req_ids)
+
+    def _forget(self, req_ids: Sequence[Hashable]) -> None:
+        """These requests are served nothing queued after a verify (`AfterVerify.forget`)."""
+        self.tree.after.forget(req_ids)
+        if self.chain is not None:
+            self.chain.after.forget(req_ids)
 
     def commit(self, committed: CommittedTokens) -> None:
         """Draft extend over newly committed tokens: their pairs enter the draft KV (`DraftPairs.commit`).
@@ -218,23 +225,30 @@ class HiddenStateDrafter:
         self.pairs.commit(committed, keep=self.block0 - 1 if self.block0 else None)
 
     def propose_after_verify(self, verified: VerifiedChain) -> bool:
-        """`ChainsAfterVerify`: a one-layer chain drafts each row's next chain from the verify's outputs
-        (`OneLayerChain.draft_after_verify`); other drafters return False."""
-        if not self._fast_chain:
-            return False
-        assert self.chain is not None
+        """`ChainsAfterVerify`: over one reused layer with the model's own logits, each row's next chain or
+        tree is drafted from the verify's outputs (`OneLayerChain` / `TreeDrafts.draft_after_verify`); other
+        drafters return False."""
         v = verified
-        if not self.chain.follows(v):
+        if not self._own_logits:
+            return False
+        queue: OneLayerChain | TreeDrafts
+        if self.chain is not None and self.chain.follows(v):
+            queue = self.chain
+        elif self.tree.follows(v):
+            queue = self.tree
+        else:
             return False
         with torch.no_grad():
             feats = self.model.features(v.hidden_states, v.aux_hidden_states)  # [N * Dv, F]
-            self.chain.draft_after_verify(v, feats)
+            queue.draft_after_verify(v, feats)
+        self._queued = queue.after
         return True
 
     def settle_after_verify(self, num_accepted: Sequence[int], next_roots: Sequence[int]) -> None:
-        if self.chain is None:
-            raise ValueError("settle_after_verify: this drafter queues no proposal after a verify")
-        self.chain.settle(num_accepted, next_roots)
+        queued, self._queued = self._queued, None
+        if queued is None:
+            raise ValueError("settle_after_verify: no proposal queued after a verify waits for its outcome")
+        queued.settle(num_accepted, next_roots)
 
     def propose(self, batch: DraftBatch) -> DraftOutput:
         ids = list(batch.req_ids)
@@ -269,7 +283,7 @@ class HiddenStateDrafter:
         with torch.no_grad():
             root_dev = to_device(root, dtype=torch.int64, device=self.model.device)
             if self._own_logits and self.tree.takes_one_forward(s_run):
-                tokens, parents = self.tree.draft_tree(ids, root_dev, s_run)  # [N, D] each, on the device
+                tokens, parents = self.tree.proposal(ids, root, root_dev, s_run)  # [N, D] each, on the device
                 return DraftOutput(VerifyTree.from_parents(tokens, parents, num))
             builder = self.tree.draft(ids, root_dev, s_run, self.draft_logits)
         if self.topk == 1:

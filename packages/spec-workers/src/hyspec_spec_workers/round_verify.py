@@ -34,6 +34,7 @@ def verify_round(
     feed: DraftFeed | None,
     propose_next: bool = True,
     clock: DraftClock | None = None,
+    draft_steps: int | None = None,
 ) -> tuple[list[VerifiedTokens], int]:
     """Verify `draft` for `rows` on `target`.
 
@@ -43,9 +44,11 @@ def verify_round(
             graphed target, so it meets the tree graphs).
         masks: the round's structured-output mask buffer.
         feed: the model drafter's feed, or None.
-        propose_next: the rows will likely draft next round: a one-layer chain drafter may propose it right
-            after the verify (`DraftFeed.chain_after_verify`); False when those drafts would likely go unused.
+        propose_next: the rows will likely draft next round: a one-layer drafter may propose it right after
+            the verify (`DraftFeed.chain_after_verify`); False when those drafts would likely go unused.
         clock: the round's drafting clock: such a proposal is timed as drafting.
+        draft_steps: the proposal's draft steps (a tree's depth; default: a chain's nodes - 1), which the
+            proposal queued after the verify runs again.
     Returns:
         The results and the block size the forward ran at (the drafter's, or a captured one >= it).
     """
@@ -79,11 +82,10 @@ def verify_round(
             # the outcome goes to the host first: the read below then waits for the verify and the tail, not
             # for the next proposal queued behind them, which the device runs while the host goes on
             pending = HostRound.start(tail, with_paths=False)
-            # a chain drafter proposes the next round now, from the verify's outputs, queued behind it
+            # a one-layer drafter proposes the next round now, from the verify's outputs, queued behind it
             after = (
                 feed is not None
                 and propose_next
-                and not as_tree
                 and _propose_after(
                     feed,
                     VerifiedChain(
@@ -94,7 +96,8 @@ def verify_round(
                         num_accepted=tail.num_accepted,
                         hidden_states=hidden,
                         aux_hidden_states=aux,
-                        num_steps=max(nodes) - 1,
+                        num_steps=max(nodes) - 1 if draft_steps is None else draft_steps,
+                        accept_index=tail.accept_index if as_tree else None,
                     ),
                     clock,
                 )
