@@ -274,7 +274,7 @@ def test_rows_the_queued_drafts_do_not_serve_are_drafted_afresh_in_the_same_prop
     mixed = [0]
 
     def refuse_first_served(drafter: Any) -> None:
-        after = drafter.chain.after if topk == 1 else drafter.tree.after
+        after = drafter.chain.after if topk == 1 else drafter.one_tree.after
         take = after.take
 
         def refuse(ids: Any, roots: Any, usable: Any) -> Any:
@@ -310,6 +310,7 @@ def test_tree_first_block_proposes_what_a_draft_extend_gives(
         def hook(d: Any) -> None:
             if not fold:
                 d.block0 = d.tree.block0 = 0  # commit writes every pair (keep=None); step 0: the root alone
+                d.one_tree = None  # (the one forward starts from a first block: the general path then)
             inner, write = d.propose, d.pairs._extend
 
             def propose(batch: Any) -> Any:
@@ -352,7 +353,7 @@ def test_tree_one_forward_proposes_what_the_step_path_proposes(
     target: Callable[[str], Any], arch: str, method: str, k: int, d: int
 ) -> None:
     """Over one draft layer a tree's steps after the first block and its node selection run as one forward
-    (`TreeDrafts.draft_tree`: one graph replay on a GPU, its tree rewritten in place between the steps), and
+    (`OneLayerTree.draft_tree`: one graph replay on a GPU, its tree rewritten in place between the steps), and
     after an all-greedy verify the next one is queued right behind it (`draft_after_verify`): round by round
     its trees (tokens and parents) equal those of the step-by-step path (an instance-level `draft_logits`
     hook), on NaN-poisoned feature buffers, and the generations are lossless; with topk 3 the later steps'
@@ -372,13 +373,13 @@ def test_tree_one_forward_proposes_what_the_step_path_proposes(
                 return out
 
             def counted(name: str) -> None:
-                real = getattr(d.tree, name)
+                real = getattr(d.one_tree, name)
 
                 def call(*a: Any) -> Any:
                     calls.setdefault(name, []).append(len(a[0]) if name != "draft_after_verify" else 1)
                     return real(*a)
 
-                setattr(d.tree, name, call)
+                setattr(d.one_tree, name, call)
 
             d.propose = propose
             for name in ("proposal", "draft_tree", "draft_after_verify"):
@@ -392,8 +393,8 @@ def test_tree_one_forward_proposes_what_the_step_path_proposes(
     calls_steps: dict[str, list[int]] = {}
     one, _, drafter = _proposals(t, spec, general=False, poison=True, hook=watch(par_one, calls_one))
     steps, _, _ = _proposals(t, spec, general=True, poison=True, hook=watch(par_steps, calls_steps))
-    assert drafter.tree.one_forward
-    assert drafter.tree._block_width(S) == max(S + 2, 1 + (S - 1) * k)
+    assert drafter.one_tree is not None
+    assert drafter.one_tree._block_width(S) == max(S + 2, 1 + (S - 1) * k)
     assert len(one) == len(steps) == len(par_one) == len(par_steps) > 0
     for a, b in zip(one + par_one, steps + par_steps, strict=True):
         assert torch.equal(a, b)
@@ -420,14 +421,14 @@ def test_tree_one_forward_on_padded_batches_with_stale_nan_features(
         spec["model"] = str(t.eagle3())
 
     def pad_and_poison(d: Any) -> None:
-        rows = d.tree.tok_in.shape[0]
-        for runner in (d.tree.graphs, *d.tree.runners.values()):
+        rows = d.one_tree.tok_in.shape[0]
+        for runner in (d.tree.graphs, *d.one_tree.runners.values()):
             runner.padded_size = lambda mode, n, **kw: rows if n <= rows else None
         d.tree.node_features.fill_(float("nan"))
 
     padded, _, drafter = _proposals(t, spec, general=False, poison=True, hook=pad_and_poison)
     clean, _, _ = _proposals(t, spec, general=False)
-    assert drafter.tree.one_forward and drafter.tree.tok_in.shape[0] > len(t.prompts) - 1
+    assert drafter.one_tree is not None and drafter.one_tree.tok_in.shape[0] > len(t.prompts) - 1
     assert len(padded) == len(clean) > 0
     for a, b in zip(padded, clean, strict=True):
         assert torch.equal(a, b)

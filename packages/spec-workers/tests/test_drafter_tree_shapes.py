@@ -37,7 +37,7 @@ def test_tree_shapes_lossless(
     drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=t.memory())
     assert drafter.block0 == s + 2 and drafter.chain is None
     ran: list[int] = []  # each proposal's steps, by either path (one forward from two steps on)
-    inner, one = drafter.tree.draft, drafter.tree.draft_tree
+    inner, one = drafter.tree.draft, drafter.one_tree.draft_tree
 
     def draft(ids: Any, root: Any, s_run: int, logits: Any) -> Any:
         ran.append(s_run)
@@ -47,7 +47,7 @@ def test_tree_shapes_lossless(
         ran.append(s_run)
         return one(ids, root, s_run)
 
-    drafter.tree.draft, drafter.tree.draft_tree = draft, draft_tree
+    drafter.tree.draft, drafter.one_tree.draft_tree = draft, draft_tree
     stats = GenerationStats()
     got = t.run(cfg.draft_shape(), drafter=drafter, num_steps=steps, stats=stats)
     assert ran and set(ran) == {steps}

@@ -15,10 +15,9 @@ from layer j's own forward) and starts from the root alone.
 Over one reused layer the later steps all run the proposal's largest block (1 + (s - 1)·topk nodes): the nodes
 not drafted yet are leaves that no drafted node sees (their K/V, past the pairs, is rewritten by the next
 step), so the steps share one batch whose trees are rewritten in place (`HybridBackend.retree`) instead of a
-build per step. With the model's own logits those steps, their top-k bookkeeping and the selection of the D
-nodes are one forward (`draft_tree` -> `_tree_steps`, one CUDA graph replay): a proposal is two batch builds
-and two replays, and the tree stays on the device; after an all-greedy verify the next one is queued right
-behind it (`draft_after_verify`, draft_after.py), as a chain's. Multi-layer MTP runs each step's own block
+build per step. With the model's own logits the whole proposal is one forward instead (draft_tree_one.py,
+`OneLayerTree`, which shares this path's buffers and tree growth, `grow`), and the later steps here, with
+a `draft_logits` hook, run eagerly. Multi-layer MTP runs each step's own block
 (1 + j·topk nodes: the block size names the step's layer). Every forward reads its features from one
 static input buffer (`features_in`), which is what its CUDA graph reads; each block size is captured per
 padded batch size.
@@ -27,17 +26,14 @@ padded batch size.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from functools import partial
 
 import torch
 from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, GraphCounts
 from hyspec_statepool.indices import ReqRows
-from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
-from hyspec_spec_workers.draft_after import AfterVerify, merge_rows
 from hyspec_spec_workers.draft_pairs import DraftPairs, first_block, gather_pending
-from hyspec_spec_workers.drafter import HiddenStateDraftModel, VerifiedChain
+from hyspec_spec_workers.drafter import HiddenStateDraftModel
 from hyspec_spec_workers.tree import TreeDraftBuilder
 
 # (normed [N, E, H] at the expanded nodes, req_ids=, node_tokens=, node_parents=, nodes=) -> [N, E, V_d] fp32
@@ -80,42 +76,20 @@ class TreeDrafts:
         # persistent per proposal: each tree node's input feature, then the packed static forward input
         self.node_features = torch.zeros(rows, max_nodes, f, dtype=dt, device=dev)  # [R, Nmax, F]
         self.features_in = torch.zeros(rows * max_nodes, f, dtype=dt, device=dev)  # [R * Nmax, F]
-        # over one reused layer a tree proposal of s >= 2 steps is one forward (`_propose_forward`: the first
-        # block, `start_tree`, every later step, the selection), a runner per s sharing one memory pool, with
-        # these static working buffers
         self.num_draft_tokens = num_draft_tokens
-        one = bool(block0) and k > 1
-        r1 = rows if one else 0
-        self.tok_in = torch.zeros(r1, max_nodes, dtype=torch.int64, device=dev)  # [R, Nmax] node tokens
-        self.par_in = torch.zeros(r1, max_nodes, dtype=torch.int64, device=dev)  # [R, Nmax] node parents
-        self._root_index = torch.zeros(r1, dtype=torch.int64, device=dev)  # [R] root pair's block index
-        self.runners: dict[int, CudaGraphRunner] = {}
-        for s_run in range(2, s + 1) if one else ():
-            self.runners[s_run] = CudaGraphRunner(
-                self.kv.backend,
-                partial(self._propose_forward, s_run),
-                decode=False,
-                verify=[(self._block_width(s_run), False)],
-                share_pool_with=self.runners.get(2),
-            )
-        self.after = AfterVerify(pairs)  # the next round's trees, queued after the last verify
+        # over one reused layer a tree's later steps are graphed only as one forward (`OneLayerTree`): a step
+        # alone (a `draft_logits` hook's proposal) runs eagerly
+        self.steps_eager = bool(block0) and k > 1
         first = [(block0, False)] if block0 else [(1, k > 1)]
-        later = [] if one else [(1 + j * k, k > 1) for j in range(1, s)]  # one: a step alone runs eagerly
+        later = [] if self.steps_eager else [(1 + j * k, k > 1) for j in range(1, s)]
         self.graphs = CudaGraphRunner(self.kv.backend, self._step_forward, decode=False, verify=first + later)
 
     def capture(self, batch_sizes: Sequence[int]) -> None:
         self.graphs.capture(batch_sizes)
-        for runner in self.runners.values():
-            runner.capture(batch_sizes)
 
     @property
     def counts(self) -> list[GraphCounts]:
-        return [self.graphs.counts, *(r.counts for r in self.runners.values())]
-
-    def _block_width(self, s_run: int) -> int:
-        """A one-forward proposal's first block: `block0`, or wider where the later steps' tree is (its
-        padding past the root: positions the tree's nodes overwrite)."""
-        return max(self.block0, 1 + (s_run - 1) * self.topk)
+        return [self.graphs.counts]
 
     def _step_forward(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
         """Draft step j's forward: the block size says j (one layer for every step where a first block is
@@ -170,10 +144,10 @@ class TreeDrafts:
                         kv.backend.retree(steps_batch, block_tokens=tok[:, :size], tree_parents=par[:, :size])
                         fb = steps_batch
                     else:
-                        # over one layer a tree's steps are captured only as one forward (`runners`): a
-                        # step alone (a `draft_logits` hook's proposal) is built and runs eagerly
+                        # over one layer a tree's steps are captured only as one forward: a step alone
+                        # (a `draft_logits` hook's proposal) is built and runs eagerly
                         prepare = (
-                            self.kv.backend.prepare_verify if self.one_forward else self.graphs.prepare_verify
+                            self.kv.backend.prepare_verify if self.steps_eager else self.graphs.prepare_verify
                         )
                         fb = prepare(
                             req_rows=req_rows,
@@ -186,7 +160,7 @@ class TreeDrafts:
                     # input
                     self.features_in[: n * size].copy_(feats[:, :size].reshape(n * size, -1))
                     # [N * size, H], [N * size, F] graph outputs, then at the expanded nodes [N, E, *]
-                    run = self._step_forward if self.one_forward else self.graphs.run
+                    run = self._step_forward if self.steps_eager else self.graphs.run
                     normed_all, out_all = run(fb)
                     at = (ar[:, None], expanded)
                     normed, out = normed_all.view(n, size, -1)[at], out_all.view(n, size, -1)[at]
@@ -198,7 +172,7 @@ class TreeDrafts:
                     nodes=expanded,
                 )
                 last = j + 1 == s_run
-                expanded = self._grow(builder, logits, last, (tok, par, feats), out, expanded, block)
+                expanded = self.grow(builder, logits, last, (tok, par, feats), out, expanded, block)
                 block += k
         except BaseException:
             if taken:  # not written: pending again, so the request's next commit still lines up
@@ -208,7 +182,7 @@ class TreeDrafts:
             kv.release(ids)
         return builder
 
-    def _grow(
+    def grow(
         self,
         builder: TreeDraftBuilder,
         logits: Tensor,
@@ -239,144 +213,6 @@ class TreeDrafts:
         # itself (torch refuses it for a single row)
         feats[:, new] = out[ar[:, None], e] if self.chain_hidden else feats[:, :1].expand(n, k, -1).clone()
         return new.expand(n, k)
-
-    @property
-    def one_forward(self) -> bool:
-        """Over one reused layer (`block0` > 0) a tree proposal is one forward (`runners`)."""
-        return bool(self.block0) and bool(self.runners)
-
-    def takes_one_forward(self, s_run: int) -> bool:
-        """Whether a proposal of `s_run` steps is one forward (`draft_tree`): over one reused layer, a tree
-        of at least two steps with room for its D nodes."""
-        k = self.topk
-        return (
-            self.one_forward
-            and s_run in self.runners
-            and self.num_draft_tokens <= 1 + k + (s_run - 1) * k * k
-        )
-
-    def draft_tree(self, ids: list[Hashable], root: Tensor, s_run: int) -> tuple[Tensor, Tensor]:
-        """A proposal with the model's own logits (`takes_one_forward(s_run)`) as one forward on the device
-        (one graph replay): the first block, then every later step and the selection of the D nodes.
-        Returns the block's (tokens [N, D], parents [N, D]) int64: what `TreeDraftBuilder.select` gives
-        after `draft`."""
-        n, kv = len(ids), self.kv
-        req_rows = kv.rows(ids)
-        rows = req_rows.tensor.long()
-        written = [kv.lengths[r] for r in ids]
-        taken = self.pairs.take_pending(ids)
-        got = gather_pending(taken)
-        q = [0] * n if got is None else got[2]  # pending pairs per row (<= S + 1)
-        e, size = self._block_width(s_run), 1 + (s_run - 1) * self.topk
-        runner = self.runners[s_run]
-        try:
-            # pages for the first block at the final length and for the tree past each row's pairs
-            kv.pool.ensure_kv_capacity(ids, [w + max(e, p + size) for w, p in zip(written, q, strict=True)])
-            x = self.features_in[: n * e]  # [N * E, F]
-            block, _, q_dev = first_block(e, q, got, root, self.pairs.root_features[rows], x)
-            self._root_index[:n].copy_(q_dev)
-            fb = runner.prepare_verify(
-                req_rows=req_rows, block_tokens=block.view(n, e), prefix_lens=written, tree_parents=None
-            )
-            tokens, parents = runner.run(fb)  # [>= N, D] each (a graph's static outputs: copied)
-            for r, w, p in zip(ids, written, q, strict=True):
-                kv.lengths[r] = w + p  # the pending pairs are final now
-            return tokens[:n].clone(), parents[:n].clone()
-        except BaseException:
-            self.pairs.give_back(ids, taken)  # not written: pending again (the next commit lines up)
-            raise
-        finally:
-            kv.release(ids)
-
-    def follows(self, verified: VerifiedChain) -> bool:
-        """Whether `draft_after_verify` may propose after this verify: a tree verify's (`accept_index`) of a
-        proposal that is one forward, and `AfterVerify.follows`."""
-        v = verified
-        return v.accept_index is not None and self.takes_one_forward(v.num_steps) and self.after.follows(v)
-
-    def draft_after_verify(self, verified: VerifiedChain, features: Tensor) -> None:
-        """Queues every row's next tree from a greedy tree verify's outputs (draft_after.py), before the
-        round's outcome is read; `after.settle` completes it. Only after `follows(verified)`.
-
-        Args:
-            verified: the verify's outputs ([N, Dv] blocks and emitted tokens, [N] accepted drafts and their
-                accepted paths).
-            features: [N * Dv, F] the drafter's features of the target's hidden states at every node.
-        """
-        s_run = verified.num_steps
-        e, size = self._block_width(s_run), 1 + (s_run - 1) * self.topk
-        # the first block at the final length, then the tree past a root at block index <= e - 1
-        ids, written, req_rows, block = self.after.first_block(
-            verified, features, width=e, extent=e - 1 + size, x=self.features_in, root_index=self._root_index
-        )
-        runner = self.runners[s_run]
-        fb = runner.prepare_verify(
-            req_rows=req_rows, block_tokens=block, prefix_lens=written, tree_parents=None
-        )
-        tokens, parents = runner.run(fb)  # [>= N, D] each (a graph's static outputs: copied)
-        n = len(ids)
-        self.after.hold(ids, written, (tokens[:n].clone(), parents[:n].clone()), s_run)
-
-    def proposal(
-        self, ids: list[Hashable], root: Tensor, root_dev: Tensor, s_run: int
-    ) -> tuple[Tensor, Tensor]:
-        """The round's trees (tokens [N, D], parents [N, D]) of a proposal that is one forward
-        (`takes_one_forward(s_run)`): those queued after the last verify for the rows they serve
-        (`AfterVerify.take`), the others' drafted now (`draft_tree`). root: [N] host roots, root_dev: the
-        same on the device."""
-        n = len(ids)
-        got, have = self.after.take(ids, root.tolist(), lambda steps: steps == s_run)
-        if got is not None and len(have) == n:
-            return got[0], got[1]
-        if got is None:
-            return self.draft_tree(ids, root_dev, s_run)
-        rest = [i for i in range(n) if i not in set(have)]
-        at = to_device(rest, dtype=torch.int64, device=root_dev.device)
-        tokens, parents = self.draft_tree([ids[i] for i in rest], root_dev[at], s_run)
-        return merge_rows(have, got[0], tokens, n), merge_rows(have, got[1], parents, n)
-
-    def _propose_forward(self, s_run: int, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
-        """A proposal of `s_run` steps from the first block `batch` (rows of [pending pairs, root pair,
-        padding]; the root pairs' block indices in `_root_index`) -> (tokens [B, D], parents [B, D]).
-
-        The first block's forward gives step 0's children at each root pair; `HybridBackend.start_tree`
-        turns the batch, in place, into a tree block of 1 + (s - 1)·K nodes rooted at the root pair's
-        position, which every later step runs with its tree rewritten in place (`retree`), over every row
-        of the batch; the D best candidates are laid out last. Device ops only: a CUDA graph replays it.
-        Padded rows draft from stale inputs and write no KV (their KV slots stay -1)."""
-        b, e, k = batch.num_seqs, batch.verify_len, self.topk
-        backend = self.kv.backend
-        x = self.features_in[: b * e]
-        normed, out = self.model.run(batch, backend, features=x, step=self.layer_steps[0])
-        ar = torch.arange(b, device=normed.device)
-        at = self._root_index[:b]  # [B]
-        root = batch.input_ids.view(b, e)[ar, at]  # [B] the roots (read before the tree overwrites them)
-        size = 1 + (s_run - 1) * k
-        tok, par, feats = self.tok_in[:b, :size], self.par_in[:b, :size], self.node_features[:b]
-        # the nodes not drafted yet (masked in every step's block) start at zero: a padded row drafts from
-        # stale inputs and may leave NaN here, which a later live row would read as 0 * NaN
-        feats[:, 1:size].zero_()
-        feats[:, 0] = x.view(b, e, -1)[ar, at]  # each root pair's feature, before the steps reuse `x`
-        normed, out = normed.view(b, e, -1)[ar, at][:, None], out.view(b, e, -1)[ar, at][:, None]  # [B, 1, *]
-        tree = backend.start_tree(batch, at, size)
-        tok.zero_()
-        tok[:, 0] = root
-        par.zero_()
-        par[:, 0] = -1
-        builder = TreeDraftBuilder(root, k)
-        expanded = torch.zeros(b, 1, dtype=torch.int64, device=tok.device)  # block indices of the expanded
-        for j in range(s_run):
-            if j:
-                backend.retree(tree, block_tokens=tok, tree_parents=par)
-                xt = self.features_in[: b * size]  # [B * size, F]
-                xt.copy_(feats[:, :size].reshape(b * size, -1))
-                normed_all, out_all = self.model.run(tree, backend, features=xt, step=self.layer_steps[j])
-                where = (ar[:, None], expanded)
-                normed, out = normed_all.view(b, size, -1)[where], out_all.view(b, size, -1)[where]
-            logits = self.model.logits(normed).float()  # [B, E, V_d]
-            last = j + 1 == s_run
-            expanded = self._grow(builder, logits, last, (tok, par, feats), out, expanded, 1 + j * k)
-        return builder.select(self.num_draft_tokens)
 
     def _first_block(
         self,

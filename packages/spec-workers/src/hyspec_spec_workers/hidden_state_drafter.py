@@ -45,6 +45,7 @@ from hyspec_spec_workers.draft_chain import OneLayerChain
 from hyspec_spec_workers.draft_kv import DraftMemory
 from hyspec_spec_workers.draft_pairs import DraftPairs
 from hyspec_spec_workers.draft_tree import TreeDrafts
+from hyspec_spec_workers.draft_tree_one import OneLayerTree
 from hyspec_spec_workers.drafter import (
     CommittedTokens,
     DraftBatch,
@@ -147,6 +148,12 @@ class HiddenStateDrafter:
             if one_layer_chain
             else None
         )
+        # a tree over one draft layer with the model's own logits: the whole proposal is one forward
+        self.one_tree = (
+            OneLayerTree(self.tree, rows=memory.max_num_seqs, num_speculative_tokens=s)
+            if one_layer and k > 1
+            else None
+        )
         self._queued: AfterVerify | None = None  # the proposal queued after the last verify, until settled
 
     # ---------------------------------------------------------------- ModelDrafter
@@ -169,15 +176,22 @@ class HiddenStateDrafter:
     # ---------------------------------------------------------------- GraphedDrafter
 
     def capture_graphs(self, batch_sizes: Sequence[int]) -> None:
-        if self.chain is None:
-            self.tree.capture(batch_sizes)
-        else:
+        # the general path's graphs only where a proposal without a hook takes it: a tree drafts all S steps
+        # or none, so a tree whose S-step proposal is one forward never does
+        if self.chain is not None:
             self.chain.capture(batch_sizes)
+        elif self.one_tree is not None and self.one_tree.takes_one_forward(self.num_speculative_tokens):
+            self.one_tree.capture(batch_sizes)
+        else:
+            self.tree.capture(batch_sizes)
+            if self.one_tree is not None:
+                self.one_tree.capture(batch_sizes)
 
     @property
     def graph_counts(self) -> GraphCounts:
         chain = [] if self.chain is None else self.chain.counts
-        return GraphCounts.total([*self.tree.counts, *chain])
+        one = [] if self.one_tree is None else self.one_tree.counts
+        return GraphCounts.total([*self.tree.counts, *chain, *one])
 
     @property
     def _fast_chain(self) -> bool:
@@ -212,9 +226,9 @@ class HiddenStateDrafter:
 
     def _forget(self, req_ids: Sequence[Hashable]) -> None:
         """These requests are served nothing queued after a verify (`AfterVerify.forget`)."""
-        self.tree.after.forget(req_ids)
-        if self.chain is not None:
-            self.chain.after.forget(req_ids)
+        for fast in (self.chain, self.one_tree):
+            if fast is not None:
+                fast.after.forget(req_ids)
 
     def commit(self, committed: CommittedTokens) -> None:
         """Draft extend over newly committed tokens: their pairs enter the draft KV (`DraftPairs.commit`).
@@ -226,16 +240,16 @@ class HiddenStateDrafter:
 
     def propose_after_verify(self, verified: VerifiedChain) -> bool:
         """`ChainsAfterVerify`: over one reused layer with the model's own logits, each row's next chain or
-        tree is drafted from the verify's outputs (`OneLayerChain` / `TreeDrafts.draft_after_verify`); other
+        tree is drafted from the verify's outputs (`OneLayerChain` / `OneLayerTree.draft_after_verify`); other
         drafters return False."""
         v = verified
         if not self._own_logits:
             return False
-        queue: OneLayerChain | TreeDrafts
+        queue: OneLayerChain | OneLayerTree
         if self.chain is not None and self.chain.follows(v):
             queue = self.chain
-        elif self.tree.follows(v):
-            queue = self.tree
+        elif self.one_tree is not None and self.one_tree.follows(v):
+            queue = self.one_tree
         else:
             return False
         with torch.no_grad():
@@ -282,8 +296,10 @@ class HiddenStateDrafter:
         num = torch.tensor([d if k > 0 else 1 for k in steps], dtype=torch.int64)  # [N]
         with torch.no_grad():
             root_dev = to_device(root, dtype=torch.int64, device=self.model.device)
-            if self._own_logits and self.tree.takes_one_forward(s_run):
-                tokens, parents = self.tree.proposal(ids, root, root_dev, s_run)  # [N, D] each, on the device
+            if self._own_logits and self.one_tree is not None and self.one_tree.takes_one_forward(s_run):
+                tokens, parents = self.one_tree.proposal(
+                    ids, root, root_dev, s_run
+                )  # [N, D] each, on the device
                 return DraftOutput(VerifyTree.from_parents(tokens, parents, num))
             builder = self.tree.draft(ids, root_dev, s_run, self.draft_logits)
         if self.topk == 1:
