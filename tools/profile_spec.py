@@ -146,28 +146,29 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
         drafter = spec.drafter
         tree = getattr(drafter, "tree", None)
         if tree is not None and getattr(drafter, "topk", 1) > 1:
-            # a tree proposal: over one layer its first block, then every later step in one forward
+            # a tree proposal: the general path's steps, or over one layer one forward (`draft_tree_one.py`)
             targets += [
-                ("  tree.draft_tree", tree, "draft_tree"),
                 ("  tree.draft (steps)", tree, "draft"),
                 ("    tree prepare_verify", tree.graphs, "prepare_verify"),
                 ("    tree graphs.run", tree.graphs, "run"),
                 ("  VerifyTree.from_parents", tree_mod.VerifyTree, "from_parents"),
             ]
-        chain = getattr(drafter, "chain", None)
-        if chain is not None:
-            # a one-layer chain's proposal (`draft_chain.py`): one batch build and one graph run per round
+        # the one-forward proposal of a one-layer chain (`draft_chain.py`) or tree (`draft_tree_one.py`): one
+        # batch build and one graph run per round, the next one queued right after a greedy verify
+        one = getattr(drafter, "chain", None) or getattr(drafter, "one_tree", None)
+        if one is not None:
+            name = "chain" if one is getattr(drafter, "chain", None) else "one_tree"
+            fresh = "draft" if name == "chain" else "draft_tree"
             targets += [
-                ("  chain.draft", chain, "draft"),
-                # the next round's proposal queued right after a greedy verify, and its drafts taken
+                (f"  {name}.{fresh}", one, fresh),
                 ("  feed.chain_after_verify", spec.feed, "chain_after_verify"),
-                ("  chain.draft_after_verify", chain, "draft_after_verify"),
-                ("  chain.settle", chain, "settle"),
-                ("  chain.take_prepared", chain, "take_prepared"),
+                (f"  {name}.draft_after_verify", one, "draft_after_verify"),
+                ("  after.settle", one.after, "settle"),
+                ("  after.take", one.after, "take"),
                 ("    ensure_kv_capacity", drafter.kv.pool, "ensure_kv_capacity"),
                 ("  draft commit (feed)", drafter, "commit"),
             ]
-            for s, r in chain.runners.items():
+            for s, r in one.runners.items():
                 targets += [
                     (f"    prepare_verify (s={s})", r, "prepare_verify"),
                     (f"    run (s={s})", r, "run"),
