@@ -122,7 +122,6 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
             ("  draft_lengths", spec, "draft_lengths"),
             ("  feed_forward", spec, "feed_forward"),
             ("propose", spec.drafter, "propose"),
-            ("verify+commit", spec, "_verify"),
         ]
         if spec.feed is not None:
             targets.append(("draft extend (flush)", spec.feed, "flush"))
@@ -131,6 +130,7 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
         import hyspec_spec_workers.tree as tree_mod
 
         targets += [
+            ("verify+commit", round_mod, "verify_round"),
             ("  forward_verify", runner, "forward_verify"),
             ("    graphs.prepare_verify", runner.graphs, "prepare_verify"),
             ("  verify logits", runner, "compute_logits"),

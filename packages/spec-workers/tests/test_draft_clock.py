@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from hyspec_spec_workers import round as round_mod
 from hyspec_spec_workers.choose import HostRound
 from hyspec_spec_workers.costs import DraftClock
 from hyspec_spec_workers.drafter import DraftOutput
@@ -155,9 +156,9 @@ def test_a_round_counts_a_carried_interval_at_its_steps_or_drops_it_when_it_draf
     drafted: list[tuple[int, float]] = []
     monkeypatch.setattr(spec.costs, "record_draft", lambda k, sec, *a: drafted.append((k, sec)))
     monkeypatch.setattr(
-        spec,
-        "_verify",
-        lambda target, rows, draft, on_host, propose_next, clock, steps: (
+        round_mod,
+        "verify_round",
+        lambda target, rows, draft, on_host, **kw: (
             [VerifiedTokens((SampledToken(1, None, None),) * 4, 3, 3)] * len(rows),
             4,
         ),

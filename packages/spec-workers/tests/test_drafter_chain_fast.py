@@ -432,3 +432,62 @@ def test_tree_one_forward_on_padded_batches_with_stale_nan_features(
     assert len(padded) == len(clean) > 0
     for a, b in zip(padded, clean, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("s", "k", "d"), [(4, 4, 6), (3, 2, 6), (5, 3, 8)])
+def test_a_tree_queued_after_a_verify_fits_where_a_fresh_one_does(
+    target: Callable[[str], Any], s: int, k: int, d: int
+) -> None:
+    """At the last prefix a row still drafts at (max_model_len - 3), a tree proposal queued after a verify
+    reserves no more draft KV than a fresh one reaches (its root pair at block index num_accepted + 1, not at
+    the end of a first block widened to a wide tree): both fit the draft pool, for every accept length. (With
+    wide trees the queued one once asked for positions past max_model_len and raised.)"""
+    from hyspec_spec_workers import DraftBatch
+    from hyspec_spec_workers.draft_kv import DraftMemory
+    from hyspec_spec_workers.drafter import CommittedTokens, VerifiedChain
+
+    t = target("qwen3_5")
+    mml, h = 40, t.model.config.hidden_size
+    cfg = SpeculativeConfig.from_dict(
+        {"method": "mtp", "num_speculative_tokens": s, "topk": k, "num_draft_tokens": d}
+    )
+    for acc in range(s + 1):
+        memory = DraftMemory(max_num_seqs=2, max_model_len=mml, page_size=4)
+        drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=memory)
+        drafter.add_requests(["a"])
+        n = mml - 3  # committed tokens: the round's prefix (`round_row` still drafts with a budget of 2)
+        drafter.commit(
+            CommittedTokens(
+                ["a"], torch.tensor([0]), torch.tensor([n]), torch.arange(n) + 5, torch.randn(n, h)
+            )
+        )
+        assert drafter.kv.lengths["a"] == n - 1 and not drafter.pairs.has_pending("a")
+        path = torch.full((1, d), -1, dtype=torch.int64)
+        path[0, : acc + 1] = torch.arange(acc + 1)  # a chain-shaped accepted path of `acc` drafts
+        out = torch.full((1, d), -1, dtype=torch.int64)
+        out[0, : acc + 1] = torch.arange(acc + 1) + 9
+        v = VerifiedChain(
+            req_ids=["a"],
+            prefix_lens=[n],
+            block_tokens=torch.arange(d)[None] + 3,
+            output_tokens=out,
+            num_accepted=torch.tensor([acc]),
+            hidden_states=torch.randn(d, h),
+            aux_hidden_states=(),
+            num_steps=s,
+            accept_index=path,
+        )
+        assert drafter.one_tree is not None and drafter.one_tree.follows(v)
+        assert drafter.propose_after_verify(v)
+        drafter.settle_after_verify([acc], [9 + acc])
+        assert drafter.kv.lengths["a"] == n + acc
+    fresh: Any = build_drafter(
+        cfg, t.model, target_path=t.path, memory=DraftMemory(max_num_seqs=2, max_model_len=mml, page_size=4)
+    )
+    fresh.add_requests(["a"])
+    n = mml - 3
+    fresh.commit(
+        CommittedTokens(["a"], torch.tensor([0]), torch.tensor([n]), torch.arange(n) + 5, torch.randn(n, h))
+    )
+    out = fresh.propose(DraftBatch(root_tokens=torch.tensor([7]), num_steps=[s], req_ids=["a"]))
+    assert out.tree.block_size == d

@@ -591,6 +591,7 @@ def test_rounds_time_plain_steps_in_a_row_at_start_and_every_timing_interval(
     import torch
     from hyspec_spec_workers import DraftOutput, VerifyTree
     from hyspec_spec_workers import costs as costs_mod
+    from hyspec_spec_workers import round as round_mod
     from hyspec_spec_workers.round import SpeculativeRound
     from hyspec_spec_workers.round_types import RoundRow, VerifiedTokens
     from hyspec_spec_workers.sampling import SampledToken
@@ -640,9 +641,9 @@ def test_rounds_time_plain_steps_in_a_row_at_start_and_every_timing_interval(
     monkeypatch.setattr(spec.adaptive, "new_request", lambda known: Length())
     # drafting rounds accept their one draft; the plain-step cost is what this test follows
     monkeypatch.setattr(
-        spec,
-        "_verify",
-        lambda target, rows, draft, on_host, propose_next, clock, steps: (
+        round_mod,
+        "verify_round",
+        lambda target, rows, draft, on_host, **kw: (
             [VerifiedTokens((SampledToken(1, None, None),) * 2, 1, 1)] * len(rows),
             2,
         ),

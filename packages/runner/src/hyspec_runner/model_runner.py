@@ -36,10 +36,7 @@ from hyspec_spec_workers.drafter import GraphedDrafter
 from hyspec_spec_workers.greedy_tail import GreedyTail
 from hyspec_spec_workers.round import SpeculativeRound
 from hyspec_spec_workers.round_types import RoundRow, VerifiedTokens
-from hyspec_spec_workers.sampling import (
-    SampledToken,
-    Sampler,
-)
+from hyspec_spec_workers.sampling import SampledToken, Sampler
 
 from hyspec_runner.config import EngineArgs, step_capacity
 from hyspec_runner.decode_ahead import DecodeAhead

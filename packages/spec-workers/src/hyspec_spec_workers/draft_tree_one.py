@@ -136,9 +136,16 @@ class OneLayerTree:
         """
         s_run = verified.num_steps
         e, size = self._block_width(s_run), 1 + (s_run - 1) * self.topk
-        # the first block at the final length, then the tree past a root at block index <= e - 1
+        # the first block at the final length, then the tree past the root pair at block index num_accepted
+        # + 1 <= s + 1 (not e - 1: a wide tree's block runs past its root, and the draft pool is as wide as a
+        # fresh proposal's reach, `draft_tree`'s, near max_model_len)
         ids, written, req_rows, block = self.after.first_block(
-            verified, features, width=e, extent=e - 1 + size, x=self.features_in, root_index=self._root_index
+            verified,
+            features,
+            width=e,
+            extent=max(e, s_run + 1 + size),
+            x=self.features_in,
+            root_index=self._root_index,
         )
         runner = self.runners[s_run]
         fb = runner.prepare_verify(

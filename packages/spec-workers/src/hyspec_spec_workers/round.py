@@ -352,7 +352,18 @@ class SpeculativeRound:
             # adaptive row that drafts nothing now, or a timing round next
             timing_next = not forced and self.timer.next_is_timing(n)
             propose_next = not timing_next and (self.adaptive is None or min(steps) > 0)
-            results, block = self._verify(target, rows, draft, on_host, propose_next, clock, max(steps))
+            results, block = verify_round(
+                target,
+                rows,
+                draft,
+                on_host,
+                tree_config=self.is_tree,
+                masks=self.masks,
+                feed=self.feed,
+                propose_next=propose_next,
+                clock=clock,
+                draft_steps=max(steps),
+            )
             # the round's outcome has been read: what the device drafted before it is done (a proposal
             # queued after the verify may still run: the next round's clock counts it). A proposal queued
             # after the last round's verify counts here, at its own steps; it may have run partly before
@@ -370,30 +381,6 @@ class SpeculativeRound:
         if not timing and not forced:
             self.lengths.observe(ids, num_acc, self.costs.at(n))
         return results
-
-    def _verify(
-        self,
-        target: VerifyTarget,
-        rows: Sequence[RoundRow],
-        draft: DraftOutput,
-        on_host: DraftOnHost | None,
-        propose_next: bool,
-        clock: DraftClock,
-        draft_steps: int,
-    ) -> tuple[list[VerifiedTokens], int]:
-        """`round_verify.verify_round` with this round's tree config, masks, drafter feed and clock."""
-        return verify_round(
-            target,
-            rows,
-            draft,
-            on_host,
-            tree_config=self.is_tree,
-            masks=self.masks,
-            feed=self.feed,
-            propose_next=propose_next,
-            clock=clock,
-            draft_steps=draft_steps,
-        )
 
 
 def trim_draft(draft: DraftOutput, n: int, dmax: int) -> DraftOutput:

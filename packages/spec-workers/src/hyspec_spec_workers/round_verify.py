@@ -32,9 +32,9 @@ def verify_round(
     tree_config: bool,
     masks: TokenBitmask,
     feed: DraftFeed | None,
+    draft_steps: int,
     propose_next: bool = True,
     clock: DraftClock | None = None,
-    draft_steps: int | None = None,
 ) -> tuple[list[VerifiedTokens], int]:
     """Verify `draft` for `rows` on `target`.
 
@@ -47,8 +47,8 @@ def verify_round(
         propose_next: the rows will likely draft next round: a one-layer drafter may propose it right after
             the verify (`DraftFeed.chain_after_verify`); False when those drafts would likely go unused.
         clock: the round's drafting clock: such a proposal is timed as drafting.
-        draft_steps: the proposal's draft steps (a tree's depth; default: a chain's nodes - 1), which the
-            proposal queued after the verify runs again.
+        draft_steps: the proposal's draft steps (a chain's longest, a tree's depth), which a proposal queued
+            after the verify runs again.
     Returns:
         The results and the block size the forward ran at (the drafter's, or a captured one >= it).
     """
@@ -96,7 +96,7 @@ def verify_round(
                         num_accepted=tail.num_accepted,
                         hidden_states=hidden,
                         aux_hidden_states=aux,
-                        num_steps=max(nodes) - 1 if draft_steps is None else draft_steps,
+                        num_steps=draft_steps,
                         accept_index=tail.accept_index if as_tree else None,
                     ),
                     clock,
