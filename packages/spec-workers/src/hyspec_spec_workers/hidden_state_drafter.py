@@ -297,9 +297,8 @@ class HiddenStateDrafter:
         with torch.no_grad():
             root_dev = to_device(root, dtype=torch.int64, device=self.model.device)
             if self._own_logits and self.one_tree is not None and self.one_tree.takes_one_forward(s_run):
-                tokens, parents = self.one_tree.proposal(
-                    ids, root, root_dev, s_run
-                )  # [N, D] each, on the device
+                # [N, D] each, on the device
+                tokens, parents = self.one_tree.proposal(ids, root, root_dev, s_run)
                 return DraftOutput(VerifyTree.from_parents(tokens, parents, num))
             builder = self.tree.draft(ids, root_dev, s_run, self.draft_logits)
         if self.topk == 1:
