@@ -300,7 +300,7 @@ def test_on_capture_is_called_once_per_new_graph(monkeypatch: pytest.MonkeyPatch
     runner = CudaGraphRunner(be, lambda batch: (toy.run(be, batch),))
     runner.active = True  # as on a GPU; the capture itself is replaced below
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(runner, "_capture", lambda key: object())
+    monkeypatch.setattr(runner.capturer, "capture", lambda key, *a, **k: object())
     seen: list[GraphKey] = []
     runner.on_capture = seen.append
     runner.capture_or_eager([1, 2], decode=True, verify=[(3, True)])

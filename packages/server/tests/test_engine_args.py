@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 from hyspec_runner.config import ENGINE_DEFAULTS, EngineArgs, engine_args_from
-from hyspec_runner.model_runner import resolve_dtype
 from hyspec_runner.sizing import CPU_KV_CACHE_BYTES, memory_budget
+from hyspec_runner.target import resolve_dtype
 from hyspec_server import LLM, SamplingParams
 from hyspec_server.builder import resolve_model_dir
 from hyspec_server.cli import build_parser, main

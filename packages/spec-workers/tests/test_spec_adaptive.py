@@ -768,8 +768,8 @@ def test_plain_round_counts_and_times_like_a_round_without_drafts(monkeypatch: p
         by_plain.begin_step()
     assert rec_run == rec_plain and len(rec_run) >= 2
     assert by_run.adaptive is not None and by_plain.adaptive is not None
-    assert by_plain.idle is not None
-    by_plain.idle.report()  # rounds of the same idle requests are counted, then reported at once
+    assert by_plain.lengths.idle is not None
+    by_plain.lengths.idle.report()  # rounds of the same idle requests are counted, then reported at once
     zero_run = [by_run.adaptive.length(r)._zero_rounds for r in ids]
     assert zero_run == [by_plain.adaptive.length(r)._zero_rounds for r in ids]
     assert by_plain.adaptive.length("a")._zero_rounds > 0
@@ -828,8 +828,8 @@ def test_counted_idle_rounds_start_every_probe_where_round_by_round_reports_do(
             spec.plain_round(ids, lambda: [SampledToken(1, None, None)], shares_forward=False)
             if i == 15:
                 spec.on_free("c")  # c ends: its counted rounds are reported before it is forgotten
-        assert spec.idle is not None
-        spec.idle.report()
+        assert spec.lengths.idle is not None
+        spec.lengths.idle.report()
     assert probes["counted"] == probes["each"] and len(probes["each"]) >= 4
     assert counted.adaptive is not None and each.adaptive is not None
     for rid in ("a", "b", "d"):

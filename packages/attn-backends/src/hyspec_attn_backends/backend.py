@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 from hyspec_kernels import StateSave
-from hyspec_statepool.indices import ReqRows, StateSlots
+from hyspec_statepool.indices import ReqRows
 from hyspec_statepool.pool import HybridStatePool
 from hyspec_statepool.specs import AttentionSpec, GDNSpec, LayerStateSpec, ModelStateSpecs, ShortConvSpec
 from torch import Tensor
@@ -164,6 +164,11 @@ class HybridBackend:
         self.committer = VerifyCommitter(
             pool, kinds=self.kinds, kernel_checks=self._kernel_checks, defer=self.defer_commit
         )
+        # the commit of the accepted part of a verify block, of its live rows or of every row of a padded
+        # batch (a graph's form): the committer's (`VerifyCommitter.commit_after_verify` and
+        # `commit_every_row`), as the backend's own
+        self.commit_after_verify = self.committer.commit_after_verify
+        self.commit_every_row = self.committer.commit_every_row
 
     # ---------------------------------------------------------------- batch metadata (`BatchBuilder`)
 
@@ -377,32 +382,4 @@ class HybridBackend:
             conv_bias=conv_bias,
             batch=batch,
             kernel_checks=self._kernel_checks,
-        )
-
-    # ---------------------------------------------------------------- commit (`VerifyCommitter`)
-
-    def commit_every_row(
-        self, *, batch: ForwardBatch, num_accepted: Tensor, accept_paths: Tensor | None = None
-    ) -> Tensor:
-        """The commit over every row of a padded batch: `VerifyCommitter.commit_every_row`."""
-        return self.committer.commit_every_row(
-            batch=batch, num_accepted=num_accepted, accept_paths=accept_paths
-        )
-
-    def commit_after_verify(
-        self,
-        *,
-        batch: ForwardBatch,
-        num_accepted: Tensor,
-        accept_paths: Tensor | None = None,
-        track_slots: StateSlots | None = None,
-        track_interval: int | None = None,
-    ) -> Tensor:
-        """Commit the accepted part of a verify block: `VerifyCommitter.commit_after_verify`."""
-        return self.committer.commit_after_verify(
-            batch=batch,
-            num_accepted=num_accepted,
-            accept_paths=accept_paths,
-            track_slots=track_slots,
-            track_interval=track_interval,
         )

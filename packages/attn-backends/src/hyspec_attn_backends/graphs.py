@@ -163,14 +163,13 @@ class CudaGraphRunner:
         # largest first: smaller graphs then reuse the pool memory the largest one reserved
         for key in sorted(keys, key=lambda k: -k.batch_size):
             if key not in self._graphs:
-                self._graphs[key] = self._capture(key)
+                # this runner's forward, and what it captures after chain verifies
+                self._graphs[key] = self.capturer.capture(
+                    key, self.forward, commit=self.commit_graphs, tail=self.tail
+                )
                 self._sizes.clear()
                 if self.on_capture is not None:
                     self.on_capture(key)
-
-    def _capture(self, key: GraphKey) -> Captured:
-        """The graphs of one key, with this runner's forward and what it captures after chain verifies."""
-        return self.capturer.capture(key, self.forward, commit=self.commit_graphs, tail=self.tail)
 
     def _padding_batch(self, key: GraphKey) -> ForwardBatch:
         """The all-padding batch a graph of `key` is captured on (the server's tests run its tail there)."""

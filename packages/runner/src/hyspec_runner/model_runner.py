@@ -20,7 +20,6 @@ draft shape, so its verify scratch and request table fit the largest block (adap
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
@@ -31,12 +30,12 @@ from typing import Any, cast
 
 import torch
 from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, HybridBackend, StepBatch, capture_sizes
-from hyspec_models.loader import load_model
 from hyspec_spec_workers.drafter import GraphedDrafter
 from hyspec_spec_workers.greedy_tail import GreedyTail
 from hyspec_spec_workers.round import SpeculativeRound
 from hyspec_spec_workers.round_types import RoundRow, VerifiedTokens
 from hyspec_spec_workers.sampling import SampledToken, Sampler
+from hyspec_statepool.pool import HybridStatePool
 
 from hyspec_runner.config import EngineArgs, step_capacity
 from hyspec_runner.decode_ahead import DecodeAhead
@@ -46,79 +45,33 @@ from hyspec_runner.runner import PromptLogprobRows, RanAheadMismatch, RunnerOutp
 from hyspec_runner.runner_memory import build_memory
 from hyspec_runner.schedule import RunnerRequest, ScheduledChunk, SchedulerOutput
 from hyspec_runner.speculative import DrafterRegistry
+from hyspec_runner.target import LoadedTarget, load_target
 
 log = logging.getLogger("hyspec.runner")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DEFAULT_MAX_MODEL_LEN = 4096  # a checkpoint that does not say its context length
 
 
-def resolve_dtype(name: str, device: torch.device, checkpoint: str | None = None) -> torch.dtype:
-    """`dtype="auto"`: on CUDA the checkpoint's `dtype` / `torch_dtype` when it is bfloat16 or float16, else
-    bfloat16 (vLLM's choice for float32 checkpoints); on the CPU float32, where half precision is slow."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type != "cuda":
-        if checkpoint in ("bfloat16", "float16"):
-            log.info("dtype auto: float32 on the CPU (the checkpoint's %s is slow there)", checkpoint)
-        return torch.float32
-    return _DTYPES[checkpoint] if checkpoint in ("bfloat16", "float16") else torch.bfloat16
-
-
-def checkpoint_dtype(model_dir: Path) -> str | None:
-    """The dtype config.json records (`dtype` in transformers 5, `torch_dtype` before; the text config's for
-    multimodal checkpoints)."""
-    path = model_dir / "config.json"
-    cfg = json.loads(path.read_text()) if path.is_file() else {}
-    for c in (cfg, cfg.get("text_config") or {}):
-        value = c.get("dtype") or c.get("torch_dtype")
-        if isinstance(value, str):
-            return value.removeprefix("torch.")
-    return None
-
-
-def _text_config(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-@dataclass(frozen=True, slots=True)
-class _Loaded:
-    """The target model on its device, and what the runner reads from its config."""
-
-    model: Any
-    device: torch.device
-    dtype: torch.dtype
-    vocab_size: int
-    hidden_size: int
-    max_model_len: int  # the args' value, else the checkpoint's positions
-
-
-def _load(args: EngineArgs, model_dir: Path) -> _Loaded:
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
-    dtype = resolve_dtype(args.dtype, device, checkpoint_dtype(model_dir))
-    t0 = time.perf_counter()
-    # a progress bar where someone watches (a terminal), as vLLM shows one
-    model = load_model(model_dir, device=device, dtype=dtype, progress=sys.stderr.isatty())
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    log.info(
-        "loaded %s: %.2f GiB of %s weights on %s in %.1f s",
-        model_dir,
-        weights / 2**30,
-        str(dtype).removeprefix("torch."),
-        device,
-        time.perf_counter() - t0,
-    )
-    config = _text_config(model.config)
-    ckpt_len = int(getattr(config, "max_position_embeddings", _DEFAULT_MAX_MODEL_LEN))
-    if args.max_model_len is not None and args.max_model_len > ckpt_len:
-        raise ValueError(f"max_model_len={args.max_model_len} is over the checkpoint's {ckpt_len} positions")
-    return _Loaded(
-        model, device, dtype, int(config.vocab_size), int(config.hidden_size), args.max_model_len or ckpt_len
+def _backend(
+    args: EngineArgs, pool: HybridStatePool, model: Any, max_num_seqs: int, max_model_len: int
+) -> HybridBackend:
+    """The target's backend, its batch buffers sized for a step's tokens; a speculative engine's also mixes
+    prompt chunks with verify blocks in one forward, rewrites a round's verify batch from the last one (at
+    the new prefixes) and defers GDN commits to the next forward (a round reads and writes each state
+    once)."""
+    spec = args.speculative_config is not None
+    dmax = pool.plan.max_draft_tokens if spec else 1
+    return HybridBackend(
+        pool,
+        layers=model.mixer_layers(),
+        layer_types=model.layer_types,
+        max_num_seqs=max_num_seqs,
+        max_tokens=max(step_capacity(args, max_num_seqs, max_model_len), max_num_seqs * dmax),
+        mixed_steps=spec,
+        move_verify=spec,
+        defer_commit=spec,
     )
 
 
-def _prepare_drafter(spec: SpeculativeRound, graphs: CudaGraphRunner, loaded: _Loaded) -> None:
+def _prepare_drafter(spec: SpeculativeRound, graphs: CudaGraphRunner, loaded: LoadedTarget) -> None:
     """After the target's graphs: the drafter's own graphs and the draft extend's first load."""
     if graphs.active and isinstance(spec.drafter, GraphedDrafter):
         # the drafter's proposal forwards (MTP / EAGLE-3 steps, the DFlash block) at the same batch sizes
@@ -200,7 +153,7 @@ class HyspecModelRunner:
 
     def __init__(self, args: EngineArgs, model_dir: Path, *, drafters: DrafterRegistry | None = None) -> None:
         spec_config = args.speculative_config
-        loaded = _load(args, model_dir)
+        loaded = load_target(args, model_dir)
         self.model, self._device, self.dtype = loaded.model, loaded.device, loaded.dtype
         self.vocab_size, self._max_model_len = loaded.vocab_size, loaded.max_model_len
         self.use_graphs = self._device.type == "cuda" and not args.enforce_eager
@@ -221,19 +174,7 @@ class HyspecModelRunner:
         self.pool = built.pool
         self._memory: StatePoolMemory = built.memory
         self.max_num_seqs = max_num_seqs = built.max_num_seqs
-        dmax = self.pool.plan.max_draft_tokens if spec_config is not None else 1
-        self.backend = HybridBackend(
-            self.pool,
-            layers=layers,
-            layer_types=self.model.layer_types,
-            max_num_seqs=max_num_seqs,
-            max_tokens=max(step_capacity(args, max_num_seqs, self._max_model_len), max_num_seqs * dmax),
-            mixed_steps=spec_config is not None,
-            # a round's verify batch is the last round's rewritten at the new prefixes
-            move_verify=spec_config is not None,
-            # GDN commits ride on the next forward: a round reads and writes each state once
-            defer_commit=spec_config is not None,
-        )
+        self.backend = _backend(args, self.pool, self.model, max_num_seqs, self._max_model_len)
         self._sampler = Sampler(self._device, seed=args.seed)
         # the target's forward returns the layers a model drafter reads too (decode stays graphed with one)
         self._forward = _target_forward(

@@ -50,7 +50,6 @@ from hyspec_spec_workers.drafter import (
     DraftOutput,
     ModelDrafter,
 )
-from hyspec_spec_workers.idle_rounds import IdleRounds
 from hyspec_spec_workers.round_types import RequestTokens, RoundRow, VerifiedTokens, VerifyTarget
 from hyspec_spec_workers.round_verify import verify_round
 from hyspec_spec_workers.tree import VerifyTree, resized_chain
@@ -116,10 +115,6 @@ class SpeculativeRound:
     @property
     def adaptive(self) -> AdaptiveController | None:
         return self.lengths.adaptive
-
-    @property
-    def idle(self) -> IdleRounds | None:
-        return self.lengths.idle
 
     def warm_up_lengths(self) -> tuple[int, ...]:
         """Every draft length a round may run: the adaptive candidates, or S (a tree drafts all S or none)."""
@@ -316,24 +311,11 @@ class SpeculativeRound:
         timed = not shares_forward
         if max(steps) > 0:
             clock.start(max(steps))
-            roots = torch.tensor([r.root_token for r in rows], dtype=torch.int64)
-            hist = (
-                ()
-                if self.model_drafter is not None
-                else [RequestTokens(r.request, r.prefix_len + 1) for r in rows]
-            )
-            if self.feed is not None:
-                # the draft KV catches up on everything committed since its last proposal; more than a
-                # round's block (a prompt, a long stretch without drafting) is a one-off forward that
-                # would inflate the per-round costs: such a round is timed as a catch-up instead (what a
-                # probe after rounds at 0 costs, see `AdaptiveConfig.probe_budget`); a tree round commits at
-                # most S + 1 tokens, all its drafter writes without an extend (its block D may be larger)
-                steady = self.num_speculative_tokens + 1 if self.is_tree else self.max_draft_tokens
-                caught_up = self.feed.flush(ids) <= steady
-                timed = timed and caught_up
-            draft = self.drafter.propose(
-                DraftBatch(root_tokens=roots, num_steps=steps, histories=hist, req_ids=ids)
-            )
+            # a tree round commits at most S + 1 tokens, all its drafter writes without an extend (its
+            # block D may be larger)
+            steady = self.num_speculative_tokens + 1 if self.is_tree else self.max_draft_tokens
+            draft, caught_up = propose(self.drafter, self.feed, rows, steps, steady=steady)
+            timed = timed and caught_up
             clock.stop()
             draft = trim_draft(draft, n, self.max_draft_tokens)
             if any(r.constraint is not None for r in rows):
@@ -400,3 +382,20 @@ def trim_draft(draft: DraftOutput, n: int, dmax: int) -> DraftOutput:
     )
     dp = None if draft.draft_probs is None else draft.draft_probs[:, :d]
     return DraftOutput(cut, dp)
+
+
+def propose(
+    drafter: Drafter, feed: DraftFeed | None, rows: Sequence[RoundRow], steps: list[int], *, steady: int
+) -> tuple[DraftOutput, bool]:
+    """A round's proposal (step 2): a model drafter's KV first catches up on everything committed since its
+    last proposal (`DraftFeed.flush`). Returns the draft and whether that catch-up was at most `steady`
+    tokens (a round's block): more (a prompt, a long stretch without drafting) is a one-off forward that
+    would inflate the per-round costs, so such a round is timed as a catch-up instead (what a probe after
+    rounds at 0 costs, see `AdaptiveConfig.probe_budget`)."""
+    ids = [r.request.request_id for r in rows]
+    roots = torch.tensor([r.root_token for r in rows], dtype=torch.int64)
+    model = isinstance(drafter, ModelDrafter)
+    hist = () if model else [RequestTokens(r.request, r.prefix_len + 1) for r in rows]
+    caught_up = feed is None or feed.flush(ids) <= steady
+    batch = DraftBatch(root_tokens=roots, num_steps=steps, histories=hist, req_ids=ids)
+    return drafter.propose(batch), caught_up
