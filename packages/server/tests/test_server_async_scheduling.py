@@ -166,6 +166,28 @@ def test_a_step_that_fails_after_its_decode_ran_ahead_forgets_it(tiny_qwen3_5: P
     eng.leak_check()
 
 
+def test_a_decode_that_ran_ahead_and_cannot_be_scheduled_is_recomputed(tiny_qwen3_5: Path) -> None:
+    """An invariant of the step after a decode ran ahead breaks (the memory refuses its room, as a model
+    without KV once did near max_model_len): that step's requests are recomputed from scratch, and the
+    engine goes on (it used to raise at every later step); the outputs equal the synchronous engine's."""
+    ref = _generate(_engine(tiny_qwen3_5, run_ahead=False), _greedy())
+    eng = _engine(tiny_qwen3_5, run_ahead=True)
+    grow = eng.scheduler.memory.grow
+    refused: list[int] = []
+
+    def refuse_once(request_ids: Any, num_tokens: Any) -> bool:
+        if eng.scheduler.ran_ahead and not refused:
+            refused.append(len(request_ids))
+            return False
+        return grow(request_ids, num_tokens)
+
+    eng.scheduler.memory.grow = refuse_once  # type: ignore[method-assign]
+    got = _generate(eng, _greedy())
+    assert refused and [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert _plain(eng).num_ran_ahead > 0
+    eng.leak_check()
+
+
 @pytest.mark.parametrize("arch", ["lfm2", "qwen3_5"])
 def test_a_finished_request_caches_the_state_its_run_ahead_decode_left(
     arch: str, request: pytest.FixtureRequest

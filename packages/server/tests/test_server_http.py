@@ -615,8 +615,8 @@ def test_a_streaming_client_that_stops_reading_is_aborted() -> None:
                     break
                 time.sleep(0.05)
             # read nothing: once the socket buffers hold a few MB the stream stalls, and the request must end
-            # long before its 30000 tokens
-            srv.wait_idle_and_leak_check(timeout_s=40)
+            # long before its 30000 tokens (the bound is loose: a loaded 2-core machine streams slowly)
+            srv.wait_idle_and_leak_check(timeout_s=120)
         text = httpx.get(srv.base_url + "/metrics").text
         assert metric_sample(text, "hyspec:request_success_total", finished_reason="abort") == 1
         assert metric_sample(text, "hyspec:generation_tokens_total") < 30000

@@ -79,10 +79,17 @@ def check_tensor(
     """
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a tensor of shape {_fmt(shape)}, got {type(t).__name__}")
-    if t.dim() != len(shape) or any(
-        isinstance(want, int) and got != want for got, want in zip(t.shape, shape, strict=True)
-    ):
-        raise ValueError(f"{name}: expected shape {_fmt(shape)}, got {list(t.shape)}")
+    # a plain loop, no generator: every op's front runs this for each argument, on the host's critical path
+    # (a speculative round calls it a few dozen times)
+    sizes = t.shape
+    bad = len(sizes) != len(shape)
+    if not bad:
+        for got, want in zip(sizes, shape):
+            if type(want) is int and got != want:
+                bad = True
+                break
+    if bad:
+        raise ValueError(f"{name}: expected shape {_fmt(shape)}, got {list(sizes)}")
     if dtypes is not None and t.dtype not in dtypes:
         raise ValueError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if device is not None and t.device != device:

@@ -90,8 +90,10 @@ class StatePoolMemory:
             f.on_alloc(request_id)
 
     def grow(self, request_ids: Sequence[str], num_tokens: Sequence[int]) -> bool:
-        if not self._has_kv:
-            return all(n <= self._max_tokens for n in num_tokens)
+        # one rule with KV or without: a request's row reaches max_model_len + Dmax positions (a verify
+        # block's lookahead past its last committed token); a model without attention layers keeps no KV,
+        # so only that is checked and nothing can run out (a refusal at max_model_len would preempt every
+        # other request, then this one, and stall a decode that ran ahead)
         try:
             self.pool.ensure_kv_capacity(request_ids, num_tokens)
         except PoolExhaustedError:

@@ -17,6 +17,7 @@ each finished request (`finish`), so later requests with the same prefix skip it
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -27,9 +28,16 @@ from hyspec_statepool.prefix_cache import PrefixSave
 
 from hyspec_server.request import Request, RequestStatus
 
+log = logging.getLogger("hyspec.scheduler")
+
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at `max_waiting`; retry later."""
+
+
+class RanAheadBroken(RuntimeError):
+    """The decode that ran ahead cannot be the next step (an invariant broke): `schedule` recomputes its
+    requests rather than failing at every later step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +94,15 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput[Request]:
         if self.ran_ahead and any(r.request_id in self.ran_ahead for r in self.running):
-            return self._decode_ran_ahead()
+            try:
+                return self._decode_ran_ahead()
+            except RanAheadBroken as e:
+                # recomputed from scratch, as after a failed step (the runner drops what it queued when it
+                # meets them again): the engine goes on instead of failing at every later step
+                log.warning("%s; recomputing its requests", e)
+                held = self.ran_ahead
+                self.quarantine([r for r in self.running if r.request_id in held])
+                return SchedulerOutput((), ())
         out = self._schedule()
         if self.memory.inner_snapshots:
             # after every lookup of the step: none may resume from a snapshot its forward has yet to write
@@ -113,9 +129,11 @@ class Scheduler:
         chunks = tuple(self._plan_running(self.config.max_num_batched_tokens))
         ends = [c.end + c.num_lookahead for c in chunks]
         if len(chunks) != len(self.running) or any(c.num_new != 1 for c in chunks):
-            raise RuntimeError("a decode that ran ahead is not its requests' next step")
+            raise RanAheadBroken("a decode that ran ahead is not its requests' next step")
         if not self.memory.grow([c.request.request_id for c in chunks], ends):
-            raise RuntimeError("no KV room for a decode that ran ahead: its pages were reserved when queued")
+            raise RanAheadBroken(
+                "no KV room for a decode that ran ahead (its pages were reserved when queued)"
+            )
         out = SchedulerOutput(chunks, ())
         return replace(out, may_run_ahead=self._may_run_ahead(out))
 
