@@ -260,6 +260,15 @@ def oracle_registry(refs: Sequence[list[int]], steps: int, *, wrong: bool = Fals
         def __init__(self) -> None:
             # request id -> (its reference or None once parted, history length when last checked)
             self._refs: dict[Any, tuple[list[int] | None, int]] = {}
+            # its blocks' grids uploaded once per shape, as the repo's drafters keep them (trees before
+            # `ChainLayouts` upload them every round)
+            self._chain: dict[str, Any] = {}
+            try:
+                from hyspec_spec_workers.tree import ChainLayouts
+
+                self._chain["layouts"] = ChainLayouts()
+            except ImportError:
+                pass
 
         def _reference(self, rid: Any, h: Any) -> list[int] | None:
             n = len(h)
@@ -288,7 +297,7 @@ def oracle_registry(refs: Sequence[list[int]], steps: int, *, wrong: bool = Fals
                 rows.append(nxt + [0] * (steps - len(nxt)))
                 num.append(len(nxt))
             drafts = torch.tensor(rows, dtype=torch.int64)
-            return DraftOutput(VerifyTree.chain(batch.root_tokens, drafts, torch.tensor(num)))
+            return DraftOutput(VerifyTree.chain(batch.root_tokens, drafts, torch.tensor(num), **self._chain))
 
         # a `RequestKeyedDrafter`: the round drops an ended request's reference (and checks for leaks)
         def forget(self, request_ids: Sequence[Any]) -> None:

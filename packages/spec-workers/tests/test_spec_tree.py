@@ -292,3 +292,36 @@ def test_device_trees_equal_host_trees_without_a_read(d: int) -> None:
     host_cut = trim_draft(DraftOutput(host_padded), 5, d + 2).tree  # cut to the longest row's nodes
     for tree, want in ((dev, host), (cut, host_cut), (padded, host_padded)):
         assert tree.tokens.device.type == "cuda" and _same(tree, want)
+
+
+FIELDS = ("tokens", "parents", "num_nodes", "depth", "tree_mask", "first_child", "next_sibling")
+
+
+def test_chain_layouts_keep_the_grids_and_give_the_same_tree() -> None:
+    """A chain built with kept layouts equals one built without, field for field; the same node counts reuse
+    the very tensors (no new upload), other counts or block sizes get their own, the least recently used
+    goes first past the capacity, and an empty keeper is used (not mistaken for none)."""
+    from hyspec_spec_workers.tree import ChainLayouts
+
+    layouts = ChainLayouts(capacity=2)
+    assert len(layouts) == 0
+    root, drafts = torch.tensor([5, 6, 7]), torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    for num in ([3, 1, 0], [3, 1, 0], [2, 2, 2]):
+        kept = VerifyTree.chain(root, drafts, torch.tensor(num), layouts=layouts)
+        fresh = VerifyTree.chain(root, drafts, torch.tensor(num))
+        for f in FIELDS:
+            assert torch.equal(getattr(kept, f), getattr(fresh, f)), f
+        assert kept.is_chain and kept.host_num_nodes == fresh.host_num_nodes == tuple(k + 1 for k in num)
+    assert len(layouts) == 2
+    a = VerifyTree.chain(root, drafts, torch.tensor([3, 1, 0]), layouts=layouts)
+    b = VerifyTree.chain(root + 1, drafts, torch.tensor([3, 1, 0]), layouts=layouts)
+    assert a.first_child.data_ptr() == b.first_child.data_ptr()  # kept: no new upload
+    assert torch.equal(b.tokens[:, 0], root + 1)  # the tokens are each call's own
+    VerifyTree.chain(root[:2], drafts[:2, :2], torch.tensor([1, 1]), layouts=layouts)  # D = 3: a third shape
+    assert len(layouts) == 2  # [2, 2, 2]'s layout (least recently used) went
+    c = VerifyTree.chain(root, drafts, torch.tensor([3, 1, 0]), layouts=layouts)
+    assert c.first_child.data_ptr() == a.first_child.data_ptr()
+    with pytest.raises(ValueError, match="capacity"):
+        ChainLayouts(capacity=0)
+    with pytest.raises(ValueError, match="num_drafts"):
+        VerifyTree.chain(root, drafts, torch.tensor([4, 0, 0]), layouts=layouts)

@@ -6,7 +6,8 @@ Ops: gated delta rule (`gdn_prefill`, `gdn_decode`, `gdn_verify`), causal depthw
 (`store_kv`, `paged_attention`), GDN gating (`gdn_gating`), norms (`gated_rmsnorm`, `rms_norm`,
 `add_rms_norm`), SwiGLU's product (`silu_and_mul`), rotary embedding (`apply_rotary`) and a verify block's
 greedy walk with its stop / budget cut (`accept_walk`); a chain verify batch's metadata written for its rows'
-next prefixes (`advance_verify`); verify trees' ancestor masks, depths and child / sibling links from their
+next prefixes (`advance_verify`); a drafter's next first block from a verify's outputs
+(`draft_block_after_verify`); verify trees' ancestor masks, depths and child / sibling links from their
 parents (`tree_grids`). The prefills also write states part-way through a
 sequence to spare slots (`StateSave`).
 `python -m hyspec_kernels.selfcheck` runs each against its reference.
@@ -18,6 +19,7 @@ from hyspec_kernels.advance import advance_verify
 from hyspec_kernels.attention import paged_attention, store_kv
 from hyspec_kernels.commit import StatePair, commit_states
 from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
+from hyspec_kernels.draft_block import draft_block_after_verify
 from hyspec_kernels.gating import add_rms_norm, gated_rmsnorm, gdn_gating, rms_norm, silu_and_mul
 from hyspec_kernels.gdn import GDNPrefillOutput, gdn_decode, gdn_prefill, gdn_verify
 from hyspec_kernels.rope import apply_rotary
@@ -40,6 +42,7 @@ __all__ = [
     "conv_decode",
     "conv_prefill",
     "conv_verify",
+    "draft_block_after_verify",
     "gated_rmsnorm",
     "gdn_decode",
     "gdn_gating",

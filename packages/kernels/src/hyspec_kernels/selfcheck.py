@@ -49,6 +49,7 @@ def build_cases(device: str) -> dict[str, Case]:
     from hyspec_kernels.attention import paged_attention, store_kv
     from hyspec_kernels.commit import commit_states
     from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
+    from hyspec_kernels.draft_block import draft_block_after_verify
     from hyspec_kernels.gating import gated_rmsnorm, gdn_gating, rms_norm
     from hyspec_kernels.gdn import gdn_decode, gdn_prefill, gdn_replay, gdn_verify
     from hyspec_kernels.tree import tree_grids
@@ -320,6 +321,34 @@ def build_cases(device: str) -> dict[str, Case]:
     cases["advance_verify (chain batch at new prefixes over stale fields, page crossing, padded row)"] = (
         advance_case
     )
+
+    # a drafter's next first blocks after a verify of two rows (D = 4, W = 5, 40 features, rows 3 and 0 of 4
+    # root features), a chain and the same rows as a tree with its accepted paths
+    block_roots, block_feats = rnd(4, 40), rnd(8, 40)
+
+    def draft_block_case(tree: bool) -> Callable[[Backend], Result]:
+        def case(be: Backend) -> Result:
+            roots, at = block_roots.clone(), i64([-1] * 3)
+            x = torch.full((12, 40), float("nan"), device=device)
+            tokens = draft_block_after_verify(
+                block_tokens=i64([[11, 12, 13, 14], [21, 22, 23, 24]]),
+                output_tokens=i64([[31, 32, 33, 34], [41, 42, -1, -1]]),
+                features=block_feats,
+                paths=i64([[0, 2, 3, -1], [0, 3, -1, -1]]) if tree else None,
+                num_accepted=i64([2, 1]),
+                rows=i64([3, 0]),
+                root_features=roots,
+                x=x,
+                root_index=at,
+                width=5,
+                backend=be,
+            )
+            return {"tokens": tokens, "x": x[:10], "root_features": roots, "root_index": at}
+
+        return case
+
+    cases["draft_block_after_verify (chain)"] = draft_block_case(False)
+    cases["draft_block_after_verify (tree paths)"] = draft_block_case(True)
 
     # two trees of six nodes: root 0 -> 1, 2; 1 -> 3, 4; 2 -> 5, and the same shape cut at four real nodes
     def tree_case(be: Backend) -> Result:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+from hyspec_kernels import draft_block_after_verify
 from hyspec_statepool.indices import ReqRows
 from hyspec_statepool.transfer import to_device
 from torch import Tensor
@@ -51,8 +52,6 @@ class AfterVerify:
 
     def __init__(self, pairs: DraftPairs) -> None:
         self.pairs = pairs
-        rows, dev = pairs.root_features.shape[0], pairs.root_features.device
-        self._arange = torch.arange(rows, device=dev)  # [R] int64: 0..R-1, sliced per round
         # the last rows put on the device (most rounds have the same rows)
         self._rows_on_device: tuple[tuple[int, ...], Tensor] | None = None
         self._prepared: _Prepared | None = None
@@ -88,32 +87,24 @@ class AfterVerify:
         """
         v, kv = verified, self.pairs.kv
         ids = list(v.req_ids)
-        n, dv = v.block_tokens.shape
         written = [kv.lengths[r] for r in ids]
         kv.pool.ensure_kv_capacity(ids, [w + extent for w in written])
-        paths = v.accept_index  # [N, P] a tree's accepted paths, or None: node j is a chain's j-th
-        d = min(dv if paths is None else paths.shape[1], width - 1)  # path nodes the block takes
-        # few device ops on purpose (each costs host time): the block's tokens and features by one cat each
-        # ([root, emitted...] and [root feature, path features...]), -1 past a row's path made a valid id
-        pad = width - 1 - d  # columns past the path (a block trimmed below S + 1)
-        block = torch.cat([v.block_tokens[:, :1], v.output_tokens[:, :d]], dim=1).clamp_(min=0)  # [N, 1+d]
         req_rows = kv.rows(ids)
-        rows = self._device_rows(req_rows)  # [N] int64
-        node_feats = features.view(n, dv, -1)  # [N, Dv, F]
-        if paths is not None:  # the accepted path's nodes (-1 past it: node 0, finite)
-            node_feats = node_feats[self._arange[:n, None], paths[:, :d].clamp(min=0)]  # [N, d, F]
-        xs = x[: n * width].view(n, width, -1)  # [N, E, F]
-        # f[L - 1] read before it moves on below; zeros where no node is (finite: their K/V is overwritten
-        # before anything reads it)
-        parts = [self.pairs.root_features[rows][:, None], node_feats[:, :d]]
-        if pad:
-            block = torch.nn.functional.pad(block, (0, pad))
-            parts.append(xs.new_zeros(n, pad, xs.shape[2]))
-        torch.cat(parts, dim=1, out=xs)
-        acc = v.num_accepted  # [N] on the device
-        # the next root feature f[L + num_accepted], and the root pair's block index
-        self.pairs.root_features[rows] = node_feats[self._arange[:n], acc].to(self.pairs.root_features.dtype)
-        torch.add(acc, 1, out=root_index[:n])
+        # one launch on CUDA (about seven device ops and a dozen host calls as whole-tensor ops): the block's
+        # tokens and features ([root, emitted...], [root feature, path features...], zeros past the path),
+        # the next root feature f[L + num_accepted] and the root pair's block index num_accepted + 1
+        block = draft_block_after_verify(
+            block_tokens=v.block_tokens,
+            output_tokens=v.output_tokens,
+            features=features,
+            paths=v.accept_index,  # [N, P] a tree's accepted paths, or None: node j is a chain's j-th
+            num_accepted=v.num_accepted,
+            rows=self._device_rows(req_rows),
+            root_features=self.pairs.root_features,
+            x=x,
+            root_index=root_index,
+            width=width,
+        )  # [N, width] int64
         return ids, written, req_rows, block
 
     def _device_rows(self, req_rows: ReqRows) -> Tensor:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from hyspec_spec_workers.config import Method
 from hyspec_spec_workers.ngram import NgramProposer
-from hyspec_spec_workers.tree import VerifyTree
+from hyspec_spec_workers.tree import ChainLayouts, VerifyTree
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +153,7 @@ class NgramDrafter:
         self._proposer = NgramProposer(
             min_n=min_n, max_n=max_n, num_speculative_tokens=num_speculative_tokens
         )
+        self._layouts = ChainLayouts()  # its blocks' grids, uploaded once per shape
 
     @property
     def method(self) -> Method:
@@ -167,7 +168,7 @@ class NgramDrafter:
             raise ValueError("batch.histories: the ngram drafter needs one history per row")
         drafts, num = self._proposer.propose(batch.histories, batch.num_steps, batch.req_ids)
         root = batch.root_tokens.to(drafts.device)
-        return DraftOutput(VerifyTree.chain(root, drafts, num))
+        return DraftOutput(VerifyTree.chain(root, drafts, num, layouts=self._layouts))
 
     def forget(self, request_ids: Sequence[Hashable]) -> None:
         """Drops the n-gram indexes of these (ended) requests."""

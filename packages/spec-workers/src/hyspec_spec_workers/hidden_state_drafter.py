@@ -53,7 +53,7 @@ from hyspec_spec_workers.drafter import (
     HiddenStateDraftModel,
     VerifiedChain,
 )
-from hyspec_spec_workers.tree import VerifyTree
+from hyspec_spec_workers.tree import ChainLayouts, VerifyTree
 
 
 class HiddenStateDrafter:
@@ -96,6 +96,7 @@ class HiddenStateDrafter:
         if len(steps) != s or any(x < 0 for x in steps):
             raise ValueError(f"layer_steps: expected {s} values >= 0, got {steps}")
         self.model = model
+        self._layouts = ChainLayouts()  # its chain blocks' grids, uploaded once per shape
         self._method: Method = method
         self.num_speculative_tokens, self.topk, self.num_draft_tokens = s, k, d
         self.layer_steps = tuple(steps)
@@ -287,7 +288,7 @@ class HiddenStateDrafter:
             root_dev = to_device(root, dtype=torch.int64, device=self.model.device)
             drafts = self.chain.drafts(ids, root, root_dev, s_run)
             # the block stays on the device (node counts from the host's `steps`): no wait for the drafts
-            return DraftOutput(VerifyTree.chain(root_dev, drafts, torch.tensor(steps)))
+            return DraftOutput(VerifyTree.chain(root_dev, drafts, torch.tensor(steps), layouts=self._layouts))
         if not self.block0:
             self.pairs.write(ids)  # the general path reads only written pairs (none wait: keep=None)
         # rows that draft nothing keep their root only; a tree is built where the drafts are, from the host's
@@ -303,7 +304,7 @@ class HiddenStateDrafter:
             builder = self.tree.draft(ids, root_dev, s_run, self.draft_logits)
         if self.topk == 1:
             drafts = builder.chain_drafts().to(batch.root_tokens.device)  # [N, s_run]
-            return DraftOutput(VerifyTree.chain(root, drafts, torch.tensor(steps)))
+            return DraftOutput(VerifyTree.chain(root, drafts, torch.tensor(steps), layouts=self._layouts))
         return DraftOutput(builder.build(d, num_nodes=num))
 
     # ---------------------------------------------------------------- drafting

@@ -12,6 +12,7 @@ cumulative path probability, sorted by candidate order so that parents precede c
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -193,7 +194,13 @@ class VerifyTree:
         return replace(tree, is_chain=is_chain, host_num_nodes=counts).to(out_dev)
 
     @staticmethod
-    def chain(root: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor | None = None) -> VerifyTree:
+    def chain(
+        root: torch.Tensor,
+        drafts: torch.Tensor,
+        num_drafts: torch.Tensor | None = None,
+        *,
+        layouts: ChainLayouts | None = None,
+    ) -> VerifyTree:
         """A chain block: [root, drafts...]; `num_drafts` [N] (default all) limits the real drafts per row.
 
         Built on `root`'s device without a device read when `num_drafts` is on the host or None (checked
@@ -203,6 +210,8 @@ class VerifyTree:
             root: [N] current tokens.
             drafts: [N, D - 1] draft tokens (padding values are ignored).
             num_drafts: [N] in [0, D - 1] or None.
+            layouts: keeps the grids of host-counted chains on the device (a drafter's, reused round after
+                round); None uploads them every call.
         """
         if root.dim() != 1:
             raise ValueError(f"root: expected shape [N], got {list(root.shape)}")
@@ -218,27 +227,10 @@ class VerifyTree:
         host = [d] * n if num_drafts is None else [int(k) + 1 for k in num_drafts.tolist()]
         if n and (min(host) < 1 or max(host) > d):
             raise ValueError(f"num_drafts: expected values in [0, {d - 1}], got {[k - 1 for k in host]}")
-        # closed form of `from_parents` for a chain (no per-node loop): node j's parent is j - 1, its only
-        # child j + 1 when that node is real; padded nodes continue the chain. Every grid is built on the
-        # host and goes up in one copy; those every row shares are expanded views of one row (a tree's
-        # arrays are read, never written)
-        col = range(d)
-        first_child = [j + 1 if j + 1 < k else -1 for k in host for j in col]  # [N * D]
-        lower = [int(j <= i) for i in col for j in col]  # [D * D] the ancestor mask: lower triangle
-        flat = [j - 1 for j in col] + list(col) + [-1] * d + lower + first_child + host
-        up = to_device(flat, dtype=torch.int64, device=dev)
-        par, depth, sib, mask, fc, num_nodes = torch.split(up, [d, d, d, d * d, n * d, n])
-        return VerifyTree(
-            tokens,
-            par.expand(n, d),
-            num_nodes,
-            depth.expand(n, d),
-            mask.view(d, d).bool().expand(n, d, d),
-            fc.view(n, d),
-            sib.expand(n, d),
-            True,
-            tuple(host),
-        )
+        par, num_nodes, depth, mask, fc, sib = (
+            ChainLayouts(capacity=1) if layouts is None else layouts
+        ).grids(tuple(host), d, dev)
+        return VerifyTree(tokens, par, num_nodes, depth, mask, fc, sib, True, tuple(host))
 
     @staticmethod
     def _chain_on_device(tokens: torch.Tensor, num_drafts: torch.Tensor) -> VerifyTree:
@@ -255,6 +247,59 @@ class VerifyTree:
         first_child = torch.cat([first_child, torch.full((n, 1), -1, dtype=torch.int64, device=dev)], dim=1)
         next_sibling = torch.full((n, d), -1, dtype=torch.int64, device=dev)
         return VerifyTree(tokens, parents, num_nodes, depth, mask, first_child, next_sibling, True)
+
+
+# a chain's grids in `VerifyTree`'s field order: parents, num_nodes, depth, mask, first_child, next_sibling
+_Grids = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class ChainLayouts:
+    """The grids of chain blocks counted on the host (`VerifyTree.chain`), kept on the device per (node
+    counts, D, device): a drafter's rounds verify the same rows at the same lengths again and again, so the
+    grids go up once instead of in a copy per round. A `VerifyTree`'s arrays are read, never written, so one
+    upload serves every tree built from it. Holds at most `capacity` layouts, the least recently used
+    dropped first.
+    """
+
+    def __init__(self, capacity: int = 64) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity: expected >= 1, got {capacity}")
+        self.capacity = capacity
+        self._kept: OrderedDict[tuple[tuple[int, ...], int, torch.device], _Grids] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def grids(self, host: tuple[int, ...], d: int, device: torch.device) -> _Grids:
+        """(parents [N, D], num_nodes [N], depth [N, D], mask [N, D, D] bool, first_child [N, D],
+        next_sibling [N, D]) int64 of a chain of D nodes per row with `host` real nodes each (checked by the
+        caller), on `device`: `VerifyTree`'s fields in its order."""
+        key = (host, d, device)
+        kept = self._kept.get(key)
+        if kept is not None:
+            self._kept.move_to_end(key)
+            return kept
+        # closed form of `from_parents` for a chain (no per-node loop): node j's parent is j - 1, its only
+        # child j + 1 when that node is real; padded nodes continue the chain. Every grid is built on the
+        # host and goes up in one copy; those every row shares are expanded views of one row
+        n, col = len(host), range(d)
+        first_child = [j + 1 if j + 1 < k else -1 for k in host for j in col]  # [N * D]
+        lower = [int(j <= i) for i in col for j in col]  # [D * D] the ancestor mask: lower triangle
+        flat = [j - 1 for j in col] + list(col) + [-1] * d + lower + first_child + list(host)
+        up = to_device(flat, dtype=torch.int64, device=device)
+        par, depth, sib, mask, fc, num_nodes = torch.split(up, [d, d, d, d * d, n * d, n])
+        kept = (
+            par.expand(n, d),
+            num_nodes,
+            depth.expand(n, d),
+            mask.view(d, d).bool().expand(n, d, d),
+            fc.view(n, d),
+            sib.expand(n, d),
+        )
+        self._kept[key] = kept
+        if len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+        return kept
 
 
 class TreeDraftBuilder:
