@@ -231,7 +231,7 @@ def test_drafts_queued_after_a_verify_serve_only_the_rows_they_were_made_for(
                 got, have = take(*args)
                 assert have == served and (got is None) == (not served)
                 if served:
-                    assert torch.equal(got, p.outputs[0][served, : args[2]])
+                    assert torch.equal(got, p.outputs[0][served, : 1 + args[2]])
             chain.after._prepared = p
             kv.lengths[p.ids[0]] += 1  # the draft moved on (a commit since)
             assert take(p.ids, p.roots, p.steps)[1] == list(range(1, len(p.ids)))
@@ -239,7 +239,7 @@ def test_drafts_queued_after_a_verify_serve_only_the_rows_they_were_made_for(
             chain.after._prepared = p
             sub = [last, 0]  # two rows, reversed
             got, have = take([p.ids[i] for i in sub], [p.roots[i] for i in sub], 1)
-            assert have == [0, 1] and torch.equal(got, p.outputs[0][sub, :1])
+            assert have == [0, 1] and torch.equal(got, p.outputs[0][sub, :2])
             assert chain.after._prepared is None  # one round only
             chain.after._prepared = p
             ids, roots = list(p.ids), list(p.roots)

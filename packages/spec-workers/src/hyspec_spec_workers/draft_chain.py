@@ -13,11 +13,13 @@ step j runs just node j, one token per request at position L-1+j. A proposal of 
    written to the static feature input (chained drafters), and `HybridBackend.advance_one_token` moving the
    batch one position on.
 
-So the host prepares one batch per proposal and replays one graph, with no host work between the steps.
+So the host prepares one batch per proposal and replays one graph, with no host work between the steps. The
+graph's output is each row's verify block as it goes to the target: its root token (read from the first
+block) then its drafts.
 
 After an all-greedy chain verify the next proposal is queued right behind it, from the verify's outputs
 (`draft_after_verify`, draft_after.py), and the next round takes its drafts (`take_prepared`) for the rows
-whose roots and draft lengths are the ones prepared for (the others are drafted then, `OneLayerChain.drafts`).
+whose roots and draft lengths are the ones prepared for (the others are drafted then, `OneLayerChain.blocks`).
 The drafts equal the general path's bit for bit when
 the drafter's features are the hidden states themselves (MTP); EAGLE-3's fc runs over every node instead of
 the accepted ones, which may round differently on a GPU (drafts only: verification decides the output).
@@ -88,7 +90,8 @@ class OneLayerChain:
         return [r.counts for r in self.runners.values()]
 
     def draft(self, ids: list[Hashable], root: Tensor, s_run: int) -> Tensor:
-        """Chain drafts [N, s_run] int64 of these requests from their root tokens [N] (on the device)."""
+        """Chain blocks [N, 1 + s_run] int64 of these requests, their root tokens [N] (on the device) then
+        their drafts."""
         n, kv = len(ids), self.pairs.kv
         written = [kv.lengths[r] for r in ids]
         taken = self.pairs.take_pending(ids)
@@ -114,7 +117,8 @@ class OneLayerChain:
         root: Tensor,
         s_run: int,
     ) -> Tensor:
-        """The proposal's one forward (module docstring) -> drafts [>= N, s_run] (a graph's static output)."""
+        """The proposal's one forward (module docstring) -> blocks [>= N, 1 + s_run], root first (a graph's
+        static output)."""
         n, e, kv = len(ids), self.block0, self.pairs.kv
         req_rows = kv.rows(ids)
         rows = req_rows.tensor.long()
@@ -128,8 +132,8 @@ class OneLayerChain:
         fb = runner.prepare_verify(
             req_rows=req_rows, block_tokens=block.view(n, e), prefix_lens=written, tree_parents=None
         )
-        (drafts,) = runner.run(fb)  # [>= N, s_run] (a graph's static output: copied by the caller)
-        return drafts
+        (blocks,) = runner.run(fb)  # [>= N, 1 + s_run] (a graph's static output: copied by the caller)
+        return blocks
 
     def follows(self, verified: VerifiedChain) -> bool:
         """Whether `draft_after_verify` may propose after this chain verify (`AfterVerify.follows`)."""
@@ -158,27 +162,30 @@ class OneLayerChain:
         fb = runner.prepare_verify(
             req_rows=req_rows, block_tokens=block, prefix_lens=written, tree_parents=None
         )
-        (drafts,) = runner.run(fb)  # [>= N, s_run] graph output
-        self.after.hold(ids, written, (drafts[: len(ids)].clone(),), s_run)
+        (blocks,) = runner.run(fb)  # [>= N, 1 + s_run] graph output: each row's next root, then its drafts
+        self.after.hold(ids, written, (blocks[: len(ids)].clone(),), s_run)
 
     def take_prepared(
         self, ids: Sequence[Hashable], roots: Sequence[int], s_run: int
     ) -> tuple[Tensor | None, list[int]]:
-        """The drafts prepared after the last verify for those of these rows they serve (`AfterVerify.take`:
-        `(drafts [K, s_run], the K rows' indices in ids)`); a round that wants longer chains takes none."""
+        """The blocks prepared after the last verify for those of these rows they serve (`AfterVerify.take`:
+        `(blocks [K, 1 + s_run], root first, the K rows' indices in ids)`); a round that wants longer chains
+        takes none."""
         got, have = self.after.take(ids, roots, lambda steps: s_run <= steps)
-        return (None, []) if got is None else (got[0][:, :s_run], have)
+        return (None, []) if got is None else (got[0][:, : 1 + s_run], have)
 
-    def drafts(self, ids: list[Hashable], root: Tensor, root_dev: Tensor, s_run: int) -> Tensor:
-        """The round's drafts [N, s_run]: those prepared right after the last verify for the rows they serve
-        (`take_prepared`), the others' drafted now (rows that joined since, or moved on). root: [N] host
-        roots, root_dev: the same on the device."""
+    def blocks(self, ids: list[Hashable], root: Tensor, s_run: int) -> Tensor:
+        """The round's chain blocks [N, 1 + s_run] on the device, each row's root token then its drafts:
+        those prepared right after the last verify for the rows they serve (`take_prepared`: their roots
+        are the tokens the verify emitted there, equal to the host's), the others' drafted now (rows that
+        joined since, or moved on) from `root`, [N] host roots (uploaded only then)."""
         n = len(ids)
         got, have = self.take_prepared(ids, root.tolist(), s_run)
         if len(have) == n:
             assert got is not None
             return got
         with torch.no_grad():
+            root_dev = to_device(root, dtype=torch.int64, device=self.model.device)
             if got is None:
                 return self.draft(ids, root_dev, s_run)
             rest = [i for i in range(n) if i not in set(have)]
@@ -187,17 +194,20 @@ class OneLayerChain:
 
     def _propose_forward(self, steps: int, batch: ForwardBatch) -> tuple[Tensor]:
         """A proposal of `steps` drafts per row from the first block `batch` (module docstring) -> the
-        drafts [N, steps] int64.
+        chain blocks [N, 1 + steps] int64: each row's root token (its root pair's, in the block) then its
+        drafts, so a round's verify block needs no copy of its own.
 
         It moves `batch`'s buffers on to the one-token layout, so a graph's warm-up runs after the first see
         that layout on the all-padding batch they share: harmless, as padded rows write no KV and read only
         page 0 whatever their lengths, and a replay starts from the block a build has just written.
         """
+        n, e = batch.num_seqs, batch.verify_len
+        at = self._root_index[:n]  # [N]
+        # each row's root token, read before the steps below move the batch's tokens on
+        root = batch.input_ids[: n * e].view(n, e)[torch.arange(n, device=at.device), at]  # [N] int64
         tok, out = self._root_step(batch)  # [N], [N, F]
-        drafts = [tok]
+        drafts = [root, tok]
         if steps > 1:
-            n, e = batch.num_seqs, batch.verify_len
-            at = self._root_index[:n]  # [N]
             # the root pair's own feature (non-chained drafters) is read before the step overwrites the input
             if self.chain_hidden:
                 feat = out

@@ -93,7 +93,9 @@ class GreedyTail:
         self, batch: ForwardBatch, outputs: tuple[Tensor, ...], inputs: tuple[Tensor, ...]
     ) -> tuple[Tensor, ...]:
         """After the verify forward of `batch` (its `outputs`: hidden states first, [rows * D, H]): the tokens
-        of every row of the packed input, committed -> the `VerifyResult` fields, each [rows, ...]."""
+        of every row of the packed input, committed -> the `VerifyResult` fields, each [rows, ...], then the
+        round's outcome as the host reads it, [rows, 1 + D] int64: accepted drafts, then the emitted tokens
+        (`PendingRound`; made here, inside a graph, instead of by a host call per round)."""
         (packed,) = inputs  # [rows, width] int64 on the device
         rows, d = packed.shape[0], batch.verify_len
         logits = self.compute_logits(outputs[0][: rows * d]).view(rows, d, -1)  # [rows, D, V]
@@ -118,12 +120,18 @@ class GreedyTail:
             budget=packed[:, 1],
         )
         self.commit(batch, r.num_accepted, None if batch.tree_parents is None else r.accept_index)
-        return (r.num_accepted, r.accept_index, r.output_tokens, r.bonus, r.commit_steps, r.finished)
+        outcome = torch.cat([r.num_accepted[:, None], r.output_tokens], dim=1)  # [rows, 1 + D]
+        return (r.num_accepted, r.accept_index, r.output_tokens, r.bonus, r.commit_steps, r.finished, outcome)
 
     @staticmethod
     def result(outputs: tuple[Tensor, ...], n: int) -> VerifyResult:
         """The live rows' `VerifyResult` of the tail's outputs (the first `n` rows)."""
-        return VerifyResult(*(o[:n] for o in outputs))
+        return VerifyResult(*(o[:n] for o in outputs[:6]))
+
+    @staticmethod
+    def outcome(outputs: tuple[Tensor, ...], n: int) -> Tensor:
+        """The live rows' outcome for the host, [n, 1 + D] int64 (`__call__`'s last output)."""
+        return outputs[6][:n]
 
 
 @runtime_checkable
@@ -152,10 +160,11 @@ def greedy_tail_result(
     nodes: list[int],
     stop_ids: torch.Tensor,
     budgets: torch.Tensor,
-) -> VerifyResult | None:
+) -> tuple[VerifyResult, Tensor] | None:
     """The greedy tail (`greedy_tail.py`) of a verify whose rows are all plain greedy: replayed by a
-    target that captured it for this batch, else run eagerly on the live rows -> the live rows' result; None
-    when a row carries more stop ids than the tail holds (the caller takes the general path)."""
+    target that captured it for this batch, else run eagerly on the live rows -> the live rows' result and
+    their outcome for the host ([N, 1 + D] int64, `GreedyTail.outcome`); None when a row carries more stop
+    ids than the tail holds (the caller takes the general path)."""
     n = len(nodes)
     gt = GreedyTail(
         target.compute_logits,
@@ -167,7 +176,8 @@ def greedy_tail_result(
     if isinstance(target, GreedyTailTarget):
         outs = target.replay_greedy_tail(batch, hidden, packed)
         if outs is not None:
-            return GreedyTail.result(outs, n)
+            return GreedyTail.result(outs, n), GreedyTail.outcome(outs, n)
     # eagerly over the live rows only (they come first): `hidden` holds only theirs
     packed_dev = to_device(packed[:n], dtype=torch.int64, device=hidden.device)
-    return GreedyTail.result(gt(batch, (hidden,), (packed_dev,)), n)
+    outs = gt(batch, (hidden,), (packed_dev,))
+    return GreedyTail.result(outs, n), GreedyTail.outcome(outs, n)

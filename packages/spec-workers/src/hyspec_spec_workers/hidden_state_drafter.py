@@ -285,10 +285,10 @@ class HiddenStateDrafter:
             raise ValueError(f"batch.num_steps: a tree drafts all {s_run} steps or none per row, got {steps}")
         if self._fast_chain:
             assert self.chain is not None
-            root_dev = to_device(root, dtype=torch.int64, device=self.model.device)
-            drafts = self.chain.drafts(ids, root, root_dev, s_run)
-            # the block stays on the device (node counts from the host's `steps`): no wait for the drafts
-            return DraftOutput(VerifyTree.chain(root_dev, drafts, torch.tensor(steps), layouts=self._layouts))
+            # [root, drafts...] per row, made on the device by the proposal itself; the block stays there
+            # (node counts from the host's `steps`): no wait for the drafts, no copy of the roots
+            block = self.chain.blocks(ids, root, s_run)  # [N, 1 + s_run]
+            return DraftOutput(VerifyTree.chain_block(block, torch.tensor(steps), layouts=self._layouts))
         if not self.block0:
             self.pairs.write(ids)  # the general path reads only written pairs (none wait: keep=None)
         # rows that draft nothing keep their root only; a tree is built where the drafts are, from the host's

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hyspec_spec_workers.choose import HostRound, accepted_path, choose_tokens, to_verified
+from hyspec_spec_workers.choose import HostRound, PendingRound, accepted_path, choose_tokens, to_verified
 from hyspec_spec_workers.constraint import DraftOnHost, TokenBitmask, draft_blocks, mask_block_logits
 from hyspec_spec_workers.costs import DraftClock
 from hyspec_spec_workers.draft_feed import DraftFeed
@@ -77,11 +77,12 @@ def verify_round(
     budgets = torch.tensor([r.max_new_tokens for r in rows], dtype=torch.int64)
     if all(plain_greedy(r) for r in rows):
         # token choice and commit as one function of tensors: a graphed target replays it
-        tail = greedy_tail_result(target, batch, hidden, nodes, stop_ids, budgets)
-        if tail is not None:
+        got = greedy_tail_result(target, batch, hidden, nodes, stop_ids, budgets)
+        if got is not None:
+            tail, outcome = got
             # the outcome goes to the host first: the read below then waits for the verify and the tail, not
             # for the next proposal queued behind them, which the device runs while the host goes on
-            pending = HostRound.start(tail, with_paths=False)
+            pending = PendingRound(outcome, tail.output_tokens.shape[1], with_paths=False)
             # a one-layer drafter proposes the next round now, from the verify's outputs, queued behind it
             after = (
                 feed is not None

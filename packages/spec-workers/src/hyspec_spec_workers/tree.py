@@ -218,8 +218,19 @@ class VerifyTree:
         n = root.shape[0]
         if drafts.dim() != 2 or drafts.shape[0] != n:
             raise ValueError(f"drafts: expected shape [{n}, D - 1], got {list(drafts.shape)}")
-        d, dev = drafts.shape[1] + 1, root.device
-        tokens = torch.cat([root[:, None], drafts.to(dev)], dim=1).to(torch.int64)  # [N, D]
+        tokens = torch.cat([root[:, None], drafts.to(root.device)], dim=1)  # [N, D]
+        return VerifyTree.chain_block(tokens, num_drafts, layouts=layouts)
+
+    @staticmethod
+    def chain_block(
+        tokens: torch.Tensor, num_drafts: torch.Tensor | None = None, *, layouts: ChainLayouts | None = None
+    ) -> VerifyTree:
+        """`chain` of a block given whole: `tokens` [N, D] each row's root token then its drafts (padding
+        values are ignored), on the device the tree is built on (a drafter that writes its blocks so)."""
+        if tokens.dim() != 2 or tokens.shape[1] < 1:
+            raise ValueError(f"tokens: expected shape [N, D >= 1], got {list(tokens.shape)}")
+        (n, d), dev = tokens.shape, tokens.device
+        tokens = tokens.to(torch.int64)
         if num_drafts is not None:
             _check("num_drafts", num_drafts, (n,))
             if num_drafts.device.type != "cpu":
