@@ -260,8 +260,9 @@ def oracle_registry(refs: Sequence[list[int]], steps: int, *, wrong: bool = Fals
         def __init__(self) -> None:
             # request id -> (its reference or None once parted, history length when last checked)
             self._refs: dict[Any, tuple[list[int] | None, int]] = {}
-            # its blocks' grids uploaded once per shape, as the repo's drafters keep them (trees before
-            # `ChainLayouts` upload them every round)
+            # its blocks' grids built once per shape, as the repo's ngram drafter keeps them (on the host, as
+            # its drafts: the round moves the tree to the device in one packed copy; trees before
+            # `ChainLayouts` build them every round)
             self._chain: dict[str, Any] = {}
             try:
                 from hyspec_spec_workers.tree import ChainLayouts

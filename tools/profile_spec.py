@@ -193,20 +193,21 @@ def phases(llm: Any, run: Any, *, sync: bool) -> None:
     saved = [(obj, attr, getattr(obj, attr)) for _, obj, attr in targets]
     for name, obj, attr in targets:
         setattr(obj, attr, timed(name, getattr(obj, attr)))
-    # the round's one device read: queued (HostRound.start), then waited for (PendingRound.wait, its wait for
-    # the verify's GPU work included)
-    from hyspec_spec_workers.choose import HostRound, PendingRound
+    # the round's one device read: queued (PendingRound.__init__: of the outcome the greedy tail packed, or
+    # of what HostRound.start packs), then waited for (PendingRound.wait, its wait for the verify's GPU work
+    # included)
+    from hyspec_spec_workers.choose import PendingRound
 
-    start, wait = HostRound.__dict__["start"], PendingRound.wait
-    HostRound.start = staticmethod(timed("  HostRound.start", HostRound.start))  # type: ignore[method-assign]
+    init, wait = PendingRound.__init__, PendingRound.wait
+    PendingRound.__init__ = timed("  PendingRound.__init__", PendingRound.__init__)  # type: ignore[method-assign]
     PendingRound.wait = timed("  PendingRound.wait", PendingRound.wait)  # type: ignore[method-assign]
     try:
         run()
     finally:
-        HostRound.start, PendingRound.wait = start, wait  # type: ignore[method-assign]
+        PendingRound.__init__, PendingRound.wait = init, wait  # type: ignore[method-assign]
         for obj, attr, fn in reversed(saved):
             setattr(obj, attr, fn)
-    for name in [t[0] for t in targets] + ["  HostRound.start", "  PendingRound.wait"]:
+    for name in [t[0] for t in targets] + ["  PendingRound.__init__", "  PendingRound.wait"]:
         if calls[name]:
             med = sorted(each[name])[len(each[name]) // 2]
             print(

@@ -15,9 +15,12 @@ def device_for(backend: str) -> str:
     return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
 
 
-def _case(seed: int, n: int, dv: int, f: int, *, tree: bool, rows_total: int = 9) -> dict[str, object]:
+def _case(
+    seed: int, n: int, dv: int, f: int, *, tree: bool, rows_total: int = 9, width: int = 99
+) -> dict[str, object]:
+    """Every accept length the block holds (the next root pair inside a `width`-wide block)."""
     g = torch.Generator().manual_seed(seed)
-    acc = torch.randint(0, dv, (n,), generator=g)
+    acc = torch.randint(0, min(dv, width - 1), (n,), generator=g)
     paths = None
     out = torch.full((n, dv), -1, dtype=torch.int64)
     if tree:
@@ -64,7 +67,7 @@ def _run(backend: str, case: dict[str, object], width: int) -> tuple[torch.Tenso
     ("n", "dv", "f", "width"), [(1, 4, 8, 5), (3, 4, 20, 5), (5, 6, 7, 4), (2, 3, 16, 8)]
 )
 def test_matches_reference(backend: str, tree: bool, n: int, dv: int, f: int, width: int) -> None:
-    case = _case(n * 100 + dv + int(tree), n, dv, f, tree=tree)
+    case = _case(n * 100 + dv + int(tree), n, dv, f, tree=tree, width=width)
     got = _run(backend, case, width)
     want = _run("reference", case, width)
     for a, b in zip(got, want, strict=True):
@@ -117,6 +120,11 @@ def test_reference_is_the_definition() -> None:
         ({"width": 1}, "width"),
         ({"x": torch.zeros(9, 3)}, "x"),
         ({"root_index": torch.zeros(1, dtype=torch.int64)}, "root_index"),
+        ({"width": 3, "x": torch.zeros(6, 3)}, "num_accepted"),  # 3 accepted: past a 3-wide block
+        ({"num_accepted": torch.tensor([[0, 9], [3, 9]])[:, 0]}, "num_accepted"),  # strided
+        ({"rows": torch.tensor([[0, 9], [2, 9]])[:, 0]}, "rows"),
+        ({"output_tokens": torch.zeros(4, 2, dtype=torch.int64).t()}, "output_tokens"),
+        ({"root_index": torch.zeros(2, 2, dtype=torch.int64)[:, 0]}, "root_index"),
     ],
 )
 def test_bad_arguments_are_named(change: dict[str, object], name: str) -> None:
@@ -159,3 +167,25 @@ def test_on_cuda_equals_the_reference(tree: bool, n: int, f: int, dtype: torch.d
     tokens = draft_block_after_verify(**dev_case, x=x, root_index=root_index, width=5)  # type: ignore[arg-type]
     for a, b in zip((tokens, x, root_index, dev_case["root_features"]), want, strict=True):
         torch.testing.assert_close(a.cpu(), b.to(a.dtype), equal_nan=True, rtol=0, atol=0)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_rows(backend: str) -> None:
+    """A batch of no rows writes nothing and returns [0, W] tokens on every path."""
+    dev = device_for(backend)
+    x = torch.full((4, 3), float("nan"), device=dev)
+    root_index = torch.full((2,), -7, dtype=torch.int64, device=dev)
+    tokens = draft_block_after_verify(
+        block_tokens=torch.zeros(0, 4, dtype=torch.int64, device=dev),
+        output_tokens=torch.zeros(0, 4, dtype=torch.int64, device=dev),
+        features=torch.zeros(0, 3, device=dev),
+        paths=None,
+        num_accepted=torch.zeros(0, dtype=torch.int64, device=dev),
+        rows=torch.zeros(0, dtype=torch.int64, device=dev),
+        root_features=torch.zeros(2, 3, device=dev),
+        x=x,
+        root_index=root_index,
+        width=5,
+        backend=backend,  # type: ignore[arg-type]
+    )
+    assert tokens.shape == (0, 5) and torch.isnan(x).all() and (root_index == -7).all()

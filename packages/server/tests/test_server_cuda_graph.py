@@ -190,8 +190,14 @@ def test_runner_greedy_tail_runs_on_a_padding_batch(tiny_qwen3_5: Path) -> None:
     inputs = graphs.tail.static_inputs(4, 4, hidden.device)  # the engine's device (a GPU machine: cuda)
     state = {k: v.clone() for k, v in eng.runner.pool.tensors().items() if "scratch" not in k}  # type: ignore[attr-defined]
     outs = graphs.tail(batch, (hidden,), inputs)
-    assert len(outs) == 6 and all(o.shape[0] == 4 for o in outs)
+    assert len(outs) == 7 and all(o.shape[0] == 4 for o in outs)
     assert outs[0].tolist() == [0, 0, 0, 0]  # one node per padded row: nothing accepted
+    # the outcome the host reads: accepted counts, then the emitted tokens
+    assert (
+        outs[6].shape == (4, 5)
+        and torch.equal(outs[6][:, 0], outs[0])
+        and torch.equal(outs[6][:, 1:], outs[2])
+    )
     for k, v in eng.runner.pool.tensors().items():  # type: ignore[attr-defined]
         if k in state:
             torch.testing.assert_close(v, state[k], rtol=0, atol=0, equal_nan=True, msg=k)

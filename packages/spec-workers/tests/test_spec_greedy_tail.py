@@ -161,3 +161,25 @@ def test_static_inputs_are_padded_rows_and_too_many_stop_ids_take_the_general_pa
     assert packed is not None and packed[0, :3].tolist() == [2, 5, 3]
     with pytest.raises(ValueError, match="max_stop_ids"):
         GreedyTail(lambda h: h, lambda b, a, p: a, max_stop_ids=0)
+
+
+@pytest.mark.parametrize("padded", [0, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_outcome_is_what_the_host_reads(seed: int, padded: int) -> None:
+    """The tail's last output, the round's outcome packed for the host (accepted counts, then the emitted
+    tokens), reads back as exactly what `HostRound.start` packs from the result, padded graph rows or not."""
+    from hyspec_spec_workers.choose import HostRound, PendingRound
+
+    n, d = 5, 4
+    logits, nodes, tokens, stops, budgets = _case(seed, n, d)
+    rows = n + padded
+    hidden = torch.cat([logits.reshape(n * d, V), torch.randn(padded * d, V)])
+    input_ids = torch.cat([tokens.reshape(-1), torch.zeros(padded * d, dtype=torch.int64)])
+    batch: Any = SimpleNamespace(verify_len=d, input_ids=input_ids, num_seqs=rows, tree_parents=None)
+    tail = GreedyTail(lambda h: h, lambda b, a, p: a)
+    outs = tail(batch, (hidden,), (tail.pack(nodes, stops, budgets, rows=rows),))
+    res, outcome = GreedyTail.result(outs, n), GreedyTail.outcome(outs, n)
+    assert outcome.shape == (n, 1 + d)
+    assert torch.equal(outcome[:, 0], res.num_accepted) and torch.equal(outcome[:, 1:], res.output_tokens)
+    want = HostRound.start(res, with_paths=False).wait()
+    assert PendingRound(outcome, d, with_paths=False).wait() == want

@@ -325,3 +325,22 @@ def test_chain_layouts_keep_the_grids_and_give_the_same_tree() -> None:
         ChainLayouts(capacity=0)
     with pytest.raises(ValueError, match="num_drafts"):
         VerifyTree.chain(root, drafts, torch.tensor([4, 0, 0]), layouts=layouts)
+
+
+def test_chain_block_takes_a_sliced_proposal() -> None:
+    """`VerifyTree.chain_block` of a block given whole equals `chain` of its root and drafts, also for a
+    non-contiguous block (a prepared proposal cut to fewer steps than it ran); a block without columns is
+    refused by name."""
+    from hyspec_spec_workers.tree import ChainLayouts
+
+    full = torch.tensor([[5, 1, 2, 3], [6, 4, 5, 6]])  # [N, 1 + S] root first, S = 3
+    block = full[:, :3]  # two steps of the three: not contiguous
+    assert not block.is_contiguous()
+    num = torch.tensor([2, 1])
+    got = VerifyTree.chain_block(block, num, layouts=ChainLayouts())
+    want = VerifyTree.chain(block[:, 0], block[:, 1:], num)
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    assert got.host_num_nodes == (3, 2) and got.is_chain
+    with pytest.raises(ValueError, match="tokens"):
+        VerifyTree.chain_block(torch.zeros(2, 0, dtype=torch.int64))

@@ -12,7 +12,7 @@ takes the prepared outputs (`take`) for the rows whose roots and draft lengths a
 pair the block holds the rejected nodes' pairs: the root's causal mask hides them, and the proposal's later
 steps and the next block overwrite those positions before anything reads them.
 
-`OneLayerChain` (draft_chain.py) and `TreeDrafts` (draft_tree.py) each keep one `AfterVerify`.
+`OneLayerChain` (draft_chain.py) and `OneLayerTree` (draft_tree_one.py) each keep one `AfterVerify`.
 """
 
 from __future__ import annotations

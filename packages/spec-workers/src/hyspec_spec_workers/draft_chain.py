@@ -106,7 +106,7 @@ class OneLayerChain:
             raise
         finally:
             kv.release(ids)
-        return drafts[:n]
+        return drafts[:n]  # a copy of its own (`_first_block_and_steps`)
 
     def _first_block_and_steps(
         self,
@@ -132,8 +132,10 @@ class OneLayerChain:
         fb = runner.prepare_verify(
             req_rows=req_rows, block_tokens=block.view(n, e), prefix_lens=written, tree_parents=None
         )
-        (blocks,) = runner.run(fb)  # [>= N, 1 + s_run] (a graph's static output: copied by the caller)
-        return blocks
+        (blocks,) = runner.run(fb)  # [>= N, 1 + s_run]
+        # a copy: after a replay it is the graph's static output, which the proposal queued after this round's
+        # verify overwrites while this round's verify block may still be read
+        return blocks.clone()
 
     def follows(self, verified: VerifiedChain) -> bool:
         """Whether `draft_after_verify` may propose after this chain verify (`AfterVerify.follows`)."""

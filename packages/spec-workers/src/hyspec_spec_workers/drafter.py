@@ -153,7 +153,9 @@ class NgramDrafter:
         self._proposer = NgramProposer(
             min_n=min_n, max_n=max_n, num_speculative_tokens=num_speculative_tokens
         )
-        self._layouts = ChainLayouts()  # its blocks' grids, uploaded once per shape
+        # its blocks' grids built once per shape (on the host, as its drafts: the round moves the tree to the
+        # device in one packed copy)
+        self._layouts = ChainLayouts()
 
     @property
     def method(self) -> Method:

@@ -96,7 +96,9 @@ class HiddenStateDrafter:
         if len(steps) != s or any(x < 0 for x in steps):
             raise ValueError(f"layer_steps: expected {s} values >= 0, got {steps}")
         self.model = model
-        self._layouts = ChainLayouts()  # its chain blocks' grids, uploaded once per shape
+        # its chain blocks' grids, kept where the blocks are: uploaded once per shape for the one-layer
+        # chain's device blocks, built once per shape for the general path's host ones
+        self._layouts = ChainLayouts()
         self._method: Method = method
         self.num_speculative_tokens, self.topk, self.num_draft_tokens = s, k, d
         self.layer_steps = tuple(steps)

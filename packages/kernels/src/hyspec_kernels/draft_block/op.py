@@ -41,7 +41,7 @@ def draft_block_after_verify(
             min(Dv for a chain or P for a tree, W - 1) is the number of path nodes the block takes.
         features: [N * Dv, F] the drafter's features of the target's hidden states at every verified node.
         paths: [N, P] int64 a tree's accepted paths (node indices, -1 past them); None for a chain.
-        num_accepted: [N] int64 accepted drafts per row (< Dv for a chain, < P for a tree).
+        num_accepted: [N] int64 accepted drafts per row, < d (the next root pair sits in the block).
         rows: [N] int64 distinct rows of `root_features`.
         root_features: [R, F] each row's root feature: read into the block, then set to the feature at the
             accepted path's node `num_accepted` (the next root pair).
@@ -73,11 +73,16 @@ def draft_block_after_verify(
     root_index = check_tensor("root_index", root_index, (None,), dtypes=_I64, device=dev)
     if root_index.shape[0] < n:
         raise ValueError(f"root_index: expected >= N = {n} entries, got {list(root_index.shape)}")
-    for name, t in (("features", features), ("root_features", root_features), ("x", x)):
-        if f > 1 and t.stride(1) != 1:
-            raise ValueError(f"{name}: expected contiguous rows (stride 1 along F), got {t.stride()}")
+    # the Triton kernel steps along the last dimension of these by 1 (their rows may be strided)
+    last = {"features": features, "root_features": root_features, "x": x, "output_tokens": output_tokens}
+    last.update({"num_accepted": num_accepted, "rows": rows, "root_index": root_index})
+    if paths is not None:
+        last["paths"] = paths
+    for name, t in last.items():
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a unit stride along its last dimension, got {t.stride()}")
     if value_checks(dev, check_values) and n:
-        nodes = dv if paths is None else int(paths.shape[1])
+        nodes = min(dv if paths is None else int(paths.shape[1]), width - 1)
         _check_values(rows, num_accepted, int(root_features.shape[0]), nodes)
     fn = implementation(
         backend,
@@ -102,7 +107,8 @@ def draft_block_after_verify(
 
 
 def _check_values(rows: torch.Tensor, num_accepted: torch.Tensor, num_rows: int, nodes: int) -> None:
-    """Rows distinct and in [0, R) (a row written twice would race), accepted counts in [0, nodes)."""
+    """Rows distinct and in [0, R) (a row written twice would race), accepted counts in [0, nodes): the
+    path node the next root comes from is in the verified block and the root pair in the new one."""
     if bool(((rows < 0) | (rows >= num_rows)).any()) or len(set(rows.tolist())) != int(rows.numel()):
         raise ValueError(f"rows: expected distinct rows in [0, {num_rows}), got {rows.tolist()}")
     if bool(((num_accepted < 0) | (num_accepted >= nodes)).any()):

@@ -20,7 +20,7 @@ def draft_block_after_verify_reference(
     output_tokens: torch.Tensor,  # [N, >= d] int64, the emitted tokens (-1 past each row's)
     features: torch.Tensor,  # [N * Dv, F] the drafter's features at every verified node
     paths: torch.Tensor | None,  # [N, P] int64 a tree's accepted paths (-1 past them), None: a chain
-    num_accepted: torch.Tensor,  # [N] int64 accepted drafts per row
+    num_accepted: torch.Tensor,  # [N] int64 accepted drafts per row, < d
     rows: torch.Tensor,  # [N] int64 distinct rows of root_features
     root_features: torch.Tensor,  # [R, F] read at rows, then written with the next root features
     x: torch.Tensor,  # [>= N * W, F] the block's features are written to its first N * W rows

@@ -22,6 +22,8 @@ def draft_block_after_verify_torch(
     n, dv = block_tokens.shape
     d = min(dv if paths is None else paths.shape[1], width - 1)
     pad = width - 1 - d
+    if n == 0:
+        return torch.zeros(0, width, dtype=torch.int64, device=block_tokens.device)
     tokens = torch.cat([block_tokens[:, :1], output_tokens[:, :d]], dim=1).clamp_(min=0)  # [N, 1 + d]
     node_feats = features.view(n, dv, -1)  # [N, Dv, F]
     at = torch.arange(n, device=features.device)
