@@ -91,6 +91,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="the graphs timed: captured at this batch size")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_host_primitives: needs a CUDA GPU")
     rows: list[dict[str, Any]] = []
 
     def record(name: str, seconds: float, kernels: str | None = None) -> None:
