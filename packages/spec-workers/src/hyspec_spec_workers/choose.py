@@ -223,8 +223,9 @@ class HostRound:
 
 
 class PendingRound:
-    """A round's outcome on its way to the host (`HostRound.start`): on CUDA one non-blocking copy into
-    pinned memory and an event behind it, so `wait` waits for the work queued before the copy only."""
+    """A round's outcome on its way to the host (`HostRound.start` packs it from a result; a greedy tail
+    packs it itself, `GreedyTail.outcome`): on CUDA one non-blocking copy into pinned memory and an event
+    behind it, so `wait` waits for the work queued before the copy only."""
 
     def __init__(self, packed: torch.Tensor, block_size: int, with_paths: bool) -> None:
         self._d, self._with_paths = block_size, with_paths
