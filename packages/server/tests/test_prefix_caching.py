@@ -69,9 +69,9 @@ def test_the_saves_of_one_step_reach_the_memory_together() -> None:
     inner = memory.save_prefixes
     calls: list[list[str]] = []
 
-    def save_prefixes(saves: Any) -> None:
+    def save_prefixes(saves: Any, **kw: Any) -> None:
         calls.append(sorted(str(s.req_id) for s in saves))
-        inner(saves)
+        inner(saves, **kw)
 
     memory.save_prefixes = save_prefixes
     prompts = [_rand(rng, 6) for _ in range(3)]
@@ -106,9 +106,9 @@ def test_prefill_saves_run_while_the_forward_is_queued(tiny_qwen3_5: Path) -> No
         order.append("read")
         return read(queued)
 
-    def saving(saves: Any) -> None:
+    def saving(saves: Any, **kw: Any) -> None:
         order.append("save " + ",".join(str(len(s.token_ids)) for s in saves))
-        save(saves)
+        save(saves, **kw)
 
     runner.plain.read = reading
     eng.scheduler.memory.save_prefixes = saving  # type: ignore[method-assign]

@@ -164,3 +164,24 @@ def test_inner_snapshots_of_a_chunk_beside_verify_blocks(checkpoints: dict[str, 
         llm.engine.leak_check()
     assert results[True][0] == results[False][0]
     assert results[True][1] == 192
+
+
+@pytest.mark.parametrize("budget", [512, 100])
+def test_a_drafter_resumes_from_its_own_kv_at_an_inner_snapshot(
+    budget: int, checkpoints: dict[str, Path]
+) -> None:
+    """A target hit at a snapshot inside a prompt chunk finds the MTP drafter's K/V there too (saved with the
+    chunk's own saves once the draft passed it), not zeros: every cached token but the drafter's lag is a
+    draft hit. (Found by a review: the drafter saved only where chunks ended, so it resumed a shared system
+    prompt from zero K/V; output stays right, acceptance collapses.)"""
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    llm = _llm(checkpoints["qwen3_5"], spec, True, budget)
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": LONG}], params, use_tqdm=False)
+    cache = llm.engine.runner.spec.model_drafter.kv.cache  # type: ignore[union-attr]
+    before = cache.stats()
+    (o,) = llm.generate([{"prompt_token_ids": LONG[:200] + OTHER[:40]}], params, use_tqdm=False)
+    after = cache.stats()
+    assert o.num_cached_tokens == 192  # the target's inner snapshot at 192
+    assert after.num_hits - before.num_hits == 192 - 1, (before, after)  # the drafter's lag: 1
+    llm.engine.leak_check()

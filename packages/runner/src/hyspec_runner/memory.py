@@ -80,9 +80,10 @@ class RequestMemory(Protocol):
         state and followers' memory as if those tokens were computed. Returns their count (0: none)."""
         ...
 
-    def save_prefixes(self, saves: Sequence[PrefixSave]) -> None:
+    def save_prefixes(self, saves: Sequence[PrefixSave], *, inner: Sequence[PrefixSave] = ()) -> None:
         """Caches each request's committed state and KV (`token_ids` is exactly what they hold), every save
-        of a step in one call."""
+        of a step in one call. `inner`: the points inside the step's prefill chunks its forward saved for the
+        pool (`reserve_snapshots`), which the followers save for themselves too (a drafter's KV up there)."""
         ...
 
     def reset_prefix_cache(self, *, counters: bool = False) -> bool:

@@ -139,14 +139,15 @@ class StatePoolMemory:
                 f.on_prefix_hit(request_id, n, token_ids, salt=salt)
         return n
 
-    def save_prefixes(self, saves: Sequence[PrefixSave]) -> None:
+    def save_prefixes(self, saves: Sequence[PrefixSave], *, inner: Sequence[PrefixSave] = ()) -> None:
         saves = [s for s in saves if s.token_ids]
-        if self.prefix_cache is None or not saves:
+        if self.prefix_cache is None or not (saves or inner):
             return
         for s in saves:
             self.prefix_cache.save(s.req_id, s.token_ids, salt=s.salt, num_tokens=len(s.token_ids))
+        # the inner points are the pool's already (the forward wrote them): only the followers save them
         for f in self.followers:
-            f.on_prefix_saves(saves)
+            f.on_prefix_saves([*inner, *saves])
 
     def reset_prefix_cache(self, *, counters: bool = False) -> bool:
         """Forgets every cached prefix (live requests keep their pages); False when caching is off."""

@@ -316,17 +316,19 @@ class Scheduler:
         if not every:
             return
         saves: list[PrefixSave] = []
+        inner: list[PrefixSave] = []  # the points the forward saved inside the chunks: the followers' to save
         for c in chunks:
             req = c.request
             if c.verify or req.finished:
                 continue
+            inner += [self._save(req, p) for p, _ in c.state_saves]
             # a prefill chunk that samples ends the prompt (or a recompute); a decode chunk saves only at an
             # interval
             prefill_end = c.sample and (c.num_new > 1 or c.start < req.num_prompt_tokens)
             if c.end % every == 0 or prefill_end:
                 saves.append(self._save(req, c.end))
-        if saves:
-            self.memory.save_prefixes(saves)
+        if saves or inner:
+            self.memory.save_prefixes(saves, inner=inner)
 
     @staticmethod
     def _save(req: Request, num_tokens: int) -> PrefixSave:

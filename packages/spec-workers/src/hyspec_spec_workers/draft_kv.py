@@ -157,10 +157,11 @@ class DraftKV:
         payload: torch.Tensor | None = None,
     ) -> bool:
         """Caches the request's draft KV for its committed target tokens `token_ids` (with `payload`);
-        False (nothing saved) when caching is off or the draft holds other than `len(token_ids) - lag`
-        positions."""
+        False (nothing saved) when caching is off or the draft holds fewer than `len(token_ids) - lag`
+        final positions. It may hold more (a point the target saved inside a prompt chunk, which the draft
+        has passed since): attention K/V before a position do not depend on what follows it."""
         n = len(token_ids) - self.lag
-        if self.cache is None or n < 1 or self.lengths.get(req_id) != n:
+        if self.cache is None or n < 1 or self.lengths.get(req_id, 0) < n:
             return False
         seq, key = self._cache_key(token_ids, salt)
         self.cache.save(req_id, seq, salt=key, num_tokens=n, payload=payload)

@@ -173,11 +173,16 @@ class DraftPairs:
             self.root_features[row] = 0
 
     def save(self, saves: Sequence[PrefixSave]) -> None:
-        """Saves these requests' pairs in the draft's prefix cache, each with its f[L-1] as the payload."""
+        """Saves these requests' pairs in the draft's prefix cache, each with its f[L-1] as the payload when
+        it is the request's root feature (a save at its final length; a point the draft has passed since, as
+        the target's snapshots inside a prompt chunk, keeps its K/V only: a hit there starts from a zero root
+        feature, one draft position)."""
         self.write([s.req_id for s in saves])  # pending pairs first (one extend): the cache keeps written KV
         for s in saves:
+            last = self.kv.lengths.get(s.req_id) == len(s.token_ids) - self.kv.lag
             row = self.kv.rows([s.req_id]).tensor.long()
-            self.kv.save(s.req_id, s.token_ids, salt=s.salt, payload=self.root_features[row][0])  # f[L-1] [F]
+            payload = self.root_features[row][0] if last else None  # f[L-1] [F]
+            self.kv.save(s.req_id, s.token_ids, salt=s.salt, payload=payload)
 
     # ---------------------------------------------------------------- committing
 
