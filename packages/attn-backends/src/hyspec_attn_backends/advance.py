@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
-from hyspec_kernels import tree_grids
+from hyspec_kernels import advance_one_token, tree_grids
 from torch import Tensor
 
 from hyspec_attn_backends.batch import ForwardBatch, check_tree_parents
@@ -48,18 +48,21 @@ def check_advance(batch: ForwardBatch, kinds: Sequence[MixerKind]) -> None:
 
 def advance_in_place(batch: ForwardBatch, *, page_size: int) -> None:
     """Positions, prefix and KV lengths of each live row + 1, and its KV slot that of the new position, read
-    from the batch's own page table; padded rows (KV slot -1) stay padding. `batch` passed `check_advance`."""
+    from the batch's own page table; padded rows (KV slot -1) stay padding: `hyspec_kernels.advance_one_token`
+    (one launch on CUDA). `batch` passed `check_advance`."""
     assert batch.kv_slots is not None
-    slots = batch.kv_slots.tensor  # [N] int32, -1 on padded rows
-    live = slots >= 0  # [N] bool
-    step = live.to(torch.int32)  # [N]
-    batch.prefix_lens.add_(step)
-    batch.kv_lens.add_(step)
-    batch.positions.add_(step)
-    batch.has_initial_state.copy_(batch.prefix_lens > 0)
-    pos = batch.prefix_lens.long()  # [N] the new token's position
-    pages = batch.page_table.gather(1, (pos // page_size)[:, None])[:, 0].long()  # [N]
-    slots.copy_(torch.where(live, pages * page_size + pos % page_size, -1))
+    advance_one_token(
+        positions=batch.positions,
+        kv_slots=batch.kv_slots.tensor,
+        prefix_lens=batch.prefix_lens,
+        kv_lens=batch.kv_lens,
+        has_initial_state=batch.has_initial_state,
+        page_table=batch.page_table,
+        page_size=page_size,
+        # a proposal's last step moves its rows past the positions it mapped, which no forward reads (the
+        # next round's batch is written afresh): no value check that each next position has a page
+        check_values=False,
+    )
     # cu_seqlens, q_lens, page table, state slots and batch rows are those of the next position already
 
 

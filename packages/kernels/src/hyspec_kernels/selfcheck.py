@@ -45,7 +45,7 @@ def _nan_pool(shape: tuple[int, ...], used: list[int], gen: torch.Generator, dev
 
 def build_cases(device: str) -> dict[str, Case]:
     from hyspec_kernels.accept import accept_walk
-    from hyspec_kernels.advance import advance_verify
+    from hyspec_kernels.advance import advance_one_token, advance_verify
     from hyspec_kernels.attention import paged_attention, store_kv
     from hyspec_kernels.commit import commit_states
     from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
@@ -321,6 +321,31 @@ def build_cases(device: str) -> dict[str, Case]:
     cases["advance_verify (chain batch at new prefixes over stale fields, page crossing, padded row)"] = (
         advance_case
     )
+
+    # a one-token batch of two live rows and a padded one moved on: row 0 (position 3, pages of 4) crosses
+    # into its second page
+    def advance_one_case(be: Backend) -> Result:
+        out = {
+            "positions": i64([3, 8, 0]),
+            "kv_slots": torch.tensor([2 * 4 + 3, 5 * 4 + 0, -1], dtype=torch.int32, device=device),
+            "prefix_lens": idx([3, 8, 0]),
+            "kv_lens": idx([4, 9, 1]),
+            "has_initial_state": torch.tensor([True, True, False], device=device),
+        }
+        table = torch.tensor([[2, 7, 1], [4, 6, 5], [-1, -1, -1]], dtype=torch.int32, device=device)
+        advance_one_token(
+            positions=out["positions"],
+            kv_slots=out["kv_slots"],
+            prefix_lens=out["prefix_lens"],
+            kv_lens=out["kv_lens"],
+            has_initial_state=out["has_initial_state"],
+            page_table=table,
+            page_size=4,
+            backend=be,
+        )
+        return out
+
+    cases["advance_one_token (live rows, a page crossing, a padded row)"] = advance_one_case
 
     # a drafter's next first blocks after a verify of two rows (D = 4, W = 5, 40 features, rows 3 and 0 of 4
     # root features), a chain and the same rows as a tree with its accepted paths

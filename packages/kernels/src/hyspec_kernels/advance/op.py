@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from hyspec_kernels._checks import Backend, check_tensor, implementation, value_checks
-from hyspec_kernels.advance.reference import advance_verify_reference
-from hyspec_kernels.advance.torch_impl import advance_verify_torch
+from hyspec_kernels.advance.reference import advance_one_token_reference, advance_verify_reference
+from hyspec_kernels.advance.torch_impl import advance_one_token_torch, advance_verify_torch
 
 
 def advance_verify(
@@ -115,6 +115,77 @@ def _check_values(prefix: torch.Tensor, page_table: torch.Tensor, d: int, page_s
             "page_table: expected a page for every position of a live row's block (the caller maps them "
             "first)"
         )
+
+
+def advance_one_token(
+    *,
+    positions: torch.Tensor,
+    kv_slots: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    backend: Backend = "auto",
+    check_values: bool | None = None,
+) -> None:
+    """Moves a one-token-per-row batch of N rows one position on, in place (a chained drafter's next step):
+    each live row (KV slot >= 0) one token further, its KV slot that of the new position from its page
+    table row; padded rows (KV slot -1) stay padding; `has_initial_state = prefix_lens > 0` (`reference.py`).
+
+    Args:
+        positions: [N] int64, written.
+        kv_slots: [N] int32, -1 on padded rows, written.
+        prefix_lens, kv_lens: [N] int32, written.
+        has_initial_state: [N] bool, written.
+        page_table: [N, P] int32, the batch's rows of the pool's page table.
+        page_size: positions per KV page.
+        backend: "auto" (Triton on CUDA, the torch path elsewhere), "reference", "torch" or "triton".
+        check_values: the rule of the value checks (`value_checks`: they read the device): every live row's
+            next position on a page of the page table.
+    """
+    kv_slots = check_tensor("kv_slots", kv_slots, ("N",), dtypes=(torch.int32,))
+    n, dev = int(kv_slots.shape[0]), kv_slots.device
+    positions = check_tensor("positions", positions, (n,), dtypes=(torch.int64,), device=dev)
+    prefix_lens = check_tensor("prefix_lens", prefix_lens, (n,), dtypes=(torch.int32,), device=dev)
+    kv_lens = check_tensor("kv_lens", kv_lens, (n,), dtypes=(torch.int32,), device=dev)
+    has_initial_state = check_tensor(
+        "has_initial_state", has_initial_state, (n,), dtypes=(torch.bool,), device=dev
+    )
+    page_table = check_tensor("page_table", page_table, (n, None), dtypes=(torch.int32,), device=dev)
+    if page_size < 1 or page_table.shape[1] < 1:
+        raise ValueError(f"page_size, page_table: expected >= 1 and pages, got {page_size}")
+    vectors = {"positions": positions, "kv_slots": kv_slots, "prefix_lens": prefix_lens, "kv_lens": kv_lens}
+    vectors["has_initial_state"] = has_initial_state
+    for name, t in vectors.items():
+        if n > 1 and t.stride(0) != 1:  # the Triton kernel steps through them by 1
+            raise ValueError(f"{name}: expected a contiguous vector, got strides {t.stride()}")
+    if value_checks(dev, check_values) and n:
+        live = kv_slots >= 0
+        nxt = prefix_lens.long() + 1
+        _check_values(nxt[live].to(torch.int32), page_table[live], 1, page_size)
+    fn = implementation(
+        backend,
+        dev,
+        reference=advance_one_token_reference,
+        torch_path=advance_one_token_torch,
+        triton=lambda: _triton_one(),
+    )
+    fn(
+        positions=positions,
+        kv_slots=kv_slots,
+        prefix_lens=prefix_lens,
+        kv_lens=kv_lens,
+        has_initial_state=has_initial_state,
+        page_table=page_table,
+        page_size=page_size,
+    )
+
+
+def _triton_one() -> object:
+    from hyspec_kernels.advance.triton_kernel import advance_one_token_triton
+
+    return advance_one_token_triton
 
 
 def _triton() -> object:

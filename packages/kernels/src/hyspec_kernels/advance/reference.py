@@ -48,3 +48,25 @@ def advance_verify_reference(
         has_initial_state[i] = p > 0
         cu_seqlens_q[i + 1] = (i + 1) * d
     cu_seqlens_q[0] = 0
+
+
+def advance_one_token_reference(
+    *,
+    positions: torch.Tensor,  # [N] int64, written
+    kv_slots: torch.Tensor,  # [N] int32 (-1: a padded row), written
+    prefix_lens: torch.Tensor,  # [N] int32, written
+    kv_lens: torch.Tensor,  # [N] int32, written
+    has_initial_state: torch.Tensor,  # [N] bool, written
+    page_table: torch.Tensor,  # [N, P] int32
+    page_size: int,
+) -> None:
+    """A one-token-per-row batch moved one position on: each live row (KV slot >= 0) one token further,
+    its KV slot that of the new position (from its page table row); padded rows stay padding."""
+    for i in range(int(kv_slots.shape[0])):
+        if int(kv_slots[i]) >= 0:
+            p = int(prefix_lens[i]) + 1
+            prefix_lens[i] = p
+            kv_lens[i] = int(kv_lens[i]) + 1
+            positions[i] = int(positions[i]) + 1
+            kv_slots[i] = int(page_table[i, p // page_size]) * page_size + p % page_size
+        has_initial_state[i] = int(prefix_lens[i]) > 0

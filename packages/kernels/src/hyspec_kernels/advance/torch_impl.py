@@ -40,3 +40,26 @@ def advance_verify_torch(
     cu_seqlens_q.copy_(torch.arange(n + 1, device=dev, dtype=torch.int32) * d)
     input_ids[: m * d].copy_(tokens.reshape(-1))
     input_ids[m * d :].zero_()
+
+
+def advance_one_token_torch(
+    *,
+    positions: torch.Tensor,
+    kv_slots: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+) -> None:
+    """The reference's result (`reference.py`), arguments as there: about fifteen whole-tensor ops."""
+    live = kv_slots >= 0  # [N] bool
+    step = live.to(torch.int32)  # [N]
+    prefix_lens.add_(step)
+    kv_lens.add_(step)
+    positions.add_(step)
+    has_initial_state.copy_(prefix_lens > 0)
+    pos = prefix_lens.long()  # [N] the new token's position
+    col = (pos // page_size).clamp_(max=page_table.shape[1] - 1)  # padded rows: any column (not used)
+    pages = page_table.gather(1, col[:, None])[:, 0].long()  # [N]
+    kv_slots.copy_(torch.where(live, pages * page_size + pos % page_size, -1))

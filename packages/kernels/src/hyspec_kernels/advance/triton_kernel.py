@@ -77,3 +77,55 @@ def advance_verify_triton(
         prefix, input_ids, tokens.contiguous(), int(tokens.shape[0]), page_table.stride(0),
         page_table.shape[1], D=d, BD=max(triton.next_power_of_2(d), 2), PAGE=page_size,
     )  # fmt: skip
+
+
+@jit_varying("n")
+def advance_one_token_kernel(  # type: ignore[no-untyped-def]
+    positions_ptr,  # [N] int64
+    kv_slots_ptr,  # [N] int32
+    prefix_lens_ptr,  # [N] int32
+    kv_lens_ptr,  # [N] int32
+    has_initial_ptr,  # [N] bool
+    page_table_ptr,  # [N, P] int32, row stride s_pt
+    n,
+    s_pt,
+    num_pages,
+    BLOCK: tl.constexpr,
+    PAGE: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    slot = tl.load(kv_slots_ptr + i, mask=m, other=-1)
+    live = m & (slot >= 0)
+    step = live.to(tl.int32)
+    p = tl.load(prefix_lens_ptr + i, mask=m, other=0) + step
+    tl.store(prefix_lens_ptr + i, p, mask=m)
+    tl.store(kv_lens_ptr + i, tl.load(kv_lens_ptr + i, mask=m, other=0) + step, mask=m)
+    tl.store(positions_ptr + i, tl.load(positions_ptr + i, mask=m, other=0) + step.to(tl.int64), mask=m)
+    tl.store(has_initial_ptr + i, p > 0, mask=m)
+    pos = p.to(tl.int64)
+    col = tl.minimum(pos // PAGE, num_pages - 1)
+    page = tl.load(page_table_ptr + i.to(tl.int64) * s_pt + col, mask=live, other=0).to(tl.int64)
+    new = tl.where(live, page * PAGE + pos % PAGE, -1)
+    tl.store(kv_slots_ptr + i, new.to(tl.int32), mask=m)
+
+
+def advance_one_token_triton(
+    *,
+    positions: torch.Tensor,
+    kv_slots: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+) -> None:
+    """The reference's result in one launch (arguments as there; the page table's rows may be strided)."""
+    n = int(kv_slots.shape[0])
+    if n == 0:
+        return
+    block = min(max(triton.next_power_of_2(n), 16), 1024)
+    advance_one_token_kernel[(triton.cdiv(n, block),)](
+        positions, kv_slots, prefix_lens, kv_lens, has_initial_state, page_table, n, page_table.stride(0),
+        page_table.shape[1], BLOCK=block, PAGE=page_size,
+    )  # fmt: skip
