@@ -9,6 +9,8 @@ rows all differ.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from typing import Any
 
 import pytest
@@ -22,6 +24,7 @@ from hyspec_attn_backends import (
     HybridBackend,
     batch_pointers,
     capture_sizes,
+    graph_capture,
     model_state_specs,
 )
 from hyspec_statepool import DraftShape, HybridStatePool, MemoryPlan, StateDtypes
@@ -340,6 +343,46 @@ def test_failed_capture_leaves_the_runner_eager() -> None:
     a = torch.randn(4, device="cuda")
     torch.cuda.manual_seed(7)
     assert torch.equal(a, torch.randn(4, device="cuda"))
+
+
+def _capture_with_garbage_graph(be: HybridBackend) -> CudaGraphRunner:
+    """Capture DECODE graphs whose forward, on its first call under capture, drops the only reference to
+    an earlier captured graph inside a reference cycle and then allocates enough objects for Python's
+    cyclic collector to run (what a dropped engine or test leaves behind, collected at a random moment)."""
+    x = torch.zeros(1, device="cuda")
+    old = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(old):
+        x.add_(1)
+    holder = [old]
+    del old
+
+    def forward(batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        if holder and torch.cuda.is_current_stream_capturing():
+            cycle: dict[str, object] = {"graph": holder.pop()}
+            cycle["self"] = cycle
+            del cycle
+            junk: list[list[int]] = [[] for _ in range(5 * gc.get_threshold()[0])]  # a collection's worth
+            del junk
+        return (batch.input_ids.float() * 2,)
+
+    runner = CudaGraphRunner(be, forward)
+    runner.capture_or_eager([1], decode=True)
+    return runner
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_garbage_collection_during_capture_does_not_break_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A captured graph freed by the cyclic collector inside another capture is destroyed by a CUDA call
+    that is illegal while the stream captures; the capture holds the collector off, so it succeeds (in the
+    full GPU suite a drafter's capture fell back to eager this way)."""
+    assert gc.isenabled()
+    runner = _capture_with_garbage_graph(_backend("cuda"))
+    assert runner.active and runner.captured_sizes(ForwardMode.DECODE) == [1]
+    assert gc.isenabled()  # restored
+    # control: with the collector left on, the same capture fails and the runner falls back to eager
+    monkeypatch.setattr(graph_capture, "_no_cyclic_gc", contextlib.nullcontext)
+    assert not _capture_with_garbage_graph(_backend("cuda")).active
 
 
 def test_graph_key_validation() -> None:

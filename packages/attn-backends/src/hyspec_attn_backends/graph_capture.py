@@ -10,7 +10,9 @@ kernel's first calls, which must not land inside a graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -158,7 +160,7 @@ class GraphCapturer:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._mempool):
+            with _no_cyclic_gc(), torch.cuda.graph(graph, pool=self._mempool):
                 out = fn()
         except RuntimeError as exc:
             _release_default_generators()
@@ -191,3 +193,18 @@ class GraphCapturer:
             f"{key}'s commit",
         )
         return CommitGraph(graph, accepted, steps, paths)
+
+
+@contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector held off for a capture: a collection inside one may free an
+    unreachable earlier `CUDAGraph` (a dropped engine's, a test's), whose destructor is a CUDA call that is
+    illegal while a stream captures, and the capture fails (`torch.cuda.graph` no longer collects before
+    capturing). Cycles are collected after it."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
