@@ -254,6 +254,53 @@ def test_tree_verify_without_scratch_recomputes_branch_states(d: int, n_seq: int
     assert torch.equal(state.nan_to_num(7.0), before.nan_to_num(7.0)), "verify wrote the committed state"
 
 
+# a drafter's breadth-first tree, a deep one, a forest of two roots and a chain
+ORDER_TREES = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 0, 3, 1], [-1, -1, 0, 1, 0, 3], [-1, 0, 1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_a_tree_node_verifies_bit_for_bit_as_the_chain_of_its_path(device: str) -> None:
+    """The Triton tree verify without scratch visits its nodes depth-first, not in block order, yet every
+    node's output comes from the very steps along its own path: bit for bit the last output of a chain
+    verify of that path from the same committed state (which is what plain decoding of the path gives), in
+    trees where block order and visit order differ, with a row without a slot."""
+    from hyspec_kernels.gdn.triton_recurrent import launch_recurrent
+
+    gen = torch.Generator().manual_seed(11)
+    n_seq, d = len(ORDER_TREES), len(ORDER_TREES[0])
+    q, k = torch.randn(n_seq, d, HK, DK, generator=gen), torch.randn(n_seq, d, HK, DK, generator=gen)
+    v = torch.randn(n_seq, d, HV, DV, generator=gen)
+    g, beta = -torch.rand(n_seq, d, HV, generator=gen) * 0.5, torch.rand(n_seq, d, HV, generator=gen)
+    state = torch.randn(5, HV, DK, DV, generator=gen) * 0.5
+    slots = torch.tensor([3, 0, -1, 4])
+    parents = torch.tensor(ORDER_TREES)
+    q, k, v, g, beta, state, slots, parents = (
+        x.to(device) for x in (q, k, v, g, beta, state, slots, parents)
+    )
+    tiles = (16, 1)  # the same tiles for the tree and the chains: the tile sets the reductions' order
+    common = {"state": state, "scratch": None, "scratch_rows": None, "out_dtype": torch.float32,
+              "tiles": tiles, "verify": True}  # fmt: skip
+    got = launch_recurrent(q, k, v, g, beta, state_slots=slots, parents=parents, **common)
+    for n, tree in enumerate(ORDER_TREES):
+        for j in range(d):
+            path = [j]
+            while tree[path[-1]] >= 0:
+                path.append(tree[path[-1]])
+            at = torch.tensor(path[::-1], device=device)
+            xs = (x[n : n + 1, at] for x in (q, k, v, g, beta))
+            chain = launch_recurrent(*xs, state_slots=slots[n : n + 1], parents=None, **common)
+            assert torch.equal(got[n, j], chain[0, -1]), f"row {n} node {j} (path {path[::-1]})"
+
+
 def test_a_tree_over_the_recompute_limit_needs_scratch_in_the_kernel() -> None:
     from hyspec_kernels.gdn.checks import MAX_RECOMPUTE_NODES
     from hyspec_kernels.gdn.triton_recurrent import launch_recurrent

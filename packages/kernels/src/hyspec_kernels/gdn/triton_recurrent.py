@@ -9,12 +9,14 @@ is one coalesced load; V tiles of 8-64 columns give enough programs at small bat
   own strides (so its allocated Dmax, not the runtime D); in tree mode, when parents[n, j] != j - 1, it
   reloads the parent's post-state from scratch (or the committed state for parent -1) before step j.
 - verify without scratch (committed by replay, `gdn_replay`): no state written; with `keep_inputs` each
-  token's raw k, v, g and beta go to those buffers at its input row and step, for the replay. A tree token
-  whose parent is not the token before recomputes the parent's state from the committed state along the
-  parent's path (a few extra steps in registers instead of a state stored and read back per branch: the
-  tree verify then moves the bytes of a chain's; its extra steps are the restarts' path lengths, a few for
-  the drafters' trees); trees of more than MAX_RECOMPUTE_NODES nodes store their branch states in a
-  workspace of the call instead.
+  token's raw k, v, g and beta go to those buffers at its input row and step, for the replay. A tree's
+  nodes are visited depth-first (preorder, from the parents as bit sets), so a node follows its parent
+  except where a branch's earlier subtree ends; such a restart recomputes the parent's state from the
+  committed state along the parent's path (a few extra steps in registers instead of a state stored and
+  read back per branch: the tree verify then moves the bytes of a chain's; its extra steps are the
+  restarts' path lengths). Each node's output comes from the steps of its own path either way, bit for
+  bit a chain's. Trees of more than MAX_RECOMPUTE_NODES nodes store their branch states in a workspace of
+  the call instead (block order).
 
 Token inputs are read through their token strides (q, k and v may be column slices of one projection),
 outputs are contiguous; each state slot and each scratch (row, step) entry is a contiguous
@@ -154,35 +156,68 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     p_scratch = scratch_ptr + tl.maximum(row, 0) * s_xr + off_hkv
 
     tok = i_n * num_steps  # token index of step 0 in the [N * D] flattening
-    if BRANCHES_ONLY:
+    if BRANCHES_ONLY or RECOMPUTE:
         o_d = tl.arange(0, BD)
         b_par = tl.load(parents_ptr + tok + o_d, mask=o_d < num_steps, other=-1).to(tl.int64)  # [BD]
+    if RECOMPUTE:
+        # the nodes are visited in depth-first preorder, not block order: a node then follows its parent
+        # unless its parent's subtree is done, so only a branch's later children restart (block order, a
+        # drafter's breadth-first trees, restarted at almost every node). Each node's output still comes
+        # from the same steps along its own path, so it is bit for bit what a chain of that path gives.
+        # b_anc: each node's path as bits (itself and its ancestors; parents precede children, and a
+        # parent that does not, unchecked on CUDA, counts as none: its row's output is unspecified)
+        b_anc = tl.zeros([BD], dtype=tl.int64)
+        for j in range(num_steps):
+            p_j = tl.sum(tl.where(o_d == j, b_par, 0))
+            a_p = tl.sum(tl.where((o_d == p_j) & (p_j < j), b_anc, 0))
+            b_anc = tl.where(o_d == j, a_p | (tl.full((), 1, tl.int64) << j), b_anc)
+        # u precedes v in preorder iff u is an ancestor of v, or the first node of u's own part of its path
+        # (the child of their last common ancestor: lowest index, as parents precede children) comes first
+        m_d = o_d < num_steps
+        b_rank = tl.zeros([BD], dtype=tl.int32)  # each node's place in the visit order
+        for u in range(num_steps):
+            anc_u = tl.sum(tl.where(o_d == u, b_anc, 0))
+            own_u = anc_u & (b_anc ^ -1)  # [BD] u's path less v's
+            own_v = b_anc & (anc_u ^ -1)  # [BD] v's path less u's
+            low_u = (own_u & -own_u).to(tl.uint64, bitcast=True)  # lowest bit (bit 63 compares unsigned)
+            low_v = (own_v & -own_v).to(tl.uint64, bitcast=True)
+            first = (own_u == 0) | ((own_v != 0) & (low_u < low_v))
+            b_rank += (m_d & (o_d != u) & first).to(tl.int32)
+        b_rank = tl.where(m_d, b_rank, BD)  # the padding entries of the vector are no node
+        node = tl.minimum(tl.sum(tl.where(b_rank == 0, o_d, 0)), num_steps - 1).to(tl.int64)
+        prev = node * 0 - 1  # the node visited last (-1: none)
+        t_n = tok + node
+    else:
+        t_n = tok
     # each step's inputs are loaded one step ahead: at small batch a block is bound by load latency, and the
     # next token's loads do not wait for this token's state update (the last step reloads its own: no
     # access past the block)
-    n_q = tl.load(q_ptr + tok * s_qt + i_hk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    n_k = tl.load(k_ptr + tok * s_kt + i_hk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    n_v = tl.load(v_ptr + tok * s_vt + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-    n_g = tl.load(g_ptr + tok * HV + i_hv).to(tl.float32)
-    n_beta = tl.load(beta_ptr + tok * HV + i_hv).to(tl.float32)
+    n_q = tl.load(q_ptr + t_n * s_qt + i_hk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    n_k = tl.load(k_ptr + t_n * s_kt + i_hk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    n_v = tl.load(v_ptr + t_n * s_vt + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    n_g = tl.load(g_ptr + t_n * HV + i_hv).to(tl.float32)
+    n_beta = tl.load(beta_ptr + t_n * HV + i_hv).to(tl.float32)
     for j in range(num_steps):
+        if RECOMPUTE:
+            node_next = tl.sum(tl.where(b_rank == tl.minimum(j + 1, num_steps - 1), o_d, 0))
+            node_next = tl.minimum(node_next, num_steps - 1).to(tl.int64)
+        else:
+            node = j  # block order
+            node_next = tl.minimum(j + 1, num_steps - 1)
         if IS_TREE:
-            parent = tl.load(parents_ptr + tok + j).to(tl.int64)
-            if parent != j - 1:
+            parent = tl.load(parents_ptr + tok + node).to(tl.int64)
+            if RECOMPUTE:
+                restart = parent != prev
+            else:
+                restart = parent != j - 1
+            if restart:
                 if parent < 0:
                     b_s = b_s0
                 elif RECOMPUTE:
                     # the parent's post-state, recomputed from the committed state (still in registers) along
-                    # its path: the path's nodes as bits (walking up the parents), then their steps in block
-                    # order, which is root-to-parent order (parents precede children). No state goes to memory
-                    path = tl.zeros((), dtype=tl.int64)
-                    a = parent
-                    # at most j ancestors (parents precede children): a tree that breaks that (unchecked on
-                    # CUDA) ends the walk instead of looping on a cycle (its rows' output is unspecified)
-                    for _ in range(j):
-                        if a >= 0:
-                            path = path | (tl.full((), 1, tl.int64) << a)
-                            a = tl.load(parents_ptr + tok + a).to(tl.int64)
+                    # its path, its steps in block order, which is root-to-parent order (parents precede
+                    # children). No state goes to memory
+                    path = tl.sum(tl.where(o_d == parent, b_anc, 0))
                     b_s = b_s0
                     for i in range(parent + 1):
                         if ((path >> i) & 1) != 0:
@@ -199,7 +234,7 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
                     tl.debug_barrier()
                     b_s = tl.load(p_scratch + parent * s_xd, mask=m_row, other=0.0).to(tl.float32)
         b_q, b_k, b_v, b_g, b_beta = n_q, n_k, n_v, n_g, n_beta
-        t_n = tok + tl.minimum(j + 1, num_steps - 1)
+        t_n = tok + node_next
         n_q = tl.load(q_ptr + t_n * s_qt + i_hk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         n_k = tl.load(k_ptr + t_n * s_kt + i_hk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         n_v = tl.load(v_ptr + t_n * s_vt + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
@@ -209,7 +244,7 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
             # the token's inputs, for the commit's replay: every program its V tile, the first V tile's
             # programs the gates and (one per key head) the key
             if in_row >= 0:
-                in_tok = in_row * in_dmax + j
+                in_tok = in_row * in_dmax + node
                 tl.store(vin_ptr + (in_tok * HV + i_hv) * V + o_v, b_v, mask=m_v)
                 if i_v == 0:
                     tl.store(gin_ptr + in_tok * HV + i_hv, b_g)
@@ -219,7 +254,10 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
         b_q = _l2norm(b_q) * scale
         b_s = _delta_step(b_s, _l2norm(b_k), b_v, b_g, b_beta)
         b_o = tl.sum(b_s * b_q[:, None], 0)  # [BV]
-        tl.store(o_ptr + ((tok + j) * HV + i_hv) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
+        tl.store(o_ptr + ((tok + node) * HV + i_hv) * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
+        if RECOMPUTE:
+            prev = node
+            node = node_next
         if STORE_STEPS:
             if BRANCHES_ONLY:
                 # token j's state is read back only by a later token whose parent it is and that does not
@@ -288,6 +326,7 @@ def launch_recurrent(
             f"D = {steps} and none"
         )
     xs = scratch if scratch is not None else state  # an unused pointer without scratch
+    tree_order = parents is not None and (branch_states_only or not store_steps)
     kin, vin, gin, bin_ = keep_inputs if keep_inputs is not None else (state, state, state, state)
     if pending is not None and keep_inputs is None:
         raise ValueError("pending: its tokens' inputs are read from keep_inputs, got none")
@@ -336,8 +375,8 @@ def launch_recurrent(
         # a decode given pending tokens reads the input buffers, never writes them
         STORE_INPUTS=keep_inputs is not None and is_verify,
         BRANCHES_ONLY=branch_states_only and parents is not None,
-        # only the tree workspace reads BD: a chain keeps one compiled kernel for every block length
-        BD=triton.next_power_of_2(steps) if branch_states_only and parents is not None else 1,
+        # only trees read BD (the workspace, the visit order): a chain keeps one kernel for every block length
+        BD=triton.next_power_of_2(steps) if tree_order else 1,
         RECOMPUTE=parents is not None and scratch is None,
         PENDING=pending is not None,
         BP=triton.next_power_of_2(max(1, pending[1].shape[1])) if pending is not None else 1,
