@@ -161,5 +161,7 @@ def test_gpu_a_deferred_commit_is_bitwise_the_commit_at_once(batch: int, tree: b
         else:
             o2_now = gdn_verify(*second, state=s_now, state_slots=slots, **verify_kw)
             o2_def = gdn_verify(*second, state=s_def, state_slots=slots, pending=pending, **verify_kw)
-        assert torch.equal(o2_def, o2_now), step
-        assert torch.equal(s_def[slots], s_now[slots]), step
+        # the case drawn (slots, rows and accept lengths are random): printed to reproduce a failure
+        case = f"{step}: slots {slots.tolist()} homes {homes.tolist()} accepted {acc.tolist()}"
+        assert torch.equal(o2_def, o2_now), case
+        assert torch.equal(s_def[slots], s_now[slots]), case
