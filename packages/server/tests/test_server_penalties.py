@@ -198,6 +198,29 @@ def test_logit_bias_steers_greedy_output_and_reaches_every_verify_node() -> None
     assert torch.allclose(out, want)
 
 
+def test_min_tokens_holds_back_stop_strings_too() -> None:
+    """Stop strings are looked for only once the output is longer than min_tokens (vLLM's rule): a stop
+    string the free run stops at is passed over while the output is shorter, and the request stops at its
+    first occurrence at or after token min_tokens + 1 (the toy tokenizer writes one character a token)."""
+    llm = LLM.from_engine(toy_engine())
+    prompt = {"prompt_token_ids": [40, 41]}
+    free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+    text = free.text
+    assert len(text) == len(free.token_ids) == 12
+    stop = next(c for i, c in enumerate(text) if text.count(c) >= 2 and text.index(c) < 3)
+    hits = [i for i, c in enumerate(text) if c == stop]  # token indices where the stop string completes
+    for min_tokens in (0, hits[0], hits[0] + 1, hits[-1] + 1):
+        params = SamplingParams(
+            max_tokens=12, temperature=0, ignore_eos=True, stop=[stop], min_tokens=min_tokens
+        )
+        out = llm.generate([prompt], params)[0].outputs[0]
+        first = next((i for i in hits if i >= min_tokens), None)  # output longer than min_tokens there
+        if first is None:
+            assert (out.finish_reason, out.text) == ("length", text), min_tokens
+        else:
+            assert (out.finish_reason, out.text, len(out.token_ids)) == ("stop", text[:first], first + 1)
+
+
 @pytest.mark.parametrize("bad", [{-1: 1.0}, {5: 101.0}, {5: float("nan")}, {"5": 1.0}, [(5, 1.0)]])
 def test_bad_logit_bias_names_the_field(bad: object) -> None:
     with pytest.raises(ValueError, match="logit_bias"):

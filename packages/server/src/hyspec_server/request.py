@@ -188,7 +188,9 @@ class Request:
         old_len = len(self.text)
         self.text += self.detok.push(token_id)
         stops = p.stop_strings
-        if stops:
+        # as in vLLM, stop strings are looked for only once the output is longer than min_tokens (a stop
+        # string completed before that is passed over, like EOS and the stop token ids)
+        if stops and len(self.output_token_ids) > p.min_tokens:
             hit = find_stop(self.text, old_len, stops)
             if hit is not None:
                 pos, s = hit

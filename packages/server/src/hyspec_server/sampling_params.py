@@ -178,7 +178,8 @@ class SamplingParams:
         frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time it was generated.
         repetition_penalty: divides positive (multiplies negative) logits of every token in the prompt or
             the output (CTRL / transformers / vLLM); 1 is off, must be > 0.
-        min_tokens: EOS and the stop token ids cannot come before this many tokens (vLLM's; <= max_tokens).
+        min_tokens: EOS, the stop token ids and the stop strings cannot end a request before this many
+            tokens (vLLM's; <= max_tokens).
         logit_bias: None, or token id -> value in [-100, 100] added to that token's logit before any choice
             (OpenAI's), at every verify position with speculative decoding too; at most MAX_TOKEN_ID_ENTRIES
             entries, stored as a copy.
