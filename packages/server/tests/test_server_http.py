@@ -546,6 +546,34 @@ def test_a_half_sent_body_times_out_with_408() -> None:
         srv.stop()
 
 
+def test_a_client_gone_while_sending_its_body_logs_no_error(capfd: pytest.CaptureFixture[str]) -> None:
+    """A client that closes its connection half-way through its body is answered (to no one) as a bad
+    request: no "Exception in ASGI application" traceback per such client in the server's error log (a log
+    anyone could flood), and the server serves the next request."""
+    import socket
+
+    from hyspec_testing.server import toy_engine
+
+    srv = ServerThread(toy_engine(), model_name="toy").start()
+    try:
+        for _ in range(3):
+            with socket.create_connection((srv.host, srv.port), timeout=10) as s:
+                s.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n" + b'{"model": '
+                )
+                time.sleep(0.05)  # the server is reading the body when the client goes
+        ok = httpx.post(
+            srv.base_url + "/v1/completions", json={"model": "toy", "prompt": "hi", "max_tokens": 2}
+        )
+        assert ok.status_code == 200
+        time.sleep(0.5)  # the closed connections' handlers finish
+        err = capfd.readouterr().err
+        assert "Exception in ASGI application" not in err and "ClientDisconnect" not in err, err[-2000:]
+    finally:
+        srv.stop()
+
+
 def test_a_body_dribbled_byte_by_byte_times_out_in_all() -> None:
     import socket
 

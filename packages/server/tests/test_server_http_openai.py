@@ -393,6 +393,10 @@ CHAT = {"model": "toy", "messages": [{"role": "user", "content": "ok"}], "max_to
         ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 1, str(TOY_VOCAB): 1}}, "logit_bias"),
         ("/v1/completions", {**GOOD, "logit_bias": {"5": 1.0, str(TOY_VOCAB): 1.0}}, "logit_bias"),
         ("/v1/chat/completions", {**CHAT, "logit_bias": {str(10**6): -1.0}}, "logit_bias"),
+        # keys Python's int() takes but that are not token ids as written
+        ("/v1/completions", {**GOOD, "logit_bias": {"5_0": 1.0}}, "logit_bias"),
+        ("/v1/completions", {**GOOD, "logit_bias": {" 5": 1.0}}, "logit_bias"),
+        ("/v1/chat/completions", {**CHAT, "logit_bias": {"\u0663": 1.0}}, "logit_bias"),
         ("/v1/completions", {**GOOD, "temperature": 1e308}, "temperature"),
         ("/v1/chat/completions", {**CHAT, "temperature": 1e6 + 1}, "temperature"),
         (

@@ -131,6 +131,8 @@ def test_bad_constraints_are_value_errors_naming_the_field(kwargs: dict[str, Any
         (StructuredOutputsParams(regex="(ab"), "structured_outputs.regex"),
         (StructuredOutputsParams(grammar="root ::= "), "structured_outputs.grammar"),
         (StructuredOutputsParams(json={"type": "nonsense-type"}), "structured_outputs.json"),
+        # xgrammar refuses an infinite bound with an error of no text
+        (StructuredOutputsParams(json={"type": "integer", "minimum": 1e400}), "structured_outputs.json"),
         # compile, but no token can start them (an empty character class)
         (StructuredOutputsParams(regex="[^\\x00-\\U0010FFFF]"), "allows no token"),
         (StructuredOutputsParams(grammar="root ::= [^\\x00-\\U0010FFFF]"), "allows no token"),

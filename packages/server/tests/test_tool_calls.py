@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import pytest
 from hyspec_server.serve import ServerThread
-from hyspec_server.tool_calls import ToolCallStream, parse_tool_calls
+from hyspec_server.tool_calls import ToolCallStream, parse_tool_calls, rename_rule
 from hyspec_testing.server import toy_engine
 
 WEATHER = {
@@ -105,24 +105,57 @@ def test_required_and_named_tool_choice_give_valid_calls(server: ServerThread, p
             )
             assert r.status_code == 200, r.text
             ch = r.json()["choices"][0]
-            assert ch["finish_reason"] == "tool_calls", ch
             calls = ch["message"]["tool_calls"]
             _check_calls(calls, names)
+            # the toy model writes parallel calls until max_tokens cuts it off: complete calls are parsed,
+            # and the reply says "length" (its last call may be half written), not "tool_calls"
+            cut = r.json()["usage"]["completion_tokens"] == _chat()["max_tokens"]
+            assert ch["finish_reason"] == ("length" if cut else "tool_calls"), ch
             if not parallel:
-                assert len(calls) == 1
+                assert len(calls) == 1 and not cut
+            elif choice == "required":
+                assert cut, "expected the parallel calls to run into max_tokens (the case above)"
+
+
+def test_a_tool_named_like_a_grammar_rule_keeps_its_name(server: ServerThread) -> None:
+    """A tool, a property and an enum value named "root" (the name of the grammar's entry rule, which the
+    call grammar renames) are forced as they are spelled, not as the renamed rule."""
+    schema = {
+        "type": "object",
+        "properties": {"root": {"type": "string", "enum": ["root", "x"]}},
+        "required": ["root"],
+    }
+    tools = [{"type": "function", "function": {"name": "root", "parameters": schema}}]
+    choice = {"type": "function", "function": {"name": "root"}}
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        body = _chat(tools=tools, tool_choice=choice, parallel_tool_calls=False, temperature=0)
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    calls = r.json()["choices"][0]["message"]["tool_calls"]
+    assert [t["function"]["name"] for t in calls] == ["root"]
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schema)
+
+
+def test_rename_rule_renames_names_only() -> None:
+    grammar = 'root ::= "root" [r\\]oot] root_1 root\nroot_1 ::= "\\"root\\"" (root)'
+    assert rename_rule(grammar, "root", "call") == (
+        'call ::= "root" [r\\]oot] root_1 call\nroot_1 ::= "\\"root\\"" (call)'
+    )
 
 
 def test_streamed_tool_calls(server: ServerThread) -> None:
     with httpx.Client(base_url=server.base_url, timeout=60) as c:
         body = _chat(tools=TOOLS, tool_choice="required", stream=True, temperature=0)
-        r = c.post("/v1/chat/completions", json=body)
+        r = c.post("/v1/chat/completions", json={**body, "stream_options": {"include_usage": True}})
         chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         deltas = [ch["choices"][0] for ch in chunks if ch["choices"]]
         calls = [t for d in deltas for t in d["delta"].get("tool_calls", [])]
         assert [t["index"] for t in calls] == list(range(len(calls)))
         _check_calls(calls, {"get_weather", "add"})
-        assert deltas[-1]["finish_reason"] == "tool_calls"
+        cut = chunks[-1]["usage"]["completion_tokens"] == body["max_tokens"]
+        assert deltas[-1]["finish_reason"] == ("length" if cut else "tool_calls")
         whole = c.post("/v1/chat/completions", json={**body, "stream": False}).json()["choices"][0]
+        assert whole["finish_reason"] == deltas[-1]["finish_reason"]
         strip = [(t["function"]["name"], t["function"]["arguments"]) for t in calls]
         assert strip == [
             (t["function"]["name"], t["function"]["arguments"]) for t in whole["message"]["tool_calls"]
@@ -209,7 +242,8 @@ def _demo_calls(spec: str | None) -> list[list[dict[str, Any]]]:
                 r = c.post("/v1/chat/completions", json=body)
                 assert r.status_code == 200, r.text
                 ch = r.json()["choices"][0]
-                assert ch["finish_reason"] == "tool_calls", ch
+                cut = r.json()["usage"]["completion_tokens"] == body["max_tokens"]  # parallel calls run on
+                assert ch["finish_reason"] == ("length" if cut else "tool_calls"), ch
                 _check_calls(ch["message"]["tool_calls"], names)
                 got.append([t["function"] for t in ch["message"]["tool_calls"]])
                 s = c.post("/v1/chat/completions", json={**body, "stream": True})

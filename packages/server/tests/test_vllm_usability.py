@@ -66,9 +66,17 @@ def test_a_request_chat_template_that_fails_is_a_value_error() -> None:
 
     tok = HFTokenizer(default_model_dir())
     conv = [{"role": "user", "content": "hi"}]
-    for template in ("{% for %}", "{{ foo.bar }}"):
+    templates = (
+        "{% for %}",
+        "{{ foo.bar }}",
+        "{{ 1 / 0 }}",  # the template's own code raises
+        "{% for i in range(100000000) %}x{% endfor %}",  # past the sandbox's range limit
+        "{{ 'a' * 10000000 }}",  # renders far more than the conversation: refused before tokenizing
+    )
+    for template in templates:
         with pytest.raises(ValueError, match="chat template failed"):
             tok.apply_chat_template(conv, options=ChatOptions(chat_template=template))
+    assert tok.apply_chat_template(conv)  # the tokenizer still works
 
 
 def test_get_tokenizer_and_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.types import Message, Send
 
 from hyspec_server.async_engine import StreamGroup
@@ -50,6 +51,8 @@ async def json_body(raw: Request, limit: int, *, read_timeout_s: float) -> Any:
             chunk = await asyncio.wait_for(stream.__anext__(), timeout=min(read_timeout_s, left))
         except StopAsyncIteration:
             break
+        except ClientDisconnect as e:  # gone while sending its body: answered (to no one) without a traceback
+            raise APIError(400, "the client disconnected before its request body arrived") from e
         except TimeoutError as e:
             raise APIError(
                 408,

@@ -278,7 +278,8 @@ async def chat(raw: Request) -> Response:
                         if done:
                             first = len(calls[k].calls) - len(done)
                             delta["tool_calls"] = [x.openai(first + i) for i, x in enumerate(done)]
-                        if out.finished and calls[k].calls:
+                        # a reply cut off by max_tokens stays "length": a call in it may be half written
+                        if out.finished and calls[k].calls and c.finish_reason != "length":
                             finish = "tool_calls"
                         if not delta and not out.finished:
                             continue
@@ -311,7 +312,7 @@ async def chat(raw: Request) -> Response:
                     "content": content if content.strip() else None,
                     "tool_calls": [x.openai() for x in found],
                 }
-                finish = "tool_calls"
+                finish = "tool_calls" if finish != "length" else finish  # cut off: a call may be partial
         ch: dict[str, Any] = {
             "index": k,
             "message": message,
@@ -366,6 +367,8 @@ async def render_chat_prompt(ctx: ServerContext, req: ChatPromptFields) -> tuple
         )
     except ValueError as e:
         field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+        if req.chat_template is not None and str(e).startswith(("the chat template", "chat_template")):
+            field = "chat_template"  # the request's own template failed, not its messages
         raise APIError(400, str(e), param=field) from e
     return prompt_ids, forced
 

@@ -233,10 +233,11 @@ class _SamplingFields(_Strict):
         """OpenAI's string keys as token ids; 400 naming the field when one is not an id."""
         if not self.logit_bias:
             return None
-        try:
-            return {int(k): v for k, v in self.logit_bias.items()}
-        except ValueError as e:
-            raise APIError(400, f"logit_bias: keys must be token ids, got {e}", param="logit_bias") from e
+        # plain ASCII digits only: int() would also take "5_0", " 5" or other scripts' digits
+        bad = next((k for k in self.logit_bias if not (k.isascii() and k.isdigit())), None)
+        if bad is not None:
+            raise APIError(400, f"logit_bias: keys must be token ids, got {bad!r}", param="logit_bias")
+        return {int(k): v for k, v in self.logit_bias.items()}
 
 
 class CompletionRequest(_SamplingFields):

@@ -77,9 +77,7 @@ class GrammarCompiler:
             else:
                 compiled = compiler.compile_grammar(text)
         except RuntimeError as e:
-            msg = str(e).splitlines()[0]
-            msg = msg.split("] ", 1)[-1]  # drop xgrammar's "[time] file:line:" prefix
-            raise ValueError(f"structured_outputs.{kind}: does not compile: {msg}") from e
+            raise ValueError(f"structured_outputs.{kind}: does not compile: {xgrammar_error(e)}") from e
         self._check_startable(compiled, kind)
         return compiled
 
@@ -114,3 +112,10 @@ def _tokenizer_info(xgr: Any, tokenizer: Tokenizer) -> Any:
     raise ValueError(
         "structured outputs need a Hugging Face tokenizer (this engine's tokenizer has no vocabulary)"
     )
+
+
+def xgrammar_error(e: Exception) -> str:
+    """The first line of an xgrammar error without its "[time] file:line:" prefix; the exception's type
+    when it has no text (xgrammar raises a bare RuntimeError for some schemas, e.g. a bound of 1e400)."""
+    lines = str(e).splitlines()
+    return lines[0].split("] ", 1)[-1] if lines else type(e).__name__

@@ -66,6 +66,17 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 
 DEFAULT_CHAT_OPTIONS = ChatOptions()  # frozen: one shared default
 
+# a rendered conversation may hold at most this many characters per character of its messages, tools and
+# template variables, plus RENDER_CHARS_EXTRA (the template's own text): beyond that it is refused before
+# it is tokenized (a template like "{{ 'a' * 10**8 }}" would hold a worker for minutes)
+RENDER_CHARS_PER_INPUT_CHAR = 4
+RENDER_CHARS_EXTRA = 1 << 20
+
+
+def _chars(*parts: object) -> int:
+    """Characters of the JSON of a conversation's parts (what a template may render)."""
+    return sum(len(json.dumps(p, default=str, ensure_ascii=False)) for p in parts if p is not None)
+
 
 class Tokenizer(Protocol):
     """Text <-> token ids. `eos_token_ids` end generation unless `ignore_eos`."""
@@ -174,4 +185,17 @@ class HFTokenizer:
             raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
         except TypeError as e:  # a template variable of the wrong type, or an unexpected argument
             raise ValueError(f"the chat template could not render this conversation: {e}") from e
-        return self.encode(str(text), add_special_tokens=False)
+        except Exception as e:  # anything a template's own code raises (1/0, the sandbox's range limit)
+            raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
+        text = str(text)
+        # a template may multiply strings: its text is tokenized only when it is of the conversation's order
+        budget = (
+            RENDER_CHARS_PER_INPUT_CHAR * _chars(messages, tools, options.template_kwargs)
+            + RENDER_CHARS_EXTRA
+        )
+        if len(text) > budget:
+            raise ValueError(
+                f"the chat template failed: it rendered {len(text)} characters from this conversation, more "
+                f"than the {budget} it may (a template that repeats its input)"
+            )
+        return self.encode(text, add_special_tokens=False)

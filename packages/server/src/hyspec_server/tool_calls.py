@@ -16,7 +16,6 @@ name and arguments that validate against that function's JSON schema; "none" lea
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -181,6 +180,33 @@ def check_tools(
     )
 
 
+def rename_rule(grammar: str, old: str, new: str) -> str:
+    """`grammar` (EBNF as xgrammar prints it) with the rule name `old` renamed `new` wherever it stands as
+    a name: not inside a string literal or a character class, where a tool, property or enum value spelled
+    like the rule must stay as it is."""
+    out: list[str] = []
+    i, n = 0, len(grammar)
+    while i < n:
+        c = grammar[i]
+        if c in '"[':  # a literal or a class, with backslash escapes, copied as it is
+            close, j = ('"' if c == '"' else "]"), i + 1
+            while j < n and grammar[j] != close:
+                j += 2 if grammar[j] == "\\" else 1
+            out.append(grammar[i : j + 1])
+            i = j + 1
+        elif c.isalnum() or c == "_":
+            j = i
+            while j < n and (grammar[j].isalnum() or grammar[j] in "_-"):
+                j += 1
+            word = grammar[i:j]
+            out.append(new if word == old else word)
+            i = j
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
 def required_grammar(tools: list[dict[str, Any]], names: list[str], *, parallel: bool) -> str:
     """EBNF for an output of `<tool_call>` blocks calling only `names` with valid arguments (one block, or
     one or more with `parallel`)."""
@@ -203,10 +229,13 @@ def required_grammar(tools: list[dict[str, Any]], names: list[str], *, parallel:
     try:
         call = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
     except RuntimeError as e:
-        msg = str(e).splitlines()[0].split("] ", 1)[-1]
-        raise ValueError(f"tools: a function's parameters are not a usable JSON schema: {msg}") from e
+        from hyspec_server.structured import xgrammar_error
+
+        raise ValueError(
+            f"tools: a function's parameters are not a usable JSON schema: {xgrammar_error(e)}"
+        ) from e
     # the schema grammar's root becomes one rule of ours (its other rules are named root_..., basic_...)
-    call = re.sub(r"\broot\b(?!_)", "tool_call_json", call)
+    call = rename_rule(call, "root", "tool_call_json")
     block = f"block ::= {json.dumps(START + chr(10))} tool_call_json {json.dumps(chr(10) + END)}"
     root = 'root ::= block ("\\n" block)*' if parallel else "root ::= block"
     return "\n".join([root, block, call])
