@@ -262,6 +262,12 @@ def test_chat_template_options() -> None:
         srv.stop()
     with pytest.raises(ValueError, match="chat_template_kwargs"):
         llm.chat(conv, GREEDY, chat_template_kwargs={"tokenize": True}, use_tqdm=False)
+    for kwargs in (["a"], "a", {1: True}):
+        with pytest.raises(ValueError, match="chat_template_kwargs"):
+            llm.chat(conv, GREEDY, chat_template_kwargs=kwargs, use_tqdm=False)  # type: ignore[arg-type]
+    for tools in ("get_weather", {"type": "function"}, [1]):
+        with pytest.raises(ValueError, match="tools"):
+            llm.chat(conv, GREEDY, tools=tools, use_tqdm=False)  # type: ignore[arg-type]
 
 
 def test_a_chat_template_that_cannot_render_its_input_is_a_value_error() -> None:

@@ -110,6 +110,10 @@ class LLM:
         options = ChatOptions(
             add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
         )
+        if tools is not None and (
+            isinstance(tools, Mapping | str) or not all(isinstance(t, Mapping) for t in tools)
+        ):
+            raise ValueError(f"tools: expected a list of tool dicts (OpenAI's format), got {tools!r:.80}")
         convs: list[Sequence[Any]] = (
             [messages] if isinstance(messages[0], Mapping) else [list(c) for c in messages]
         )

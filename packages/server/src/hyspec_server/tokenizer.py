@@ -34,6 +34,14 @@ class ChatOptions:
                 "add_generation_prompt and continue_final_message cannot both be true; set "
                 "add_generation_prompt=False to continue the final message"
             )
+        kwargs = self.template_kwargs
+        if kwargs is not None and (
+            not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs)
+        ):
+            raise ValueError(
+                "chat_template_kwargs: expected a dict of template variables by name, got "
+                f"{type(kwargs).__name__}"
+            )
         clash = sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs or {}))
         if clash:
             raise ValueError(
