@@ -228,8 +228,9 @@ def _random_parents(n_seq: int, d: int, gen: torch.Generator) -> torch.Tensor:
     return par
 
 
-# (a block over MAX_RECOMPUTE_NODES with two sequences, one of them padding: the interpreter's slowest case)
-@pytest.mark.parametrize(("d", "n_seq"), [(2, 5), (7, 5), (11, 5), (66, 2)])
+# (20 nodes: past the packed visit order of 16; a block over MAX_RECOMPUTE_NODES with two sequences, one
+# of them padding: the interpreter's slowest case)
+@pytest.mark.parametrize(("d", "n_seq"), [(2, 5), (7, 5), (11, 5), (20, 2), (66, 2)])
 def test_tree_verify_without_scratch_recomputes_branch_states(d: int, n_seq: int) -> None:
     """The Triton tree verify without scratch recomputes each restart's parent state along its path (no state
     stored): random trees (deep chains, wide fans, several roots) give the reference's outputs, as the
