@@ -278,9 +278,8 @@ async def chat(raw: Request) -> Response:
                         if done:
                             first = len(calls[k].calls) - len(done)
                             delta["tool_calls"] = [x.openai(first + i) for i, x in enumerate(done)]
-                        # a reply cut off by max_tokens stays "length": a call in it may be half written
-                        if out.finished and calls[k].calls and c.finish_reason != "length":
-                            finish = "tool_calls"
+                        if out.finished and calls[k].calls:
+                            finish = calls_finish_reason(c.finish_reason)
                         if not delta and not out.finished:
                             continue
                     ch: dict[str, Any] = {
@@ -312,7 +311,7 @@ async def chat(raw: Request) -> Response:
                     "content": content if content.strip() else None,
                     "tool_calls": [x.openai() for x in found],
                 }
-                finish = "tool_calls" if finish != "length" else finish  # cut off: a call may be partial
+                finish = calls_finish_reason(finish)
         ch: dict[str, Any] = {
             "index": k,
             "message": message,
@@ -334,6 +333,12 @@ async def chat(raw: Request) -> Response:
     if req.prompt_logprobs is not None:  # vLLM's place for them in chat: the response
         body["prompt_logprobs"] = vllm_prompt_logprobs(outs[0], req.prompt_logprobs)
     return JSONResponse(body)
+
+
+def calls_finish_reason(engine_reason: str | None) -> str | None:
+    """The finish reason of a reply holding tool calls, streamed or whole: "tool_calls", except that a reply
+    cut off by max_tokens stays "length" (its last call may be half written)."""
+    return engine_reason if engine_reason == "length" else "tool_calls"
 
 
 async def render_chat_prompt(ctx: ServerContext, req: ChatPromptFields) -> tuple[list[int], list[str]]:
