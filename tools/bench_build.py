@@ -3,7 +3,7 @@
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench_build.py [--iters 100]
 
 For each batch kind (DECODE and chain / tree TARGET_VERIFY padded to a graph size, a chain verify batch moved
-on from the last round's instead of built, `move_verify`, a ragged EXTEND) prints:
+on from the last round's instead of built, `move_batches`, a ragged EXTEND) prints:
 the host time of one build (builds queued back to back, as in serving; the median over rounds of their mean),
 the device operations one build queues (kernel launches, copies and memsets, counted by the profiler's CUDA
 runtime events), and whether the build runs under `torch.cuda.set_sync_debug_mode("error")` (it raises on
@@ -32,7 +32,7 @@ DEVICE_OPS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync", "cudaMems
 
 
 def _backend(
-    max_num_seqs: int, page_size: int, max_model_len: int, d: int, *, move_verify: bool = False
+    max_num_seqs: int, page_size: int, max_model_len: int, d: int, *, move_batches: bool = False
 ) -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
@@ -45,7 +45,7 @@ def _backend(
         dtypes=StateDtypes(kv=torch.bfloat16, conv=torch.bfloat16),
     )
     pool = HybridStatePool(plan, device="cuda")
-    return HybridBackend(pool, layers=LAYERS, layer_types=TYPES, move_verify=move_verify)
+    return HybridBackend(pool, layers=LAYERS, layer_types=TYPES, move_batches=move_batches)
 
 
 def _count_ops(build: Callable[[], ForwardBatch]) -> int:
@@ -129,7 +129,7 @@ def main() -> None:
             )
         # a round's verify batch of the same rows, each one token further than the last (as after a round that
         # accepted nothing): moved on in place after the first build
-        moving = _backend(64, args.page_size, args.max_model_len, d, move_verify=True)
+        moving = _backend(64, args.page_size, args.max_model_len, d, move_batches=True)
         moving.pool.alloc_detached_slots(1)
         moving.pool.alloc(ids)
         calls = 20 + 7 * args.iters + 4  # warm-up, timing rounds, op count and sync check

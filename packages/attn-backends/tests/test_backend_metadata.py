@@ -42,7 +42,7 @@ D = 4  # verify block size (the plan's Dmax)
 IDS = ["r0", "r1", "r2", "r3"]
 
 
-def _backend(device: str = "cpu", *, move_verify: bool = False) -> HybridBackend:
+def _backend(device: str = "cpu", *, move_batches: bool = False) -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
         max_model_len=320,
@@ -54,7 +54,7 @@ def _backend(device: str = "cpu", *, move_verify: bool = False) -> HybridBackend
         dtypes=StateDtypes(kv=torch.float32, conv=torch.float32, recurrent=torch.float32),
     )
     pool = HybridStatePool(plan, device=torch.device(device), debug=device == "cpu")
-    backend = HybridBackend(pool, layers=LAYERS, layer_types=TYPES, move_verify=move_verify)
+    backend = HybridBackend(pool, layers=LAYERS, layer_types=TYPES, move_batches=move_batches)
     # request rows, state slots and batch rows all differ: detached slots first, then freed requests
     pool.alloc_detached_slots(2)
     pool.alloc(["gone0", "r3", "gone1", "r1"])
@@ -478,12 +478,12 @@ def _poison_steppable_fields(be: HybridBackend) -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_a_verify_batch_moved_on_equals_a_fresh_build(seed: int) -> None:
-    """`move_verify`: each round's chain verify batch of the same rows, a few tokens on, is the last one
+    """`move_batches`: each round's chain verify batch of the same rows, a few tokens on, is the last one
     rewritten in place (one `advance_verify`, no build), and every field equals a fresh build's, page
     crossings included, and a row that got pages meanwhile (its page-table row uploaded again), even with
     every field the rewrite writes poisoned in between (what a drafter's graph steps leave there); a row on
     another state slot is built afresh, and so is the round after any other build."""
-    moving, fresh = _backend(move_verify=True), _backend()
+    moving, fresh = _backend(move_batches=True), _backend()
     builds = _count_builds(moving)
     for k, (ids, prefix, pad, tokens) in enumerate(_verify_walk(seed, 14)):
         if k == 6:
@@ -511,6 +511,124 @@ def test_a_verify_batch_moved_on_equals_a_fresh_build(seed: int) -> None:
     assert builds[0] == 4
 
 
+@pytest.mark.parametrize(("seed", "pad"), [(0, None), (1, 4), (2, 6)])
+def test_a_decode_batch_moved_on_equals_a_fresh_build(seed: int, pad: int | None) -> None:
+    """`move_batches` with decode steps: each step's decode batch of the same rows, one token on (pages
+    crossed every 4 steps), is the last one rewritten in place (one `advance_verify`, no build) and every
+    field equals a fresh build's, padded rows included, even with every field the rewrite writes poisoned in
+    between; a row that got pages meanwhile has its page-table row uploaded again; a row on another state
+    slot, rows in another order, another padding, or any other batch in between is built afresh."""
+    moving, fresh = _backend(move_batches=True), _backend()
+    builds = _count_builds(moving)
+    g = torch.Generator().manual_seed(seed)
+    ids, prefix = ["r2", "r0", "r3"], [37, 5, 120]
+    expected_builds = 0
+    for k in range(16):
+        built = k in (0, 5, 6, 9, 10, 12, 13)
+        if k == 3:
+            for be in (moving, fresh):  # r0 gets more pages: its row is remapped, the batch still moves
+                be.pool.ensure_kv_capacity(["r0"], [320])
+        if k == 5:
+            ids, prefix = [ids[1], ids[0], ids[2]], [prefix[1], prefix[0], prefix[2]]  # other order
+        if k == 6:
+            for be in (moving, fresh):  # another batch in the same buffers
+                Case(ForwardMode.EXTEND, ("r1",), (40,), q_lens=(3,)).call(be)
+            expected_builds += 1
+        if k == 9:
+            for be in (moving, fresh):  # r3 moves to another state slot (as a prefix-cache restore may)
+                row = be.pool.req_rows(["r3"]).tolist()[0]
+                be.pool.table.map_slot([row], [8])
+        if k == 10:
+            for be in (moving, fresh):  # a verify batch of the same rows in between
+                be.prepare_verify(
+                    req_rows=be.pool.req_rows(ids),
+                    block_tokens=torch.zeros(3, D, dtype=torch.int64),
+                    prefix_lens=prefix,
+                    pad_to=pad,
+                )
+            expected_builds += 1  # a verify batch after a decode batch is built
+        step_pad = ({None: 4, 4: 5, 6: 5}[pad]) if k == 12 else pad  # other padding at k = 12
+        if k == 13:
+            ids, prefix = ids[:2], prefix[:2]  # a request finished: fewer rows
+        tokens = torch.randint(0, 90, (len(ids),), generator=g)
+        got = [
+            be.prepare_decode(
+                req_rows=be.pool.req_rows(ids), input_ids=tokens, prefix_lens=prefix, pad_to=step_pad
+            )
+            for be in (moving, fresh)
+        ]
+        assert _fields(got[0]) == _fields(got[1]), k
+        _assert_views_of_the_buffers(moving, got[0])
+        assert got[0].mode is ForwardMode.DECODE and got[0].num_padded == got[1].num_padded
+        expected_builds += built
+        assert builds[0] == expected_builds, k
+        _poison_steppable_fields(moving)
+        prefix = [p + 1 for p in prefix]
+    # built: the first step, the other order, the steps after the prefill batch, r3's new slot and the verify
+    # batch, the other padding and the step after it (padding back), the fewer rows (and the prefill and
+    # verify batches in between); moved: the other nine
+    assert builds[0] == 9
+
+
+def test_a_decode_batch_is_moved_only_where_a_build_would_succeed() -> None:
+    """A rewrite never accepts what the build refuses: a position past the rows' pages or the table, a bad
+    token shape, a pad_to the build rejects; each raises as the build does (and the next good step after a
+    refused one still equals a fresh build)."""
+    moving, fresh = _backend(move_batches=True), _backend()
+    ids = ["r1", "r0"]
+
+    def both(prefix: list[int], tokens: torch.Tensor | None = None, pad: Any = 4) -> None:
+        t = torch.arange(len(ids)) if tokens is None else tokens
+        out = [
+            be.prepare_decode(req_rows=be.pool.req_rows(ids), input_ids=t, prefix_lens=prefix, pad_to=pad)
+            for be in (moving, fresh)
+        ]
+        assert _fields(out[0]) == _fields(out[1])
+
+    both([10, 20])
+    both([11, 21])
+    last_page = (len(moving.pool.table.host_pages[moving.pool.req_rows(["r1"]).tolist()[0]]) - 1) * 4
+    both([last_page + 3, 22])  # the last position of r1's last page: moved
+    for bad_prefix in ([last_page + 4, 23], [320, 23], [-1, 23]):
+        for be in (moving, fresh):
+            with pytest.raises(ValueError):
+                be.prepare_decode(
+                    req_rows=be.pool.req_rows(ids),
+                    input_ids=torch.arange(2),
+                    prefix_lens=bad_prefix,
+                    pad_to=4,
+                )
+    for bad_tokens in (torch.arange(3), torch.arange(4).view(2, 2)):
+        for be in (moving, fresh):
+            with pytest.raises(ValueError, match="input_ids"):
+                be.prepare_decode(
+                    req_rows=be.pool.req_rows(ids), input_ids=bad_tokens, prefix_lens=[12, 22], pad_to=4
+                )
+    for bad_pad in (True, 4.0, 1):
+        with pytest.raises(ValueError, match="pad_to"):
+            moving.prepare_decode(
+                req_rows=moving.pool.req_rows(ids),
+                input_ids=torch.arange(2),
+                prefix_lens=[12, 22],
+                pad_to=bad_pad,
+            )
+    both([12, 22])
+    both([13, 23])
+    # a one-token verify block of the same rows right after (the same fields but the mode): built as one,
+    # and the decode step after it too
+    verify = [
+        be.prepare_verify(
+            req_rows=be.pool.req_rows(ids),
+            block_tokens=torch.arange(2)[:, None],
+            prefix_lens=[14, 24],
+            pad_to=4,
+        )
+        for be in (moving, fresh)
+    ]
+    assert verify[0].mode is ForwardMode.TARGET_VERIFY and _fields(verify[0]) == _fields(verify[1])
+    both([14, 24])
+
+
 def _random_trees(g: torch.Generator, n: int) -> torch.Tensor:
     """[n, D] random parents (-1 root, each node's parent before it): chains, stars and everything between."""
     parents = torch.full((n, D), -1, dtype=torch.int64)
@@ -521,12 +639,12 @@ def _random_trees(g: torch.Generator, n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_a_tree_verify_batch_moved_on_equals_a_fresh_build(seed: int) -> None:
-    """`move_verify` with trees: each round's tree verify batch of the same rows (other trees, a few tokens
+    """`move_batches` with trees: each round's tree verify batch of the same rows (other trees, a few tokens
     on) is the last one rewritten (`advance_verify`, then the trees), and every field equals a fresh build's,
     padded rows' chains included, even with every field a drafter's in-place steps write poisoned in between
     (its star trees in the padded rows' parents and masks too); a chain after trees is built, and so is a
     tree after a chain."""
-    moving, fresh = _backend(move_verify=True), _backend()
+    moving, fresh = _backend(move_batches=True), _backend()
     builds = _count_builds(moving)
     g = torch.Generator().manual_seed(100 + seed)
     for k, (ids, prefix, pad, tokens) in enumerate(_verify_walk(seed, 12)):
@@ -558,7 +676,7 @@ def test_a_verify_batch_is_built_afresh_unless_it_is_the_last_one_moved_on() -> 
     """Rows in another order, another block length or padding, a tree after a chain: each is built (and
     equals the fresh build); the same rows at any other prefixes (no further, further than a block, back)
     are rewritten and equal it too; a position without a page or past the table raises as the build does."""
-    moving, fresh = _backend(move_verify=True), _backend()
+    moving, fresh = _backend(move_batches=True), _backend()
     tok = torch.arange(3 * D).view(3, D)
     builds = _count_builds(moving)
 
@@ -625,7 +743,7 @@ def test_a_verify_batch_is_built_afresh_unless_it_is_the_last_one_moved_on() -> 
 def test_cuda_verify_batches_moved_on_equal_fresh_builds_without_a_sync() -> None:
     """On CUDA (the Triton `advance_verify`), with device block tokens as a round passes them: each moved
     batch equals a fresh build, and moving one syncs nothing."""
-    moving, fresh = _backend("cuda", move_verify=True), _backend("cuda")
+    moving, fresh = _backend("cuda", move_batches=True), _backend("cuda")
     builds = _count_builds(moving)
     for k, (ids, prefix, pad, tokens) in enumerate(_verify_walk(7, 12)):
         got = []
@@ -647,10 +765,35 @@ def test_cuda_verify_batches_moved_on_equal_fresh_builds_without_a_sync() -> Non
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_decode_batches_moved_on_equal_fresh_builds_without_a_sync() -> None:
+    """On CUDA (the Triton `advance_verify`), with device tokens as a decode step built ahead passes them:
+    each moved decode batch equals a fresh build, page crossings included, and moving one syncs nothing."""
+    moving, fresh = _backend("cuda", move_batches=True), _backend("cuda")
+    builds = _count_builds(moving)
+    ids, prefix = ["r2", "r0", "r3"], [37, 5, 120]
+    for k in range(12):
+        tokens = torch.randint(0, 90, (len(ids),), device="cuda")
+        got = []
+        for be in (moving, fresh):
+            rows = be.pool.req_rows(ids)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                got.append(be.prepare_decode(req_rows=rows, input_ids=tokens, prefix_lens=prefix, pad_to=4))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert _fields(got[0]) == _fields(got[1]), k
+        _poison_steppable_fields(moving)
+        prefix = [p + 1 for p in prefix]
+    assert builds[0] == 1  # the first step; the other eleven rewritten
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tree_verify_batches_moved_on_equal_fresh_builds_without_a_sync() -> None:
     """On CUDA, device block tokens and device trees as a tree round passes them: each moved tree batch
     equals a fresh build (padded rows' chains included), and moving one syncs nothing."""
-    moving, fresh = _backend("cuda", move_verify=True), _backend("cuda")
+    moving, fresh = _backend("cuda", move_batches=True), _backend("cuda")
     builds = _count_builds(moving)
     g = torch.Generator().manual_seed(11)
     for k, (ids, prefix, pad, tokens) in enumerate(_verify_walk(8, 10)):

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hyspec_attn_backends import verify_rewrite
+from hyspec_attn_backends import batch_rewrite
 from hyspec_server import LLM, EngineArgs, SamplingParams
 from hyspec_server.builder import build_engine
 from hyspec_server.engine import LLMEngine
@@ -46,14 +46,14 @@ def _record_rounds(eng: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> tuple[set
         return verify(**kw)
 
     rewritten: set[int] = set()
-    rewrite = verify_rewrite.advance_verify
+    rewrite = batch_rewrite.advance_verify
 
     def recording_rewrite(**kw: Any) -> None:
         rewritten.add(int(kw["tokens"].shape[1]))
         rewrite(**kw)
 
     monkeypatch.setattr(runner, "forward_verify", recording)
-    monkeypatch.setattr(verify_rewrite, "advance_verify", recording_rewrite)
+    monkeypatch.setattr(batch_rewrite, "advance_verify", recording_rewrite)
     return shapes, rewritten
 
 

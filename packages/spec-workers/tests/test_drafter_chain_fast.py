@@ -118,7 +118,7 @@ def test_chain_path_proposes_what_the_general_path_proposes(
     # most proposals were queued right after the verify before them (the rest: a round after a prompt)
     assert c["start"] + c["taken"] == len(fast) and c["taken"] >= len(fast) // 2 > 0
     assert {d for _, d in slow_shapes} == {S + 2, *range(2, S + 1)}
-    # the first blocks of the same rows were the last block batch rewritten (`move_verify`), not built, in
+    # the first blocks of the same rows were the last block batch rewritten (`move_batches`), not built, in
     # most proposals: after the in-place steps of the proposal before, with the general path's drafts
     assert rewritten[0] >= (c["start"] + c["after"]) // 2 > 0
 

@@ -102,9 +102,9 @@ class HybridBackend:
             max_num_seqs · max(Dmax, 256)).
         mixed_steps: `prepare_mixed` is used (an engine step's prompt chunks beside its verify blocks): a
             second set of batch buffers is allocated for the chunks (needs verify scratch).
-        move_verify: a verify batch (chain or tree) of the same rows as the last one, at other positions, is
-            that batch rewritten in place (`BatchBuilder`'s `move_verify`: a speculative target's and a
-            chained drafter's block batches).
+        move_batches: a decode or verify batch (chain or tree) of the same rows as the last one, at other
+            positions, is that batch rewritten in place (`BatchBuilder`'s `move_batches`: a decode step's,
+            a speculative target's and a chained drafter's block batches).
         defer_commit: GDN commits are deferred (`hyspec_kernels.gdn.pending`): a commit makes the accepted
             tokens the slots' pending ones, and every forward applies a slot's pending tokens first (decode
             and verify in their kernel, a prefill by a replay before it) and clears them; readers outside a
@@ -125,7 +125,7 @@ class HybridBackend:
         max_num_seqs: int | None = None,
         max_tokens: int | None = None,
         mixed_steps: bool = False,
-        move_verify: bool = False,
+        move_batches: bool = False,
         defer_commit: bool = False,
     ) -> None:
         self.pool = pool
@@ -151,7 +151,7 @@ class HybridBackend:
                 max_num_seqs=max_num_seqs,
                 max_tokens=max_tokens,
                 kernel_checks=self._kernel_checks,
-                move_verify=move_verify,
+                move_batches=move_batches,
             )
 
         # job 1, batch metadata: the static batch buffers and the `prepare_*` that fill them

@@ -29,10 +29,10 @@ from hyspec_attn_backends.advance import (
     tree_after_block,
 )
 from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, check_tree_parents
+from hyspec_attn_backends.batch_rewrite import BatchRewrite
 from hyspec_attn_backends.host_batch import host_batch
 from hyspec_attn_backends.layers import MixerKind
 from hyspec_attn_backends.modes import ForwardMode
-from hyspec_attn_backends.verify_rewrite import VerifyRewrite
 
 
 class BatchBuilder:
@@ -44,12 +44,13 @@ class BatchBuilder:
         max_num_seqs, max_tokens: size of the preallocated batch buffers (default: the pool's max_num_seqs and
             max_num_seqs · max(Dmax, 256)).
         kernel_checks: the kernels' value-check setting (`hyspec_kernels.value_checks`), for tree parents.
-        move_verify: a chain verify batch of the same rows as the last one built (same order, block length,
-            padding and state slots, its pages mapped) is that batch rewritten at the new prefixes in its
-            buffers (`prepare_verify`, `hyspec_kernels.advance_verify`) instead of built again. The rewrite
-            writes every field but the page table (re-uploaded for rows whose pages changed), state slots and
-            batch rows, which only a build writes: a drafter's graphs may step the batch on in between
-            (`advance_one_token`, `start_chain`).
+        move_batches: a decode or verify batch (chain or tree) of the same rows as the last one built (same
+            order, mode, tokens per row, padding and state slots, its pages mapped) is that batch rewritten
+            at the new prefixes in its buffers (`batch_rewrite.BatchRewrite`, one
+            `hyspec_kernels.advance_verify` launch) instead of built again. The rewrite writes every field
+            but the page table (re-uploaded for rows whose pages changed), state slots and batch rows, which
+            only a build writes: a drafter's graphs may step the batch on in between (`advance_one_token`,
+            `start_chain`).
 
     Every batch lives in the same preallocated buffers (so CUDA graphs can read them): preparing a batch, or
     advancing one in place, overwrites the previous one. `num_builds` counts those writes, so a batch
@@ -66,12 +67,12 @@ class BatchBuilder:
         max_num_seqs: int | None = None,
         max_tokens: int | None = None,
         kernel_checks: bool | None = None,
-        move_verify: bool = False,
+        move_batches: bool = False,
     ) -> None:
         self.pool = pool
         self.num_builds = 0
         # builds that may write the page table, state slots or batch rows (`prepare_*`, not the in-place steps
-        # of a drafter's graphs nor a rewritten verify batch): `VerifyRewrite.rewrite` needs none since
+        # of a drafter's graphs nor a rewritten batch): `BatchRewrite.rewrite` needs none since
         self._layout_builds = 0
         self.kinds = tuple(kinds)
         plan = pool.plan
@@ -91,8 +92,8 @@ class BatchBuilder:
         )
         # kernels' own value checks (hyspec_kernels.value_checks): the backend's setting
         self._kernel_checks = kernel_checks
-        # the last chain verify batch built, rewritten at new prefixes when it is asked for again
-        self._rewrite = VerifyRewrite(pool) if move_verify else None
+        # the last decode or verify batch built, rewritten at new prefixes when it is asked for again
+        self._rewrite = BatchRewrite(pool) if move_batches else None
 
     def prepare_extend(
         self,
@@ -134,16 +135,23 @@ class BatchBuilder:
         query has a key; their outputs are meaningless. The batch's `num_padded` says how many.
         """
         n = len(req_rows)
-        return self._build(
-            ForwardMode.DECODE,
-            req_rows,
-            input_ids,
-            [1] * n,
-            prefix_lens,
-            None,
-            0,
-            pad_to,
-        )
+        if self._rewrite is not None and input_ids.dim() == 1 and input_ids.shape[0] == n:
+            moved = self._rewrite.rewrite(
+                ForwardMode.DECODE,
+                req_rows,
+                input_ids[:, None],
+                prefix_lens,
+                None,
+                pad_to,
+                self._layout_builds,
+            )
+            if moved is not None:
+                self.num_builds += 1
+                return moved
+        batch = self._build(ForwardMode.DECODE, req_rows, input_ids, [1] * n, prefix_lens, None, 0, pad_to)
+        if self._rewrite is not None:
+            self._rewrite.remember(batch, req_rows, prefix_lens, None, pad_to, self._layout_builds)
+        return batch
 
     def prepare_verify(
         self,
@@ -182,7 +190,13 @@ class BatchBuilder:
             check_tree_parents(tree_parents, num_seqs=n, verify_len=d, check_values=self._kernel_checks)
         if self._rewrite is not None:
             moved = self._rewrite.rewrite(
-                req_rows, block_tokens, prefix_lens, tree_parents, pad_to, self._layout_builds
+                ForwardMode.TARGET_VERIFY,
+                req_rows,
+                block_tokens,
+                prefix_lens,
+                tree_parents,
+                pad_to,
+                self._layout_builds,
             )
             if moved is not None:
                 self.num_builds += 1

@@ -1,13 +1,14 @@
 """The next decode step's batch, prepared while the device still runs this one.
 
-A decode step's host work between reading its sampled tokens and launching the next forward is idle time
-for the device. The largest part is the next batch's metadata (`prepare_decode`: positions, KV slots, state
-slots, page-table rows; 0.9 ms of host time per step on an H100 machine against a 7.4 ms forward of a 9B
-model at batch 1 when it was built on the device, about 0.35 ms now that it is built on the host). When
-every chunk of a step decodes one token, the runner therefore builds the batch of the same requests one
-position on right after queueing the sampler and before reading its tokens: the build's copies queue behind
-the running forward, so its host time overlaps the device's work, and the next step's input tokens are
-copied from the sampler's output on the device.
+A decode step's host work between reading its sampled tokens and launching the next forward is idle time for
+the device. The largest part is the next batch's metadata (`prepare_decode`: positions, KV slots, state slots,
+page-table rows; 0.9 ms of host time per step on an H100 machine against a 7.4 ms forward of a 9B model at
+batch 1 when it was built on the device, about 0.35 ms when it is built on the host; a batch of the same rows
+as the last one is that one moved on by one launch instead, `attn-backends` `BatchRewrite`). When every chunk
+of a step decodes one token, the runner therefore builds the batch of the same requests one position on right
+after queueing the sampler and before reading its tokens: the build's copies queue behind the running forward,
+so its host time overlaps the device's work, and the next step's input tokens are copied from the sampler's
+output on the device.
 
 The next step takes the prepared batch only if nothing it was built from has changed since:
 
@@ -106,11 +107,11 @@ class DecodeAhead:
             self.pool.ensure_kv_capacity(req_ids, [min(p + 1 + self.lookahead, width) for p in prefix_lens])
         except PoolExhaustedError:
             return  # the scheduler decides who gets the last pages (and whom to preempt)
-        n = len(req_ids)
+        # the tokens are copied on the device, queued after the sampler that writes them (a decode batch of
+        # the same rows as the last one is that batch moved on: `BatchRewrite`)
         batch = self.graphs.prepare_decode(
-            req_rows=req_rows, input_ids=torch.zeros(n, dtype=torch.int64), prefix_lens=list(prefix_lens)
+            req_rows=req_rows, input_ids=next_tokens, prefix_lens=list(prefix_lens)
         )
-        batch.input_ids[:n].copy_(next_tokens)  # queued after the sampler that writes them
         self._prepared = _Prepared(
             tuple(req_ids),
             tuple(prefix_lens),

@@ -66,7 +66,7 @@ def _backend(
         max_num_seqs=max_num_seqs,
         max_tokens=max(step_capacity(args, max_num_seqs, max_model_len), max_num_seqs * dmax),
         mixed_steps=spec,
-        move_verify=spec,
+        move_batches=True,
         defer_commit=spec,
     )
 

@@ -109,9 +109,9 @@ class DraftKV:
         )
         self.pool = HybridStatePool(plan, device=device)
         # a chained drafter's block batch of the same rows round after round is the last one rewritten at the
-        # new lengths (`move_verify`: one launch instead of a build, also after its graphs stepped it on)
+        # new lengths (`move_batches`: one launch instead of a build, also after its graphs stepped it on)
         self.backend = HybridBackend(
-            self.pool, layers=layers, layer_types=["full_attention"] * len(layers), move_verify=True
+            self.pool, layers=layers, layer_types=["full_attention"] * len(layers), move_batches=True
         )
         self.lengths: dict[Hashable, int] = {}
         self.lag = lag
