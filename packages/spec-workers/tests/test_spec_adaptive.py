@@ -109,6 +109,28 @@ def test_cost_tracker_measures_and_extrapolates() -> None:
     assert one.round_s(0) == pytest.approx(1.0)
 
 
+def test_cost_tracker_judges_rounds_by_warm_costs() -> None:
+    """A bucket's first round is cold (several steady rounds' cost): after a few warm rounds the round cost
+    is the warm one, not an average still carrying the cold one (an EMA from the first round, alpha 0.1,
+    held 3.5 ms where warm rounds cost 2 ms, and a warm-up then dropped a drafter that paid); a stall among
+    warm rounds moves nothing; a lasting change is followed within a few rounds."""
+    t = CostTracker()
+    t.record_draft(3, 3 * 1.0)  # cold: a fresh proposal, a built verify batch
+    t.record_verify(4, 8.0)
+    for _ in range(3):
+        t.record_draft(3, 3 * 0.1)
+        t.record_verify(4, 1.6)
+    assert t.at(1).round_s(3) == pytest.approx(3 * 0.1 + 1.6)
+    t.record_draft(3, 3 * 2.0)  # a stall
+    t.record_verify(4, 20.0)
+    assert t.at(1).round_s(3) == pytest.approx(3 * 0.1 + 1.6)
+    for _ in range(3):  # the load doubles the verify for good
+        t.record_draft(3, 3 * 0.1)
+        t.record_verify(4, 3.2)
+    assert t.at(1).round_s(3) == pytest.approx(3 * 0.1 + 3.2)
+    assert t.at(1).round_s(1) == pytest.approx(0.1 + 3.2)  # one block size known: that one's cost
+
+
 def test_cost_tracker_keeps_costs_per_batch_bucket() -> None:
     """Rounds and plain steps are judged against those of their own batch bucket (rows padded as the CUDA
     graphs pad them): a round measured while a batch ramped up (cheap, a few rows) must not judge the full

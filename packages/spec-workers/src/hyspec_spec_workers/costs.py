@@ -1,14 +1,15 @@
 """What speculation costs, measured: the numbers the adaptive draft length weighs against plain decoding.
 
 `CostModel` is the seam (`adaptive.py` reads it); `CostEstimate` gives fixed costs (simulations, tests);
-`CostTracker` keeps what the engine measures, per batch bucket: the fastest of the latest steady plain
-decode steps, and exponential averages of a draft step and a verify forward per block size; and of a
-catch-up draft extend. `CostTracker.at(rows)` is the `CostModel` a round over `rows` requests is judged by.
-`DraftClock` times a round's drafting without making the host wait for it.
+`CostTracker` keeps what the engine measures, per batch bucket: the fastest of the latest steady plain decode
+steps, and the medians of the latest draft steps and verify forwards per block size; and an exponential
+average of a catch-up draft extend. `CostTracker.at(rows)` is the `CostModel` a round over `rows` requests is
+judged by. `DraftClock` times a round's drafting without making the host wait for it.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -90,18 +91,27 @@ class _Bucket:
     """One batch bucket's measurements (`CostTracker`)."""
 
     decode_recent: list[float] = field(default_factory=list)  # the latest steady plain steps, oldest first
-    draft_step: float | None = None
-    verify: dict[int, float] = field(default_factory=dict)  # seconds per verify block size
+    draft_recent: list[float] = field(default_factory=list)  # the latest seconds per draft step
+    verify_recent: dict[int, list[float]] = field(default_factory=dict)  # the latest verifies per block size
 
 
 class CostTracker:
-    """Measured costs, per batch bucket (`batch_bucket`): the fastest of the latest steady plain steps, EMAs
-    of a draft step and of a verify forward per block size; and EMAs of catch-up rounds and rows per step.
+    """Measured costs, per batch bucket (`batch_bucket`): the fastest of the latest steady plain steps, the
+    medians of the latest draft steps and verify forwards per block size; and EMAs of catch-up rounds and
+    rows per step.
 
     A step's cost grows with its batch (9B shape on an H200: a plain step 5.2 ms at 1 row and 10.4 ms at
     32, a round with one draft 6.5 and 12.1 ms), so a round is judged by what rounds and plain steps of its
     own batch bucket cost (`at`). Pooled over every batch, rounds timed while a batch ramped up (a few rows
     at a time, cheap) judged the full batch's rounds: drafting that lost 38% at 32 rows looked free.
+
+    Round costs are medians of the latest `ROUND_SAMPLES`, not averages from the first: a bucket's first
+    round is cold (its proposal not queued behind a verify, its verify batch built, not moved on) and costs
+    several steady rounds; an exponential average started there (alpha 0.1) still held a third of that
+    excess after the ten rounds of a request's warm-up, so a warm-up judged drafting by a cost it no longer
+    had (on an H200, adaptive MTP on the demo model held a round with 3 drafts at 3.5 ms at batch 1, where
+    the fixed-length engine's steady rounds cost 1.95 ms, and stopped drafting). A median drops such a
+    round, and a stall, as soon as a few warm ones follow, and follows a real change within a few rounds.
 
     Catch-up rounds (`record_catch_up`) are rare and their cost moves with the load, so their EMA weighs
     each new one by `CATCH_UP_ALPHA`; they are kept as (seconds, drafts, rows) and weighed against the round
@@ -111,6 +121,7 @@ class CostTracker:
 
     CATCH_UP_ALPHA = 0.5
     DECODE_SAMPLES = 4  # steady plain steps the decode cost is the fastest of
+    ROUND_SAMPLES = 5  # draft steps and verifies (per block size) their costs are the medians of
 
     def __init__(self, alpha: float = 0.1) -> None:
         if not 0.0 < alpha <= 1.0:
@@ -162,11 +173,14 @@ class CostTracker:
     def record_draft(self, num_steps: int, seconds: float, rows: int = 1) -> None:
         if num_steps >= 1:
             b = self._bucket(rows)
-            b.draft_step = self._ema(b.draft_step, seconds / num_steps)
+            b.draft_recent = [*b.draft_recent[-(self.ROUND_SAMPLES - 1) :], seconds / num_steps]
 
     def record_verify(self, block_size: int, seconds: float, rows: int = 1) -> None:
         b = self._bucket(rows)
-        b.verify[block_size] = self._ema(b.verify.get(block_size), seconds)
+        b.verify_recent[block_size] = [
+            *b.verify_recent.get(block_size, [])[-(self.ROUND_SAMPLES - 1) :],
+            seconds,
+        ]
 
     @property
     def ready(self) -> bool:
@@ -193,7 +207,7 @@ class BatchCosts:
 
     @property
     def ready(self) -> bool:
-        return self._b.draft_step is not None and bool(self._b.verify)
+        return bool(self._b.draft_recent) and bool(self._b.verify_recent)
 
     @property
     def has_decode(self) -> bool:
@@ -201,7 +215,7 @@ class BatchCosts:
         return bool(self._b.decode_recent)
 
     def _verify_s(self, d: int) -> float:
-        verify = self._b.verify
+        verify = {size: statistics.median(ts) for size, ts in self._b.verify_recent.items()}
         if d in verify:
             return verify[d]
         sizes = sorted(verify)
@@ -214,12 +228,13 @@ class BatchCosts:
     def decode_s(self) -> float:
         if self._b.decode_recent:
             return min(self._b.decode_recent)
-        return self._verify_s(min(self._b.verify)) if self._b.verify else 1.0
+        return self._verify_s(min(self._b.verify_recent)) if self._b.verify_recent else 1.0
 
     def round_s(self, num_drafts: int) -> float:
         if num_drafts == 0:
             return self.decode_s()
-        return num_drafts * (self._b.draft_step or 0.0) + self._verify_s(num_drafts + 1)
+        draft = statistics.median(self._b.draft_recent) if self._b.draft_recent else 0.0
+        return num_drafts * draft + self._verify_s(num_drafts + 1)
 
     def catch_up_s(self) -> float:
         return self._tracker.catch_up_s()
