@@ -212,7 +212,7 @@ def hyspec_decode(llm: Any, prompts: Sequence[list[int]], new: int) -> dict[str,
         "verify_eager": c.verify_eager,
     }
     if runner.spec is not None:
-        costs = runner.spec.costs.at(len(prompts))  # measured EMAs (seconds) the adaptive length uses
+        costs = runner.spec.costs.at(len(prompts))  # measured costs (seconds) the adaptive length uses
         res["measured_ms"] = {
             "decode": costs.decode_s() * 1e3,
             "round_with_1_draft": costs.round_s(1) * 1e3 if costs.ready else None,
