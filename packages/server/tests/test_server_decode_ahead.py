@@ -299,3 +299,42 @@ def test_a_page_boundary_gets_its_page_unless_the_pool_has_none(tiny_lfm2: Path)
     _build(ahead, runner, [width, 3], [11, 12])
     assert ahead.take(req_ids=["a", "b"], prefix_lens=[width, 3], tokens=[11, 12]) is None
     assert ahead.num_used == 1
+
+
+@pytest.mark.parametrize("ahead_on", [False, True])
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_5"])
+def test_decode_batches_moved_on_give_the_tokens_of_built_ones(
+    arch: str, ahead_on: bool, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every engine's target moves a decode batch of the same rows as the last one on instead of building it
+    (`BatchRewrite`, `move_batches`): greedy tokens equal an engine that builds every batch, and only a step
+    whose rows changed (the first decode after the prefill, a request ending) builds one."""
+    from hyspec_attn_backends.batch_builder import BatchBuilder
+    from hyspec_attn_backends.batch_rewrite import BatchRewrite
+
+    path: Path = request.getfixturevalue(f"tiny_{arch}")
+    rewrite = BatchRewrite.rewrite
+    monkeypatch.setattr(BatchRewrite, "rewrite", lambda *a, **k: None)
+    ref = _run(_engine(path, ahead=ahead_on))
+    monkeypatch.setattr(BatchRewrite, "rewrite", rewrite)
+    calls = {"moved": 0, "built": 0}
+    prepare, build = BatchBuilder.prepare_decode, BatchBuilder._build
+
+    def counted_prepare(self: BatchBuilder, **kw: Any) -> Any:
+        builds = calls["built"]
+        out = prepare(self, **kw)
+        calls["moved"] += calls["built"] == builds
+        return out
+
+    def counted_build(self: BatchBuilder, mode: Any, *args: Any, **kw: Any) -> Any:
+        calls["built"] += mode.name == "DECODE"
+        return build(self, mode, *args, **kw)
+
+    monkeypatch.setattr(BatchBuilder, "prepare_decode", counted_prepare)
+    monkeypatch.setattr(BatchBuilder, "_build", counted_build)
+    eng = _engine(path, ahead=ahead_on)
+    assert _run(eng) == ref
+    # 29 decode steps; the rows change at the first one and when each of the five requests ends (the last
+    # one's end leaves no batch): at most 5 builds, every other step moved on
+    assert calls["built"] <= 5 and calls["moved"] >= 29 - 5, calls
+    eng.leak_check()
