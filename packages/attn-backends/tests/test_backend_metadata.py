@@ -10,6 +10,7 @@ build's writes are counted structurally: one op per buffer, no read of a device 
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -568,6 +569,80 @@ def test_a_decode_batch_moved_on_equals_a_fresh_build(seed: int, pad: int | None
     # batch, the other padding and the step after it (padding back), the fewer rows (and the prefill and
     # verify batches in between); moved: the other nine
     assert builds[0] == 9
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_walks_of_decode_and_verify_batches_equal_fresh_builds(seed: int) -> None:
+    """Random walks over everything that can happen between two steps (a request ending and a new one taking
+    its row and perhaps its slot, pages mapped, a slot remapped, the steppable fields poisoned, prefixes
+    jumping or going back, verify batches of other rows and padding, decode tokens of other dtypes and
+    strides): every decode and verify batch of a `move_batches` backend equals a fresh build's, or both
+    raise; and most steady decode steps were moved on (the walk is no build-every-time no-op)."""
+    rnd = random.Random(seed)
+    moving, fresh = _backend(move_batches=True), _backend()
+    builds = _count_builds(moving)
+    both = (moving, fresh)
+    live, prefix = list(IDS), {r: rnd.randrange(0, 250) for r in IDS}
+    ids: list[str] = []
+    pad: int | None = None
+    decodes = fresh_id = 0
+
+    def call(method: str, rows: list[str], **kw: Any) -> None:
+        """`method` of both backends for these requests' rows: equal batches, or both raise."""
+        out: list[Any] = []
+        for be in both:
+            try:
+                out.append(_fields(getattr(be, method)(req_rows=be.pool.req_rows(rows), **kw)))
+            except ValueError as e:
+                out.append(type(e).__name__)
+        assert out[0] == out[1]
+
+    for _ in range(60):
+        op = rnd.random()
+        if op < 0.06:  # a request ends; a new one takes its row (and perhaps its slot), at its length
+            gone, new = rnd.choice(live), f"n{fresh_id}"
+            fresh_id += 1
+            for be in both:
+                be.pool.free([gone])
+                be.pool.alloc([new])
+                be.pool.ensure_kv_capacity([new], [min(320, prefix[gone] + 8)])
+            live[live.index(gone)] = new
+            prefix[new] = prefix.pop(gone)
+        elif op < 0.10:  # pages mapped ahead (mostly for a request of the decode batch)
+            r = rnd.choice([x for x in ids if x in live] or live)
+            grow = rnd.choice([320, min(320, prefix[r] + rnd.randrange(1, 40))])  # 320: past the setup's pages
+            for be in both:
+                be.pool.ensure_kv_capacity([r], [grow])
+        elif op < 0.13:  # a slot remapped (to itself: only the row's version changes)
+            r, same = rnd.choice(live), rnd.random() < 0.5
+            for be in both:
+                row = be.pool.req_rows([r]).tolist()[0]
+                be.pool.table.map_slot([row], [be.pool.table.host_row_to_slot[row] if same else 8])
+        elif op < 0.16:
+            _poison_steppable_fields(moving)
+        elif op < 0.20:
+            prefix = {r: rnd.randrange(0, 300) for r in live}
+        elif op < 0.25:
+            vids = rnd.sample(live, rnd.randrange(1, len(live) + 1))
+            call(
+                "prepare_verify",
+                vids,
+                block_tokens=torch.randint(0, 50, (len(vids), D)),
+                prefix_lens=[prefix[r] for r in vids],
+                pad_to=rnd.choice([None, len(vids), 5, 6]),
+            )
+        else:
+            if not ids or rnd.random() < 0.15:
+                ids, pad = rnd.sample(live, rnd.randrange(1, len(live) + 1)), rnd.choice([None, 5, 6])
+            ids = [r for r in ids if r in live] or live[:1]
+            for r in ids:
+                prefix[r] += 1
+            tokens = torch.randint(0, 50, (len(ids), 2))[:, rnd.randrange(2)]  # strided
+            tokens = tokens.to(rnd.choice([torch.int64, torch.int32, torch.uint8]))
+            call("prepare_decode", ids, input_ids=tokens, prefix_lens=[prefix[r] for r in ids], pad_to=pad)
+            decodes += 1
+    # every call above reached `_build` on the fresh side; on the moving side only the builds
+    assert 0 < builds[0] < decodes
 
 
 def test_a_decode_batch_is_moved_only_where_a_build_would_succeed() -> None:
