@@ -610,7 +610,8 @@ def test_random_walks_of_decode_and_verify_batches_equal_fresh_builds(seed: int)
             prefix[new] = prefix.pop(gone)
         elif op < 0.10:  # pages mapped ahead (mostly for a request of the decode batch)
             r = rnd.choice([x for x in ids if x in live] or live)
-            grow = rnd.choice([320, min(320, prefix[r] + rnd.randrange(1, 40))])  # 320: past the setup's pages
+            # 320: past the pages `_backend` mapped
+            grow = rnd.choice([320, min(320, prefix[r] + rnd.randrange(1, 40))])
             for be in both:
                 be.pool.ensure_kv_capacity([r], [grow])
         elif op < 0.13:  # a slot remapped (to itself: only the row's version changes)
