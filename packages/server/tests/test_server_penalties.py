@@ -262,3 +262,32 @@ def test_min_tokens_holds_back_eos_and_stop_ids_plain_and_in_verify_blocks() -> 
     assert banned == [[True, True], [True, True], [False, False], [False, False]]
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=3, min_tokens=4)
+
+
+def test_min_tokens_bans_give_way_where_a_row_would_have_no_token_left() -> None:
+    """A row (plain) or verify node whose logits allow only held-back stop ids (a constraint's mask left
+    nothing else) keeps them; every other row and node still has them banned."""
+    pen = PenaltyTensors.build(
+        presence=[0.0, 0.0],
+        frequency=[0.0, 0.0],
+        repetition=[1.0, 1.0],
+        output_tokens=[[], []],
+        prompt_tokens=[[], []],
+        device=torch.device("cpu"),
+        min_tokens_bans=[(3, {4, 6}), (3, {4})],
+    )
+    x = torch.zeros(2, 10)
+    x[0, :] = float("-inf")
+    x[0, 4], x[0, 6] = 1.5, 0.5  # row 0: only its stop ids are left
+    out = pen.apply(x)
+    assert out[0, 4] == 1.5 and out[0, 6] == 0.5 and bool(torch.isneginf(out[0, :4]).all())
+    assert out[1, 4] == float("-inf") and bool((out[1, [0, 1, 2, 3, 5]] == 0).all())
+    # in a verify block: node 1 of row 0 is masked to its stop ids, node 0 is not
+    blocks = torch.zeros(2, 2, 10)
+    blocks[0, 1, :] = float("-inf")
+    blocks[0, 1, 6] = 2.0
+    path = torch.tril(torch.ones(2, 2, 2, dtype=torch.bool))
+    path[:, :, 0] = False
+    got = pen.apply_block(blocks, block_tokens=torch.zeros(2, 2, dtype=torch.int64), path_mask=path)
+    assert got[0, 1, 6] == 2.0 and got[0, 0, 6] == float("-inf") and got[0, 0, 4] == float("-inf")
+    assert got[1, 0, 4] == float("-inf") and got[1, 1, 4] == float("-inf")

@@ -393,6 +393,50 @@ def test_min_tokens_past_the_constraint_end_finishes_at_the_end(qwen_ckpt: Path,
     llm.leak_check()
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_gives_way_to_a_constraint_that_needs_a_stop_token(temperature: float) -> None:
+    """A constraint whose next token can only be one of the request's stop_token_ids, before min_tokens is
+    reached: min_tokens holding it back left no token (token 0 was sampled, the grammar refused it and the
+    step failed, aborting the other request too). The constraint wins, as it does for its own end tokens:
+    the stop token is sampled and ends the request; the free request beside it is unharmed."""
+    llm = LLM.from_engine(toy_engine(seqs=8))
+    a = ord("a")  # the toy tokenizer's byte token for "a"
+    bound = SamplingParams(
+        max_tokens=5,
+        temperature=temperature,
+        seed=1,
+        min_tokens=3,
+        stop_token_ids=[a],
+        structured_outputs=StructuredOutputsParams(choice=["a"]),
+    )
+    free = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [65, 66]}, {"prompt_token_ids": [70, 71]}], [bound, free])
+    assert out[0].outputs[0].token_ids == [a] and out[0].outputs[0].finish_reason == "stop"
+    assert out[0].outputs[0].stop_reason == a
+    assert out[1].outputs[0].token_ids == toy_greedy([70, 71], 5, ignore_eos=True)
+    llm.leak_check()
+
+
+def test_xgrammar_errors_name_the_field_not_the_library_source() -> None:
+    """A regex xgrammar refuses: the ValueError names the field and carries xgrammar's message without its
+    C++ source path; a choice with a lone surrogate (no UTF-8 exists for it) is a ValueError too."""
+    from hyspec_server.structured import xgrammar_error
+
+    err = RuntimeError("[12:00:01] /project/cpp/regex_converter.cc:94: Regex parsing error at position 3")
+    assert xgrammar_error(err) == "Regex parsing error at position 3"
+    assert xgrammar_error(RuntimeError("/a/b.cc:7: bad")) == "bad"
+    assert xgrammar_error(RuntimeError("")) == "RuntimeError"
+    llm = LLM.from_engine(toy_engine())
+    for so, field in (
+        (StructuredOutputsParams(regex="(?<=a)b"), "regex"),
+        (StructuredOutputsParams(choice=["\ud800"]), "choice"),
+    ):
+        with pytest.raises(ValueError, match=f"structured_outputs.{field}") as info:
+            llm.generate([{"prompt_token_ids": [3]}], SamplingParams(max_tokens=3, structured_outputs=so))
+        assert ".cc:" not in str(info.value)
+    llm.leak_check()
+
+
 def test_a_request_failing_after_its_step_is_aborted_alone(qwen_ckpt: Path) -> None:
     """A request whose bookkeeping after the model step raises is aborted alone: the engine reports it with
     the step's outputs of the others, which go on to their normal ends; over HTTP the engine thread lives."""

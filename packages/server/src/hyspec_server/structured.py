@@ -20,6 +20,7 @@ from an unmasked position.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Any
 
@@ -76,7 +77,8 @@ class GrammarCompiler:
                 compiled = compiler.compile_grammar(f"root ::= {alts}")
             else:
                 compiled = compiler.compile_grammar(text)
-        except RuntimeError as e:
+        except (RuntimeError, UnicodeError) as e:
+            # (a lone surrogate in a choice or pattern cannot go to xgrammar's UTF-8 at all)
             raise ValueError(f"structured_outputs.{kind}: does not compile: {xgrammar_error(e)}") from e
         self._check_startable(compiled, kind)
         return compiled
@@ -114,8 +116,15 @@ def _tokenizer_info(xgr: Any, tokenizer: Tokenizer) -> Any:
     )
 
 
+# "/project/cpp/regex_converter.cc:94: " at the start of an xgrammar message
+_SOURCE_PREFIX = re.compile(r"^\S+\.(?:cc|cpp|h|hpp|py):\d+: ")
+
+
 def xgrammar_error(e: Exception) -> str:
-    """The first line of an xgrammar error without its "[time] file:line:" prefix; the exception's type
-    when it has no text (xgrammar raises a bare RuntimeError for some schemas, e.g. a bound of 1e400)."""
+    """The first line of an xgrammar error without its "[time] " and "path/file.cc:line: " prefixes (the
+    library's C++ source is no part of a user's answer); the exception's type when it has no text (xgrammar
+    raises a bare RuntimeError for some schemas, e.g. a bound of 1e400)."""
     lines = str(e).splitlines()
-    return lines[0].split("] ", 1)[-1] if lines else type(e).__name__
+    if not lines:
+        return type(e).__name__
+    return _SOURCE_PREFIX.sub("", lines[0].split("] ", 1)[-1]) or type(e).__name__

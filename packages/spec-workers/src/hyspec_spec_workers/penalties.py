@@ -138,9 +138,14 @@ class PenaltyTensors:
             )
         if self.ban_rows is not None and self.ban_ids is not None and self.ban_left is not None:
             on = (self.ban_left > 0) & (self.ban_ids < v)  # a plain position is at depth 0
-            x = x.index_put(
-                (self.ban_rows[on], self.ban_ids[on]), torch.tensor(float("-inf"), device=x.device)
-            )
+            rows, ids = self.ban_rows[on], self.ban_ids[on]
+            held = x[rows, ids]  # [K] the held-back tokens' logits
+            x = x.index_put((rows, ids), torch.tensor(float("-inf"), device=x.device))
+            # a row left with no token at all (a structured output whose next token can only be one of the
+            # request's stop ids) keeps them: the constraint wins over min_tokens, as it does for the
+            # tokens that end the constraint; sampling from nothing would fail the step
+            empty = torch.isneginf(x).all(dim=-1)  # [N]
+            x = x.index_put((rows, ids), torch.where(empty[rows], held, float("-inf")))
         return x
 
     def apply_block(
