@@ -336,3 +336,43 @@ def test_cuda_model_matches_transformers(
     runner = h.enable_cuda_graphs(decode_sizes=(1, 2))
     assert h.generate("r", PROMPT, 8) == hf_greedy(hf, PROMPT, 8)
     assert runner.num_replays == 7  # every decode step replayed the captured graph
+
+
+# Rotary widths transformers reads in its own way per family (found by an odd-shape review).
+ROTARY_WIDTH_CASES: dict[str, tuple[str, dict[str, Any], int]] = {
+    # transformers' LFM2 rotates whole heads: its default rotary never reads partial_rotary_factor
+    "lfm2-partial_factor_ignored": (
+        "lfm2",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+        16,
+    ),
+    # head_dim 20 at factor 0.25: frequencies over arange(0, 5, 2) / 5, which rotate 6 dims
+    "qwen3_5-odd_rotary_width": ("qwen3_5", {"head_dim": 20}, 6),
+    "qwen3_next-odd_rotary_width": ("qwen3_next", {"head_dim": 20}, 6),
+}
+
+
+@pytest.mark.parametrize("case", list(ROTARY_WIDTH_CASES))
+def test_rotary_width_is_the_one_transformers_rotates(case: str, tmp_path: Path) -> None:
+    """Logits and greedy tokens equal transformers' where the rotated width is read per family: LFM2 with
+    a partial_rotary_factor (hyspec rotated half of each head, transformers all of it: other tokens) and
+    Qwen heads whose rotated quarter is odd (refused at load before)."""
+    from hyspec_testing.tiny import build_tiny_checkpoint
+
+    arch, overrides, rotary_dim = ROTARY_WIDTH_CASES[case]
+    path = build_tiny_checkpoint(tmp_path / case, arch, config_overrides=overrides)
+    model = load_model(path, progress=False)
+    assert model.rope.rotary_dim == rotary_dim
+    hf = load_hf_model(path)
+    got = Harness(model).extend({"r": PROMPT})["r"]  # [T, V]
+    assert rel_err(got, hf_logits(hf, PROMPT)) < 1e-4
+    assert Harness(model).generate("r", PROMPT, 8) == hf_greedy(hf, PROMPT, 8)
+
+
+def test_lfm2_refuses_a_scaled_rope_over_part_of_a_head(family_config: Callable[[str], Any]) -> None:
+    """A scaled type whose frequencies cover part of an LFM2 head (partial_rotary_factor < 1): transformers'
+    LFM2 attention cannot apply it either, so it is refused naming the field, not run on a guess."""
+    config = _with_rope(family_config("lfm2"), {**CASES["yarn"], "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        RopeConfig.from_hf(config, _head_dim(config), partial=False)
+    assert RopeConfig.from_hf(config, _head_dim(config)).rotary_dim == _head_dim(config) // 2

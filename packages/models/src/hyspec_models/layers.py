@@ -117,9 +117,15 @@ class RopeConfig:
             raise ValueError(f"attention_factor: expected a finite float > 0, got {self.attention_factor}")
 
     @classmethod
-    def from_hf(cls, config: Any, head_dim: int) -> RopeConfig:
+    def from_hf(cls, config: Any, head_dim: int, *, partial: bool = True) -> RopeConfig:
         """Read `rope_parameters` (transformers 5) or the legacy `rope_scaling` / `rope_theta` /
         `partial_rotary_factor`.
+
+        `partial` False: the model rotates whole heads whatever `partial_rotary_factor` says, as
+        transformers' LFM2 does (its default rotary never reads the factor; a scaled type that would rotate
+        part of a head is refused: its attention cannot apply one). Default RoPE over an odd width `dim =
+        int(head_dim * partial_rotary_factor)` is transformers' too: frequencies `theta ** (-2i / dim)` for
+        `2i < dim`, which rotate `dim + 1` dims (head_dim 20 at factor 0.25: 6 dims).
 
         Every type in `STATIC_ROPE_TYPES` is supported; others raise a ValueError naming
         `rope_parameters.rope_type`. "dynamic" NTK is refused: transformers recomputes its frequencies from
@@ -131,11 +137,21 @@ class RopeConfig:
         params = _rope_parameters(config)
         rope_type = params["rope_type"]
         if rope_type == "default":
-            theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
             factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-            return cls(head_dim=head_dim, rotary_dim=int(head_dim * factor), theta=float(theta))
+            dim = int(head_dim * factor) if partial else head_dim
+            if dim % 2 == 0 or dim > head_dim - 1:
+                return cls(head_dim=head_dim, rotary_dim=dim, theta=theta)  # (an odd whole head: refused)
+            # on the CPU whatever device the model is built under (a meta one at load)
+            odd = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
+            return cls(head_dim=head_dim, rotary_dim=dim + 1, theta=theta, inv_freq=tuple(odd.tolist()))
         _check_static(rope_type, params)
         inv_freq, attention_factor = _hf_inv_freq(config, params, head_dim)
+        if not partial and 2 * inv_freq.numel() != head_dim:
+            raise ValueError(
+                f"rope_parameters.partial_rotary_factor: this model rotates whole heads (head_dim "
+                f"{head_dim}), its {rope_type!r} rope would rotate {2 * inv_freq.numel()} dims"
+            )
         return cls(
             head_dim=head_dim,
             # "proportional" returns head_dim / 2 frequencies (zeros past the rotated part) whatever

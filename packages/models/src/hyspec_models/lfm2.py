@@ -237,7 +237,8 @@ class Lfm2ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rope = RopeConfig.from_hf(config, _head_dim(config))
+        # transformers' LFM2 rotates whole heads: its default rotary never reads partial_rotary_factor
+        self.rope = RopeConfig.from_hf(config, _head_dim(config), partial=False)
 
     def _make_ffn(self, config: Any, layer_id: int) -> nn.Module:
         return Lfm2MLP(config.hidden_size, lfm2_ffn_dim(config))
