@@ -419,3 +419,20 @@ def test_cli_writes_the_same_checkpoints(checkpoints: dict[str, Path], tmp_path:
     ):
         assert ours.read_bytes() == theirs.read_bytes(), ours.name
     assert _config(tmp_path / "qwen3_5-mtp3")[0]["mtp_num_hidden_layers"] == 3
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_wrapped", "qwen3_5_moe_wrapped"])
+def test_an_untied_override_of_a_wrapped_checkpoint_saves_its_lm_head(arch: str, tmp_path: Path) -> None:
+    """`config_overrides={"tie_word_embeddings": False}` on a wrapped checkpoint: the wrapper's own flag
+    follows the text config's, so the checkpoint holds an lm_head and transformers' reference loads it (it
+    drew a random one, and disagreed with hyspec, which was right)."""
+    from hyspec_models.loader import load_model
+    from hyspec_testing.harness import Harness
+
+    path = build_tiny_checkpoint(tmp_path / arch, arch, config_overrides={"tie_word_embeddings": False})
+    assert json.loads((path / "config.json").read_text())["tie_word_embeddings"] is False
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert any(k.endswith("lm_head.weight") for k in f.keys())
+    prompt = list(range(3, 30))
+    model = load_model(path, progress=False)
+    assert Harness(model).generate("r", prompt, 6) == hf_greedy(path, prompt, 6)

@@ -378,6 +378,9 @@ def build_tiny_checkpoint(
         setattr(text, key, value)
         if key == "layer_types":
             text.num_hidden_layers = len(value)
+        if key == "tie_word_embeddings" and text is not config:
+            # a wrapper reads its own flag (whether it saves an lm_head): both say the same
+            config.tie_word_embeddings = value
     gen = torch.Generator(device="cpu").manual_seed(seed)
     # Default init draws from the global RNG; fork it so callers' random streams are left untouched.
     with torch.random.fork_rng(devices=[]):
