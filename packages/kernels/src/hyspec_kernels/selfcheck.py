@@ -383,6 +383,19 @@ def build_cases(device: str) -> dict[str, Case]:
         return g._asdict()
 
     cases["tree_grids (tree masks, depths and links, a padded tree)"] = tree_case
+
+    def linear_case(rows: int) -> Case:
+        x, w, b = rnd(rows, 70), rnd(37, 67, scale=0.1), rnd(37)
+
+        def case(be: Backend) -> Result:
+            from hyspec_kernels.linear import linear
+
+            return {"y": linear(x[:, :67], w, b if rows > 1 else None, backend=be)}
+
+        return case
+
+    cases["linear (one row, 37 x 67)"] = linear_case(1)
+    cases["linear (5 rows, bias, strided rows)"] = linear_case(5)
     return cases
 
 

@@ -14,6 +14,7 @@ from typing import Any, Final, NamedTuple
 import torch
 import torch.nn.functional as F
 from hyspec_kernels.gating import add_rms_norm, rms_norm, silu_and_mul
+from hyspec_kernels.linear import linear
 from hyspec_kernels.rope import apply_rotary
 from torch import Tensor, nn
 
@@ -304,6 +305,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` (the same parameters, names and CPU results) whose product is `hyspec_kernels.linear`: on
+    CUDA a bf16 / fp16 step of at most `MAX_SKINNY_ROWS` tokens (decode, small verify blocks) streams the
+    weight with its few-rows kernel instead of cuBLAS, eagerly and in CUDA graphs alike."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return linear(input, self.weight, self.bias)
+
+
 class PackedLinears:
     """Bias-free projections of one input run as one GEMM (one launch in a decode step instead of several,
     and one longer weight read): their weights become row blocks of one tensor, and each `nn.Linear` keeps
@@ -343,7 +353,7 @@ class PackedLinears:
         """[.., in] -> each projection's [.., out_i] (views of one GEMM output), or None once unpacked."""
         if [lin.weight.data_ptr() for lin in self._linears] != self._ptrs:
             return None
-        return list(torch.split(F.linear(x, self.weight), self.sizes, dim=-1))
+        return list(torch.split(linear(x, self.weight), self.sizes, dim=-1))
 
 
 def project(packed: PackedLinears | None, linears: Sequence[nn.Linear], x: Tensor) -> list[Tensor]:
@@ -368,9 +378,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self._packed: PackedLinears | None = None
 
     def pack_linears(self) -> None:

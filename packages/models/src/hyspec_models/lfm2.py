@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from hyspec_models.layers import (
     ConvWeight,
+    Linear,
     ModelOutput,
     PackedLinears,
     RMSNorm,
@@ -55,9 +56,9 @@ class Lfm2MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.w1 = Linear(hidden_size, intermediate_size, bias=False)
+        self.w3 = Linear(hidden_size, intermediate_size, bias=False)
+        self.w2 = Linear(intermediate_size, hidden_size, bias=False)
         self._packed: PackedLinears | None = None
 
     def pack_linears(self) -> None:
@@ -79,7 +80,7 @@ class Lfm2SparseMoe(nn.Module):
         self.norm_topk_prob = bool(config.norm_topk_prob)
         self.routed_scaling_factor = float(config.routed_scaling_factor)
         self.use_expert_bias = bool(config.use_expert_bias)
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         if self.use_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
@@ -108,10 +109,10 @@ class Lfm2Attention(nn.Module):
         self.core = AttentionLayer(
             layer_id=layer_id, num_heads=hq, num_kv_heads=hkv, head_dim=head_dim, scale=head_dim**-0.5
         )
-        self.q_proj = nn.Linear(hidden, hq * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, hkv * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, hkv * head_dim, bias=False)
-        self.out_proj = nn.Linear(hq * head_dim, hidden, bias=False)
+        self.q_proj = Linear(hidden, hq * head_dim, bias=False)
+        self.k_proj = Linear(hidden, hkv * head_dim, bias=False)
+        self.v_proj = Linear(hidden, hkv * head_dim, bias=False)
+        self.out_proj = Linear(hq * head_dim, hidden, bias=False)
         self.q_layernorm = RMSNorm(head_dim, config.norm_eps)
         self.k_layernorm = RMSNorm(head_dim, config.norm_eps)
         self._packed: PackedLinears | None = None
@@ -141,8 +142,8 @@ class Lfm2ShortConv(nn.Module):
         hidden, bias = config.hidden_size, bool(config.conv_bias)
         self.core = ShortConvLayer(layer_id=layer_id, channels=hidden, conv_width=config.conv_L_cache)
         self.conv = ConvWeight(hidden, config.conv_L_cache, bias=bias)
-        self.in_proj = nn.Linear(hidden, 3 * hidden, bias=bias)
-        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.in_proj = Linear(hidden, 3 * hidden, bias=bias)
+        self.out_proj = Linear(hidden, hidden, bias=bias)
 
     def forward(self, h: Tensor, batch: StepBatch, backend: HybridBackend) -> Tensor:
         b, c, x = self.in_proj(h).chunk(3, dim=-1)
@@ -234,7 +235,7 @@ class Lfm2ForCausalLM(nn.Module):
             for i in range(config.num_hidden_layers)
         ]
         self.model = Lfm2Model(config, layers)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # transformers' LFM2 rotates whole heads: its default rotary never reads partial_rotary_factor

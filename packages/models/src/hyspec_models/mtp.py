@@ -23,7 +23,7 @@ import torch
 from hyspec_attn_backends import ForwardBatch, HybridBackend, MixerLayer
 from torch import Tensor, nn
 
-from hyspec_models.layers import ModelOutput, RMSNorm
+from hyspec_models.layers import Linear, ModelOutput, RMSNorm
 from hyspec_models.loader import SafetensorsCheckpoint, load_weights, materialize
 from hyspec_models.qwen3_next import QwenDecoderLayer, QwenHybridForCausalLM
 from hyspec_models.weights import WeightSource, expert_sources, identity_sources
@@ -73,7 +73,7 @@ class MTPDraft(nn.Module):
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.pre_fc_norm_embedding = RMSNorm(hidden, eps, offset=1.0)
         self.pre_fc_norm_hidden = RMSNorm(hidden, eps, offset=1.0)
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.fc = Linear(2 * hidden, hidden, bias=False)
         self.layers = nn.ModuleList(
             QwenDecoderLayer(config, i, mlp=target._make_mlp(config, i)) for i in range(n)
         )

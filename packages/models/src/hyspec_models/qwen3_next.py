@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from hyspec_models.layers import (
     SILU_NAMES,
+    Linear,
     ModelOutput,
     PackedLinears,
     RMSNorm,
@@ -64,13 +65,13 @@ class GatedDeltaNet(nn.Module):
         )
         core = self.core
         hidden = config.hidden_size
-        self.in_proj_qkvz = nn.Linear(hidden, core.conv_dim + core.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden, 2 * core.num_v_heads, bias=False)
+        self.in_proj_qkvz = Linear(hidden, core.conv_dim + core.value_dim, bias=False)
+        self.in_proj_ba = Linear(hidden, 2 * core.num_v_heads, bias=False)
         self.conv1d = _Conv1dWeight(core.conv_dim, core.conv_width)
         self.dt_bias = nn.Parameter(torch.ones(core.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(core.num_v_heads))
         self.norm = GatedRMSNormWeight(core.head_v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(core.value_dim, hidden, bias=False)
+        self.out_proj = Linear(core.value_dim, hidden, bias=False)
         self._packed: PackedLinears | None = None
 
     def pack_linears(self) -> None:
@@ -137,10 +138,10 @@ class QwenAttention(nn.Module):
         )
         hidden, hq, hkv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
         bias = bool(getattr(config, "attention_bias", False))
-        self.q_proj = nn.Linear(hidden, hq * head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(hidden, hkv * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, hkv * head_dim, bias=bias)
-        self.o_proj = nn.Linear(hq * head_dim, hidden, bias=bias)
+        self.q_proj = Linear(hidden, hq * head_dim * 2, bias=bias)
+        self.k_proj = Linear(hidden, hkv * head_dim, bias=bias)
+        self.v_proj = Linear(hidden, hkv * head_dim, bias=bias)
+        self.o_proj = Linear(hq * head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, offset=1.0)
         self._packed: PackedLinears | None = None
@@ -176,10 +177,10 @@ class QwenSparseMoe(nn.Module):
         hidden = config.hidden_size
         self.top_k = check_top_k(config)
         self.norm_topk_prob = norm_topk_prob
-        self.gate = nn.Linear(hidden, config.num_experts, bias=False)
+        self.gate = Linear(hidden, config.num_experts, bias=False)
         self.experts = StackedExperts(config.num_experts, hidden, config.moe_intermediate_size)
         self.shared_expert = SwiGLU(hidden, config.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def forward(self, x: Tensor, *, static: bool = False) -> Tensor:
         """x [T, H] -> [T, H]. `static`: the sync-free expert path (CUDA-graph capturable)."""
@@ -281,7 +282,7 @@ class QwenHybridForCausalLM(nn.Module):
             for i in range(config.num_hidden_layers)
         ]
         self.model = QwenHybridModel(config, layers)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RopeConfig.from_hf(config, _head_dim(config))

@@ -34,7 +34,7 @@ from hyspec_attn_backends import (
     MixerLayer,
 )
 from hyspec_kernels.attention import store_kv
-from hyspec_models.layers import RMSNorm, RopeConfig, SwiGLU, apply_rope
+from hyspec_models.layers import Linear, RMSNorm, RopeConfig, SwiGLU, apply_rope
 from hyspec_models.loader import SafetensorsCheckpoint, load_weights, materialize
 from hyspec_models.protocol import HybridCausalLM
 from hyspec_models.weights import identity_sources
@@ -129,10 +129,10 @@ class DFlashAttention(nn.Module):
         self.core = AttentionLayer(
             layer_id=layer_id, num_heads=hq, num_kv_heads=hkv, head_dim=dh, scale=dh**-0.5
         )
-        self.q_proj = nn.Linear(h, hq * dh, bias=False)
-        self.k_proj = nn.Linear(h, hkv * dh, bias=False)
-        self.v_proj = nn.Linear(h, hkv * dh, bias=False)
-        self.o_proj = nn.Linear(hq * dh, h, bias=False)
+        self.q_proj = Linear(h, hq * dh, bias=False)
+        self.k_proj = Linear(h, hkv * dh, bias=False)
+        self.v_proj = Linear(h, hkv * dh, bias=False)
+        self.o_proj = Linear(hq * dh, h, bias=False)
         self.q_norm = RMSNorm(dh, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(dh, cfg.rms_norm_eps)
 
@@ -176,7 +176,7 @@ class DFlashDraft(nn.Module):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
+        self.fc = Linear(len(cfg.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hyspec_kernels import linear
 from torch import Tensor
 
 from hyspec_spec_workers.config import SpeculativeConfig
@@ -123,7 +124,7 @@ class DraftVocab:
 
     def logits(self, normed: Tensor) -> Tensor:
         """[.., H] -> [.., K] logits of the draft vocabulary's tokens (the head's dtype)."""
-        return torch.nn.functional.linear(normed.to(self.weight.dtype), self.weight)
+        return linear(normed.to(self.weight.dtype), self.weight)  # few rows on CUDA: the GEMV kernel
 
     def to_target(self, index: Tensor) -> Tensor:
         """Indices into the draft vocabulary (any shape, int64) -> target token ids (same shape)."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from hyspec_attn_backends import AttentionLayer, ForwardBatch, HybridBackend, MixerLayer
-from hyspec_models.layers import RMSNorm, RopeConfig, SwiGLU, apply_rope
+from hyspec_models.layers import Linear, RMSNorm, RopeConfig, SwiGLU, apply_rope
 from hyspec_models.loader import SafetensorsCheckpoint, load_weights, materialize
 from hyspec_models.protocol import HybridCausalLM
 from hyspec_models.weights import identity_sources
@@ -111,10 +111,10 @@ class Eagle3Attention(nn.Module):
         super().__init__()
         h, hq, hkv, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.core = AttentionLayer(layer_id=0, num_heads=hq, num_kv_heads=hkv, head_dim=dh, scale=dh**-0.5)
-        self.q_proj = nn.Linear(2 * h, hq * dh, bias=False)
-        self.k_proj = nn.Linear(2 * h, hkv * dh, bias=False)
-        self.v_proj = nn.Linear(2 * h, hkv * dh, bias=False)
-        self.o_proj = nn.Linear(hq * dh, h, bias=False)
+        self.q_proj = Linear(2 * h, hq * dh, bias=False)
+        self.k_proj = Linear(2 * h, hkv * dh, bias=False)
+        self.v_proj = Linear(2 * h, hkv * dh, bias=False)
+        self.o_proj = Linear(hq * dh, h, bias=False)
 
     def forward(
         self, x: Tensor, rope: tuple[Tensor, Tensor], batch: ForwardBatch, backend: HybridBackend
@@ -160,10 +160,10 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
+        self.fc = Linear(3 * cfg.target_hidden_size, h, bias=False)
         self.midlayer = Eagle3Layer(cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.lm_head: nn.Linear | None = nn.Linear(h, cfg.draft_vocab_size, bias=False) if own_head else None
+        self.lm_head: nn.Linear | None = Linear(h, cfg.draft_vocab_size, bias=False) if own_head else None
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, h) if own_embed else None
         if cfg.draft_vocab_size < cfg.vocab_size:
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
