@@ -79,9 +79,9 @@ def test_linear_bad_arguments() -> None:
         linear(torch.randn(2, 15), w)
     with pytest.raises(ValueError, match=r"^weight: expected a tensor"):
         linear(x, w[0])
-    with pytest.raises(ValueError, match=r"^weight: expected x's floating dtype"):
+    with pytest.raises(ValueError, match=r"^weight: expected x's dtype torch.float32, got torch.bfloat16"):
         linear(x, w.bfloat16())
-    with pytest.raises(ValueError, match=r"^weight: expected x's floating dtype"):
+    with pytest.raises(ValueError, match=r"^x: expected a floating dtype"):
         linear(x.to(torch.int64), w.to(torch.int64))
     # fp64 is torch's GEMM (the Triton path refuses it by name)
     assert torch.equal(linear(x.double(), w.double()), F.linear(x.double(), w.double()))
@@ -101,6 +101,10 @@ def test_linear_bad_arguments() -> None:
                 linear(torch.randn(MAX_SKINNY_ROWS + 1, 16), w, backend="triton")
             with pytest.raises(ValueError, match=r"^x: the Triton path takes fp32, bf16 or fp16"):
                 linear(x.double(), w.double(), backend="triton")
+            # no silent loss of autograd: the kernels have no backward
+            for args in ((x.requires_grad_(True), w), (x.detach(), w, torch.zeros(8, requires_grad=True))):
+                with pytest.raises(ValueError, match=r"^x: the Triton path has no backward"):
+                    linear(*args, backend="triton")
 
 
 @pytest.mark.parametrize("rows", [1, 3])

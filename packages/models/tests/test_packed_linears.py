@@ -97,3 +97,17 @@ def test_loader_packs_on_cuda_only(arch: str, tiny_checkpoint: Callable[..., Pat
     assert packable and all(m._packed is not None for m in packable)
     names = {n for n, _ in gpu.named_parameters()}
     assert names == {n for n, _ in cpu.named_parameters()}
+
+
+def test_linear_module_under_autocast() -> None:
+    """`layers.Linear` lets autocast cast its operands, as nn.Linear does (a bf16 input, fp32 weight)."""
+    from hyspec_models.layers import Linear
+
+    lin = Linear(8, 4)
+    ref = nn.Linear(8, 4)
+    ref.load_state_dict(lin.state_dict())
+    x = torch.randn(3, 8).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = lin(x), ref(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, want)

@@ -7,7 +7,7 @@ place, overwrites the previous one; `num_builds` counts those writes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -135,22 +135,42 @@ class BatchBuilder:
         query has a key; their outputs are meaningless. The batch's `num_padded` says how many.
         """
         n = len(req_rows)
-        if self._rewrite is not None and input_ids.dim() == 1 and input_ids.shape[0] == n:
-            moved = self._rewrite.rewrite(
-                ForwardMode.DECODE,
-                req_rows,
-                input_ids[:, None],
-                prefix_lens,
-                None,
-                pad_to,
-                self._layout_builds,
-            )
-            if moved is not None:
-                self.num_builds += 1
-                return moved
-        batch = self._build(ForwardMode.DECODE, req_rows, input_ids, [1] * n, prefix_lens, None, 0, pad_to)
-        if self._rewrite is not None:
-            self._rewrite.remember(batch, req_rows, prefix_lens, None, pad_to, self._layout_builds)
+        if input_ids.dim() != 1 or input_ids.shape[0] != n:  # the build names the bad argument
+            return self._build(ForwardMode.DECODE, req_rows, input_ids, [1] * n, prefix_lens, None, 0, pad_to)
+        return self._moved_or_built(
+            ForwardMode.DECODE,
+            req_rows,
+            input_ids[:, None],
+            prefix_lens,
+            None,
+            pad_to,
+            lambda: self._build(
+                ForwardMode.DECODE, req_rows, input_ids, [1] * n, prefix_lens, None, 0, pad_to
+            ),
+        )
+
+    def _moved_or_built(
+        self,
+        mode: ForwardMode,
+        req_rows: ReqRows,
+        tokens: Tensor,
+        prefix_lens: Sequence[int] | Tensor,
+        tree_parents: Tensor | None,
+        pad_to: int | None,
+        build: Callable[[], ForwardBatch],
+    ) -> ForwardBatch:
+        """The last batch built for the same rows and shape, rewritten in its buffers for `tokens` [N, D]
+        (`BatchRewrite`), or else `build()`'s batch, remembered for the next call."""
+        if self._rewrite is None:
+            return build()
+        moved = self._rewrite.rewrite(
+            mode, req_rows, tokens, prefix_lens, tree_parents, pad_to, self._layout_builds
+        )
+        if moved is not None:
+            self.num_builds += 1
+            return moved
+        batch = build()
+        self._rewrite.remember(batch, req_rows, prefix_lens, tree_parents, pad_to, self._layout_builds)
         return batch
 
     def prepare_verify(
@@ -188,32 +208,24 @@ class BatchBuilder:
             )
         if tree_parents is not None:
             check_tree_parents(tree_parents, num_seqs=n, verify_len=d, check_values=self._kernel_checks)
-        if self._rewrite is not None:
-            moved = self._rewrite.rewrite(
-                ForwardMode.TARGET_VERIFY,
-                req_rows,
-                block_tokens,
-                prefix_lens,
-                tree_parents,
-                pad_to,
-                self._layout_builds,
-            )
-            if moved is not None:
-                self.num_builds += 1
-                return moved
-        batch = self._build(
+        return self._moved_or_built(
             ForwardMode.TARGET_VERIFY,
             req_rows,
-            block_tokens.reshape(-1),
-            [d] * n,
+            block_tokens,
             prefix_lens,
             tree_parents,
-            d,
             pad_to,
+            lambda: self._build(
+                ForwardMode.TARGET_VERIFY,
+                req_rows,
+                block_tokens.reshape(-1),
+                [d] * n,
+                prefix_lens,
+                tree_parents,
+                d,
+                pad_to,
+            ),
         )
-        if self._rewrite is not None:
-            self._rewrite.remember(batch, req_rows, prefix_lens, tree_parents, pad_to, self._layout_builds)
-        return batch
 
     def prepare_idle(self) -> ForwardBatch:
         """An empty batch (e.g. a data-parallel rank with no requests)."""

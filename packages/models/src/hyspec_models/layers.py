@@ -311,6 +311,8 @@ class Linear(nn.Linear):
     weight with its few-rows kernel instead of cuBLAS, eagerly and in CUDA graphs alike."""
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.is_autocast_enabled(input.device.type):  # autocast casts inside F.linear, as nn.Linear
+            return F.linear(input, self.weight, self.bias)
         return linear(input, self.weight, self.bias)
 
 

@@ -46,8 +46,10 @@ def linear(
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x: expected shape [.., {k}] (weight's in_features), got {list(x.shape)}")
-    if not x.dtype.is_floating_point or weight.dtype != x.dtype:
-        raise ValueError(f"weight: expected x's floating dtype, got x {x.dtype}, weight {weight.dtype}")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"x: expected a floating dtype, got {x.dtype}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight: expected x's dtype {x.dtype}, got {weight.dtype}")
     if weight.device != x.device:
         raise ValueError(f"weight: expected x's device {x.device}, got {weight.device}")
     if bias is not None and (
@@ -71,6 +73,10 @@ def linear(
             )
         if x.dtype not in FLOAT_DTYPES:
             raise ValueError(f"x: the Triton path takes fp32, bf16 or fp16, got {x.dtype}")
+        if _needs_grad(x, weight, bias):
+            raise ValueError(
+                "x: the Triton path has no backward; call it under torch.no_grad() or use 'auto'"
+            )
     if chosen == "torch" or rows > MAX_SKINNY_ROWS or rows == 0 or n == 0:
         return torch_impl.linear_torch(x, weight, bias)
     if backend == "auto" and (x.dtype not in _AUTO_DTYPES or _needs_grad(x, weight, bias)):

@@ -81,11 +81,12 @@ def _rows_kernel(  # type: ignore[no-untyped-def]
     mask_m = offs_m < num_rows
     mask_n = offs_n < N
     rows_w = offs_n.to(tl.int64) if WIDE else offs_n
+    rows_x = offs_m.to(tl.int64) if WIDE else offs_m
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask_k = k0 + offs_k < K
         x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+            x_ptr + rows_x[:, None] * stride_xm + (k0 + offs_k)[None, :],
             mask=mask_m[:, None] & mask_k[None, :],
             other=0.0,
         )  # [BLOCK_M, BLOCK_K]
@@ -100,8 +101,7 @@ def _rows_kernel(  # type: ignore[no-untyped-def]
             acc = tl.dot(x, tl.trans(w), acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    rows_y = offs_m.to(tl.int64) if WIDE else offs_m
-    y_ptrs = y_ptr + rows_y[:, None] * N + offs_n[None, :]
+    y_ptrs = y_ptr + rows_x[:, None] * N + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -133,7 +133,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     b = bias if bias is not None else y  # never read without HAS_BIAS
     # element offsets past int32 (a weight or output of 2^31 elements or more) take int64: a wrapped int32
     # offset would read or write the wrong memory silently
-    wide = max(n * weight.stride(0), rows * n) >= INT32_OFFSETS
+    wide = max(n * weight.stride(0), rows * n, rows * x.stride(0)) >= INT32_OFFSETS
     if rows == 1:
         block_n, block_k, warps, stages = _one_row_config(n, k)
         _one_row_kernel[(triton.cdiv(n, block_n),)](
