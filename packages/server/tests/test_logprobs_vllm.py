@@ -248,6 +248,19 @@ def test_http_echo_logprobs_with_best_of_and_token_prompts(toy_server: ServerThr
     lp: dict[str, Any] = r.model_dump()["choices"][0]["logprobs"]  # the SDK types no null logprob
     assert len(lp["tokens"]) == 4 + 3 and lp["token_logprobs"][0] is None
     assert lp["token_logprobs"][1] == pytest.approx(float(toy_lp(p[:1])[p[1]]), abs=1e-5)
+    # with vLLM's prompt_logprobs beside it (the prompt is scored once, with its count of alternatives),
+    # echo's entries keep `logprobs`' count: the prompt's own token (+ 0 alternatives), as generated ones
+    r = c.completions.create(
+        model="toy", prompt=p, max_tokens=2, logprobs=0, echo=True, extra_body={"prompt_logprobs": 3}
+    )
+    lp = r.model_dump()["choices"][0]["logprobs"]
+    assert lp["top_logprobs"][0] is None
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:]), lp["top_logprobs"]
+    r = c.completions.create(
+        model="toy", prompt=p, max_tokens=2, logprobs=1, echo=True, extra_body={"prompt_logprobs": 3}
+    )
+    tops = r.model_dump()["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(1 <= len(top) <= 2 for top in tops[1:]) and any(len(top) == 2 for top in tops[1:]), tops
 
 
 def test_http_prompt_logprobs_field_as_vllm(toy_server: ServerThread) -> None:

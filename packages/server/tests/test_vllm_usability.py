@@ -118,11 +118,20 @@ def test_version_tokenize_detokenize_and_optional_model() -> None:
             assert r["tokens"] == list("héllo".encode()) and r["count"] == 6 and r["max_model_len"] == 256
             chat = c.post("/tokenize", json={"model": "toy", "messages": [{"role": "user", "content": "x"}]})
             assert chat.json()["tokens"] == list(b"user: x\nassistant:")
+            assert r["token_strs"] is None and chat.json()["token_strs"] is None
+            # vLLM's return_token_strs: one string per token, for a prompt and for messages
+            strs = c.post("/tokenize", json={"prompt": "ab", "return_token_strs": True}).json()["token_strs"]
+            assert strs == ["a", "b"]
+            msgs = [{"role": "user", "content": "x"}]
+            chat_strs = c.post("/tokenize", json={"messages": msgs, "return_token_strs": True}).json()
+            assert "".join(chat_strs["token_strs"]) == "user: x\nassistant:"
+            assert len(chat_strs["token_strs"]) == chat_strs["count"]
             assert c.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "héllo"}
             for path, body, param in (
                 ("/detokenize", {"tokens": [1, -1]}, "tokens"),
                 ("/detokenize", {"tokens": [10**9]}, "tokens"),
                 ("/tokenize", {"prompt": 5}, "prompt"),
+                ("/tokenize", {"prompt": "a", "return_token_strs": "yes"}, "return_token_strs"),
             ):
                 bad = c.post(path, json=body)
                 assert bad.status_code == 400 and bad.json()["error"]["param"] == param
@@ -550,5 +559,29 @@ def test_guided_fields_constrain_and_unimplemented_output_fields_are_refused() -
                 },
             )
             assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == "ok"
+    finally:
+        srv.stop()
+
+
+def test_completions_max_tokens_null_is_the_room_left() -> None:
+    """vLLM's completions: `max_tokens` left out is 16; an explicit null is the room each prompt leaves in
+    the context (per prompt of a batch); a prompt that leaves none is a 400 naming the prompt."""
+    import httpx
+
+    srv = ServerThread(toy_engine(), model_name="toy").start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=120) as c:
+            base = {"temperature": 0, "ignore_eos": True}
+            r = c.post("/v1/completions", json={**base, "prompt": "ab"}).json()
+            assert r["usage"]["completion_tokens"] == 16
+            body = {**base, "prompt": ["ab", "abcdef"], "max_tokens": None, "logprobs": 0}
+            r = c.post("/v1/completions", json=body).json()
+            assert r["usage"]["completion_tokens"] == (256 - 2) + (256 - 6), r["usage"]
+            lengths = [
+                len(ch["logprobs"]["tokens"]) for ch in sorted(r["choices"], key=lambda ch: ch["index"])
+            ]
+            assert lengths == [254, 250]
+            full = c.post("/v1/completions", json={**base, "prompt": [1] * 256, "max_tokens": None})
+            assert full.status_code == 400 and full.json()["error"]["param"] == "prompt"
     finally:
         srv.stop()

@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -86,13 +86,17 @@ async def completions(raw: Request) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     # text prompts are tokenized here, on a worker thread: on the engine thread a long one would stall
     # every running stream
-    ready: list[str | list[int] | TokensPrompt] = [
+    ready: list[TokensPrompt] = [
         TokensPrompt(p, await asyncio.to_thread(ctx.tokenizer.encode, p), req.cache_salt)
         if isinstance(p, str)
         else TokensPrompt(None, p, req.cache_salt)
         for p in prompts
     ]
-    items = [(p, samples[j], f"{rid}-{i}-{j}") for i, p in enumerate(ready) for j in range(best_of)]
+    per_prompt = [samples] * len(ready)
+    if req.max_tokens is None and "max_tokens" in req.model_fields_set:
+        # vLLM's: an explicit null is the room each prompt leaves in the context (left out: 16)
+        per_prompt = [_to_the_context_end(ctx, samples, p, len(ready)) for p in ready]
+    items = [(p, per_prompt[i][j], f"{rid}-{i}-{j}") for i, p in enumerate(ready) for j in range(best_of)]
     group = await _submit(ctx, items, per_prompt=best_of, batch=len(prompts) > 1)
     tok = ctx.tokenizer
     skip = req.skip_special_tokens
@@ -126,7 +130,16 @@ async def completions(raw: Request) -> Response:
         """The echoed prompt's completions logprobs (its first token has none: null, as OpenAI's)."""
         if out.prompt_logprobs is None:
             return None
-        return completion_logprobs(tok, out.prompt_token_ids, out.prompt_logprobs, 0)[0]
+        # the engine scored the prompt with max(logprobs, prompt_logprobs) alternatives: echo's are
+        # `logprobs`' count (plus the prompt's own token), as the generated tokens'
+        k = req.logprobs or 0
+        lps = [
+            None
+            if d is None
+            else {t: e for t, e in d.items() if t == own or (e.rank is not None and e.rank <= k)}
+            for own, d in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)
+        ]
+        return completion_logprobs(tok, out.prompt_token_ids, lps, 0)[0]
 
     def body(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -380,7 +393,7 @@ async def render_chat_prompt(ctx: ServerContext, req: ChatPromptFields) -> tuple
 
 async def _submit(
     ctx: ServerContext,
-    items: list[tuple[str | list[int] | TokensPrompt, SamplingParams, str]],
+    items: Sequence[tuple[str | list[int] | TokensPrompt, SamplingParams, str]],
     *,
     per_prompt: int,
     batch: bool,
@@ -441,6 +454,23 @@ def _check_token_ids(ctx: ServerContext, prompts: list[str | list[int]]) -> None
             where = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
             bound = "an int >= 0" if vocab is None else f"in [0, {vocab}) for this model"
             raise APIError(400, f"{where}: token ids must be {bound}", param="prompt")
+
+
+def _to_the_context_end(
+    ctx: ServerContext, samples: list[SamplingParams], prompt: TokensPrompt, num_prompts: int
+) -> list[SamplingParams]:
+    """`samples` with max_tokens the room `prompt` (a TokensPrompt) leaves in the context as it runs
+    (truncated as they ask); 400 when it leaves none."""
+    ran = samples[0].truncate(prompt.token_ids, ctx.max_model_len)
+    room = ctx.max_model_len - len(ran)
+    if room < 1:
+        where = "prompt" if num_prompts == 1 else "a prompt"
+        raise APIError(
+            400,
+            f"{where} ({len(prompt.token_ids)} tokens) fills the context max_model_len={ctx.max_model_len}",
+            param="prompt",
+        )
+    return [dataclasses.replace(s, max_tokens=room) for s in samples]
 
 
 def _samples(

@@ -202,16 +202,31 @@ async def tokenize(raw: Request) -> Response:
                 param="add_special_tokens",
             )
         ids, _ = await render_chat_prompt(ctx, req)
+        want_strs = bool(req.return_token_strs)
     elif isinstance(body.get("prompt"), str):
         special = body.get("add_special_tokens", True)  # vLLM's field, default as its completions
         if not isinstance(special, bool):
             raise APIError(400, "add_special_tokens must be a bool", param="add_special_tokens")
+        want = body.get("return_token_strs", False)
+        if want is not None and not isinstance(want, bool):
+            raise APIError(400, "return_token_strs must be a bool", param="return_token_strs")
+        want_strs = bool(want)
         ids = await asyncio.to_thread(lambda: tok.encode(body["prompt"], add_special_tokens=special))
     else:
         raise APIError(400, "expected a string 'prompt' or a 'messages' list", param="prompt")
+    strs = _token_strs(tok, ids) if want_strs else None
     return JSONResponse(
-        {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": None}
+        {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs}
     )
+
+
+def _token_strs(tok: Any, ids: list[int]) -> list[str]:
+    """Each token's own string, as vLLM's `return_token_strs` gives it (the tokenizer's vocabulary entries;
+    a tokenizer without them: each token decoded alone)."""
+    convert = getattr(tok, "convert_ids_to_tokens", None)
+    if callable(convert):
+        return [str(t) for t in convert(ids)]
+    return [tok.decode([i]) for i in ids]
 
 
 async def detokenize(raw: Request) -> Response:
