@@ -37,6 +37,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"method": "mtp", "adaptive": {"ema_alpha": 0.0}}, "adaptive.ema_alpha"),
     ({"method": "mtp", "adaptive": {"candidate_steps": [0, 2]}}, "adaptive.candidate_steps"),
     ({"method": "mtp", "adaptive": {"candidate_steps": "137"}}, "adaptive.candidate_steps"),
+    ({"method": "mtp", "adaptive": {"candidate_steps": []}}, "adaptive.candidate_steps"),
     ({"method": "mtp", "adaptive": {"warmup_batches": -1}}, "adaptive.warmup_batches"),
     ({"method": "mtp", "adaptive": {"update_interval": 0}}, "adaptive.update_interval"),
     ({"method": "mtp", "adaptive": {"up_hysteresis": float("nan")}}, "adaptive.up_hysteresis"),

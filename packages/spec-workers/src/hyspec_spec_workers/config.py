@@ -126,6 +126,10 @@ class AdaptiveConfig:
         if isinstance(raw, str) or not hasattr(raw, "__iter__"):
             raise _err("adaptive.candidate_steps", f"expected a list of integers, got {raw!r}")
         steps: list[Any] = list(raw)
+        if not steps:  # (the initial step count joins them below: an empty list would pass unseen)
+            raise _err(
+                "adaptive.candidate_steps", f"expected a non-empty list of integers >= 1, got {steps!r}"
+            )
         for s in steps:
             if isinstance(s, bool) or not isinstance(s, int) or s < 1:
                 raise _err("adaptive.candidate_steps", f"expected integers >= 1, got {steps!r}")
