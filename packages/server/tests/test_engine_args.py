@@ -385,6 +385,13 @@ def test_prompts_get_the_tokenizers_special_tokens(tiny_lfm2: Path, tmp_path: Pa
     (chat,) = llm.chat(conv, GREEDY, use_tqdm=False)
     text = hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
     assert chat.prompt_token_ids == hf(text, add_special_tokens=False)["input_ids"]
+    # OpenAI content parts: their texts joined, the prompt of the plain string (as the HTTP server's chat)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    (chat_parts,) = llm.chat(parts, GREEDY, use_tqdm=False)
+    assert chat_parts.prompt_token_ids == chat.prompt_token_ids
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValueError, match=r"^messages\[0\]\[0\]\.content: only text content parts"):
+        llm.chat(image, GREEDY, use_tqdm=False)
 
 
 TEMPLATE = (
@@ -435,3 +442,14 @@ def test_serve_chat_template_flag_reads_a_file(tmp_path: Path) -> None:
     assert _template(str(f)) == TEMPLATE and _template(TEMPLATE) == TEMPLATE and _template(None) is None
     ns = build_parser().parse_args(["serve", "--chat-template", str(f), "--trust-request-chat-template"])
     assert ns.chat_template == str(f) and ns.trust_request_chat_template
+
+
+def test_dtype_spellings_as_vllm() -> None:
+    """vLLM's `half` / `float` and a torch.dtype name the same dtypes; anything else names `dtype`."""
+    assert EngineArgs(model="m", dtype="half").dtype == "float16"  # type: ignore[arg-type]
+    assert EngineArgs(model="m", dtype="float").dtype == "float32"  # type: ignore[arg-type]
+    assert EngineArgs(model="m", dtype=torch.bfloat16).dtype == "bfloat16"  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^dtype must be one of"):
+        EngineArgs(model="m", dtype="float64")  # type: ignore[arg-type]
+    args = build_parser().parse_args(["serve", "m", "--dtype", "half"])
+    assert args.dtype == "half"

@@ -120,3 +120,22 @@ def test_max_model_len_finishes_with_length() -> None:
     assert not r.append_token(0, max_model_len=3, now=0.0)
     assert r.append_token(0, max_model_len=3, now=0.0)  # prompt 1 + 2 outputs
     assert r.finish_reason == "length"
+
+
+def test_stop_token_text_with_include_stop_str_in_output() -> None:
+    """vLLM's: a stop token id's text is left out, or kept with include_stop_str_in_output; a special EOS
+    stays out under skip_special_tokens either way (and is kept without it)."""
+    for keep, want in ((False, "ab"), (True, "abxyz")):
+        r = _req(
+            SamplingParams(max_tokens=10, stop_token_ids=[3], include_stop_str_in_output=keep),
+            WordTokenizer(),
+        )
+        r.append_token(0, max_model_len=100, now=0.0)
+        assert r.append_token(3, max_model_len=100, now=0.0)  # "xyz", a stop token id
+        assert r.text == want and r.stop_reason == 3 and r.output_token_ids == [0, 3]
+    for skip, want in ((True, "ab"), (False, "ab<eos>")):
+        p = SamplingParams(max_tokens=10, include_stop_str_in_output=True, skip_special_tokens=skip)
+        r = _req(p, WordTokenizer())
+        r.append_token(0, max_model_len=100, now=0.0)
+        assert r.append_token(5, max_model_len=100, now=0.0)  # EOS
+        assert r.text == want and r.finish_reason == "stop" and r.stop_reason is None

@@ -14,6 +14,8 @@ from hyspec_runner.speculative import parse_speculative_config
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: Final = ("auto", "float32", "bfloat16", "float16")
+# vLLM's other spellings of the same dtypes (its `--dtype` choices), normalised once at validation
+DTYPE_ALIASES: Final = {"half": "float16", "float": "float32"}
 
 
 # the defaults that depend on the device, here with the others
@@ -172,6 +174,10 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", resolve_device(self.device))
+        dtype: object = self.dtype
+        if not isinstance(dtype, str):  # vLLM takes a torch.dtype too ("torch.float16")
+            dtype = str(dtype).removeprefix("torch.")
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(str(dtype), dtype))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_num_batched_tokens is None:

@@ -7,7 +7,7 @@ import argparse
 from dataclasses import fields
 from typing import Any
 
-from hyspec_runner.config import DTYPES, ENGINE_DEFAULTS, EngineArgs
+from hyspec_runner.config import DTYPE_ALIASES, DTYPES, ENGINE_DEFAULTS, EngineArgs
 
 
 def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str, only_given: bool = False) -> None:
@@ -32,7 +32,7 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str, only_given:
         if kind == "bool":
             kw["action"] = argparse.BooleanOptionalAction
         elif kind == "DType":
-            kw["choices"] = DTYPES
+            kw["choices"] = (*DTYPES, *DTYPE_ALIASES)  # vLLM's spellings too
         elif kind.startswith("int"):
             kw["type"] = int
         elif kind.startswith("float"):

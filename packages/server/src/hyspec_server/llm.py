@@ -13,7 +13,7 @@ from hyspec_runner.config import engine_args_from
 from hyspec_server.engine import LLMEngine, parse_prompt
 from hyspec_server.outputs import RequestMetrics, RequestOutput, SpecDecodeStats
 from hyspec_server.sampling_params import RequestOutputKind, SamplingParams, derived_seed
-from hyspec_server.tokenizer import ChatOptions
+from hyspec_server.tokenizer import ChatOptions, content_text
 
 PromptType = str | dict[str, Any]
 
@@ -124,9 +124,14 @@ class LLM:
                     f"messages[{i}]: expected a list of {{'role': str, 'content': str or a list of parts}} "
                     "dicts (an assistant message may have tool_calls instead of content)"
                 )
-            ids = self.engine.tokenizer.apply_chat_template(
-                [dict(m) for m in conv], tools=tools, options=options
-            )
+            # content parts become one string, as the HTTP server's (and vLLM's) chat does
+            msgs = [
+                {**m, "content": content_text(m["content"], where=f"messages[{i}][{j}].content")}
+                if isinstance(m.get("content"), list | tuple)
+                else dict(m)
+                for j, m in enumerate(conv)
+            ]
+            ids = self.engine.tokenizer.apply_chat_template(msgs, tools=tools, options=options)
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

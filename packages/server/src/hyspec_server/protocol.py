@@ -13,6 +13,7 @@ from hyspec_server.sampling_params import MAX_LOGPROBS as MAX_LOGPROBS
 from hyspec_server.sampling_params import MAX_N as MAX_N
 from hyspec_server.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from hyspec_server.sampling_params import derived_seed as derived_seed
+from hyspec_server.tokenizer import content_text
 from hyspec_server.tool_calls import check_tools
 
 
@@ -281,16 +282,7 @@ class ChatMessage(_Strict):
         return self
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts: list[str] = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("messages: only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
+        return content_text(self.content)
 
 
 class ChatPromptFields(_Strict):

@@ -178,12 +178,14 @@ class Request:
         p = self.params
         if self.grammar is not None:
             self.grammar.accept(token_id)
-        # stop tokens and EOS end generation without entering the text
-        if token_id in self.eos_token_ids or (self.grammar is not None and self.grammar.done):
-            self._finish("stop", None)
-            return True
-        if token_id in p.stop_token_set:
-            self._finish("stop", token_id)
+        # stop tokens and EOS end generation without entering the text, unless include_stop_str_in_output
+        # (vLLM's: then the stop token is decoded as any other; a special one is still skipped by
+        # skip_special_tokens)
+        ends = token_id in self.eos_token_ids or (self.grammar is not None and self.grammar.done)
+        if ends or token_id in p.stop_token_set:
+            if p.include_stop_str_in_output:
+                self.text += self.detok.push(token_id) + self.detok.flush()
+            self._finish("stop", None if ends else token_id)
             return True
         old_len = len(self.text)
         self.text += self.detok.push(token_id)

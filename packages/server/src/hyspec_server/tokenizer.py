@@ -9,6 +9,26 @@ from pathlib import Path
 from typing import Any, Protocol
 
 
+def content_text(content: object, *, where: str = "messages") -> str:
+    """A chat message's content as the templates take it: a string as is, None as "", a list of OpenAI
+    content parts as their texts joined (`LLM.chat` and the HTTP server alike, as vLLM); ValueError
+    naming `where` for a part that is not text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts: list[str] = []
+    for part in content if isinstance(content, list | tuple) else [content]:
+        if (
+            not isinstance(part, Mapping)
+            or part.get("type") != "text"
+            or not isinstance(part.get("text"), str)
+        ):
+            raise ValueError(f"{where}: only text content parts are supported")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
 @dataclass(frozen=True, slots=True)
 class ChatOptions:
     """How a chat template renders a conversation (vLLM's request fields).
