@@ -135,19 +135,14 @@ class BatchBuilder:
         query has a key; their outputs are meaningless. The batch's `num_padded` says how many.
         """
         n = len(req_rows)
-        if input_ids.dim() != 1 or input_ids.shape[0] != n:  # the build names the bad argument
+
+        def build() -> ForwardBatch:
             return self._build(ForwardMode.DECODE, req_rows, input_ids, [1] * n, prefix_lens, None, 0, pad_to)
-        return self._moved_or_built(
-            ForwardMode.DECODE,
-            req_rows,
-            input_ids[:, None],
-            prefix_lens,
-            None,
-            pad_to,
-            lambda: self._build(
-                ForwardMode.DECODE, req_rows, input_ids, [1] * n, prefix_lens, None, 0, pad_to
-            ),
-        )
+
+        if input_ids.dim() != 1 or input_ids.shape[0] != n:
+            return build()  # it names the bad argument
+        tokens = input_ids[:, None]  # [N, 1]
+        return self._moved_or_built(ForwardMode.DECODE, req_rows, tokens, prefix_lens, None, pad_to, build)
 
     def _moved_or_built(
         self,
