@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hyspec_server.llm import LLM
@@ -177,15 +179,7 @@ def test_logit_bias_steers_greedy_output_and_reaches_every_verify_node() -> None
     )
     assert not set(o.outputs[0].token_ids) & set(ban)
     # verify blocks: every node of every row gets its row's biases, nothing else changes
-    pen = PenaltyTensors.build(
-        presence=[0.0, 0.0],
-        frequency=[0.0, 0.0],
-        repetition=[1.0, 1.0],
-        output_tokens=[[], []],
-        prompt_tokens=[[], []],
-        device=torch.device("cpu"),
-        logit_bias=[{3: 2.0, 7: -1.5}, None],
-    )
+    pen = _two_neutral_rows(logit_bias=[{3: 2.0, 7: -1.5}, None])
     logits = torch.randn(2, 4, 10)
     out = pen.apply_block(
         logits,
@@ -267,15 +261,7 @@ def test_min_tokens_holds_back_eos_and_stop_ids_plain_and_in_verify_blocks() -> 
 def test_min_tokens_bans_give_way_where_a_row_would_have_no_token_left() -> None:
     """A row (plain) or verify node whose logits allow only held-back stop ids (a constraint's mask left
     nothing else) keeps them; every other row and node still has them banned."""
-    pen = PenaltyTensors.build(
-        presence=[0.0, 0.0],
-        frequency=[0.0, 0.0],
-        repetition=[1.0, 1.0],
-        output_tokens=[[], []],
-        prompt_tokens=[[], []],
-        device=torch.device("cpu"),
-        min_tokens_bans=[(3, {4, 6}), (3, {4})],
-    )
+    pen = _two_neutral_rows(min_tokens_bans=[(3, {4, 6}), (3, {4})])
     x = torch.zeros(2, 10)
     x[0, :] = float("-inf")
     x[0, 4], x[0, 6] = 1.5, 0.5  # row 0: only its stop ids are left
@@ -291,3 +277,16 @@ def test_min_tokens_bans_give_way_where_a_row_would_have_no_token_left() -> None
     got = pen.apply_block(blocks, block_tokens=torch.zeros(2, 2, dtype=torch.int64), path_mask=path)
     assert got[0, 1, 6] == 2.0 and got[0, 0, 6] == float("-inf") and got[0, 0, 4] == float("-inf")
     assert got[1, 0, 4] == float("-inf") and got[1, 1, 4] == float("-inf")
+
+
+def _two_neutral_rows(**extra: Any) -> PenaltyTensors:
+    """Penalties of two CPU rows with no history and no penalty, plus `extra` (a bias or bans)."""
+    return PenaltyTensors.build(
+        presence=[0.0, 0.0],
+        frequency=[0.0, 0.0],
+        repetition=[1.0, 1.0],
+        output_tokens=[[], []],
+        prompt_tokens=[[], []],
+        device=torch.device("cpu"),
+        **extra,
+    )
