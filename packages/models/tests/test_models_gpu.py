@@ -108,6 +108,39 @@ def test_gpu_bf16_smoke(arch: str, cuda_model: Callable[..., Any], hf_model: Cal
     assert torch.isfinite(step).all()
 
 
+# ------------------------------------------------------------------ programmatic dependent launch
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gpu_pdl_on_equals_off(
+    arch: str, cuda_model: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PDL changes when kernels start, not what they compute: bf16 prefill, graph decode steps (the
+    projections' Triton kernels included) and a verify give bit-identical logits and pools in every mode."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90 or later")
+    model = cuda_model(arch, torch.bfloat16)
+    runs: dict[str, Harness] = {}
+    logits: dict[str, list[torch.Tensor]] = {}
+    for flag in ("early", "wait", "0"):
+        monkeypatch.setenv("HYSPEC_PDL", flag)
+        h = runs[flag] = _harness(model, DraftShape(kind="chain", num_steps=3))
+        h.enable_cuda_graphs(decode_sizes=(4,), verify=[(3, False)])
+        out = logits[flag] = []
+        tokens = {r: 7 + i for i, r in enumerate(LIVE)}
+        for _ in range(3):
+            h.pool.ensure_kv_capacity(LIVE, [h.lens[r] + 1 for r in LIVE])
+            got = h.decode(tokens)
+            out += [got[r] for r in LIVE]
+            tokens = {r: int(got[r].argmax()) for r in LIVE}
+        _, got = h.verify({r: [tokens[r], 3, 4] for r in LIVE}, None)
+        out += [got[r] for r in LIVE]
+    for flag in ("early", "wait"):
+        for i, (a, b) in enumerate(zip(logits[flag], logits["0"], strict=True)):
+            assert torch.equal(_bits(a), _bits(b)), f"logits {i} differ with HYSPEC_PDL={flag} and off"
+        _assert_same_pools(runs[flag], runs["0"])
+
+
 # ------------------------------------------------------------------ CUDA graphs against eager
 
 

@@ -15,6 +15,7 @@ import triton.language as tl
 from hyspec_kernels.accept.reference import AcceptTensors
 
 from ..jit import jit_varying
+from ..launch import pdl_args, wait_for_inputs
 
 
 @jit_varying(
@@ -51,7 +52,9 @@ def _accept_kernel(  # type: ignore[no-untyped-def]
     HAS_BUDGET: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     base = row * D  # every [N, D] input is contiguous
     offs = tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D]
@@ -139,5 +142,6 @@ def accept_walk_triton(
             HAS_BUDGET=budget is not None,
             BLOCK_D=triton.next_power_of_2(d),
             BLOCK_M=triton.next_power_of_2(m),
+            **pdl_args(choice.device),
         )
     return num_acc, path, out, bonus, commit, finished.view(torch.bool)

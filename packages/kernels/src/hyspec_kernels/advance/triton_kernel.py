@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from ..jit import jit_varying
+from ..launch import pdl_args, wait_for_inputs
 
 
 @jit_varying("num_live")
@@ -28,7 +29,9 @@ def advance_verify_kernel(  # type: ignore[no-untyped-def]
     D: tl.constexpr,
     BD: tl.constexpr,
     PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     i = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BD)
     m = o < D
@@ -76,6 +79,7 @@ def advance_verify_triton(
         positions, kv_slots, prefix_lens, kv_lens, q_lens, cu_seqlens_q, has_initial_state, page_table,
         prefix, input_ids, tokens.contiguous(), int(tokens.shape[0]), page_table.stride(0),
         page_table.shape[1], D=d, BD=max(triton.next_power_of_2(d), 2), PAGE=page_size,
+        **pdl_args(positions.device),
     )  # fmt: skip
 
 
@@ -92,7 +96,9 @@ def advance_one_token_kernel(  # type: ignore[no-untyped-def]
     num_pages,
     BLOCK: tl.constexpr,
     PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     slot = tl.load(kv_slots_ptr + i, mask=m, other=-1)
@@ -128,4 +134,5 @@ def advance_one_token_triton(
     advance_one_token_kernel[(triton.cdiv(n, block),)](
         positions, kv_slots, prefix_lens, kv_lens, has_initial_state, page_table, n, page_table.stride(0),
         page_table.shape[1], BLOCK=block, PAGE=page_size,
+        **pdl_args(positions.device),
     )  # fmt: skip

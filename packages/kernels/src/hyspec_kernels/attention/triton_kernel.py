@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..jit import jit_varying
+from ..launch import pdl_args, wait_for_inputs
 
 _LOG2E = 1.4426950408889634
 # the most KV splits the heuristic picks; the merge kernel's split tile is this wide for every split count,
@@ -164,7 +165,9 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     EVEN_D: tl.constexpr,
     DOT_FP32: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     seq = tl.program_id(0).to(tl.int64)
     # the last query tiles see the most KV (causal): they start first, so the short ones fill the tail (an
     # 8k-token chunk on an H200: 272 -> 301 TFLOP/s without a cached prefix, 304 -> 312 after 24k cached)
@@ -262,8 +265,10 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     head_dim,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """o[t, h] = sum_s w_s * part[s, t, h] with w_s = 2^lse_s / sum 2^lse (splits' softmax masses)."""
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -422,6 +427,7 @@ def paged_attention_triton(
         DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",
         WRITE_LSE=splits > 1,
         num_warps=num_warps,
+        **pdl_args(q.device),
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
@@ -439,5 +445,6 @@ def paged_attention_triton(
             head_dim,
             BLOCK_S=max(_MAX_SPLITS, triton.next_power_of_2(splits)),
             BLOCK_D=block_d,
+            **pdl_args(part.device),
         )
     return out

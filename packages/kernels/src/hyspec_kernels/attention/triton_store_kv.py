@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from ..jit import jit_varying
+from ..launch import pdl_args, wait_for_inputs
 
 
 @jit_varying("slots_ptr")
@@ -32,7 +33,9 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]
     head_dim,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     live = slot >= 0
@@ -76,4 +79,5 @@ def store_kv_triton(
         head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        **pdl_args(k.device),
     )

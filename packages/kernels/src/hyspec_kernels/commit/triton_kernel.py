@@ -17,6 +17,7 @@ import triton.language as tl
 from hyspec_kernels.commit.reference import StatePair
 
 from ..jit import jit_varying
+from ..launch import pdl_args, wait_for_inputs
 
 # Elements copied per program; 1024 keeps 4 KB fp32 transactions per program on GPU and few programs on CPU.
 _BLOCK = 1024
@@ -44,7 +45,9 @@ def _commit_kernel(  # type: ignore[no-untyped-def]
     scratch_row_stride,
     scratch_step_stride,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     i = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
     block = tl.program_id(2).to(tl.int64)
@@ -108,4 +111,5 @@ def commit_states_triton(
             scratch.stride(1),
             scratch.stride(2),
             BLOCK=_BLOCK,
+            **pdl_args(state.device),
         )

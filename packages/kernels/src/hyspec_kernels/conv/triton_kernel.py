@@ -24,6 +24,7 @@ import triton.language as tl
 from hyspec_kernels.conv.common import Activation
 
 from ..jit import jit_varying
+from ..launch import pdl_args, wait_for_inputs
 
 # Channel tile of decode / verify: 32 programs per row at C = 8192. Prefill tile 16 tokens x 128 channels: the
 # fastest of six tiles on an H200 (169 us at T = 8192, C = 8192, bf16, one sequence; 16 x 256 took 192 us,
@@ -78,7 +79,9 @@ def _conv_prefill_kernel(  # type: ignore[no-untyped-def]
     SILU: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
     t_mask = offs_t < num_tokens
@@ -150,7 +153,9 @@ def _conv_prefill_state_kernel(  # type: ignore[no-untyped-def]
     stride_sk,
     WIDTH: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     n = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     slot = tl.load(slots_ptr + n).to(tl.int64)
@@ -245,7 +250,9 @@ def _conv_steps_kernel(  # type: ignore[no-untyped-def]
     WRITE_STATE: tl.constexpr,
     WRITE_SCRATCH: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     n = tl.program_id(0).to(tl.int64)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = offs_c < num_ch
@@ -360,14 +367,14 @@ def conv_prefill_triton(
             y.stride(0), y.stride(1), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
             max(num_seqs - 1, 0).bit_length(),
             WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu",
-            BLOCK_T=block_t, BLOCK_C=block_c,
+            BLOCK_T=block_t, BLOCK_C=block_c, **pdl_args(x.device),
         )  # fmt: skip
     if num_seqs > 0:
         block_c = _block_c(num_ch, _MAX_BLOCK_C)
         _conv_prefill_state_kernel[(num_seqs, triton.cdiv(num_ch, block_c))](
             x, conv_state, cu_seqlens, state_slots, init, num_ch,
             x.stride(0), x.stride(1), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-            WIDTH=width, BLOCK_C=block_c,
+            WIDTH=width, BLOCK_C=block_c, **pdl_args(x.device),
         )  # fmt: skip
     return y
 
@@ -402,7 +409,7 @@ def _launch_steps(
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         *scr_strides, par.stride(0), par.stride(1),
         WIDTH=weight.shape[1], HAS_BIAS=bias is not None, SILU=activation == "silu", TREE=parents is not None,
-        WRITE_STATE=scratch is None, WRITE_SCRATCH=scratch is not None, BLOCK_C=block_c,
+        WRITE_STATE=scratch is None, WRITE_SCRATCH=scratch is not None, BLOCK_C=block_c, **pdl_args(x.device),
     )  # fmt: skip
     return y
 

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from ..jit import jit_varying
+from ..launch import pdl_args, wait_for_inputs
 
 
 @jit_varying("num_d")
@@ -34,7 +35,9 @@ def draft_block_kernel(  # type: ignore[no-untyped-def]
     BW: tl.constexpr,
     BF: tl.constexpr,
     TREE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     i = tl.program_id(0).to(tl.int64)
     fb = tl.program_id(1)
     fo = fb * BF + tl.arange(0, BF)
@@ -92,5 +95,6 @@ def draft_block_after_verify_triton(
         d, block_tokens.stride(0), output_tokens.stride(0), features.stride(0), p.stride(0),
         root_features.stride(0), x.stride(0), f,
         DV=dv, W=width, BW=max(triton.next_power_of_2(width), 2), BF=bf, TREE=paths is not None,
+        **pdl_args(block_tokens.device),
     )  # fmt: skip
     return tokens

@@ -15,6 +15,7 @@ import triton.language as tl
 from hyspec_kernels.gating.reference import SOFTPLUS_THRESHOLD
 
 from ..jit import jit_varying
+from ..launch import pdl_args, wait_for_inputs
 
 _PROD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Elements per row tile: keeps register use flat from V = 128 heads to hidden sizes of a few thousand.
@@ -40,7 +41,9 @@ def _gdn_gating_kernel(  # type: ignore[no-untyped-def]
     THRESHOLD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.arange(0, BLOCK_H)
     h_mask = offs_h < num_heads
@@ -95,7 +98,9 @@ def _gated_rmsnorm_kernel(  # type: ignore[no-untyped-def]
     PROD: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # row = t * HV + h
     offs_v = tl.arange(0, BLOCK_V)
     v_mask = offs_v < dim_v
@@ -136,7 +141,9 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     PROD: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_H)
     h_mask = offs_h < dim_h
@@ -174,7 +181,7 @@ def gdn_gating_triton(
     _gdn_gating_kernel[(triton.cdiv(num_tokens, block_t),)](
         A_log, a, b, dt_bias, g, beta, num_tokens, num_heads,
         A_log.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), dt_bias.stride(0),
-        THRESHOLD=SOFTPLUS_THRESHOLD, BLOCK_T=block_t, BLOCK_H=block_h,
+        THRESHOLD=SOFTPLUS_THRESHOLD, BLOCK_T=block_t, BLOCK_H=block_h, **pdl_args(A_log.device),
     )  # fmt: skip
     return g, beta
 
@@ -195,6 +202,7 @@ def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
         x, z, weight, out, num_rows, num_heads, dim_v, eps,
         x.stride(0), x.stride(1), x.stride(2), z.stride(0), z.stride(1), z.stride(2), weight.stride(0),
         PROD=_PROD_CODES[torch.promote_types(weight.dtype, x.dtype)], BLOCK_R=block_r, BLOCK_V=block_v,
+        **pdl_args(x.device),
     )  # fmt: skip
     return out
 
@@ -215,6 +223,7 @@ def _rms_norm_launch(
             rows.stride(0), rows.stride(1), res.stride(0), res.stride(1), weight.stride(0),
             HAS_RESIDUAL=residual is not None, ZERO_CENTRED=offset != 0.0,
             PROD=_PROD_CODES[torch.promote_types(weight.dtype, x.dtype)], BLOCK_R=block_r, BLOCK_H=block_h,
+            **pdl_args(rows.device),
         )  # fmt: skip
     return out.reshape(x.shape), None if summed is None else summed.reshape(x.shape)
 
@@ -243,7 +252,9 @@ def _silu_and_mul_kernel(  # type: ignore[no-untyped-def]
     stride_gr,
     stride_ur,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < width
@@ -262,6 +273,6 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if g.shape[0] > 0 and width > 0:
         block = min(int(triton.next_power_of_2(width)), 1024)
         _silu_and_mul_kernel[(g.shape[0], triton.cdiv(width, block))](
-            g, u, out, g.shape[0], width, g.stride(0), u.stride(0), BLOCK=block
+            g, u, out, g.shape[0], width, g.stride(0), u.stride(0), BLOCK=block, **pdl_args(g.device)
         )
     return out.reshape(gate.shape)

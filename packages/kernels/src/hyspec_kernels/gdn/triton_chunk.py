@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ..jit import jit_varying
+from ..launch import pdl_args, wait_for_inputs
 from ..transfer import to_device
 from .checks import token_rows
 from .reference import CHUNK_SIZE
@@ -71,11 +72,13 @@ def gdn_chunk_wy_kernel(  # type: ignore[no-untyped-def]
     BT: tl.constexpr,
     BC: tl.constexpr,
     LOWP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # k and v may be column slices of a wider projection (token strides s_kt, s_vt); the outputs and g, beta
     # are contiguous, with token strides HV * K, HV * V and HV. The chunk is four [BC] row blocks: A's ten
     # lower [BC, BC] blocks are products of key row blocks, (I + A)^-1 = X is solved by blocks and W, U are
     # sums of [BC, BC] x [BC, *] block products, so no [BT, BT] matrix is ever split or put together
+    wait_for_inputs(PDL)
     tl.static_assert(BT == 4 * BC)
     i_ch = tl.program_id(0)
     i_c = i_ch // HV
@@ -193,7 +196,9 @@ def gdn_chunk_state_kernel(  # type: ignore[no-untyped-def]
     BT: tl.constexpr,
     LOWP: tl.constexpr,
     HAS_SAVE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     i_n = i_nh // HV
@@ -282,7 +287,9 @@ def gdn_chunk_out_kernel(  # type: ignore[no-untyped-def]
     BV: tl.constexpr,
     BT: tl.constexpr,
     LOWP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     i_ch = tl.program_id(0)
     i_v = tl.program_id(1)
     i_c = (i_ch // HV).to(tl.int64)
@@ -406,7 +413,7 @@ def launch_chunk_prefill(
     if total_chunks > 0:
         gdn_chunk_wy_kernel[(total_chunks * num_v_heads,)](
             k, v, g, beta, starts_d, ends_d, w, u, gamma, rk, k.stride(0), v.stride(0),
-            BV=bv_full, BT=bt, BC=SUB, num_warps=cfg[0], **common,
+            BV=bv_full, BT=bt, BC=SUB, num_warps=cfg[0], **common, **pdl_args(k.device),
         )  # fmt: skip
     bv_state = min(bv_full, cfg[1])
     saves = None
@@ -420,12 +427,12 @@ def launch_chunk_prefill(
             k, w, u, gamma, rk, v_new, h, state, cu_d, chunk_off_d, state_slots, has_initial_state,
             has_initial_state if saves is None else saves,
             state.stride(0), state.stride(1), state.stride(2), state.stride(3), k.stride(0),
-            BV=bv_state, BT=bt, num_warps=cfg[2], HAS_SAVE=saves is not None, **common,
+            BV=bv_state, BT=bt, num_warps=cfg[2], HAS_SAVE=saves is not None, **common, **pdl_args(k.device),
         )  # fmt: skip
     bv_out = min(bv_full, cfg[3])
     if total_chunks > 0:
         gdn_chunk_out_kernel[(total_chunks * num_v_heads, triton.cdiv(head_v, bv_out))](
             q, k, v_new, gamma, h, starts_d, ends_d, o, head_k**-0.5, q.stride(0), k.stride(0),
-            BV=bv_out, BT=bt, num_warps=cfg[4], **common,
+            BV=bv_out, BT=bt, num_warps=cfg[4], **common, **pdl_args(q.device),
         )  # fmt: skip
     return o, (h if return_chunk_states else None)

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..jit import jit_varying
+from ..launch import pdl_args, wait_for_inputs
 from .checks import MAX_RECOMPUTE_NODES, token_rows
 
 
@@ -94,8 +95,10 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     BD: tl.constexpr,  # next power of two of num_steps (BRANCHES_ONLY)
     RECOMPUTE: tl.constexpr,  # a tree without scratch (D <= MAX_RECOMPUTE_NODES): restarts recompute
     PENDING: tl.constexpr,  # apply each slot's pending tokens (a deferred commit) before the block
-    BP: tl.constexpr,  # next power of two of path_len (PENDING)
+    BP: tl.constexpr,
+    PDL: tl.constexpr,  # next power of two of path_len (PENDING)
 ):
+    wait_for_inputs(PDL)
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     i_n = (i_nh // HV).to(tl.int64)
@@ -381,6 +384,7 @@ def launch_recurrent(
         PENDING=pending is not None,
         BP=triton.next_power_of_2(max(1, pending[1].shape[1])) if pending is not None else 1,
         num_warps=num_warps,
+        **pdl_args(qt.device),
     )
     return o
 
@@ -412,11 +416,13 @@ def gdn_replay_kernel(  # type: ignore[no-untyped-def]
     BK: tl.constexpr,
     BV: tl.constexpr,
     TRACK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Commit by replay: one program per (layer x sequence x value head, V tile) holds the committed state
     tile and applies the stored inputs of the path's tokens in order (the recurrence of
     `gdn_recurrent_fwd_kernel` without q), then writes the tile to its slot (and, at the track token, to the
     track slot). Every layer of a group in one launch."""
+    wait_for_inputs(PDL)
     i_lnh = tl.program_id(0)
     i_v = tl.program_id(1)
     i_l = (i_lnh // (num_seqs * HV)).to(tl.int64)
@@ -519,4 +525,5 @@ def launch_replay(
         BV=bv,
         TRACK=track,
         num_warps=num_warps,
+        **pdl_args(k.device),
     )

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..jit import jit_varying
+from ..launch import pdl_args, wait_for_inputs
 
 INT32_OFFSETS = 2**31  # element offsets from here on need int64 arithmetic in the kernels
 
@@ -34,7 +35,9 @@ def _one_row_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     WIDE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     rows_w = offs_n.to(tl.int64) if WIDE else offs_n  # weight offsets past 2^31 elements need int64
@@ -74,7 +77,9 @@ def _rows_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
     WIDE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -139,7 +144,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         _one_row_kernel[(triton.cdiv(n, block_n),)](
             x, weight, b, y, n, k, weight.stride(0),
             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-            WIDE=wide, num_warps=warps, num_stages=stages,
+            WIDE=wide, num_warps=warps, num_stages=stages, **pdl_args(x.device),
         )  # fmt: skip
     else:
         block_n, block_k, warps, stages = _rows_config(n, k)
@@ -149,6 +154,6 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             # fp32 inputs get exact fp32 products (not TF32); on CPU the interpreter's tl.dot gives garbage
             # for bf16 operands, so it multiplies in fp32 there too
             DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu", WIDE=wide,
-            num_warps=warps, num_stages=stages,
+            num_warps=warps, num_stages=stages, **pdl_args(x.device),
         )  # fmt: skip
     return y

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import pdl_args, wait_for_inputs
+
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _rotary_kernel(  # type: ignore[no-untyped-def]
@@ -24,7 +26,9 @@ def _rotary_kernel(  # type: ignore[no-untyped-def]
     stride_st,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     d = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
@@ -57,6 +61,6 @@ def apply_rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
         x, cos, sin, out, num_heads, head_dim, cos.shape[-1],
         x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-        BLOCK_H=block_h, BLOCK_D=block_d,
+        BLOCK_H=block_h, BLOCK_D=block_d, **pdl_args(x.device),
     )  # fmt: skip
     return out

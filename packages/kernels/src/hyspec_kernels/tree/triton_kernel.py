@@ -12,6 +12,8 @@ import triton.language as tl
 
 from hyspec_kernels.tree.reference import TreeGrids
 
+from ..launch import pdl_args, wait_for_inputs
+
 
 @triton.jit  # type: ignore[untyped-decorator]
 def tree_grids_kernel(  # type: ignore[no-untyped-def]
@@ -24,7 +26,9 @@ def tree_grids_kernel(  # type: ignore[no-untyped-def]
     next_sibling_ptr,  # [N, D] int64
     D: tl.constexpr,
     BD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     i = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BD)  # nodes (rows of the tiles)
     k = tl.arange(0, BD)  # nodes (columns)
@@ -65,6 +69,6 @@ def tree_grids_triton(*, parents: torch.Tensor, num_nodes: torch.Tensor) -> Tree
     if n:
         tree_grids_kernel[(n,)](
             parents.long().contiguous(), num_nodes.long().contiguous(), grids[0], mask, grids[1], grids[2],
-            grids[3], D=d, BD=max(triton.next_power_of_2(d), 2),
+            grids[3], D=d, BD=max(triton.next_power_of_2(d), 2), **pdl_args(mask.device),
         )  # fmt: skip
     return TreeGrids(grids[0], mask, grids[1], grids[2], grids[3])
