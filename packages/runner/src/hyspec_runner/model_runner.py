@@ -113,7 +113,7 @@ def round_row(c: ScheduledChunk[RunnerRequest], max_model_len: int) -> RoundRow:
     """A verify chunk as a row of the speculative round."""
     req = c.request
     # tokens the request may still emit (>= 1 for a live request)
-    budget = max(1, min(req.params.max_tokens - len(req.output_token_ids), max_model_len - req.num_tokens))
+    budget = max(1, min(req.max_tokens - len(req.output_token_ids), max_model_len - req.num_tokens))
     return RoundRow(
         request=req,
         prefix_len=c.start,

@@ -302,4 +302,4 @@ class PlainForwards:
 
 def _last_token(req: RunnerRequest) -> bool:
     """The token this step samples for `req` is its last: its `max_tokens` budget ends there."""
-    return len(req.output_token_ids) + 1 >= req.params.max_tokens
+    return len(req.output_token_ids) + 1 >= req.max_tokens

@@ -21,8 +21,6 @@ class RunnerParams(SamplingKnobs, Protocol):
     """A request's sampling parameters as the runner reads them: the sampler's knobs and its limits."""
 
     @property
-    def max_tokens(self) -> int: ...
-    @property
     def stop_token_set(self) -> frozenset[int]:
         """The request's stop token ids (vLLM's `stop_token_ids`) as a set."""
         ...
@@ -38,6 +36,12 @@ class RunnerRequest(RoundRequest, Protocol):
 
     @property
     def params(self) -> RunnerParams: ...
+    @property
+    def max_tokens(self) -> int:
+        """Most tokens the request generates: its `max_tokens`, at most the room its prompt leaves in the
+        context (vLLM's request's)."""
+        ...
+
     @property
     def num_tokens(self) -> int:
         """Prompt and generated tokens."""

@@ -166,13 +166,16 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         bounded: bool = True,
+        stop_at_context_end: bool = False,
     ) -> str:
         """Tokenizes and queues a request. Raises ValueError if it cannot fit, QueueFullError if full.
 
         `cache_salt`: requests with different salts share no prefix-cache entry (tenants that must not
         learn from each other's timing). `bounded=False` queues past `max_waiting` (the bound protects a
-        server from its clients; an offline `LLM.generate` call queues all of its prompts). A dict prompt
-        is read by `parse_prompt`."""
+        server from its clients; an offline `LLM.generate` call queues all of its prompts). A prompt plus
+        `params.max_tokens` over `max_model_len` is a ValueError, unless `stop_at_context_end` (the offline
+        API's, as vLLM's `LLM`): then the request stops at the context's end, finish_reason "length";
+        `max_tokens=None` always means that end. A dict prompt is read by `parse_prompt`."""
         if isinstance(prompt, Mapping):
             prompt, salt = parse_prompt(prompt)
             cache_salt = salt if cache_salt is None else cache_salt
@@ -197,11 +200,19 @@ class LLMEngine:
                 f"prompt_token_ids: expected token ids in [0, {vocab}) for this model, got {bad}"
             )
         params.check_vocab(vocab)
-        if len(ids) + params.max_tokens > self.max_model_len:
+        room = self.max_model_len - len(ids)
+        max_tokens = params.max_tokens
+        if max_tokens is not None and max_tokens > room and not stop_at_context_end:
             raise ValueError(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) is over the model's "
+                f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is over the model's "
                 f"context length max_model_len={self.max_model_len}"
             )
+        if room < 1:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) leaves no room to generate in the model's context length "
+                f"max_model_len={self.max_model_len}"
+            )
+        max_tokens = room if max_tokens is None else min(max_tokens, room)
         rid = request_id if request_id is not None else self.new_request_id()
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -212,6 +223,7 @@ class LLMEngine:
             params=params,
             tokenizer=self.tokenizer,
             arrival_time=time.monotonic(),
+            max_tokens=max_tokens,
         )
         req.cache_salt = cache_salt
         if params.structured_outputs is not None:

@@ -216,14 +216,15 @@ class LLM:
     def _add(self, item: PromptType, p: SamplingParams, ids: list[str]) -> tuple[str, list[str]]:
         """Queues one prompt's engine requests (n of them), every id appended to `ids` as it is queued ->
         (the prompt's output id, its samples' request ids). Not bounded by `max_waiting`: an offline call
-        queues all of its prompts."""
+        queues all of its prompts; a request whose max_tokens runs past the context stops at its end (vLLM's
+        `LLM`)."""
         eng = self.engine
         prompt, salt = parse_prompt(item)  # once, though n requests take it
         if p.output_kind is not RequestOutputKind.FINAL_ONLY:
             # `generate` returns final outputs only: the engine then builds none for the steps before
             p = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
         if p.n == 1:
-            rid = eng.add_request(prompt, p, cache_salt=salt, bounded=False)
+            rid = eng.add_request(prompt, p, cache_salt=salt, bounded=False, stop_at_context_end=True)
             ids.append(rid)
             return rid, [rid]
         base = eng.new_request_id()
@@ -232,7 +233,14 @@ class LLM:
             # n=1 requests to the engine, seeded like the HTTP server's samples
             one = dataclasses.replace(p, n=1, seed=derived_seed(p.seed, j))
             sample_ids.append(
-                eng.add_request(prompt, one, request_id=f"{base}-{j}", cache_salt=salt, bounded=False)
+                eng.add_request(
+                    prompt,
+                    one,
+                    request_id=f"{base}-{j}",
+                    cache_salt=salt,
+                    bounded=False,
+                    stop_at_context_end=True,
+                )
             )
             ids.append(sample_ids[-1])
         return base, sample_ids

@@ -43,6 +43,9 @@ class Request:
     metrics: RequestMetrics
     detok: IncrementalDetokenizer
     eos_token_ids: frozenset[int]
+    # most tokens to generate: params.max_tokens, at most the room the prompt leaves in the context (the
+    # engine resolves it when it takes the request; None in params means that room)
+    max_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -79,7 +82,13 @@ class Request:
         params: SamplingParams,
         tokenizer: Tokenizer,
         arrival_time: float,
+        max_tokens: int | None = None,
     ) -> Request:
+        """`max_tokens`: the request's resolved budget (default: `params.max_tokens`, which must then be
+        set)."""
+        budget = params.max_tokens if max_tokens is None else max_tokens
+        if budget is None or budget < 1:
+            raise ValueError(f"max_tokens: expected an int >= 1 (resolved for the context), got {budget!r}")
         want_lp = params.logprobs is not None
         return Request(
             request_id=request_id,
@@ -89,6 +98,7 @@ class Request:
             metrics=RequestMetrics(arrival_time=arrival_time),
             detok=IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens),
             eos_token_ids=frozenset() if params.ignore_eos else tokenizer.eos_token_ids,
+            max_tokens=budget,
             logprobs=[] if want_lp else None,
             cumulative_logprob=0.0 if want_lp else None,
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
@@ -199,7 +209,7 @@ class Request:
                 self.text = self.text[: pos + len(s)] if p.include_stop_str_in_output else self.text[:pos]
                 self._finish("stop", s)
                 return True
-        if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+        if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
             self.text += self.detok.flush()
             self._finish("length", None)
             return True

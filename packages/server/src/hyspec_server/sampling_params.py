@@ -153,7 +153,9 @@ class SamplingParams:
     """How to choose tokens and when to stop, for one request.
 
     Args:
-        max_tokens: most tokens to generate (>= 1).
+        max_tokens: most tokens to generate (>= 1); None: until the context ends (vLLM's), the room the
+            prompt leaves in `max_model_len`. `LLM` lets a request whose max_tokens runs past the context stop
+            at its end (finish_reason "length"), as vLLM's does; the HTTP server refuses it (400).
         temperature: 0 (or below GREEDY_BELOW, stored as 0) is greedy; otherwise logits are divided by it
             (at most MAX_TEMPERATURE).
         top_p: nucleus mass in (0, 1]; 1 is off.
@@ -194,7 +196,7 @@ class SamplingParams:
     the request (`check_vocab`).
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -218,8 +220,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
         t = self.temperature
         if not _is_real(t) or not 0 <= t <= MAX_TEMPERATURE:  # NaN fails the comparison too
             raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {t!r}")
@@ -277,10 +279,9 @@ class SamplingParams:
         lo, hi = REPETITION_PENALTY_RANGE
         if not _is_real(r) or not lo <= r <= hi:
             raise ValueError(f"repetition_penalty must be a number in [{lo}, {hi}], got {r!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
-            )
+        most = MAX_ID if self.max_tokens is None else self.max_tokens
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= most:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens={most}], got {self.min_tokens!r}")
         lb = self.logit_bias
         if lb is not None:
             if not isinstance(lb, dict) or not all(

@@ -91,13 +91,14 @@ def warm_up_engine(engine: LLMEngine, spec: SpeculativeRound | None, batch_sizes
     for k in lengths:
         assert spec is not None
         # enough tokens that the first round may draft k (a round never emits past the budget)
-        params = SamplingParams(max_tokens=k + 2, temperature=0.0, ignore_eos=True)
+        budget = k + 2
+        params = SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)
         # the long request drafts k in two rounds in a row whatever they accept (1 + 2 (k + 1) tokens): the
         # second round's verify batch is the first's rewritten (`advance_verify`, a kernel per block size)
         twice = SamplingParams(max_tokens=2 * k + 3, temperature=0.0, ignore_eos=True)
-        long = min(LONG_PROMPT, engine.max_model_len - twice.max_tokens)
+        long = min(LONG_PROMPT, engine.max_model_len - (2 * k + 3))
         # two tokens where they fit, else one (a served one-token prompt may draft k at k + 3 positions)
-        short = [t % vocab for t in PROMPT][: max(0, engine.max_model_len - params.max_tokens)]
+        short = [t % vocab for t in PROMPT][: max(0, engine.max_model_len - budget)]
         if not short:
             continue  # no request that drafts k fits max_model_len: the round never runs k
         with spec.forced_length(k):

@@ -1,0 +1,74 @@
+"""Generation up to the context's end, as vLLM's offline API allows it.
+
+`SamplingParams(max_tokens=None)` runs a request until it fills `max_model_len`; `LLM.generate` lets a
+request whose max_tokens runs past the context stop at its end. Both end with finish_reason "length" and
+exactly the tokens of a request that asks for that room, on real tiny checkpoints with and without
+speculation (the round's budget and the decode queued ahead stop at the context end too); a prompt that
+fills the context is a ValueError naming it, and the engine's own `add_request` (the HTTP server's path)
+still refuses a max_tokens past the context.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hyspec_server import LLM, SamplingParams
+from hyspec_testing.spec import DRAFTER_CASES, DrafterCase, build_case_checkpoints
+
+MAX_LEN = 40
+PROMPTS = [[(i * 7 + 3) % 200 + 5 for i in range(n)] for n in (5, 17, 38, 39)]  # the last leaves one token
+CASES: tuple[DrafterCase, ...] = (
+    DrafterCase("plain-qwen3_5", "qwen3_5", {}),
+    DrafterCase("plain-lfm2", "lfm2", {}),
+    *(c for c in DRAFTER_CASES if c.name in ("mtp", "mtp-tree")),
+    DrafterCase("ngram", "lfm2", {"method": "ngram", "num_speculative_tokens": 3}),
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_case_checkpoints(tmp_path_factory.mktemp("context-end"), CASES)
+
+
+def test_max_tokens_none_is_valid_and_bad_values_name_it() -> None:
+    assert SamplingParams(max_tokens=None, min_tokens=5000).max_tokens is None
+    for bad in (0, -1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match=r"max_tokens must be None or an int >= 1"):
+            SamplingParams(max_tokens=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"min_tokens must be an int in \[0, max_tokens=4\]"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_requests_stop_at_the_context_end(case: DrafterCase, checkpoints: dict[str, Path]) -> None:
+    spec = case.speculative_config()
+    llm = LLM(
+        model=str(checkpoints[case.arch]),
+        max_model_len=MAX_LEN,
+        max_num_seqs=2,  # four prompts: the second pair waits for seats of the first
+        page_size=8,
+        speculative_config=spec or None,
+    )
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    exact = llm.generate(prompts, [SamplingParams(max_tokens=MAX_LEN - len(p), **greedy) for p in PROMPTS])
+    want = [o.outputs[0].token_ids for o in exact]
+    assert [len(t) for t in want] == [MAX_LEN - len(p) for p in PROMPTS]
+    for params in (
+        SamplingParams(max_tokens=None, **greedy),
+        SamplingParams(max_tokens=1000, **greedy),
+        SamplingParams(max_tokens=None, min_tokens=1000, **greedy),  # min_tokens past the room: the end wins
+    ):
+        outs = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == want, (case.name, params)
+        assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    # n > 1 requests of one prompt each run to the end too
+    (two,) = llm.generate([prompts[1]], SamplingParams(max_tokens=None, n=2, **greedy))
+    assert [c.token_ids for c in two.outputs] == [want[1], want[1]]
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt \(40 tokens\) leaves no room to generate"):
+        llm.generate([prompts[0], {"prompt_token_ids": [5] * MAX_LEN}], SamplingParams(max_tokens=None))
+    # the engine's default (the HTTP server's path) refuses what the offline API caps
+    with pytest.raises(ValueError, match=r"prompt \(17 tokens\) plus max_tokens \(24\) is over"):
+        llm.engine.add_request(prompts[1], SamplingParams(max_tokens=MAX_LEN - 17 + 1))
+    llm.engine.leak_check()
