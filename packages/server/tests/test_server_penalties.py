@@ -181,11 +181,7 @@ def test_logit_bias_steers_greedy_output_and_reaches_every_verify_node() -> None
     # verify blocks: every node of every row gets its row's biases, nothing else changes
     pen = _two_neutral_rows(logit_bias=[{3: 2.0, 7: -1.5}, None])
     logits = torch.randn(2, 4, 10)
-    out = pen.apply_block(
-        logits,
-        block_tokens=torch.zeros(2, 4, dtype=torch.int64),
-        path_mask=torch.zeros(2, 4, 4, dtype=torch.bool),
-    )
+    out = _at_every_node(pen, logits)
     want = logits.clone()
     want[0, :, 3] += 2.0
     want[0, :, 7] -= 1.5
@@ -277,6 +273,55 @@ def test_min_tokens_bans_give_way_where_a_row_would_have_no_token_left() -> None
     got = pen.apply_block(blocks, block_tokens=torch.zeros(2, 2, dtype=torch.int64), path_mask=path)
     assert got[0, 1, 6] == 2.0 and got[0, 0, 6] == float("-inf") and got[0, 0, 4] == float("-inf")
     assert got[1, 0, 4] == float("-inf") and got[1, 1, 4] == float("-inf")
+
+
+def test_allowed_token_ids_limit_plain_rows_and_every_verify_node() -> None:
+    """vLLM's `allowed_token_ids`: a row generates only its listed tokens (greedy and sampled); in a verify
+    block every node of that row is limited to them, and rows without a list are untouched."""
+    llm = LLM.from_engine(toy_engine())
+    prompt = [{"prompt_token_ids": [1, 2]}]
+    free = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    allowed = [t for t in range(33, 127) if t not in free.outputs[0].token_ids][:3]  # tokens it never chose
+    for temperature, seed in ((0.0, None), (1.0, 7)):
+        params = SamplingParams(
+            max_tokens=12, temperature=temperature, seed=seed, ignore_eos=True, allowed_token_ids=allowed
+        )
+        (o,) = llm.generate(prompt, params)
+        assert set(o.outputs[0].token_ids) <= set(allowed), (temperature, o.outputs[0].token_ids)
+    pen = _two_neutral_rows(allowed_token_ids=[[2, 5], None])
+    x = torch.randn(2, 10)
+    out = pen.apply(x)
+    assert bool(torch.isneginf(out[0, [0, 1, 3, 4, 6, 7, 8, 9]]).all()) and torch.equal(
+        out[0, [2, 5]], x[0, [2, 5]]
+    )
+    assert torch.equal(out[1], x[1])
+    logits = torch.randn(2, 3, 10)
+    got = _at_every_node(pen, logits)
+    want = logits.clone()
+    keep = torch.zeros(10, dtype=torch.bool)
+    keep[[2, 5]] = True
+    want[0, :, ~keep] = float("-inf")
+    assert torch.equal(got, want)
+    assert SamplingParams(allowed_token_ids=[9, 3, 9]).allowed_token_ids == (3, 9)  # sorted, no repeats
+    with pytest.raises(ValueError, match=r"allowed_token_ids: token ids must be in \[0, "):
+        llm.generate(prompt, SamplingParams(allowed_token_ids=[5, 10**6]))
+    llm.engine.leak_check()
+
+
+@pytest.mark.parametrize("bad", [[], [-1], [1.5], "5", (True,), [2**31], list(range(16385))])
+def test_bad_allowed_token_ids_name_the_field(bad: object) -> None:
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=bad)  # type: ignore[arg-type]
+
+
+def _at_every_node(pen: PenaltyTensors, logits: torch.Tensor) -> torch.Tensor:
+    """`pen` applied to verify logits [N, D, V] whose nodes add nothing to their rows' histories."""
+    n, d, _ = logits.shape
+    return pen.apply_block(
+        logits,
+        block_tokens=torch.zeros(n, d, dtype=torch.int64),
+        path_mask=torch.zeros(n, d, d, dtype=torch.bool),
+    )
 
 
 def _two_neutral_rows(**extra: Any) -> PenaltyTensors:

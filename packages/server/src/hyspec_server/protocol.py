@@ -83,6 +83,8 @@ class _SamplingFields(_Strict):
     # accepted for compatibility and not used
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # vLLM extension: the only token ids the request may generate
+    allowed_token_ids: list[int] | None = None
     # vLLM extensions
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -104,7 +106,6 @@ class _SamplingFields(_Strict):
     guided_grammar: str | None = None
     # vLLM fields that would change the output and that hyspec does not implement: refused (400), where
     # ignoring them would return output the request did not ask for
-    allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
     use_beam_search: Any = None
@@ -167,7 +168,7 @@ class _SamplingFields(_Strict):
         """Raises APIError for values the server does not support (types were checked by pydantic)."""
         if not 1 <= self.num_choices <= MAX_N:
             raise APIError(400, f"n must be an int in [1, {MAX_N}], got {self.n}", param="n")
-        for name in ("allowed_token_ids", "bad_words", "logits_processors", "use_beam_search"):
+        for name in ("bad_words", "logits_processors", "use_beam_search"):
             value = getattr(self, name)
             if value is not None and value is not False and value != []:
                 raise APIError(400, f"{name} is not supported by hyspec", param=name)
@@ -222,6 +223,7 @@ class _SamplingFields(_Strict):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=pick("repetition_penalty", self.repetition_penalty, 1.0),
             logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
             min_tokens=self.min_tokens,
             structured_outputs=self.structured(),
             # a response that is not streamed is written once, from the final output: the engine builds

@@ -45,6 +45,9 @@ MAX_TOKEN_ID_ENTRIES = 1024
 """Most entries of `stop_token_ids` and of `logit_bias` each: every step of the request builds tensors and
 stop sets from them (for every verify node with speculation), so an unbounded list slows every co-batched
 request. Far above what a real request uses."""
+MAX_ALLOWED_TOKEN_IDS = 16384
+"""Most entries of `allowed_token_ids` (a whitelist: digits, a label set, a small alphabet); a step of the
+request builds its mask from them, so an unbounded list slows every co-batched request."""
 # most alternatives reported per token (OpenAI's cap for chat, vLLM's default max_logprobs)
 MAX_LOGPROBS = 20
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
@@ -185,6 +188,9 @@ class SamplingParams:
         logit_bias: None, or token id -> value in [-100, 100] added to that token's logit before any choice
             (OpenAI's), at every verify position with speculative decoding too; at most MAX_TOKEN_ID_ENTRIES
             entries, stored as a copy.
+        allowed_token_ids: None, or the only token ids the request may generate (vLLM's): every other logit
+            is -inf before any choice, at every verify position with speculative decoding too; 1 to
+            MAX_ALLOWED_TOKEN_IDS ids in the model's vocabulary, stored as a sorted tuple without repeats.
         structured_outputs: None, or a constraint every generated token keeps (`StructuredOutputsParams`);
             the request stops when the constrained text is complete.
         output_kind: which outputs the engine returns for the request (`RequestOutputKind`; vLLM's).
@@ -215,6 +221,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | tuple[int, ...] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     truncate_prompt_tokens: int | None = None
@@ -292,6 +299,22 @@ class SamplingParams:
             if len(lb) > MAX_TOKEN_ID_ENTRIES:
                 raise ValueError(f"logit_bias: at most {MAX_TOKEN_ID_ENTRIES} token ids, got {len(lb)}")
             object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in lb.items()})
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if (
+                not isinstance(allowed, list | tuple)
+                or not allowed
+                or not all(_is_int(t) and 0 <= t <= MAX_ID for t in allowed)
+            ):
+                raise ValueError(
+                    f"allowed_token_ids must be a non-empty list of ints in [0, {MAX_ID}], "
+                    f"got {_short(allowed)}"
+                )
+            if len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(
+                    f"allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS} token ids, got {len(allowed)}"
+                )
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in allowed})))
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
@@ -316,16 +339,21 @@ class SamplingParams:
         return prompt_token_ids[-k:] if len(prompt_token_ids) > k else prompt_token_ids
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raises ValueError when a token id of `logit_bias` is outside the model's vocabulary [0, vocab_size)
-        (as vLLM: a bias has no logit to go to); the engine calls it for every request, as it knows the
-        vocabulary and the params do not. Stop token ids outside it are allowed, as in vLLM: they can never
-        be generated, and clients send the same list to models of one family with different vocabularies."""
-        bad = sorted(t for t in self.logit_bias or () if t >= vocab_size)
-        if bad:
-            more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
-            raise ValueError(
-                f"logit_bias: token ids must be in [0, {vocab_size}) for this model, got {bad[:8]}{more}"
-            )
+        """Raises ValueError when a token id of `logit_bias` or `allowed_token_ids` is outside the model's
+        vocabulary [0, vocab_size) (as vLLM: a bias has no logit to go to); the engine calls it for every
+        request, as it knows the vocabulary and the params do not. Stop token ids outside it are allowed, as
+        in vLLM: they can never be generated, and clients send the same list to models of one family with
+        different vocabularies."""
+        for name, ids in (
+            ("logit_bias", self.logit_bias or ()),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+        ):
+            bad = sorted(t for t in ids if t >= vocab_size)
+            if bad:
+                more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
+                raise ValueError(
+                    f"{name}: token ids must be in [0, {vocab_size}) for this model, got {bad[:8]}{more}"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -338,6 +366,7 @@ class SamplingParams:
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1
             or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
             or self.min_tokens > 0
         )
 

@@ -1,7 +1,8 @@
 """Penalties and logit biases of a batch as flat (row, token) tensors, applied to logits in a few launches.
 
-Repetition, frequency and presence penalties (OpenAI / vLLM semantics), `logit_bias` and `min_tokens` bans
-(stop tokens forbidden until a row has generated enough). `PenaltyTensors.build` flattens a batch's ragged
+Repetition, frequency and presence penalties (OpenAI / vLLM semantics), `logit_bias`, `allowed_token_ids`
+(every other token forbidden) and `min_tokens` bans (stop tokens forbidden until a row has generated
+enough). `PenaltyTensors.build` flattens a batch's ragged
 token lists once on the host; `apply` works on plain rows, `apply_block` on every node of verify blocks
 (each node sees its own path's tokens, as plain decoding would at that position).
 """
@@ -40,6 +41,10 @@ class PenaltyTensors:
     ban_rows: torch.Tensor | None = None  # [K] int64
     ban_ids: torch.Tensor | None = None  # [K] int64
     ban_left: torch.Tensor | None = None  # [K] int64
+    # allowed_token_ids: the rows that have a list (allow_limited[row]) may generate only their listed tokens
+    allow_rows: torch.Tensor | None = None  # [A] int64
+    allow_ids: torch.Tensor | None = None  # [A] int64
+    allow_limited: torch.Tensor | None = None  # [N] bool
 
     def __post_init__(self) -> None:
         n = self.presence.shape[0]
@@ -63,11 +68,13 @@ class PenaltyTensors:
         device: torch.device,
         logit_bias: Sequence[Mapping[int, float] | None] = (),
         min_tokens_bans: Sequence[tuple[int, Iterable[int]]] = (),
+        allowed_token_ids: Sequence[Sequence[int] | None] = (),
     ) -> PenaltyTensors:
         """Args:
         output_tokens / prompt_tokens: per row; only rows with a penalty on are read.
         logit_bias: per row (or empty: none), token id -> value added to its logit.
         min_tokens_bans: per row (or empty), (tokens still to generate before a stop may come, the stop ids).
+        allowed_token_ids: per row (or empty: none), None or the only tokens the row may generate.
         """
         out_rows: list[int] = []
         out_ids: list[int] = []
@@ -93,6 +100,8 @@ class PenaltyTensors:
         bans = [
             (row, t, left) for row, (left, ids) in enumerate(min_tokens_bans) if left > 0 for t in sorted(ids)
         ]
+        allows = [(row, t) for row, a in enumerate(allowed_token_ids) if a is not None for t in a]
+        limited = [a is not None for a in allowed_token_ids] if allows else []
         return PenaltyTensors(
             presence=floats(presence),
             frequency=floats(frequency),
@@ -107,6 +116,9 @@ class PenaltyTensors:
             ban_rows=ints([b[0] for b in bans]) if bans else None,
             ban_ids=ints([b[1] for b in bans]) if bans else None,
             ban_left=ints([b[2] for b in bans]) if bans else None,
+            allow_rows=ints([a[0] for a in allows]) if allows else None,
+            allow_ids=ints([a[1] for a in allows]) if allows else None,
+            allow_limited=to_device(limited, dtype=torch.bool, device=device) if allows else None,
         )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -136,6 +148,11 @@ class PenaltyTensors:
             x = x.index_put(
                 (self.bias_rows[keep], self.bias_ids[keep]), self.bias_values[keep], accumulate=True
             )
+        if self.allow_rows is not None and self.allow_ids is not None and self.allow_limited is not None:
+            keep = self.allow_ids < v  # (the vocabulary was checked; a head narrower than it has fewer)
+            allowed = torch.zeros(n, v, dtype=torch.bool, device=x.device)  # [N, V]
+            allowed[self.allow_rows[keep], self.allow_ids[keep]] = True
+            x = x.masked_fill(self.allow_limited[:, None] & ~allowed, float("-inf"))
         if self.ban_rows is not None and self.ban_ids is not None and self.ban_left is not None:
             on = (self.ban_left > 0) & (self.ban_ids < v)  # a plain position is at depth 0
             rows, ids = self.ban_rows[on], self.ban_ids[on]
@@ -203,6 +220,9 @@ class PenaltyTensors:
             left = self.ban_left[:, None].expand(-1, d).reshape(-1)
             hit = depth[rows] < left  # flat row n * D + j indexes node j of row n
             ban = (rows[hit], ids[hit], torch.ones_like(ids[hit]))
+        allow: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] = (None, None)
+        if self.allow_rows is not None and self.allow_ids is not None:
+            allow = spread(self.allow_rows, self.allow_ids)  # every node of a row gets the row's list
         flat = PenaltyTensors(
             presence=self.presence.repeat_interleave(d),
             frequency=self.frequency.repeat_interleave(d),
@@ -219,5 +239,8 @@ class PenaltyTensors:
             ban_rows=ban[0],
             ban_ids=ban[1],
             ban_left=ban[2],
+            allow_rows=allow[0],
+            allow_ids=allow[1],
+            allow_limited=None if self.allow_limited is None else self.allow_limited.repeat_interleave(d),
         )
         return flat.apply(logits.reshape(n * d, v)).reshape(n, d, v)

@@ -60,6 +60,11 @@ class SamplingKnobs(Protocol):
         ...
 
     @property
+    def allowed_token_ids(self) -> Sequence[int] | None:
+        """None, or the only token ids the request may generate (vLLM's `allowed_token_ids`)."""
+        ...
+
+    @property
     def logprobs(self) -> int | None:
         """None, or how many top alternatives to report besides the chosen token's logprob."""
         ...
@@ -396,6 +401,7 @@ def sampling_tensors(requests: Sequence[SamplingRequest], device: torch.device) 
             prompt_tokens=[r.prompt_token_ids for r in requests],
             device=device,
             logit_bias=[p.logit_bias for p in ps],
+            allowed_token_ids=[p.allowed_token_ids for p in ps],
             min_tokens_bans=[
                 (p.min_tokens - len(r.output_token_ids), r.all_stop_token_ids)
                 for p, r in zip(ps, requests, strict=True)

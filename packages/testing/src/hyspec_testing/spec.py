@@ -219,6 +219,7 @@ class _Greedy:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
     min_tokens: int = 0
     logprobs: int | None = None
     has_penalties: bool = False

@@ -1,16 +1,20 @@
-"""Generation up to the context's end, as vLLM's offline API allows it.
+"""Request limits of vLLM's API on real tiny checkpoints, with and without speculation.
 
-`SamplingParams(max_tokens=None)` runs a request until it fills `max_model_len`; `LLM.generate` lets a
-request whose max_tokens runs past the context stop at its end. Both end with finish_reason "length" and
-exactly the tokens of a request that asks for that room, on real tiny checkpoints with and without
-speculation (the round's budget and the decode queued ahead stop at the context end too); a prompt that
-fills the context is a ValueError naming it, and the engine's own `add_request` (the HTTP server's path)
-still refuses a max_tokens past the context.
+Generation up to the context's end: `SamplingParams(max_tokens=None)` runs a request until it fills
+`max_model_len`; `LLM.generate` lets a request whose max_tokens runs past the context stop at its end.
+Both end with finish_reason "length" and exactly the tokens of a request that asks for that room (the
+round's budget and the decode queued ahead stop at the context end too); a prompt that fills the context
+is a ValueError naming it, and the engine's own `add_request` (the HTTP server's path) still refuses a
+max_tokens past the context.
+
+`allowed_token_ids`: every generated token is one of the list, greedy and sampled, and greedy speculation
+emits exactly plain decoding's tokens under the list (every verify node is limited as a plain step is).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hyspec_server import LLM, SamplingParams
@@ -31,6 +35,17 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build_case_checkpoints(tmp_path_factory.mktemp("context-end"), CASES)
 
 
+def _llm(path: Path, spec: dict[str, Any] | None, max_model_len: int) -> LLM:
+    # two seats for three or four prompts: the later ones wait for the first ones' seats
+    return LLM(
+        model=str(path),
+        max_model_len=max_model_len,
+        max_num_seqs=2,
+        page_size=8,
+        speculative_config=spec or None,
+    )
+
+
 def test_max_tokens_none_is_valid_and_bad_values_name_it() -> None:
     assert SamplingParams(max_tokens=None, min_tokens=5000).max_tokens is None
     for bad in (0, -1, 1.5, True, "8"):
@@ -43,13 +58,7 @@ def test_max_tokens_none_is_valid_and_bad_values_name_it() -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_requests_stop_at_the_context_end(case: DrafterCase, checkpoints: dict[str, Path]) -> None:
     spec = case.speculative_config()
-    llm = LLM(
-        model=str(checkpoints[case.arch]),
-        max_model_len=MAX_LEN,
-        max_num_seqs=2,  # four prompts: the second pair waits for seats of the first
-        page_size=8,
-        speculative_config=spec or None,
-    )
+    llm = _llm(checkpoints[case.arch], spec, MAX_LEN)
     greedy = {"temperature": 0.0, "ignore_eos": True}
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     exact = llm.generate(prompts, [SamplingParams(max_tokens=MAX_LEN - len(p), **greedy) for p in PROMPTS])
@@ -71,4 +80,27 @@ def test_requests_stop_at_the_context_end(case: DrafterCase, checkpoints: dict[s
     # the engine's default (the HTTP server's path) refuses what the offline API caps
     with pytest.raises(ValueError, match=r"prompt \(17 tokens\) plus max_tokens \(24\) is over"):
         llm.engine.add_request(prompts[1], SamplingParams(max_tokens=MAX_LEN - 17 + 1))
+    llm.engine.leak_check()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_allowed_token_ids_hold_with_speculation(case: DrafterCase, checkpoints: dict[str, Path]) -> None:
+    llm = _llm(checkpoints[case.arch], None, 64)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    free = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    # the plain run's own tokens of the first prompt (so drafts from its history can be right) and others
+    allowed = sorted(set(free[0][:4]) | {3, 10, 11, 12, 40, 41})
+    limited = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, allowed_token_ids=allowed)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, limited)]
+    assert want != free and all(set(t) <= set(allowed) for t in want)
+    spec = case.speculative_config()
+    if spec:
+        llm = _llm(checkpoints[case.arch], spec, 64)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, limited)]
+        assert got == want, case.name
+    sampled = SamplingParams(
+        max_tokens=12, temperature=1.0, seed=3, ignore_eos=True, allowed_token_ids=allowed
+    )
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in llm.generate(prompts, sampled))
     llm.engine.leak_check()
