@@ -9,6 +9,8 @@ max_tokens past the context.
 
 `allowed_token_ids`: every generated token is one of the list, greedy and sampled, and greedy speculation
 emits exactly plain decoding's tokens under the list (every verify node is limited as a plain step is).
+`bad_words`: no banned token sequence is ever completed, and a batch mixing a row with bad words (which
+verifies no drafts) and rows without emits plain decoding's tokens.
 """
 
 from __future__ import annotations
@@ -103,4 +105,29 @@ def test_allowed_token_ids_hold_with_speculation(case: DrafterCase, checkpoints:
         max_tokens=12, temperature=1.0, seed=3, ignore_eos=True, allowed_token_ids=allowed
     )
     assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in llm.generate(prompts, sampled))
+    llm.engine.leak_check()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_words_hold_with_speculation(case: DrafterCase, checkpoints: dict[str, Path]) -> None:
+    from hyspec_server.request import bad_words_token_ids
+
+    llm = _llm(checkpoints[case.arch], None, 64)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    free = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    tok = llm.get_tokenizer()
+    word = tok.decode(free[0][3:5])  # what the first prompt writes unbanned
+    seqs = bad_words_token_ids([word], tok)
+    banned = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, bad_words=[word])
+    params = [banned, greedy, greedy]  # one row with bad words among rows without
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert want[1:] == free[1:]
+    for seq in seqs:
+        k = len(seq)
+        assert all(tuple(want[0][i : i + k]) != seq for i in range(len(want[0]))), (word, seq, want[0])
+    spec = case.speculative_config()
+    if spec:
+        llm = _llm(checkpoints[case.arch], spec, 64)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want, case.name
     llm.engine.leak_check()

@@ -314,6 +314,36 @@ def test_bad_allowed_token_ids_name_the_field(bad: object) -> None:
         SamplingParams(allowed_token_ids=bad)  # type: ignore[arg-type]
 
 
+def test_bad_words_never_complete_and_follow_vllms_rule() -> None:
+    """vLLM's `bad_words`: a token that would complete a bad word's token sequence after the output's last
+    tokens is forbidden (one-token words always), so the output never holds the word; sequences are the word
+    as written and with a leading space where that tokenizes to another first token over as many tokens."""
+    from hyspec_server.request import bad_words_token_ids
+    from hyspec_spec_workers.penalties import bad_word_bans
+
+    llm = LLM.from_engine(toy_engine())
+    prompt = [{"prompt_token_ids": [40, 41]}]
+    free = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].outputs[0]
+    pair = free.text[2:4]  # a two-token word the free run writes, and a one-token one
+    single = next(c for c in free.text if c not in pair)
+    for temperature, seed in ((0.0, None), (1.0, 5)):
+        params = SamplingParams(
+            max_tokens=16, temperature=temperature, seed=seed, ignore_eos=True, bad_words=[pair, " " + single]
+        )
+        text = llm.generate(prompt, params)[0].outputs[0].text
+        assert pair not in text and single not in text, (temperature, pair, single, text)
+    assert bad_word_bans([(5,), (7, 8), (1, 2, 3)], []) == {5}
+    assert bad_word_bans([(5,), (7, 8), (1, 2, 3)], [9, 7]) == {5, 8}
+    assert bad_word_bans([(5,), (7, 8), (1, 2, 3)], [1, 2]) == {5, 3}
+    tok = ByteTokenizer()  # " ab" is one token more than "ab": no second sequence, as in vLLM
+    assert bad_words_token_ids(["ab", "  c"], tok) == ((97, 98), (99,))
+    assert SamplingParams(bad_words=[]).bad_words is None and not SamplingParams(bad_words=[]).has_penalties
+    for bad in ([""], [" "], "ab", [5], ["x" * 1025], ["a"] * 65):
+        with pytest.raises(ValueError, match="bad_words"):
+            SamplingParams(bad_words=bad)  # type: ignore[arg-type]
+    llm.engine.leak_check()
+
+
 def _at_every_node(pen: PenaltyTensors, logits: torch.Tensor) -> torch.Tensor:
     """`pen` applied to verify logits [N, D, V] whose nodes add nothing to their rows' histories."""
     n, d, _ = logits.shape

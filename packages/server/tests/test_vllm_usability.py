@@ -515,7 +515,8 @@ def test_truncate_prompt_tokens_and_message_content_over_http() -> None:
 def test_guided_fields_constrain_and_unimplemented_output_fields_are_refused() -> None:
     """vLLM's earlier `guided_*` fields constrain as `structured_outputs` does (they used to be ignored:
     unconstrained output); vLLM fields that would change the output and that hyspec lacks are a 400 naming
-    them, never ignored; `allowed_token_ids` limits the output, a bad list is a 400 naming it."""
+    them, never ignored; `allowed_token_ids` and `bad_words` limit the output, a bad list is a 400 naming
+    it."""
     import httpx
 
     srv = ServerThread(toy_engine(), model_name="toy").start()
@@ -543,7 +544,7 @@ def test_guided_fields_constrain_and_unimplemented_output_fields_are_refused() -
                 ({"allowed_token_ids": []}, "allowed_token_ids"),
                 ({"allowed_token_ids": [5, 10**6]}, "allowed_token_ids"),  # past the vocabulary
                 ({"allowed_token_ids": "5"}, "allowed_token_ids"),
-                ({"bad_words": ["x"]}, "bad_words"),
+                ({"bad_words": [""]}, "bad_words"),
                 ({"logits_processors": ["m.f"]}, "logits_processors"),
                 ({"use_beam_search": True}, "use_beam_search"),
             ):
@@ -553,14 +554,16 @@ def test_guided_fields_constrain_and_unimplemented_output_fields_are_refused() -
             ok = c.post("/v1/completions", json=body | {"use_beam_search": False, "bad_words": []})
             assert ok.status_code == 200
             # vLLM's allowed_token_ids: only those tokens, in completions and chat
-            only = {"allowed_token_ids": [ord("k"), ord("m")], "return_token_ids": True, "ignore_eos": True}
+            only = {"allowed_token_ids": [ord("k"), ord("m")], "ignore_eos": True, "bad_words": ["mm"]}
             r = c.post("/v1/completions", json=body | only)
-            assert r.status_code == 200 and set(r.json()["choices"][0]["text"]) <= {"k", "m"}, r.json()
+            text = r.json()["choices"][0]["text"]
+            assert r.status_code == 200 and set(text) <= {"k", "m"} and "mm" not in text, r.json()
             r = c.post(
                 "/v1/chat/completions",
                 json={"messages": [{"role": "user", "content": "a"}], "max_tokens": 6} | only,
             )
-            assert r.status_code == 200 and set(r.json()["choices"][0]["message"]["content"]) <= {"k", "m"}
+            text = r.json()["choices"][0]["message"]["content"]
+            assert r.status_code == 200 and set(text) <= {"k", "m"} and "mm" not in text, r.json()
             chat = c.post(
                 "/v1/chat/completions",
                 json={

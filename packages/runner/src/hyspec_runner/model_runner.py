@@ -118,7 +118,8 @@ def round_row(c: ScheduledChunk[RunnerRequest], max_model_len: int) -> RoundRow:
         request=req,
         prefix_len=c.start,
         root_token=req.token_slice(c.start, c.end)[0],
-        max_drafts=c.num_lookahead,
+        # bad words ban by each node's own path, which penalties see only per row: such a row drafts nothing
+        max_drafts=0 if req.bad_words_token_ids else c.num_lookahead,
         max_new_tokens=budget,
         stop_token_ids=req.eos_token_ids
         | req.params.stop_token_set

@@ -8,6 +8,7 @@ type, so the scheduler's chunks keep its own `Request` while the runner reads th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -40,6 +41,11 @@ class RunnerRequest(RoundRequest, Protocol):
     def max_tokens(self) -> int:
         """Most tokens the request generates: its `max_tokens`, at most the room its prompt leaves in the
         context (vLLM's request's)."""
+        ...
+
+    @property
+    def bad_words_token_ids(self) -> Sequence[Sequence[int]]:
+        """The token sequences of the request's bad words (empty: none)."""
         ...
 
     @property

@@ -85,6 +85,8 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # vLLM extension: the only token ids the request may generate
     allowed_token_ids: list[int] | None = None
+    # vLLM extension: words the request may not generate
+    bad_words: list[str] | None = None
     # vLLM extensions
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -106,7 +108,6 @@ class _SamplingFields(_Strict):
     guided_grammar: str | None = None
     # vLLM fields that would change the output and that hyspec does not implement: refused (400), where
     # ignoring them would return output the request did not ask for
-    bad_words: Any = None
     logits_processors: Any = None
     use_beam_search: Any = None
 
@@ -168,7 +169,7 @@ class _SamplingFields(_Strict):
         """Raises APIError for values the server does not support (types were checked by pydantic)."""
         if not 1 <= self.num_choices <= MAX_N:
             raise APIError(400, f"n must be an int in [1, {MAX_N}], got {self.n}", param="n")
-        for name in ("bad_words", "logits_processors", "use_beam_search"):
+        for name in ("logits_processors", "use_beam_search"):
             value = getattr(self, name)
             if value is not None and value is not False and value != []:
                 raise APIError(400, f"{name} is not supported by hyspec", param=name)
@@ -224,6 +225,7 @@ class _SamplingFields(_Strict):
             repetition_penalty=pick("repetition_penalty", self.repetition_penalty, 1.0),
             logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or None,
             min_tokens=self.min_tokens,
             structured_outputs=self.structured(),
             # a response that is not streamed is written once, from the final output: the engine builds

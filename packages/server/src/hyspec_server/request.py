@@ -9,6 +9,7 @@ samples the next token.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hyspec_runner.grammar import GrammarState
@@ -34,6 +35,19 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+def bad_words_token_ids(words: Sequence[str], tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token sequences, as vLLM forms them: the word as written (leading spaces dropped), and
+    with one leading space where that is a different first token over as many tokens (a word inside text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out += [bare] if bare else []
+        if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+            out.append(spaced)
+    return tuple(out)
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
@@ -46,6 +60,8 @@ class Request:
     # most tokens to generate: params.max_tokens, at most the room the prompt leaves in the context (the
     # engine resolves it when it takes the request; None in params means that room)
     max_tokens: int
+    # the token sequences of params.bad_words (`bad_words_token_ids`)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -99,6 +115,7 @@ class Request:
             detok=IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens),
             eos_token_ids=frozenset() if params.ignore_eos else tokenizer.eos_token_ids,
             max_tokens=budget,
+            bad_words_token_ids=bad_words_token_ids(params.bad_words or (), tokenizer),
             logprobs=[] if want_lp else None,
             cumulative_logprob=0.0 if want_lp else None,
             prompt_logprobs=None if params.prompt_logprobs is None else [None],

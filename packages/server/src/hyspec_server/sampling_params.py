@@ -191,6 +191,11 @@ class SamplingParams:
         allowed_token_ids: None, or the only token ids the request may generate (vLLM's): every other logit
             is -inf before any choice, at every verify position with speculative decoding too; 1 to
             MAX_ALLOWED_TOKEN_IDS ids in the model's vocabulary, stored as a sorted tuple without repeats.
+        bad_words: None, or words the request may not generate (vLLM's): each is tokenized as written and
+            with a leading space, and a token that would complete one of those token sequences right after
+            the output's last tokens is forbidden. At most MAX_STOP_STRINGS words of at most MAX_STOP_CHARS
+            characters, stored as a tuple. A request with bad words decodes without drafts under speculative
+            decoding (its bans follow each node's own path, which the drafts would change).
         structured_outputs: None, or a constraint every generated token keeps (`StructuredOutputsParams`);
             the request stops when the constrained text is complete.
         output_kind: which outputs the engine returns for the request (`RequestOutputKind`; vLLM's).
@@ -222,6 +227,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | tuple[int, ...] | None = None
+    bad_words: list[str] | tuple[str, ...] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     truncate_prompt_tokens: int | None = None
@@ -315,6 +321,17 @@ class SamplingParams:
                     f"allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS} token ids, got {len(allowed)}"
                 )
             object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in allowed})))
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, list | tuple) or not all(
+                isinstance(w, str) and w.strip() for w in words
+            ):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {_short(words)}")
+            if len(words) > MAX_STOP_STRINGS or any(len(w) > MAX_STOP_CHARS for w in words):
+                raise ValueError(
+                    f"bad_words: at most {MAX_STOP_STRINGS} words of at most {MAX_STOP_CHARS} characters"
+                )
+            object.__setattr__(self, "bad_words", tuple(words) or None)
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
@@ -367,6 +384,7 @@ class SamplingParams:
             or self.repetition_penalty != 1
             or bool(self.logit_bias)
             or self.allowed_token_ids is not None
+            or bool(self.bad_words)
             or self.min_tokens > 0
         )
 

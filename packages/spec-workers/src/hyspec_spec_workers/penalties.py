@@ -15,6 +15,19 @@ from dataclasses import dataclass
 import torch
 from hyspec_statepool.transfer import to_device
 
+FOREVER = 2**62  # a ban's depth for bad words: every node of a block
+
+
+def bad_word_bans(sequences: Sequence[Sequence[int]], output: Sequence[int]) -> set[int]:
+    """The tokens that would complete a bad word now (vLLM's rule): the last token of every token sequence
+    whose other tokens are the output's last ones (a one-token word: always)."""
+    banned: set[int] = set()
+    for seq in sequences:
+        k = len(seq) - 1
+        if k <= len(output) and list(output[len(output) - k :]) == list(seq[:k]):
+            banned.add(seq[k])
+    return banned
+
 
 @dataclass(frozen=True, slots=True)
 class PenaltyTensors:
@@ -69,12 +82,15 @@ class PenaltyTensors:
         logit_bias: Sequence[Mapping[int, float] | None] = (),
         min_tokens_bans: Sequence[tuple[int, Iterable[int]]] = (),
         allowed_token_ids: Sequence[Sequence[int] | None] = (),
+        bad_word_bans: Sequence[Iterable[int]] = (),
     ) -> PenaltyTensors:
         """Args:
         output_tokens / prompt_tokens: per row; only rows with a penalty on are read.
         logit_bias: per row (or empty: none), token id -> value added to its logit.
         min_tokens_bans: per row (or empty), (tokens still to generate before a stop may come, the stop ids).
         allowed_token_ids: per row (or empty: none), None or the only tokens the row may generate.
+        bad_word_bans: per row (or empty), the tokens its bad words forbid next (`bad_word_bans`); banned at
+            every node of a verify block alike, so such a row must verify no drafts.
         """
         out_rows: list[int] = []
         out_ids: list[int] = []
@@ -100,6 +116,7 @@ class PenaltyTensors:
         bans = [
             (row, t, left) for row, (left, ids) in enumerate(min_tokens_bans) if left > 0 for t in sorted(ids)
         ]
+        bans += [(row, t, FOREVER) for row, ids in enumerate(bad_word_bans) for t in sorted(ids)]
         allows = [(row, t) for row, a in enumerate(allowed_token_ids) if a is not None for t in a]
         limited = [a is not None for a in allowed_token_ids] if allows else []
         return PenaltyTensors(

@@ -22,7 +22,7 @@ from typing import NamedTuple, Protocol
 import torch
 from hyspec_statepool.transfer import to_device
 
-from hyspec_spec_workers.penalties import PenaltyTensors
+from hyspec_spec_workers.penalties import PenaltyTensors, bad_word_bans
 
 NoiseKey = tuple[int, int]  # a seeded draw's key: (seed, position of the token drawn)
 
@@ -86,6 +86,11 @@ class SamplingRequest(Protocol):
     @property
     def all_stop_token_ids(self) -> frozenset[int]:
         """EOS (unless ignored) and stop token ids: what `min_tokens` holds back (vLLM's name)."""
+        ...
+
+    @property
+    def bad_words_token_ids(self) -> Sequence[Sequence[int]]:
+        """The token sequences of the request's bad words (empty: none)."""
         ...
 
 
@@ -402,6 +407,7 @@ def sampling_tensors(requests: Sequence[SamplingRequest], device: torch.device) 
             device=device,
             logit_bias=[p.logit_bias for p in ps],
             allowed_token_ids=[p.allowed_token_ids for p in ps],
+            bad_word_bans=[bad_word_bans(r.bad_words_token_ids, r.output_token_ids) for r in requests],
             min_tokens_bans=[
                 (p.min_tokens - len(r.output_token_ids), r.all_stop_token_ids)
                 for p, r in zip(ps, requests, strict=True)

@@ -235,6 +235,7 @@ class _Request:
     output_token_ids: list[int] = field(default_factory=list)
     params: _Greedy = field(default_factory=_Greedy)
     all_stop_token_ids: frozenset[int] = frozenset()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def token_slice(self, start: int, end: int) -> list[int]:
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
