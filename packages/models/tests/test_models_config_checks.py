@@ -54,3 +54,62 @@ def test_an_mtp_head_with_its_own_embeddings_is_refused(tmp_path: Path) -> None:
     target.config.mtp_use_dedicated_embeddings = True
     with pytest.raises(ValueError, match="mtp_use_dedicated_embeddings"):
         MTPDraft(target)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("arch", "field"),
+    [
+        ("qwen3_5", "linear_conv_kernel_dim"),
+        ("qwen3_next", "linear_conv_kernel_dim"),
+        ("lfm2", "conv_L_cache"),
+    ],
+)
+def test_a_conv_width_the_kernels_do_not_take_is_refused(tmp_path: Path, arch: str, field: str) -> None:
+    """Widths 2..5 run (the conv kernels' range); others are refused at load, naming the field, instead of
+    failing every served step."""
+    for width in (1, 6):
+        path = build_tiny_checkpoint(
+            tmp_path / f"{arch}{width}", arch, mtp_layers=0, config_overrides={field: width}
+        )
+        with pytest.raises(ValueError, match=rf"{field}: expected an int in \[2, 5\], got {width}"):
+            load_model(path)
+    assert load_model(build_tiny_checkpoint(tmp_path / "w5", arch, mtp_layers=0, config_overrides={field: 5}))
+
+
+def test_a_zero_decoder_sparse_step_is_refused(tmp_path: Path) -> None:
+    path = build_tiny_checkpoint(tmp_path / "q", "qwen3_next", mtp_layers=0)
+    cfg_path = path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["decoder_sparse_step"] = 0  # (transformers' own model divides by it)
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"decoder_sparse_step: expected an int >= 1, got 0"):
+        load_model(path)
+
+
+def test_quantized_checkpoints_are_refused(tmp_path: Path) -> None:
+    """A quantization_config, or fp8 tensors without one, would be upcast as plain weights (wrong tokens):
+    refused, naming the config field or the tensor."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = build_tiny_checkpoint(tmp_path / "q", "qwen3_5", mtp_layers=0)
+    cfg_path = path / "config.json"
+    plain = cfg_path.read_text()
+    cfg = json.loads(plain)
+    cfg.get("text_config", cfg)["quantization_config"] = {
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(
+        ValueError, match=r"quantization_config: quantized checkpoints \(quant_method 'fp8'\)"
+    ):
+        load_model(path)
+    cfg_path.write_text(plain)
+    (weights,) = path.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = next(n for n in sorted(tensors) if n.endswith("out_proj.weight"))
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{name}: torch.float8_e4m3fn weights \(a quantized checkpoint\)"):
+        load_model(path)

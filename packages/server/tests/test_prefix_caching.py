@@ -368,6 +368,10 @@ def test_flags_and_arguments() -> None:
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineArgs(model="x", **bad)  # type: ignore[arg-type]
+    # left out, the interval is the first multiple of the page size and of the GDN chunk (64) from 512 up:
+    # any page size works with its default
+    for page, every in ((16, 512), (5, 640), (48, 576), (1000, 8000)):
+        assert EngineArgs(model="x", page_size=page).prefix_cache_snapshot_interval == every
     llm = LLM.from_engine(_engine())
     with pytest.raises(ValueError, match="cache_salt"):
         llm.generate([{"prompt_token_ids": [1, 2], "cache_salt": 5}], _params())

@@ -13,6 +13,8 @@ from typing import Any, Final, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from hyspec_kernels.conv.common import MAX_WIDTH as MAX_CONV_WIDTH
+from hyspec_kernels.conv.common import MIN_WIDTH as MIN_CONV_WIDTH
 from hyspec_kernels.gating import add_rms_norm, rms_norm, silu_and_mul
 from hyspec_kernels.linear import linear
 from hyspec_kernels.rope import apply_rotary
@@ -453,6 +455,14 @@ class StackedExperts(nn.Module):
 
 SILU_NAMES: Final = ("silu", "swish")
 """`hidden_act` values that name the SiLU the MLPs and convolutions run (transformers' names)."""
+
+
+def check_conv_width(name: str, width: object) -> int:
+    """A config's conv width (`linear_conv_kernel_dim`, `conv_L_cache`), checked at load against the widths
+    the conv kernels take (a width they refuse would fail every served step instead)."""
+    if isinstance(width, bool) or not isinstance(width, int) or not MIN_CONV_WIDTH <= width <= MAX_CONV_WIDTH:
+        raise ValueError(f"{name}: expected an int in [{MIN_CONV_WIDTH}, {MAX_CONV_WIDTH}], got {width!r}")
+    return width
 
 
 def check_top_k(config: Any) -> int:

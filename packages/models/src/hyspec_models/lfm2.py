@@ -27,6 +27,7 @@ from hyspec_models.layers import (
     StackedExperts,
     apply_rope,
     check_capture_layers,
+    check_conv_width,
     check_top_k,
     project,
     swiglu_product,
@@ -140,8 +141,9 @@ class Lfm2ShortConv(nn.Module):
     def __init__(self, config: Any, layer_id: int) -> None:
         super().__init__()
         hidden, bias = config.hidden_size, bool(config.conv_bias)
-        self.core = ShortConvLayer(layer_id=layer_id, channels=hidden, conv_width=config.conv_L_cache)
-        self.conv = ConvWeight(hidden, config.conv_L_cache, bias=bias)
+        width = check_conv_width("conv_L_cache", config.conv_L_cache)
+        self.core = ShortConvLayer(layer_id=layer_id, channels=hidden, conv_width=width)
+        self.conv = ConvWeight(hidden, width, bias=bias)
         self.in_proj = Linear(hidden, 3 * hidden, bias=bias)
         self.out_proj = Linear(hidden, hidden, bias=bias)
 

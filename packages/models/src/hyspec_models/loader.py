@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch
 from safetensors import safe_open
@@ -65,9 +65,24 @@ def load_config(path: str | Path) -> Any:
     if not (path / "config.json").is_file():
         raise CheckpointError(f"path: expected a directory with config.json, got {path}")
     try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers' config validation raises its own types, not all ValueErrors
         raise CheckpointError(f"config.json: {e}") from e
+    for c in (config, getattr(config, "text_config", None)):
+        quant = getattr(c, "quantization_config", None)
+        if quant:
+            # loading one would upcast packed or scaled weights as if they were plain ones: wrong outputs
+            method = (
+                quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+            )
+            raise CheckpointError(
+                f"quantization_config: quantized checkpoints (quant_method {method!r}) are not supported; "
+                "load a bf16, fp16 or fp32 checkpoint"
+            )
+    return config
+
+
+PLAIN_FLOAT_DTYPES: Final = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class SafetensorsCheckpoint:
@@ -125,6 +140,12 @@ class SafetensorsCheckpoint:
 
     def get(self, name: str) -> Tensor:
         out: Tensor = self._handles[self._where[name]].get_tensor(name)
+        if out.is_floating_point() and out.dtype not in PLAIN_FLOAT_DTYPES:
+            # an fp8 tensor without the config saying so: its scales live elsewhere, an upcast is wrong
+            raise CheckpointError(
+                f"{name}: {out.dtype} weights (a quantized checkpoint) are not supported; load a bf16, "
+                "fp16 or fp32 checkpoint"
+            )
         return out
 
 

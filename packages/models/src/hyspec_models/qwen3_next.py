@@ -27,6 +27,7 @@ from hyspec_models.layers import (
     SwiGLU,
     apply_rope,
     check_capture_layers,
+    check_conv_width,
     check_top_k,
     project,
     softmax_topk,
@@ -61,7 +62,7 @@ class GatedDeltaNet(nn.Module):
             num_v_heads=config.linear_num_value_heads,
             head_k_dim=config.linear_key_head_dim,
             head_v_dim=config.linear_value_head_dim,
-            conv_width=config.linear_conv_kernel_dim,
+            conv_width=check_conv_width("linear_conv_kernel_dim", config.linear_conv_kernel_dim),
         )
         core = self.core
         hidden = config.hidden_size
@@ -376,6 +377,9 @@ class Qwen3NextForCausalLM(QwenHybridForCausalLM):
     architecture = "Qwen3NextForCausalLM"
 
     def _make_mlp(self, config: Any, layer_id: int) -> nn.Module:
+        step = config.decoder_sparse_step
+        if config.num_experts > 0 and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
+            raise ValueError(f"decoder_sparse_step: expected an int >= 1, got {step!r}")
         sparse = (
             layer_id not in (getattr(config, "mlp_only_layers", None) or [])
             and config.num_experts > 0

@@ -3,11 +3,13 @@ text; `cli.py` generates its flags from these fields and `LLM(**kwargs)` checks 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Final, Literal
 
+from hyspec_kernels.gdn import CHUNK_SIZE
 from hyspec_spec_workers.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
 
 from hyspec_runner.speculative import parse_speculative_config
@@ -21,6 +23,9 @@ DTYPE_ALIASES: Final = {"half": "float16", "float": "float32"}
 # the defaults that depend on the device, here with the others
 DEFAULT_MAX_NUM_SEQS: Final = MappingProxyType({"cuda": 256, "cpu": 16})
 DEFAULT_MAX_NUM_BATCHED_TOKENS: Final = MappingProxyType({"cuda": 8192, "cpu": 512})
+# the default prefix-cache snapshot interval: the first multiple of page_size and of the GDN chunk (64: inner
+# snapshots written by the prefill forward) from here up; 512 at the default page size
+SNAPSHOT_INTERVAL_FROM: Final = 512
 
 
 DEFAULT_SPECULATIVE_CONFIG: Final[Mapping[str, Any]] = MappingProxyType(
@@ -157,10 +162,11 @@ class EngineArgs:
         "default, as in vLLM); identical output in fp32, in bf16 a resumed prefill runs other chunk shapes "
         "so greedy ties can part",
     )
-    prefix_cache_snapshot_interval: int = _arg(
-        512,
+    prefix_cache_snapshot_interval: int | None = _arg(
+        None,
         "CacheConfig",
-        "a recurrent-state snapshot is saved at multiples of this many tokens (a multiple of page_size), "
+        "a recurrent-state snapshot is saved at multiples of this many tokens (a multiple of page_size; "
+        f"default: the first multiple of both page_size and 64 from {SNAPSHOT_INTERVAL_FROM} up), "
         "besides the end of each prompt and each finished request; at a multiple of 64 (the GDN chunk) a "
         "prefill forward writes the snapshots it passes, else prefill chunks end at each of them (a lone "
         "longer prompt then takes one step per interval)",
@@ -201,6 +207,11 @@ class EngineArgs:
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         every = self.prefix_cache_snapshot_interval
+        if every is None:
+            step = math.lcm(self.page_size, CHUNK_SIZE)
+            object.__setattr__(
+                self, "prefix_cache_snapshot_interval", every := -(-SNAPSHOT_INTERVAL_FROM // step) * step
+            )
         if isinstance(every, bool) or not isinstance(every, int) or every < 1 or every % self.page_size:
             raise ValueError(
                 f"prefix_cache_snapshot_interval must be a positive multiple of page_size={self.page_size}, "

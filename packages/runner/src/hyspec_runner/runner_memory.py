@@ -137,15 +137,17 @@ def build_memory(
     pool = HybridStatePool(plan, device=device)
     num_snapshots = plan.num_state_slots - max_num_seqs
     cache = PrefixCache(pool, num_snapshots=num_snapshots) if num_snapshots else None
+    every = args.prefix_cache_snapshot_interval
+    assert every is not None  # EngineArgs resolves its default
     memory = StatePoolMemory(
         pool,
         followers=followers,
         prefix_cache=cache,
-        snapshot_interval=args.prefix_cache_snapshot_interval,
+        snapshot_interval=every,
         # the prefill kernels write states inside a forward at their chunk boundaries (StateSave)
-        inner_snapshots=args.prefix_cache_snapshot_interval % CHUNK_SIZE == 0,
+        inner_snapshots=every % CHUNK_SIZE == 0,
     )
-    log_pool_split(plan, num_snapshots, args.prefix_cache_snapshot_interval, budget)
+    log_pool_split(plan, num_snapshots, every, budget)
     return RunnerMemory(pool=pool, memory=memory, spec=spec, max_num_seqs=max_num_seqs)
 
 
