@@ -27,6 +27,7 @@ from hyspec_attn_backends import (
     batch_pointers,
     model_state_specs,
 )
+from hyspec_attn_backends.batch_rewrite import BatchRewrite, RewriteGraph, write_every_row
 from hyspec_statepool import DraftShape, HybridStatePool, MemoryPlan, StateDtypes, UseAfterFreeError
 from hyspec_statepool import positions as positions_module
 from hyspec_statepool import translate as translate_module
@@ -43,7 +44,40 @@ D = 4  # verify block size (the plan's Dmax)
 IDS = ["r0", "r1", "r2", "r3"]
 
 
-def _backend(device: str = "cpu", *, move_batches: bool = False) -> HybridBackend:
+class _Replayed(dict[Any, RewriteGraph]):
+    """Every shape's rewrite "captured" as a CUDA graph runner captures it, on the CPU: its replay runs
+    `write_every_row` (what the graph captures) on the shape's static inputs, in the batch being rewritten
+    (the captured batch's buffers). `replays` counts them."""
+
+    def __init__(self, rewrite: BatchRewrite) -> None:
+        super().__init__()
+        self.rewrite = rewrite
+        self.replays = 0
+
+    def __bool__(self) -> bool:
+        return True
+
+    def get(self, key: Any, default: Any = None) -> RewriteGraph:
+        if key not in self:
+            _, n, d, tree = key
+            prefix = torch.full((n,), -1, dtype=torch.int32)
+            tokens = torch.zeros(n, d, dtype=torch.int64)
+            parents = torch.zeros(n, d, dtype=torch.int32) if tree else None
+            page_size = self.rewrite.pool.plan.page_size
+
+            def replay() -> None:
+                last = self.rewrite._last
+                assert last is not None
+                self.replays += 1
+                write_every_row(last.batch, prefix, tokens, parents, page_size=page_size)
+
+            graph: Any = type("FakeGraph", (), {"replay": staticmethod(replay)})()
+            ptr = self.rewrite._last.batch.positions.data_ptr() if self.rewrite._last else 0
+            self[key] = RewriteGraph(graph, prefix, tokens, parents, ptr)
+        return self[key]
+
+
+def _backend(device: str = "cpu", *, move_batches: bool = False, replayed: bool = False) -> HybridBackend:
     plan = MemoryPlan(
         specs=model_state_specs(LAYERS),
         max_model_len=320,
@@ -63,7 +97,16 @@ def _backend(device: str = "cpu", *, move_batches: bool = False) -> HybridBacken
     pool.alloc(["r0", "r2"])
     for t in range(1, 320, 7):  # pages granted a few tokens at a time: they interleave between requests
         pool.ensure_kv_capacity(IDS, [min(t, 300 + 5 * i) for i in range(4)])
+    if replayed:  # every rewrite replays a "graph" of `write_every_row`, as on CUDA with graphs captured
+        rewrite = backend.builder.rewrite
+        assert rewrite is not None
+        rewrite._graphs = _Replayed(rewrite)
     return backend
+
+
+def _replays(be: HybridBackend) -> int:
+    rewrite = be.builder.rewrite
+    return rewrite._graphs.replays if rewrite is not None and isinstance(rewrite._graphs, _Replayed) else 0
 
 
 @dataclass(frozen=True)
@@ -478,13 +521,14 @@ def _poison_steppable_fields(be: HybridBackend) -> None:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_a_verify_batch_moved_on_equals_a_fresh_build(seed: int) -> None:
+@pytest.mark.parametrize("replayed", [False, True], ids=["launched", "replayed"])
+def test_a_verify_batch_moved_on_equals_a_fresh_build(seed: int, replayed: bool) -> None:
     """`move_batches`: each round's chain verify batch of the same rows, a few tokens on, is the last one
     rewritten in place (one `advance_verify`, no build), and every field equals a fresh build's, page
     crossings included, and a row that got pages meanwhile (its page-table row uploaded again), even with
     every field the rewrite writes poisoned in between (what a drafter's graph steps leave there); a row on
     another state slot is built afresh, and so is the round after any other build."""
-    moving, fresh = _backend(move_batches=True), _backend()
+    moving, fresh = _backend(move_batches=True, replayed=replayed), _backend()
     builds = _count_builds(moving)
     for k, (ids, prefix, pad, tokens) in enumerate(_verify_walk(seed, 14)):
         if k == 6:
@@ -508,18 +552,20 @@ def test_a_verify_batch_moved_on_equals_a_fresh_build(seed: int) -> None:
         assert got[0].req_rows is not None and got[0].req_rows.tolist() == moving.pool.req_rows(ids).tolist()
         _poison_steppable_fields(moving)
     # built: the first round, the decode batch, the round after it and the one after r3's new state slot;
-    # moved: the other ten (r0's new pages included: its page-table row uploaded again)
+    # moved: the other eleven rounds (r0's new pages included: its page-table row uploaded again)
     assert builds[0] == 4
+    assert _replays(moving) == (11 if replayed else 0)
 
 
 @pytest.mark.parametrize(("seed", "pad"), [(0, None), (1, 4), (2, 6)])
-def test_a_decode_batch_moved_on_equals_a_fresh_build(seed: int, pad: int | None) -> None:
+@pytest.mark.parametrize("replayed", [False, True], ids=["launched", "replayed"])
+def test_a_decode_batch_moved_on_equals_a_fresh_build(seed: int, pad: int | None, replayed: bool) -> None:
     """`move_batches` with decode steps: each step's decode batch of the same rows, one token on (pages
     crossed every 4 steps), is the last one rewritten in place (one `advance_verify`, no build) and every
     field equals a fresh build's, padded rows included, even with every field the rewrite writes poisoned in
     between; a row that got pages meanwhile has its page-table row uploaded again; a row on another state
     slot, rows in another order, another padding, or any other batch in between is built afresh."""
-    moving, fresh = _backend(move_batches=True), _backend()
+    moving, fresh = _backend(move_batches=True, replayed=replayed), _backend()
     builds = _count_builds(moving)
     g = torch.Generator().manual_seed(seed)
     ids, prefix = ["r2", "r0", "r3"], [37, 5, 120]
@@ -569,17 +615,19 @@ def test_a_decode_batch_moved_on_equals_a_fresh_build(seed: int, pad: int | None
     # batch, the other padding and the step after it (padding back), the fewer rows (and the prefill and
     # verify batches in between); moved: the other nine
     assert builds[0] == 9
+    assert _replays(moving) == (9 if replayed else 0)
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_random_walks_of_decode_and_verify_batches_equal_fresh_builds(seed: int) -> None:
+@pytest.mark.parametrize("replayed", [False, True], ids=["launched", "replayed"])
+def test_random_walks_of_decode_and_verify_batches_equal_fresh_builds(seed: int, replayed: bool) -> None:
     """Random walks over everything that can happen between two steps (a request ending and a new one taking
     its row and perhaps its slot, pages mapped, a slot remapped, the steppable fields poisoned, prefixes
     jumping or going back, verify batches of other rows and padding, decode tokens of other dtypes and
     strides): every decode and verify batch of a `move_batches` backend equals a fresh build's, or both
     raise; and most steady decode steps were moved on (the walk is no build-every-time no-op)."""
     rnd = random.Random(seed)
-    moving, fresh = _backend(move_batches=True), _backend()
+    moving, fresh = _backend(move_batches=True, replayed=replayed), _backend()
     builds = _count_builds(moving)
     both = (moving, fresh)
     live, prefix = list(IDS), {r: rnd.randrange(0, 250) for r in IDS}
@@ -644,6 +692,7 @@ def test_random_walks_of_decode_and_verify_batches_equal_fresh_builds(seed: int)
             decodes += 1
     # every call above reached `_build` on the fresh side; on the moving side only the builds
     assert 0 < builds[0] < decodes
+    assert (_replays(moving) > 0) == replayed
 
 
 def test_a_decode_batch_is_moved_only_where_a_build_would_succeed() -> None:
@@ -714,13 +763,14 @@ def _random_trees(g: torch.Generator, n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_a_tree_verify_batch_moved_on_equals_a_fresh_build(seed: int) -> None:
+@pytest.mark.parametrize("replayed", [False, True], ids=["launched", "replayed"])
+def test_a_tree_verify_batch_moved_on_equals_a_fresh_build(seed: int, replayed: bool) -> None:
     """`move_batches` with trees: each round's tree verify batch of the same rows (other trees, a few tokens
     on) is the last one rewritten (`advance_verify`, then the trees), and every field equals a fresh build's,
     padded rows' chains included, even with every field a drafter's in-place steps write poisoned in between
     (its star trees in the padded rows' parents and masks too); a chain after trees is built, and so is a
     tree after a chain."""
-    moving, fresh = _backend(move_batches=True), _backend()
+    moving, fresh = _backend(move_batches=True, replayed=replayed), _backend()
     builds = _count_builds(moving)
     g = torch.Generator().manual_seed(100 + seed)
     for k, (ids, prefix, pad, tokens) in enumerate(_verify_walk(seed, 12)):
@@ -746,6 +796,7 @@ def test_a_tree_verify_batch_moved_on_equals_a_fresh_build(seed: int) -> None:
         b.tree_mask.fill_(True)
     # built: the first round, the chain round (k = 9) and the tree round after it; moved: the other nine
     assert builds[0] == 3
+    assert _replays(moving) == (9 if replayed else 0)
 
 
 def test_a_verify_batch_is_built_afresh_unless_it_is_the_last_one_moved_on() -> None:
@@ -814,12 +865,33 @@ def test_a_verify_batch_is_built_afresh_unless_it_is_the_last_one_moved_on() -> 
     assert builds[0] == 9
 
 
+def _rewrites_replayed(be: HybridBackend, monkeypatch: pytest.MonkeyPatch) -> object:
+    """A CUDA graph runner of `be` with decode and verify (chain and tree) graphs of 4 and 6 rows: its capture
+    also captures each shape's rewrite, which every rewrite of those shapes then replays (a launch of
+    `advance_verify` by a rewrite raises from now on). Keep the runner while the graphs are used."""
+    from hyspec_attn_backends import CudaGraphRunner, batch_rewrite
+
+    runner = CudaGraphRunner(be, lambda batch: (batch.positions + 1,), verify=[(D, False), (D, True)])
+    runner.capture([4, 6])
+    assert runner.counts is not None and be.builder.rewrite is not None and be.builder.rewrite._graphs
+
+    def launched(**kw: Any) -> None:
+        raise AssertionError("a rewrite launched advance_verify instead of replaying its graph")
+
+    monkeypatch.setattr(batch_rewrite, "advance_verify", launched)
+    return runner
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_verify_batches_moved_on_equal_fresh_builds_without_a_sync() -> None:
+@pytest.mark.parametrize("graphs", [False, True], ids=["launched", "replayed"])
+def test_cuda_verify_batches_moved_on_equal_fresh_builds_without_a_sync(
+    graphs: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On CUDA (the Triton `advance_verify`), with device block tokens as a round passes them: each moved
     batch equals a fresh build, and moving one syncs nothing."""
     moving, fresh = _backend("cuda", move_batches=True), _backend("cuda")
+    runner = _rewrites_replayed(moving, monkeypatch) if graphs else None
     builds = _count_builds(moving)
     for k, (ids, prefix, pad, tokens) in enumerate(_verify_walk(7, 12)):
         got = []
@@ -837,14 +909,19 @@ def test_cuda_verify_batches_moved_on_equal_fresh_builds_without_a_sync() -> Non
         assert _fields(got[0]) == _fields(got[1]), k
         _poison_steppable_fields(moving)
     assert builds[0] == 1  # the first round; the other eleven rewritten
+    del runner  # its graphs were used until here
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_decode_batches_moved_on_equal_fresh_builds_without_a_sync() -> None:
+@pytest.mark.parametrize("graphs", [False, True], ids=["launched", "replayed"])
+def test_cuda_decode_batches_moved_on_equal_fresh_builds_without_a_sync(
+    graphs: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On CUDA (the Triton `advance_verify`), with device tokens as a decode step built ahead passes them:
     each moved decode batch equals a fresh build, page crossings included, and moving one syncs nothing."""
     moving, fresh = _backend("cuda", move_batches=True), _backend("cuda")
+    runner = _rewrites_replayed(moving, monkeypatch) if graphs else None
     builds = _count_builds(moving)
     ids, prefix = ["r2", "r0", "r3"], [37, 5, 120]
     for k in range(12):
@@ -862,14 +939,19 @@ def test_cuda_decode_batches_moved_on_equal_fresh_builds_without_a_sync() -> Non
         _poison_steppable_fields(moving)
         prefix = [p + 1 for p in prefix]
     assert builds[0] == 1  # the first step; the other eleven rewritten
+    del runner  # its graphs were used until here
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_tree_verify_batches_moved_on_equal_fresh_builds_without_a_sync() -> None:
+@pytest.mark.parametrize("graphs", [False, True], ids=["launched", "replayed"])
+def test_cuda_tree_verify_batches_moved_on_equal_fresh_builds_without_a_sync(
+    graphs: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On CUDA, device block tokens and device trees as a tree round passes them: each moved tree batch
     equals a fresh build (padded rows' chains included), and moving one syncs nothing."""
     moving, fresh = _backend("cuda", move_batches=True), _backend("cuda")
+    runner = _rewrites_replayed(moving, monkeypatch) if graphs else None
     builds = _count_builds(moving)
     g = torch.Generator().manual_seed(11)
     for k, (ids, prefix, pad, tokens) in enumerate(_verify_walk(8, 10)):
@@ -895,6 +977,7 @@ def test_cuda_tree_verify_batches_moved_on_equal_fresh_builds_without_a_sync() -
         _poison_steppable_fields(moving)
         moving.builder.buffers.tree_mask.fill_(True)
     assert builds[0] == 1  # the first round; the other nine rewritten
+    del runner  # its graphs were used until here
 
 
 def test_tree_ancestor_mask_is_the_ancestor_relation() -> None:

@@ -140,19 +140,43 @@ def test_advance_verify_on_cuda_equals_the_reference(n_live: int, n_pad: int, d:
         assert torch.equal(got[k].cpu(), want[k]), k
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n_pad", [0, 2])
+def test_a_negative_prefix_pads_its_row(backend: str, n_pad: int) -> None:
+    """A live row (i < M) whose prefix is negative comes out exactly as a padded row (prefix 0, KV slots -1,
+    tokens 0) even where its page-table row has no page; the other rows as without it. A CUDA graph captured
+    for every row of a batch size pads the rows past the live ones that way (`BatchRewrite`)."""
+    n_live, d, page = 5, 4, 4
+    table, prefix, tokens = _case(7, n_live, n_pad, d, page, pages=12)
+    dev = device_for(backend)
+    gone = [0, 3]  # padded by their prefix
+    holed, neg = table.clone(), prefix.clone()
+    for i in gone:
+        holed[i] = -1
+        neg[i] = -1 - i
+    got = {k: v.to(dev) for k, v in _stale(8, n_live + n_pad, d).items()}
+    advance_verify(
+        **got, page_table=holed.to(dev), prefix=neg.to(dev), tokens=tokens.to(dev), page_size=page,
+        backend=backend,
+    )  # fmt: skip
+    want = _fresh(table, prefix, tokens, page)
+    for k, v in want.items():
+        v = v.view(n_live + n_pad, -1).clone() if k in ("positions", "kv_slots", "input_ids") else v.clone()
+        for i in gone:
+            if k in ("positions", "kv_slots", "input_ids"):
+                v[i] = {"positions": torch.arange(d), "kv_slots": -1, "input_ids": 0}[k]
+            elif k in ("prefix_lens", "has_initial_state"):
+                v[i] = 0
+            elif k == "kv_lens":
+                v[i] = d
+        assert torch.equal(got[k].cpu(), v.reshape(want[k].shape)), k
+
+
 def test_advance_verify_refuses_a_block_on_no_page() -> None:
-    """Value checks (on the CPU always): a negative live prefix, a live position past the page table or on an
-    unmapped page (-1) is a ValueError naming the argument, not a wrong KV slot; padded rows reach nothing."""
+    """Value checks (on the CPU always): a live position past the page table or on an unmapped page (-1) is
+    a ValueError naming the argument, not a wrong KV slot; padded rows reach nothing."""
     table, _, tokens = _case(1, 2, 1, 4, 4, pages=10)
     base = _stale(1, 3, 4)
-    with pytest.raises(ValueError, match="prefix"):
-        advance_verify(
-            **base,
-            page_table=table,
-            prefix=torch.tensor([1, -1, 0], dtype=torch.int32),
-            tokens=tokens,
-            page_size=4,
-        )
     holed = table.clone()
     holed[0, 3:] = -1  # row 0 has no page from position 12 on
     at = torch.tensor([10, 0, 0], dtype=torch.int32)

@@ -93,7 +93,7 @@ def test_chain_path_proposes_what_the_general_path_proposes(
     rewritten = [0]
 
     def count_rewrites(d: Any) -> None:
-        rewrite = d.chain.pairs.kv.backend.builder._rewrite
+        rewrite = d.chain.pairs.kv.backend.builder.rewrite
         real = rewrite.rewrite
 
         def counted(*a: Any) -> Any:

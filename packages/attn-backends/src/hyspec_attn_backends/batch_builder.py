@@ -93,7 +93,7 @@ class BatchBuilder:
         # kernels' own value checks (hyspec_kernels.value_checks): the backend's setting
         self._kernel_checks = kernel_checks
         # the last decode or verify batch built, rewritten at new prefixes when it is asked for again
-        self._rewrite = BatchRewrite(pool) if move_batches else None
+        self.rewrite = BatchRewrite(pool) if move_batches else None
 
     def prepare_extend(
         self,
@@ -156,16 +156,16 @@ class BatchBuilder:
     ) -> ForwardBatch:
         """The last batch built for the same rows and shape, rewritten in its buffers for `tokens` [N, D]
         (`BatchRewrite`), or else `build()`'s batch, remembered for the next call."""
-        if self._rewrite is None:
+        if self.rewrite is None:
             return build()
-        moved = self._rewrite.rewrite(
+        moved = self.rewrite.rewrite(
             mode, req_rows, tokens, prefix_lens, tree_parents, pad_to, self._layout_builds
         )
         if moved is not None:
             self.num_builds += 1
             return moved
         batch = build()
-        self._rewrite.remember(batch, req_rows, prefix_lens, tree_parents, pad_to, self._layout_builds)
+        self.rewrite.remember(batch, req_rows, prefix_lens, tree_parents, pad_to, self._layout_builds)
         return batch
 
     def prepare_verify(

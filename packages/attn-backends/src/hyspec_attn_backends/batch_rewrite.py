@@ -11,6 +11,12 @@ follow by `retree_in_place` (one `tree_grids` launch): every field equals a fres
 drafter's graph steps (`advance_one_token`, `start_chain`, `start_tree`) left in the buffers in between.
 A decode step's build costs 0.4 ms of host time at batch 1 on a lent H200's host, most of a small model's
 step; the rewrite is one launch and two small copies.
+
+Where a CUDA graph runner captured a graph of the batch's shape, it also captured the rewrite of every row of
+that batch size from static inputs (`write_every_row`, a `RewriteGraph` the runner's capturer registers
+here, `add_graph`): the rewrite then fills those inputs (one upload of the prefixes, one copy of the tokens)
+and replays it, instead of launching `advance_verify` (and a tree's kernels) and their argument checks: a
+Triton launch costs 30-40 us of host time on a lent H200's host, its checks 30 more, a replay 5.
 """
 
 from __future__ import annotations
@@ -22,12 +28,53 @@ import torch
 from hyspec_kernels import advance_verify
 from hyspec_statepool.indices import ReqRows
 from hyspec_statepool.pool import HybridStatePool
-from hyspec_statepool.transfer import to_device, upload
+from hyspec_statepool.transfer import to_device, upload, write_into
 from torch import Tensor
 
 from hyspec_attn_backends.advance import retree_in_place
 from hyspec_attn_backends.batch import ForwardBatch
 from hyspec_attn_backends.modes import ForwardMode
+
+
+@dataclass(slots=True)
+class RewriteGraph:
+    """The rewrite of every row of one batch shape (`write_every_row`), captured by a CUDA graph runner's
+    capturer on the buffers of its all-padding batch (`graph_capture.GraphCapturer`)."""
+
+    graph: torch.cuda.CUDAGraph
+    prefix: Tensor  # [B] int32 static input: each row's new prefix, -1 on a padded row
+    tokens: Tensor  # [B, D] int64 static input: each live row's block (a padded row's are ignored)
+    parents: Tensor | None  # [B, D] int32 static input of a tree shape: each live row's parents
+    positions_ptr: int  # the captured batch's `positions` buffer (a replay writes that batch's buffers)
+
+
+def write_every_row(
+    b: ForwardBatch, prefix: Tensor, tokens: Tensor, parents: Tensor | None, *, page_size: int
+) -> None:
+    """Every row of decode or verify batch `b` rewritten at `prefix` [N] int32 (negative: a padded row) with
+    `tokens` [N, D] int64 and, for a tree batch, `parents` [N, D] int32 (a padded row's tokens and parents
+    are ignored: it gets a chain of token 0, as the build pads): device ops only, no host read, so that a
+    CUDA graph captures it (`RewriteGraph`). The result equals `BatchRewrite.rewrite`'s eager writes."""
+    assert b.kv_slots is not None
+    advance_verify(
+        positions=b.positions,
+        kv_slots=b.kv_slots.tensor,
+        prefix_lens=b.prefix_lens,
+        kv_lens=b.kv_lens,
+        q_lens=b.q_lens,
+        cu_seqlens_q=b.cu_seqlens_q,
+        has_initial_state=b.has_initial_state,
+        page_table=b.page_table,
+        prefix=prefix,
+        input_ids=b.input_ids,
+        tokens=tokens,
+        page_size=page_size,
+    )
+    if parents is not None:
+        d = int(tokens.shape[1])
+        live = (prefix >= 0)[:, None]  # [N, 1]
+        chain = torch.arange(-1, d - 1, dtype=torch.int32, device=prefix.device)  # [D] parent j - 1
+        retree_in_place(b, torch.where(live, tokens, 0), torch.where(live, parents, chain))
 
 
 @dataclass(slots=True)
@@ -55,6 +102,19 @@ class BatchRewrite:
         self._last: _Last | None = None
         # D -> a chain's parents [D] int32 and ancestor mask [D, D] bool: a tree batch's padded rows
         self._chains: dict[int, tuple[Tensor, Tensor]] = {}
+        # (mode, rows, tokens per row, tree) -> the rewrite captured for that shape (`add_graph`)
+        self._graphs: dict[tuple[ForwardMode, int, int, bool], RewriteGraph] = {}
+
+    def add_graph(self, mode: ForwardMode, graph: RewriteGraph) -> None:
+        """A CUDA graph runner captured the rewrite of every row of a `mode` batch of `graph.prefix`'s rows
+        in these buffers: rewrites of that shape replay it from now on (until `drop_graph`)."""
+        b, d = graph.tokens.shape
+        self._graphs[(mode, b, d, graph.parents is not None)] = graph
+
+    def drop_graph(self, graph: RewriteGraph) -> None:
+        """A runner dropped its graphs: this one is not replayed any more."""
+        for k in [k for k, g in self._graphs.items() if g is graph]:
+            del self._graphs[k]
 
     def remember(
         self,
@@ -136,6 +196,15 @@ class BatchRewrite:
         if remapped:
             upload(self.pool.host_page_table(req_rows, pad_to=b.num_seqs), b.page_table)
             last.versions = [table.row_versions[r] for r in rows]
+        g = self._graphs.get((mode, b.num_seqs, d, tree_parents is not None)) if self._graphs else None
+        if g is not None and g.positions_ptr == b.positions.data_ptr():
+            m = len(prefix)
+            write_into(g.prefix, prefix + [-1] * b.num_padded)
+            g.tokens[:m].copy_(block_tokens, non_blocking=True)
+            if g.parents is not None and tree_parents is not None:
+                g.parents[:m].copy_(tree_parents, non_blocking=True)
+            g.graph.replay()
+            return b
         tokens = to_device(block_tokens, dtype=torch.int64, device=dev)  # [N, D]
         advance_verify(
             positions=b.positions,

@@ -1,7 +1,8 @@
 """Capturing the graphs of one `CudaGraphRunner` (`graphs.py`, which picks the shapes and replays them): the
 all-padding batch each shape is captured on, the eager warm-up runs before each capture, the memory pool and
 warm-up stream every graph of the runner shares, the commit graph and the tail graph captured after every
-verify graph (chain or tree).
+verify graph (chain or tree), and where the backend rewrites its batches in place (`BatchRewrite`) the
+rewrite of every decode or verify shape (a `RewriteGraph`, registered with the rewrite, which replays it).
 
 A graph is captured on an all-padding batch (no live rows), which writes no state and no KV, so capturing
 at start-up never disturbs a request. Warm-up runs go first because Triton compiles and autotunes on a
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from hyspec_attn_backends.backend import HybridBackend
 from hyspec_attn_backends.batch import ForwardBatch
+from hyspec_attn_backends.batch_rewrite import RewriteGraph, write_every_row
 from hyspec_attn_backends.graph_keys import GraphKey, batch_pointers
 from hyspec_attn_backends.modes import ForwardMode
 
@@ -73,6 +75,7 @@ class Captured:
     pointers: tuple[int, ...]  # `batch_pointers` of the batch it was captured on
     commit: CommitGraph | None = None
     tail: TailGraph | None = None
+    rewrite: RewriteGraph | None = None  # registered with the backend's `BatchRewrite`
 
 
 def padding_batch(backend: HybridBackend, key: GraphKey) -> ForwardBatch:
@@ -122,6 +125,10 @@ class GraphCapturer:
         self.warmup_runs = warmup_runs
         self._mempool: Any = None  # torch.cuda graph pool handle, shared by every graph of this runner
         self._side: Any = None  # the warm-up stream of every capture (created at the first)
+        self._rewrites: list[
+            RewriteGraph
+        ] = []  # registered with the backend's rewrite (`release` drops them)
+        self._rewrite_pool: Any = None  # the rewrite graphs' memory pool (created at the first)
 
     def capture(
         self, key: GraphKey, forward: ForwardFn, *, commit: bool, tail: VerifyTail | None
@@ -143,15 +150,51 @@ class GraphCapturer:
             if key.mode is ForwardMode.TARGET_VERIFY:
                 commit_graph = self._capture_commit(key, batch) if commit else None
                 tail_graph = None if tail is None else self._capture_tail(key, batch, outputs, tail)
-        return Captured(graph, outputs, batch_pointers(batch), commit_graph, tail_graph)
+            rewrite = self.backend.builder.rewrite
+            rewrite_graph = None if rewrite is None else self._capture_rewrite(key, batch)
+        if rewrite is not None and rewrite_graph is not None:
+            rewrite.add_graph(key.mode, rewrite_graph)
+            self._rewrites.append(rewrite_graph)
+        return Captured(graph, outputs, batch_pointers(batch), commit_graph, tail_graph, rewrite_graph)
 
     def release(self) -> None:
-        """Drop the memory pool handle (the graphs holding it are the runner's to drop)."""
-        self._mempool = None
+        """Drop the memory pool handle (the graphs holding it are the runner's to drop) and take the rewrite
+        graphs back from the backend's rewrite."""
+        self._mempool = self._rewrite_pool = None
+        rewrite = self.backend.builder.rewrite
+        for g in self._rewrites:
+            if rewrite is not None:
+                rewrite.drop_graph(g)
+        self._rewrites.clear()
 
-    def _warm_and_capture(self, fn: Callable[[], _R], what: str) -> tuple[torch.cuda.CUDAGraph, _R]:
+    def _capture_rewrite(self, key: GraphKey, batch: ForwardBatch) -> RewriteGraph | None:
+        """The rewrite of every row of `key`'s batch from static inputs (`write_every_row`), captured on its
+        all-padding batch: every row -1 while warming up and capturing, so it writes that batch again. None
+        for a mode the rewrite does not cover."""
+        if key.mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+            return None
+        n, d, dev = key.batch_size, max(key.verify_len, 1), self.backend.pool.device
+        prefix = torch.full((n,), -1, dtype=torch.int32, device=dev)
+        tokens = torch.zeros(n, d, dtype=torch.int64, device=dev)
+        parents = torch.zeros(n, d, dtype=torch.int32, device=dev) if key.tree else None
+        page_size = self.backend.pool.plan.page_size
+        if self._rewrite_pool is None:
+            self._rewrite_pool = torch.cuda.graph_pool_handle()
+        # a pool of their own: a rewrite replays between another graph's replay and the reads of its
+        # outputs (a decode step prepared ahead), so its temporaries (a tree's) must not alias those
+        graph, _ = self._warm_and_capture(
+            lambda: write_every_row(batch, prefix, tokens, parents, page_size=page_size),
+            f"{key}'s batch rewrite",
+            pool=self._rewrite_pool,
+        )
+        return RewriteGraph(graph, prefix, tokens, parents, batch.positions.data_ptr())
+
+    def _warm_and_capture(
+        self, fn: Callable[[], _R], what: str, *, pool: Any = None
+    ) -> tuple[torch.cuda.CUDAGraph, _R]:
         """`fn` run `warmup_runs` times on the side stream (Triton compiles and autotunes there), then
-        captured into a graph in this runner's pool -> (graph, what the captured call returned)."""
+        captured into a graph in this runner's pool (or `pool`) -> (graph, what the captured call
+        returned)."""
         side = self._side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -160,7 +203,7 @@ class GraphCapturer:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with _no_cyclic_gc(), torch.cuda.graph(graph, pool=self._mempool):
+            with _no_cyclic_gc(), torch.cuda.graph(graph, pool=self._mempool if pool is None else pool):
                 out = fn()
         except RuntimeError as exc:
             _release_default_generators()

@@ -44,13 +44,14 @@ def advance_verify(
         cu_seqlens_q: [N + 1] int32 (i * D), written.
         has_initial_state: [N] bool (prefix > 0), written.
         page_table: [N, P] int32, the batch's rows of the pool's page table.
-        prefix: [N] int32 >= 0, each live row's new prefix (the entries of padded rows are ignored).
+        prefix: [N] int32, each live row's new prefix; negative: the row is padded (as every row past
+            `tokens`' M is, whose entries are ignored), which lets a CUDA graph captured for N rows pad any.
         input_ids: [N * D] int64; the live rows' blocks become `tokens`, padded rows' 0.
         tokens: [M, D] int64 with M <= N, the next blocks of the M live rows.
         page_size: positions per KV page.
         backend: "auto" (Triton on CUDA, the torch path elsewhere), "reference", "torch" or "triton".
         check_values: the rule of the value checks (`value_checks`: always on the CPU, on CUDA when asked;
-            they read the device): live prefixes >= 0 and every live position on a page of the page table.
+            they read the device): every position of a live row's block on a page of the page table.
     """
     prefix = check_tensor("prefix", prefix, ("N",), dtypes=(torch.int32,))
     n, dev = int(prefix.shape[0]), prefix.device
@@ -103,10 +104,10 @@ def advance_verify(
 
 
 def _check_values(prefix: torch.Tensor, page_table: torch.Tensor, d: int, page_size: int) -> None:
-    """Live prefixes >= 0, and every position of a live row's block inside the page table and on a page
-    (>= 0): the kernels would write a wrong KV slot otherwise."""
-    if bool((prefix < 0).any()):
-        raise ValueError(f"prefix: expected values >= 0, got {prefix.tolist()}")
+    """Every position of the block of a live row (prefix >= 0; a negative one pads the row) inside the page
+    table and on a page (>= 0): the kernels would write a wrong KV slot otherwise."""
+    live = prefix >= 0
+    prefix, page_table = prefix[live], page_table[live]
     cols = (prefix.long()[:, None] + torch.arange(d, device=prefix.device)[None, :]) // page_size  # [M, D]
     inside = cols < page_table.shape[1]
     pages = page_table.long().gather(1, cols.clamp(max=page_table.shape[1] - 1))

@@ -1,8 +1,9 @@
 """Readable reference of `advance_verify`: a chain verify batch moved on to its rows' next prefixes.
 
-A chain TARGET_VERIFY batch of N rows (M live, then padded) holds, per live row i, D tokens at positions
-`prefix[i] .. prefix[i] + D - 1`, their KV slots (the position's page from the batch's own page table:
-`page * page_size + pos % page_size`), `prefix_lens = prefix`, `kv_lens = prefix + D`, `q_lens = D`,
+A chain TARGET_VERIFY batch of N rows (M live, then padded; a row whose new prefix is negative is padded
+too, so that a CUDA graph captured for all N rows can pad any of them) holds, per live row i, D tokens at
+positions `prefix[i] .. prefix[i] + D - 1`, their KV slots (the position's page from the batch's own page
+table: `page * page_size + pos % page_size`), `prefix_lens = prefix`, `kv_lens = prefix + D`, `q_lens = D`,
 `has_initial_state = prefix > 0` and its block's tokens; a padded row sits at prefix 0 with KV slots -1 and
 token 0; `cu_seqlens_q[i] = i * D`. After a round commits, the next round's block of the same rows starts at
 the new prefixes: every one of those fields is written from the prefixes and the page table alone, so
@@ -24,7 +25,7 @@ def advance_verify_reference(
     cu_seqlens_q: torch.Tensor,  # [N + 1] int32, written
     has_initial_state: torch.Tensor,  # [N] bool, written
     page_table: torch.Tensor,  # [N, P] int32
-    prefix: torch.Tensor,  # [N] int32 >= 0, the new prefixes (padded rows' entries ignored)
+    prefix: torch.Tensor,  # [N] int32, the new prefixes (< 0: a padded row; rows >= M: ignored)
     input_ids: torch.Tensor,  # [N * D] int64, written
     tokens: torch.Tensor,  # [M, D] int64, M <= N: the live rows' blocks
     page_size: int,
@@ -33,7 +34,7 @@ def advance_verify_reference(
     d = int(positions.shape[0]) // max(n, 1)
     m = int(tokens.shape[0])
     for i in range(n):
-        live = i < m
+        live = i < m and int(prefix[i]) >= 0
         p = int(prefix[i]) if live else 0
         for j in range(d):
             pos = p + j

@@ -25,7 +25,7 @@ def advance_verify_torch(
     d = int(positions.shape[0]) // max(n, 1)
     m = int(tokens.shape[0])
     dev = prefix.device
-    live = torch.arange(n, device=dev) < m  # [N] bool
+    live = (torch.arange(n, device=dev) < m) & (prefix >= 0)  # [N] bool
     p = torch.where(live, prefix, 0)  # [N] int32
     pos = p.long()[:, None] + torch.arange(d, device=dev)[None, :]  # [N, D]
     # a padded row may index anywhere: its KV slots are -1
@@ -38,8 +38,10 @@ def advance_verify_torch(
     q_lens.fill_(d)
     has_initial_state.copy_(p > 0)
     cu_seqlens_q.copy_(torch.arange(n + 1, device=dev, dtype=torch.int32) * d)
-    input_ids[: m * d].copy_(tokens.reshape(-1))
-    input_ids[m * d :].zero_()
+    ids = input_ids.view(n, d)
+    ids[:m].copy_(tokens)
+    ids[m:].zero_()
+    ids.masked_fill_(~live[:, None], 0)
 
 
 def advance_one_token_torch(

@@ -35,9 +35,11 @@ def advance_verify_kernel(  # type: ignore[no-untyped-def]
     i = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BD)
     m = o < D
-    live = i < num_live
-    lm = m & ((o * 0 + i) < num_live)  # [BD] the live row's entries
-    p = tl.where(live, tl.load(prefix_ptr + i), 0)
+    # a row past the live ones, or with a negative prefix, is a padded row
+    p_in = tl.load(prefix_ptr + i)
+    live = (i < num_live) & (p_in >= 0)
+    lm = m & ((o * 0 + i) < num_live) & ((o * 0 + p_in) >= 0)  # [BD] the live row's entries
+    p = tl.where(live, p_in, 0)
     pos = p.to(tl.int64) + o
     col = tl.minimum(pos // PAGE, num_pages - 1)
     page = tl.load(page_table_ptr + i * s_pt + col, mask=lm, other=0).to(tl.int64)
