@@ -4,16 +4,16 @@
     python tools/bench_round.py --before DIR/round-before*.json --after DIR/round-after*.json --out RESULTS
 
 Measures, with CUDA graphs, `bench_decode.hyspec_decode` (decode tok/s from first to last token, and the
-steady figure over the steps in which every row decodes) for plain decoding, MTP S=3 (fixed length),
-adaptive MTP S=3, the oracle drafter (`bench_decode.oracle_registry`: the plain run's own continuation,
-every draft right; re-anchored on its own output, `bench_decode.reanchored`) and, adaptive, a useless
-drafter (the oracle's tokens off by one: every draft wrong), plus the engine's measured costs (decode step,
-round with 3 drafts). Greedy agreement with plain is reported beside every speculative figure. Which hyspec
-runs is whatever `PYTHONPATH` holds, so two trees (before and after a change) are compared by running this
-in one session, alternately and several times each (a host-bound step of ~1 ms varies by tens of percent
-from one process to the next), then `--before ... --after ...`, which takes each figure's median over a
-tree's runs and writes `<out>/<device>-round-compare.md` and `.json`, with a table of paired ratios (each
-after run against the before run it alternated with, normalised by its own process's plain run).
+steady figure over the steps in which every row decodes) for plain decoding, MTP S=3 (fixed length), adaptive
+MTP S=3, an MTP tree (top-2, 6 nodes), the oracle drafter (`bench_decode.oracle_registry`: the plain run's own
+continuation, every draft right; re-anchored on its own output, `bench_decode.reanchored`) and, adaptive, a
+useless drafter (the oracle's tokens off by one: every draft wrong), plus the engine's measured costs (decode
+step, round with 3 drafts). Greedy agreement with plain is reported beside every speculative figure. Which
+hyspec runs is whatever `PYTHONPATH` holds, so two trees (before and after a change) are compared by running
+this in one session, alternately and several times each (a host-bound step of ~1 ms varies by tens of percent
+from one process to the next), then `--before ... --after ...`, which takes each figure's median over a tree's
+runs and writes `<out>/<device>-round-compare.md` and `.json`, with a table of paired ratios (each after run
+against the before run it alternated with, normalised by its own process's plain run).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "plain": None,
     "mtp": {"method": "mtp", "num_speculative_tokens": S},
     "mtp-adaptive": {"method": "mtp", "num_speculative_tokens": S, "adaptive": True},
+    # a tree of 6 nodes, depth 3, two children per node where the head is unsure (#18: <= 1.2x a chain round)
+    "mtp-tree": {"method": "mtp", "num_speculative_tokens": S, "topk": 2, "num_draft_tokens": 6},
     "oracle": {"method": "ngram", "num_speculative_tokens": S},
     # every draft wrong (`oracle_registry(..., wrong=True)`), adaptive: what a useless drafter costs
     "useless-adaptive": {"method": "ngram", "num_speculative_tokens": S, "adaptive": True},

@@ -59,7 +59,7 @@ class _Replayed(dict[Any, RewriteGraph]):
 
     def get(self, key: Any, default: Any = None) -> RewriteGraph:
         if key not in self:
-            _, n, d, tree = key
+            mode, n, d, tree = key
             prefix = torch.full((n,), -1, dtype=torch.int32)
             tokens = torch.zeros(n, d, dtype=torch.int64)
             parents = torch.zeros(n, d, dtype=torch.int32) if tree else None
@@ -73,7 +73,7 @@ class _Replayed(dict[Any, RewriteGraph]):
 
             graph: Any = type("FakeGraph", (), {"replay": staticmethod(replay)})()
             ptr = self.rewrite._last.batch.positions.data_ptr() if self.rewrite._last else 0
-            self[key] = RewriteGraph(graph, prefix, tokens, parents, ptr)
+            self[key] = RewriteGraph(graph, prefix, tokens, parents, ptr, mode)
         return self[key]
 
 

@@ -48,6 +48,25 @@ def test_mirrors_follow_every_table_write(make_pool: MakePool) -> None:
     assert table.mirror_mismatches() == [] and pool.leak_check().clean
 
 
+def test_pages_past_a_row_are_refused_and_change_nothing(make_pool: MakePool) -> None:
+    """`set_pages_many` writes through flat indices: a page past a row's last column (or a row past the
+    table) is a ValueError naming it, before any write, not another row's entry; rows written together land
+    each in its own row."""
+    pool, _ = _mixed_pool(make_pool)
+    table = pool.table
+    before = table.host_page_table.clone(), [list(p) for p in table.host_pages], list(table.row_versions)
+    last = table.max_pages - 1
+    for bad in ([(4, last, [7, 8])], [(4, 0, [1]), (table.num_rows, 0, [2])], [(3, -1, [5])]):
+        with pytest.raises(ValueError, match="updates"):
+            table.set_pages_many(bad)
+        assert torch.equal(table.host_page_table, before[0]) and table.host_pages == before[1]
+        assert table.row_versions == before[2] and table.mirror_mismatches() == []
+    table.set_pages_many([(4, last, [7]), (3, 0, [11, 12])])
+    assert table.host_pages[4][last] == 7 and table.host_pages[3][:2] == [11, 12]
+    assert table.page_table[4, last] == 7 and table.page_table[3, :2].tolist() == [11, 12]
+    assert table.mirror_mismatches() == []
+
+
 def test_mirror_mismatch_is_reported(make_pool: MakePool) -> None:
     """The check is able to fail: a device table written behind the mirrors' back is reported."""
     pool, _ = _mixed_pool(make_pool)

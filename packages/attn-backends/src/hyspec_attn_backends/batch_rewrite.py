@@ -46,6 +46,7 @@ class RewriteGraph:
     tokens: Tensor  # [B, D] int64 static input: each live row's block (a padded row's are ignored)
     parents: Tensor | None  # [B, D] int32 static input of a tree shape: each live row's parents
     positions_ptr: int  # the captured batch's `positions` buffer (a replay writes that batch's buffers)
+    mode: ForwardMode  # DECODE or TARGET_VERIFY
 
 
 def write_every_row(
@@ -105,11 +106,12 @@ class BatchRewrite:
         # (mode, rows, tokens per row, tree) -> the rewrite captured for that shape (`add_graph`)
         self._graphs: dict[tuple[ForwardMode, int, int, bool], RewriteGraph] = {}
 
-    def add_graph(self, mode: ForwardMode, graph: RewriteGraph) -> None:
-        """A CUDA graph runner captured the rewrite of every row of a `mode` batch of `graph.prefix`'s rows
-        in these buffers: rewrites of that shape replay it from now on (until `drop_graph`)."""
+    def add_graph(self, graph: RewriteGraph) -> None:
+        """A CUDA graph runner captured the rewrite of every row of a `graph.mode` batch of `graph.prefix`'s
+        rows in these buffers: rewrites of that shape replay it from now on (until `drop_graph`; a later
+        graph of the same shape, another runner's of this backend, replaces it)."""
         b, d = graph.tokens.shape
-        self._graphs[(mode, b, d, graph.parents is not None)] = graph
+        self._graphs[(graph.mode, b, d, graph.parents is not None)] = graph
 
     def drop_graph(self, graph: RewriteGraph) -> None:
         """A runner dropped its graphs: this one is not replayed any more."""
@@ -198,11 +200,10 @@ class BatchRewrite:
             last.versions = [table.row_versions[r] for r in rows]
         g = self._graphs.get((mode, b.num_seqs, d, tree_parents is not None)) if self._graphs else None
         if g is not None and g.positions_ptr == b.positions.data_ptr():
-            m = len(prefix)
             write_into(g.prefix, prefix + [-1] * b.num_padded)
-            g.tokens[:m].copy_(block_tokens, non_blocking=True)
+            write_into(g.tokens, block_tokens)  # [M, D]: a device copy, or a host one staged as uploads are
             if g.parents is not None and tree_parents is not None:
-                g.parents[:m].copy_(tree_parents, non_blocking=True)
+                write_into(g.parents, tree_parents)
             g.graph.replay()
             return b
         tokens = to_device(block_tokens, dtype=torch.int64, device=dev)  # [N, D]

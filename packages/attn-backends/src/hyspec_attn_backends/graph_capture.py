@@ -153,8 +153,9 @@ class GraphCapturer:
             rewrite = self.backend.builder.rewrite
             rewrite_graph = None if rewrite is None else self._capture_rewrite(key, batch)
         if rewrite is not None and rewrite_graph is not None:
-            rewrite.add_graph(key.mode, rewrite_graph)
-            self._rewrites.append(rewrite_graph)
+            rewrite.add_graph(rewrite_graph)
+            if rewrite_graph not in self._rewrites:
+                self._rewrites.append(rewrite_graph)
         return Captured(graph, outputs, batch_pointers(batch), commit_graph, tail_graph, rewrite_graph)
 
     def release(self) -> None:
@@ -174,6 +175,9 @@ class GraphCapturer:
         if key.mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
             return None
         n, d, dev = key.batch_size, max(key.verify_len, 1), self.backend.pool.device
+        for g in self._rewrites:  # runners sharing this capturer share the backend: one graph per shape
+            if g.mode is key.mode and tuple(g.tokens.shape) == (n, d) and (g.parents is not None) == key.tree:
+                return g
         prefix = torch.full((n,), -1, dtype=torch.int32, device=dev)
         tokens = torch.zeros(n, d, dtype=torch.int64, device=dev)
         parents = torch.zeros(n, d, dtype=torch.int32, device=dev) if key.tree else None
@@ -187,7 +191,7 @@ class GraphCapturer:
             f"{key}'s batch rewrite",
             pool=self._rewrite_pool,
         )
-        return RewriteGraph(graph, prefix, tokens, parents, batch.positions.data_ptr())
+        return RewriteGraph(graph, prefix, tokens, parents, batch.positions.data_ptr(), key.mode)
 
     def _warm_and_capture(
         self, fn: Callable[[], _R], what: str, *, pool: Any = None

@@ -65,6 +65,13 @@ class RequestTable:
         at: list[int] = []  # flat index row * max_pages + column of each new entry
         ids: list[int] = []
         for row, first, pages in updates:
+            if not (0 <= row < self.num_rows and 0 <= first and first + len(pages) <= self.max_pages):
+                # flat indices would reach another row's entries
+                raise ValueError(
+                    f"updates: row {row} pages {first}..{first + len(pages) - 1} outside the table "
+                    f"[{self.num_rows}, {self.max_pages}]"
+                )
+        for row, first, pages in updates:
             self.row_versions[row] += 1
             listed = self.host_pages[row]
             listed.extend([-1] * (first - len(listed)))  # a gap before `first` stays unmapped
