@@ -588,3 +588,66 @@ def test_drafts_past_the_completed_constraint_end_at_its_stop_token(qwen_ckpt: P
         # each round emits its accepted drafts and one more token: none went past the stop token
         assert st.num_accepted_tokens + st.num_drafts <= len(o.outputs[0].token_ids), st
     eng.leak_check()
+
+
+def test_allowed_token_ids_that_cannot_begin_the_constraint_are_refused() -> None:
+    """`allowed_token_ids` with a constraint none of them can begin would leave the first step nothing to
+    sample (it failed that step: HTTP 500): a ValueError naming `allowed_token_ids` (HTTP 400, chat's forced
+    tool call and response_format included) before anything is queued; ids that can begin it are served
+    and hold both masks."""
+    llm = LLM.from_engine(toy_engine())
+    choice = StructuredOutputsParams(choice=["abc"])
+    for so in (choice, StructuredOutputsParams(json_object=True)):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            llm.generate(
+                [{"prompt_token_ids": [3]}], SamplingParams(structured_outputs=so, allowed_token_ids=[5])
+            )
+    llm.leak_check()
+    both = SamplingParams(
+        max_tokens=8, temperature=0, structured_outputs=choice, allowed_token_ids=list(b"abc")
+    )
+    (o,) = llm.generate([{"prompt_token_ids": [3]}], both)
+    assert o.outputs[0].text == "abc"
+    srv = ServerThread(toy_engine(), model_name="toy").start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+            body = {"prompt": "x", "max_tokens": 5, "allowed_token_ids": [5]}
+            chat = {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 5,
+                "allowed_token_ids": [5],
+            }
+            tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+            for path, extra in (
+                ("/v1/completions", {**body, "structured_outputs": {"choice": ["abc"]}}),
+                ("/v1/completions", {**body, "response_format": {"type": "json_object"}}),
+                ("/v1/chat/completions", {**chat, "tools": [tool], "tool_choice": "required"}),
+            ):
+                r = c.post(path, json=extra)
+                assert r.status_code == 400, (path, r.text)
+                assert r.json()["error"]["param"] == "allowed_token_ids", r.text
+            ok = c.post(
+                "/v1/completions",
+                json={
+                    **body,
+                    "structured_outputs": {"choice": ["abc"]},
+                    "allowed_token_ids": list(b"abc"),
+                    "temperature": 0,
+                },
+            )
+            assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "abc"
+    finally:
+        srv.stop()
+
+
+def test_a_prompt_filling_the_context_is_the_prompts_fault() -> None:
+    """A prompt that alone fills max_model_len is refused naming the prompt, whatever max_tokens asks."""
+    srv = ServerThread(toy_engine(max_len=64), model_name="toy").start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+            r = c.post("/v1/completions", json={"prompt": [3] * 80, "max_tokens": 4})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+            r = c.post("/v1/completions", json={"prompt": [3] * 40, "max_tokens": 40})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    finally:
+        srv.stop()

@@ -599,3 +599,48 @@ def test_completions_max_tokens_null_is_the_room_left() -> None:
             assert full.status_code == 400 and full.json()["error"]["param"] == "prompt"
     finally:
         srv.stop()
+
+
+def test_completions_honour_add_special_tokens() -> None:
+    """vLLM's `add_special_tokens` on /v1/completions: a text prompt gets the tokenizer's special tokens (a
+    BOS here) by default and none with False (a client that wrote them into the text), as /tokenize counts."""
+    import httpx
+    from hyspec_testing.server import ByteTokenizer
+
+    class BosTokenizer(ByteTokenizer):
+        def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+            return ([2] if add_special_tokens else []) + super().encode(text)
+
+    eng = toy_engine()
+    eng.tokenizer = BosTokenizer()
+    srv = ServerThread(eng, model_name="toy").start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+            for special, want in ((None, 3), (True, 3), (False, 2)):
+                extra = {} if special is None else {"add_special_tokens": special}
+                body = {"prompt": "ab", "max_tokens": 1, "temperature": 0, **extra}
+                r = c.post("/v1/completions", json=body).json()
+                assert r["usage"]["prompt_tokens"] == want, (special, r)
+                counted = c.post("/tokenize", json={"prompt": "ab", **extra}).json()["count"]
+                assert counted == want
+            bad = c.post("/v1/completions", json={"prompt": "ab", "add_special_tokens": "no"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "add_special_tokens"
+    finally:
+        srv.stop()
+
+
+def test_token_strs_of_special_tokens_are_their_vocabulary_strings(tmp_path: Path) -> None:
+    """/tokenize's `return_token_strs` with a Hugging Face tokenizer: each token's vocabulary string, the
+    special ones included (`<|im_start|>`, not ""), as vLLM's `convert_ids_to_tokens` gives them."""
+    from hyspec_server.api_server import _token_strs
+    from hyspec_server.tokenizer import HFTokenizer
+    from hyspec_testing.tiny_tokenizer import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    tok = HFTokenizer(tmp_path)
+    ids = tok.hf_tokenizer.convert_tokens_to_ids(["<|im_start|>"]) + tok.encode(
+        "user", add_special_tokens=False
+    )
+    strs = _token_strs(tok, ids)
+    assert strs[0] == "<|im_start|>" and len(strs) == len(ids)
+    assert "".join(strs[1:]) == "".join(tok.hf_tokenizer.convert_ids_to_tokens(ids[1:]))

@@ -87,7 +87,11 @@ async def completions(raw: Request) -> Response:
     # text prompts are tokenized here, on a worker thread: on the engine thread a long one would stall
     # every running stream
     ready: list[TokensPrompt] = [
-        TokensPrompt(p, await asyncio.to_thread(ctx.tokenizer.encode, p), req.cache_salt)
+        TokensPrompt(
+            p,
+            await asyncio.to_thread(ctx.tokenizer.encode, p, add_special_tokens=req.add_special_tokens),
+            req.cache_salt,
+        )
         if isinstance(p, str)
         else TokensPrompt(None, p, req.cache_salt)
         for p in prompts

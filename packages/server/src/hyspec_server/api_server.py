@@ -223,10 +223,10 @@ async def tokenize(raw: Request) -> Response:
 def _token_strs(tok: Any, ids: list[int]) -> list[str]:
     """Each token's own string, as vLLM's `return_token_strs` gives it (the tokenizer's vocabulary entries;
     a tokenizer without them: each token decoded alone)."""
-    convert = getattr(tok, "convert_ids_to_tokens", None)
+    convert = getattr(getattr(tok, "hf_tokenizer", tok), "convert_ids_to_tokens", None)
     if callable(convert):
         return [str(t) for t in convert(ids)]
-    return [tok.decode([i]) for i in ids]
+    return [tok.decode([i], skip_special_tokens=False) for i in ids]
 
 
 async def detokenize(raw: Request) -> Response:

@@ -10,7 +10,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -202,15 +202,16 @@ class LLMEngine:
         params.check_vocab(vocab)
         room = self.max_model_len - len(ids)
         max_tokens = params.max_tokens
+        if room < 1:
+            # first: a prompt that fills the context alone is the prompt's fault, whatever max_tokens asks
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) leaves no room to generate in the model's context length "
+                f"max_model_len={self.max_model_len}"
+            )
         if max_tokens is not None and max_tokens > room and not stop_at_context_end:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is over the model's "
                 f"context length max_model_len={self.max_model_len}"
-            )
-        if room < 1:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) leaves no room to generate in the model's context length "
-                f"max_model_len={self.max_model_len}"
             )
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         rid = request_id if request_id is not None else self.new_request_id()
@@ -228,6 +229,12 @@ class LLMEngine:
         req.cache_salt = cache_salt
         if params.structured_outputs is not None:
             req.grammar = self.grammars.new_state(params.structured_outputs)
+            if params.allowed_token_ids is not None:
+                # the constraint's stop tokens end it even with ignore_eos: allowed_token_ids never bans
+                # them (a completed constraint would have nothing left to sample)
+                allowed = tuple(sorted(set(params.allowed_token_ids) | req.grammar.stop_token_ids))
+                self.grammars.check_start_within(params.structured_outputs, allowed)
+                req.params = replace(params, allowed_token_ids=allowed)
         if self.speculative:
             req.spec_stats = SpecDecodeStats()
         self.scheduler.add(req, bounded=bounded)

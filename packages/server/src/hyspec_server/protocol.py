@@ -252,6 +252,9 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's: a text prompt is encoded with the tokenizer's own special tokens (its BOS) unless False (a
+    # client that put them in the text already)
+    add_special_tokens: bool = True
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: one string, one token-id list, or a list of either (at least one)."""

@@ -191,6 +191,9 @@ class SamplingParams:
         allowed_token_ids: None, or the only token ids the request may generate (vLLM's): every other logit
             is -inf before any choice, at every verify position with speculative decoding too; 1 to
             MAX_ALLOWED_TOKEN_IDS ids in the model's vocabulary, stored as a sorted tuple without repeats.
+            With `structured_outputs` the constraint's stop tokens stay allowed (they end a completed
+            constraint), and ids none of which can begin the constraint are a ValueError when the request
+            is added.
         bad_words: None, or words the request may not generate (vLLM's): each is tokenized as written and
             with a leading space, and a token that would complete one of those token sequences right after
             the output's last tokens is forbidden. At most MAX_STOP_STRINGS words of at most MAX_STOP_CHARS

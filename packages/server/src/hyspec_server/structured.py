@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -88,15 +89,29 @@ class GrammarCompiler:
 
         return GrammarState(xgr.GrammarMatcher(self.compile(params)))
 
-    def _check_startable(self, compiled: Any, kind: str) -> None:
-        """ValueError when no token can begin the constraint (it compiled to the empty language, such as an
-        empty character class): its request would have nothing to sample."""
+    def check_start_within(self, params: StructuredOutputsParams, allowed: Sequence[int]) -> None:
+        """ValueError naming `allowed_token_ids` when none of `allowed` can begin the constraint: the
+        request's first step would have no token left to sample (both masks apply)."""
+        compiled = self.compile(params)  # (sets vocab_size: the tokenizer's, which ids past it are not)
+        ids = torch.tensor([t for t in allowed if 0 <= t < self.vocab_size], dtype=torch.long)
+        if not bool(self._starts(compiled, ids).any()):
+            raise ValueError(
+                "allowed_token_ids: none of these tokens can begin the request's structured-output "
+                f"constraint ({params.key[0]}), so its first token would have nothing to sample"
+            )
+
+    def _starts(self, compiled: Any, ids: torch.Tensor) -> torch.Tensor:
+        """[len(ids)] bool: which of these token ids the constraint allows as its first token."""
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, W] int32
         xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
-        t = torch.arange(self.vocab_size)
-        if not bool(((bitmask[0, t // 32] >> (t % 32)) & 1).any()):
+        return ((bitmask[0, ids // 32] >> (ids % 32)) & 1).bool()
+
+    def _check_startable(self, compiled: Any, kind: str) -> None:
+        """ValueError when no token can begin the constraint (it compiled to the empty language, such as an
+        empty character class): its request would have nothing to sample."""
+        if not bool(self._starts(compiled, torch.arange(self.vocab_size)).any()):
             raise ValueError(f"structured_outputs.{kind}: the constraint allows no token at its start")
 
 
