@@ -156,12 +156,20 @@ CHAT = {"model": "toy", "messages": [{"role": "user", "content": "ok"}], "max_to
         ("/v1/completions", {**GOOD, "top_p": 2}, 400, "top_p"),
         ("/v1/completions", {**GOOD, "n": 0}, 400, "n"),
         ("/v1/completions", {**GOOD, "n": 129}, 400, "n"),
-        ("/v1/completions", {**GOOD, "prompt": "x" * 300}, 400, "max_tokens"),
+        # the prompt alone fills the context (256): the prompt's fault, not max_tokens'
+        ("/v1/completions", {**GOOD, "prompt": "x" * 300}, 400, "prompt"),
+        ("/v1/completions", {**GOOD, "prompt": "x" * 250, "max_tokens": 10}, 400, "max_tokens"),
         ("/v1/completions", {**GOOD, "model": "gpt-5"}, 404, "model"),
         ("/v1/completions", {**GOOD, "model": 5}, 400, "model"),  # left out it is the served model
         ("/v1/completions", [1, 2], 400, None),
         ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": "x" * 300}]},
+            400,
+            "messages",
+        ),
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
         ("/v1/chat/completions", {**CHAT, "max_tokens": 1000}, 400, "max_tokens"),
         ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "model"),
@@ -404,9 +412,9 @@ def test_completion_prompts_are_tokenized_off_the_engine_thread() -> None:
     threads: list[str] = []
     encode = eng.tokenizer.encode
 
-    def recording(text: str) -> list[int]:
+    def recording(text: str, *, add_special_tokens: bool = True) -> list[int]:
         threads.append(threading.current_thread().name)
-        return encode(text)
+        return encode(text, add_special_tokens=add_special_tokens)
 
     eng.tokenizer.encode = recording  # type: ignore[method-assign]
     srv = ServerThread(eng, model_name="toy").start()

@@ -644,3 +644,42 @@ def test_token_strs_of_special_tokens_are_their_vocabulary_strings(tmp_path: Pat
     strs = _token_strs(tok, ids)
     assert strs[0] == "<|im_start|>" and len(strs) == len(ids)
     assert "".join(strs[1:]) == "".join(tok.hf_tokenizer.convert_ids_to_tokens(ids[1:]))
+
+
+def test_echo_without_generation_scores_the_prompt() -> None:
+    """vLLM's echo with max_tokens 0 (how evaluation harnesses score a text): the prompt alone comes back,
+    with its logprobs (the first token's null), finish_reason "length", no completion tokens counted,
+    streamed or not; max_tokens 0 without echo stays a 400."""
+    import json
+
+    import httpx
+
+    srv = ServerThread(toy_engine(), model_name="toy").start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+            body = {"prompt": "abcd", "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            (ch,) = r.json()["choices"]
+            assert ch["text"] == "abcd" and ch["finish_reason"] == "length"
+            lp = ch["logprobs"]
+            assert lp["tokens"] == list("abcd") and lp["token_logprobs"][0] is None
+            assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+            assert r.json()["usage"]["completion_tokens"] == 0 and r.json()["usage"]["prompt_tokens"] == 4
+            # scoring agrees with a generating request's echoed prompt logprobs
+            gen = c.post("/v1/completions", json={**body, "max_tokens": 2}).json()["choices"][0]["logprobs"]
+            assert gen["token_logprobs"][:4] == lp["token_logprobs"]
+            r = c.post(
+                "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+            )
+            events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+            chunks = [e["choices"][0] for e in events if e["choices"]]
+            assert "".join(x["text"] for x in chunks) == "abcd"
+            assert [x["finish_reason"] for x in chunks][-1] == "length"
+            assert events[-1]["usage"]["completion_tokens"] == 0
+            no_lp = c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 0, "echo": True}).json()
+            assert no_lp["choices"][0]["text"] == "ab" and no_lp["choices"][0]["logprobs"] is None
+            bad = c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 0})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    finally:
+        srv.stop()

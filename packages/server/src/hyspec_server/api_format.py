@@ -112,12 +112,15 @@ def vllm_prompt_logprobs(out: RequestOutput, k: int) -> list[dict[str, dict[str,
     return rows
 
 
-def usage(per_prompt: Iterable[RequestOutput], every: Iterable[RequestOutput]) -> dict[str, Any]:
-    """Prompt tokens once per prompt (its samples share it), completion tokens of every sample, and the
-    prompt tokens the prefix cache supplied."""
+def usage(
+    per_prompt: Iterable[RequestOutput], every: Iterable[RequestOutput], *, generated: bool = True
+) -> dict[str, Any]:
+    """Prompt tokens once per prompt (its samples share it), completion tokens of every sample (none
+    returned: `generated` False, echo without generation), and the prompt tokens the prefix cache
+    supplied."""
     prompts = list(per_prompt)
     p = sum(len(o.prompt_token_ids) for o in prompts)
-    c = sum(len(o.outputs[0].token_ids) for o in every)
+    c = sum(len(o.outputs[0].token_ids) for o in every) if generated else 0
     cached = sum(o.num_cached_tokens for o in prompts)
     return {
         "prompt_tokens": p,

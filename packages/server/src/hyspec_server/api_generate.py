@@ -72,7 +72,10 @@ async def completions(raw: Request) -> Response:
     echo_lp = echo and req.logprobs is not None
     # best_of ranks its samples by cumulative logprob, which needs the chosen tokens' logprobs
     engine_lp = req.logprobs if best_of == n else (req.logprobs or 0)
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    # vLLM's echo without generation: echo with max_tokens 0 returns the prompt alone (with its logprobs:
+    # how evaluation harnesses score a text); one token is generated and dropped
+    prompt_only = echo and req.max_tokens == 0
+    max_tokens = 1 if prompt_only else 16 if req.max_tokens is None else req.max_tokens
     samples = _samples(
         req,
         best_of,
@@ -113,14 +116,17 @@ async def completions(raw: Request) -> Response:
         index: int, out: RequestOutput, text: str, start: int, offset: int, *, prompt: bool = False
     ) -> tuple[dict[str, Any], int]:
         """The choice for tokens [start:] of `out`; also the text offset after them. `prompt`: the
-        logprobs start with the prompt's (echo), at text offsets from 0."""
+        logprobs start with the prompt's (echo), at text offsets from 0. Echo without generation: no
+        generated token, finished by its length (0)."""
         c = out.outputs[0]
+        if prompt_only:
+            start = len(c.token_ids)
         ch: dict[str, Any] = {
             "index": index,
             "text": text,
             "logprobs": None,
-            "finish_reason": c.finish_reason if out.finished else None,
-            "stop_reason": c.stop_reason if out.finished else None,
+            "finish_reason": ("length" if prompt_only else c.finish_reason) if out.finished else None,
+            "stop_reason": None if prompt_only else c.stop_reason if out.finished else None,
         }
         if req.logprobs is not None and c.logprobs is not None:
             ch["logprobs"], offset = completion_logprobs(tok, c.token_ids[start:], c.logprobs[start:], offset)
@@ -180,12 +186,17 @@ async def completions(raw: Request) -> Response:
                 last[k] = out
                 # a chunk for every step that made tokens, text or not (as vLLM): a token that is
                 # part of a character still arrives, and clients time it
-                if out.delta_token_ids or out.delta_text or out.finished:
+                if prompt_only and out.finished:
+                    yield sse(body([choice(k, out, "", 0, offsets[k])[0]], **no_usage))
+                elif not prompt_only and (out.delta_token_ids or out.delta_text or out.finished):
                     ch, offsets[k] = choice(k, out, out.delta_text, sent[k], offsets[k])
                     sent[k] = len(out.outputs[0].token_ids)
                     yield sse(body([ch], **no_usage))
             if req.include_usage:
-                yield sse(body([], usage=usage([last[k] for k in range(0, len(items), n)], last.values())))
+                counts = usage(
+                    [last[k] for k in range(0, len(items), n)], last.values(), generated=not prompt_only
+                )
+                yield sse(body([], usage=counts))
             yield "data: [DONE]\n\n"
 
         return event_stream(events(), group, stall_s=ctx.stall_s)
@@ -196,13 +207,13 @@ async def completions(raw: Request) -> Response:
         if best_of > n:
             mine = sorted(mine, key=lambda o: -(o.outputs[0].cumulative_logprob or 0.0))[:n]
         for j, out in enumerate(mine):
-            text = echoed[i] + out.outputs[0].text
+            text = echoed[i] + ("" if prompt_only else out.outputs[0].text)
             ch = choice(i * n + j, out, text, 0, len(echoed[i]), prompt=echo_lp)[0]
             if req.prompt_logprobs is not None:
                 ch["prompt_logprobs"] = vllm_prompt_logprobs(out, req.prompt_logprobs)
             choices.append(ch)
     # every generated token counts, best_of's discarded samples too (as OpenAI bills them)
-    return JSONResponse(body(choices, usage=usage(outs[::best_of], outs)))
+    return JSONResponse(body(choices, usage=usage(outs[::best_of], outs, generated=not prompt_only)))
 
 
 async def chat(raw: Request) -> Response:
@@ -257,7 +268,11 @@ async def chat(raw: Request) -> Response:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     prompt = TokensPrompt(None, prompt_ids, req.cache_salt)
     group = await _submit(
-        ctx, [(prompt, samples[j], f"{rid}-{j}") for j in range(n)], per_prompt=n, batch=False
+        ctx,
+        [(prompt, samples[j], f"{rid}-{j}") for j in range(n)],
+        per_prompt=n,
+        batch=False,
+        prompt_param="messages",
     )
 
     def lp(out: RequestOutput, start: int) -> dict[str, Any] | None:
@@ -401,8 +416,10 @@ async def _submit(
     *,
     per_prompt: int,
     batch: bool,
+    prompt_param: str = "prompt",
 ) -> StreamGroup:
-    """Queues every (prompt, sample) request or none of them."""
+    """Queues every (prompt, sample) request or none of them; an error of the prompt names
+    `prompt_param` (a chat's rendered prompt is its messages)."""
     bound = ctx.engine.engine.scheduler.config.max_waiting
     if len(items) > bound:
         # they all wait before the next step, so the bounded queue can never take them
@@ -420,7 +437,9 @@ async def _submit(
         if isinstance(e.cause, ValueError):
             msg = str(e.cause)
             first = msg.split(" ", 1)[0].rstrip(":")  # a sampling field's message names it first
-            param = first if first in _SAMPLING_FIELDS else "max_tokens" if "max_tokens" in msg else "prompt"
+            param = (
+                first if first in _SAMPLING_FIELDS else "max_tokens" if "max_tokens" in msg else prompt_param
+            )
             if batch:
                 msg = f"prompt[{e.index // per_prompt}]: {msg}"
             raise APIError(400, msg, param=param) from e
