@@ -75,7 +75,6 @@ class Captured:
     pointers: tuple[int, ...]  # `batch_pointers` of the batch it was captured on
     commit: CommitGraph | None = None
     tail: TailGraph | None = None
-    rewrite: RewriteGraph | None = None  # registered with the backend's `BatchRewrite`
 
 
 def padding_batch(backend: HybridBackend, key: GraphKey) -> ForwardBatch:
@@ -125,9 +124,8 @@ class GraphCapturer:
         self.warmup_runs = warmup_runs
         self._mempool: Any = None  # torch.cuda graph pool handle, shared by every graph of this runner
         self._side: Any = None  # the warm-up stream of every capture (created at the first)
-        self._rewrites: list[
-            RewriteGraph
-        ] = []  # registered with the backend's rewrite (`release` drops them)
+        # the rewrite graphs registered with the backend's rewrite (`release` takes them back)
+        self._rewrites: list[RewriteGraph] = []
         self._rewrite_pool: Any = None  # the rewrite graphs' memory pool (created at the first)
 
     def capture(
@@ -156,15 +154,15 @@ class GraphCapturer:
             rewrite.add_graph(rewrite_graph)
             if rewrite_graph not in self._rewrites:
                 self._rewrites.append(rewrite_graph)
-        return Captured(graph, outputs, batch_pointers(batch), commit_graph, tail_graph, rewrite_graph)
+        return Captured(graph, outputs, batch_pointers(batch), commit_graph, tail_graph)
 
     def release(self) -> None:
         """Drop the memory pool handle (the graphs holding it are the runner's to drop) and take the rewrite
         graphs back from the backend's rewrite."""
         self._mempool = self._rewrite_pool = None
         rewrite = self.backend.builder.rewrite
-        for g in self._rewrites:
-            if rewrite is not None:
+        if rewrite is not None:
+            for g in self._rewrites:
                 rewrite.drop_graph(g)
         self._rewrites.clear()
 
