@@ -377,7 +377,7 @@ CHAT = {"model": "toy", "messages": [{"role": "user", "content": "ok"}], "max_to
         ("/v1/completions", {**GOOD, "prompt": [1, "a"]}, "prompt"),
         ("/v1/completions", {**GOOD, "prompt": [[1, 2], [TOY_VOCAB]]}, "prompt"),
         ("/v1/completions", {**GOOD, "prompt": [-1]}, "prompt"),
-        ("/v1/completions", {**GOOD, "prompt": ["fine", "x" * 300]}, "max_tokens"),
+        ("/v1/completions", {**GOOD, "prompt": ["fine", "x" * 300]}, "prompt"),
         ("/v1/completions", {**GOOD, "prompt": ["fine", ""]}, "prompt"),
         ("/v1/completions", {**GOOD, "stop": ["x" * 1025]}, "stop"),
         ("/v1/chat/completions", {**CHAT, "stop": [str(i) for i in range(65)]}, "stop"),
