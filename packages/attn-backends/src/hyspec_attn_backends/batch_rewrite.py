@@ -56,6 +56,16 @@ def write_every_row(
     `tokens` [N, D] int64 and, for a tree batch, `parents` [N, D] int32 (a padded row's tokens and parents
     are ignored: it gets a chain of token 0, as the build pads): device ops only, no host read, so that a
     CUDA graph captures it (`RewriteGraph`). The result equals `BatchRewrite.rewrite`'s eager writes."""
+    _advance(b, prefix, tokens, page_size)
+    if parents is not None:
+        d = int(tokens.shape[1])
+        live = (prefix >= 0)[:, None]  # [N, 1]
+        chain = torch.arange(-1, d - 1, dtype=torch.int32, device=prefix.device)  # [D] parent j - 1
+        retree_in_place(b, torch.where(live, tokens, 0), torch.where(live, parents, chain))
+
+
+def _advance(b: ForwardBatch, prefix: Tensor, tokens: Tensor, page_size: int) -> None:
+    """`advance_verify` of batch `b`'s own buffers at `prefix` [N] int32 with `tokens` [M, D] int64."""
     assert b.kv_slots is not None
     advance_verify(
         positions=b.positions,
@@ -71,11 +81,6 @@ def write_every_row(
         tokens=tokens,
         page_size=page_size,
     )
-    if parents is not None:
-        d = int(tokens.shape[1])
-        live = (prefix >= 0)[:, None]  # [N, 1]
-        chain = torch.arange(-1, d - 1, dtype=torch.int32, device=prefix.device)  # [D] parent j - 1
-        retree_in_place(b, torch.where(live, tokens, 0), torch.where(live, parents, chain))
 
 
 @dataclass(slots=True)
@@ -194,7 +199,6 @@ class BatchRewrite:
             prefix.append(p)
         b = last.batch
         dev = b.positions.device
-        assert b.kv_slots is not None
         if remapped:
             upload(self.pool.host_page_table(req_rows, pad_to=b.num_seqs), b.page_table)
             last.versions = [table.row_versions[r] for r in rows]
@@ -207,20 +211,7 @@ class BatchRewrite:
             g.graph.replay()
             return b
         tokens = to_device(block_tokens, dtype=torch.int64, device=dev)  # [N, D]
-        advance_verify(
-            positions=b.positions,
-            kv_slots=b.kv_slots.tensor,
-            prefix_lens=b.prefix_lens,
-            kv_lens=b.kv_lens,
-            q_lens=b.q_lens,
-            cu_seqlens_q=b.cu_seqlens_q,
-            has_initial_state=b.has_initial_state,
-            page_table=b.page_table,
-            prefix=to_device(prefix + [0] * b.num_padded, dtype=torch.int32, device=dev),
-            input_ids=b.input_ids,
-            tokens=tokens,
-            page_size=size,
-        )
+        _advance(b, to_device(prefix + [0] * b.num_padded, dtype=torch.int32, device=dev), tokens, size)
         if tree_parents is not None:
             self._write_trees(b, tokens, tree_parents.to(dev, non_blocking=True))
         # the same rows as its own (checked above): the batch itself, without a dataclass copy and its checks
