@@ -256,6 +256,7 @@ def test_a_prepared_batch_is_dropped_when_anything_it_was_built_from_changed(
     ids, prefix, tokens = ["a", "b"], [5, 3], [11, 12]
     if change == "pages":
         # a's second page (positions 4..7) goes back and a different one comes: position 5's KV slot moves
+        pool.spare_pages = 0  # (the truncation keeps no spare page: the page really goes back)
         pool.alloc(["c"])
         pool.truncate_kv("a", 4)
         pool.ensure_kv_capacity(["c"], [4])  # takes the page a just returned
@@ -278,11 +279,16 @@ def test_a_prepared_batch_is_dropped_when_anything_it_was_built_from_changed(
     assert ahead.num_dropped == 1 and ahead.num_used == 0
 
 
-def test_a_page_boundary_gets_its_page_unless_the_pool_has_none(tiny_lfm2: Path) -> None:
+def test_a_page_boundary_gets_its_page_unless_the_pool_has_none(
+    tiny_lfm2: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # exact pages: spares would make up for the last ones (test_statepool_lifecycle tests them)
+    monkeypatch.setattr("hyspec_runner.runner_memory.ENGINE_SPARE_PAGES", 0)
     _, ahead, runner = _decoding(tiny_lfm2)
     pool = runner.pool
     _build(ahead, runner, [8, 3], [11, 12])  # a has pages for positions 0..7: position 8 needs a new one
-    assert pool.kv_capacity("a") == 12
+    cap = pool.kv_capacity("a")
+    assert cap == 12
     got = ahead.take(req_ids=["a", "b"], prefix_lens=[8, 3], tokens=[11, 12])
     assert got is not None and got.kv_slots is not None
     row = torch.tensor(pool.req_rows(["a"]).tolist())
@@ -291,9 +297,9 @@ def test_a_page_boundary_gets_its_page_unless_the_pool_has_none(tiny_lfm2: Path)
     pool.kv.alloc(pool.kv.num_free)  # held by nobody: this pool is thrown away
     assert pool.kv.num_free == 0
     layout = pool.row_layout(["a", "b"])  # every live row
-    _build(ahead, runner, [12, 3], [11, 12])
-    assert pool.row_layout(["a", "b"]) == layout and pool.kv_capacity("a") == 12
-    assert ahead.take(req_ids=["a", "b"], prefix_lens=[12, 3], tokens=[11, 12]) is None
+    _build(ahead, runner, [cap, 3], [11, 12])
+    assert pool.row_layout(["a", "b"]) == layout and pool.kv_capacity("a") == cap
+    assert ahead.take(req_ids=["a", "b"], prefix_lens=[cap, 3], tokens=[11, 12]) is None
     # a position past the request table (a step that can never come) is not prepared, and raises nothing
     width = pool.plan.table_width
     _build(ahead, runner, [width, 3], [11, 12])

@@ -12,7 +12,7 @@ from hyspec_statepool.specs import StateDtypes
 PS = 4
 
 
-def _pool(*, pages: int = 32, seqs: int = 4, snapshots: int = 3) -> HybridStatePool:
+def _pool(*, pages: int = 32, seqs: int = 4, snapshots: int = 3, spare_pages: int = 0) -> HybridStatePool:
     specs = ModelStateSpecs.from_pairs([(0, AttentionSpec(1, 2)), (1, ShortConvSpec(3, 3))])
     plan = MemoryPlan(
         specs=specs,
@@ -24,7 +24,7 @@ def _pool(*, pages: int = 32, seqs: int = 4, snapshots: int = 3) -> HybridStateP
         num_kv_pages=pages,
         dtypes=StateDtypes(kv=torch.float32, conv=torch.float32),
     )
-    return HybridStatePool(plan, debug=True)
+    return HybridStatePool(plan, debug=True, spare_pages=spare_pages)
 
 
 def _compute(pool: HybridStatePool, rid: str, tokens: list[int], start: int = 0) -> None:
@@ -122,6 +122,26 @@ def test_full_pages_are_shared_and_the_tail_page_is_copied() -> None:
     assert cache.attach_longest("c", [*tokens, 5, 5], salt=None, max_tokens=11) == 10
     assert _history(pool, "c", 10) == tokens
     pool.free(["c"])
+    _idle(pool)
+
+
+def test_requests_spare_pages_go_back_rather_than_the_cache_misses_for_want_of_a_page() -> None:
+    """A hit's tail copy and a snapshot's tail page need a free page: when the cache has none to give,
+    requests' spare pages (the engine's pools hand them out, `HybridStatePool(spare_pages=...)`) go back for
+    them rather than the hit being lost."""
+    pool = _pool(pages=128, spare_pages=2)  # spares: at most 2 pages (a 64th)
+    cache = PrefixCache(pool, num_snapshots=3)
+    tokens = list(range(1, 11))  # 2 full pages and a tail of 2
+    pool.alloc(["a"])
+    _compute(pool, "a", tokens)  # 3 pages and 2 spares
+    assert len(pool.request_pages("a")) == 5
+    cache.save("a", tokens, salt=None, num_tokens=10)  # its tail page: a free one
+    taken = pool.kv.alloc(pool.kv.num_free)  # every other page in use
+    pool.alloc(["b"])
+    assert cache.attach_longest("b", [*tokens, 11], salt=None, max_tokens=10) == 10  # a's spares gave one
+    assert len(pool.request_pages("a")) == 3 and _history(pool, "b", 10) == tokens
+    pool.kv.free(taken)
+    pool.free(["a", "b"])
     _idle(pool)
 
 

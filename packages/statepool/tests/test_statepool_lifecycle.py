@@ -11,6 +11,7 @@ from hyspec_statepool import (
     DraftShape,
     HybridStatePool,
     LeakError,
+    MemoryPlan,
     ModelStateSpecs,
     PoolExhaustedError,
     UseAfterFreeError,
@@ -136,6 +137,114 @@ def test_kv_growth_truncation_and_slots(make_pool: MakePool) -> None:
     row = torch.full_like(tail, rows.tolist()[0])
     assert bool((pool.table.kv_slots(row, tail) == -1).all())
     assert pool.kv.num_free == 8 - 2
+    assert pool.leak_check().clean
+
+
+def _spare_pool(make_plan: Callable[..., MemoryPlan], num_kv_pages: int) -> HybridStatePool:
+    """Spares of 2 pages; rows of at most 10 pages (16 + 3 positions of 2 per page)."""
+    plan = make_plan(max_num_seqs=3, num_kv_pages=num_kv_pages, page_size=2, max_model_len=16)
+    return HybridStatePool(plan, spare_pages=2)
+
+
+def _pages(pool: HybridStatePool, *req_ids: str) -> tuple[int, ...]:
+    return tuple(len(pool.request_pages(r)) for r in req_ids)
+
+
+def test_spare_pages_map_the_rows_of_a_call_together(make_plan: Callable[..., MemoryPlan]) -> None:
+    pool = _spare_pool(make_plan, 512)  # spares: at most 512 / 64 = 8 pages
+    rows = pool.alloc(["a", "b"])
+    pool.ensure_kv_capacity(["a", "b"], [1, 1])  # a page each, and two spares each
+    assert _pages(pool, "a", "b") == (3, 3)
+    layout = pool.row_layout(["a", "b"])
+    for n in range(2, 7):  # 6 tokens of 2 per page fit in the spares: no mapping, no row changes
+        pool.ensure_kv_capacity(["a", "b"], [n, 2])
+        assert pool.row_layout(["a", "b"]) == layout
+    pool.ensure_kv_capacity(["a", "b"], [7, 3])  # a needs a 4th page: b tops its spares up with it
+    assert _pages(pool, "a", "b") == (6, 4)
+    assert all(x != y for x, y in zip(pool.row_layout(["a", "b"]), layout, strict=True))
+    # spares stop at the table's width (max_pages_per_request)
+    cap = pool.plan.max_pages_per_request
+    pool.ensure_kv_capacity(["a"], [pool.table.width])
+    assert _pages(pool, "a") == (cap,)
+    # slots follow the pages: positions up to the last page have one, the device table equals the host's
+    kv = pool.kv_slots(req_rows=rows, start_positions=torch.tensor([0, 0]), num_tokens=8)
+    assert min(kv.tolist()) >= 0
+    assert pool.table.mirror_mismatches() == []
+    # a truncation keeps two spares past the pages its tokens need
+    pool.truncate_kv("a", 4)
+    assert _pages(pool, "a") == (2 + 2,)
+    assert pool.leak_check().clean
+
+
+def test_spare_pages_are_bounded_and_go_back_before_a_refusal(make_plan: Callable[..., MemoryPlan]) -> None:
+    pool = _spare_pool(make_plan, 128)  # spares: at most 2 pages
+    taken = pool.kv.alloc(128 - 16)  # (held by nobody) 16 pages free
+    pool.alloc(["a", "b", "c"])
+    pool.ensure_kv_capacity(["a"], [1])
+    pool.ensure_kv_capacity(["b"], [1])  # a holds the two spares the pool may give
+    pool.ensure_kv_capacity(["c"], [pool.table.width])  # every page c may hold: no spare past them
+    assert (*_pages(pool, "a", "b", "c"), pool.kv.num_free) == (3, 1, 10, 2)
+    pool.ensure_kv_capacity(["b"], [7])  # 3 more pages: a's spares go back to make up for them
+    assert (*_pages(pool, "a", "b"), pool.kv.num_free) == (1, 4, 1)
+    with pytest.raises(PoolExhaustedError, match="need 6 pages"):  # no spare left to give back
+        pool.ensure_kv_capacity(["b"], [pool.table.width])
+    assert _pages(pool, "a", "b", "c") == (1, 4, 10)
+    assert pool.table.mirror_mismatches() == []
+    pool.kv.free(taken)
+    assert pool.leak_check().clean
+    with pytest.raises(ValueError, match="spare_pages"):
+        HybridStatePool(pool.plan, spare_pages=-1)
+    # a pool of under 64 pages gives none
+    small = _spare_pool(make_plan, 63)
+    small.alloc(["a"])
+    small.ensure_kv_capacity(["a"], [1])
+    assert _pages(small, "a") == (1,)
+
+
+def test_a_call_gives_back_its_own_spares_before_it_is_refused(make_plan: Callable[..., MemoryPlan]) -> None:
+    pool = _spare_pool(make_plan, 128)
+    taken = pool.kv.alloc(128 - 16)
+    pool.alloc(["a", "b", "c"])
+    pool.ensure_kv_capacity(["b"], [1])  # b: a page and two spares
+    pool.ensure_kv_capacity(["c"], [pool.table.width])
+    pool.ensure_kv_capacity(["a"], [1])
+    assert (*_pages(pool, "a", "b", "c"), pool.kv.num_free) == (1, 3, 10, 2)
+    # a needs 3 more pages, 2 are free: b's spares make up for them though b is in the call
+    pool.ensure_kv_capacity(["a", "b"], [7, 1])
+    assert (*_pages(pool, "a", "b"), pool.kv.num_free) == (4, 1, 1)
+    assert pool.table.mirror_mismatches() == []
+    pool.kv.free(taken)
+    assert pool.leak_check().clean
+
+
+class _Holder:
+    """A page holder (as the prefix cache) holding pages until asked for them."""
+
+    def __init__(self, pool: HybridStatePool, n: int) -> None:
+        self.pool, self.pages = pool, pool.kv.alloc(n)
+
+    def held_pages(self) -> list[int]:
+        return list(self.pages)
+
+    def reclaim_pages(self, num_pages: int) -> None:
+        while self.pages and self.pool.kv.num_free < num_pages:
+            self.pool.kv.free([self.pages.pop()])
+
+
+def test_spare_pages_may_take_a_holders_pages(make_plan: Callable[..., MemoryPlan]) -> None:
+    """A prefix cache keeps every page it can, so a serving pool has none free: spares take its least
+    recently used pages as growth does (within their 64th of the pool); growth takes the holder's pages
+    before anyone's spares, and `drop_spares` gives them back (the cache's last resort for a page)."""
+    pool = _spare_pool(make_plan, 128)  # spares: at most 2 pages
+    holder = _Holder(pool, 127)
+    pool.add_page_holder(holder)
+    pool.alloc(["a", "b"])
+    pool.ensure_kv_capacity(["a"], [1])
+    assert _pages(pool, "a") == (3,) and len(holder.pages) == 125 and pool.kv.num_free == 0
+    pool.ensure_kv_capacity(["b"], [1])  # the holder's page; a holds every spare the pool may give
+    assert _pages(pool, "a", "b") == (3, 1) and len(holder.pages) == 124 and pool.kv.num_free == 0
+    pool.drop_spares(1)
+    assert _pages(pool, "a") == (1,) and pool.kv.num_free == 2  # a request's spares go back together
     assert pool.leak_check().clean
 
 

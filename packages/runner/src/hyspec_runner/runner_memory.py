@@ -13,7 +13,7 @@ import torch
 from hyspec_attn_backends import MixerLayer, model_state_specs
 from hyspec_kernels.gdn import CHUNK_SIZE
 from hyspec_spec_workers.round import SpeculativeRound
-from hyspec_statepool.pool import HybridStatePool
+from hyspec_statepool.pool import ENGINE_SPARE_PAGES, HybridStatePool
 from hyspec_statepool.prefix_cache import PrefixCache
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.specs import StateDtypes
@@ -134,7 +134,7 @@ def build_memory(
             else f" with draft vocabulary {vocab if isinstance(vocab, str) else len(vocab)}",
         )
         followers.append(spec)
-    pool = HybridStatePool(plan, device=device)
+    pool = HybridStatePool(plan, device=device, spare_pages=ENGINE_SPARE_PAGES)
     num_snapshots = plan.num_state_slots - max_num_seqs
     cache = PrefixCache(pool, num_snapshots=num_snapshots) if num_snapshots else None
     every = args.prefix_cache_snapshot_interval

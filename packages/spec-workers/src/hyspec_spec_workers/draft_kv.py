@@ -23,7 +23,7 @@ import torch
 from hyspec_attn_backends import HybridBackend, MixerLayer, model_state_specs
 from hyspec_statepool.draft_shape import DraftShape
 from hyspec_statepool.indices import ReqRows
-from hyspec_statepool.pool import HybridStatePool
+from hyspec_statepool.pool import ENGINE_SPARE_PAGES, HybridStatePool
 from hyspec_statepool.prefix_cache import PrefixCache, PrefixHit
 from hyspec_statepool.sizing import MemoryPlan
 from hyspec_statepool.specs import StateDtypes
@@ -107,7 +107,7 @@ class DraftKV:
             num_kv_pages=pages,
             dtypes=StateDtypes(kv=kv, conv=kv),
         )
-        self.pool = HybridStatePool(plan, device=device)
+        self.pool = HybridStatePool(plan, device=device, spare_pages=ENGINE_SPARE_PAGES)
         # a chained drafter's block batch of the same rows round after round is the last one rewritten at the
         # new lengths (`move_batches`: one launch instead of a build, also after its graphs stepped it on)
         self.backend = HybridBackend(

@@ -40,11 +40,16 @@ class PageHolder(Protocol):
         ...
 
 
+# spare pages an engine's pools give a request past its need when a page is mapped (`spare_pages`)
+ENGINE_SPARE_PAGES = 2
+
+
 @dataclass(slots=True)
 class _Live:
     row: int
     slot: int
     pages: list[int]
+    need: int = 0  # pages its last growth or truncation needed: the pages past it are spare
 
 
 class HybridStatePool:
@@ -54,10 +59,28 @@ class HybridStatePool:
         plan: every count to allocate (see `plan_memory`).
         device: where the tensors live.
         debug: NaN-poison slot 0, free slots, free pages and verify scratch, and run every sync-costing check.
+        spare_pages: when `ensure_kv_capacity` maps a page for some request, every request of that call gets
+            up to this many pages past its need as well, while spares hold at most a 64th of the pool
+            (`_may_spare`; an engine's pools: `ENGINE_SPARE_PAGES`). Each mapping costs host work and
+            device writes, and a batch whose page table changed is uploaded again; a round grows every row
+            by a few tokens, so without spares some row of a batch maps a page nearly every round. With
+            them the rows map together, about once every `spare_pages * page_size` tokens. Spare pages go
+            back before a request or the prefix cache is refused pages (`drop_spares`), and past
+            `spare_pages` at a truncation.
     """
 
-    def __init__(self, plan: MemoryPlan, *, device: torch.device | str = "cpu", debug: bool = False) -> None:
+    def __init__(
+        self,
+        plan: MemoryPlan,
+        *,
+        device: torch.device | str = "cpu",
+        debug: bool = False,
+        spare_pages: int = 0,
+    ) -> None:
+        if type(spare_pages) is not int or spare_pages < 0:
+            raise ValueError(f"spare_pages: expected an int >= 0, got {spare_pages!r}")
         self.plan = plan
+        self.spare_pages = spare_pages
         self.device = torch.device(device)
         self.debug = debug
         self.kv = KVPool(plan, device=self.device, debug=debug)
@@ -146,31 +169,83 @@ class HybridStatePool:
             raise ValueError(
                 f"num_tokens: expected {len(req_ids)} counts (one per request), got {len(num_tokens)}"
             )
-        need: list[int] = []
+        lives = [self._get(r) for r in req_ids]
+        want: list[int] = []  # pages each request needs
         for req_id, n in zip(req_ids, num_tokens, strict=True):
-            live = self._get(req_id)
             if not 0 <= n <= self.table.width:
                 raise ValueError(
                     f"num_tokens: expected 0 <= n <= {self.table.width} (max_model_len + Dmax), got {n} for "
                     f"request {req_id!r}; raise max_model_len"
                 )
-            need.append(max(0, self._pages_for(n) - len(live.pages)))
+            want.append(self._pages_for(n))
         if not self.plan.specs.attention_layers:
             return  # a model without attention layers keeps no KV: no request ever holds a page
-        if not any(need):
+        need = [max(0, w - len(live.pages)) for live, w in zip(lives, want, strict=True)]
+        total = sum(need)
+        if total:
+            for holder in self._holders:
+                if self.kv.num_free < total:
+                    holder.reclaim_pages(total)
+            if self.kv.num_free < total:  # spares last: a cache's pages would take them back at once
+                self.drop_spares(total, wants=dict(zip(req_ids, want, strict=True)))
+            pages = self.kv.alloc(total)  # all or nothing: raises before anything below changes
+        for live, w in zip(lives, want, strict=True):
+            live.need = max(live.need, w)
+        if not total:
             return  # the usual decode step or round: every request already holds its pages
-        for holder in self._holders:
-            if self.kv.num_free < sum(need):
-                holder.reclaim_pages(sum(need))
-        pages = self.kv.alloc(sum(need))
+        # a page is mapped anyway: every request of the call tops its spares up in the same table write
+        cap = self.plan.max_pages_per_request
+        extra = [
+            max(0, min(w + self.spare_pages, cap) - len(live.pages) - k)
+            for live, w, k in zip(lives, want, need, strict=True)
+        ]
+        if self.spare_pages and self._may_spare(sum(extra)):
+            pages += self.kv.alloc(sum(extra))
+            need = [k + e for k, e in zip(need, extra, strict=True)]
         updates: list[tuple[int, int, list[int]]] = []
-        for req_id, k in zip(req_ids, need, strict=True):
+        for live, k in zip(lives, need, strict=True):
             if k:
-                live = self._live[req_id]
                 new, pages = pages[:k], pages[k:]
                 updates.append((live.row, len(live.pages), new))
                 live.pages.extend(new)
         self.table.set_pages_many(updates)  # every row's new pages in one copy
+
+    def _may_spare(self, num_pages: int) -> bool:
+        """Whether `num_pages` more spare pages may be handed out: spares never hold more than a 64th of the
+        pool, and past the free pages they take the page holders' least recently used ones, as growth does
+        (a prefix cache keeps every page it can until pages run short, so a serving pool soon has none free:
+        spares from free pages only would never come). The 64th bounds what a cache loses to them: a 9B
+        model's pool at 256 running requests holds hundreds of times their spares, a pool of a few short
+        requests none to spare."""
+        held = sum(max(0, len(live.pages) - live.need) for live in self._live.values())
+        if not num_pages or held + num_pages > self.plan.num_kv_pages // 64:
+            return False
+        for holder in self._holders:
+            if self.kv.num_free < num_pages:
+                holder.reclaim_pages(num_pages)
+        return self.kv.num_free >= num_pages
+
+    def drop_spares(self, num_pages: int, *, wants: dict[Hashable, int] | None = None) -> None:
+        """Requests' spare pages back to the pool until `num_pages` are free: a request, or the prefix cache
+        for a page of its own, is refused pages only when no spare could make up for them. None goes back
+        when all of them would not make up for them (the caller is refused anyway: no row changes for
+        nothing). `wants`: pages needed by the requests of an `ensure_kv_capacity` call, kept as well."""
+        wants = wants or {}
+        keep = {r: max(live.need, wants.get(r, 0)) for r, live in self._live.items()}
+        spare = sum(max(0, len(live.pages) - keep[r]) for r, live in self._live.items())
+        if self.kv.num_free + spare < num_pages:
+            return
+        for req_id, live in self._live.items():
+            if self.kv.num_free >= num_pages:
+                return
+            if len(live.pages) > keep[req_id]:
+                self._drop_pages(live, keep[req_id])
+
+    def _drop_pages(self, live: _Live, keep: int) -> None:
+        dropped = live.pages[keep:]
+        del live.pages[keep:]
+        self.kv.free(dropped)
+        self.table.clear_pages(live.row, keep)
 
     def adopt_pages(self, req_id: Hashable, pages: Sequence[int]) -> None:
         """A request without pages takes `pages` as its first ones (a prefix-cache hit); the caller has
@@ -184,6 +259,7 @@ class HybridStatePool:
             raise ValueError(f"pages: expected at most {self.plan.max_pages_per_request}, got {len(pages)}")
         self.table.set_pages(live.row, 0, list(pages))
         live.pages.extend(pages)
+        live.need = len(pages)
 
     def request_pages(self, req_id: Hashable) -> list[int]:
         """The request's KV pages in position order (a copy)."""
@@ -194,17 +270,15 @@ class HybridStatePool:
         return self._get(req_id).slot
 
     def truncate_kv(self, req_id: Hashable, num_tokens: int) -> None:
-        """Keep only the pages that the first `num_tokens` tokens need (after rejected drafts)."""
+        """Keep only the pages that the first `num_tokens` tokens need (after rejected drafts), and up to
+        `spare_pages` past them."""
         live = self._get(req_id)
         if num_tokens < 0:
             raise ValueError(f"num_tokens: expected >= 0, got {num_tokens}")
-        keep = self._pages_for(num_tokens)
-        if keep >= len(live.pages):
-            return
-        dropped = live.pages[keep:]
-        del live.pages[keep:]
-        self.kv.free(dropped)
-        self.table.clear_pages(live.row, keep)
+        live.need = self._pages_for(num_tokens)
+        keep = live.need + self.spare_pages  # spares stay (`spare_pages`)
+        if keep < len(live.pages):
+            self._drop_pages(live, keep)
 
     def kv_capacity(self, req_id: Hashable) -> int:
         """Tokens the request's pages can hold (never more than the table width)."""

@@ -148,6 +148,8 @@ class PrefixCache:
             if not kv.num_free:
                 self._lru.reclaim_pages(1, keep=snap.key)  # not the snapshot being resumed
             if not kv.num_free:
+                self.pool.drop_spares(1)  # requests' spare pages, rather than miss
+            if not kv.num_free:
                 kv.free(chain)
                 return PrefixHit(0)
             fresh = kv.alloc(1)[0]
@@ -274,6 +276,8 @@ class PrefixCache:
         if partial is not None:
             if not kv.num_free:
                 self._lru.reclaim_pages(1)
+            if not kv.num_free:
+                self.pool.drop_spares(1)  # requests' spare pages, rather than skip the snapshot
             if not kv.num_free:
                 return None  # no page for the tail: skip this snapshot rather than take a request's memory
             tail_page = kv.alloc(1)[0]
