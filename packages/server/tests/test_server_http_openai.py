@@ -228,6 +228,48 @@ def test_completion_logprobs_match_the_model(toy_server: ServerThread) -> None:
     assert tokens == lp.tokens and values == lp.token_logprobs and offsets == lp.text_offset
 
 
+def test_tokens_as_token_ids_name_every_logprob_token(toy_server: ServerThread) -> None:
+    """vLLM's `return_tokens_as_token_ids`: "token_id:<id>" wherever logprobs name a token (completions'
+    tokens, top_logprobs keys and offsets, an echoed prompt's, streamed or not; chat's token and bytes)."""
+    c = client(toy_server)
+    prompt = TOK.encode("ids")
+    out = toy_greedy(prompt, 4, ignore_eos=True)
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    kw: dict[str, Any] = {"model": "toy", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    lp = c.completions.create(**kw, extra_body=extra).choices[0].logprobs
+    assert lp is not None and lp.top_logprobs is not None and lp.text_offset is not None
+    assert lp.tokens == [f"token_id:{t}" for t in out]
+    assert all(f"token_id:{t}" in top for t, top in zip(out, lp.top_logprobs, strict=True))
+    assert all(k.startswith("token_id:") for top in lp.top_logprobs for k in top)
+    assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(4)]
+    streamed: list[str] = []
+    for ch in c.completions.create(**kw, stream=True, extra_body=extra):
+        part = ch.choices[0].logprobs
+        assert part is not None and part.tokens is not None
+        streamed += part.tokens
+    assert streamed == lp.tokens
+    echoed = c.completions.create(**kw, echo=True, extra_body=extra).choices[0].logprobs
+    assert echoed is not None and echoed.tokens == [f"token_id:{t}" for t in [*prompt, *out]]
+    plain = c.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert plain is not None and plain.tokens == [TOK.decode([t]) for t in out]
+    msgs: list[Any] = [{"role": "user", "content": "ids"}]
+    chat_out = toy_greedy(TOK.apply_chat_template(msgs), 3, ignore_eos=True)
+    r = c.chat.completions.create(
+        model="toy",
+        messages=msgs,
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=extra,
+    )
+    content = r.choices[0].logprobs.content if r.choices[0].logprobs else None
+    assert content is not None
+    assert [e.token for e in content] == [f"token_id:{t}" for t in chat_out]
+    assert all(e.bytes == list(e.token.encode()) for e in content)
+    assert all(x.token.startswith("token_id:") for e in content for x in e.top_logprobs)
+
+
 def test_chat_logprobs_have_exactly_top_n(toy_server: ServerThread) -> None:
     c = client(toy_server)
     msgs: list[Any] = [{"role": "user", "content": "lp"}]

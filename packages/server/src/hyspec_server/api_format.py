@@ -200,8 +200,11 @@ async def collect(group: StreamGroup, raw: Request) -> list[RequestOutput]:
         group.abort()
 
 
-def _token_str(tok: Any, t: int, lp: Logprob | None = None) -> str:
-    """Token `t` decoded on its own: the engine's `decoded_token` when the entry has one."""
+def _token_str(tok: Any, t: int, lp: Logprob | None = None, *, as_id: bool = False) -> str:
+    """Token `t` decoded on its own: the engine's `decoded_token` when the entry has one; "token_id:<t>"
+    with `as_id` (vLLM's `return_tokens_as_token_ids`)."""
+    if as_id:
+        return f"token_id:{t}"
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return str(tok.decode([t], skip_special_tokens=False))
@@ -221,15 +224,24 @@ def _by_logprob(d: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
 
 
 def completion_logprobs(
-    tok: Any, ids: Sequence[int], lps: Sequence[dict[int, Logprob] | None], offset: int
+    tok: Any,
+    ids: Sequence[int],
+    lps: Sequence[dict[int, Logprob] | None],
+    offset: int,
+    *,
+    as_ids: bool = False,
 ) -> tuple[dict[str, Any], int]:
     """OpenAI's completions `logprobs` for `ids`, whose text starts at `offset`; also the offset after them.
 
     `top_logprobs[i]` has the requested alternatives plus the chosen token (as vLLM reports it); tokens that
     decode to the same string keep the most likely one's logprob. A None entry (an echoed prompt's first
-    token) is null in `token_logprobs` and `top_logprobs`.
+    token) is null in `token_logprobs` and `top_logprobs`. `as_ids`: tokens named "token_id:<id>" (the
+    offsets then advance by those names, as vLLM's).
     """
-    tokens = [_token_str(tok, t, None if d is None else d.get(t)) for t, d in zip(ids, lps, strict=True)]
+    tokens = [
+        _token_str(tok, t, None if d is None else d.get(t), as_id=as_ids)
+        for t, d in zip(ids, lps, strict=True)
+    ]
     offsets = []
     for s in tokens:
         offsets.append(offset)
@@ -241,7 +253,7 @@ def completion_logprobs(
             continue
         top: dict[str, float] = {}
         for k, v in _by_logprob(d):
-            top.setdefault(_token_str(tok, k, v), json_logprob(v.logprob))
+            top.setdefault(_token_str(tok, k, v, as_id=as_ids), json_logprob(v.logprob))
         tops.append(top)
     body = {
         "tokens": tokens,
@@ -262,16 +274,17 @@ def join_logprobs(first: dict[str, Any] | None, then: dict[str, Any]) -> dict[st
 
 
 def chat_logprobs(
-    tok: Any, ids: Sequence[int], lps: Sequence[dict[int, Logprob]], top_n: int
+    tok: Any, ids: Sequence[int], lps: Sequence[dict[int, Logprob]], top_n: int, *, as_ids: bool = False
 ) -> list[dict[str, Any]]:
-    """OpenAI's chat `logprobs.content`: each token with exactly `top_n` most likely alternatives.
+    """OpenAI's chat `logprobs.content`: each token with exactly `top_n` most likely alternatives; `as_ids`:
+    tokens named "token_id:<id>" (and their bytes those of the name, as vLLM's).
 
     The engine's entry holds the top `top_n` plus the chosen token; when the chosen token is outside the top
     its logprob is below all of them, so the first `top_n` by logprob are the true top.
     """
 
     def entry(t: int, v: Logprob) -> dict[str, Any]:
-        s = _token_str(tok, t, v)
+        s = _token_str(tok, t, v, as_id=as_ids)
         return {"token": s, "logprob": json_logprob(v.logprob), "bytes": list(s.encode("utf-8"))}
 
     out = []

@@ -129,7 +129,9 @@ async def completions(raw: Request) -> Response:
             "stop_reason": None if prompt_only else c.stop_reason if out.finished else None,
         }
         if req.logprobs is not None and c.logprobs is not None:
-            ch["logprobs"], offset = completion_logprobs(tok, c.token_ids[start:], c.logprobs[start:], offset)
+            ch["logprobs"], offset = completion_logprobs(
+                tok, c.token_ids[start:], c.logprobs[start:], offset, as_ids=req.return_tokens_as_token_ids
+            )
             if prompt:
                 ch["logprobs"] = join_logprobs(echo_logprobs(out), ch["logprobs"])
         if req.return_token_ids:
@@ -149,7 +151,9 @@ async def completions(raw: Request) -> Response:
             else {t: e for t, e in d.items() if t == own or (e.rank is not None and e.rank <= k)}
             for own, d in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)
         ]
-        return completion_logprobs(tok, out.prompt_token_ids, lps, 0)[0]
+        return completion_logprobs(tok, out.prompt_token_ids, lps, 0, as_ids=req.return_tokens_as_token_ids)[
+            0
+        ]
 
     def body(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -279,7 +283,8 @@ async def chat(raw: Request) -> Response:
         c = out.outputs[0]
         if c.logprobs is None:
             return None
-        return {"content": chat_logprobs(tok, c.token_ids[start:], c.logprobs[start:], top_n)}
+        as_ids = req.return_tokens_as_token_ids
+        return {"content": chat_logprobs(tok, c.token_ids[start:], c.logprobs[start:], top_n, as_ids=as_ids)}
 
     if req.stream:
         base: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "model": ctx.model_name}

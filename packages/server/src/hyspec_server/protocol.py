@@ -92,6 +92,9 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     # hyspec extension (as in vLLM): return the generated token ids in each choice
     return_token_ids: bool = False
+    # vLLM extension: tokens in `logprobs` named "token_id:<id>" (a token that is not valid UTF-8 alone,
+    # part of a multi-byte character, is then still told apart)
+    return_tokens_as_token_ids: bool = False
     # vLLM extension: logprobs of every prompt token (top-k per position), in the response (not streamed)
     prompt_logprobs: int | None = None
     # vLLM extension: requests with different salts share no prefix-cache entry
