@@ -17,6 +17,7 @@ import pytest
 from hyspec_runner.speculative import DrafterContext, DrafterRegistry
 from hyspec_server import LLM, EngineArgs, SamplingParams, StructuredOutputsParams
 from hyspec_server.builder import build_engine
+from hyspec_server.engine import EngineStepError
 from hyspec_server.serve import ServerThread
 from hyspec_spec_workers.drafter import Drafter
 from hyspec_testing.server import toy_engine, toy_greedy
@@ -437,10 +438,24 @@ def test_xgrammar_errors_name_the_field_not_the_library_source() -> None:
     llm.leak_check()
 
 
+def _run_to_idle(eng: Any) -> tuple[dict[str, Any], list[EngineStepError]]:
+    """Steps `eng` until idle -> (every request's latest output by id, the step errors), delivering a failed
+    step's outputs of the other requests as a server does."""
+    latest: dict[str, Any] = {}
+    errors: list[EngineStepError] = []
+    while eng.has_unfinished():
+        try:
+            outs = eng.step()
+        except EngineStepError as e:
+            errors.append(e)
+            outs = e.step_outputs
+        latest.update({o.request_id: o for o in outs})
+    return latest, errors
+
+
 def test_a_request_failing_after_its_step_is_aborted_alone(qwen_ckpt: Path) -> None:
     """A request whose bookkeeping after the model step raises is aborted alone: the engine reports it with
     the step's outputs of the others, which go on to their normal ends; over HTTP the engine thread lives."""
-    from hyspec_server.engine import EngineStepError
     from hyspec_server.request import Request
 
     eng = build_engine(EngineArgs(model=str(qwen_ckpt), max_num_seqs=4, max_model_len=64))
@@ -456,21 +471,12 @@ def test_a_request_failing_after_its_step_is_aborted_alone(qwen_ckpt: Path) -> N
 
     Request.append_token = poisoned  # type: ignore[method-assign]
     try:
-        seen: dict[str, int] = {}
-        errors: list[EngineStepError] = []
-        while eng.has_unfinished():
-            try:
-                outs = eng.step()
-            except EngineStepError as e:
-                errors.append(e)
-                outs = e.step_outputs
-            for o in outs:
-                seen[o.request_id] = len(o.outputs[0].token_ids)
+        latest, errors = _run_to_idle(eng)
     finally:
         Request.append_token = append  # type: ignore[method-assign]
     assert [e.request_ids for e in errors] == [[bad]]
     assert [o.request_id for o in errors[0].step_outputs] == [good]
-    assert seen[good] == 6
+    assert len(latest[good].outputs[0].token_ids) == 6
     eng.leak_check()
     # over HTTP: the failing request gets an error, the engine thread serves the next one
     srv = ServerThread(
@@ -636,6 +642,44 @@ def test_allowed_token_ids_that_cannot_begin_the_constraint_are_refused() -> Non
                 },
             )
             assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "abc"
+    finally:
+        srv.stop()
+
+
+def test_allowed_token_ids_that_stop_continuing_the_constraint_end_that_request_alone() -> None:
+    """`allowed_token_ids` that can begin the constraint but not go on with it leave a later step nothing to
+    sample: that request ends alone with an error naming `allowed_token_ids` (HTTP 400, streamed or not; it
+    was a 500, "engine step failed"), the others are served."""
+    dead = SamplingParams(
+        max_tokens=8,
+        temperature=0,
+        structured_outputs=StructuredOutputsParams(choice=["abc"]),
+        allowed_token_ids=[ord("a")],  # "a" begins "abc", nothing allowed goes on with it
+    )
+    eng = toy_engine()
+    eng.add_request({"prompt_token_ids": [3]}, dead, request_id="dead")
+    eng.add_request({"prompt_token_ids": [4]}, SamplingParams(max_tokens=6, ignore_eos=True), request_id="ok")
+    latest, errors = _run_to_idle(eng)
+    assert [e.request_ids for e in errors] == [["dead"]]
+    assert "allowed_token_ids" in str(errors[0]) and errors[0].dead_ends["dead"].param == "allowed_token_ids"
+    assert latest["ok"].finished and len(latest["ok"].outputs[0].token_ids) == 6
+    eng.leak_check()
+    srv = ServerThread(toy_engine(), model_name="toy").start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+            body = {
+                "prompt": "x",
+                "max_tokens": 8,
+                "temperature": 0,
+                "structured_outputs": {"choice": ["abc"]},
+                "allowed_token_ids": [ord("a")],
+            }
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+            streamed = c.post("/v1/completions", json={**body, "stream": True}).text
+            assert '"param":"allowed_token_ids"' in streamed.replace(" ", ""), streamed
+            ok = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "ignore_eos": True})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
     finally:
         srv.stop()
 

@@ -19,6 +19,7 @@ from starlette.types import Message, Send
 from hyspec_server.async_engine import StreamGroup
 from hyspec_server.outputs import Logprob, RequestOutput
 from hyspec_server.protocol import APIError
+from hyspec_server.request import DeadEndError
 
 _log = logging.getLogger("hyspec.api")
 
@@ -172,6 +173,8 @@ def event_stream(events: AsyncIterator[str], group: StreamGroup, *, stall_s: flo
                 yield e
         except APIError as e:
             yield sse(e.body())
+        except DeadEndError as e:
+            yield sse(APIError(400, str(e), param=e.param).body())
         except RuntimeError as e:
             yield sse(APIError(500, str(e), type_="server_error").body())
         finally:
@@ -190,6 +193,8 @@ async def collect(group: StreamGroup, raw: Request) -> list[RequestOutput]:
             if done:
                 try:
                     return task.result()
+                except DeadEndError as e:
+                    raise APIError(400, str(e), param=e.param) from e
                 except RuntimeError as e:
                     raise APIError(500, str(e), type_="server_error") from e
             if await raw.is_disconnected():

@@ -285,7 +285,10 @@ class AsyncEngine:
             except EngineStepError as e:
                 log.exception("engine step failed")
                 for rid in e.request_ids:
-                    self._deliver(RuntimeError(f"engine step failed for request {rid}"), rid)
+                    # a request its own parameters left nothing to sample: its error says why (a 400)
+                    self._deliver(
+                        e.dead_ends.get(rid) or RuntimeError(f"engine step failed for request {rid}"), rid
+                    )
                 outputs = e.step_outputs  # the step served every other request
             for out in outputs:
                 self._deliver(out, out.request_id)

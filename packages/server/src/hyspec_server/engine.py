@@ -21,7 +21,7 @@ from hyspec_spec_workers.sampling import SampledToken
 from hyspec_statepool.prefix_cache import PrefixCacheStats
 
 from hyspec_server.outputs import Logprob, RequestOutput, SpecDecodeStats
-from hyspec_server.request import Request
+from hyspec_server.request import DeadEndError, Request
 from hyspec_server.sampling_params import RequestOutputKind, SamplingParams
 from hyspec_server.scheduler import Scheduler, SchedulerConfig
 from hyspec_server.structured import GrammarCompiler
@@ -82,18 +82,22 @@ def parse_prompt(item: str | Mapping[str, Any]) -> tuple[str | list[int] | Token
 
 class EngineStepError(RuntimeError):
     """A step failed for these requests; they were aborted and freed (`outputs`: theirs). `step_outputs`: the
-    step's outputs of every other request, which it served normally (deliver them too)."""
+    step's outputs of every other request, which it served normally (deliver them too). `dead_ends`: those
+    of the failed requests whose own parameters left them nothing to sample (`DeadEndError`), by id."""
 
     def __init__(
         self,
         request_ids: list[str],
         outputs: list[RequestOutput],
         step_outputs: Sequence[RequestOutput] = (),
+        dead_ends: dict[str, DeadEndError] | None = None,
     ) -> None:
-        super().__init__(f"model step failed; aborted requests {request_ids}")
+        why = "".join(f"; {rid}: {e}" for rid, e in (dead_ends or {}).items())
+        super().__init__(f"model step failed; aborted requests {request_ids}{why}")
         self.request_ids = request_ids
         self.outputs = outputs
         self.step_outputs = list(step_outputs)
+        self.dead_ends = dict(dead_ends or {})
 
 
 log = logging.getLogger("hyspec.engine")
@@ -321,6 +325,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         done: list[Request] = []
         failed: list[Request] = []  # requests whose own bookkeeping failed: aborted alone, the rest go on
+        dead_ends: dict[str, DeadEndError] = {}
         verified = result.verified or (None,) * len(sched.chunks)
         for chunk, rows in zip(sched.chunks, result.prompt_logprobs):
             if rows is not None:
@@ -340,6 +345,11 @@ class LLMEngine:
                     # the block's root and the accepted drafts are in memory now; the bonus is the next root
                     req.num_computed_tokens = chunk.start + ver.num_accepted + 1
                     finished = self._append_verified(req, ver, now)
+            except DeadEndError as e:
+                log.warning("request %s: %s; aborting it", req.request_id, e)
+                failed.append(req)
+                dead_ends[req.request_id] = e
+                continue
             except Exception:
                 log.exception("request %s failed after its model step; aborting it", req.request_id)
                 failed.append(req)
@@ -354,7 +364,7 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
         if failed:
             outs = [out for r in failed if (out := self.abort(r.request_id)) is not None]
-            raise EngineStepError([r.request_id for r in failed], outs, outputs)
+            raise EngineStepError([r.request_id for r in failed], outs, outputs, dead_ends)
         return outputs
 
     def _append(self, req: Request, tok: SampledToken, now: float) -> bool:

@@ -29,6 +29,15 @@ from hyspec_server.sampling_params import RequestOutputKind, SamplingParams
 from hyspec_server.tokenizer import Tokenizer
 
 
+class DeadEndError(ValueError):
+    """A request's own parameters left it nothing to sample part-way through (they were accepted when it was
+    added): it ends alone, and the server answers 400 naming `param`, the field at fault."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -204,7 +213,18 @@ class Request:
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs[token_id].logprob
         p = self.params
         if self.grammar is not None:
-            self.grammar.accept(token_id)
+            try:
+                self.grammar.accept(token_id)
+            except RuntimeError:
+                if p.allowed_token_ids is None:
+                    raise  # both masks apply to every sample: a forbidden token is a bug upstream
+                # the step's allowed ids and the constraint's next tokens did not meet: every logit was -inf
+                raise DeadEndError(
+                    f"allowed_token_ids: after {len(self.output_token_ids) - 1} generated tokens none of "
+                    "these tokens continues the request's structured-output constraint, so nothing was left "
+                    "to sample",
+                    param="allowed_token_ids",
+                ) from None
         # stop tokens and EOS end generation without entering the text, unless include_stop_str_in_output
         # (vLLM's: then the stop token is decoded as any other; a special one is still skipped by
         # skip_special_tokens)
