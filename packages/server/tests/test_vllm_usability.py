@@ -4,6 +4,7 @@ API key from `HYSPEC_API_KEY`."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -200,6 +201,33 @@ def test_cli_version_and_model_card(capsys: pytest.CaptureFixture[str]) -> None:
         card = httpx.get(srv.base_url + "/v1/models/org/toy").json()
         assert card["id"] == "org/toy" and card["max_model_len"] == 256
         assert httpx.get(srv.base_url + "/v1/models/other").status_code == 404
+    finally:
+        srv.stop()
+
+
+def test_chat_echo_starts_a_continued_reply_with_the_last_message() -> None:
+    """vLLM's chat `echo`: a continued assistant message (add_generation_prompt false, continue_final_message
+    true) comes back with its own text first, streamed as the first content; the reply's role is then the
+    last message's. After a generation prompt the reply's role is "assistant" and a user's last message is
+    not echoed."""
+    import httpx
+
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "he"}]
+    cont = {"messages": conv, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    cont |= {"add_generation_prompt": False, "continue_final_message": True}
+    srv = ServerThread(toy_engine(), model_name="toy").start()
+    try:
+        url = srv.base_url + "/v1/chat/completions"
+        plain = httpx.post(url, json=cont).json()["choices"][0]["message"]
+        echoed = httpx.post(url, json={**cont, "echo": True}).json()["choices"][0]["message"]
+        assert echoed == {"role": "assistant", "content": "he" + plain["content"]}
+        lines = httpx.post(url, json={**cont, "echo": True, "stream": True}).text.split("\n\n")
+        deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in lines if x.startswith("data: {")]
+        assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1] == {"content": "he"}
+        assert "".join(d.get("content", "") for d in deltas) == echoed["content"]
+        user_last = {"messages": conv[:1], "max_tokens": 2, "echo": True}
+        reply = httpx.post(url, json=user_last).json()["choices"][0]["message"]
+        assert reply["role"] == "assistant" and not reply["content"].startswith("hi")
     finally:
         srv.stop()
 

@@ -286,6 +286,7 @@ async def chat(raw: Request) -> Response:
         as_ids = req.return_tokens_as_token_ids
         return {"content": chat_logprobs(tok, c.token_ids[start:], c.logprobs[start:], top_n, as_ids=as_ids)}
 
+    role, echoed = req.reply_role, req.echoed_text()
     if req.stream:
         base: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "model": ctx.model_name}
         if req.include_usage:
@@ -296,8 +297,12 @@ async def chat(raw: Request) -> Response:
 
         async def events() -> AsyncIterator[str]:
             for k in range(n):
-                hello = {"role": "assistant", "content": ""}
+                hello = {"role": role, "content": ""}
                 yield chunk([{"index": k, "delta": hello, "logprobs": None, "finish_reason": None}])
+            if echoed:
+                for k in range(n):
+                    echo = {"content": echoed}
+                    yield chunk([{"index": k, "delta": echo, "logprobs": None, "finish_reason": None}])
             sent = [0] * n
             last: dict[int, RequestOutput] = {}
             calls = [ToolCallStream() for _ in range(n)]
@@ -338,13 +343,14 @@ async def chat(raw: Request) -> Response:
     choices: list[dict[str, Any]] = []
     for k, out in enumerate(outs):
         c = out.outputs[0]
-        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        message: dict[str, Any] = {"role": role, "content": echoed + c.text}
         finish: str | None = c.finish_reason
         if req.parses_tools:
             content, found = parse_tool_calls(c.text)
             if found:
+                content = echoed + content
                 message = {
-                    "role": "assistant",
+                    "role": role,
                     "content": content if content.strip() else None,
                     "tool_calls": [x.openai() for x in found],
                 }

@@ -333,6 +333,19 @@ class ChatCompletionRequest(_SamplingFields, ChatPromptFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     parallel_tool_calls: bool = True
+    # vLLM extension: the reply starts with the last message's text when that message has the reply's role
+    # (a continued assistant message: add_generation_prompt false, continue_final_message true)
+    echo: bool = False
+
+    @property
+    def reply_role(self) -> str:
+        """The reply's role, as vLLM's: "assistant" after a generation prompt, else the last message's."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed_text(self) -> str:
+        """What `echo` puts before each reply: the last message's text when it has the reply's role."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == self.reply_role else ""
 
     def check_forced(self, names: list[str]) -> None:
         """400 when a forced call (`names`, from `check_tools`) meets a response format: both are grammars."""
