@@ -250,6 +250,13 @@ def test_tokens_as_token_ids_name_every_logprob_token(toy_server: ServerThread) 
     assert streamed == lp.tokens
     echoed = c.completions.create(**kw, echo=True, extra_body=extra).choices[0].logprobs
     assert echoed is not None and echoed.tokens == [f"token_id:{t}" for t in [*prompt, *out]]
+    # offsets count on through the prompt's names into the generated tokens', streamed or not
+    assert echoed.text_offset == [sum(len(s) for s in echoed.tokens[:i]) for i in range(len(prompt) + 4)]
+    offsets: list[int] = []
+    for ch in c.completions.create(**kw, echo=True, stream=True, extra_body=extra):
+        part = ch.choices[0].logprobs
+        offsets += part.text_offset if part is not None and part.text_offset is not None else []
+    assert offsets == echoed.text_offset
     plain = c.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].logprobs
     assert plain is not None and plain.tokens == [TOK.decode([t]) for t in out]
     msgs: list[Any] = [{"role": "user", "content": "ids"}]

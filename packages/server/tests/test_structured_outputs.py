@@ -659,9 +659,18 @@ def test_allowed_token_ids_that_stop_continuing_the_constraint_end_that_request_
     eng = toy_engine()
     eng.add_request({"prompt_token_ids": [3]}, dead, request_id="dead")
     eng.add_request({"prompt_token_ids": [4]}, SamplingParams(max_tokens=6, ignore_eos=True), request_id="ok")
+    # a dead end where the token sampled from all -inf logits (0) happens to continue the constraint
+    zero = SamplingParams(
+        max_tokens=8,
+        temperature=0,
+        structured_outputs=StructuredOutputsParams(choice=["a\x00", "ab"]),
+        allowed_token_ids=[ord("a")],
+    )
+    eng.add_request({"prompt_token_ids": [5]}, zero, request_id="zero")
     latest, errors = _run_to_idle(eng)
-    assert [e.request_ids for e in errors] == [["dead"]]
-    assert "allowed_token_ids" in str(errors[0]) and errors[0].dead_ends["dead"].param == "allowed_token_ids"
+    assert sorted(rid for e in errors for rid in e.request_ids) == ["dead", "zero"]
+    for e in errors:
+        assert all(d.param == "allowed_token_ids" for d in e.dead_ends.values()) and e.dead_ends
     assert latest["ok"].finished and len(latest["ok"].outputs[0].token_ids) == 6
     eng.leak_check()
     srv = ServerThread(toy_engine(), model_name="toy").start()
@@ -678,6 +687,7 @@ def test_allowed_token_ids_that_stop_continuing_the_constraint_end_that_request_
             assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
             streamed = c.post("/v1/completions", json={**body, "stream": True}).text
             assert '"param":"allowed_token_ids"' in streamed.replace(" ", ""), streamed
+            assert streamed.endswith("data: [DONE]\n\n"), streamed  # the error event, then the end
             ok = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "ignore_eos": True})
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
     finally:

@@ -22,8 +22,9 @@ class _Constrained(Protocol):
 class GrammarState:
     """One request's position in its constraint."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, *, vocab_size: int = 0) -> None:
         self.matcher = matcher
+        self.vocab_size = vocab_size  # the tokenizer's (xgrammar's bitmask width); 0: unknown
         # tokens that complete the constrained text (the tokenizer's EOS): they end the request even with
         # ignore_eos, so a verify round cuts there like at any stop token
         self.stop_token_ids = frozenset(int(t) for t in matcher.stop_token_ids)
@@ -32,6 +33,17 @@ class GrammarState:
         """Advances by one generated token; a token the constraint forbids is a bug upstream: it raises."""
         if not self.matcher.accept_token(token_id):
             raise RuntimeError(f"token {token_id} violates the request's structured-output constraint")
+
+    def allows_any(self, token_ids: Sequence[int]) -> bool:
+        """Whether the constraint takes any of these tokens next (state unchanged; needs `vocab_size`)."""
+        import xgrammar as xgr
+
+        if self.vocab_size < 1:
+            raise ValueError("allows_any: this state was made without the vocabulary size")
+        ids = torch.tensor([t for t in token_ids if 0 <= t < self.vocab_size], dtype=torch.long)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, ceil(V / 32)] int32
+        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        return bool(((bitmask[0, ids // 32] >> (ids % 32)) & 1).any())
 
     def allowed_drafts(self, drafts: Sequence[int]) -> int:
         """How many leading drafts the constraint takes (spec-workers' `TokenConstraint`; state unchanged)."""

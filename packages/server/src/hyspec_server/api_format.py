@@ -166,17 +166,20 @@ class _GuardedStream(StreamingResponse):
                 await closer()
 
 
+DONE = "data: [DONE]\n\n"  # the last event of every stream, a failed one too (as vLLM)
+
+
 def event_stream(events: AsyncIterator[str], group: StreamGroup, *, stall_s: float) -> StreamingResponse:
     async def guarded() -> AsyncIterator[str]:
         try:
             async for e in events:
                 yield e
         except APIError as e:
-            yield sse(e.body())
+            yield sse(e.body()) + DONE
         except DeadEndError as e:
-            yield sse(APIError(400, str(e), param=e.param).body())
+            yield sse(APIError(400, str(e), param=e.param).body()) + DONE
         except RuntimeError as e:
-            yield sse(APIError(500, str(e), type_="server_error").body())
+            yield sse(APIError(500, str(e), type_="server_error").body()) + DONE
         finally:
             # a disconnect cancels this generator; the aborts free the requests' memory
             group.abort()

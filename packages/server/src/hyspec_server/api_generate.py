@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from hyspec_server.api_context import ServerContext, server_context
 from hyspec_server.api_format import (
+    DONE,
     chat_logprobs,
     collect,
     completion_logprobs,
@@ -138,6 +139,13 @@ async def completions(raw: Request) -> Response:
             ch["token_ids"] = c.token_ids[start:]
         return ch, offset
 
+    def after_echo(i: int, out: RequestOutput) -> int:
+        """The text offset of prompt i's first generated token: after its echoed text, or after its tokens'
+        names when they are logprobs' tokens (`return_tokens_as_token_ids`: offsets count on, as vLLM's)."""
+        if echo_lp and req.return_tokens_as_token_ids:
+            return sum(len(f"token_id:{t}") for t in out.prompt_token_ids)
+        return len(echoed[i])
+
     def echo_logprobs(out: RequestOutput) -> dict[str, Any] | None:
         """The echoed prompt's completions logprobs (its first token has none: null, as OpenAI's)."""
         if out.prompt_logprobs is None:
@@ -180,6 +188,7 @@ async def completions(raw: Request) -> Response:
             async for k, out in group.outputs():
                 if echo_lp and k not in last:
                     # prompt logprobs exist once it is prefilled: the echo waits for the first output
+                    offsets[k] = after_echo(k // n, out)
                     ch = {
                         "index": k,
                         "text": echoed[k // n],
@@ -201,7 +210,7 @@ async def completions(raw: Request) -> Response:
                     [last[k] for k in range(0, len(items), n)], last.values(), generated=not prompt_only
                 )
                 yield sse(body([], usage=counts))
-            yield "data: [DONE]\n\n"
+            yield DONE
 
         return event_stream(events(), group, stall_s=ctx.stall_s)
     outs = await collect(group, raw)
@@ -212,7 +221,7 @@ async def completions(raw: Request) -> Response:
             mine = sorted(mine, key=lambda o: -(o.outputs[0].cumulative_logprob or 0.0))[:n]
         for j, out in enumerate(mine):
             text = echoed[i] + ("" if prompt_only else out.outputs[0].text)
-            ch = choice(i * n + j, out, text, 0, len(echoed[i]), prompt=echo_lp)[0]
+            ch = choice(i * n + j, out, text, 0, after_echo(i, out), prompt=echo_lp)[0]
             if req.prompt_logprobs is not None:
                 ch["prompt_logprobs"] = vllm_prompt_logprobs(out, req.prompt_logprobs)
             choices.append(ch)
@@ -336,7 +345,7 @@ async def chat(raw: Request) -> Response:
                     yield chunk([ch])
             if req.include_usage:
                 yield chunk([], usage=usage([last[0]], last.values()))
-            yield "data: [DONE]\n\n"
+            yield DONE
 
         return event_stream(events(), group, stall_s=ctx.stall_s)
     outs = await collect(group, raw)

@@ -213,18 +213,16 @@ class Request:
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs[token_id].logprob
         p = self.params
         if self.grammar is not None:
-            try:
-                self.grammar.accept(token_id)
-            except RuntimeError:
-                if p.allowed_token_ids is None:
-                    raise  # both masks apply to every sample: a forbidden token is a bug upstream
-                # the step's allowed ids and the constraint's next tokens did not meet: every logit was -inf
+            if p.allowed_token_ids is not None and not self.grammar.allows_any(p.allowed_token_ids):
+                # this step's allowed ids and the constraint's next tokens did not meet: every logit was
+                # -inf, and whatever was sampled breaks one of them
                 raise DeadEndError(
                     f"allowed_token_ids: after {len(self.output_token_ids) - 1} generated tokens none of "
                     "these tokens continues the request's structured-output constraint, so nothing was left "
                     "to sample",
                     param="allowed_token_ids",
-                ) from None
+                )
+            self.grammar.accept(token_id)
         # stop tokens and EOS end generation without entering the text, unless include_stop_str_in_output
         # (vLLM's: then the stop token is decoded as any other; a special one is still skipped by
         # skip_special_tokens)

@@ -87,7 +87,8 @@ class GrammarCompiler:
     def new_state(self, params: StructuredOutputsParams) -> GrammarState:
         import xgrammar as xgr
 
-        return GrammarState(xgr.GrammarMatcher(self.compile(params)))
+        compiled = self.compile(params)  # (sets vocab_size)
+        return GrammarState(xgr.GrammarMatcher(compiled), vocab_size=self.vocab_size)
 
     def check_start_within(self, params: StructuredOutputsParams, allowed: Sequence[int]) -> None:
         """ValueError naming `allowed_token_ids` when none of `allowed` can begin the constraint: the
