@@ -177,8 +177,7 @@ def test_spare_pages_map_the_rows_of_a_call_together(make_plan: Callable[..., Me
 
 
 def test_spare_pages_are_bounded_and_go_back_before_a_refusal(make_plan: Callable[..., MemoryPlan]) -> None:
-    pool = _spare_pool(make_plan, 128)  # spares: at most 2 pages
-    taken = pool.kv.alloc(128 - 16)  # (held by nobody) 16 pages free
+    pool = _spare_pool(make_plan, 16)  # spares: at most 16 / 8 = 2 pages
     pool.alloc(["a", "b", "c"])
     pool.ensure_kv_capacity(["a"], [1])
     pool.ensure_kv_capacity(["b"], [1])  # a holds the two spares the pool may give
@@ -190,20 +189,13 @@ def test_spare_pages_are_bounded_and_go_back_before_a_refusal(make_plan: Callabl
         pool.ensure_kv_capacity(["b"], [pool.table.width])
     assert _pages(pool, "a", "b", "c") == (1, 4, 10)
     assert pool.table.mirror_mismatches() == []
-    pool.kv.free(taken)
     assert pool.leak_check().clean
     with pytest.raises(ValueError, match="spare_pages"):
         HybridStatePool(pool.plan, spare_pages=-1)
-    # a pool of under 64 pages gives none
-    small = _spare_pool(make_plan, 63)
-    small.alloc(["a"])
-    small.ensure_kv_capacity(["a"], [1])
-    assert _pages(small, "a") == (1,)
 
 
 def test_a_call_gives_back_its_own_spares_before_it_is_refused(make_plan: Callable[..., MemoryPlan]) -> None:
-    pool = _spare_pool(make_plan, 128)
-    taken = pool.kv.alloc(128 - 16)
+    pool = _spare_pool(make_plan, 16)
     pool.alloc(["a", "b", "c"])
     pool.ensure_kv_capacity(["b"], [1])  # b: a page and two spares
     pool.ensure_kv_capacity(["c"], [pool.table.width])
@@ -212,9 +204,7 @@ def test_a_call_gives_back_its_own_spares_before_it_is_refused(make_plan: Callab
     # a needs 3 more pages, 2 are free: b's spares make up for them though b is in the call
     pool.ensure_kv_capacity(["a", "b"], [7, 1])
     assert (*_pages(pool, "a", "b"), pool.kv.num_free) == (4, 1, 1)
-    assert pool.table.mirror_mismatches() == []
-    pool.kv.free(taken)
-    assert pool.leak_check().clean
+    assert pool.table.mirror_mismatches() == [] and pool.leak_check().clean
 
 
 class _Holder:
@@ -233,18 +223,38 @@ class _Holder:
 
 def test_spare_pages_may_take_a_holders_pages(make_plan: Callable[..., MemoryPlan]) -> None:
     """A prefix cache keeps every page it can, so a serving pool has none free: spares take its least
-    recently used pages as growth does (within their 64th of the pool); growth takes the holder's pages
-    before anyone's spares, and `drop_spares` gives them back (the cache's last resort for a page)."""
-    pool = _spare_pool(make_plan, 128)  # spares: at most 2 pages
+    recently used pages as growth does while they hold at most a 64th of the pool (`cache_share`); growth
+    takes the holder's pages before the spares within that share, and `drop_spares` gives them back (the
+    cache's last resort for a page)."""
+    pool = _spare_pool(make_plan, 128)  # spares: 16 pages, 2 of them a holder's
     holder = _Holder(pool, 127)
     pool.add_page_holder(holder)
     pool.alloc(["a", "b"])
     pool.ensure_kv_capacity(["a"], [1])
     assert _pages(pool, "a") == (3,) and len(holder.pages) == 125 and pool.kv.num_free == 0
-    pool.ensure_kv_capacity(["b"], [1])  # the holder's page; a holds every spare the pool may give
+    pool.ensure_kv_capacity(["b"], [1])  # the holder's page; a holds the holder's share of spares
     assert _pages(pool, "a", "b") == (3, 1) and len(holder.pages) == 124 and pool.kv.num_free == 0
     pool.drop_spares(1)
     assert _pages(pool, "a") == (1,) and pool.kv.num_free == 2  # a request's spares go back together
+    assert pool.leak_check().clean
+
+
+def test_spares_past_the_cache_share_go_before_a_holders_pages(make_plan: Callable[..., MemoryPlan]) -> None:
+    pool = _spare_pool(make_plan, 128)  # spares: 16 pages from free ones, 2 (the cache's share) past them
+    holder = _Holder(pool, 100)
+    pool.add_page_holder(holder)
+    rows = ["a", "b", "c"]
+    pool.alloc(rows)
+    pool.ensure_kv_capacity(rows, [1, 1, 1])  # free pages: a page and two spares each
+    assert _pages(pool, *rows) == (3, 3, 3)
+    taken = pool.kv.alloc(pool.kv.num_free)  # (held by nobody) none free
+    pool.ensure_kv_capacity(["c"], [7])  # a's spares (past the share of 2) make up for c's page
+    assert _pages(pool, *rows) == (1, 3, 4) and len(holder.pages) == 100
+    pool.ensure_kv_capacity(["c"], [9])
+    pool.ensure_kv_capacity(["c"], [11])  # b's spares are within the share: the holder gives a page
+    assert _pages(pool, *rows) == (1, 3, 6) and len(holder.pages) == 99
+    assert pool.table.mirror_mismatches() == []
+    pool.kv.free(taken)
     assert pool.leak_check().clean
 
 
