@@ -1,13 +1,15 @@
 """Spare KV pages (`HybridStatePool(spare_pages=...)`) against none, in one process, on the demo Qwen3.5.
 
-    python tools/bench_spare_pages.py OUT_DIR [REPS]     # -> OUT_DIR/spare-pages.json
+    python tools/bench_spare_pages.py OUT_DIR [REPS [MAX_LEN]]     # -> OUT_DIR/spare-pages[-MAX_LEN].json
 
 For batch 1, 8 and 32 it builds a plain, an MTP (S=3) and an oracle engine (`bench_decode.oracle_registry`:
 every draft right), then alternates REPS times between every engine pool with `ENGINE_SPARE_PAGES` spares
 and the same pools with none (a host-bound step drifts by tens of percent over a minute on a lent machine:
 only alternating runs in one process compare). Reports decode tok/s (`bench_decode.hyspec_decode`, first to
 last token), the page-mapping events (`RequestTable.set_pages_many` calls that map a page) and the greedy
-agreement with the plain engine.
+agreement with the plain engine. With a MAX_LEN below 4096 the pools are sized for their requests (as the
+other demo benchmarks' are: 400 tokens, 208 KV pages at batch 8) and their prefix caches, filled by the
+first runs, hold every other page.
 """
 
 from __future__ import annotations
@@ -59,20 +61,21 @@ def set_spares(k: int) -> None:
 def main() -> None:
     out = Path(sys.argv[1])
     reps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    max_len = int(sys.argv[3]) if len(sys.argv) > 3 else MAX_LEN
     from transformers import AutoTokenizer
 
     path = ROOT / "packages/server/src/hyspec_server/demo_models/qwen3_5"
     ps = prompts(AutoTokenizer.from_pretrained(str(path)), 8, 128)
     maps = MapCounter()
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "new": NEW, "reps": reps, "runs": {}}
-    res["max_model_len"] = MAX_LEN
+    res["max_model_len"] = max_len
     for b in (1, 8, 32):
         rows = [ps[i % len(ps)] for i in range(b)]
 
         def make(spec: dict[str, Any] | None, drafters: Any = None) -> Any:
             return make_llm(
-                path, spec=spec, drafters=drafters, max_num_seqs=max(b, 8), max_len=MAX_LEN,
-                kv_cache_bytes=2 << 30,
+                path, spec=spec, drafters=drafters, max_num_seqs=max(b, 8), max_len=max_len,
+                kv_cache_bytes=2 << 30 if max_len >= MAX_LEN else None,
             )  # fmt: skip
 
         llms = {"plain": make(None)}
@@ -108,7 +111,8 @@ def main() -> None:
         for llm in llms.values():
             llm.close()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "spare-pages.json").write_text(json.dumps(res, indent=1))
+    name = "spare-pages.json" if max_len == MAX_LEN else f"spare-pages-{max_len}.json"
+    (out / name).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -654,7 +654,9 @@ def test_a_tree_commit_replay_equals_the_eager_commit() -> None:
         assert got_steps.tolist() == want.tolist()
         for name, t in pool.tensors().items():
             if "scratch" not in name:
-                assert torch.equal(t.nan_to_num(7.0), got[name].nan_to_num(7.0)), name
+                # the same rows' states; on the CPU the torch path's batched products may round the last
+                # bit differently at another batch size (4 padded rows against 3 or 2: 6e-8 on some CPUs)
+                torch.testing.assert_close(got[name], t, rtol=0, atol=1e-6, equal_nan=True, msg=name)
     assert runner.counts.commit_replays == 2 and runner.counts.commit_eager == 0
     padded = be.prepare_verify(**kw, pad_to=b)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="accept_paths"):

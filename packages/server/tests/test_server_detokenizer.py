@@ -139,3 +139,43 @@ def test_stop_token_text_with_include_stop_str_in_output() -> None:
         r.append_token(0, max_model_len=100, now=0.0)
         assert r.append_token(5, max_model_len=100, now=0.0)  # EOS
         assert r.text == want and r.finish_reason == "stop" and r.stop_reason is None
+
+
+def _state(r: Request) -> tuple[object, ...]:
+    return (r.text, r.output_token_ids, r.finish_reason, r.stop_reason, r.finished)
+
+
+def test_a_rounds_tokens_appended_at_once_equal_one_by_one() -> None:
+    """`append_tokens` (a speculative round's tokens in one call) against `append_token` per token: the same
+    text, tokens and finish for every stop rule, with a finish anywhere inside a call (EOS, a stop token,
+    a stop string straddling tokens or completed before `min_tokens`, the budget, the context's end)."""
+    import random
+
+    rng = random.Random(0)
+    variants = [
+        {},
+        {"stop": ["bc"]},
+        {"stop": ["ezz", "q", "de"], "include_stop_str_in_output": True},
+        {"stop": ["cde"], "min_tokens": 3},
+        {"stop_token_ids": [3]},
+        {"stop_token_ids": [3], "include_stop_str_in_output": True},
+        {"ignore_eos": True},
+        {"include_stop_str_in_output": True, "skip_special_tokens": False},
+    ]
+    for case in range(300):
+        extra = variants[case % len(variants)]
+        params = SamplingParams(max_tokens=rng.randint(3, 12), **extra)  # type: ignore[arg-type]
+        max_model_len = rng.choice([100, rng.randint(3, 10)])
+        tokens = [rng.choice([0, 1, 2, 3, 4, 5] if case % 3 else [0, 1, 2, 4]) for _ in range(14)]
+        one = _req(params, WordTokenizer())
+        for t in tokens:
+            if one.append_token(t, max_model_len=max_model_len, now=0.0):
+                break
+        many = _req(params, WordTokenizer())
+        i = 0
+        while i < len(tokens) and not many.finished:
+            k = rng.randint(1, 5)  # a round's accepted drafts and bonus
+            done = many.append_tokens(tokens[i : i + k], max_model_len=max_model_len, now=0.0)
+            assert done == many.finished
+            i += k
+        assert _state(many) == _state(one), (case, extra, tokens)

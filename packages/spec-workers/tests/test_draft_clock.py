@@ -216,3 +216,44 @@ def test_on_cuda_the_outcome_is_read_while_later_work_runs() -> None:
     got = pending.wait()
     assert got.num_accepted == acc.tolist() and got.paths == out.tolist()
     assert got.tokens == [out[i, : int(acc[i]) + 1].tolist() for i in range(n)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_kept_outcome_buffers_read_what_a_fresh_copy_reads() -> None:
+    """`OutcomeBuffers`: rounds of any batch size read their own outcome through buffers kept across rounds
+    (a buffer taken and not yet read back is never handed to another copy), equal to torch's own copy."""
+    from hyspec_spec_workers.choose import OutcomeBuffers, PendingRound
+
+    buffers = OutcomeBuffers()
+    d = 4
+    seen: set[int] = set()
+    for n in (3, 8, 1, 8, 12, 2):
+        packed = torch.randint(0, d, (n, 1 + d), device="cuda")
+        first = PendingRound(packed, d, with_paths=False, buffers=buffers)
+        second = PendingRound(packed + 1, d, with_paths=False, buffers=buffers)  # not read yet: another one
+        assert first._packed.data_ptr() != second._packed.data_ptr()
+        seen.add(first._packed.data_ptr())
+        x = torch.randn(1024, 1024, device="cuda")
+        for _ in range(20):
+            x = x @ x / 1024  # queued behind both copies
+        assert second.wait() == PendingRound(packed + 1, d, with_paths=False).wait()
+        assert first.wait() == PendingRound(packed, d, with_paths=False).wait()
+    assert len(seen) <= 3  # kept and reused, grown only for a larger batch
+
+
+def test_a_clock_looks_the_stream_up_once_per_round(monkeypatch: pytest.MonkeyPatch, events: _Events) -> None:
+    """Each lookup of the current stream costs as much host time as the event record itself."""
+    calls: list[object] = []
+    stream = object()
+
+    def current_stream(device: object = None) -> object:
+        calls.append(device)
+        return stream
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    clock = DraftClock(CUDA)
+    for steps in (3, 2):
+        clock.start(steps)
+        clock.stop()
+    assert clock.stream is stream and len(calls) == 1

@@ -129,7 +129,7 @@ def test_requests_spare_pages_go_back_rather_than_the_cache_misses_for_want_of_a
     """A hit's tail copy and a snapshot's tail page need a free page: when the cache has none to give,
     requests' spare pages (the engine's pools hand them out, `HybridStatePool(spare_pages=...)`) go back for
     them rather than the hit being lost."""
-    pool = _pool(pages=128, spare_pages=2)  # spares: at most 2 pages (a 64th)
+    pool = _pool(pages=128, spare_pages=2)
     cache = PrefixCache(pool, num_snapshots=3)
     tokens = list(range(1, 11))  # 2 full pages and a tail of 2
     pool.alloc(["a"])

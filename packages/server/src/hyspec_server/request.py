@@ -203,51 +203,87 @@ class Request:
 
         `logprobs`: the token's entry (it and its alternatives), recorded when the request asked for them.
         """
+        return self.append_tokens(
+            (token_id,),
+            max_model_len=max_model_len,
+            now=now,
+            logprobs=None if logprobs is None else (logprobs,),
+        )
+
+    def append_tokens(
+        self,
+        token_ids: Sequence[int],
+        *,
+        max_model_len: int,
+        now: float,
+        logprobs: Sequence[dict[int, Logprob]] | None = None,
+    ) -> bool:
+        """Records generated tokens in order (a speculative round's), checking every stop condition after
+        each; returns True when one finished the request (the tokens after it are dropped).
+
+        `logprobs`: each token's entry, recorded when the request asked for them. The text grows once per
+        call, not once per token (a string grown token by token is copied whole each time)."""
         if self.finished:
-            raise ValueError(f"request {self.request_id} is finished; cannot append token {token_id}")
-        self.output_token_ids.append(token_id)
-        if self.metrics.first_token_time is None:
+            what = f"token {token_ids[0]}" if token_ids else "tokens"
+            raise ValueError(f"request {self.request_id} is finished; cannot append {what}")
+        if logprobs is not None and len(logprobs) != len(token_ids):
+            raise ValueError(
+                f"logprobs: expected {len(token_ids)} entries (one per token), got {len(logprobs)}"
+            )
+        if self.metrics.first_token_time is None and token_ids:
             self.metrics.first_token_time = now
-        if self.logprobs is not None and logprobs is not None:
-            self.logprobs.append(logprobs)
-            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs[token_id].logprob
-        p = self.params
-        if self.grammar is not None:
-            if p.allowed_token_ids is not None and not self.grammar.allows_any(p.allowed_token_ids):
-                # this step's allowed ids and the constraint's next tokens did not meet: every logit was
-                # -inf, and whatever was sampled breaks one of them
-                raise DeadEndError(
-                    f"allowed_token_ids: after {len(self.output_token_ids) - 1} generated tokens none of "
-                    "these tokens continues the request's structured-output constraint, so nothing was left "
-                    "to sample",
-                    param="allowed_token_ids",
-                )
-            self.grammar.accept(token_id)
-        # stop tokens and EOS end generation without entering the text, unless include_stop_str_in_output
-        # (vLLM's: then the stop token is decoded as any other; a special one is still skipped by
-        # skip_special_tokens)
-        ends = token_id in self.eos_token_ids or (self.grammar is not None and self.grammar.done)
-        if ends or token_id in p.stop_token_set:
-            if p.include_stop_str_in_output:
-                self.text += self.detok.push(token_id) + self.detok.flush()
-            self._finish("stop", None if ends else token_id)
-            return True
-        old_len = len(self.text)
-        self.text += self.detok.push(token_id)
-        stops = p.stop_strings
-        # as in vLLM, stop strings are looked for only once the output is longer than min_tokens (a stop
-        # string completed before that is passed over, like EOS and the stop token ids)
-        if stops and len(self.output_token_ids) > p.min_tokens:
-            hit = find_stop(self.text, old_len, stops)
-            if hit is not None:
-                pos, s = hit
-                self.text = self.text[: pos + len(s)] if p.include_stop_str_in_output else self.text[:pos]
-                self._finish("stop", s)
+        p, grammar, out, eos = self.params, self.grammar, self.output_token_ids, self.eos_token_ids
+        stops, stop_ids, push = p.stop_strings, p.stop_token_set, self.detok.push
+        keep_lp = self.logprobs is not None and logprobs is not None
+        room = min(self.max_tokens, max_model_len - len(self.prompt_token_ids))
+        pieces: list[str] = []  # this call's new text, joined once
+        for k, token_id in enumerate(token_ids):
+            out.append(token_id)
+            if keep_lp:
+                assert self.logprobs is not None and logprobs is not None
+                entry = logprobs[k]
+                self.logprobs.append(entry)
+                self.cumulative_logprob = (self.cumulative_logprob or 0.0) + entry[token_id].logprob
+            if grammar is not None:
+                if p.allowed_token_ids is not None and not grammar.allows_any(p.allowed_token_ids):
+                    # this step's allowed ids and the constraint's next tokens did not meet: every logit was
+                    # -inf, and whatever was sampled breaks one of them
+                    self.text += "".join(pieces)
+                    raise DeadEndError(
+                        f"allowed_token_ids: after {len(out) - 1} generated tokens none of these tokens "
+                        "continues the request's structured-output constraint, so nothing was left to sample",
+                        param="allowed_token_ids",
+                    )
+                grammar.accept(token_id)
+            # stop tokens and EOS end generation without entering the text, unless
+            # include_stop_str_in_output (vLLM's: then the stop token is decoded as any other; a special one
+            # is still skipped by skip_special_tokens)
+            ends = token_id in eos or (grammar is not None and grammar.done)
+            if ends or token_id in stop_ids:
+                if p.include_stop_str_in_output:
+                    pieces += (push(token_id), self.detok.flush())
+                self.text += "".join(pieces)
+                self._finish("stop", None if ends else token_id)
                 return True
-        if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
-            self.text += self.detok.flush()
-            self._finish("length", None)
-            return True
+            if not stops:
+                pieces.append(push(token_id))
+            else:  # the text token by token: a stop string is looked for in what each token completes
+                old_len = len(self.text)
+                self.text += push(token_id)
+                # as in vLLM, stop strings are looked for only once the output is longer than min_tokens (a
+                # stop string completed before that is passed over, like EOS and the stop token ids)
+                hit = find_stop(self.text, old_len, stops) if len(out) > p.min_tokens else None
+                if hit is not None:
+                    pos, s = hit
+                    self.text = self.text[: pos + len(s)] if p.include_stop_str_in_output else self.text[:pos]
+                    self._finish("stop", s)
+                    return True
+            if len(out) >= room:
+                pieces.append(self.detok.flush())
+                self.text += "".join(pieces)
+                self._finish("length", None)
+                return True
+        self.text += "".join(pieces)
         return False
 
     def abort(self) -> None:

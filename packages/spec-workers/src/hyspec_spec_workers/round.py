@@ -35,6 +35,7 @@ import torch
 from hyspec_statepool.prefix_cache import PrefixSave
 
 from hyspec_spec_workers.adaptive import AdaptiveController
+from hyspec_spec_workers.choose import OutcomeBuffers
 from hyspec_spec_workers.config import AdaptiveConfig, SpeculativeConfig
 from hyspec_spec_workers.constraint import (
     DraftOnHost,
@@ -98,6 +99,7 @@ class SpeculativeRound:
         self.lengths = DraftLengths(num_speculative_tokens, tree=tree, adaptive=adaptive)
         self.reset_measurements()
         self.masks = TokenBitmask()  # structured outputs' masks at verify nodes
+        self.outcomes = OutcomeBuffers()  # pinned buffers for the rounds' outcomes
 
     def reset_measurements(self) -> None:
         """Forget the measured costs, the adaptive evidence and every request's length (the start-up warm-up's
@@ -344,6 +346,7 @@ class SpeculativeRound:
                 feed=self.feed,
                 propose_next=propose_next,
                 clock=clock,
+                outcomes=self.outcomes,
                 draft_steps=max(steps),
             )
             # the round's outcome has been read: what the device drafted before it is done (a proposal

@@ -13,7 +13,14 @@ from collections.abc import Sequence
 
 import torch
 
-from hyspec_spec_workers.choose import HostRound, PendingRound, accepted_path, choose_tokens, to_verified
+from hyspec_spec_workers.choose import (
+    HostRound,
+    OutcomeBuffers,
+    PendingRound,
+    accepted_path,
+    choose_tokens,
+    to_verified,
+)
 from hyspec_spec_workers.constraint import DraftOnHost, TokenBitmask, draft_blocks, mask_block_logits
 from hyspec_spec_workers.costs import DraftClock
 from hyspec_spec_workers.draft_feed import DraftFeed
@@ -35,6 +42,7 @@ def verify_round(
     draft_steps: int,
     propose_next: bool = True,
     clock: DraftClock | None = None,
+    outcomes: OutcomeBuffers | None = None,
 ) -> tuple[list[VerifiedTokens], int]:
     """Verify `draft` for `rows` on `target`.
 
@@ -46,7 +54,9 @@ def verify_round(
         feed: the model drafter's feed, or None.
         propose_next: the rows will likely draft next round: a one-layer drafter may propose it right after
             the verify (`DraftFeed.chain_after_verify`); False when those drafts would likely go unused.
-        clock: the round's drafting clock: such a proposal is timed as drafting.
+        clock: the round's drafting clock: such a proposal is timed as drafting (and on CUDA the stream
+            it looked up serves the outcome's copy too).
+        outcomes: pinned buffers kept across rounds for the outcome's copy to the host.
         draft_steps: the proposal's draft steps (a chain's longest, a tree's depth), which a proposal queued
             after the verify runs again.
     Returns:
@@ -82,7 +92,10 @@ def verify_round(
             tail, outcome = got
             # the outcome goes to the host first: the read below then waits for the verify and the tail, not
             # for the next proposal queued behind them, which the device runs while the host goes on
-            pending = PendingRound(outcome, tail.output_tokens.shape[1], with_paths=False)
+            stream = clock.stream if clock is not None and outcome.device.type == "cuda" else None
+            pending = PendingRound(
+                outcome, tail.output_tokens.shape[1], with_paths=False, buffers=outcomes, stream=stream
+            )
             # a one-layer drafter proposes the next round now, from the verify's outputs, queued behind it
             after = (
                 feed is not None

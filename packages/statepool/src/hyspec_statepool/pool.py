@@ -60,14 +60,13 @@ class HybridStatePool:
         device: where the tensors live.
         debug: NaN-poison slot 0, free slots, free pages and verify scratch, and run every sync-costing check.
         spare_pages: when `ensure_kv_capacity` maps a page for some request, every request of that call gets
-            up to this many pages past its need as well: free pages while spares hold at most an eighth of
-            the pool, a prefix cache's up to a 64th (`_may_spare`; an engine's pools: `ENGINE_SPARE_PAGES`).
+            up to this many pages past its need as well, free ones or a prefix cache's, while spares hold at
+            most an eighth of the pool (`_may_spare`; an engine's pools: `ENGINE_SPARE_PAGES`).
             Each mapping costs host work and device writes, and a batch whose page table changed is uploaded
             again; a round grows every row by a few tokens, so without spares some row of a batch maps a
             page nearly every round. With them the rows map together, about once every
             `spare_pages * page_size` tokens. Spare pages go back before a request or the prefix cache is
-            refused pages (`drop_spares`; those past the cache's share before the cache gives up a page),
-            and past `spare_pages` at a truncation.
+            refused pages, after the cache's pages (`drop_spares`), and past `spare_pages` at a truncation.
     """
 
     def __init__(
@@ -185,14 +184,12 @@ class HybridStatePool:
         total = sum(need)
         if total:
             if self.kv.num_free < total:
-                # spares past the cache's share first, then the holders' pages, then the other spares
-                wants = dict(zip(req_ids, want, strict=True))
-                self.drop_spares(total, wants=wants, down_to=self.cache_share)
+                # the holders' least recently used pages first, then spares (`_may_spare`)
                 for holder in self._holders:
                     if self.kv.num_free < total:
                         holder.reclaim_pages(total)
                 if self.kv.num_free < total:
-                    self.drop_spares(total, wants=wants)
+                    self.drop_spares(total, wants=dict(zip(req_ids, want, strict=True)))
             pages = self.kv.alloc(total)  # all or nothing: raises before anything below changes
         for live, w in zip(lives, want, strict=True):
             live.need = max(live.need, w)
@@ -216,52 +213,39 @@ class HybridStatePool:
         self.table.set_pages_many(updates)  # every row's new pages in one copy
 
     def _may_spare(self, num_pages: int) -> bool:
-        """Whether `num_pages` more spare pages may be handed out. Free pages cost nobody anything: spares
-        take them while they hold at most an eighth of the pool. Past the free pages they take the page
-        holders' least recently used ones, as growth does, while they hold at most a 64th of the pool (the
-        cache's share): a prefix cache keeps every page it can until pages run short, so a serving pool
-        soon has none free and spares from free pages only would never come; the 64th bounds what the cache
-        loses to them (a 9B model's pool at 256 running requests holds hundreds of times their spares)."""
+        """Whether `num_pages` more spare pages may be handed out: while spares hold at most an eighth of the
+        pool, free pages or, past them, the page holders' least recently used ones, as growth takes them.
+        A prefix cache keeps every page it can until pages run short, so a serving pool soon has none free:
+        spares from free pages only would never come, and a batch would map a page for some row nearly every
+        round (demo model, MTP at batch 8, a pool sized for its 8 requests: 57 of 83 rounds mapped pages with
+        a full cache when spares could take only a 64th of the pool, 11 now). What the cache loses to them
+        is bounded by `spare_pages` per running request, and they go back before a request is refused
+        pages, after the cache's own (`ensure_kv_capacity`)."""
         held = self._num_spares()
         if not num_pages or held + num_pages > self.plan.num_kv_pages // 8:
-            return False
-        if self.kv.num_free >= num_pages:
-            return True
-        if held + num_pages > self.cache_share:
             return False
         for holder in self._holders:
             if self.kv.num_free < num_pages:
                 holder.reclaim_pages(num_pages)
         return self.kv.num_free >= num_pages
 
-    @property
-    def cache_share(self) -> int:
-        """Spare pages that may stand in the way of the page holders' (a 64th of the pool): spares past it go
-        back before a holder gives up a page (`drop_spares(..., down_to=cache_share)`)."""
-        return self.plan.num_kv_pages // 64
-
     def _num_spares(self) -> int:
         return sum(max(0, len(live.pages) - live.need) for live in self._live.values())
 
-    def drop_spares(
-        self, num_pages: int, *, wants: dict[Hashable, int] | None = None, down_to: int | None = None
-    ) -> None:
+    def drop_spares(self, num_pages: int, *, wants: dict[Hashable, int] | None = None) -> None:
         """Requests' spare pages back to the pool until `num_pages` are free: a request, or the prefix cache
-        for a page of its own, is refused pages only when no spare could make up for them. `down_to`: stop
-        once spares hold that many pages (the spares past the cache's share go first, before a holder gives
-        up a page); without it, none goes back when all of them would not make up for them (the caller is
-        refused anyway: no row changes for nothing). `wants`: pages needed by the requests of an
-        `ensure_kv_capacity` call, kept as well."""
+        for a page of its own, is refused pages only when no spare could make up for them; none goes back
+        when all of them would not (the caller is refused anyway: no row changes for nothing). `wants`:
+        pages needed by the requests of an `ensure_kv_capacity` call, kept as well."""
         wants = wants or {}
         keep = {r: max(live.need, wants.get(r, 0)) for r, live in self._live.items()}
         spare = sum(max(0, len(live.pages) - keep[r]) for r, live in self._live.items())
-        if down_to is None and self.kv.num_free + spare < num_pages:
+        if self.kv.num_free + spare < num_pages:
             return
         for req_id, live in self._live.items():
-            if self.kv.num_free >= num_pages or (down_to is not None and spare <= down_to):
+            if self.kv.num_free >= num_pages:
                 return
             if len(live.pages) > keep[req_id]:
-                spare -= len(live.pages) - keep[req_id]
                 self._drop_pages(live, keep[req_id])
 
     def _drop_pages(self, live: _Live, keep: int) -> None:

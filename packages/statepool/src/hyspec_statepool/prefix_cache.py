@@ -145,8 +145,6 @@ class PrefixCache:
         kv.share(chain)  # first: the request's references keep them from the eviction below
         pages = list(chain)
         if snap.tail_page is not None:
-            if not kv.num_free:  # requests' spare pages past the cache's share go before cached ones
-                self.pool.drop_spares(1, down_to=self.pool.cache_share)
             if not kv.num_free:
                 self._lru.reclaim_pages(1, keep=snap.key)  # not the snapshot being resumed
             if not kv.num_free:
@@ -276,8 +274,6 @@ class PrefixCache:
         kv = self.pool.kv
         tail_page = None
         if partial is not None:
-            if not kv.num_free:  # requests' spare pages past the cache's share go before cached ones
-                self.pool.drop_spares(1, down_to=self.pool.cache_share)
             if not kv.num_free:
                 self._lru.reclaim_pages(1)
             if not kv.num_free:
