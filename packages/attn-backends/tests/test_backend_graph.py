@@ -381,7 +381,7 @@ def test_a_garbage_collection_during_capture_does_not_break_it(monkeypatch: pyte
     assert runner.active and runner.captured_sizes(ForwardMode.DECODE) == [1]
     assert gc.isenabled()  # restored
     # control: with the collector left on, the same capture fails and the runner falls back to eager
-    monkeypatch.setattr(graph_capture, "_no_cyclic_gc", contextlib.nullcontext)
+    monkeypatch.setattr(graph_capture, "no_cyclic_gc", contextlib.nullcontext)
     assert not _capture_with_garbage_graph(_backend("cuda")).active
 
 

@@ -84,11 +84,13 @@ def test_graphed_greedy_tail_equals_plain_decoding(arch_fixture: str, request: p
 
 @pytest.mark.gpu
 @gpu
-def test_graphed_greedy_tree_tail_equals_plain_decoding() -> None:
-    """All-greedy tree rounds (the trained demo model's MTP, topk 2, 6 nodes) replay the greedy tail captured
-    after each tree verify graph (links from the batch's parents, token choice, stop and budget cut, commit
-    with accepted paths in one replay), padded rows included (6 requests in graphs of 8): fp32 greedy output
-    equals plain decoding's, with budgets and a stop token ending rows."""
+@pytest.mark.parametrize("tree", [True, False], ids=["tree", "chain"])
+def test_graphed_greedy_tree_tail_equals_plain_decoding(tree: bool) -> None:
+    """All-greedy rounds of the trained demo model's MTP (trees: topk 2, 6 nodes; chains: S=3) replay the
+    greedy tail captured after each verify graph (a tree's links from the batch's parents, token choice, stop
+    and budget cut, commit with accepted paths in one replay), padded rows included (6 requests in graphs of
+    8), and the drafter's first block after each verify replays from a launch graph (`LaunchGraphs`) once its
+    rows repeat: fp32 greedy output equals plain decoding's, with budgets and a stop token ending rows."""
     from hyspec_server import EngineArgs
     from hyspec_server.builder import build_engine
     from hyspec_server.default_model import default_model_dir
@@ -112,14 +114,20 @@ def test_graphed_greedy_tree_tail_equals_plain_decoding() -> None:
         )
         for i, m in enumerate(budgets)
     ]
-    spec = {"method": "mtp", "num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 6}
+    spec: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": 3}
+    if tree:
+        spec.update(topk=2, num_draft_tokens=6)
     eng = build_engine(EngineArgs(**kw, speculative_config=spec))
     got = [o.outputs[0].token_ids for o in LLM.from_engine(eng).generate(PROMPTS, params)]
     want = [r[: r.index(stop) + 1] if i == 4 else r for i, r in enumerate(ref)]
     assert got == want
     counts = eng.runner.graphs.counts  # type: ignore[attr-defined]
     assert counts.tail_replays > 0 and counts.verify_eager == 0 and counts.commit_eager == 0, counts
-    assert max(eng.stats.accept_lengths) >= 3  # trees accepted past the root's children
+    assert max(eng.stats.accept_lengths) >= 3  # accepted past the root's children
+    drafter = eng.runner.spec.drafter  # type: ignore[attr-defined]
+    launches = (drafter.one_tree if tree else drafter.chain).after.launches
+    assert launches.num_replays > launches.num_eager > 0, vars(launches)
+    assert launches.num_captures <= 2 * len(PROMPTS), vars(launches)  # a few row sets, each captured once
     eng.leak_check()
 
 

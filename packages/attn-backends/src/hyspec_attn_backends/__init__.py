@@ -16,6 +16,7 @@ from hyspec_attn_backends.batch import BatchBuffers, ForwardBatch, MixedBatch, S
 from hyspec_attn_backends.graph_capture import ForwardFn, VerifyTail
 from hyspec_attn_backends.graph_keys import GraphCounts, GraphKey, batch_pointers, capture_sizes
 from hyspec_attn_backends.graphs import CudaGraphRunner
+from hyspec_attn_backends.launch_graphs import LaunchGraphs, tensor_key
 from hyspec_attn_backends.layers import (
     LAYER_TYPE_KINDS,
     AttentionLayer,
@@ -40,6 +41,7 @@ __all__ = [
     "GraphCounts",
     "GraphKey",
     "HybridBackend",
+    "LaunchGraphs",
     "MixedBatch",
     "MixerKind",
     "MixerLayer",
@@ -52,5 +54,6 @@ __all__ = [
     "check_routing",
     "model_state_specs",
     "state_spec_of",
+    "tensor_key",
     "tree_ancestor_mask",
 ]

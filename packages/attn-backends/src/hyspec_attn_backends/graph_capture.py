@@ -205,7 +205,7 @@ class GraphCapturer:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with _no_cyclic_gc(), torch.cuda.graph(graph, pool=self._mempool if pool is None else pool):
+            with no_cyclic_gc(), torch.cuda.graph(graph, pool=self._mempool if pool is None else pool):
                 out = fn()
         except RuntimeError as exc:
             _release_default_generators()
@@ -241,7 +241,7 @@ class GraphCapturer:
 
 
 @contextmanager
-def _no_cyclic_gc() -> Iterator[None]:
+def no_cyclic_gc() -> Iterator[None]:
     """Python's cyclic garbage collector held off for a capture: a collection inside one may free an
     unreachable earlier `CUDAGraph` (a dropped engine's, a test's), whose destructor is a CUDA call that is
     illegal while a stream captures, and the capture fails (`torch.cuda.graph` no longer collects before

@@ -1,5 +1,6 @@
 """CUDA graphs for DECODE and TARGET_VERIFY forwards, captured once per padded batch size: the one graph
-runner of the repo (the model runner's target forward and every drafter's proposal forwards each have one).
+runner of the repo (the model runner's target forward and every drafter's proposal forwards each have one;
+single launches between them replay from `launch_graphs.py`).
 
 A CUDA graph replays the kernel launches of one forward with the addresses they were captured with. Every
 tensor of a `ForwardBatch` is a view at offset 0 of the backend's `BatchBuffers`, which `prepare_*` refill in

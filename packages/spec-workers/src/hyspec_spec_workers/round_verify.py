@@ -105,7 +105,9 @@ def verify_round(
                     VerifiedChain(
                         req_ids=ids,
                         prefix_lens=prefix,
-                        block_tokens=tree.tokens,
+                        # the block as the forward read it: the batch's own buffer (a graphed target's
+                        # static input), which the drafter's launch after the verify keys its graph on
+                        block_tokens=batch.input_ids[: n * d].view(n, d),
                         output_tokens=tail.output_tokens,
                         num_accepted=tail.num_accepted,
                         hidden_states=hidden,
