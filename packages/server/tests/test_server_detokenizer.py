@@ -1,6 +1,7 @@
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 from hyspec_server.detokenizer import IncrementalDetokenizer, find_stop
 from hyspec_server.request import Request
 from hyspec_server.sampling_params import SamplingParams
@@ -179,3 +180,32 @@ def test_a_rounds_tokens_appended_at_once_equal_one_by_one() -> None:
             assert done == many.finished
             i += k
         assert _state(many) == _state(one), (case, extra, tokens)
+
+
+class _RefusingGrammar:
+    """Takes every token but 3 (its accept raises, as `GrammarState.accept` does for a forbidden one)."""
+
+    stop_token_ids: frozenset[int] = frozenset()
+    done = False
+
+    def allows_any(self, ids: object) -> bool:
+        return True
+
+    def accept(self, token_id: int) -> None:
+        if token_id == 3:
+            raise RuntimeError("token 3 breaks the constraint")
+
+
+def test_an_error_inside_a_call_keeps_the_text_of_the_tokens_before_it() -> None:
+    """The detokenizer has moved past the tokens taken before the failing one: their text stays, as it did
+    when every token was appended on its own (found by a reviewer: it was dropped)."""
+    for batched in (True, False):
+        r = _req(SamplingParams(max_tokens=10), WordTokenizer())
+        r.grammar = _RefusingGrammar()  # type: ignore[assignment]
+        with pytest.raises(RuntimeError, match="breaks the constraint"):
+            if batched:
+                r.append_tokens([0, 1, 3], max_model_len=100, now=0.0)
+            else:
+                for t in (0, 1, 3):
+                    r.append_token(t, max_model_len=100, now=0.0)
+        assert (r.text, r.output_token_ids) == ("abcd", [0, 1, 3]), batched

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -462,18 +463,18 @@ def test_a_request_failing_after_its_step_is_aborted_alone(qwen_ckpt: Path) -> N
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     good = eng.add_request([5, 9, 17], params)
     bad = eng.add_request([6, 9, 17], params)
-    append = Request.append_token
+    append = Request.append_tokens  # every engine append goes through it
 
-    def poisoned(self: Request, token_id: int, **kw: Any) -> bool:
+    def poisoned(self: Request, token_ids: Sequence[int], **kw: Any) -> bool:
         if self.request_id == bad and len(self.output_token_ids) == 2:
             raise RuntimeError("bookkeeping failed")
-        return append(self, token_id, **kw)
+        return append(self, token_ids, **kw)
 
-    Request.append_token = poisoned  # type: ignore[method-assign]
+    Request.append_tokens = poisoned  # type: ignore[method-assign]
     try:
         latest, errors = _run_to_idle(eng)
     finally:
-        Request.append_token = append  # type: ignore[method-assign]
+        Request.append_tokens = append  # type: ignore[method-assign]
     assert [e.request_ids for e in errors] == [[bad]]
     assert [o.request_id for o in errors[0].step_outputs] == [good]
     assert len(latest[good].outputs[0].token_ids) == 6
@@ -483,12 +484,12 @@ def test_a_request_failing_after_its_step_is_aborted_alone(qwen_ckpt: Path) -> N
         build_engine(EngineArgs(model=str(qwen_ckpt), max_num_seqs=4, max_model_len=64)), model_name="q"
     ).start()
 
-    def poisoned_prompt(self: Request, token_id: int, **kw: Any) -> bool:
+    def poisoned_prompt(self: Request, token_ids: Sequence[int], **kw: Any) -> bool:
         if self.prompt_token_ids[0] == 6:
             raise RuntimeError("bookkeeping failed")
-        return append(self, token_id, **kw)
+        return append(self, token_ids, **kw)
 
-    Request.append_token = poisoned_prompt  # type: ignore[method-assign]
+    Request.append_tokens = poisoned_prompt  # type: ignore[method-assign]
     try:
         with httpx.Client(base_url=srv.base_url, timeout=30) as c:
             body = {"model": "q", "max_tokens": 4, "temperature": 0}
@@ -496,7 +497,7 @@ def test_a_request_failing_after_its_step_is_aborted_alone(qwen_ckpt: Path) -> N
             assert c.post("/v1/completions", json={**body, "prompt": [5, 9, 17]}).status_code == 200
             assert srv.async_engine.is_alive()
     finally:
-        Request.append_token = append  # type: ignore[method-assign]
+        Request.append_tokens = append  # type: ignore[method-assign]
         srv.stop()
 
 

@@ -402,3 +402,26 @@ def test_a_reserved_snapshot_is_what_the_forward_writes_into_its_slot() -> None:
     assert torch.equal(_conv(pool, "b"), want)
     pool.free(["b"])
     _idle(pool)
+
+
+def test_spares_never_evict_a_snapshot_whose_chain_is_mapped() -> None:
+    """A spare top-up takes only full cached pages no request maps: with none, a snapshot (its tail page the
+    only page the cache could give) stays, and the call gets what free pages allow (found by a reviewer:
+    the snapshot was dropped, and then no spare was mapped either)."""
+    pool = _pool(pages=64, seqs=4, spare_pages=2)
+    cache = PrefixCache(pool, num_snapshots=3)
+    tokens = list(range(1, 11))  # 2 full pages and a tail of 2
+    pool.alloc(["a"])
+    _compute(pool, "a", tokens)
+    cache.save("a", tokens, salt=None, num_tokens=10)  # its chain is a's pages: mapped by a request
+    taken = pool.kv.alloc(pool.kv.num_free)
+    pool.kv.free(taken[:1])  # exactly one free page
+    pool.alloc(["c"])
+    pool.ensure_kv_capacity(["c"], [1])  # c's page: the free one; no page left for its spares
+    assert len(pool.request_pages("c")) == 1
+    pool.alloc(["d"])
+    pool.kv.free(taken[1:2])  # a page for d's tail copy
+    assert cache.attach_longest("d", [*tokens, 11], salt=None, max_tokens=10) == 10  # the hit is still there
+    pool.kv.free(taken[2:])
+    pool.free(["a", "c", "d"])
+    _idle(pool)

@@ -183,11 +183,13 @@ def test_spare_pages_are_bounded_and_go_back_before_a_refusal(make_plan: Callabl
     pool.ensure_kv_capacity(["b"], [1])  # a holds the two spares the pool may give
     pool.ensure_kv_capacity(["c"], [pool.table.width])  # every page c may hold: no spare past them
     assert (*_pages(pool, "a", "b", "c"), pool.kv.num_free) == (3, 1, 10, 2)
-    pool.ensure_kv_capacity(["b"], [7])  # 3 more pages: a's spares go back to make up for them
-    assert (*_pages(pool, "a", "b"), pool.kv.num_free) == (1, 4, 1)
-    with pytest.raises(PoolExhaustedError, match="need 6 pages"):  # no spare left to give back
+    # 3 more pages: a's spares go back to make up for them, and b takes the last free page as a spare (spares
+    # are granted as far as pages allow)
+    pool.ensure_kv_capacity(["b"], [7])
+    assert (*_pages(pool, "a", "b"), pool.kv.num_free) == (1, 5, 0)
+    with pytest.raises(PoolExhaustedError, match="need 5 pages"):  # no spare left to give back
         pool.ensure_kv_capacity(["b"], [pool.table.width])
-    assert _pages(pool, "a", "b", "c") == (1, 4, 10)
+    assert _pages(pool, "a", "b", "c") == (1, 5, 10)
     assert pool.table.mirror_mismatches() == []
     assert pool.leak_check().clean
     with pytest.raises(ValueError, match="spare_pages"):
@@ -203,7 +205,7 @@ def test_a_call_gives_back_its_own_spares_before_it_is_refused(make_plan: Callab
     assert (*_pages(pool, "a", "b", "c"), pool.kv.num_free) == (1, 3, 10, 2)
     # a needs 3 more pages, 2 are free: b's spares make up for them though b is in the call
     pool.ensure_kv_capacity(["a", "b"], [7, 1])
-    assert (*_pages(pool, "a", "b"), pool.kv.num_free) == (4, 1, 1)
+    assert (*_pages(pool, "a", "b"), pool.kv.num_free) == (5, 1, 0)  # and a spare of the one left
     assert pool.table.mirror_mismatches() == [] and pool.leak_check().clean
 
 
@@ -216,7 +218,7 @@ class _Holder:
     def held_pages(self) -> list[int]:
         return list(self.pages)
 
-    def reclaim_pages(self, num_pages: int) -> None:
+    def reclaim_pages(self, num_pages: int, *, pages_only: bool = False) -> None:
         while self.pages and self.pool.kv.num_free < num_pages:
             self.pool.kv.free([self.pages.pop()])
 
@@ -254,8 +256,9 @@ def test_growth_takes_a_holders_pages_before_requests_spares(make_plan: Callable
     holder.reclaim_pages(len(holder.pages) + pool.kv.num_free)  # the holder gives up every page ...
     pool.kv.free(taken[len(holder.pages) :])
     taken = taken[: len(holder.pages)] + pool.kv.alloc(pool.kv.num_free)  # ... and they are all in use
-    pool.ensure_kv_capacity(["c"], [13])  # 7 pages: one more past c's spares, a's spares give it
-    assert _pages(pool, *rows) == (1, 3, 7) and len(holder.pages) == 0
+    # 7 pages: one more past c's spares, a's spares give it (and the other one is c's spare now)
+    pool.ensure_kv_capacity(["c"], [13])
+    assert _pages(pool, *rows) == (1, 3, 8) and len(holder.pages) == 0
     assert pool.table.mirror_mismatches() == []
     pool.kv.free(taken)
     assert pool.leak_check().clean

@@ -373,7 +373,12 @@ class LLMEngine:
         if req.logprobs is not None and tok.logprob is not None:
             top = tok.top or {}  # most likely first
             entry = self._logprob_entry(tok.token_id, tok.logprob, tok.rank, list(top), list(top.values()))
-        return req.append_token(tok.token_id, max_model_len=self.max_model_len, now=now, logprobs=entry)
+        return req.append_tokens(
+            (tok.token_id,),
+            max_model_len=self.max_model_len,
+            now=now,
+            logprobs=None if entry is None else (entry,),
+        )
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

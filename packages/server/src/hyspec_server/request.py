@@ -223,7 +223,7 @@ class Request:
 
         `logprobs`: each token's entry, recorded when the request asked for them. The text grows once per
         call, not once per token (a string grown token by token is copied whole each time)."""
-        if self.finished:
+        if self.status is RequestStatus.FINISHED:
             what = f"token {token_ids[0]}" if token_ids else "tokens"
             raise ValueError(f"request {self.request_id} is finished; cannot append {what}")
         if logprobs is not None and len(logprobs) != len(token_ids):
@@ -235,56 +235,60 @@ class Request:
         p, grammar, out, eos = self.params, self.grammar, self.output_token_ids, self.eos_token_ids
         stops, stop_ids, push = p.stop_strings, p.stop_token_set, self.detok.push
         keep_lp = self.logprobs is not None and logprobs is not None
+        first = len(out)  # the call's first token's index in the output
         room = min(self.max_tokens, max_model_len - len(self.prompt_token_ids))
-        pieces: list[str] = []  # this call's new text, joined once
-        for k, token_id in enumerate(token_ids):
-            out.append(token_id)
-            if keep_lp:
-                assert self.logprobs is not None and logprobs is not None
-                entry = logprobs[k]
-                self.logprobs.append(entry)
-                self.cumulative_logprob = (self.cumulative_logprob or 0.0) + entry[token_id].logprob
-            if grammar is not None:
-                if p.allowed_token_ids is not None and not grammar.allows_any(p.allowed_token_ids):
-                    # this step's allowed ids and the constraint's next tokens did not meet: every logit was
-                    # -inf, and whatever was sampled breaks one of them
-                    self.text += "".join(pieces)
-                    raise DeadEndError(
-                        f"allowed_token_ids: after {len(out) - 1} generated tokens none of these tokens "
-                        "continues the request's structured-output constraint, so nothing was left to sample",
-                        param="allowed_token_ids",
-                    )
-                grammar.accept(token_id)
-            # stop tokens and EOS end generation without entering the text, unless
-            # include_stop_str_in_output (vLLM's: then the stop token is decoded as any other; a special one
-            # is still skipped by skip_special_tokens)
-            ends = token_id in eos or (grammar is not None and grammar.done)
-            if ends or token_id in stop_ids:
-                if p.include_stop_str_in_output:
-                    pieces += (push(token_id), self.detok.flush())
-                self.text += "".join(pieces)
-                self._finish("stop", None if ends else token_id)
-                return True
-            if not stops:
-                pieces.append(push(token_id))
-            else:  # the text token by token: a stop string is looked for in what each token completes
-                old_len = len(self.text)
-                self.text += push(token_id)
-                # as in vLLM, stop strings are looked for only once the output is longer than min_tokens (a
-                # stop string completed before that is passed over, like EOS and the stop token ids)
-                hit = find_stop(self.text, old_len, stops) if len(out) > p.min_tokens else None
-                if hit is not None:
-                    pos, s = hit
-                    self.text = self.text[: pos + len(s)] if p.include_stop_str_in_output else self.text[:pos]
-                    self._finish("stop", s)
+        new = ""  # this call's new text (a local string grows in place), added to the text once
+        try:
+            for token_id in token_ids:
+                out.append(token_id)
+                if keep_lp:
+                    assert self.logprobs is not None and logprobs is not None
+                    entry = logprobs[len(out) - 1 - first]
+                    self.logprobs.append(entry)
+                    self.cumulative_logprob = (self.cumulative_logprob or 0.0) + entry[token_id].logprob
+                if grammar is not None:
+                    if p.allowed_token_ids is not None and not grammar.allows_any(p.allowed_token_ids):
+                        # this step's allowed ids and the constraint's next tokens did not meet: every logit
+                        # was -inf, and whatever was sampled breaks one of them
+                        raise DeadEndError(
+                            f"allowed_token_ids: after {len(out) - 1} generated tokens none of these tokens "
+                            "continues the request's structured-output constraint, so nothing was left to "
+                            "sample",
+                            param="allowed_token_ids",
+                        )
+                    grammar.accept(token_id)
+                # stop tokens and EOS end generation without entering the text, unless
+                # include_stop_str_in_output (vLLM's: then the stop token is decoded as any other; a special
+                # one is still skipped by skip_special_tokens)
+                ends = token_id in eos or (grammar is not None and grammar.done)
+                if ends or token_id in stop_ids:
+                    if p.include_stop_str_in_output:
+                        new += push(token_id) + self.detok.flush()
+                    self._finish("stop", None if ends else token_id)
                     return True
-            if len(out) >= room:
-                pieces.append(self.detok.flush())
-                self.text += "".join(pieces)
-                self._finish("length", None)
-                return True
-        self.text += "".join(pieces)
-        return False
+                if not stops:
+                    new += push(token_id)
+                else:  # the text token by token: a stop string is looked for in what each token completes
+                    old_len = len(self.text)
+                    self.text += push(token_id)
+                    # as in vLLM, stop strings are looked for only once the output is longer than min_tokens
+                    # (a stop string completed before that is passed over, like EOS and the stop token ids)
+                    hit = find_stop(self.text, old_len, stops) if len(out) > p.min_tokens else None
+                    if hit is not None:
+                        pos, s = hit
+                        keep = pos + len(s) if p.include_stop_str_in_output else pos
+                        self.text = self.text[:keep]
+                        self._finish("stop", s)
+                        return True
+                if len(out) >= room:
+                    new += self.detok.flush()
+                    self._finish("length", None)
+                    return True
+            return False
+        finally:
+            # on every exit, an exception's included: the text of the tokens already taken (the detokenizer
+            # has moved past them) goes in, as it did token by token (with stop strings it is in already)
+            self.text += new
 
     def abort(self) -> None:
         if not self.finished:

@@ -10,7 +10,7 @@ Flow: `GrammarCompiler.compile` turns a `StructuredOutputsParams` into a compile
 constraint's text, so the HTTP server compiles on a worker thread before queueing and the engine thread then
 finds it compiled); each request gets a `GrammarState` (a matcher; hyspec_runner's `grammar.py`). Before
 sampling, the runner's `apply_grammar_masks` sets the logits of every token the constraint forbids to -inf
-for the constrained rows; the engine advances the matcher by each appended token (`Request.append_token`)
+for the constrained rows; the engine advances the matcher by each appended token (`Request.append_tokens`)
 and stops the request when the constraint is complete. With speculative decoding, a `GrammarState` is the
 row's `TokenConstraint` in spec-workers' round (`constraint.py`): drafts are cut at the first forbidden
 token and every kept verify position is masked (accept, then roll back), so verification never chooses

@@ -136,8 +136,8 @@ class AfterVerify:
         t = buf[: len(req_rows)]
         # int32 -> int64 in place: a device op queued after the work that read the last rows there
         t.copy_(req_rows.tensor)
-        if host is not None:
-            self._rows_on_device = (host, t)
+        # (rows without host values are never matched: the buffer no longer holds the last rows)
+        self._rows_on_device = None if host is None else (host, t)
         return t
 
     def hold(self, ids: list[Hashable], written: list[int], outputs: tuple[Tensor, ...], steps: int) -> None:

@@ -34,9 +34,10 @@ class PageHolder(Protocol):
         """Every page it holds a reference to, once per reference."""
         ...
 
-    def reclaim_pages(self, num_pages: int) -> None:
+    def reclaim_pages(self, num_pages: int, *, pages_only: bool = False) -> None:
         """Drop references (least recently used first) until `num_pages` pages are free, or none is left
-        to drop."""
+        to drop; `pages_only`: only pages it can give back whole (a cache: full pages no request maps,
+        never a snapshot's tail page alone)."""
         ...
 
 
@@ -61,7 +62,7 @@ class HybridStatePool:
         debug: NaN-poison slot 0, free slots, free pages and verify scratch, and run every sync-costing check.
         spare_pages: when `ensure_kv_capacity` maps a page for some request, every request of that call gets
             up to this many pages past its need as well, free ones or a prefix cache's, while spares hold at
-            most an eighth of the pool (`_may_spare`; an engine's pools: `ENGINE_SPARE_PAGES`).
+            most an eighth of the pool (`_grant_spares`; an engine's pools: `ENGINE_SPARE_PAGES`).
             Each mapping costs host work and device writes, and a batch whose page table changed is uploaded
             again; a round grows every row by a few tokens, so without spares some row of a batch maps a
             page nearly every round. With them the rows map together, about once every
@@ -184,7 +185,7 @@ class HybridStatePool:
         total = sum(need)
         if total:
             if self.kv.num_free < total:
-                # the holders' least recently used pages first, then spares (`_may_spare`)
+                # the holders' least recently used pages first, then spares (`_grant_spares`)
                 for holder in self._holders:
                     if self.kv.num_free < total:
                         holder.reclaim_pages(total)
@@ -201,7 +202,8 @@ class HybridStatePool:
             max(0, min(w + self.spare_pages, cap) - len(live.pages) - k)
             for live, w, k in zip(lives, want, need, strict=True)
         ]
-        if self.spare_pages and self._may_spare(sum(extra)):
+        if self.spare_pages and sum(extra):
+            extra = self._grant_spares(extra)
             pages += self.kv.alloc(sum(extra))
             need = [k + e for k, e in zip(need, extra, strict=True)]
         updates: list[tuple[int, int, list[int]]] = []
@@ -212,22 +214,29 @@ class HybridStatePool:
                 live.pages.extend(new)
         self.table.set_pages_many(updates)  # every row's new pages in one copy
 
-    def _may_spare(self, num_pages: int) -> bool:
-        """Whether `num_pages` more spare pages may be handed out: while spares hold at most an eighth of the
-        pool, free pages or, past them, the page holders' least recently used ones, as growth takes them.
-        A prefix cache keeps every page it can until pages run short, so a serving pool soon has none free:
-        spares from free pages only would never come, and a batch would map a page for some row nearly every
-        round (demo model, MTP at batch 8, a pool sized for its 8 requests: 57 of 83 rounds mapped pages with
-        a full cache when spares could take only a 64th of the pool, 11 now). What the cache loses to them
-        is bounded by `spare_pages` per running request, and they go back before a request is refused
-        pages, after the cache's own (`ensure_kv_capacity`)."""
-        held = self._num_spares()
-        if not num_pages or held + num_pages > self.plan.num_kv_pages // 8:
-            return False
+    def _grant_spares(self, extra: list[int]) -> list[int]:
+        """The spare pages each request of a call gets of the `extra` it could take, in order, while spares
+        hold at most an eighth of the pool: free pages or, past them, the page holders' least recently used
+        full pages that no request maps (`reclaim_pages(..., pages_only=True)`: never a snapshot's tail page,
+        and every page evicted is granted, so nothing is evicted for nothing). A prefix cache keeps every
+        page it can until pages run short, so a serving pool soon has none free: spares from free pages only
+        would never come, and a batch would map a page for some row nearly every round (demo model, MTP at
+        batch 8, a pool sized for its 8 requests: 57 of 83 rounds mapped pages with a full cache when spares
+        could take only a 64th of the pool, 11 now). What the cache loses to them is bounded by
+        `spare_pages` per running request, and they go back before a request is refused pages, after the
+        cache's own (`ensure_kv_capacity`)."""
+        want = min(sum(extra), self.plan.num_kv_pages // 8 - self._num_spares())
+        if want <= 0:
+            return [0] * len(extra)
         for holder in self._holders:
-            if self.kv.num_free < num_pages:
-                holder.reclaim_pages(num_pages)
-        return self.kv.num_free >= num_pages
+            if self.kv.num_free < want:
+                holder.reclaim_pages(want, pages_only=True)
+        left = min(want, self.kv.num_free)
+        granted = []
+        for e in extra:
+            granted.append(min(e, left))
+            left -= granted[-1]
+        return granted
 
     def _num_spares(self) -> int:
         return sum(max(0, len(live.pages) - live.need) for live in self._live.values())

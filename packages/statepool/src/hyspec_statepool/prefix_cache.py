@@ -295,9 +295,9 @@ class PrefixCache:
         """Every page the cache holds a reference to (`PageHolder`)."""
         return self._lru.held_pages()
 
-    def reclaim_pages(self, num_pages: int) -> None:
+    def reclaim_pages(self, num_pages: int, *, pages_only: bool = False) -> None:
         """Evict until `num_pages` pages are free (`PageHolder`; `PrefixLRU.reclaim_pages`)."""
-        self._lru.reclaim_pages(num_pages)
+        self._lru.reclaim_pages(num_pages, pages_only=pages_only)
 
     def reset(self, *, counters: bool = False) -> None:
         """Forget everything cached (requests keep the pages they map). The counters go on (Prometheus

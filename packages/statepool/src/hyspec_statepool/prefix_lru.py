@@ -80,9 +80,10 @@ class PrefixLRU:
         tails = [s.tail_page for s in self.snapshots.values() if s.tail_page is not None]
         return list(self.pages.values()) + tails
 
-    def reclaim_pages(self, num_pages: int, *, keep: SnapKey | None = None) -> None:
+    def reclaim_pages(self, num_pages: int, *, keep: SnapKey | None = None, pages_only: bool = False) -> None:
         """Evict until `num_pages` pages are free: least recently used full pages that no request maps
-        first, then snapshots with tail pages (least recently used first, never the snapshot `keep`)."""
+        first, then snapshots with tail pages (least recently used first, never the snapshot `keep`; with
+        `pages_only` none: a request's spare pages must not cost a snapshot whose chain is still mapped)."""
         kv = self.kv
         while kv.num_free < num_pages:
             # one pass collects every page this call needs: pages mapped by running requests (refs > 1) are
@@ -108,6 +109,8 @@ class PrefixLRU:
             kv.free(freed)  # one call for the pass: eviction runs on every growth once the pool is full
             if victims:
                 continue
+            if pages_only:
+                return
             snap = next(
                 (s for s in self.snapshots.values() if s.tail_page is not None and s.key != keep),
                 None,
