@@ -209,3 +209,51 @@ def test_an_error_inside_a_call_keeps_the_text_of_the_tokens_before_it() -> None
                 for t in (0, 1, 3):
                     r.append_token(t, max_model_len=100, now=0.0)
         assert (r.text, r.output_token_ids) == ("abcd", [0, 1, 3]), batched
+
+
+def test_streamed_text_in_chunks_equals_the_whole_text() -> None:
+    """The output text is kept in chunks (`Request._chunks`, joined only when read whole): over random
+    tokens, stop rules, calls of 1-4 tokens and outputs taken after any call, every kind of output agrees
+    (DELTA deltas joined, CUMULATIVE's text, `delta_text`), a stop string never reaches the text unless
+    asked for, and without stop strings the text is every emitted token's piece."""
+    import random
+
+    from hyspec_server.sampling_params import RequestOutputKind
+
+    rng = random.Random(1)
+    pieces = WordTokenizer.pieces
+    for case in range(200):
+        length = 30 if case % 4 else 300  # past `_PIECES_PER_CHUNK` pieces: merged chunks
+        # (long outputs with stop strings that seldom end them, so that they run long)
+        stops = rng.choice(
+            [None, ["bc"], ["ez", "y"], ["cde", " x"]] if length == 30 else [None, ["abxyzab"]]
+        )
+        keep = rng.random() < 0.3
+        alphabet = [0, 1, 2, 3, 4, 5] if case % 2 else [0, 1, 2, 3, 4]
+        tokens = [rng.choice(alphabet) for _ in range(length)]
+        texts = []
+        for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+            params = SamplingParams(
+                max_tokens=length - 5, stop=stops, include_stop_str_in_output=keep, output_kind=kind
+            )
+            r = _req(params, WordTokenizer())
+            deltas: list[str] = []
+            i = 0
+            while i < len(tokens) and not r.finished:
+                k = rng.randint(1, 4)
+                r.append_tokens(tokens[i : i + k], max_model_len=1000, now=0.0)
+                i += k
+                if rng.random() < 0.6 or r.finished:
+                    out = r.make_output()
+                    deltas.append(out.delta_text)
+                    if kind is RequestOutputKind.DELTA:
+                        assert out.outputs[0].text == out.delta_text
+                    else:
+                        assert out.outputs[0].text == "".join(deltas) + r.text[len("".join(deltas)) :]
+            assert "".join(deltas) == r.text, (case, stops, keep)
+            texts.append((r.text, r.output_token_ids, r.finish_reason, r.stop_reason))
+            if stops is None:  # EOS (5, special: skipped in any case) can only end the output
+                assert r.text == "".join(pieces[t] for t in r.output_token_ids if t != 5), case
+            elif not keep:
+                assert not any(s in r.text for s in stops), (case, r.text)
+        assert texts[0] == texts[1], case

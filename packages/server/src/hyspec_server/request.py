@@ -28,6 +28,9 @@ from hyspec_server.outputs import (
 from hyspec_server.sampling_params import RequestOutputKind, SamplingParams
 from hyspec_server.tokenizer import Tokenizer
 
+# a request's output text: pieces kept apart before they are joined into one chunk (`Request._add_text`)
+_PIECES_PER_CHUNK = 64
+
 
 class DeadEndError(ValueError):
     """A request's own parameters left it nothing to sample part-way through (they were accepted when it was
@@ -74,7 +77,11 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    text: str = ""
+    # the output text in chunks, joined only when read whole (`text`): a string grown token by token is
+    # copied whole at every token (tens of microseconds a token past 100k characters); `_num_chars` in all
+    _chunks: list[str] = field(default_factory=list)
+    _num_chars: int = 0
+    _pieces: int = 0  # pieces appended as chunks of their own since the last merge (`_add_text`)
     # text and tokens already handed out in a RequestOutput (streaming deltas start here)
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
@@ -129,6 +136,47 @@ class Request:
             cumulative_logprob=0.0 if want_lp else None,
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
+
+    @property
+    def text(self) -> str:
+        """The output text so far (joins the chunks once)."""
+        chunks = self._chunks
+        if len(chunks) > 1:
+            chunks[:] = ["".join(chunks)]
+            self._pieces = 0
+        return chunks[0] if chunks else ""
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._chunks[:] = [value] if value else []
+        self._num_chars = len(value)
+        self._pieces = 0
+
+    def _add_text(self, piece: str) -> None:
+        if piece:
+            chunks = self._chunks
+            chunks.append(piece)
+            self._num_chars += len(piece)
+            self._pieces += 1
+            if self._pieces == _PIECES_PER_CHUNK:
+                # a token's piece is a few characters in a ~50-byte object: every so many become one chunk
+                # (each character copied once more, and a long output holds few objects)
+                chunks[-_PIECES_PER_CHUNK:] = ["".join(chunks[-_PIECES_PER_CHUNK:])]
+                self._pieces = 0
+
+    def _text_from(self, start: int) -> str:
+        """`text[start:]`, joining only the chunks it takes (a stream's delta, a stop string's window)."""
+        need = self._num_chars - max(0, start)
+        if need <= 0:
+            return ""
+        parts: list[str] = []
+        got = 0
+        for chunk in reversed(self._chunks):
+            parts.append(chunk)
+            got += len(chunk)
+            if got >= need:
+                break
+        return "".join(reversed(parts))[got - need :]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -269,13 +317,18 @@ class Request:
                 if not stops:
                     new += push(token_id)
                 else:  # the text token by token: a stop string is looked for in what each token completes
-                    old_len = len(self.text)
-                    self.text += push(token_id)
+                    old_len = self._num_chars
+                    self._add_text(push(token_id))
                     # as in vLLM, stop strings are looked for only once the output is longer than min_tokens
-                    # (a stop string completed before that is passed over, like EOS and the stop token ids)
-                    hit = find_stop(self.text, old_len, stops) if len(out) > p.min_tokens else None
+                    # (a stop string completed before that is passed over, like EOS and the stop token ids);
+                    # in the text's tail only: a match ends after old_len, so it starts past `base`
+                    hit = None
+                    if len(out) > p.min_tokens:
+                        base = max(0, old_len - max(len(s) for s in stops) + 1)
+                        hit = find_stop(self._text_from(base), old_len - base, stops)
                     if hit is not None:
                         pos, s = hit
+                        pos += base
                         keep = pos + len(s) if p.include_stop_str_in_output else pos
                         self.text = self.text[:keep]
                         self._finish("stop", s)
@@ -288,7 +341,7 @@ class Request:
         finally:
             # on every exit, an exception's included: the text of the tokens already taken (the detokenizer
             # has moved past them) goes in, as it did token by token (with stop strings it is in already)
-            self.text += new
+            self._add_text(new)
 
     def abort(self) -> None:
         if not self.finished:
@@ -306,12 +359,12 @@ class Request:
         While stop strings are set, the last `max(len(stop)) - 1` characters are held back from the delta:
         they could be the start of a stop string that the next token completes.
         """
-        visible = len(self.text)
+        visible = self._num_chars
         stops = self.params.stop_strings
         if stops and not self.finished:
-            visible = max(self.num_sent_chars, len(self.text) - (max(len(s) for s in stops) - 1))
+            visible = max(self.num_sent_chars, self._num_chars - (max(len(s) for s in stops) - 1))
         first_token = self.num_sent_tokens
-        delta_text = self.text[self.num_sent_chars : visible]
+        delta_text = self._text_from(self.num_sent_chars)[: visible - self.num_sent_chars]
         delta_ids = self.output_token_ids[first_token:]
         self.num_sent_chars = visible
         self.num_sent_tokens = len(self.output_token_ids)
