@@ -79,8 +79,9 @@ case "$cmd" in
     for name in fastapi starlette pydantic pydantic_core annotated-types annotated-doc typing-inspection \
       uvicorn xgrammar apache-tvm-ffi openai jiter distro sniffio httpx2 httpcore2 truststore \
       opentelemetry-api importlib_metadata jsonschema jsonschema-specifications referencing rpds-py \
-      flash-linear-attention fla-core \
-      matplotlib contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil six; do
+      flash-linear-attention fla-core; do
+      # (not matplotlib and its dependencies: the GPU image has them, a benchmark's PNG was drawn there with
+      # none carried on 2026-11-29, and with them the carried tree passes the 64 MiB a call may take)
       # this venv's version where it has the package (else the newest)
       version=$("$VENV/bin/python" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p' || true)
       "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
