@@ -46,7 +46,9 @@ class LaunchGraphs:
 
     Args:
         device: where the launches run (on a CPU every call runs eagerly).
-        capacity: graphs kept, least recently replayed dropped first (keys change with the batch's rows).
+        capacity: graphs kept, least recently replayed dropped first (keys change with the batch's rows:
+            a caller sizes it for the keys it may meet, or a batch whose size keeps changing captures again
+            and again).
     """
 
     def __init__(self, device: torch.device, *, capacity: int = 8) -> None:

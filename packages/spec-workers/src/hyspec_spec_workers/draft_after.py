@@ -58,8 +58,11 @@ class AfterVerify:
         self._rows_buffer: Tensor | None = None  # [max_num_seqs] int64
         self._prepared: _Prepared | None = None
         # the first block's launch replayed from a graph while its arguments repeat (graph buffers, the
-        # rows above): 3 us of host time a round instead of 40-65
-        self.launches = LaunchGraphs(pairs.kv.pool.device)
+        # rows above): 3 us of host time a round instead of 40-65. Its key changes with the batch's row count
+        # and verify block size only (the rows themselves are written into one buffer), so room for every
+        # row count at a few block sizes: a serving batch whose size keeps changing captures each key once,
+        # never again after an eviction (each graph holds one tiny output)
+        self.launches = LaunchGraphs(pairs.kv.pool.device, capacity=4 * pairs.kv.pool.plan.max_num_seqs)
 
     def follows(self, verified: VerifiedChain) -> bool:
         """Whether a proposal may be queued after this verify: each row's draft holds exactly its committed
