@@ -59,6 +59,11 @@ def _case(
     return logits, nodes, tokens, stops, budgets
 
 
+def _host(stops: torch.Tensor, budgets: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+    """`_case`'s stop ids and budgets as a round hands them to `GreedyTail.pack`: per row, its ids."""
+    return [[x for x in row if x >= 0] for row in stops.tolist()], budgets.tolist()
+
+
 def _general_path(
     tree: VerifyTree, logits: torch.Tensor, nodes: list[int], stops: torch.Tensor, budgets: torch.Tensor
 ) -> Any:
@@ -90,7 +95,7 @@ def test_tail_equals_choose_tokens_and_commits_its_counts(seed: int, padded: int
         return num_accepted
 
     tail = GreedyTail(lambda h: h, commit)
-    packed = tail.pack(nodes, stops, budgets, rows=rows)
+    packed = tail.pack(nodes, *_host(stops, budgets), rows=rows)
     assert packed is not None and packed.shape == (rows, tail.width)
     assert packed[n:, :2].tolist() == [[1, 1]] * padded and (packed[n:, 2:] == -1).all()
     got = GreedyTail.result(tail(batch, (hidden,), (packed,)), n)
@@ -134,7 +139,7 @@ def test_tree_tail_equals_choose_tokens_and_commits_its_paths(seed: int, padded:
         return num_accepted
 
     tail = GreedyTail(lambda h: h, commit)
-    packed = tail.pack(nodes, stops, budgets, rows=rows)
+    packed = tail.pack(nodes, *_host(stops, budgets), rows=rows)
     assert packed is not None
     got = GreedyTail.result(tail(batch, (hidden,), (packed,)), n)
     for name in ("num_accepted", "accept_index", "output_tokens", "bonus", "commit_steps", "finished"):
@@ -153,12 +158,11 @@ def test_static_inputs_are_padded_rows_and_too_many_stop_ids_take_the_general_pa
         and static[:, :2].eq(1).all()
         and static[:, 2:].eq(-1).all()
     )
-    many = torch.arange(MAX_TAIL_STOP_IDS + 1)[None, :]
-    assert tail.pack([2], many, torch.tensor([5]), rows=1) is None
-    # unused stop-id columns (every row -1) do not count against the width
-    wide = torch.cat([torch.tensor([[3]]), torch.full((1, 20), -1)], dim=1)
-    packed = tail.pack([2], wide, torch.tensor([5]), rows=2)
-    assert packed is not None and packed[0, :3].tolist() == [2, 5, 3]
+    assert tail.pack([2], [range(MAX_TAIL_STOP_IDS + 1)], [5], rows=1) is None  # more stop ids than it holds
+    packed = tail.pack([2, 1], [{3}, range(MAX_TAIL_STOP_IDS)], [5, 4], rows=3)
+    assert packed is not None and packed[0, :4].tolist() == [2, 5, 3, -1]
+    assert packed[1].tolist() == [1, 4, *range(MAX_TAIL_STOP_IDS)]
+    assert packed[2].tolist() == [1, 1] + [-1] * MAX_TAIL_STOP_IDS  # a padded row
     with pytest.raises(ValueError, match="max_stop_ids"):
         GreedyTail(lambda h: h, lambda b, a, p: a, max_stop_ids=0)
 
@@ -177,7 +181,7 @@ def test_outcome_is_what_the_host_reads(seed: int, padded: int) -> None:
     input_ids = torch.cat([tokens.reshape(-1), torch.zeros(padded * d, dtype=torch.int64)])
     batch: Any = SimpleNamespace(verify_len=d, input_ids=input_ids, num_seqs=rows, tree_parents=None)
     tail = GreedyTail(lambda h: h, lambda b, a, p: a)
-    outs = tail(batch, (hidden,), (tail.pack(nodes, stops, budgets, rows=rows),))
+    outs = tail(batch, (hidden,), (tail.pack(nodes, *_host(stops, budgets), rows=rows),))
     res, outcome = GreedyTail.result(outs, n), GreedyTail.outcome(outs, n)
     assert outcome.shape == (n, 1 + d)
     assert torch.equal(outcome[:, 0], res.num_accepted) and torch.equal(outcome[:, 1:], res.output_tokens)

@@ -17,7 +17,7 @@ graph's batch get one node, budget 1 and no stop ids (their state slots are -1: 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -68,21 +68,25 @@ class GreedyTail:
         return (packed,)
 
     def pack(
-        self, num_nodes: Sequence[int], stop_token_ids: Tensor, max_new_tokens: Tensor, *, rows: int
+        self,
+        num_nodes: Sequence[int],
+        stop_token_ids: Sequence[Collection[int]],
+        max_new_tokens: Sequence[int],
+        *,
+        rows: int,
     ) -> Tensor | None:
         """The packed input of a round's rows, then padded rows up to `rows` (a graph's batch size), on the
         host; None when a row carries more stop ids than the tail holds.
 
         Args:
             num_nodes: [N] real verify-block nodes per row (root included).
-            stop_token_ids: [N, M'] int64 stop ids per row, -1 padded, on the host.
-            max_new_tokens: [N] int64 token budgets, on the host.
+            stop_token_ids: per row, its stop ids (EOS and the request's stop_token_ids), any order.
+            max_new_tokens: [N] token budgets.
         """
         m, pad = self.max_stop_ids, [-1] * self.max_stop_ids
         # one host tensor from Python lists (a handful of tensor ops per round instead of one per column)
         flat: list[int] = []
-        for k, budget, ids in zip(num_nodes, max_new_tokens.tolist(), stop_token_ids.tolist(), strict=True):
-            stops = [x for x in ids if x >= 0]
+        for k, budget, stops in zip(num_nodes, max_new_tokens, stop_token_ids, strict=True):
             if len(stops) > m:
                 return None
             flat += [k, budget, *stops, *pad[len(stops) :]]
@@ -158,8 +162,8 @@ def greedy_tail_result(
     batch: ForwardBatch,
     hidden: torch.Tensor,
     nodes: list[int],
-    stop_ids: torch.Tensor,
-    budgets: torch.Tensor,
+    stop_ids: Sequence[Collection[int]],
+    budgets: Sequence[int],
 ) -> tuple[VerifyResult, Tensor] | None:
     """The greedy tail (`greedy_tail.py`) of a verify whose rows are all plain greedy: replayed by a
     target that captured it for this batch, else run eagerly on the live rows -> the live rows' result and

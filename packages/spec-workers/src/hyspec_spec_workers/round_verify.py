@@ -83,11 +83,10 @@ def verify_round(
         prefix_lens=prefix,
         tree_parents=tree.parents if as_tree else None,
     )
-    stop_ids = _stop_ids(rows)
-    budgets = torch.tensor([r.max_new_tokens for r in rows], dtype=torch.int64)
+    budget_list = [r.max_new_tokens for r in rows]
     if all(plain_greedy(r) for r in rows):
         # token choice and commit as one function of tensors: a graphed target replays it
-        got = greedy_tail_result(target, batch, hidden, nodes, stop_ids, budgets)
+        got = greedy_tail_result(target, batch, hidden, nodes, [r.stop_token_ids for r in rows], budget_list)
         if got is not None:
             tail, outcome = got
             # the outcome goes to the host first: the read below then waits for the verify and the tail, not
@@ -131,6 +130,8 @@ def verify_round(
         mask_block_logits(logits, constraints, draft_blocks(on_host, constraints), masks)
     # the tokens come cut at each row's first stop token and its budget (host tensors, copied without a
     # sync); the same arrays go to the commit, the drafter, the computed-token count and the output
+    stop_ids = _stop_ids(rows)
+    budgets = torch.tensor(budget_list, dtype=torch.int64)
     result = choose_tokens(
         tree,
         logits,

@@ -94,11 +94,13 @@ class SamplingRequest(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
-class SampledToken:
+class SampledToken(NamedTuple):
     """One chosen token; `logprob` / `top` / `rank` only when its request asked for logprobs.
 
     `rank` is 1-based: 1 + the number of tokens strictly more likely than the chosen one (vLLM's).
+
+    A named tuple (immutable as a frozen dataclass, built in a quarter of its time): a round at batch 32
+    makes about 100 of them, every decode step one per row.
     """
 
     token_id: int
