@@ -219,6 +219,9 @@ def hyspec_decode(llm: Any, prompts: Sequence[list[int]], new: int) -> dict[str,
             "round_with_3_drafts": costs.round_s(3) * 1e3 if costs.ready else None,
             "catch_up": costs.catch_up_s() * 1e3,
         }
+        s = runner.spec.num_speculative_tokens
+        if s not in (1, 3):  # a round at the config's own length (what its speed-up is made of)
+            res["measured_ms"][f"round_with_{s}_drafts"] = costs.round_s(s) * 1e3 if costs.ready else None
         dc = getattr(runner.spec.drafter, "graph_counts", None)
         if dc is not None:
             res["draft_graph_counts"] = {"replays": dc.replays, "eager": dc.eager}

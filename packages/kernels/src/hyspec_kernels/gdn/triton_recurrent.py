@@ -13,10 +13,10 @@ is one coalesced load; V tiles of 8-64 columns give enough programs at small bat
   nodes are visited depth-first (preorder, from the parents as bit sets), so a node follows its parent
   except where a branch's earlier subtree ends; such a restart recomputes the parent's state from the
   committed state along the parent's path (a few extra steps in registers instead of a state stored and
-  read back per branch: the tree verify then moves the bytes of a chain's; its extra steps are the
-  restarts' path lengths). Each node's output comes from the steps of its own path either way, bit for
-  bit a chain's. Trees of more than MAX_RECOMPUTE_NODES nodes store their branch states in a workspace of
-  the call instead (block order).
+  read back per branch: the tree verify then moves the bytes of a chain's, plus a re-read of the committed
+  state from L2 at each restart, `_committed`; its extra steps are the restarts' path lengths). Each node's
+  output comes from the steps of its own path either way, bit for bit a chain's. Trees of more than
+  MAX_RECOMPUTE_NODES nodes store their branch states in a workspace of the call instead (block order).
 
 Token inputs are read through their token strides (q, k and v may be column slices of one projection),
 outputs are contiguous; each state slot and each scratch (row, step) entry is a contiguous
@@ -48,6 +48,17 @@ def _delta_step(b_s, b_k, b_v, b_g, b_beta):  # type: ignore[no-untyped-def]
     b_s = b_s * tl.exp(b_g)
     b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))  # [BV]
     return b_s + b_k[:, None] * b_u[None, :]
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _committed(p_state, m_slot, PENDING: tl.constexpr):  # type: ignore[no-untyped-def]
+    """A tree token's committed start state, read again (from L2: the program read it, or with pending
+    tokens wrote it, moments ago) as fp32 [BK, BV]. Kept in registers through the block instead, beside the
+    running state, it about doubled a tree program's registers: a tree verify ran at 2.0-2.9x a decode at
+    8-32 sequences (a chain at 1.05-1.5x), 1.2-1.9x with the reload (H200, `tools/bench_gdn_pending.py`)."""
+    if PENDING:
+        tl.debug_barrier()  # the state this program wrote back (its pending tokens applied) is visible
+    return tl.load(p_state, mask=m_slot, other=0.0).to(tl.float32)
 
 
 @jit_varying("slots_ptr", "rows_ptr", "parents_ptr", "in_rows_ptr", "pend_rows_ptr", "pend_paths_ptr")
@@ -215,13 +226,13 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
                 restart = parent != j - 1
             if restart:
                 if parent < 0:
-                    b_s = b_s0
+                    b_s = _committed(p_state, m_slot, PENDING)
                 elif RECOMPUTE:
                     # the parent's post-state, recomputed from the committed state (still in registers) along
                     # its path, its steps in block order, which is root-to-parent order (parents precede
                     # children). No state goes to memory
                     path = tl.sum(tl.where(o_d == parent, b_anc, 0))
-                    b_s = b_s0
+                    b_s = _committed(p_state, m_slot, PENDING)
                     for i in range(parent + 1):
                         if ((path >> i) & 1) != 0:
                             t_a = tok + i
