@@ -177,8 +177,10 @@ def greedy_tail_result(
     packed = gt.pack(nodes, stop_ids, budgets, rows=batch.num_seqs)  # every row: a graph's input shape
     if packed is None:
         return None
-    if isinstance(target, GreedyTailTarget):
-        outs = target.replay_greedy_tail(batch, hidden, packed)
+    # a `GreedyTailTarget`, found by its method (what the protocol's isinstance checks, at a lookup's cost)
+    replay = getattr(target, "replay_greedy_tail", None)
+    if replay is not None:
+        outs: tuple[Tensor, ...] | None = replay(batch, hidden, packed)
         if outs is not None:
             return GreedyTail.result(outs, n), GreedyTail.outcome(outs, n)
     # eagerly over the live rows only (they come first): `hidden` holds only theirs
