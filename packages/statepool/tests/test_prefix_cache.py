@@ -425,3 +425,38 @@ def test_spares_never_evict_a_snapshot_whose_chain_is_mapped() -> None:
     pool.kv.free(taken[2:])
     pool.free(["a", "c", "d"])
     _idle(pool)
+
+
+def test_save_many_equals_the_saves_one_after_another() -> None:
+    """Three finishing requests saved at once with a budget of two snapshots (the third takes the first's
+    slot again within the batch): the cache holds and resumes exactly what saving them one by one does."""
+    prompts = [[i] * 6 + [i + 10] for i in (1, 2, 3)]
+
+    def run(batched: bool) -> list[tuple[int, torch.Tensor | None]]:
+        pool = _pool(snapshots=2)
+        cache = PrefixCache(pool, num_snapshots=2)
+        ids = [f"r{i}" for i in range(3)]
+        pool.alloc(ids)
+        for rid, toks in zip(ids, prompts, strict=True):
+            _compute(pool, rid, toks)
+        if batched:
+            cache.save_many([(rid, toks, None) for rid, toks in zip(ids, prompts, strict=True)])
+        else:
+            for rid, toks in zip(ids, prompts, strict=True):
+                cache.save(rid, toks, salt=None, num_tokens=len(toks))
+        pool.free(ids)
+        got: list[tuple[int, torch.Tensor | None]] = []
+        for i, toks in enumerate(prompts):
+            pool.alloc([f"x{i}"])
+            n = cache.attach_longest(f"x{i}", [*toks, 0], salt=None, max_tokens=len(toks))
+            got.append((n, _conv(pool, f"x{i}") if n else None))
+            pool.free([f"x{i}"])
+        _idle(pool)
+        return got
+
+    one, many = run(False), run(True)
+    assert [n for n, _ in many] == [n for n, _ in one] == [0, 7, 7]  # the first's snapshot went
+    for (_, a), (_, b) in zip(many, one, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None and b is not None:
+            assert torch.equal(a, b)

@@ -283,3 +283,43 @@ def test_pending_tokens_follow_the_slot_through_copy_alloc_and_free(make_pool: M
     c = int(pool.state_slots(new).tensor[0])
     assert int(pool.states.pending_rows[c]) == int(new.tensor[0])
     assert bool((pool.states.pending_paths[c] == -1).all())
+
+
+def test_copy_slots_equals_the_pairs_copied_one_after_another(make_pool: MakePool) -> None:
+    """Several pairs at once (one source serving two destinations, sources with pending tokens, a destination
+    with its own): every state, and the pending tables, as `copy_slot` pair by pair leaves them."""
+
+    def setup() -> tuple[HybridStatePool, list[int]]:
+        pool = make_pool(
+            max_num_seqs=4, num_state_slots=9, draft_shape=DraftShape("tree", 2, num_draft_tokens=4)
+        )
+        rows = pool.alloc(["a", "b"])
+        free = pool.alloc_detached_slots(3).tolist()
+        _fill_distinct(pool)
+        a, b = pool.state_slots(rows).tolist()
+        half = pool.plan.scratch_rows
+        for i, (slot, path) in enumerate(((a, [0, 1]), (b, [0]))):
+            row = int(rows.tensor[i]) + half
+            for name, t in pool.states.scratch.items():
+                if ".replay_" in name:
+                    t[:, row] = t[:, i]
+            pool.states.pending_rows[slot] = row
+            pool.states.pending_paths[slot, : len(path)] = torch.tensor(path, dtype=torch.int32)
+        pool.states.pending_paths[free[2], :1] = 0  # a destination's own pending tokens are dropped
+        return pool, [a, b, *free]
+
+    one, (a, b, d0, d1, d2) = setup()
+    for src, dst in ((a, d0), (b, d2), (a, d1)):
+        one.states.copy_slot(src, dst)
+    many, slots = setup()
+    assert slots == [a, b, d0, d1, d2]
+    many.states.copy_slots([a, b, a], [d0, d2, d1])
+    for name, state in many.states.states.items():
+        torch.testing.assert_close(state, one.states.states[name], rtol=0, atol=0)
+    assert torch.equal(many.states.pending_paths, one.states.pending_paths)
+    with pytest.raises(ValueError, match="dsts: expected distinct"):
+        many.states.copy_slots([a, b], [d0, d0])
+    with pytest.raises(ValueError, match="dsts: expected distinct"):
+        many.states.copy_slots([a, d0], [d0, d1])
+    with pytest.raises(ValueError, match="srcs, dsts"):
+        many.states.copy_slots([a], [d0, d1])

@@ -143,8 +143,8 @@ class StatePoolMemory:
         saves = [s for s in saves if s.token_ids]
         if self.prefix_cache is None or not (saves or inner):
             return
-        for s in saves:
-            self.prefix_cache.save(s.req_id, s.token_ids, salt=s.salt, num_tokens=len(s.token_ids))
+        # the snapshots' states copied at once (a step where a batch's requests finish saves them all)
+        self.prefix_cache.save_many([(s.req_id, s.token_ids, s.salt) for s in saves])
         # the inner points are the pool's already (the forward wrote them): only the followers save them
         for f in self.followers:
             f.on_prefix_saves([*inner, *saves])

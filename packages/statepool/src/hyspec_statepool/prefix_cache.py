@@ -204,6 +204,21 @@ class PrefixCache:
         """
         self._save(req_id, token_ids, salt, num_tokens, payload, fill=False)
 
+    def save_many(self, saves: Sequence[tuple[Hashable, Sequence[int], str | None]]) -> None:
+        """`save` of each (request id, token ids, salt) at its whole length, in order, with the new
+        snapshots' states copied together at the end (`StatePool.copy_slots`): one replay of their pending
+        tokens and one copy per state tensor for the lot, instead of a round of each per request (a step in
+        which a batch's requests finish saves them all)."""
+        copies: list[tuple[int, int]] = []  # (request slot, snapshot slot), in save order
+        try:
+            for req_id, token_ids, salt in saves:
+                self._save(req_id, token_ids, salt, len(token_ids), None, fill=False, copies=copies)
+        finally:
+            # (also after a failed save: the snapshots made before it are in the cache and need their states)
+            # a later save may have taken an earlier one's slot again: the last copy into a slot is its state
+            last = {dst: src for src, dst in copies}
+            self.pool.states.copy_slots(list(last.values()), list(last))
+
     def reserve(
         self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None, num_tokens: int
     ) -> int | None:
@@ -231,8 +246,11 @@ class PrefixCache:
         payload: torch.Tensor | None,
         *,
         fill: bool,
+        copies: list[tuple[int, int]] | None = None,
     ) -> int | None:
-        """`save` (`fill` False) or `reserve` (True): the new snapshot's slot, None when none is new."""
+        """`save` (`fill` False) or `reserve` (True): the new snapshot's slot, None when none is new.
+        `copies`: where a new snapshot's state copy goes, as (request slot, snapshot slot), for the caller
+        to make (`save_many`); None: made here."""
         c = num_tokens
         if not 0 < c <= len(token_ids):
             raise ValueError(f"num_tokens: expected 0 < num_tokens <= {len(token_ids)}, got {c}")
@@ -255,7 +273,9 @@ class PrefixCache:
         key = (h, tail)
         slot = None
         if key not in self._lru.snapshots:
-            slot = self._new_snapshot(key, c, req_id, own[k] if tail else None, payload, fill=fill)
+            slot = self._new_snapshot(
+                key, c, req_id, own[k] if tail else None, payload, fill=fill, copies=copies
+            )
         self._lru.touch(chain, [key] if key in self._lru.snapshots else [])
         return slot
 
@@ -268,9 +288,10 @@ class PrefixCache:
         payload: torch.Tensor | None,
         *,
         fill: bool,
+        copies: list[tuple[int, int]] | None = None,
     ) -> int | None:
-        """The new snapshot's slot (a copy of the request's state unless the caller's forward `fill`s it);
-        None when there is no page for its tail."""
+        """The new snapshot's slot (a copy of the request's state unless the caller's forward `fill`s it;
+        into `copies` for the caller to make when given); None when there is no page for its tail."""
         kv = self.pool.kv
         tail_page = None
         if partial is not None:
@@ -283,7 +304,9 @@ class PrefixCache:
             tail_page = kv.alloc(1)[0]
             kv.copy_page(partial, tail_page)
         slot = self._lru.take_slot()
-        if not fill:
+        if not fill and copies is not None:
+            copies.append((self.pool.request_slot(req_id), slot))
+        elif not fill:
             self.pool.states.copy_slot(self.pool.request_slot(req_id), slot)
         kept = None if payload is None else payload.detach().clone()
         self._lru.add_snapshot(Snapshot(key, num_tokens, slot, tail_page, kept))

@@ -9,6 +9,7 @@ slot: conv windows, and the GDN layers' per-step inputs the commit replays (layo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -190,15 +191,39 @@ class RecurrentStatePool:
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Slot `dst` gets slot `src`'s state in every linear layer (a device copy, no sync)."""
-        for s in (src, dst):
+        self.copy_slots([src], [dst])
+
+    def copy_slots(self, srcs: Sequence[int], dsts: Sequence[int]) -> None:
+        """Each slot `dsts[i]` gets slot `srcs[i]`'s state in every linear layer, every pair at once: one
+        replay of the sources' pending tokens, one clear, one gather and scatter per state tensor (device
+        ops, no sync), whatever the number of pairs. Destinations are distinct and none is a source (so
+        this equals the pairs copied one after another); a source may serve several."""
+        if len(srcs) != len(dsts):
+            raise ValueError(
+                f"srcs, dsts: expected as many sources as destinations, got {len(srcs)} and {len(dsts)}"
+            )
+        for s in (*srcs, *dsts):
             if not 1 <= s <= self.num_slots or not self._in_use[s]:
                 raise DoubleFreeError(f"state slot {s} is not allocated")
-        # the source's pending tokens belong in what is copied; the destination's state is overwritten
-        # (indices staged without a wait for the device)
-        self.apply_pending(to_device([src], dtype=torch.long, device=self.pending_rows.device))
-        self.clear_pending(to_device([dst], dtype=torch.long, device=self.pending_rows.device))
+        if len(set(dsts)) != len(dsts) or set(dsts) & set(srcs):
+            raise ValueError(
+                f"dsts: expected distinct slots that are no source, got {list(dsts)} from {list(srcs)}"
+            )
+        if not srcs:
+            return
+        # the sources' pending tokens belong in what is copied (each source once: a replay applies what it is
+        # given); the destinations' states are overwritten (indices staged without a wait for the device)
+        dev = self.pending_rows.device
+        self.apply_pending(to_device(list(dict.fromkeys(srcs)), dtype=torch.long, device=dev))
+        self.clear_pending(to_device(list(dsts), dtype=torch.long, device=dev))
+        index: tuple[torch.Tensor, torch.Tensor] | None = None
         for tensor in self.states.values():
-            tensor[:, dst].copy_(tensor[:, src])
+            if index is None or index[0].device != tensor.device:
+                index = (
+                    to_device(list(srcs), dtype=torch.long, device=tensor.device),  # [n]
+                    to_device(list(dsts), dtype=torch.long, device=tensor.device),  # [n]
+                )
+            tensor[:, index[1]] = tensor[:, index[0]]  # [L, n, *E]
 
     def _fill(self, slots: list[int], value: float) -> None:
         if not slots:
