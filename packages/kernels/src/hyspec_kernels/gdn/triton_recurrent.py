@@ -339,6 +339,9 @@ def launch_recurrent(
             f"scratch: a tree of more than {MAX_RECOMPUTE_NODES} nodes needs one (its branch states), got "
             f"D = {steps} and none"
         )
+    if parents is not None and not is_verify:
+        # a tree's restarts re-read the committed state from `state` (`_committed`), which a decode writes
+        raise ValueError("parents: a tree runs as a verify (verify=True or a scratch), got a decode")
     xs = scratch if scratch is not None else state  # an unused pointer without scratch
     tree_order = parents is not None and (branch_states_only or not store_steps)
     kin, vin, gin, bin_ = keep_inputs if keep_inputs is not None else (state, state, state, state)
