@@ -7,34 +7,17 @@ import random
 
 import pytest
 import torch
-from hyspec_statepool import (
-    AttentionSpec,
-    DraftShape,
-    GDNSpec,
-    HybridStatePool,
-    MemoryPlan,
-    ModelStateSpecs,
-    ShortConvSpec,
-    StateDtypes,
-)
+from hyspec_statepool import DraftShape, HybridStatePool, MemoryPlan, ModelStateSpecs, StateDtypes
 from hyspec_statepool.prefix_cache import PrefixCache
 
-SPECS = ModelStateSpecs.from_pairs(
-    [
-        (0, GDNSpec(num_k_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=3, conv_kernel=4)),
-        (1, AttentionSpec(num_kv_heads=1, head_dim=4)),
-        (2, ShortConvSpec(channels=5, conv_kernel=3)),
-        (3, GDNSpec(num_k_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=3, conv_kernel=4)),
-    ]
-)
 PS = 2
 
 
 def build(
-    seed: int, rec_dtype: torch.dtype, snaps: int, pages: int, spare: int
+    specs: ModelStateSpecs, seed: int, rec_dtype: torch.dtype, snaps: int, pages: int, spare: int
 ) -> tuple[HybridStatePool, PrefixCache, torch.Generator]:
     plan = MemoryPlan(
-        specs=SPECS,
+        specs=specs,
         max_model_len=24,
         max_num_seqs=4,
         draft_shape=DraftShape("chain", 3),
@@ -54,10 +37,10 @@ def build(
     return pool, cache, gen
 
 
-def scenario(seed: int, batched: bool, rec_dtype: torch.dtype) -> tuple:  # type: ignore[type-arg]
+def scenario(specs: ModelStateSpecs, seed: int, batched: bool, rec_dtype: torch.dtype) -> tuple:  # type: ignore[type-arg]
     rng = random.Random(seed)
     snaps, pages, spare = rng.choice([1, 2, 3]), rng.choice([8, 10, 14, 24]), rng.choice([0, 0, 2])
-    pool, cache, gen = build(seed, rec_dtype, snaps, pages, spare)
+    pool, cache, gen = build(specs, seed, rec_dtype, snaps, pages, spare)
     base = [rng.randrange(5) for _ in range(12)]
     log = []
     for step in range(rng.randint(1, 4)):
@@ -124,9 +107,9 @@ def scenario(seed: int, batched: bool, rec_dtype: torch.dtype) -> tuple:  # type
 
 @pytest.mark.parametrize("rec_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(60))
-def test_save_many_fuzz(seed: int, rec_dtype: torch.dtype) -> None:
-    a = scenario(seed, False, rec_dtype)
-    b = scenario(seed, True, rec_dtype)
+def test_save_many_fuzz(seed: int, rec_dtype: torch.dtype, tiny_specs: ModelStateSpecs) -> None:
+    a = scenario(tiny_specs, seed, False, rec_dtype)
+    b = scenario(tiny_specs, seed, True, rec_dtype)
     assert a[0] == b[0], (a[0], b[0])
     assert a[1:5] == b[1:5]
     assert torch.equal(a[6], b[6])

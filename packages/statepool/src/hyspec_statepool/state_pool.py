@@ -218,6 +218,10 @@ class RecurrentStatePool:
         self.clear_pending(to_device(list(dsts), dtype=torch.long, device=dev))
         index: tuple[torch.Tensor, torch.Tensor] | None = None
         for tensor in self.states.values():
+            if len(srcs) == 1:
+                # one pair (a prefix-cache hit's copy): a copy between views, no index to upload
+                tensor[:, dsts[0]].copy_(tensor[:, srcs[0]])
+                continue
             if index is None or index[0].device != tensor.device:
                 index = (
                     to_device(list(srcs), dtype=torch.long, device=tensor.device),  # [n]
