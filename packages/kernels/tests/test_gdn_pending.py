@@ -125,6 +125,24 @@ def test_apply_pending_equals_the_reference_replay(backend: str) -> None:
     torch.testing.assert_close(state[used], want[used], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_pending_all_live_is_bitwise_the_masked_one(backend: str, dtype: torch.dtype) -> None:
+    # `all_live` (a prefix-cache copy's slots: allocated, distinct) skips the mask of the slots with tokens
+    # pending: slot 7 has none, slot 5 no home row at all (a snapshot's slot); both come back as they were
+    pending, state, gen = _setup(seed=6)
+    state[5] = torch.randn(HV, DK, DV, generator=gen)
+    state = state.to(dtype)
+    slots = torch.tensor([4, 7, 6, 5, 2])
+    masked, lean = state.clone(), state.clone()
+    apply_pending(pending, masked, slots, backend=backend)  # type: ignore[arg-type]
+    apply_pending(pending, lean, slots, backend=backend, all_live=True)  # type: ignore[arg-type]
+    used = slots.tolist()
+    assert torch.equal(lean[used], masked[used])
+    assert torch.equal(lean[[5, 7]], state[[5, 7]])
+    assert not torch.equal(lean[[4, 6, 2]], state[[4, 6, 2]])  # (the pending tokens were applied)
+
+
 def test_pending_validation_names_the_argument() -> None:
     pending, state, gen = _setup(seed=4)
     q, k, v, g, beta = _tokens(gen, 2)

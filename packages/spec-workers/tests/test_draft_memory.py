@@ -52,8 +52,9 @@ def test_a_request_keyed_drafter_forgets_ended_requests() -> None:
     drafter.propose(DraftBatch(root_tokens=torch.tensor([1, 2]), num_steps=[3, 3], req_ids=["a", "b"]))
     with pytest.raises(RuntimeError, match=r"still follows requests \['a', 'b'\]"):
         rnd.leak_check()
-    rnd.on_free("a")
-    rnd.on_free("b")
+    with pytest.raises(ValueError, match="request_ids: expected a sequence of request ids, got the str 'ab'"):
+        rnd.on_free("ab")  # (not requests "a" and "b")
+    rnd.on_free(["a", "b"])  # a step's finished requests together
     assert drafter.followed == frozenset()
     rnd.leak_check()
 
@@ -62,7 +63,7 @@ def test_what_a_drafter_keeps_after_free_is_a_leak() -> None:
     drafter = _Keyed(forgets=False)
     rnd = SpeculativeRound(drafter, num_speculative_tokens=3)
     drafter.seen.add("r7")
-    rnd.on_free("r7")
+    rnd.on_free(["r7"])
     with pytest.raises(RuntimeError, match=r"\['r7'\]"):
         rnd.leak_check()
 
@@ -75,7 +76,7 @@ def test_adaptive_lengths_are_dropped_with_their_request() -> None:
     assert rnd.adaptive.requests == {"x"}
     with pytest.raises(RuntimeError, match=r"\['x'\]"):
         rnd.leak_check()
-    rnd.on_free("x")
+    rnd.on_free(["x"])
     assert rnd.adaptive.requests == frozenset()
     rnd.leak_check()
 

@@ -849,7 +849,7 @@ def test_counted_idle_rounds_start_every_probe_where_round_by_round_reports_do(
             assert spec.drafts_nothing(ids)
             spec.plain_round(ids, lambda: [SampledToken(1, None, None)], shares_forward=False)
             if i == 15:
-                spec.on_free("c")  # c ends: its counted rounds are reported before it is forgotten
+                spec.on_free(["c"])  # c ends: its counted rounds are reported before it is forgotten
         assert spec.lengths.idle is not None
         spec.lengths.idle.report()
     assert probes["counted"] == probes["each"] and len(probes["each"]) >= 4

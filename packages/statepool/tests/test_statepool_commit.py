@@ -285,6 +285,34 @@ def test_pending_tokens_follow_the_slot_through_copy_alloc_and_free(make_pool: M
     assert bool((pool.states.pending_paths[c] == -1).all())
 
 
+def test_copy_slots_from_slots_with_nothing_pending_copies_them_as_they_are(make_pool: MakePool) -> None:
+    """A snapshot's slot (no home row) and a request's slot with nothing pending, copied beside a source
+    with pending tokens: their states arrive bit for bit and stay as they were (the copy's replay runs over
+    every source without a mask of the ones with tokens pending)."""
+    pool = make_pool(max_num_seqs=4, num_state_slots=9, draft_shape=DraftShape("tree", 2, num_draft_tokens=4))
+    rows = pool.alloc(["a", "b"])
+    snap, d0, d1, d2 = pool.alloc_detached_slots(4).tolist()
+    _fill_distinct(pool)
+    a, b = pool.state_slots(rows).tolist()
+    half = pool.plan.scratch_rows
+    row = int(rows.tensor[0]) + half
+    for name, t in pool.states.scratch.items():
+        if ".replay_" in name:
+            t[:, row] = t[:, 0]
+    pool.states.pending_rows[a] = row
+    pool.states.pending_paths[a, :2] = torch.tensor([0, 1], dtype=torch.int32)
+    before = {n: t.clone() for n, t in pool.states.states.items()}
+    want = _expected(pool, {n: t.clone() for n, t in _gdn_states(pool).items()}, [(a, a, row, [0, 1])])
+    pool.states.copy_slots([snap, b, a], [d0, d1, d2])
+    for name, state in pool.states.states.items():
+        for src, dst in ((snap, d0), (b, d1)):
+            assert torch.equal(state[:, src], before[name][:, src]), (name, src)
+            assert torch.equal(state[:, dst], before[name][:, src]), (name, dst)
+        if name in want:
+            torch.testing.assert_close(state[:, d2], want[name][:, a], rtol=1e-5, atol=1e-5)
+    assert bool((pool.states.pending_paths[[snap, a, b, d0, d1, d2]] == -1).all())
+
+
 def test_copy_slots_equals_the_pairs_copied_one_after_another(make_pool: MakePool) -> None:
     """Several pairs at once (one source serving two destinations, sources with pending tokens, a destination
     with its own): every state, and the pending tables, as `copy_slot` pair by pair leaves them."""

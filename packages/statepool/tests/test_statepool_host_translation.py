@@ -44,8 +44,12 @@ def test_mirrors_follow_every_table_write(make_pool: MakePool) -> None:
     table.set_pages(free_row, 2, [9])
     assert table.host_pages[free_row] == [-1, -1, 9] and table.mirror_mismatches() == []
     table.clear_pages(free_row, 0)
-    pool.free(ids)
+    rows = [int(r) for r in pool.req_rows(ids).tensor]
+    versions = list(table.row_versions)
+    pool.free(ids)  # three requests at once: their rows cleared in one write (`clear_rows`)
     assert table.mirror_mismatches() == [] and pool.leak_check().clean
+    assert bool((table.page_table == -1).all()) and table.row_to_slot.tolist() == [0] * table.num_rows
+    assert all(table.row_versions[r] > versions[r] for r in rows)
 
 
 def test_pages_past_a_row_are_refused_and_change_nothing(make_pool: MakePool) -> None:

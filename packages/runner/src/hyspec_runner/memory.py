@@ -49,8 +49,9 @@ class RequestMemory(Protocol):
         pages run out (a step's decoding rows grow together: one page-table write)."""
         ...
 
-    def free(self, request_id: str) -> None:
-        """Returns the request's row, state slot and pages."""
+    def free(self, request_ids: Sequence[str]) -> None:
+        """Returns these requests' rows, state slots and pages (a step's finished requests together: a few
+        device ops for them all)."""
         ...
 
     def num_live(self) -> int: ...

@@ -17,7 +17,9 @@ class MemoryFollower(Protocol):
 
     def on_alloc(self, request_id: str) -> None: ...
 
-    def on_free(self, request_id: str) -> None: ...
+    def on_free(self, request_ids: Sequence[str]) -> None:
+        """These requests ended (finished, aborted or preempted) and their pool memory is free."""
+        ...
 
     def on_prefix_hit(
         self, request_id: str, num_tokens: int, token_ids: Sequence[int], *, salt: str | None
@@ -100,10 +102,14 @@ class StatePoolMemory:
             return False
         return True
 
-    def free(self, request_id: str) -> None:
-        self.pool.free([request_id])
+    def free(self, request_ids: Sequence[str]) -> None:
+        if isinstance(request_ids, str):  # (a str is a sequence of one-letter ids)
+            raise ValueError(f"request_ids: expected a sequence of request ids, got the str {request_ids!r}")
+        if not request_ids:
+            return
+        self.pool.free(list(request_ids))
         for f in self.followers:
-            f.on_free(request_id)
+            f.on_free(request_ids)
 
     def num_live(self) -> int:
         return self.pool.num_live

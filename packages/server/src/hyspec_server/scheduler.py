@@ -189,7 +189,7 @@ class Scheduler:
             req.num_computed_tokens = cached
             n = self._chunk_len(req, budget)
             if not self.memory.grow([req.request_id], [cached + n]):
-                self.memory.free(req.request_id)
+                self.memory.free([req.request_id])
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
@@ -228,7 +228,7 @@ class Scheduler:
         self.ran_ahead = frozenset()  # (the runner forgot it too: a failed step) recomputed from scratch
         for req in reversed(reqs):
             self.running.remove(req)
-            self.memory.free(req.request_id)
+            self.memory.free([req.request_id])
             req.num_computed_tokens = 0
             req.status = RequestStatus.WAITING
             req.suspect = True
@@ -345,7 +345,7 @@ class Scheduler:
         if 0 < n < req.num_tokens and req.request_id not in self.ran_ahead:
             # its recompute resumes from here (unless the pages it frees are reclaimed first)
             self.memory.save_prefixes([self._save(req, n)])
-        self.memory.free(req.request_id)
+        self.memory.free([req.request_id])
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
@@ -371,7 +371,6 @@ class Scheduler:
         ]
         if cache and saves and self.memory.snapshot_interval:
             self.memory.save_prefixes(saves)
-        for req in ending:
-            self.memory.free(req.request_id)
+        self.memory.free([req.request_id for req in ending])
         self.running = [r for r in self.running if id(r) not in done]
         self.waiting = deque(r for r in self.waiting if id(r) not in done)

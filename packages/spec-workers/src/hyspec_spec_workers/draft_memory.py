@@ -32,15 +32,17 @@ class DraftFollower:
             self.model_drafter.add_requests([request_id])
             self._followed.add(request_id)
 
-    def on_free(self, request_id: str) -> None:
+    def on_free(self, request_ids: Sequence[str]) -> None:
         if isinstance(self.drafter, RequestKeyedDrafter):
-            self.drafter.forget([request_id])
+            self.drafter.forget(request_ids)
         if self.feed is not None:
-            self.feed.drop(request_id)
-        if request_id in self._followed:
-            self._followed.discard(request_id)
+            for r in request_ids:
+                self.feed.drop(r)
+        followed = [r for r in request_ids if r in self._followed]
+        if followed:
+            self._followed.difference_update(followed)
             assert self.model_drafter is not None
-            self.model_drafter.free_requests([request_id])
+            self.model_drafter.free_requests(followed)
 
     def on_prefix_hit(
         self, request_id: str, num_tokens: int, token_ids: Sequence[int], *, salt: str | None

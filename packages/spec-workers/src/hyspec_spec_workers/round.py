@@ -156,9 +156,12 @@ class SpeculativeRound:
     def on_alloc(self, request_id: str) -> None:
         self.memory.on_alloc(request_id)
 
-    def on_free(self, request_id: str) -> None:
-        self.lengths.forget(request_id)
-        self.memory.on_free(request_id)
+    def on_free(self, request_ids: Sequence[str]) -> None:
+        if isinstance(request_ids, str):  # (a str is a sequence of one-letter ids)
+            raise ValueError(f"request_ids: expected a sequence of request ids, got the str {request_ids!r}")
+        for r in request_ids:
+            self.lengths.forget(r)
+        self.memory.on_free(request_ids)
 
     def on_prefix_hit(
         self, request_id: str, num_tokens: int, token_ids: Sequence[int], *, salt: str | None

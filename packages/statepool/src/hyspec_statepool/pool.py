@@ -128,17 +128,20 @@ class HybridStatePool:
         for req_id in req_ids:
             if req_id not in self._live:
                 raise DoubleFreeError(f"request {req_id!r} is not live: freed twice or never allocated")
-        freed_rows = []
-        for req_id in req_ids:
-            live = self._live.pop(req_id)
+        freed = [self._live.pop(req_id) for req_id in req_ids]
+        if not freed:
+            return
+        for live in freed:
             self.kv.free(live.pages)
-            self.table.clear_pages(live.row, 0)
-            self.states.free([live.slot])
-            self.states.set_homes([live.slot], [-1])
-            self._free_rows.append(live.row)
-            freed_rows.append(live.row)
+        rows, slots = [live.row for live in freed], [live.slot for live in freed]
+        # the device tables of every freed request at once (a step's finished requests: a few device ops, not
+        # a few per request)
+        self.table.clear_rows(rows)
+        self.states.free(slots)
+        self.states.set_homes(slots, [-1] * len(slots))
+        self._free_rows.extend(rows)
         # an unmapped row points at the dummy slot 0, so a stale row can never reach a reused slot
-        self.table.map_slot(freed_rows, [0] * len(freed_rows))
+        self.table.map_slot(rows, [0] * len(rows))
 
     def row_layout(self, req_ids: Sequence[Hashable]) -> tuple[tuple[int, int], ...]:
         """(row, row version) of each live request: equal tuples mean none of these rows was remapped (its

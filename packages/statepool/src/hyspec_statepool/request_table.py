@@ -96,6 +96,17 @@ class RequestTable:
         self.host_page_table[row, first:] = -1
         del self.host_pages[row][first:]
 
+    def clear_rows(self, rows: list[int]) -> None:
+        """`clear_pages(row, 0)` for each of these rows, in one device write."""
+        if not rows:
+            return
+        for row in rows:
+            self.row_versions[row] += 1
+            self.host_pages[row].clear()
+        host = torch.tensor(rows, dtype=torch.long)
+        self.host_page_table[host] = -1
+        self.page_table[to_device(rows, dtype=torch.long, device=self.page_table.device)] = -1
+
     def host_kv_run(self, row: int, start: int, count: int) -> list[int]:
         """The KV slots of positions `start .. start + count - 1` of `row` from the host mirror, as a list (-1
         where no page); the positions must lie below the table width."""

@@ -209,13 +209,18 @@ class RecurrentStatePool:
             raise ValueError(
                 f"dsts: expected distinct slots that are no source, got {list(dsts)} from {list(srcs)}"
             )
-        if not srcs:
-            return
-        # the sources' pending tokens belong in what is copied (each source once: a replay applies what it is
-        # given); the destinations' states are overwritten (indices staged without a wait for the device)
-        dev = self.pending_rows.device
-        self.apply_pending(to_device(list(dict.fromkeys(srcs)), dtype=torch.long, device=dev))
-        self.clear_pending(to_device(list(dsts), dtype=torch.long, device=dev))
+        if not srcs or not self.states:
+            return  # (an attention-only pool's snapshot slots hold no state: nothing to copy)
+        if self.pending_paths.shape[1]:
+            # the sources' pending tokens belong in what is copied (each source once: a replay applies what it
+            # is given); a destination's state is overwritten, so afterwards no slot here has any pending.
+            # One upload and a few device ops whatever the pairs (a finishing request's save is host-bound):
+            # the slots are allocated and distinct, so the replay needs no mask of the live ones
+            uniq = list(dict.fromkeys(srcs))
+            both = to_device([*uniq, *dsts], dtype=torch.long, device=self.pending_rows.device)
+            for state, inputs in self.replay_layers():
+                apply_pending(self._pending(inputs), state, both[: len(uniq)], all_live=True)
+            self.pending_paths[both] = -1
         index: tuple[torch.Tensor, torch.Tensor] | None = None
         for tensor in self.states.values():
             if len(srcs) == 1:

@@ -426,8 +426,7 @@ def _retire(
     if done:
         pool.free([reqs[i].request_id for i in done])
         if spec is not None:
-            for i in done:
-                spec.on_free(reqs[i].request_id)
+            spec.on_free([reqs[i].request_id for i in done])
     return [i for i in live if i not in done]
 
 

@@ -69,14 +69,25 @@ def apply_pending(
     *,
     backend: Backend = "auto",
     tile_seqs: int | None = None,
+    all_live: bool = False,
 ) -> None:
     """state[s] takes the pending tokens of every slot s in `state_slots` (ones without any are left as they
-    are). `pending.paths` is not cleared: the caller owns it (it may serve several layers)."""
+    are). `pending.paths` is not cleared: the caller owns it (it may serve several layers).
+
+    `all_live`: the caller vouches that the slots are distinct and none is -1; then no mask of the slots with
+    tokens pending is built (four device ops fewer: a prefix-cache snapshot's copy is host-bound), and a
+    slot without any has its state read and written back as it is (bit for bit)."""
     s = state_slots.long()
-    at = s.clamp(min=0)
-    rows = pending.rows[at]  # [N]
-    paths = pending.paths[at]  # [N, P]
-    live = torch.where((s >= 0) & (rows >= 0) & (paths[:, 0] >= 0), s, -1)
+    if all_live:
+        # a slot with tokens pending has a home row; a slot without any (-1 row) reads no input row
+        rows = pending.rows[s]  # [N]
+        paths = pending.paths[s]  # [N, P]
+        live = s
+    else:
+        at = s.clamp(min=0)
+        rows = pending.rows[at]  # [N]
+        paths = pending.paths[at]  # [N, P]
+        live = torch.where((s >= 0) & (rows >= 0) & (paths[:, 0] >= 0), s, -1)
     k, v, g, beta = pending.inputs
     gdn_replay(
         k,
