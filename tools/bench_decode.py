@@ -190,6 +190,7 @@ def hyspec_decode(llm: Any, prompts: Sequence[list[int]], new: int) -> dict[str,
     # the last one; the older figure, total minus a one-token request's time, is kept for comparison
     first = min(o.metrics.first_token_time or 0.0 for o in outs)
     last = max(o.metrics.finished_time or 0.0 for o in outs)
+    arrived = min(o.metrics.arrival_time for o in outs)
     # every row decodes between the last first token and the first finish: no prefill in those steps
     both = max(o.metrics.first_token_time or 0.0 for o in outs)
     done = min(o.metrics.finished_time or 0.0 for o in outs)
@@ -201,6 +202,8 @@ def hyspec_decode(llm: Any, prompts: Sequence[list[int]], new: int) -> dict[str,
             len(prompts) * len(inside) / (inside[-1][1] - inside[0][0]) if len(inside) > 1 else None
         ),
         "decode_tok_s_minus_one_token_run": len(prompts) * (new - 1) / (tn - t1),
+        # time to the first token (the step that prefills the first prompts, a drafter's extend included)
+        "first_token_ms": (first - arrived) * 1e3,
         "tokens": [o.outputs[0].token_ids for o in outs],
     }
     runner = llm.engine.runner
@@ -355,10 +358,11 @@ def make_llm(
     max_num_seqs: int,
     max_len: int,
     kv_cache_bytes: int | None = None,
-    max_num_batched_tokens: int = 2048,
+    max_num_batched_tokens: int | None = 2048,
 ) -> Any:
     """An engine on the GPU; `kv_cache_bytes` bounds its cache (several engines in one process) instead of
-    the default share of GPU memory; `max_num_batched_tokens` the step's token budget (prompt chunks)."""
+    the default share of GPU memory; `max_num_batched_tokens` the step's token budget (prompt chunks; None:
+    the engine's default)."""
     # EngineArgs as the server exports it: the same import in trees from before the runner's package
     from hyspec_server import LLM, EngineArgs
     from hyspec_server.builder import build_engine

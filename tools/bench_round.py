@@ -92,7 +92,10 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
                 # each row starts from the plain run's greedy continuation
                 oracle_refs = [r + o for r, o in zip(rows, refs[b], strict=True)]
                 drafters = oracle_registry(oracle_refs, S, wrong=name != "oracle")
-            llm = make_llm(path, spec=spec, drafters=drafters, max_num_seqs=max(b, 8), max_len=max_len)
+            llm = make_llm(
+                path, spec=spec, drafters=drafters, max_num_seqs=max(b, 8), max_len=max_len,
+                max_num_batched_tokens=a.max_num_batched_tokens,
+            )  # fmt: skip
             r = hyspec_decode(llm, rows, a.new)
             if name == "oracle":
                 # then on its own: a row that parted from plain greedy at a bf16 near-tie drafts nothing more
@@ -129,7 +132,7 @@ def measure_interleaved(a: argparse.Namespace) -> dict[str, Any]:
         def make(spec: dict[str, Any] | None, drafters: Any = None) -> Any:
             return make_llm(
                 path, spec=spec, drafters=drafters, max_num_seqs=max(b, 8), max_len=max_len,
-                kv_cache_bytes=KV_BYTES,
+                kv_cache_bytes=KV_BYTES, max_num_batched_tokens=a.max_num_batched_tokens,
             )  # fmt: skip
 
         llms = {"plain": make(None)}
@@ -199,6 +202,12 @@ def median_runs(files: list[Path]) -> dict[str, Any]:
     return out
 
 
+def speed_up(run: dict[str, Any], plain_tok_s: float) -> float:
+    """A run's speed-up over plain: interleaved runs, the median of each repetition's own ratio (the plot's
+    and the printed figure); else its tok/s over the plain run's."""
+    return float(run.get("speed_up_median") or run["decode_tok_s"] / plain_tok_s)
+
+
 def compare(before: dict[str, Any], after: dict[str, Any], title: str) -> str:
     lines = [
         f"# {title}: before / after ({after['device']})",
@@ -206,13 +215,15 @@ def compare(before: dict[str, Any], after: dict[str, Any], title: str) -> str:
         f"Demo Qwen3.5 (shipped), greedy, {after['new']} new tokens per row, CUDA graphs, bf16; both trees "
         f"measured in one session on one GPU (`tools/bench_round.py`), {before['num_runs']} and "
         f"{after['num_runs']} runs alternately, medians. tok/s: first-to-last-token decode rate "
-        "(steady: steps where every row decodes); speed-up against the same tree's plain run; accept: mean "
+        "(steady: steps where every row decodes); speed-up against the same tree's plain run (interleaved: "
+        "the median of each repetition's ratio); predicted: what the measured round costs predict "
+        "(`predicted`); accept: mean "
         "tokens per round with drafts; agree: share of tokens equal to plain greedy.",
         "",
         "| run | before tok/s | after tok/s | after / before | before steady | after steady | "
-        "speed-up before | speed-up after | accept before | accept after | agree after | "
-        "round(3) ms before | round(3) ms after | decode ms after |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "speed-up before | speed-up after | predicted after | accept before | accept after | agree after | "
+        "round(3) ms before | round(3) ms after | decode ms after | first token ms after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(x: Any, d: int = 1) -> str:
@@ -224,14 +235,19 @@ def compare(before: dict[str, Any], after: dict[str, Any], title: str) -> str:
         pa = after["runs"][f"plain/{batch}"]["decode_tok_s"]
         pb = before["runs"].get(f"plain/{batch}", {}).get("decode_tok_s")
         ma, mb = a.get("measured_ms", {}), b.get("measured_ms", {})
+        name = key.split("/")[0]
+        plain_run = after["runs"][f"plain/{batch}"]
+        pred = None if name == "plain" else predicted(name, a, plain_run, int(batch[1:]))
         lines.append(
             f"| {key} | {f(b.get('decode_tok_s'))} | {f(a['decode_tok_s'])} | "
             f"{f(a['decode_tok_s'] / b['decode_tok_s'] if b else None, 2)}x | "
             f"{f(b.get('steady_decode_tok_s'))} | {f(a.get('steady_decode_tok_s'))} | "
-            f"{f(b['decode_tok_s'] / pb if b and pb else None, 2)}x | {f(a['decode_tok_s'] / pa, 2)}x | "
+            f"{f(speed_up(b, pb) if b and pb else None, 2)}x | {f(speed_up(a, pa), 2)}x | "
+            f"{f(pred, 2)}{'x' if pred else ''} | "
             f"{f(b.get('mean_accept_length'), 2)} | {f(a.get('mean_accept_length'), 2)} | "
             f"{f(a.get('agreement'), 3)} | {f(mb.get('round_with_3_drafts'), 2)} | "
-            f"{f(ma.get('round_with_3_drafts'), 2)} | {f(ma.get('decode'), 2)} |"
+            f"{f(ma.get('round_with_3_drafts'), 2)} | {f(ma.get('decode'), 2)} | "
+            f"{f(a.get('first_token_ms'), 1)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -287,6 +303,19 @@ def paired(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def predicted(name: str, run: dict[str, Any], plain: dict[str, Any], batch: int) -> float | None:
+    """The speed-up a run's measured round costs predict: tokens per round x the plain run's step (batch /
+    its steady tok/s, every row decoding, where measured) / the engine's measured round with S drafts. None
+    for adaptive runs (their rounds are not their steps) and runs that drafted no round."""
+    ms = run.get("measured_ms") or {}
+    round_ms = ms.get(f"round_with_{(CONFIGS[name] or {}).get('num_speculative_tokens', S)}_drafts")
+    fixed = not (CONFIGS[name] or {}).get("adaptive")
+    if not (fixed and run.get("verify_rounds") and run.get("mean_accept_length") and round_ms):
+        return None
+    step_ms = 1e3 * batch / (plain.get("steady_decode_tok_s") or plain["decode_tok_s"])
+    return float(run["mean_accept_length"] * step_ms / round_ms)
+
+
 def plot(after: dict[str, Any], path: Path) -> str:
     """Speed-up over plain against batch size for every speculative run (interleaved runs: the median over
     the repetitions of each one's ratio to its plain run), with the speed-up its measured
@@ -308,17 +337,8 @@ def plot(after: dict[str, Any], path: Path) -> str:
         for b in BATCHES:
             r, p = runs[f"{name}/b{b}"], runs[f"plain/b{b}"]
             # interleaved runs: the median of each repetition's own ratio (what the tables report)
-            meas.append(r.get("speed_up_median") or r["decode_tok_s"] / p["decode_tok_s"])
-            ms = r.get("measured_ms") or {}
-            s = (CONFIGS[name] or {}).get("num_speculative_tokens", S)
-            round_ms = ms.get(f"round_with_{s}_drafts")
-            # fixed-length runs only: an adaptive run's rounds are not its steps
-            fixed = not (CONFIGS[name] or {}).get("adaptive")
-            drafted = r.get("verify_rounds") and r.get("mean_accept_length")
-            ok = fixed and drafted and round_ms
-            # a plain step of the plain engine: steady (every row decoding) where measured
-            step_ms = 1e3 * b / (p.get("steady_decode_tok_s") or p["decode_tok_s"])
-            pred.append(r["mean_accept_length"] * step_ms / round_ms if ok else None)
+            meas.append(speed_up(r, p["decode_tok_s"]))
+            pred.append(predicted(name, r, p, b))
         ax.plot(BATCHES, meas, marker="o", color=f"C{c}", label=f"{name} measured")
         pts = [(b, y) for b, y in zip(BATCHES, pred, strict=True) if y is not None]
         if pts:
@@ -345,6 +365,13 @@ def main() -> None:
     ap.add_argument("--title", default="The speculative round", help="what changed (the report's title)")
     ap.add_argument("--name", default="round-compare", help="report file name: <device>-<name>.md/.json/.png")
     ap.add_argument("--replot", type=Path, help="a compare JSON: draw its after tree's plot again and stop")
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the engines' step budget (default: the engine's own; 2048 before 2026-11-30: at batch 32 the "
+        "second half of the prompts then prefilled inside the decode window)",
+    )
     ap.add_argument(
         "--interleave", type=int, default=0, help="R > 0: engines side by side, runs alternated R times"
     )
