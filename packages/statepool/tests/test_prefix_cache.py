@@ -427,18 +427,24 @@ def test_spares_never_evict_a_snapshot_whose_chain_is_mapped() -> None:
     _idle(pool)
 
 
+def _computed(prompts: list[list[int]], *, snapshots: int) -> tuple[HybridStatePool, PrefixCache, list[str]]:
+    """A pool and its cache with one request per prompt ("r0", "r1", ...), each prompt computed."""
+    pool = _pool(snapshots=snapshots)
+    cache = PrefixCache(pool, num_snapshots=snapshots)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    pool.alloc(ids)
+    for rid, toks in zip(ids, prompts, strict=True):
+        _compute(pool, rid, toks)
+    return pool, cache, ids
+
+
 def test_save_many_equals_the_saves_one_after_another() -> None:
     """Three finishing requests saved at once with a budget of two snapshots (the third takes the first's
     slot again within the batch): the cache holds and resumes exactly what saving them one by one does."""
     prompts = [[i] * 6 + [i + 10] for i in (1, 2, 3)]
 
     def run(batched: bool) -> list[tuple[int, torch.Tensor | None]]:
-        pool = _pool(snapshots=2)
-        cache = PrefixCache(pool, num_snapshots=2)
-        ids = [f"r{i}" for i in range(3)]
-        pool.alloc(ids)
-        for rid, toks in zip(ids, prompts, strict=True):
-            _compute(pool, rid, toks)
+        pool, cache, ids = _computed(prompts, snapshots=2)
         if batched:
             cache.save_many([(rid, toks, None) for rid, toks in zip(ids, prompts, strict=True)])
         else:
@@ -460,3 +466,73 @@ def test_save_many_equals_the_saves_one_after_another() -> None:
         assert (a is None) == (b is None)
         if a is not None and b is not None:
             assert torch.equal(a, b)
+
+
+def test_save_many_at_given_lengths_with_payloads_equals_save() -> None:
+    """`save_many(..., num_tokens=, payloads=)` (a drafter's finishing saves): each snapshot at its own length
+    with its payload, the tail pages copied together, resumes as `save` of each does: the same hit, payload,
+    KV (the tail page's too) and state; bad lengths name the argument."""
+    prompts = [[i] * 9 + [i + 10, i + 20] for i in (1, 2, 3)]
+    points = [5, 11, 7]  # a tail of 1, 3 and 3 tokens past full pages (PS = 4)
+    payloads = [torch.full((2,), float(i)) for i in range(3)]
+
+    def run(batched: bool) -> list[tuple[int, torch.Tensor | None, torch.Tensor, torch.Tensor]]:
+        pool, cache, ids = _computed(prompts, snapshots=3)
+        if batched:
+            with pytest.raises(ValueError, match="num_tokens: expected 3 values"):
+                cache.save_many([(r, t, None) for r, t in zip(ids, prompts, strict=True)], num_tokens=[5])
+            with pytest.raises(ValueError, match="payloads: expected 3 values"):
+                cache.save_many([(r, t, None) for r, t in zip(ids, prompts, strict=True)], payloads=[None])
+            saves = [(r, t, None) for r, t in zip(ids, prompts, strict=True)]
+            cache.save_many(saves, num_tokens=points, payloads=[p.clone() for p in payloads])
+        else:
+            for rid, toks, n, p in zip(ids, prompts, points, payloads, strict=True):
+                cache.save(rid, toks, salt=None, num_tokens=n, payload=p)
+        pool.free(ids)
+        got = []
+        for i, (toks, n) in enumerate(zip(prompts, points, strict=True)):
+            rid = f"x{i}"
+            pool.alloc([rid])
+            hit = cache.attach_longest_hit(rid, toks, salt=None, max_tokens=n)
+            rows = pool.req_rows([rid])
+            kv = pool.kv_slots(
+                req_rows=rows, start_positions=torch.tensor([0]), num_tokens=torch.tensor([hit.num_tokens])
+            ).tensor.long()
+            k, _ = pool.kv_cache(0)
+            got.append((hit.num_tokens, hit.payload, k.view(-1, 2)[kv].clone(), _conv(pool, rid)))
+            pool.free([rid])
+        _idle(pool)
+        return got
+
+    one, many = run(False), run(True)
+    assert [g[0] for g in many] == [g[0] for g in one] == points
+    for a, b, p, toks, n in zip(many, one, payloads, prompts, points, strict=True):
+        assert a[1] is not None and b[1] is not None and torch.equal(a[1], p) and torch.equal(b[1], p)
+        assert torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+        assert a[2][:, 0].tolist() == [float(t) for t in toks[:n]]  # the KV of every cached position
+
+
+def test_copy_pages_equals_copy_page_pair_by_pair_and_names_bad_pairs() -> None:
+    pool = _pool()
+    kv = pool.kv
+    pages = kv.alloc(6)
+    k, v = pool.kv_cache(0)
+    k.view(kv.num_pages, -1)[pages] = torch.arange(6.0)[:, None]
+    v.view(kv.num_pages, -1)[pages] = -torch.arange(6.0)[:, None]
+    want_k, want_v = k.clone(), v.clone()
+    for src, dst in ((pages[0], pages[3]), (pages[1], pages[4]), (pages[0], pages[5])):
+        want_k[dst], want_v[dst] = want_k[src], want_v[src]
+    kv.copy_pages([pages[0], pages[1], pages[0]], pages[3:])
+    torch.testing.assert_close(k, want_k, rtol=0, atol=0, equal_nan=True)  # (free pages: NaN in debug)
+    torch.testing.assert_close(v, want_v, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="srcs, dsts"):
+        kv.copy_pages(pages[:2], pages[3:])
+    with pytest.raises(ValueError, match="dsts: expected distinct"):
+        kv.copy_pages(pages[:2], [pages[3], pages[3]])
+    with pytest.raises(ValueError, match="dsts: expected distinct"):
+        kv.copy_pages(pages[:2], [pages[1], pages[3]])
+    kv.free(pages[5:])
+    with pytest.raises(DoubleFreeError, match=f"KV page {pages[5]}"):
+        kv.copy_pages(pages[:1], pages[5:])
+    kv.free(pages[:5])
+    _idle(pool)

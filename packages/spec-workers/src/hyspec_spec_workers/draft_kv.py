@@ -167,6 +167,25 @@ class DraftKV:
         self.cache.save(req_id, seq, salt=key, num_tokens=n, payload=payload)
         return True
 
+    def save_many(
+        self, saves: Sequence[tuple[Hashable, Sequence[int], str | None, torch.Tensor | None]]
+    ) -> None:
+        """`save` of each (request id, token ids, salt, payload) at once (`PrefixCache.save_many`: the tail
+        pages copied together; each payload kept as given, so pass fresh tensors)."""
+        if self.cache is None:
+            return
+        keys, counts, payloads = [], [], []
+        for req_id, token_ids, salt, payload in saves:
+            n = len(token_ids) - self.lag
+            if n < 1 or self.lengths.get(req_id, 0) < n:
+                continue
+            seq, key = self._cache_key(token_ids, salt)
+            keys.append((req_id, seq, key))
+            counts.append(n)
+            payloads.append(payload)
+        if keys:
+            self.cache.save_many(keys, num_tokens=counts, payloads=payloads)
+
     def reset_cache(self) -> None:
         if self.cache is not None:
             self.cache.reset()

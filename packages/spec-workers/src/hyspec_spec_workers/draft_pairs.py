@@ -177,12 +177,23 @@ class DraftPairs:
         it is the request's root feature (a save at its final length; a point the draft has passed since, as
         the target's snapshots inside a prompt chunk, keeps its K/V only: a hit there starts from a zero root
         feature, one draft position)."""
-        self.write([s.req_id for s in saves])  # pending pairs first (one extend): the cache keeps written KV
-        for s in saves:
-            last = self.kv.lengths.get(s.req_id) == len(s.token_ids) - self.kv.lag
-            row = self.kv.rows([s.req_id]).tensor.long()
-            payload = self.root_features[row][0] if last else None  # f[L-1] [F]
-            self.kv.save(s.req_id, s.token_ids, salt=s.salt, payload=payload)
+        ids = [s.req_id for s in saves]
+        self.write(ids)  # pending pairs first (one extend): the cache keeps written KV
+        if not ids:
+            return
+        # every request's root feature in one gather (a new tensor: the snapshots keep its rows as they are);
+        # a request may save several points (inside its prompt chunk and at its end)
+        at = {r: i for i, r in enumerate(dict.fromkeys(ids))}
+        feats = self.root_features[self.kv.rows(list(at)).tensor.long()]  # [N, F]
+        lag, lengths = self.kv.lag, self.kv.lengths
+        self.kv.save_many(
+            [
+                # f[L-1] [F] where the save is at the request's final length
+                (s.req_id, s.token_ids, s.salt, feats[at[s.req_id]] if final else None)
+                for s in saves
+                for final in (lengths.get(s.req_id) == len(s.token_ids) - lag,)
+            ]
+        )
 
     # ---------------------------------------------------------------- committing
 

@@ -11,10 +11,13 @@ a page is free again at zero.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from hyspec_statepool.errors import DoubleFreeError, PoolExhaustedError
 from hyspec_statepool.sizing import MemoryPlan
+from hyspec_statepool.transfer import to_device
 
 
 class KVPool:
@@ -103,6 +106,29 @@ class KVPool:
         if self.k is not None and self.v is not None:
             self.k[:, dst].copy_(self.k[:, src])
             self.v[:, dst].copy_(self.v[:, src])
+
+    def copy_pages(self, srcs: Sequence[int], dsts: Sequence[int]) -> None:
+        """Each page `dsts[i]` gets page `srcs[i]`'s K and V in every attention layer, every pair at once (one
+        index upload, one gather and scatter per tensor; a device copy, no sync). Destinations are distinct
+        and none is a source."""
+        if len(srcs) != len(dsts):
+            raise ValueError(
+                f"srcs, dsts: expected as many sources as destinations, got {len(srcs)} and {len(dsts)}"
+            )
+        self._check_allocated([*srcs, *dsts])
+        if len(set(dsts)) != len(dsts) or set(dsts) & set(srcs):
+            raise ValueError(
+                f"dsts: expected distinct pages that are no source, got {list(dsts)} from {list(srcs)}"
+            )
+        if not srcs or self.k is None or self.v is None:
+            return
+        if len(srcs) == 1:
+            self.copy_page(srcs[0], dsts[0])  # (views: no index to upload)
+            return
+        index = to_device([*srcs, *dsts], dtype=torch.long, device=self.k.device)  # [2n]
+        src, dst = index[: len(srcs)], index[len(srcs) :]
+        self.k[:, dst] = self.k[:, src]  # [L, n, page_size, HK, D]
+        self.v[:, dst] = self.v[:, src]
 
     def _check_allocated(self, pages: list[int]) -> None:
         for p in pages:

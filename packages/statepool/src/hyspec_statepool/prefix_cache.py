@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -93,6 +93,15 @@ class PrefixCacheStats:
     num_cached_pages: int
     num_snapshots: int
     num_snapshot_slots: int
+
+
+@dataclass(slots=True)
+class _Copies:
+    """A `save_many`'s deferred copies, (source, destination) in save order: request slot -> snapshot slot,
+    request's partial page -> snapshot's tail page."""
+
+    slots: list[tuple[int, int]] = field(default_factory=list)
+    pages: list[tuple[int, int]] = field(default_factory=list)
 
 
 class PrefixCache:
@@ -204,20 +213,40 @@ class PrefixCache:
         """
         self._save(req_id, token_ids, salt, num_tokens, payload, fill=False)
 
-    def save_many(self, saves: Sequence[tuple[Hashable, Sequence[int], str | None]]) -> None:
-        """`save` of each (request id, token ids, salt) at its whole length, in order, with the new
-        snapshots' states copied together at the end (`StatePool.copy_slots`): one replay of their pending
-        tokens and one copy per state tensor for the lot, instead of a round of each per request (a step in
-        which a batch's requests finish saves them all)."""
-        copies: list[tuple[int, int]] = []  # (request slot, snapshot slot), in save order
+    def save_many(
+        self,
+        saves: Sequence[tuple[Hashable, Sequence[int], str | None]],
+        *,
+        num_tokens: Sequence[int] | None = None,
+        payloads: Sequence[torch.Tensor | None] | None = None,
+    ) -> None:
+        """`save` of each (request id, token ids, salt), in order, at `num_tokens[i]` (default: the whole
+        length) with `payloads[i]` (default: none), the new snapshots' states and tail pages copied together
+        at the end (`StatePool.copy_slots`, `KVPool.copy_pages`): one replay of their pending tokens and one
+        copy per tensor for the lot, instead of a round of each per request (a step in which a batch's
+        requests finish saves them all). A payload is kept as given, not copied: pass tensors nothing
+        writes afterwards (a gather's result)."""
+        if num_tokens is not None and len(num_tokens) != len(saves):
+            raise ValueError(f"num_tokens: expected {len(saves)} values, got {len(num_tokens)}")
+        if payloads is not None and len(payloads) != len(saves):
+            raise ValueError(f"payloads: expected {len(saves)} values, got {len(payloads)}")
+        copies = _Copies()
         try:
-            for req_id, token_ids, salt in saves:
-                self._save(req_id, token_ids, salt, len(token_ids), None, fill=False, copies=copies)
+            for i, (req_id, token_ids, salt) in enumerate(saves):
+                n = len(token_ids) if num_tokens is None else num_tokens[i]
+                payload = None if payloads is None else payloads[i]
+                self._save(req_id, token_ids, salt, n, payload, fill=False, copies=copies)
         finally:
             # (also after a failed save: the snapshots made before it are in the cache and need their states)
-            # a later save may have taken an earlier one's slot again: the last copy into a slot is its state
-            last = {dst: src for src, dst in copies}
-            self.pool.states.copy_slots(list(last.values()), list(last))
+            # a later save may have taken an earlier one's slot or tail page again: the last copy into one is
+            # what it holds
+            slots = {dst: src for src, dst in copies.slots}
+            self.pool.states.copy_slots(list(slots.values()), list(slots))
+            # (a tail page whose snapshot a later save evicted is free again: nothing to copy into it)
+            kv = self.pool.kv
+            pages = {dst: src for src, dst in copies.pages}
+            pages = {dst: src for dst, src in pages.items() if kv.refs(dst)}
+            kv.copy_pages(list(pages.values()), list(pages))
 
     def reserve(
         self, req_id: Hashable, token_ids: Sequence[int], *, salt: str | None, num_tokens: int
@@ -246,11 +275,11 @@ class PrefixCache:
         payload: torch.Tensor | None,
         *,
         fill: bool,
-        copies: list[tuple[int, int]] | None = None,
+        copies: _Copies | None = None,
     ) -> int | None:
         """`save` (`fill` False) or `reserve` (True): the new snapshot's slot, None when none is new.
-        `copies`: where a new snapshot's state copy goes, as (request slot, snapshot slot), for the caller
-        to make (`save_many`); None: made here."""
+        `copies`: where a new snapshot's state and tail page copies go, for the caller to make
+        (`save_many`); None: made here."""
         c = num_tokens
         if not 0 < c <= len(token_ids):
             raise ValueError(f"num_tokens: expected 0 < num_tokens <= {len(token_ids)}, got {c}")
@@ -288,10 +317,11 @@ class PrefixCache:
         payload: torch.Tensor | None,
         *,
         fill: bool,
-        copies: list[tuple[int, int]] | None = None,
+        copies: _Copies | None = None,
     ) -> int | None:
         """The new snapshot's slot (a copy of the request's state unless the caller's forward `fill`s it;
-        into `copies` for the caller to make when given); None when there is no page for its tail."""
+        into `copies`, with its tail page's, for the caller to make when given; the payload then kept as
+        given); None when there is no page for its tail."""
         kv = self.pool.kv
         tail_page = None
         if partial is not None:
@@ -302,13 +332,18 @@ class PrefixCache:
             if not kv.num_free:
                 return None  # no page for the tail: skip this snapshot rather than take a request's memory
             tail_page = kv.alloc(1)[0]
-            kv.copy_page(partial, tail_page)
+            if copies is None:
+                kv.copy_page(partial, tail_page)
+            else:
+                copies.pages.append((partial, tail_page))
         slot = self._lru.take_slot()
         if not fill and copies is not None:
-            copies.append((self.pool.request_slot(req_id), slot))
+            copies.slots.append((self.pool.request_slot(req_id), slot))
         elif not fill:
             self.pool.states.copy_slot(self.pool.request_slot(req_id), slot)
-        kept = None if payload is None else payload.detach().clone()
+        kept = None
+        if payload is not None:  # (`save_many`'s payloads are the caller's to hand over)
+            kept = payload.detach() if copies is not None else payload.detach().clone()
         self._lru.add_snapshot(Snapshot(key, num_tokens, slot, tail_page, kept))
         return slot
 
