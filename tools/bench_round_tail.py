@@ -120,6 +120,7 @@ def one_run(llm: Any, log: StepLog, rows: list[list[int]], new: int) -> dict[str
             }
             for i in longest
         ],
+        "first_steps_ms": ms[:4],  # the window's first rounds (a drafter's first proposal after a prefill)
         "tokens": [o.outputs[0].token_ids for o in outs],
     }
     spec = llm.engine.runner.spec
@@ -152,7 +153,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
         for name, spec in ENGINES.items():
             llms[name] = make_llm(
                 DEMO, spec=spec, max_num_seqs=max(b, 8), max_len=a.prompt_tokens + a.new + 16,
-                kv_cache_bytes=2 << 30,
+                kv_cache_bytes=2 << 30, max_num_batched_tokens=a.max_num_batched_tokens,
             )  # fmt: skip
             logs[name] = StepLog(llms[name].engine)
             one_run(llms[name], logs[name], rows, a.new)  # compiles and captures: not reported
@@ -229,9 +230,17 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="the engines' step budget (0: the engine's default; 2048: at batch 32 the second half of the "
+        "prompts prefills inside the window)",
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--report", type=Path, nargs="*")
     a = ap.parse_args()
+    a.max_num_batched_tokens = a.max_num_batched_tokens or None
     if a.report:
         report(a.report, a.out)
         return
