@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import pytest
@@ -73,3 +74,33 @@ def make_pool() -> Callable[..., HybridStatePool]:
         return HybridStatePool(_make_plan(**plan_args), debug=debug)  # type: ignore[arg-type]
 
     return build
+
+
+AllocRandom = Callable[
+    [HybridStatePool, random.Random, list[int], list[str], int], dict[str, list[int]] | None
+]
+
+
+@pytest.fixture
+def alloc_random() -> AllocRandom:
+    """`(pool, rng, base, ids, vocab)`: allocates `ids`, each with 1-11 tokens that start with a random
+    prefix of `base` (so saves share prefixes), and KV pages for them; returns each one's tokens, or None
+    when the pool is too small (nothing of them left allocated: the same in every run of a seed)."""
+
+    def alloc(
+        pool: HybridStatePool, rng: random.Random, base: list[int], ids: list[str], vocab: int
+    ) -> dict[str, list[int]] | None:
+        toks: dict[str, list[int]] = {}
+        try:
+            pool.alloc(ids)
+            for rid in ids:
+                n = rng.randint(1, 11)
+                t = base[: rng.randint(0, n)]
+                toks[rid] = t + [rng.randrange(vocab) for _ in range(n - len(t))]
+                pool.ensure_kv_capacity([rid], [n])
+        except Exception:
+            pool.free([rid for rid in ids if pool.is_live(rid)])
+            return None
+        return toks
+
+    return alloc

@@ -4,6 +4,8 @@ tokens on the sources, debug NaN pools, tight snapshot and page budgets, duplica
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -37,7 +39,9 @@ def build(
     return pool, cache, gen
 
 
-def scenario(specs: ModelStateSpecs, seed: int, batched: bool, rec_dtype: torch.dtype) -> tuple:  # type: ignore[type-arg]
+def scenario(  # type: ignore[type-arg]
+    specs: ModelStateSpecs, seed: int, batched: bool, rec_dtype: torch.dtype, alloc_random: Callable[..., Any]
+) -> tuple:
     rng = random.Random(seed)
     snaps, pages, spare = rng.choice([1, 2, 3]), rng.choice([8, 10, 14, 24]), rng.choice([0, 0, 2])
     pool, cache, gen = build(specs, seed, rec_dtype, snaps, pages, spare)
@@ -46,20 +50,9 @@ def scenario(specs: ModelStateSpecs, seed: int, batched: bool, rec_dtype: torch.
     for step in range(rng.randint(1, 4)):
         n = rng.randint(1, 4)
         ids = [f"s{step}r{i}" for i in range(n)]
-        toks = {}
-        try:
-            pool.alloc(ids)
-            for rid in ids:
-                L = rng.randint(1, 11)
-                t = base[: rng.randint(0, L)]
-                t = t + [rng.randrange(5) for _ in range(L - len(t))]
-                toks[rid] = t
-                pool.ensure_kv_capacity([rid], [len(t)])
-        except Exception as e:  # pool too small: same in both runs
-            log.append(("alloc", type(e).__name__))
-            for rid in ids:
-                if pool.is_live(rid):
-                    pool.free([rid])
+        toks = alloc_random(pool, rng, base, ids, 5)
+        if toks is None:  # pool too small: same in both runs
+            log.append(("alloc",))
             continue
         half = pool.plan.scratch_rows
         for rid in ids:
@@ -107,9 +100,11 @@ def scenario(specs: ModelStateSpecs, seed: int, batched: bool, rec_dtype: torch.
 
 @pytest.mark.parametrize("rec_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(60))
-def test_save_many_fuzz(seed: int, rec_dtype: torch.dtype, tiny_specs: ModelStateSpecs) -> None:
-    a = scenario(tiny_specs, seed, False, rec_dtype)
-    b = scenario(tiny_specs, seed, True, rec_dtype)
+def test_save_many_fuzz(
+    seed: int, rec_dtype: torch.dtype, tiny_specs: ModelStateSpecs, alloc_random: Callable[..., Any]
+) -> None:
+    a = scenario(tiny_specs, seed, False, rec_dtype, alloc_random)
+    b = scenario(tiny_specs, seed, True, rec_dtype, alloc_random)
     assert a[0] == b[0], (a[0], b[0])
     assert a[1:5] == b[1:5]
     assert torch.equal(a[6], b[6])

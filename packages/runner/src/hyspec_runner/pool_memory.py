@@ -105,11 +105,12 @@ class StatePoolMemory:
     def free(self, request_ids: Sequence[str]) -> None:
         if isinstance(request_ids, str):  # (a str is a sequence of one-letter ids)
             raise ValueError(f"request_ids: expected a sequence of request ids, got the str {request_ids!r}")
-        if not request_ids:
+        ids = list(request_ids)  # (once: an iterator would reach the followers empty)
+        if not ids:
             return
-        self.pool.free(list(request_ids))
+        self.pool.free(ids)
         for f in self.followers:
-            f.on_free(request_ids)
+            f.on_free(ids)
 
     def num_live(self) -> int:
         return self.pool.num_live

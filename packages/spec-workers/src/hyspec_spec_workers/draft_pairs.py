@@ -177,14 +177,14 @@ class DraftPairs:
         it is the request's root feature (a save at its final length; a point the draft has passed since, as
         the target's snapshots inside a prompt chunk, keeps its K/V only: a hit there starts from a zero root
         feature, one draft position)."""
-        ids = [s.req_id for s in saves]
+        ids = list(dict.fromkeys(s.req_id for s in saves))  # (a request may save an inner point and its end)
         self.write(ids)  # pending pairs first (one extend): the cache keeps written KV
         if not ids:
             return
         # every request's root feature in one gather (a new tensor: the snapshots keep its rows as they are);
         # a request may save several points (inside its prompt chunk and at its end)
-        at = {r: i for i, r in enumerate(dict.fromkeys(ids))}
-        feats = self.root_features[self.kv.rows(list(at)).tensor.long()]  # [N, F]
+        at = {r: i for i, r in enumerate(ids)}
+        feats = self.root_features[self.kv.rows(ids).tensor.long()]  # [N, F]
         lag, lengths = self.kv.lag, self.kv.lengths
         self.kv.save_many(
             [
@@ -282,7 +282,7 @@ class DraftPairs:
     def write(self, req_ids: Sequence[Hashable]) -> None:
         """Eager draft extend over the pending pairs of these requests, in batches that fit the draft
         backend's buffers (`DraftKV.extend_windows`)."""
-        ids = [r for r in req_ids if r in self._pending]
+        ids = [r for r in dict.fromkeys(req_ids) if r in self._pending]  # (each request once)
         if not ids:
             return
         got = gather_pending([self._pending.pop(r) for r in ids])

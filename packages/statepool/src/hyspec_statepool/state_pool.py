@@ -211,28 +211,26 @@ class RecurrentStatePool:
             )
         if not srcs or not self.states:
             return  # (an attention-only pool's snapshot slots hold no state: nothing to copy)
+        # one upload for everything below (a finishing request's save is host-bound): the unique sources,
+        # the destinations, then the sources pair by pair
+        uniq = list(dict.fromkeys(srcs))
+        u, n = len(uniq), len(dsts)
+        dev = self.pending_rows.device
+        index = to_device([*uniq, *dsts, *srcs], dtype=torch.long, device=dev)  # [u + 2n]
         if self.pending_paths.shape[1]:
             # the sources' pending tokens belong in what is copied (each source once: a replay applies what it
             # is given); a destination's state is overwritten, so afterwards no slot here has any pending.
-            # One upload and a few device ops whatever the pairs (a finishing request's save is host-bound):
-            # the slots are allocated and distinct, so the replay needs no mask of the live ones
-            uniq = list(dict.fromkeys(srcs))
-            both = to_device([*uniq, *dsts], dtype=torch.long, device=self.pending_rows.device)
+            # The slots are allocated and distinct, so the replay needs no mask of the live ones
             for state, inputs in self.replay_layers():
-                apply_pending(self._pending(inputs), state, both[: len(uniq)], all_live=True)
-            self.pending_paths[both] = -1
-        index: tuple[torch.Tensor, torch.Tensor] | None = None
+                apply_pending(self._pending(inputs), state, index[:u], all_live=True)
+            self.pending_paths[index[: u + n]] = -1
         for tensor in self.states.values():
-            if len(srcs) == 1:
-                # one pair (a prefix-cache hit's copy): a copy between views, no index to upload
+            if n == 1:
+                # one pair (a prefix-cache hit's copy): a copy between views, no gather and scatter
                 tensor[:, dsts[0]].copy_(tensor[:, srcs[0]])
                 continue
-            if index is None or index[0].device != tensor.device:
-                index = (
-                    to_device(list(srcs), dtype=torch.long, device=tensor.device),  # [n]
-                    to_device(list(dsts), dtype=torch.long, device=tensor.device),  # [n]
-                )
-            tensor[:, index[1]] = tensor[:, index[0]]  # [L, n, *E]
+            at = index if tensor.device == dev else index.to(tensor.device)
+            tensor[:, at[u : u + n]] = tensor[:, at[u + n :]]  # [L, n, *E]
 
     def _fill(self, slots: list[int], value: float) -> None:
         if not slots:
