@@ -216,7 +216,10 @@ class RecurrentStatePool:
         uniq = list(dict.fromkeys(srcs))
         u, n = len(uniq), len(dsts)
         dev = self.pending_rows.device
-        index = to_device([*uniq, *dsts, *srcs], dtype=torch.long, device=dev)  # [u + 2n]
+        if not self.pending_paths.shape[1] and n == 1:
+            index = torch.empty(0, dtype=torch.long)  # (unused: one pair, nothing pending, no upload)
+        else:
+            index = to_device([*uniq, *dsts, *srcs], dtype=torch.long, device=dev)  # [u + 2n]
         if self.pending_paths.shape[1]:
             # the sources' pending tokens belong in what is copied (each source once: a replay applies what it
             # is given); a destination's state is overwritten, so afterwards no slot here has any pending.
