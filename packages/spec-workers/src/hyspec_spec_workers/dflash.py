@@ -289,8 +289,7 @@ class DFlashDrafter:
         self.kv.resume(req_id, position, token_ids, salt=salt)
 
     def save_prefixes(self, saves: Sequence[PrefixSave]) -> None:
-        for s in saves:
-            self.kv.save(s.req_id, s.token_ids, salt=s.salt)
+        self.kv.save_many([(s.req_id, s.token_ids, s.salt, None) for s in saves])
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_cache()

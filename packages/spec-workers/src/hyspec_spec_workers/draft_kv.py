@@ -160,8 +160,8 @@ class DraftKV:
         False (nothing saved) when caching is off or the draft holds fewer than `len(token_ids) - lag`
         final positions. It may hold more (a point the target saved inside a prompt chunk, which the draft
         has passed since): attention K/V before a position do not depend on what follows it."""
-        n = len(token_ids) - self.lag
-        if self.cache is None or n < 1 or self.lengths.get(req_id, 0) < n:
+        n = self._saved_positions(req_id, token_ids)
+        if not n or self.cache is None:
             return False
         seq, key = self._cache_key(token_ids, salt)
         self.cache.save(req_id, seq, salt=key, num_tokens=n, payload=payload)
@@ -176,8 +176,8 @@ class DraftKV:
             return
         keys, counts, payloads = [], [], []
         for req_id, token_ids, salt, payload in saves:
-            n = len(token_ids) - self.lag
-            if n < 1 or self.lengths.get(req_id, 0) < n:
+            n = self._saved_positions(req_id, token_ids)
+            if not n:
                 continue
             seq, key = self._cache_key(token_ids, salt)
             keys.append((req_id, seq, key))
@@ -185,6 +185,12 @@ class DraftKV:
             payloads.append(payload)
         if keys:
             self.cache.save_many(keys, num_tokens=counts, payloads=payloads)
+
+    def _saved_positions(self, req_id: Hashable, token_ids: Sequence[int]) -> int:
+        """The draft positions a save of target tokens `token_ids` caches: `len(token_ids) - lag`, or 0 when
+        caching is off or the draft holds fewer final positions."""
+        n = len(token_ids) - self.lag
+        return n if self.cache is not None and n >= 1 and self.lengths.get(req_id, 0) >= n else 0
 
     def reset_cache(self) -> None:
         if self.cache is not None:

@@ -181,19 +181,14 @@ class DraftPairs:
         self.write(ids)  # pending pairs first (one extend): the cache keeps written KV
         if not ids:
             return
-        # every request's root feature in one gather (a new tensor: the snapshots keep its rows as they are);
-        # a request may save several points (inside its prompt chunk and at its end)
+        # every request's root feature in one gather (a new tensor: the snapshots keep its rows as they are)
         at = {r: i for i, r in enumerate(ids)}
         feats = self.root_features[self.kv.rows(ids).tensor.long()]  # [N, F]
-        lag, lengths = self.kv.lag, self.kv.lengths
-        self.kv.save_many(
-            [
-                # f[L-1] [F] where the save is at the request's final length
-                (s.req_id, s.token_ids, s.salt, feats[at[s.req_id]] if final else None)
-                for s in saves
-                for final in (lengths.get(s.req_id) == len(s.token_ids) - lag,)
-            ]
-        )
+        kept: list[tuple[Hashable, Sequence[int], str | None, torch.Tensor | None]] = []
+        for s in saves:
+            final = self.kv.lengths.get(s.req_id) == len(s.token_ids) - self.kv.lag
+            kept.append((s.req_id, s.token_ids, s.salt, feats[at[s.req_id]] if final else None))  # f[L-1] [F]
+        self.kv.save_many(kept)
 
     # ---------------------------------------------------------------- committing
 

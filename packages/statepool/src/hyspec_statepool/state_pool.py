@@ -212,15 +212,15 @@ class RecurrentStatePool:
         if not srcs or not self.states:
             return  # (an attention-only pool's snapshot slots hold no state: nothing to copy)
         # one upload for everything below (a finishing request's save is host-bound): the unique sources,
-        # the destinations, then the sources pair by pair
+        # the destinations, then the sources pair by pair; none for one pair in a pool without pending tokens
         uniq = list(dict.fromkeys(srcs))
         u, n = len(uniq), len(dsts)
         dev = self.pending_rows.device
-        if not self.pending_paths.shape[1] and n == 1:
-            index = torch.empty(0, dtype=torch.long)  # (unused: one pair, nothing pending, no upload)
-        else:
-            index = to_device([*uniq, *dsts, *srcs], dtype=torch.long, device=dev)  # [u + 2n]
-        if self.pending_paths.shape[1]:
+        pending = bool(self.pending_paths.shape[1])
+        index = None  # [u + 2n] int64
+        if pending or n > 1:
+            index = to_device([*uniq, *dsts, *srcs], dtype=torch.long, device=dev)
+        if index is not None and pending:
             # the sources' pending tokens belong in what is copied (each source once: a replay applies what it
             # is given); a destination's state is overwritten, so afterwards no slot here has any pending.
             # The slots are allocated and distinct, so the replay needs no mask of the live ones
@@ -232,6 +232,7 @@ class RecurrentStatePool:
                 # one pair (a prefix-cache hit's copy): a copy between views, no gather and scatter
                 tensor[:, dsts[0]].copy_(tensor[:, srcs[0]])
                 continue
+            assert index is not None
             at = index if tensor.device == dev else index.to(tensor.device)
             tensor[:, at[u : u + n]] = tensor[:, at[u + n :]]  # [L, n, *E]
 
