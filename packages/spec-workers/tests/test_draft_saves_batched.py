@@ -7,25 +7,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from hyspec_spec_workers import CommittedTokens, SpeculativeConfig
+from hyspec_spec_workers import SpeculativeConfig
 from hyspec_spec_workers.factory import build_drafter
 from hyspec_statepool.prefix_cache import PrefixSave
+from hyspec_testing.spec import commit_tokens
 
 S = 3
 PROMPT = [(i * 37 + 11) % 200 + 3 for i in range(21)]
-
-
-def _commit(drafter: Any, rid: str, start: int, tokens: list[int], hidden: torch.Tensor) -> None:
-    drafter.commit(
-        CommittedTokens(
-            req_ids=[rid],
-            start_positions=torch.tensor([start]),
-            num_tokens=torch.tensor([len(tokens)]),
-            tokens=torch.tensor(tokens),
-            hidden_states=hidden,
-            aux_hidden_states=(),
-        )
-    )
 
 
 def test_an_inner_point_and_the_end_of_one_request_with_pending_pairs(target: Callable[[str], Any]) -> None:
@@ -39,8 +27,8 @@ def test_an_inner_point_and_the_end_of_one_request_with_pending_pairs(target: Ca
     )
     hidden = torch.randn(len(PROMPT), t.model.config.hidden_size)
     drafter.add_requests(["a"])
-    _commit(drafter, "a", 0, PROMPT[:8], hidden[:8])
-    _commit(drafter, "a", 8, PROMPT[8:11], hidden[8:11])  # 3 pairs wait
+    commit_tokens(drafter, "a", 0, PROMPT[:8], hidden[:8])
+    commit_tokens(drafter, "a", 8, PROMPT[8:11], hidden[8:11])  # 3 pairs wait
     assert drafter.pairs._pending.get("a")
     drafter.save_prefixes([PrefixSave("a", PROMPT[:9], None), PrefixSave("a", PROMPT[:11], None)])
     assert drafter.kv.cache.stats().num_snapshots == 2
@@ -61,8 +49,8 @@ def test_inner_point_and_end_saved_together_equal_saves_one_by_one(target: Calla
         drafter.kv.pool.kv.k.zero_()  # (torch.empty: positions nothing writes equal in both runs)
         drafter.kv.pool.kv.v.zero_()
         drafter.add_requests(["burn", "a", "b"])
-        _commit(drafter, "a", 0, PROMPT[:19], hidden[:19])
-        _commit(drafter, "b", 0, PROMPT[:15], hidden[:15])
+        commit_tokens(drafter, "a", 0, PROMPT[:19], hidden[:19])
+        commit_tokens(drafter, "b", 0, PROMPT[:15], hidden[:15])
         assert not drafter.pairs._pending.get("a")
         # a's inner point, b's end, a's end: three snapshots in two slots (a's inner one evicted in the call)
         saves = [

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from hyspec_spec_workers import CommittedTokens, DraftBatch, SpeculativeConfig
+from hyspec_spec_workers import DraftBatch, SpeculativeConfig
 from hyspec_spec_workers.factory import build_drafter
 from hyspec_statepool.prefix_cache import PrefixSave
+from hyspec_testing.spec import commit_tokens
 
 S = 3
 CASES: list[tuple[str, dict[str, Any]]] = [
@@ -39,19 +40,6 @@ def _spy(drafter: Any) -> list[torch.Tensor]:
 
     drafter.draft_logits = draft_logits
     return log
-
-
-def _commit(drafter: Any, rid: str, start: int, tokens: list[int], hidden: torch.Tensor, aux: Any) -> None:
-    drafter.commit(
-        CommittedTokens(
-            req_ids=[rid],
-            start_positions=torch.tensor([start]),
-            num_tokens=torch.tensor([len(tokens)]),
-            tokens=torch.tensor(tokens),
-            hidden_states=hidden,
-            aux_hidden_states=tuple(aux),
-        )
-    )
 
 
 def _propose(drafter: Any, rid: str) -> list[torch.Tensor]:
@@ -90,18 +78,18 @@ def test_a_hit_resumes_the_drafters_kv(
 
     # the reference: the whole prompt in one commit
     ref.add_requests(["r"])
-    _commit(ref, "r", 0, whole, *part(0, len(whole)))
+    commit_tokens(ref, "r", 0, whole, *part(0, len(whole)))
     want = _propose(ref, "r")
 
     drafter: Any = build_drafter(cfg, t.model, target_path=t.path, memory=memory)
     drafter.add_requests(["burn", "a"])  # rows and slots differ from the reference's
-    _commit(drafter, "a", 0, whole[:cached], *part(0, cached))
+    commit_tokens(drafter, "a", 0, whole[:cached], *part(0, cached))
     drafter.save_prefixes([PrefixSave("a", whole[:cached], None)])
     drafter.free_requests(["a"])
     for salt, hit in ((None, True), ("other", False)):
         drafter.add_requests(["b"])
         drafter.start_at("b", cached, whole, salt=salt)
-        _commit(drafter, "b", cached, whole[cached:], *part(cached, len(whole)))
+        commit_tokens(drafter, "b", cached, whole[cached:], *part(cached, len(whole)))
         got = _propose(drafter, "b")
         assert len(got) == len(want)
         close = all(torch.allclose(g, w, atol=2e-4, rtol=2e-4) for g, w in zip(got, want, strict=True))
@@ -126,7 +114,7 @@ def test_a_draft_that_holds_other_tokens_saves_nothing(target: Callable[[str], A
     )
     drafter.add_requests(["a"])
     hidden = torch.zeros(8, t.model.config.hidden_size)
-    _commit(drafter, "a", 0, PROMPT[:8], hidden, [])
+    commit_tokens(drafter, "a", 0, PROMPT[:8], hidden, [])
     drafter.save_prefixes([PrefixSave("a", PROMPT[:9], None)])  # one token more than it holds
     assert drafter.kv.cache.stats().num_snapshots == 0
     drafter.save_prefixes([PrefixSave("a", PROMPT[:8], None)])
@@ -146,8 +134,10 @@ def test_saves_of_one_step_write_what_they_wait_for_in_one_extend(target: Callab
     lens = {"a": 10, "b": 12, "c": 9}  # 2, 4 and 1 tokens after the first 8: at most S + 1 wait
     drafter.add_requests(list(lens))
     for rid, n in lens.items():
-        _commit(drafter, rid, 0, PROMPT[:8], hidden[:8], [])
-        _commit(drafter, rid, 8, PROMPT[8:n], hidden[8:n], [])  # a few tokens: they wait for the next draft
+        commit_tokens(drafter, rid, 0, PROMPT[:8], hidden[:8], [])
+        commit_tokens(
+            drafter, rid, 8, PROMPT[8:n], hidden[8:n], []
+        )  # a few tokens: they wait for the next draft
     assert all(drafter.pairs._pending.get(r) for r in lens)
     calls: list[list[Any]] = []
     extend = drafter.pairs._extend

@@ -430,6 +430,27 @@ def _retire(
     return [i for i in live if i not in done]
 
 
+def commit_tokens(
+    drafter: ModelDrafter,
+    req_id: str,
+    start: int,
+    tokens: Sequence[int],
+    hidden: torch.Tensor,  # [len(tokens), H]
+    aux: Sequence[torch.Tensor] = (),
+) -> None:
+    """One request's committed `tokens` from position `start` (with the target's features) to `drafter`."""
+    drafter.commit(
+        CommittedTokens(
+            req_ids=[req_id],
+            start_positions=torch.tensor([start]),
+            num_tokens=torch.tensor([len(tokens)]),
+            tokens=torch.tensor(list(tokens)),
+            hidden_states=hidden,
+            aux_hidden_states=tuple(aux),
+        )
+    )
+
+
 def track_committed(drafter: ModelDrafter) -> dict[Hashable, list[int]]:
     """Wraps the drafter's `commit`: the returned dict then holds each request's tokens in its draft KV (its
     committed history), in position order (a test's view of what the lazy draft extend delivered)."""
