@@ -17,7 +17,7 @@ from pathlib import Path
 import hyspec_kernels
 import pytest
 import torch
-from hyspec_kernels.launch import pdl_args
+from hyspec_kernels.launch import DEFAULT_MODE, pdl_args
 
 
 def _launches() -> list[tuple[str, str, ast.Call, ast.FunctionDef]]:
@@ -74,13 +74,17 @@ def test_pdl_is_off_off_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_pdl_modes_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     device = torch.device("cuda")
     hopper = torch.cuda.get_device_capability()[0] >= 9
-    for mode, level in ((None, 0), ("wait", 1), ("early", 2), ("0", 0)):
+    modes = ((None, DEFAULT_MODE), ("wait", "wait"), ("early", "early"), ("mixed", "mixed"), ("0", "0"))
+    # mode -> (level of a light kernel, level of a heavy one)
+    levels = {"0": (0, 0), "wait": (1, 1), "early": (2, 2), "mixed": (2, 1)}
+    for mode, effective in modes:
         if mode is None:
             monkeypatch.delenv("HYSPEC_PDL", raising=False)
         else:
             monkeypatch.setenv("HYSPEC_PDL", mode)
-        want = level if hopper else 0
-        assert pdl_args(device) == {"PDL": want, "launch_pdl": want > 0}, mode
+        for heavy, level in zip((False, True), levels[effective], strict=True):
+            want = level if hopper else 0
+            assert pdl_args(device, heavy=heavy) == {"PDL": want, "launch_pdl": want > 0}, (mode, heavy)
     if hopper:
         monkeypatch.setenv("HYSPEC_PDL", "1")
         with pytest.raises(ValueError, match=r"HYSPEC_PDL: expected one of .*'wait'.*, got '1'"):

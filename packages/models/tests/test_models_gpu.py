@@ -122,7 +122,7 @@ def test_gpu_pdl_on_equals_off(
     model = cuda_model(arch, torch.bfloat16)
     runs: dict[str, Harness] = {}
     logits: dict[str, list[torch.Tensor]] = {}
-    for flag in ("early", "wait", "0"):
+    for flag in ("early", "mixed", "wait", "0"):
         monkeypatch.setenv("HYSPEC_PDL", flag)
         h = runs[flag] = _harness(model, DraftShape(kind="chain", num_steps=3))
         h.enable_cuda_graphs(decode_sizes=(4,), verify=[(3, False)])
@@ -135,7 +135,7 @@ def test_gpu_pdl_on_equals_off(
             tokens = {r: int(got[r].argmax()) for r in LIVE}
         _, got = h.verify({r: [tokens[r], 3, 4] for r in LIVE}, None)
         out += [got[r] for r in LIVE]
-    for flag in ("early", "wait"):
+    for flag in ("early", "mixed", "wait"):
         for i, (a, b) in enumerate(zip(logits[flag], logits["0"], strict=True)):
             assert torch.equal(_bits(a), _bits(b)), f"logits {i} differ with HYSPEC_PDL={flag} and off"
         _assert_same_pools(runs[flag], runs["0"])

@@ -427,7 +427,7 @@ def paged_attention_triton(
         DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",
         WRITE_LSE=splits > 1,
         num_warps=num_warps,
-        **pdl_args(q.device),
+        **pdl_args(q.device, heavy=True),
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](

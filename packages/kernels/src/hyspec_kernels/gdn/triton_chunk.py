@@ -413,7 +413,7 @@ def launch_chunk_prefill(
     if total_chunks > 0:
         gdn_chunk_wy_kernel[(total_chunks * num_v_heads,)](
             k, v, g, beta, starts_d, ends_d, w, u, gamma, rk, k.stride(0), v.stride(0),
-            BV=bv_full, BT=bt, BC=SUB, num_warps=cfg[0], **common, **pdl_args(k.device),
+            BV=bv_full, BT=bt, BC=SUB, num_warps=cfg[0], **common, **pdl_args(k.device, heavy=True),
         )  # fmt: skip
     bv_state = min(bv_full, cfg[1])
     saves = None
@@ -427,12 +427,13 @@ def launch_chunk_prefill(
             k, w, u, gamma, rk, v_new, h, state, cu_d, chunk_off_d, state_slots, has_initial_state,
             has_initial_state if saves is None else saves,
             state.stride(0), state.stride(1), state.stride(2), state.stride(3), k.stride(0),
-            BV=bv_state, BT=bt, num_warps=cfg[2], HAS_SAVE=saves is not None, **common, **pdl_args(k.device),
+            BV=bv_state, BT=bt, num_warps=cfg[2], HAS_SAVE=saves is not None, **common,
+            **pdl_args(k.device, heavy=True),
         )  # fmt: skip
     bv_out = min(bv_full, cfg[3])
     if total_chunks > 0:
         gdn_chunk_out_kernel[(total_chunks * num_v_heads, triton.cdiv(head_v, bv_out))](
             q, k, v_new, gamma, h, starts_d, ends_d, o, head_k**-0.5, q.stride(0), k.stride(0),
-            BV=bv_out, BT=bt, num_warps=cfg[4], **common, **pdl_args(q.device),
+            BV=bv_out, BT=bt, num_warps=cfg[4], **common, **pdl_args(q.device, heavy=True),
         )  # fmt: skip
     return o, (h if return_chunk_states else None)

@@ -154,6 +154,6 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             # fp32 inputs get exact fp32 products (not TF32); on CPU the interpreter's tl.dot gives garbage
             # for bf16 operands, so it multiplies in fp32 there too
             DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu", WIDE=wide,
-            num_warps=warps, num_stages=stages, **pdl_args(x.device),
+            num_warps=warps, num_stages=stages, **pdl_args(x.device, heavy=True),
         )  # fmt: skip
     return y
