@@ -207,6 +207,13 @@ def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
     return out
 
 
+def _norm_warps(block_h: int) -> int:
+    """Warps of a row tile: a hidden-size row (4096 wide, one row a program) takes 1.75-1.91 us a call with 8
+    warps against 2.19-2.35 with 4 in a CUDA graph of back-to-back calls on an H200, at 1 to 32 rows
+    (`benchmarks/results/nvidia-h200-small-kernels.json`); a decode step runs two such norms per layer."""
+    return 8 if block_h >= 2048 else 4
+
+
 def _rms_norm_launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -223,7 +230,7 @@ def _rms_norm_launch(
             rows.stride(0), rows.stride(1), res.stride(0), res.stride(1), weight.stride(0),
             HAS_RESIDUAL=residual is not None, ZERO_CENTRED=offset != 0.0,
             PROD=_PROD_CODES[torch.promote_types(weight.dtype, x.dtype)], BLOCK_R=block_r, BLOCK_H=block_h,
-            **pdl_args(rows.device),
+            num_warps=_norm_warps(block_h), **pdl_args(rows.device),
         )  # fmt: skip
     return out.reshape(x.shape), None if summed is None else summed.reshape(x.shape)
 
