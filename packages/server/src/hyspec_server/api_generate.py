@@ -76,7 +76,12 @@ async def completions(raw: Request) -> Response:
     # vLLM's echo without generation: echo with max_tokens 0 returns the prompt alone (with its logprobs:
     # how evaluation harnesses score a text); one token is generated and dropped
     prompt_only = echo and req.max_tokens == 0
-    max_tokens = 1 if prompt_only else 16 if req.max_tokens is None else req.max_tokens
+    # vLLM's: an explicit null is the room each prompt leaves in the context (left out: 16); None here,
+    # resolved per prompt below (`_to_the_context_end`), so min_tokens is checked against that room
+    to_the_end = req.max_tokens is None and "max_tokens" in req.model_fields_set
+    max_tokens: int | None = (
+        1 if prompt_only else None if to_the_end else 16 if req.max_tokens is None else req.max_tokens
+    )
     samples = _samples(
         req,
         best_of,
@@ -101,9 +106,8 @@ async def completions(raw: Request) -> Response:
         for p in prompts
     ]
     per_prompt = [samples] * len(ready)
-    if req.max_tokens is None and "max_tokens" in req.model_fields_set:
-        # vLLM's: an explicit null is the room each prompt leaves in the context (left out: 16)
-        per_prompt = [_to_the_context_end(ctx, samples, p, len(ready)) for p in ready]
+    if to_the_end:
+        per_prompt = [_to_the_context_end(ctx, samples, p, i, len(ready)) for i, p in enumerate(ready)]
     items = [(p, per_prompt[i][j], f"{rid}-{i}-{j}") for i, p in enumerate(ready) for j in range(best_of)]
     group = await _submit(ctx, items, per_prompt=best_of, batch=len(prompts) > 1)
     tok = ctx.tokenizer
@@ -500,10 +504,10 @@ def _check_token_ids(ctx: ServerContext, prompts: list[str | list[int]]) -> None
 
 
 def _to_the_context_end(
-    ctx: ServerContext, samples: list[SamplingParams], prompt: TokensPrompt, num_prompts: int
+    ctx: ServerContext, samples: list[SamplingParams], prompt: TokensPrompt, index: int, num_prompts: int
 ) -> list[SamplingParams]:
-    """`samples` with max_tokens the room `prompt` (a TokensPrompt) leaves in the context as it runs
-    (truncated as they ask); 400 when it leaves none."""
+    """`samples` with max_tokens the room `prompt` (a TokensPrompt, prompt `index` of the call) leaves in
+    the context as it runs (truncated as they ask); 400 when it leaves none, or less than min_tokens."""
     ran = samples[0].truncate(prompt.token_ids, ctx.max_model_len)
     room = ctx.max_model_len - len(ran)
     if room < 1:
@@ -513,14 +517,19 @@ def _to_the_context_end(
             f"{where} ({len(prompt.token_ids)} tokens) fills the context max_model_len={ctx.max_model_len}",
             param="prompt",
         )
-    return [dataclasses.replace(s, max_tokens=room) for s in samples]
+    try:
+        return [dataclasses.replace(s, max_tokens=room) for s in samples]
+    except ValueError as e:  # min_tokens over the room left
+        first = str(e).split(" ", 1)[0].rstrip(":")
+        msg = str(e) if num_prompts == 1 else f"prompt[{index}]: {e}"
+        raise APIError(400, msg, param=first if first in _SAMPLING_FIELDS else None) from e
 
 
 def _samples(
     req: CompletionRequest | ChatCompletionRequest,
     count: int,
     *,
-    max_tokens: int,
+    max_tokens: int | None,
     logprobs: int | None,
     engine: AsyncEngine,
     prompt_logprobs: int | None = None,

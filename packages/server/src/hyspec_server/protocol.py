@@ -193,7 +193,7 @@ class _SamplingFields(_Strict):
     def sampling_params(
         self,
         *,
-        max_tokens: int,
+        max_tokens: int | None,
         logprobs: int | None,
         seed: int | None,
         defaults: Mapping[str, Any] = MappingProxyType({}),
@@ -348,9 +348,13 @@ class ChatCompletionRequest(_SamplingFields, ChatPromptFields):
         return last.text() if self.echo and last.role == self.reply_role else ""
 
     def check_forced(self, names: list[str]) -> None:
-        """400 when a forced call (`names`, from `check_tools`) meets a response format: both are grammars."""
+        """400 when a forced call (`names`, from `check_tools`) meets a response format (`response_format`,
+        `structured_outputs` or a `guided_*` field): both are grammars, and one would silently replace the
+        other."""
         if names and (
-            self.structured_outputs is not None or (self.response_format or {}).get("type", "text") != "text"
+            self.structured_outputs is not None
+            or (self.response_format or {}).get("type", "text") != "text"
+            or self.guided()
         ):
             raise APIError(
                 400,

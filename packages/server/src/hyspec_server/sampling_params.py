@@ -138,9 +138,11 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> tuple[str, str]:
-        """(kind, canonical text): equal keys compile to the same grammar."""
+        """(kind, canonical text): equal keys compile to the same grammar. A schema's keys keep their order:
+        the output's properties follow the order of `properties` (as OpenAI's and vLLM's), so two schemas that
+        differ only in that order are different constraints."""
         if self.json is not None:
-            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
             return ("json", text)
         if self.regex is not None:
             return ("regex", self.regex)
