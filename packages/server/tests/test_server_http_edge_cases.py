@@ -121,3 +121,23 @@ def test_a_forced_tool_call_is_never_silently_combined_with_another_constraint(
     # the same constraint without a forced call is served
     r = _post(toy_server, "/v1/chat/completions", {**body, "tool_choice": "auto"})
     assert r.status_code == 200, r.text
+
+
+def test_chat_stream_last_chunk_names_the_stop_reason(toy_server: ServerThread) -> None:
+    """vLLM's chat chunks carry `stop_reason` (the stop token id or string that ended a choice), as the
+    non-streamed reply does: the same value on the last streamed chunk, None on the others."""
+    base = {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    first = _post(toy_server, "/v1/chat/completions", {**base, "max_tokens": 4, "return_token_ids": True})
+    assert first.status_code == 200, first.text
+    stop_id = first.json()["choices"][0]["token_ids"][1]  # the greedy reply's second token
+    body = {**base, "max_tokens": 4, "stop_token_ids": [stop_id]}
+    whole = _post(toy_server, "/v1/chat/completions", body).json()["choices"][0]
+    assert (whole["finish_reason"], whole["stop_reason"]) == ("stop", stop_id)
+    with httpx.stream(
+        "POST", toy_server.base_url + "/v1/chat/completions", json={**body, "stream": True}, headers=AUTH
+    ) as r:
+        lines = [x.removeprefix("data: ") for x in r.iter_lines() if x.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    choices = [c for x in lines[:-1] for c in json.loads(x)["choices"]]
+    assert [c["stop_reason"] for c in choices] == [None] * (len(choices) - 1) + [stop_id]
+    assert choices[-1]["finish_reason"] == "stop"

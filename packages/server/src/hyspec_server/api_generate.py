@@ -308,14 +308,20 @@ async def chat(raw: Request) -> Response:
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             return sse({**base, "created": int(time.time()), "choices": choices, **extra})
 
+        no_stop = {"stop_reason": None}  # every chunk has vLLM's fields; the last one names its stop
+
         async def events() -> AsyncIterator[str]:
             for k in range(n):
                 hello = {"role": role, "content": ""}
-                yield chunk([{"index": k, "delta": hello, "logprobs": None, "finish_reason": None}])
+                yield chunk(
+                    [{"index": k, "delta": hello, "logprobs": None, "finish_reason": None, **no_stop}]
+                )
             if echoed:
                 for k in range(n):
                     echo = {"content": echoed}
-                    yield chunk([{"index": k, "delta": echo, "logprobs": None, "finish_reason": None}])
+                    yield chunk(
+                        [{"index": k, "delta": echo, "logprobs": None, "finish_reason": None, **no_stop}]
+                    )
             sent = [0] * n
             last: dict[int, RequestOutput] = {}
             calls = [ToolCallStream() for _ in range(n)]
@@ -342,6 +348,8 @@ async def chat(raw: Request) -> Response:
                         "delta": delta,
                         "logprobs": lp(out, sent[k]),
                         "finish_reason": finish,
+                        # as vLLM's chunks: the stop string or token id that ended the choice, on its last one
+                        "stop_reason": c.stop_reason if out.finished else None,
                     }
                     if req.return_token_ids:
                         ch["token_ids"] = c.token_ids[sent[k] :]
