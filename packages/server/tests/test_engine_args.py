@@ -67,6 +67,10 @@ def test_unknown_flag_is_argparse_error(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit):
         main(["serve", "--no-such-flag", "1"])
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+    # beside a vLLM flag that is ignored, a stray word is still an error, not dropped unseen
+    with pytest.raises(SystemExit):
+        main(["generate", "/nowhere", "--disable-log-stats", "other-model"])
+    assert "unrecognized arguments: other-model" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

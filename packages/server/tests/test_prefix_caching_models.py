@@ -157,3 +157,50 @@ def test_drafter_caches_under_preemption_and_eviction(
             assert cache.stats().num_hits > 0, (case.name, cache.stats())
         e.leak_check()
     assert outs[True] == outs[False], case.name
+
+
+@pytest.mark.parametrize(
+    "spec", [{"method": "mtp", "num_speculative_tokens": 3}, {"method": "ngram", "num_speculative_tokens": 3}]
+)
+def test_strict_prefixes_and_aborted_decodes_with_a_drafter(tiny_qwen3_5: Path, spec: dict[str, Any]) -> None:
+    """With a drafter on: a prompt that is a strict prefix of an earlier one (ending on a snapshot, which
+    cannot serve its last token, and off one), and requests aborted in the middle of their speculative
+    decode, whose prefixes are then asked for again: output equals caching off, and nothing leaks."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def llm(caching: bool) -> LLM:
+        return LLM(
+            model=str(tiny_qwen3_5),
+            max_num_seqs=2,
+            speculative_config=spec,
+            enable_prefix_caching=caching,
+            prefix_cache_snapshot_interval=PAGE,
+            prefix_cache_snapshot_fraction=4.0,
+            page_size=PAGE,
+            max_num_batched_tokens=40,
+        )
+
+    on, off = llm(True), llm(False)
+    base = SYSTEM + CHAT  # 85 tokens
+
+    def same(prompt: list[int]) -> int:
+        (a,) = on.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        (b,) = off.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, (len(prompt), a.num_cached_tokens)
+        return a.num_cached_tokens
+
+    assert same(base) == 0
+    assert same(base[:64]) == 48  # its own end is a snapshot: the one before it serves
+    assert same(base[:70]) == 64
+    eng = on.engine
+    for steps in (3, 4, 5):  # the prompt prefilled in 2 steps (budget 40), then decode rounds
+        prompt = [*base[:50], 200 + steps, *CHAT[:steps]]
+        rid = eng.add_request(prompt, params)
+        for _ in range(steps):
+            eng.step()
+        assert rid in eng.requests  # not finished yet
+        eng.abort(rid)
+        eng.leak_check()
+        assert same(prompt) >= 48
+        assert same([*prompt, 9, 9]) >= len(prompt)
+    eng.leak_check()

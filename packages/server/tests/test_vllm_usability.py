@@ -96,6 +96,53 @@ def test_trust_remote_code_is_refused_before_anything_loads() -> None:
         LLM(model="/nonexistent", tensor_parallel_size=2)
 
 
+def test_trust_remote_code_flag_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from hyspec_server.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "/nowhere", "--trust-remote-code"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--trust-remote-code" in err and "never executes" in err and "unrecognized" not in err
+    # its negation is what hyspec does anyway: accepted (then /nowhere fails to load, naming model)
+    assert main(["generate", "/nowhere", "--no-trust-remote-code"]) == 2
+    assert "model: '/nowhere'" in capsys.readouterr().err
+
+
+def test_model_tokenizer_take_paths_and_refuse_other_types(tmp_path: Path) -> None:
+    from hyspec_runner.config import EngineArgs
+
+    args = EngineArgs(model=tmp_path, tokenizer=tmp_path)  # type: ignore[arg-type]
+    assert args.model == str(tmp_path) and args.tokenizer == str(tmp_path)
+    for name in ("model", "tokenizer"):
+        for bad in (5, "", ["m"]):
+            with pytest.raises(ValueError, match=f"^{name} must be"):
+                EngineArgs(**{name: bad})  # type: ignore[arg-type]
+
+
+def test_allowed_origins_is_a_json_list_of_strings(capsys: pytest.CaptureFixture[str]) -> None:
+    parse = build_parser().parse_args
+    assert parse(["serve", "--allowed-origins", '["https://a.example"]']).allowed_origins == [
+        "https://a.example"
+    ]
+    assert parse(["serve", "--allowed-origins", "[]"]).allowed_origins == []
+    # a bare string would be split into one-letter origins
+    for bad in ('"https://a.example"', "https://a.example", "[1]", "{}"):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--allowed-origins", bad])
+        assert "argument --allowed-origins: expected a JSON list" in capsys.readouterr().err
+
+
+def test_sampling_params_of_the_wrong_length_say_one_per_prompt() -> None:
+    llm = LLM.from_engine(toy_engine())
+    for prompts, params in ((["a", "b", "c"], [GREEDY]), (["a"], [GREEDY, GREEDY]), (["a"], [])):
+        with pytest.raises(ValueError, match=rf"one per prompt \({len(prompts)}\), got {len(params)}"):
+            llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(["a", "b"], (GREEDY, SamplingParams(max_tokens=2)), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 2]
+    llm.leak_check()
+
+
 @pytest.mark.parametrize(
     ("alias", "method"), [("qwen3_next_mtp", "mtp"), ("qwen3_5_mtp", "mtp"), ("mtp", "mtp")]
 )
@@ -188,6 +235,18 @@ def test_generation_config_defaults_fill_unset_fields(tmp_path: Path) -> None:
     req = CompletionRequest(model="m", prompt="x", top_p=0.5)
     sp = req.sampling_params(max_tokens=4, logprobs=None, seed=None, defaults=llm.engine.default_sampling)
     assert (sp.temperature, sp.top_p, sp.top_k) == (0.6, 0.5, 20)
+    # vLLM's generation_config: "vllm" takes no defaults, a directory takes its generation_config.json
+    llm.close()
+    plain = LLM(model=str(ckpt), generation_config="vllm").get_default_sampling_params()
+    assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, -1)
+    other = tmp_path / "gen"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({**cfg, "temperature": 0.3}))
+    assert LLM(model=str(ckpt), generation_config=other).get_default_sampling_params().temperature == 0.3
+    for bad in (str(tmp_path / "missing"), "", 3):
+        with pytest.raises(ValueError, match="generation_config"):
+            LLM(model=str(ckpt), generation_config=bad)
+    assert build_parser().parse_args(["serve", "--generation-config", "vllm"]).generation_config == "vllm"
 
 
 def test_cli_version_and_model_card(capsys: pytest.CaptureFixture[str]) -> None:

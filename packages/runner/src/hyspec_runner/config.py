@@ -4,6 +4,7 @@ text; `cli.py` generates its flags from these fields and `LLM(**kwargs)` checks 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from types import MappingProxyType
@@ -90,6 +91,12 @@ class EngineArgs:
         "speculation when speculative_config is None",
     )
     tokenizer: str | None = _arg(None, "ModelConfig", "tokenizer directory; None: the model's")
+    generation_config: str = _arg(
+        "auto",
+        "ModelConfig",
+        "where the request sampling defaults come from, as vLLM: auto (the model's generation_config.json), "
+        "vllm (none: SamplingParams' own defaults) or a directory holding a generation_config.json",
+    )
     device: str = _arg(
         "auto",
         "DeviceConfig",
@@ -179,6 +186,15 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
+        for name in ("model", "tokenizer", "generation_config"):
+            value: object = getattr(self, name)
+            if isinstance(value, os.PathLike):  # a pathlib.Path works as its text does
+                object.__setattr__(self, name, value := os.fspath(value))
+            if value is None and name != "generation_config":
+                continue
+            if not isinstance(value, str) or not value:
+                optional = "" if name == "generation_config" else " or None"
+                raise ValueError(f"{name} must be a non-empty path string{optional}, got {value!r}")
         object.__setattr__(self, "device", resolve_device(self.device))
         dtype: object = self.dtype
         if not isinstance(dtype, str):  # vLLM takes a torch.dtype too ("torch.float16")

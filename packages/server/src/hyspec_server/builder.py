@@ -43,6 +43,22 @@ def generation_defaults(model_dir: Path) -> Mapping[str, Any]:
     return MappingProxyType(out)
 
 
+def generation_config_dir(setting: str, model_dir: Path) -> Path | None:
+    """Where `EngineArgs.generation_config` says the sampling defaults come from: the model's directory
+    ("auto"), none ("vllm"), or a directory with a generation_config.json (a ValueError otherwise)."""
+    if setting == "auto":
+        return model_dir
+    if setting == "vllm":
+        return None
+    path = Path(setting).expanduser()
+    if not (path / "generation_config.json").is_file():
+        raise ValueError(
+            f"generation_config: expected 'auto', 'vllm' or a directory holding a generation_config.json, "
+            f"got {setting!r}"
+        )
+    return path
+
+
 def resolve_model_dir(model: str | None, *, cache_dir: str | Path | None = None) -> Path:
     """The checkpoint directory: `model` itself, or a hub id ("org/name") resolved offline from the local
     Hugging Face cache (`cache_dir`, default the hub's own: HF_HUB_CACHE / HF_HOME). Nothing is downloaded."""
@@ -87,6 +103,7 @@ def build_engine(args: EngineArgs, *, drafters: DrafterRegistry | None = None) -
     from hyspec_runner.model_runner import HyspecModelRunner
 
     model_dir = resolve_model_dir(args.model)
+    defaults_dir = generation_config_dir(args.generation_config, model_dir)  # checked before the model loads
     runner = HyspecModelRunner(args, model_dir, drafters=drafters)
     tokenizer = HFTokenizer(model_dir, tokenizer=args.tokenizer)
     config = SchedulerConfig(
@@ -102,10 +119,13 @@ def build_engine(args: EngineArgs, *, drafters: DrafterRegistry | None = None) -
         # prefills and every round shape run once now, so no served request pays a kernel's first compile
         sizes = runner.graphs.sizes if runner.graphs.active else capture_sizes(runner.max_num_seqs)
         warm_up_engine(engine, runner.spec, sizes)
-    engine.default_sampling = generation_defaults(model_dir)
+    engine.default_sampling = (
+        MappingProxyType({}) if defaults_dir is None else generation_defaults(defaults_dir)
+    )
     if engine.default_sampling:
         log.info(
-            "sampling defaults from the checkpoint's generation_config.json: %s",
+            "sampling defaults from %s: %s",
+            defaults_dir / "generation_config.json" if defaults_dir else None,
             dict(engine.default_sampling),
         )
     return engine

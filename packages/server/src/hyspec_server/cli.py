@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--served-model-name", default=None)
     f.add_argument(
         "--allowed-origins",
-        type=json.loads,
+        type=_origins,
         default=["*"],
         help='CORS origins as a JSON list (default ["*"], as vLLM); [] sends no CORS headers',
     )
@@ -130,6 +130,19 @@ def _ranged(kind: type[int] | type[float], low: float, high: float | None) -> An
     return parse
 
 
+def _origins(text: str) -> list[str]:
+    """An argparse type: `--allowed-origins`, a JSON list of origin strings."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(o, str) for o in value):
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON list of origins such as ["https://a.example"], got {text!r}'
+        )
+    return value
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -157,15 +170,23 @@ def _check_extra(parser: argparse.ArgumentParser, extra: list[str]) -> None:
         name = _VLLM_SHORT_FLAGS.get(token) or token.lstrip("-").split("=", 1)[0].replace("-", "_")
         if name.startswith("no_") and name[3:] in IGNORED_VLLM_ARGS | set(UNSUPPORTED_VLLM_ARGS):
             name = name[3:]
+        if name == "trust_remote_code":  # as `LLM(trust_remote_code=True)`: refused, saying why
+            parser.error(
+                f"{token}: hyspec runs its own implementation of each supported architecture and "
+                "never executes a checkpoint's code; leave the flag out"
+            )
+        if name == "no_trust_remote_code":
+            continue  # what hyspec always does
         if name in UNSUPPORTED_VLLM_ARGS:
             parser.error(f"{token}: a vLLM flag hyspec does not support: {UNSUPPORTED_VLLM_ARGS[name]}")
         if name in IGNORED_VLLM_ARGS:
             logging.getLogger("hyspec.cli").info("%s has no effect in hyspec; ignored", token)
             continue
         unknown.append(token)
+    # the ignored flags take no value, so a loose word is never theirs (`model other` is no model)
     loose = [t for t in extra if not t.startswith("-")]
-    if unknown or (loose and len(loose) == len(extra)):
-        parser.error(f"unrecognized arguments: {' '.join(unknown or loose)}")
+    if unknown or loose:
+        parser.error(f"unrecognized arguments: {' '.join(unknown + loose)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -171,7 +171,10 @@ class LLM:
         ):
             params = list(sampling_params)
             if len(params) != len(items):
-                raise ValueError(f"sampling_params: expected 1 or {len(items)} entries, got {len(params)}")
+                raise ValueError(
+                    f"sampling_params: a list of them needs one per prompt ({len(items)}), got "
+                    f"{len(params)}; pass one SamplingParams to use it for every prompt"
+                )
         else:
             raise ValueError(
                 "sampling_params: expected a SamplingParams, a list of them or None, got "
