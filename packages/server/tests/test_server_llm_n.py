@@ -96,6 +96,13 @@ def test_bad_arguments_name_themselves_and_lose_nothing() -> None:
         llm.leak_check()
     with pytest.raises(ValueError, match=f"prompt_token_ids: expected token ids in \\[0, {TOY_VOCAB}\\)"):
         llm.engine.add_request([1, TOY_VOCAB + 7], SamplingParams())
+    # a list of params has one entry per prompt, and the message says so (it once asked for "1 or 2
+    # entries" while refusing a list of 1)
+    for params in ([sampled(1, 1)], [sampled(1, 1)] * 3):
+        with pytest.raises(ValueError, match=r"one per prompt \(2\), got [13]; pass one SamplingParams"):
+            llm.generate(["a", "b"], params)
+        assert not llm.engine.requests
+    assert len(llm.generate(["a", "b"], [sampled(1, 1)] * 2)) == 2
     # any iterable of prompts works (a generator, a dataset column)
     assert len(llm.generate((p for p in ["a", "b"]), sampled(1, 1))) == 2
     out = llm.generate({"prompt_token_ids": [5, TOY_VOCAB - 1]}, sampled(2, 1))
