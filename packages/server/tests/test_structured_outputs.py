@@ -153,6 +153,42 @@ def test_constraints_that_do_not_compile_lose_nothing(so: StructuredOutputsParam
     assert o.outputs[0].token_ids == toy_greedy([3, 4], 5, ignore_eos=True)
 
 
+def _nested_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_schemas_nested_too_deeply_are_value_errors_and_400s() -> None:
+    """A schema nested past Python's recursion limit (a dict deepcopied, a JSON text parsed) is a ValueError
+    naming the field, a 400 over HTTP (it was a RecursionError: a 500, where the request body itself, nested
+    less than the schema's text, passed the server's own depth check)."""
+    deep_text = '{"type": "array", "items": ' * 3000 + "{}" + "}" * 3000
+    for kwargs in ({"json": _nested_schema(1000)}, {"json": deep_text}):
+        with pytest.raises(ValueError, match=r"structured_outputs\.json: the schema is nested too deeply"):
+            StructuredOutputsParams(**kwargs)
+    srv = ServerThread(toy_engine(), model_name="toy").start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+            body = {"model": "toy", "prompt": "x", "max_tokens": 5}
+            chat = {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+            deep = _nested_schema(300)  # the body passes its check; the schema's copy recursed too deep
+            rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": deep}}
+            for path, extra, param in (
+                ("/v1/completions", {"structured_outputs": {"json": deep}}, "structured_outputs"),
+                ("/v1/completions", {"structured_outputs": {"json": deep_text}}, "structured_outputs"),
+                ("/v1/completions", {"guided_json": deep_text}, "guided_json"),
+                ("/v1/chat/completions", {"response_format": rf}, "response_format"),
+            ):
+                r = c.post(path, json={**(chat if "chat" in path else body), **extra})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, param, r.text)
+                assert "nested too deeply" in r.json()["error"]["message"], r.text
+            assert c.post("/v1/completions", json=body).status_code == 200  # the server is unharmed
+    finally:
+        srv.stop()
+
+
 def test_http_response_format_and_structured_outputs() -> None:
     srv = ServerThread(toy_engine(), model_name="toy").start()
     try:

@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import pytest
 from hyspec_server.serve import ServerThread
-from hyspec_server.tool_calls import ToolCallStream, parse_tool_calls, rename_rule
+from hyspec_server.tool_calls import END, START, ToolCallStream, parse_tool_calls, rename_rule
 from hyspec_testing.server import toy_engine
 
 WEATHER = {
@@ -134,6 +134,70 @@ def test_a_tool_named_like_a_grammar_rule_keeps_its_name(server: ServerThread) -
     calls = r.json()["choices"][0]["message"]["tool_calls"]
     assert [t["function"]["name"] for t in calls] == ["root"]
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schema)
+
+
+def test_tool_parameters_with_local_refs_are_forced(server: ServerThread) -> None:
+    """Parameters whose schema refers to its own definitions (pydantic's `#/$defs/...`, the older
+    `#/definitions/...`, `#` itself) are forced as written: the refs point into the parameters, which the
+    call grammar nests inside its own schema (they were a 400, "Cannot find field '$defs'")."""
+    unit = {
+        "type": "object",
+        "properties": {
+            "unit": {"$ref": "#/$defs/Unit"},
+            "days": {"$ref": "#/definitions/Days"},
+            "const": {"$ref": "#/$defs/Unit"},  # a property named like a keyword
+            "tag": {"type": "string", "const": "#/x"},
+        },
+        "required": ["unit", "days", "const", "tag"],
+        "$defs": {"Unit": {"type": "string", "enum": ["c", "f"]}},
+        "definitions": {"Days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    }
+    tree = {
+        "type": "object",
+        "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}},
+        "required": ["kids"],
+    }
+    schemas = {"unit": unit, "tree": tree}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in schemas.items()]
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        for choice in ("required", {"type": "function", "function": {"name": "unit"}}):
+            body = _chat(tools=tools, tool_choice=choice, parallel_tool_calls=False, temperature=0)
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+            fn = call["function"]
+            jsonschema.validate(json.loads(fn["arguments"]), schemas[fn["name"]])
+
+
+def test_a_block_nested_past_the_recursion_limit_is_text() -> None:
+    """A `<tool_call>` block of JSON nested deeper than Python parses (a degenerate output) is no call: it
+    stays in the content, whole and streamed (json.loads raised RecursionError: a 500, a cut stream)."""
+    deep = START + "[" * 5000 + END
+    assert parse_tool_calls("hi " + deep) == ("hi " + deep, [])
+    stream = ToolCallStream()
+    parts = [stream.push(deep[i : i + 7]) for i in range(0, len(deep), 7)] + [stream.push("", final=True)]
+    assert "".join(p[0] for p in parts) == deep and not stream.calls
+    # over HTTP: the toy writes such a block when a regex says so (tools "auto" parse the output)
+    body = _chat(
+        tools=TOOLS,
+        max_tokens=1200,
+        temperature=0,
+        structured_outputs={"regex": "<tool_call>\\[{1100}</tool_call>"},
+    )
+    srv = ServerThread(toy_engine(max_len=2048), model_name="toy").start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            msg = r.json()["choices"][0]["message"]
+            assert msg["content"] == START + "[" * 1100 + END and not msg.get("tool_calls"), msg
+            s = c.post("/v1/chat/completions", json={**body, "stream": True})
+            assert s.status_code == 200 and s.text.endswith("data: [DONE]\n\n"), s.text[-300:]
+            chunks = [json.loads(x[6:]) for x in s.text.splitlines() if x.startswith("data: {")]
+            deltas = [ch["choices"][0]["delta"] for ch in chunks if ch["choices"]]
+            assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
+    finally:
+        srv.stop()
 
 
 def test_rename_rule_renames_names_only() -> None:

@@ -116,6 +116,8 @@ class StructuredOutputsParams:
         if isinstance(self.json, str):
             try:
                 json.loads(self.json)
+            except RecursionError as e:  # (a RuntimeError: the HTTP server's 400s catch ValueError)
+                raise ValueError("structured_outputs.json: the schema is nested too deeply") from e
             except ValueError as e:
                 raise ValueError(f"structured_outputs.json: not valid JSON: {e}") from e
         elif self.json is not None and not isinstance(self.json, dict):
@@ -134,7 +136,10 @@ class StructuredOutputsParams:
         if c is not None:
             object.__setattr__(self, "choice", tuple(c))
         if isinstance(self.json, dict):
-            object.__setattr__(self, "json", copy.deepcopy(self.json))
+            try:
+                object.__setattr__(self, "json", copy.deepcopy(self.json))
+            except RecursionError as e:  # (a schema the request body's own check let through)
+                raise ValueError("structured_outputs.json: the schema is nested too deeply") from e
 
     @property
     def key(self) -> tuple[str, str]:

@@ -45,7 +45,7 @@ def _call(body: str) -> ToolCall | None:
     """One block's JSON as a call, or None when it is not a call."""
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # (output nested past Python's recursion limit is no call either)
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -207,27 +207,60 @@ def rename_rule(grammar: str, old: str, new: str) -> str:
     return "".join(out)
 
 
+# keywords whose values are JSON data, not schemas: a "$ref" key inside them is no reference
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# keywords whose values map names to schemas: a name there is no keyword, whatever its spelling
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rebase_refs(schema: Any, base: str, *, names: bool = False) -> Any:
+    """A copy of a tool's parameters `schema` with each local `$ref` ("#" or "#/..."), which points into
+    the parameters themselves, made to point into them at `base` (a JSON pointer with its "#"). `names`:
+    `schema` maps names to schemas (the value of "properties" and the like)."""
+    if isinstance(schema, list):
+        return [_rebase_refs(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if names:
+        return {k: _rebase_refs(v, base) for k, v in schema.items()}
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = base + v[1:]
+        else:
+            out[k] = v if k in _DATA_KEYWORDS else _rebase_refs(v, base, names=k in _SCHEMA_MAPS)
+    return out
+
+
 def required_grammar(tools: list[dict[str, Any]], names: list[str], *, parallel: bool) -> str:
     """EBNF for an output of `<tool_call>` blocks calling only `names` with valid arguments (one block, or
     one or more with `parallel`)."""
     import xgrammar as xgr
 
     by_name = {t["function"]["name"]: t["function"] for t in tools}
-    variants = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": n},
-                "arguments": by_name[n].get("parameters") or {"type": "object"},
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for n in dict.fromkeys(names)
-    ]
-    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    unique = list(dict.fromkeys(names))
     try:
+        variants = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": n},
+                    # the parameters' own refs ("#/$defs/...", as pydantic writes them) point into them:
+                    # rebased to where they sit in this schema
+                    "arguments": _rebase_refs(
+                        by_name[n].get("parameters") or {"type": "object"},
+                        ("#" if len(unique) == 1 else f"#/anyOf/{i}") + "/properties/arguments",
+                    ),
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for i, n in enumerate(unique)
+        ]
+        schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
         call = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+    except RecursionError as e:
+        raise ValueError("tools: a function's parameters are nested too deeply") from e
     except RuntimeError as e:
         from hyspec_server.structured import xgrammar_error
 
