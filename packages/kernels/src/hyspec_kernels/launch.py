@@ -18,7 +18,7 @@ decode step against the tree without PDL):
   2 or more rows, paged attention, GDN's chunked prefill; their launches pass `heavy=True`) release the next
   one only as they exit, as in `wait`: the programs waiting behind a kernel are those of a heavy one, not
   programs that would hold shared memory a heavy one is using. 9B decode step 1.01-1.03x at batch 1, but
-  0.96-0.98x at 8 and 0.98-1.01x at 32 (two rounds in one call): batch 8 does not lose its `early` loss.
+  0.96-0.98x at 8 and 0.98-1.01x at 32 (two rounds in one call): most of `early`'s batch-8 loss stays.
 
 The contract, checked on every kernel's source by `tests/test_pdl.py`: every hyspec Triton kernel takes a
 `PDL: tl.constexpr` and starts with `wait_for_inputs(PDL)` before it touches memory, and every launch passes
@@ -54,7 +54,8 @@ def _supported(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9  # griddepcontrol is Hopper's (sm_90) and later
 
 
-_LEVELS = {"0": 0, "wait": 1, "early": 2, "mixed": 2}
+# mode -> (PDL level of a kernel, of a heavy one)
+_LEVELS = {"0": (0, 0), "wait": (1, 1), "early": (2, 2), "mixed": (2, 1)}
 DEFAULT_MODE = "0"
 
 
@@ -69,5 +70,5 @@ def pdl_args(device: torch.device, *, heavy: bool = False) -> dict[str, int | bo
         mode = os.environ.get("HYSPEC_PDL", DEFAULT_MODE)
         if mode not in _LEVELS:
             raise ValueError(f"HYSPEC_PDL: expected one of {sorted(_LEVELS)}, got {mode!r}")
-        level = 1 if mode == "mixed" and heavy else _LEVELS[mode]
+        level = _LEVELS[mode][heavy]
     return {"PDL": level, "launch_pdl": level > 0}
