@@ -47,6 +47,12 @@ from hyspec_server.tool_calls import ToolCallStream, parse_tool_calls, required_
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 
 
+def _field_named(message: str) -> str | None:
+    """The sampling field a ValueError's message names first ("stop: ...", "max_tokens must ..."), if any."""
+    first = message.split(" ", 1)[0].rstrip(":")
+    return first if first in _SAMPLING_FIELDS else None
+
+
 async def completions(raw: Request) -> Response:
     ctx = server_context(raw)
     req = parse(CompletionRequest, await json_body(raw, ctx.body_limit, read_timeout_s=ctx.read_timeout_s))
@@ -468,10 +474,7 @@ async def _submit(
             raise APIError(429, str(e.cause), type_="rate_limit_error", code="queue_full") from e
         if isinstance(e.cause, ValueError):
             msg = str(e.cause)
-            first = msg.split(" ", 1)[0].rstrip(":")  # a sampling field's message names it first
-            param = (
-                first if first in _SAMPLING_FIELDS else "max_tokens" if "max_tokens" in msg else prompt_param
-            )
+            param = _field_named(msg) or ("max_tokens" if "max_tokens" in msg else prompt_param)
             if batch:
                 msg = f"prompt[{e.index // per_prompt}]: {msg}"
             raise APIError(400, msg, param=param) from e
@@ -528,9 +531,8 @@ def _to_the_context_end(
     try:
         return [dataclasses.replace(s, max_tokens=room) for s in samples]
     except ValueError as e:  # min_tokens over the room left
-        first = str(e).split(" ", 1)[0].rstrip(":")
         msg = str(e) if num_prompts == 1 else f"prompt[{index}]: {e}"
-        raise APIError(400, msg, param=first if first in _SAMPLING_FIELDS else None) from e
+        raise APIError(400, msg, param=_field_named(str(e))) from e
 
 
 def _samples(
@@ -561,9 +563,7 @@ def _samples(
         samples[0].check_vocab(engine.engine.runner.vocab_size)
         return samples
     except ValueError as e:
-        # the message names the field first ("stop: ...", "max_tokens must ...")
-        first = str(e).split(" ", 1)[0].rstrip(":")
-        raise APIError(400, str(e), param=first if first in _SAMPLING_FIELDS else None) from e
+        raise APIError(400, str(e), param=_field_named(str(e))) from e
 
 
 def _most(a: int | None, b: int | None) -> int | None:
