@@ -105,6 +105,7 @@ def build_app(
     )
 
     app.exception_handler(APIError)(_api_error)
+    app.exception_handler(EngineDeadError)(_engine_dead)
     app.exception_handler(RequestValidationError)(_validation_error)
     app.exception_handler(StarletteHTTPException)(_http_error)
 
@@ -146,6 +147,11 @@ def build_app(
 
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+    # the engine thread has stopped (/health says so too): no request can be served until a restart
+    return JSONResponse(APIError(503, str(e), type_="server_error").body(), status_code=503)
 
 
 async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -270,6 +276,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (413, "request body over --max-body-bytes"),
         (429, "waiting queue full"),
         (500, "the engine step failed"),
+        (503, "the engine has stopped"),
     )
 }
 """The OpenAI-style error answers of the generation routes, declared in /openapi.json."""

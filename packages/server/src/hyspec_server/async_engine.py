@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -177,6 +178,8 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._idle_wait_s = idle_wait_s
         self._stop = threading.Event()
+        # set by the engine thread as it ends: commands run after it fail their caller instead of the engine
+        self._dead: EngineDeadError | None = None
         self._thread = threading.Thread(target=self._loop, name="hyspec-engine", daemon=True)
         self._thread.start()
 
@@ -190,7 +193,7 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._dead is None and self._thread.is_alive()
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Runs `fn(engine)` on the engine thread between steps and returns its result."""
@@ -203,12 +206,18 @@ class AsyncEngine:
             # cancelled future, which raises here, on the engine thread, and would end it
             if not fut.set_running_or_notify_cancel():
                 return
+            if self._dead is not None:
+                fut.set_exception(self._dead)
+                return
             try:
                 fut.set_result(fn(self.engine))
             except BaseException as e:
                 fut.set_exception(e)
 
         self._commands.put(run)
+        if self._dead is not None:
+            # the engine thread ended after the check above; it may have drained its queue before this put
+            self._drain_commands()
         return await asyncio.wrap_future(fut)
 
     async def add(
@@ -251,8 +260,9 @@ class AsyncEngine:
         """Fire and forget: the engine thread aborts the request and frees its memory before the next step."""
 
         def run() -> None:
-            self._streams.pop(request_id, None)
-            self.engine.abort(request_id)
+            if self._dead is None:
+                self._streams.pop(request_id, None)
+                self.engine.abort(request_id)
 
         self._commands.put(run)
 
@@ -262,7 +272,31 @@ class AsyncEngine:
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 
+    def _drain_commands(self) -> None:
+        # once `_dead` is set a command touches no engine state: it fails its caller's future, or does nothing
+        while True:
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                return
+
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:
+            # not one request's failure (the engine attributes those: EngineStepError): its state is unknown
+            log.exception("the engine loop failed; the engine is stopped")
+            self._dead = EngineDeadError(f"the engine stopped: {type(e).__name__}: {e}")
+        else:
+            self._dead = EngineDeadError("the engine was shut down")
+        # every live request, and every call queued, gets the error: none waits forever on a stopped thread
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody waits on it
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, self._dead)
+        self._drain_commands()
+
+    def _serve(self) -> None:
         eng = self.engine
         while not self._stop.is_set():
             if not eng.has_unfinished():
