@@ -113,3 +113,15 @@ def test_quantized_checkpoints_are_refused(tmp_path: Path) -> None:
     save_file(tensors, weights, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"{name}: torch.float8_e4m3fn weights \(a quantized checkpoint\)"):
         load_model(path)
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_5"])
+def test_zero_attention_heads_is_refused(tmp_path: Path, arch: str) -> None:
+    path = build_tiny_checkpoint(tmp_path / arch, arch, mtp_layers=0)
+    cfg_path = path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["num_attention_heads"] = 0
+    cfg.pop("head_dim", None)
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"num_attention_heads: expected an int >= 1, got 0"):
+        load_model(path)

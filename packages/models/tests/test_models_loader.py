@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -131,3 +132,51 @@ def test_config_layer_types_disagreeing_with_modules_is_an_error(hyspec_model: C
     wrong[0], wrong[2] = wrong[2], wrong[0]  # conv <-> full_attention
     with pytest.raises(RoutingError, match="layer 0"):
         HybridBackend(h.pool, layers=model.mixer_layers(), layer_types=wrong)
+
+
+def test_tied_config_with_a_different_stored_head_is_refused(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    # transformers does not tie when both tensors are stored and differ (it uses the stored head); tying
+    # anyway gave other logits silently
+    path = _copy(tiny_checkpoint("qwen3_5"), tmp_path / "ckpt")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"tie_word_embeddings: .*lm_head\.weight"):
+        load_model(path, progress=False)
+    # a stored copy equal to the embedding (as some converted checkpoints keep) still loads, tied
+
+    def copy_embedding(t: dict[str, torch.Tensor]) -> None:
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+
+    _rewrite(path, copy_embedding)
+    model = load_model(path, progress=False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
+def test_a_non_float_tensor_is_refused(
+    dtype: torch.dtype, tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = _copy(tiny_checkpoint("lfm2"), tmp_path / "ckpt")
+    name = "model.embedding_norm.weight"
+
+    def cast(t: dict[str, torch.Tensor]) -> None:
+        t[name] = t[name].to(dtype)
+
+    _rewrite(path, cast)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)}: expected a floating-point tensor"):
+        load_model(path, progress=False)
+
+
+def test_an_index_naming_a_missing_shard_is_refused(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = _copy(tiny_checkpoint("lfm2"), tmp_path / "ckpt")
+    names = list(load_file(str(path / "model.safetensors")))
+    weight_map = {n: "model.safetensors" for n in names}
+    weight_map[names[0]] = "model-00002-of-00002.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors"):
+        load_model(path, progress=False)

@@ -457,6 +457,14 @@ SILU_NAMES: Final = ("silu", "swish")
 """`hidden_act` values that name the SiLU the MLPs and convolutions run (transformers' names)."""
 
 
+def attention_head_dim(config: Any) -> int:
+    """An attention head's size: the config's `head_dim`, else hidden_size / num_attention_heads (checked)."""
+    heads = config.num_attention_heads
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"num_attention_heads: expected an int >= 1, got {heads!r}")
+    return int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
 def check_conv_width(name: str, width: object) -> int:
     """A config's conv width (`linear_conv_kernel_dim`, `conv_L_cache`), checked at load against the widths
     the conv kernels take (a width they refuse would fail every served step instead)."""

@@ -26,6 +26,7 @@ from hyspec_models.layers import (
     RopeConfig,
     StackedExperts,
     apply_rope,
+    attention_head_dim,
     check_capture_layers,
     check_conv_width,
     check_top_k,
@@ -33,10 +34,6 @@ from hyspec_models.layers import (
     swiglu_product,
 )
 from hyspec_models.weights import WeightSource, expert_sources, identity_sources
-
-
-def _head_dim(config: Any) -> int:
-    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
 def lfm2_ffn_dim(config: Any) -> int:
@@ -105,7 +102,7 @@ class Lfm2SparseMoe(nn.Module):
 class Lfm2Attention(nn.Module):
     def __init__(self, config: Any, layer_id: int) -> None:
         super().__init__()
-        head_dim = _head_dim(config)
+        head_dim = attention_head_dim(config)
         hidden, hq, hkv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
         self.core = AttentionLayer(
             layer_id=layer_id, num_heads=hq, num_kv_heads=hkv, head_dim=head_dim, scale=head_dim**-0.5
@@ -241,7 +238,7 @@ class Lfm2ForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # transformers' LFM2 rotates whole heads: its default rotary never reads partial_rotary_factor
-        self.rope = RopeConfig.from_hf(config, _head_dim(config), partial=False)
+        self.rope = RopeConfig.from_hf(config, attention_head_dim(config), partial=False)
 
     def _make_ffn(self, config: Any, layer_id: int) -> nn.Module:
         return Lfm2MLP(config.hidden_size, lfm2_ffn_dim(config))

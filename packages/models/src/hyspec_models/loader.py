@@ -140,7 +140,13 @@ class SafetensorsCheckpoint:
 
     def get(self, name: str) -> Tensor:
         out: Tensor = self._handles[self._where[name]].get_tensor(name)
-        if out.is_floating_point() and out.dtype not in PLAIN_FLOAT_DTYPES:
+        if not out.is_floating_point():
+            # every parameter and buffer here is floating point: an int, bool or complex tensor would be cast
+            # (complex silently losing its imaginary part) into a wrong weight
+            raise CheckpointError(
+                f"{name}: expected a floating-point tensor (bf16, fp16 or fp32), got {out.dtype}"
+            )
+        if out.dtype not in PLAIN_FLOAT_DTYPES:
             # an fp8 tensor without the config saying so: its scales live elsewhere, an upcast is wrong
             raise CheckpointError(
                 f"{name}: {out.dtype} weights (a quantized checkpoint) are not supported; load a bf16, "
@@ -298,6 +304,8 @@ def load_model(
     ignored: tuple[str, ...] = getattr(model, "ignored_checkpoint_prefixes", ())
     tied = ("lm_head.weight",) if getattr(model, "tie_word_embeddings", False) else ()
     with SafetensorsCheckpoint(path) as ckpt:
+        if tied:
+            _check_tied_head(ckpt, model.checkpoint_name)  # type: ignore[arg-type]
         load_weights(
             model,
             ckpt,
@@ -307,6 +315,25 @@ def load_model(
             progress=progress,
         )
     return _frozen(model)
+
+
+def _check_tied_head(checkpoint: SafetensorsCheckpoint, checkpoint_name: Callable[[str], str]) -> None:
+    """A tied model may find an `lm_head.weight` in its checkpoint only as a copy of the embedding.
+
+    transformers unties (and uses the stored head) when the two differ; tying here would silently give another
+    model's logits, so such a checkpoint is refused instead.
+    """
+    head, embed = checkpoint_name("lm_head.weight"), checkpoint_name("model.embed_tokens.weight")
+    if head not in checkpoint or embed not in checkpoint:
+        return
+    if checkpoint.shape(head) != checkpoint.shape(embed) or not torch.equal(
+        checkpoint.get(head), checkpoint.get(embed)
+    ):
+        raise CheckpointError(
+            f"tie_word_embeddings: the config ties the output head to the embedding, but the checkpoint's "
+            f"{head} differs from {embed}; set tie_word_embeddings to false in config.json to use the stored "
+            "head"
+        )
 
 
 def _frozen(model: nn.Module) -> nn.Module:

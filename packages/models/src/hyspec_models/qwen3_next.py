@@ -26,6 +26,7 @@ from hyspec_models.layers import (
     StackedExperts,
     SwiGLU,
     apply_rope,
+    attention_head_dim,
     check_capture_layers,
     check_conv_width,
     check_top_k,
@@ -33,10 +34,6 @@ from hyspec_models.layers import (
     softmax_topk,
 )
 from hyspec_models.weights import WeightSource, expert_sources, identity_sources
-
-
-def _head_dim(config: Any) -> int:
-    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
 class GatedRMSNormWeight(nn.Module):
@@ -129,7 +126,7 @@ class QwenAttention(nn.Module):
 
     def __init__(self, config: Any, layer_id: int) -> None:
         super().__init__()
-        head_dim = _head_dim(config)
+        head_dim = attention_head_dim(config)
         self.core = AttentionLayer(
             layer_id=layer_id,
             num_heads=config.num_attention_heads,
@@ -286,7 +283,7 @@ class QwenHybridForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rope = RopeConfig.from_hf(config, _head_dim(config))
+        self.rope = RopeConfig.from_hf(config, attention_head_dim(config))
 
     # ---- hooks for subclasses
     def _make_mlp(self, config: Any, layer_id: int) -> nn.Module:
