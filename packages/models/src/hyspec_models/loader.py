@@ -140,13 +140,7 @@ class SafetensorsCheckpoint:
 
     def get(self, name: str) -> Tensor:
         out: Tensor = self._handles[self._where[name]].get_tensor(name)
-        if not out.is_floating_point():
-            # every parameter and buffer here is floating point: an int, bool or complex tensor would be cast
-            # (complex silently losing its imaginary part) into a wrong weight
-            raise CheckpointError(
-                f"{name}: expected a floating-point tensor (bf16, fp16 or fp32), got {out.dtype}"
-            )
-        if out.dtype not in PLAIN_FLOAT_DTYPES:
+        if out.is_floating_point() and out.dtype not in PLAIN_FLOAT_DTYPES:
             # an fp8 tensor without the config saying so: its scales live elsewhere, an upcast is wrong
             raise CheckpointError(
                 f"{name}: {out.dtype} weights (a quantized checkpoint) are not supported; load a bf16, "
@@ -254,6 +248,12 @@ def load_weights(
             transform = plan[name].source.transform
             if transform is not None:
                 value = transform(value)
+            if targets[name].is_floating_point() and not value.is_floating_point():
+                # an int, bool or complex tensor cast into a weight (complex losing its imaginary part) is a
+                # wrong model; integer tensors are fine where the model keeps integers (EAGLE-3's d2t map)
+                raise CheckpointError(
+                    f"{name}: expected a floating-point tensor (bf16, fp16 or fp32), got {value.dtype}"
+                )
             targets[name].copy_(value.to(targets[name].dtype))
     on_cuda = any(t.is_cuda for t in tensors.values())
     # packing copies the loaded weights into new tensors; the references held here go first, so that each
