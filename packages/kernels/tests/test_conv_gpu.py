@@ -81,13 +81,14 @@ def test_conv_decode_gpu(width: int, with_bias: bool, activation: Activation) ->
 
 @pytest.mark.parametrize(("width", "with_bias", "activation"), CASES)
 @pytest.mark.parametrize("tree", [False, True])
-def test_conv_verify_gpu(width: int, with_bias: bool, activation: Activation, tree: bool) -> None:
+@pytest.mark.parametrize("depth", [4, 1, 6])
+def test_conv_verify_gpu(width: int, with_bias: bool, activation: Activation, tree: bool, depth: int) -> None:
     weight, bias, pool = _setup(width, with_bias, torch.bfloat16)
-    num_rows, depth, dmax = 8, 4, 6
+    num_rows, dmax = 8, 6
     slots = torch.tensor([3, 9, -1, 21, 30, 1, 7, 12], device="cuda")
     pool[slots[slots >= 0]] = torch.randn(7, C, width - 1, device="cuda").bfloat16()
     rows = torch.tensor([7, 0, 2, -1, 4, 5, 6, 1], device="cuda", dtype=torch.int32)
-    parents = torch.tensor([[-1, 0, 0, 1]] * num_rows, device="cuda") if tree else None
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 4][:depth]] * num_rows, device="cuda") if tree else None
     x = torch.randn(num_rows, depth, C, device="cuda").bfloat16()
     committed = pool.clone()
     out = {}
@@ -103,3 +104,27 @@ def test_conv_verify_gpu(width: int, with_bias: bool, activation: Activation, tr
     _close(out["triton"][0], out["reference"][0])
     _close(out["triton"][1], out["reference"][1])
     assert torch.equal(pool.view(torch.int16), committed.view(torch.int16))
+
+
+@pytest.mark.parametrize("depth", [1, 3, 4, 8, 16])
+def test_conv_verify_chain_tile_equals_tree_walk_gpu(depth: int) -> None:
+    # a chain's [D, C] tiles against the same chain walked as a tree (parent j - 1): the same bits
+    weight, _, pool = _setup(4, False, torch.float32)
+    num_rows = 32
+    slots = torch.randperm(NUM_SLOTS, device="cuda")[:num_rows]
+    slots[3] = -1
+    pool[slots[slots >= 0]] = torch.randn(num_rows - 1, C, 3, device="cuda")
+    rows = torch.randperm(num_rows, device="cuda").to(torch.int32)
+    rows[7] = -1
+    x = torch.randn(num_rows, depth, C, device="cuda").bfloat16()
+    chain = torch.arange(-1, depth - 1, device="cuda").expand(num_rows, depth).contiguous()
+    out = []
+    for parents in (None, chain):
+        scratch = torch.full((num_rows, depth, C, 3), float("nan"), device="cuda")
+        y = conv_verify(
+            x, weight, None, conv_state=pool, state_slots=slots, scratch=scratch, scratch_rows=rows,
+            parents=parents, activation="silu", backend="triton",
+        )  # fmt: skip
+        out.append((y.view(torch.int16), scratch.view(torch.int32)))
+    assert torch.equal(out[0][0], out[1][0])
+    assert torch.equal(out[0][1], out[1][1])

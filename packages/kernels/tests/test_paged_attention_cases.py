@@ -309,7 +309,7 @@ GPU_SHAPES = [(16, 2, 256), (16, 2, 128)]
 @cuda
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), GPU_SHAPES)
 @pytest.mark.parametrize(
-    "scenario", ["extend", "decode", "decode_small_batch", "chain_verify", "tree_verify"]
+    "scenario", ["extend", "decode", "decode_small_batch", "chain_verify", "tree_verify", "short_verify"]
 )
 def test_gpu_real_shapes(scenario: str, heads: int, kv_heads: int, head_dim: int) -> None:
     """bf16 at real shapes: Triton against the torch path and unpaged SDPA, several page sizes."""
@@ -324,8 +324,8 @@ def test_gpu_real_shapes(scenario: str, heads: int, kv_heads: int, head_dim: int
         seqs = [(int(p), 1) for p in torch.randint(0, 2000, (64,), generator=g)]
     elif scenario == "decode_small_batch":  # few programs: the split-KV path with its merge kernel
         seqs = [(3000, 1), (17, 1), (1234, 1)]
-    else:
-        depth = 16
+    else:  # a short verify block runs decode-sized tiles (`_decode_tiles`), a long one prefill's
+        depth = 4 if scenario == "short_verify" else 16
         seqs = [(int(p), depth) for p in torch.randint(0, 1500, (32,), generator=g)]
         if scenario == "tree_verify":
             parents = [-1] + [int(torch.randint(0, j, (1,), generator=g)) for j in range(1, depth)]
@@ -419,3 +419,16 @@ def test_short_kv_blocks_only_for_few_decode_programs() -> None:
     assert _short_kv_blocks(64, 16, 32, 132) == 64
     assert _short_kv_blocks(64, 64, 4, 132) == 64
     assert _short_kv_blocks(16, 16, 4, 132) == 16
+
+
+def test_decode_tiles_only_for_decode_sized_wide_heads() -> None:
+    """Decode-sized tiles (at most 32 rows) with Dh > 128 take two pipeline stages, about three programs an
+    SM, and 32-position blocks while the programs are fewer than the SMs; prefill tiles and Dh <= 128 keep the
+    launcher's tiles, Triton's default stages and two programs an SM."""
+    from hyspec_kernels.attention.triton_kernel import _decode_tiles
+
+    assert _decode_tiles(64, 16, 256, 128, 132) == (32, 2, 3)  # batch 32, 4 KV heads
+    assert _decode_tiles(64, 16, 256, 256, 132) == (64, 2, 3)  # batch 64
+    assert _decode_tiles(32, 32, 256, 4, 132) == (32, 2, 3)
+    assert _decode_tiles(64, 64, 256, 4, 132) == (64, None, 2)  # a long verify / prefill tile
+    assert _decode_tiles(128, 16, 128, 128, 132) == (128, None, 2)  # narrow heads: as tuned before

@@ -327,15 +327,34 @@ def _short_kv_blocks(block_n: int, rows: int, programs: int, num_sms: int) -> in
     return block_n
 
 
-def _num_splits(programs: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
+def _decode_tiles(
+    block_n: int, rows: int, head_dim: int, programs: int, num_sms: int
+) -> tuple[int, int | None, int]:
+    """(BLOCK_N, num_stages or None for Triton's default, programs per SM for `_num_splits`) of a CUDA launch
+    of `programs` (sequence x KV head) programs before splits.
+
+    Decode-sized tiles (at most 32 rows) of wide heads (Dh > 128) stream their KV two stages deep with about
+    three programs per SM: Triton's default three stages of 64 positions take 192 KiB of shared memory at
+    Dh 256, so one program fits an SM and a batch of 32 runs its 256 programs in two waves. Blocks of 32
+    positions while the programs are fewer than the SMs, of 64 from there. On an H200 (HQ 16, HKV 4,
+    Dh 256, bf16, one and four query tokens; `nvidia-h200-attention-decode-tiles.md`): batch 8 23.5 -> 15.2
+    us at 600 positions and 96.6 -> 82.3 at 8000, batch 32 45.0 -> 35.6 and 317 -> 283, batch 64 (64-position
+    blocks) 68.2 -> 60.8 and 629 -> 571, batch 1 11.5 -> 10.3 and 29.9 -> 26.0.
+    """
+    if rows <= 32 and head_dim > 128:
+        return (32 if programs < num_sms else 64), 2, 3
+    return block_n, None, 2
+
+
+def _num_splits(programs: int, max_kv_len: int, block_n: int, device: torch.device, per_sm: int = 2) -> int:
     """Split each sequence's KV so that small batches still occupy every SM (flash-decoding).
 
-    About two programs per SM and at least one KV block per split: on an H100 (bf16, Dh 128 and 256, batch 1
-    to 128, KV 512 to 32k) within 10% of the best forced split count, often the best.
+    About `per_sm` programs per SM and at least one KV block per split: on an H100 (bf16, Dh 128 and 256,
+    batch 1 to 128, KV 512 to 32k) two were within 10% of the best forced split count, often the best.
     """
     if device.type != "cuda":
         return 1
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    target = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     by_length = max(1, max_kv_len // block_n)
     return max(1, min(target // max(programs, 1), by_length, _MAX_SPLITS))
 
@@ -372,10 +391,15 @@ def paged_attention_triton(
     block_d = max(16, triton.next_power_of_2(head_dim))
     tiles = triton.cdiv(max_q_len, block_m)
     programs = num_seqs * tiles * num_kv_heads
+    stages: dict[str, int] = {}  # num_stages when not Triton's default
+    per_sm = 2
     if q.device.type == "cuda" and num_kv_splits is None:  # (a forced split count keeps its blocks)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         block_n = _short_kv_blocks(block_n, block_m * group_pad, programs, sms)
-    splits = num_kv_splits or _num_splits(programs, max_kv_len, block_n, q.device)
+        block_n, num_stages, per_sm = _decode_tiles(block_n, block_m * group_pad, head_dim, programs, sms)
+        if num_stages is not None:
+            stages["num_stages"] = num_stages
+    splits = num_kv_splits or _num_splits(programs, max_kv_len, block_n, q.device, per_sm)
     if splits > 1:
         part = torch.empty(splits, num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(splits, num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
@@ -427,6 +451,7 @@ def paged_attention_triton(
         DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",
         WRITE_LSE=splits > 1,
         num_warps=num_warps,
+        **stages,
         **pdl_args(q.device, heavy=True),
     )
     if splits > 1:
