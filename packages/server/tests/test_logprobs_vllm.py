@@ -42,7 +42,8 @@ def toy_lp(seq: Sequence[int]) -> torch.Tensor:  # [V] fp32: the toy's raw distr
 
 
 def rank_of(lp: torch.Tensor, token: int) -> int:
-    return 1 + int((lp > lp[token]).sum())
+    """vLLM v1's rank: the tokens at least as likely, itself included (ties share the worse rank)."""
+    return int((lp >= lp[token]).sum())
 
 
 def rank_band(lp: torch.Tensor, value: float, eps: float = ATOL) -> tuple[int, int]:
@@ -278,7 +279,7 @@ def test_http_prompt_logprobs_field_as_vllm(toy_server: ServerThread) -> None:
         want = toy_lp(p[:i])  # [V] fp32 log-probabilities after p[:i]
         row = rows[i]
         assert row[str(p[i])]["logprob"] == pytest.approx(float(want[p[i]]), abs=1e-5)
-        assert row[str(p[i])]["rank"] == int((want > want[p[i]]).sum()) + 1
+        assert row[str(p[i])]["rank"] == rank_of(want, p[i])
         assert {1, 2} <= {e["rank"] for e in row.values()} and len(row) in (2, 3)  # top 2 + the token
         assert all(e["decoded_token"] == TOK.decode([int(t)]) for t, e in row.items())
     chat = {**base, "messages": [{"role": "user", "content": "hi"}]}

@@ -57,6 +57,17 @@ def test_penalised_logits_match_a_loop_reference() -> None:
     assert torch.equal(got[2], logits[2])
 
 
+def test_logit_bias_comes_before_the_repetition_penalty_as_vllm_v1() -> None:
+    """vLLM v1 adds logit_bias before it applies penalties: a bias that turns a seen token's logit negative is
+    then multiplied by the repetition penalty (1 - 3 = -2 -> -4 at r = 2), not added after it (0.5 - 3)."""
+    logits = torch.tensor([[1.0, 0.0, -1.0, 2.0]])
+    pt = PenaltyTensors.build(
+        presence=[0.0], frequency=[0.0], repetition=[2.0], output_tokens=[[0]], prompt_tokens=[[3]],
+        device=CPU, logit_bias=[{0: -3.0, 3: 1.0}],
+    )  # fmt: skip
+    assert pt.apply(logits)[0].tolist() == [-4.0, 0.0, -1.0, 1.5]  # token 3: (2 + 1) / 2
+
+
 def test_sampler_applies_penalties_to_greedy_rows_and_reports_raw_logprobs() -> None:
     logits = torch.tensor([[0.0, 3.0, 2.9, 1.0]])  # token 1 wins unless penalised
     pt = PenaltyTensors.build(

@@ -85,6 +85,13 @@ def test_top_k_mask() -> None:
     assert bool((filtered_probs(logits, _st(1, top_k=0)) > 0).all())
 
 
+def test_top_k_keeps_tokens_tied_with_the_kth() -> None:
+    # vLLM v1 masks logits below the k-th largest: a token tied with it stays
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
+    assert (filtered_probs(logits, _st(1, top_k=2))[0] > 0).tolist() == [True, False, True, True, False]
+    assert (filtered_probs(logits, _st(1, top_k=9))[0] > 0).all()  # k past the vocabulary keeps all
+
+
 def test_top_p_mask_keeps_smallest_prefix_reaching_p() -> None:
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     logits = probs.log()
@@ -92,6 +99,26 @@ def test_top_p_mask_keeps_smallest_prefix_reaching_p() -> None:
     assert (filtered_probs(logits, _st(1, top_p=0.81))[0] > 0).tolist() == [True, True, True, False]
     # the most likely token always survives
     assert (filtered_probs(logits, _st(1, top_p=0.01))[0] > 0).tolist() == [True, False, False, False]
+
+
+def test_min_p_comes_before_top_p_as_vllm_v1() -> None:
+    """vLLM v1 filters min-p first, then top-k and top-p on what is left (renormalised): with min_p 0.2 the
+    0.05 token goes, the rest is [0.526, 0.316, 0.158], whose third token starts past top_p 0.83 (0.842);
+    top-p over the unfiltered [0.5, 0.3, 0.15, 0.05] would have kept it (0.8 before it)."""
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    p = filtered_probs(logits, _st(1, top_p=0.83, min_p=0.2))
+    assert (p[0] > 0).tolist() == [True, True, False, False]
+    torch.testing.assert_close(p[0, :2], torch.tensor([0.625, 0.375]))
+
+
+def test_top_p_one_keeps_every_token_of_a_large_vocabulary() -> None:
+    """top_p = 1 is off (vLLM skips the filter): in fp32 the cumulative mass of a 152k vocabulary reaches 1
+    well before its tail, and the tail (thousands of tokens of positive probability) must not be cut."""
+    logits = torch.randn(2, 151936, generator=_gen(0)) * 3
+    assert bool((torch.softmax(logits, dim=-1) > 0).all())
+    p = filtered_probs(logits, _st(2, top_p=1.0))
+    assert int((p == 0).sum()) == 0
+    torch.testing.assert_close(p, torch.softmax(logits, dim=-1))
 
 
 def test_min_p_mask_relative_to_top() -> None:
@@ -186,15 +213,16 @@ def test_bad_shapes() -> None:
 
 
 def test_token_logprobs_against_the_definition() -> None:
-    """The one logprob helper: log-softmax of the raw logits in fp32 (bf16 input too), ranks where ties share
-    the better rank, and the top tokens in order; none asked, none computed."""
+    """The one logprob helper: log-softmax of the raw logits in fp32 (bf16 input too), ranks as vLLM v1 counts
+    them (tokens at least as likely, itself included: ties share the worse rank), and the top tokens in
+    order; none asked, none computed."""
     logits = torch.tensor([[2.0, 1.0, 2.0, -1.0], [0.0, 0.5, 0.25, 3.0]], dtype=torch.bfloat16)
     chosen = torch.tensor([2, 1])
     got = token_logprobs(logits, chosen, 2)
     ref = torch.log_softmax(logits.float(), dim=-1)
     assert got.logprobs.dtype == torch.float32
     assert torch.equal(got.logprobs, ref[[0, 1], [2, 1]])
-    assert got.ranks.tolist() == [1, 2]  # row 0: tied with token 0 for the top; row 1: below token 3 only
+    assert got.ranks.tolist() == [2, 2]  # row 0: tied with token 0 for the top; row 1: below token 3 only
     assert got.top_ids is not None and got.top_logprobs is not None
     assert got.top_ids[1].tolist() == [3, 1] and torch.equal(got.top_logprobs, ref.topk(2, dim=-1).values)
     none = token_logprobs(logits, chosen, 0)

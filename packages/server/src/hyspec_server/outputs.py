@@ -12,8 +12,8 @@ FinishReason = Literal["stop", "length", "abort"]
 class Logprob:
     """One token's log probability under the model's raw distribution at one position (vLLM's type).
 
-    `rank` is 1-based: 1 + the number of tokens strictly more likely there. `decoded_token` is the token
-    decoded on its own (special tokens kept), as the OpenAI responses show it.
+    `rank` is 1-based: the number of tokens at least as likely there, itself included (vLLM v1's).
+    `decoded_token` is the token decoded on its own (special tokens kept), as the OpenAI responses show it.
     """
 
     logprob: float

@@ -139,13 +139,21 @@ class PenaltyTensors:
         )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Penalised logits, fp32 (repetition first, then frequency and presence, as vLLM orders them).
+        """Penalised logits, fp32, in vLLM v1's order: logit bias, then repetition, then frequency and
+        presence (a bias moves a logit before the repetition penalty scales it); the allowed-token and
+        min-tokens masks set -inf, which no later step changes.
 
         Args:
             logits: [N, V] any float dtype.
         """
         x = logits.float()
         n, v = x.shape
+        if self.bias_rows is not None and self.bias_ids is not None and self.bias_values is not None:
+            # ids past the logits' width (a tokenizer larger than the model's head) bias nothing
+            keep = self.bias_ids < v
+            x = x.index_put(
+                (self.bias_rows[keep], self.bias_ids[keep]), self.bias_values[keep], accumulate=True
+            )
         if self.seen_ids.numel() > 0:
             seen = torch.zeros(n, v, dtype=torch.bool, device=x.device)
             seen[self.seen_rows, self.seen_ids] = True
@@ -159,12 +167,6 @@ class PenaltyTensors:
                 accumulate=True,
             )
             x = x - self.frequency[:, None] * counts - self.presence[:, None] * (counts > 0).float()
-        if self.bias_rows is not None and self.bias_ids is not None and self.bias_values is not None:
-            # ids past the logits' width (a tokenizer larger than the model's head) bias nothing
-            keep = self.bias_ids < v
-            x = x.index_put(
-                (self.bias_rows[keep], self.bias_ids[keep]), self.bias_values[keep], accumulate=True
-            )
         if self.allow_rows is not None and self.allow_ids is not None and self.allow_limited is not None:
             keep = self.allow_ids < v  # (the vocabulary was checked; a head narrower than it has fewer)
             allowed = torch.zeros(n, v, dtype=torch.bool, device=x.device)  # [N, V]

@@ -97,7 +97,7 @@ class SamplingRequest(Protocol):
 class SampledToken(NamedTuple):
     """One chosen token; `logprob` / `top` / `rank` only when its request asked for logprobs.
 
-    `rank` is 1-based: 1 + the number of tokens strictly more likely than the chosen one (vLLM's).
+    `rank` is 1-based: the number of tokens at least as likely as the chosen one, itself included (vLLM v1's).
 
     A named tuple (immutable as a frozen dataclass, built in a quarter of its time): a round at batch 32
     makes about 100 of them, every decode step one per row.
@@ -214,7 +214,9 @@ class PendingSample:
 
 
 def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p, renormalised (greedy rows: temperature 1).
+    """Probabilities after temperature, min-p, top-k and top-p, renormalised (greedy rows: temperature 1), in
+    vLLM v1's order: min-p relative to the most likely token of the whole distribution, then top-p on what
+    min-p and top-k keep.
 
     Args:
         logits: [N, V] any float dtype.
@@ -226,16 +228,19 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     x = x / temp[:, None]
     v = x.shape[1]
     sorted_x, order = torch.sort(x, dim=-1, descending=True)  # [N, V]
-    rank = torch.arange(v, device=x.device)[None, :]
-    # top-k: rank >= k is masked; k <= 0 keeps everything
-    k = torch.where(st.top_k > 0, st.top_k, torch.full_like(st.top_k, v))
-    sorted_x = sorted_x.masked_fill(rank >= k[:, None], float("-inf"))
-    probs = torch.softmax(sorted_x, dim=-1)
-    # top-p on the top-k distribution: drop a token once the mass before it reaches p (the first stays)
+    # min-p relative to the most likely token, before top-k and top-p (0 keeps everything)
+    full = torch.softmax(sorted_x, dim=-1)
+    cut = full < st.min_p[:, None] * full[:, :1]
+    # top-k: below the k-th largest logit is masked, tokens tied with it stay (vLLM v1); k <= 0 keeps all
+    k = torch.where(st.top_k > 0, st.top_k, torch.full_like(st.top_k, v)).clamp(max=v)
+    cut |= sorted_x < sorted_x.gather(1, (k - 1)[:, None].long())
+    cut[:, 0] = False  # the most likely token always stays
+    probs = torch.softmax(sorted_x.masked_fill(cut, float("-inf")), dim=-1)
+    # top-p on that distribution: drop a token once the mass before it reaches p (the first stays);
+    # p = 1 is off: the fp32 cumsum of a large vocabulary reaches 1 before its tail (at 152k tokens, tens
+    # of thousands of tokens of positive probability), which `before >= 1` alone would cut
     before = torch.cumsum(probs, dim=-1) - probs
-    drop = before >= st.top_p[:, None]
-    # min-p relative to the most likely token (ratios do not change under renormalisation)
-    drop |= probs < st.min_p[:, None] * probs[:, :1]
+    drop = (before >= st.top_p[:, None]) & (st.top_p[:, None] < 1)
     drop[:, 0] = False
     probs = probs.masked_fill(drop, 0.0)
     probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -361,8 +366,9 @@ class TokenLogprobs(NamedTuple):
 
 def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: int) -> TokenLogprobs:
     """The one place logprobs are computed (sampled tokens, verified tokens, prompt tokens): each chosen
-    token's logprob under the raw logits, its 1-based rank (1 + how many tokens of its row are strictly more
-    likely: ties share the better rank, as vLLM counts them) and the `num_top` most likely tokens.
+    token's logprob under the raw logits, its 1-based rank (how many tokens of its row are at least as likely,
+    itself included: tied tokens share the worse rank, as vLLM v1 counts them) and the `num_top` most likely
+    tokens.
 
     Args:
         logits: [N, V] raw logits (any float dtype; computed in fp32).
@@ -371,7 +377,7 @@ def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: int) -> 
     """
     lp = torch.log_softmax(logits.float(), dim=-1)  # [N, V] fp32
     got = lp.gather(1, chosen[:, None])[:, 0]  # [N] fp32
-    ranks = (lp > got[:, None]).sum(dim=-1) + 1  # [N] int64
+    ranks = (lp >= got[:, None]).sum(dim=-1)  # [N] int64
     if num_top <= 0:
         return TokenLogprobs(got, ranks, None, None)
     top_lp, top_ids = torch.topk(lp, min(num_top, lp.shape[1]), dim=-1)  # [N, k] each
