@@ -101,6 +101,40 @@ def test_a_long_prompt_passes_its_intervals_in_one_step(checkpoints: dict[str, P
     assert small.engine.stats.num_steps == 2
 
 
+def test_a_failed_step_that_reserved_only_pages_resets_the_cache(checkpoints: dict[str, Path]) -> None:
+    """A reservation inside a prefill chunk caches the request's pages before its forward fills them, also
+    where the point's snapshot exists and no slot comes back (`PrefixCache.reserve` returns None: two
+    requests computed one prefix, one's pages were evicted, its snapshot kept). When that step's forward
+    fails, those pages hold nothing: the cache must be reset, or a later hit reads them."""
+    llm = _llm(checkpoints["qwen3_5"], None, True, 512)
+    eng: Any = llm.engine
+    memory = eng.runner.memory
+    real_reserve = memory.reserve_snapshots
+    memory.reserve_snapshots = lambda saves: [None] * len(real_reserve(saves))  # pages cached, no slot
+    real_execute = eng.runner.execute
+    failed = [False]
+
+    def failing(step: Any, *, while_queued: Any = None) -> Any:
+        if not failed[0] and any(c.num_new > EVERY for c in step.chunks):
+            failed[0] = True
+            raise RuntimeError("injected: the forward that was to fill the reserved pages")
+        return real_execute(step, while_queued=while_queued)
+
+    eng.runner.execute = failing
+    real_reset = memory.reset_prefix_cache
+    resets: list[bool] = []
+    memory.reset_prefix_cache = lambda **kw: resets.append(bool(real_reset(**kw))) or resets[-1]
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": LONG}, {"prompt_token_ids": OTHER}]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert failed[0] and len(resets) == 1  # right after the failed step (its two requests retried alone)
+    want = [o.outputs[0].token_ids for o in _llm(checkpoints["qwen3_5"], None, False, 512).generate(
+        prompts, params, use_tqdm=False
+    )]  # fmt: skip
+    assert got == want
+    eng.leak_check()
+
+
 def test_an_interval_off_the_chunk_grid_ends_chunks_at_each_snapshot(checkpoints: dict[str, Path]) -> None:
     llm = LLM(
         model=str(checkpoints["qwen3_5"]),

@@ -103,6 +103,10 @@ class SchedulerOutput(Generic[R_co]):
     # every running request decodes one token and nobody waits for a free seat: unless some end, the next
     # step is these requests' next decode, which the runner may queue before this step's tokens are read
     may_run_ahead: bool = False
+    # the step reserved prefix-cache snapshots inside its prefill chunks: the cache now lists pages (and maybe
+    # snapshot slots) that only its forward fills, even where no chunk got a slot (`PrefixCache.reserve`
+    # caches the pages before a point already cached), so a step that fails must reset the cache
+    reserved_snapshots: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -301,9 +301,10 @@ class LLMEngine:
             save_snapshots()  # a runner with nothing to overlap may not call it; before the appends below
         except Exception as e:
             self.scheduler.ran_ahead = frozenset()  # a runner that fails forgets what it queued ahead
-            if saved or any(c.state_saves for c in sched.chunks):
-                # the step's snapshots were saved (or reserved for its forward to write) before it failed:
-                # keep nothing a failed step may have half-written (rare; the cache refills)
+            if saved or sched.reserved_snapshots:
+                # the step's snapshots were saved, or reserved for its forward to write (pages included, with
+                # or without a new snapshot slot), before it failed: keep nothing a failed step may have
+                # half-written (rare; the cache refills)
                 log.warning("model step failed after saving prefix-cache snapshots; resetting the cache")
                 self.runner.memory.reset_prefix_cache()
             reqs = list(dict.fromkeys(c.request for c in sched.chunks))

@@ -106,7 +106,9 @@ class Scheduler:
         out = self._schedule()
         if self.memory.inner_snapshots:
             # after every lookup of the step: none may resume from a snapshot its forward has yet to write
-            out = SchedulerOutput(self._with_inner_saves(out.chunks), out.preempted)
+            chunks = self._with_inner_saves(out.chunks)
+            if chunks is not None:
+                out = SchedulerOutput(chunks, out.preempted, reserved_snapshots=True)
         return replace(out, may_run_ahead=self._may_run_ahead(out))
 
     def _may_run_ahead(self, out: SchedulerOutput[Request]) -> bool:
@@ -285,10 +287,10 @@ class Scheduler:
 
     def _with_inner_saves(
         self, chunks: tuple[ScheduledChunk[Request], ...]
-    ) -> tuple[ScheduledChunk[Request], ...]:
+    ) -> tuple[ScheduledChunk[Request], ...] | None:
         """The chunks with the snapshots inside them reserved (`state_saves`, all of the step's in one call):
         the positions at multiples of the snapshot interval strictly between a prefill chunk's start and end
-        (its end is saved by `save_snapshots`)."""
+        (its end is saved by `save_snapshots`); None when the chunks hold no such position (nothing reserved)."""
         every = self.memory.snapshot_interval
         points = [
             range((c.start // every + 1) * every, c.end, every)
@@ -298,7 +300,7 @@ class Scheduler:
         ]
         wanted = [self._save(c.request, p) for c, pts in zip(chunks, points, strict=True) for p in pts]
         if not wanted:
-            return chunks
+            return None
         slots = iter(self.memory.reserve_snapshots(wanted))
         out = []
         for c, pts in zip(chunks, points, strict=True):
