@@ -432,7 +432,7 @@ CHAT = {"model": "toy", "messages": [{"role": "user", "content": "ok"}], "max_to
         ("/v1/chat/completions", {**CHAT, "stop": [str(i) for i in range(65)]}, "stop"),
         ("/v1/chat/completions", {**CHAT, "n": 0}, "n"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": "5"}, "max_completion_tokens"),
-        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 1000}, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 1000}, "max_completion_tokens"),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {**CHAT, "logprobs": 1}, "logprobs"),
@@ -564,3 +564,85 @@ def test_batch_requests_are_all_or_nothing_and_all_aborted_on_disconnect() -> No
         assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1]
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("value", [0, -5, 10**6])
+def test_chat_max_completion_tokens_errors_name_it(toy_server: ServerThread, value: int) -> None:
+    # the client sent max_completion_tokens (the OpenAI SDK's name), not max_tokens: the 400 names the
+    # field it sent, in `param` and in the message
+    body = {**CHAT, "max_completion_tokens": value}
+    r = httpx.post(
+        toy_server.base_url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "max_completion_tokens", err
+    assert "max_completion_tokens" in err["message"], err
+
+
+def _stream(srv: ServerThread, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    events = []
+    with httpx.stream(
+        "POST", srv.base_url + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: ") :]))
+    return events
+
+
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(toy_server: ServerThread) -> None:
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage of its
+    # choice so far (its prompt's tokens, the tokens that choice generated), then the usual usage chunk
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    prompts = ["ab", "a longer one"]
+    body = {
+        "model": "toy",
+        "prompt": prompts,
+        "n": 2,
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+        "stream_options": opts,
+    }
+    for extra in ({}, {"echo": True}, {"logprobs": 1, "echo": True}):
+        events = _stream(toy_server, "/v1/completions", {**body, **extra})
+        tokens = [0] * 4
+        for e in events[:-1]:
+            (ch,) = e["choices"]
+            k = ch["index"]
+            tokens[k] += len(ch.get("token_ids", []))  # an echo chunk has none
+            p = len(TOK.encode(prompts[k // 2]))
+            assert e["usage"] == {
+                "prompt_tokens": p,
+                "completion_tokens": tokens[k],
+                "total_tokens": p + tokens[k],
+            }
+        assert tokens == [5] * 4
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 20
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = {**body, "messages": msgs, "max_tokens": 4}
+    del chat["prompt"]
+    p = len(TOK.apply_chat_template(msgs))
+    events = _stream(toy_server, "/v1/chat/completions", chat)
+    tokens = [0, 0]
+    for e in events[:-1]:
+        (ch,) = e["choices"]
+        k = ch["index"]
+        tokens[k] += len(ch.get("token_ids", []))  # the role chunk has none
+        assert e["usage"] == {
+            "prompt_tokens": p,
+            "completion_tokens": tokens[k],
+            "total_tokens": p + tokens[k],
+        }
+    assert tokens == [4, 4] and events[-1]["usage"]["completion_tokens"] == 8
+    # without include_usage it changes nothing (as vLLM): no usage anywhere
+    events = _stream(
+        toy_server, "/v1/chat/completions", {**chat, "stream_options": {"continuous_usage_stats": True}}
+    )
+    assert all("usage" not in e for e in events)

@@ -131,6 +131,25 @@ def usage(
     }
 
 
+def chunk_usage(
+    include: bool, continuous: bool, prompt_tokens: int, completion_tokens: int
+) -> dict[str, Any]:
+    """A streamed chunk's `usage` field: none without include_usage, null with it, and with vLLM's
+    continuous_usage_stats the chunk's choice's usage so far (its prompt, the tokens it has sent)."""
+    if not include:
+        return {}
+    if not continuous:
+        return {"usage": None}
+    total = prompt_tokens + completion_tokens
+    return {
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": total,
+        }
+    }
+
+
 def sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
 

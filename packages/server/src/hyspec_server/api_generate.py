@@ -17,6 +17,7 @@ from hyspec_server.api_context import ServerContext, server_context
 from hyspec_server.api_format import (
     DONE,
     chat_logprobs,
+    chunk_usage,
     collect,
     completion_logprobs,
     event_stream,
@@ -185,7 +186,10 @@ async def completions(raw: Request) -> Response:
 
     if req.stream:
         # best_of == n here: item k is choice k
-        no_usage = {"usage": None} if req.include_usage else {}
+
+        def live(prompt_tokens: int, sent_tokens: int) -> dict[str, Any]:
+            """A chunk's usage field (`chunk_usage`): its choice's prompt and the tokens it has sent."""
+            return chunk_usage(req.include_usage, req.continuous_usage, prompt_tokens, sent_tokens)
 
         async def events() -> AsyncIterator[str]:
             sent = [0] * len(items)
@@ -194,7 +198,8 @@ async def completions(raw: Request) -> Response:
             if echo and not echo_lp:
                 for k in range(len(items)):
                     ch = {"index": k, "text": echoed[k // n], "logprobs": None, "finish_reason": None}
-                    yield sse(body([ch], **no_usage))
+                    # echo refuses truncate_prompt_tokens: the prompt as sent is the one run
+                    yield sse(body([ch], **live(len(ready[k // n].token_ids), 0)))
             async for k, out in group.outputs():
                 if echo_lp and k not in last:
                     # prompt logprobs exist once it is prefilled: the echo waits for the first output
@@ -205,16 +210,19 @@ async def completions(raw: Request) -> Response:
                         "logprobs": echo_logprobs(out),
                         "finish_reason": None,
                     }
-                    yield sse(body([ch], **no_usage))
+                    # the echo carries no generated token
+                    yield sse(body([ch], **live(len(out.prompt_token_ids), 0)))
                 last[k] = out
                 # a chunk for every step that made tokens, text or not (as vLLM): a token that is
                 # part of a character still arrives, and clients time it
                 if prompt_only and out.finished:
-                    yield sse(body([choice(k, out, "", 0, offsets[k])[0]], **no_usage))
+                    yield sse(
+                        body([choice(k, out, "", 0, offsets[k])[0]], **live(len(out.prompt_token_ids), 0))
+                    )
                 elif not prompt_only and (out.delta_token_ids or out.delta_text or out.finished):
                     ch, offsets[k] = choice(k, out, out.delta_text, sent[k], offsets[k])
                     sent[k] = len(out.outputs[0].token_ids)
-                    yield sse(body([ch], **no_usage))
+                    yield sse(body([ch], **live(len(out.prompt_token_ids), sent[k])))
             if req.include_usage:
                 counts = usage(
                     [last[k] for k in range(0, len(items), n)], last.values(), generated=not prompt_only
@@ -273,9 +281,15 @@ async def chat(raw: Request) -> Response:
     logprobs = top_n if req.logprobs else None
     n = req.num_choices
     lp_prompt = req.prompt_logprobs
-    samples = _samples(
-        req, n, max_tokens=max_tokens, logprobs=logprobs, engine=ctx.engine, prompt_logprobs=lp_prompt
-    )
+    # the budget's field as the client sent it: the OpenAI SDK sends max_completion_tokens, and a 400 about
+    # the budget names that field, not max_tokens
+    budget = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+    try:
+        samples = _samples(
+            req, n, max_tokens=max_tokens, logprobs=logprobs, engine=ctx.engine, prompt_logprobs=lp_prompt
+        )
+    except APIError as e:
+        raise _budget_named(e, budget) from e
     if forced:
         # tool_choice "required" or a named function: the output must be calls (a grammar)
         assert req.tools is not None
@@ -290,13 +304,16 @@ async def chat(raw: Request) -> Response:
     await _compile_constraint(ctx, req, samples[0])
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     prompt = TokensPrompt(None, prompt_ids, req.cache_salt)
-    group = await _submit(
-        ctx,
-        [(prompt, samples[j], f"{rid}-{j}") for j in range(n)],
-        per_prompt=n,
-        batch=False,
-        prompt_param="messages",
-    )
+    try:
+        group = await _submit(
+            ctx,
+            [(prompt, samples[j], f"{rid}-{j}") for j in range(n)],
+            per_prompt=n,
+            batch=False,
+            prompt_param="messages",
+        )
+    except APIError as e:
+        raise _budget_named(e, budget) from e
 
     def lp(out: RequestOutput, start: int) -> dict[str, Any] | None:
         c = out.outputs[0]
@@ -308,11 +325,14 @@ async def chat(raw: Request) -> Response:
     role, echoed = req.reply_role, req.echoed_text()
     if req.stream:
         base: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "model": ctx.model_name}
-        if req.include_usage:
-            base["usage"] = None
+        # the prompt as the requests run it (truncate_prompt_tokens), for chunks before their first output
+        num_prompt = len(samples[0].truncate(prompt_ids, ctx.max_model_len))
 
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            return sse({**base, "created": int(time.time()), "choices": choices, **extra})
+        def chunk(choices: list[dict[str, Any]], sent_tokens: int = 0, **extra: Any) -> str:
+            """A chunk of `choices` (one, whose choice has sent `sent_tokens` tokens, or none with `extra`'s
+            usage); its usage field is `chunk_usage`'s."""
+            live = chunk_usage(req.include_usage, req.continuous_usage, num_prompt, sent_tokens)
+            return sse({**base, "created": int(time.time()), "choices": choices, **live, **extra})
 
         no_stop = {"stop_reason": None}  # every chunk has vLLM's fields; the last one names its stop
 
@@ -360,7 +380,7 @@ async def chat(raw: Request) -> Response:
                     if req.return_token_ids:
                         ch["token_ids"] = c.token_ids[sent[k] :]
                     sent[k] = len(c.token_ids)
-                    yield chunk([ch])
+                    yield chunk([ch], sent[k])
             if req.include_usage:
                 yield chunk([], usage=usage([last[0]], last.values()))
             yield DONE
@@ -403,6 +423,14 @@ async def chat(raw: Request) -> Response:
     if req.prompt_logprobs is not None:  # vLLM's place for them in chat: the response
         body["prompt_logprobs"] = vllm_prompt_logprobs(outs[0], req.prompt_logprobs)
     return JSONResponse(body)
+
+
+def _budget_named(e: APIError, field: str) -> APIError:
+    """`e` with `field` for max_tokens where it names max_tokens (the samples' and the engine's name for a
+    chat's budget, which may have come as max_completion_tokens); `e` itself otherwise."""
+    if e.param != "max_tokens" or field == "max_tokens":
+        return e
+    return APIError(e.status, e.message.replace("max_tokens", field), type_=e.type, param=field, code=e.code)
 
 
 def calls_finish_reason(engine_reason: str | None) -> str | None:

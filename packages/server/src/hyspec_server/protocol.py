@@ -60,6 +60,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far
+    continuous_usage_stats: bool | None = False
 
 
 class _SamplingFields(_Strict):
@@ -189,6 +191,11 @@ class _SamplingFields(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `continuous_usage_stats`: only together with include_usage (as vLLM's)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def sampling_params(
         self,

@@ -290,7 +290,7 @@ class Scheduler:
     ) -> tuple[ScheduledChunk[Request], ...] | None:
         """The chunks with the snapshots inside them reserved (`state_saves`, all of the step's in one call):
         the positions at multiples of the snapshot interval strictly between a prefill chunk's start and end
-        (its end is saved by `save_snapshots`); None when the chunks hold no such position (nothing reserved)."""
+        (its end is saved by `save_snapshots`); None when the chunks hold no such position (none reserved)."""
         every = self.memory.snapshot_interval
         points = [
             range((c.start // every + 1) * every, c.end, every)
