@@ -536,3 +536,23 @@ def test_copy_pages_equals_copy_page_pair_by_pair_and_names_bad_pairs() -> None:
         kv.copy_pages(pages[:1], pages[5:])
     kv.free(pages[:5])
     _idle(pool)
+
+
+def test_a_refused_attach_takes_no_page_reference() -> None:
+    """A lookup for a request that is not fresh (it holds pages) or not live is refused before the hit takes
+    any reference: the chain's pages and a tail page copy must not stay referenced by nobody."""
+    pool = _pool()
+    cache = PrefixCache(pool, num_snapshots=2)
+    tokens = list(range(1, 11))
+    pool.alloc(["a"])
+    _compute(pool, "a", tokens)
+    cache.save("a", tokens, salt=None, num_tokens=10)  # two full pages and a tail
+    pool.free(["a"])
+    pool.alloc(["b"])
+    pool.ensure_kv_capacity(["b"], [3])
+    with pytest.raises(ValueError, match="'b'"):
+        cache.attach_longest("b", [*tokens, 5], salt=None, max_tokens=10)
+    with pytest.raises(ValueError, match="'gone'"):  # UseAfterFreeError is a ValueError
+        cache.attach_longest("gone", [*tokens, 5], salt=None, max_tokens=10)
+    pool.free(["b"])
+    _idle(pool)

@@ -148,6 +148,11 @@ class PrefixCache:
         found = self._longest(token_ids, min(max_tokens, len(token_ids)), root_hash(salt))
         if found is None:
             return PrefixHit(0)
+        # a hit is refused before it takes references: `adopt_pages` below would raise only after them,
+        # leaving the chain's references and a tail page copy held by nobody (UseAfterFreeError for a request
+        # not live)
+        if self.pool.request_pages(req_id):
+            raise ValueError(f"request {req_id!r} already holds KV pages: attach a fresh request")
         snap, hashes = found
         kv = self.pool.kv
         chain = [self._lru.pages[h] for h in hashes]

@@ -60,7 +60,8 @@ def _store_kv_triton(
     k: torch.Tensor, v: torch.Tensor, *, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor
 ) -> None:
     _check_unit_stride(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
-    store_kv_triton(k, v, k_cache=k_cache, v_cache=v_cache, kv_slots=kv_slots)
+    # the kernel steps through the slots by 1: a strided view (a column of packed metadata) is copied
+    store_kv_triton(k, v, k_cache=k_cache, v_cache=v_cache, kv_slots=kv_slots.contiguous())
 
 
 def _paged_attention_triton(
@@ -83,8 +84,9 @@ def _paged_attention_triton(
         k_cache=k_cache,
         v_cache=v_cache,
         page_table=page_table,
-        cu_seqlens_q=cu_seqlens_q,
-        kv_lens=kv_lens,
+        # the kernel steps through these by 1 (the page table goes by its strides): strided views are copied
+        cu_seqlens_q=cu_seqlens_q.contiguous(),
+        kv_lens=kv_lens.contiguous(),
         scale=scale,
         tree_mask=tree_mask,
         max_q_len=max_q_len,

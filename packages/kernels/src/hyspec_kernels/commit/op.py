@@ -68,13 +68,14 @@ def _commit_states_triton(
     for k, (state, scratch) in enumerate(pairs):
         check_inner_contiguous(f"pairs[{k}][0] (state)", state, 2)
         check_inner_contiguous(f"pairs[{k}][1] (scratch)", scratch, 3)
+    # the kernel steps through the index vectors by 1: strided views (columns of packed metadata) are copied
     commit_states_triton(
         pairs=pairs,
-        batch_rows=batch_rows,
-        state_slots=state_slots,
-        steps=steps,
-        track_slots=track_slots,
-        track_steps=track_steps,
+        batch_rows=batch_rows.contiguous(),
+        state_slots=state_slots.contiguous(),
+        steps=steps.contiguous(),
+        track_slots=None if track_slots is None else track_slots.contiguous(),
+        track_steps=None if track_steps is None else track_steps.contiguous(),
     )
 
 

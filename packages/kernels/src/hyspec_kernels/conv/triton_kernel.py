@@ -354,7 +354,9 @@ def conv_prefill_triton(
     width = weight.shape[1]
     num_seqs = state_slots.shape[0]
     y = torch.empty_like(x, memory_format=torch.contiguous_format)  # [T, C]
-    init = has_initial_state.view(torch.uint8)  # bool pointers are awkward in Triton; same bytes
+    # the kernels step through the per-sequence vectors by 1: strided views are copied
+    cu_seqlens, state_slots = cu_seqlens.contiguous(), state_slots.contiguous()  # [N + 1], [N]
+    init = has_initial_state.contiguous().view(torch.uint8)  # bool pointers are awkward in Triton; same bytes
     b = weight if bias is None else bias  # any valid pointer; unused without HAS_BIAS
     if num_tokens > 0:
         block_t = max(16, min(_MAX_BLOCK_T, int(triton.next_power_of_2(num_tokens))))
@@ -395,6 +397,9 @@ def _launch_steps(
     if num_rows == 0 or depth == 0:
         return y
     b = weight if bias is None else bias
+    # the kernel steps through the slots and rows by 1: strided views are copied
+    state_slots = state_slots.contiguous()  # [N]
+    scratch_rows = None if scratch_rows is None else scratch_rows.contiguous()  # [N]
     # Unused pointers still need a tensor; their strides are never read without the matching flag.
     scr = conv_state if scratch is None else scratch
     scr_strides = (0, 0, 0, 0) if scratch is None else scratch.stride()

@@ -80,8 +80,8 @@ def _prefill_triton(
         beta,
         cu_seqlens=cu_host,
         state=state,
-        state_slots=state_slots,
-        has_initial_state=has_initial_state.to(torch.int8),
+        state_slots=state_slots.contiguous(),  # the kernel steps through it by 1: a strided view is copied
+        has_initial_state=has_initial_state.to(torch.int8).contiguous(),
         return_chunk_states=return_chunk_states,
         chunk_saves=chunk_saves,
     )
@@ -140,6 +140,8 @@ def _verify_triton(
     check_blocks_contiguous("state", state, 3)
     if scratch is not None:
         check_blocks_contiguous("scratch", scratch, 3)
+    # the kernel steps through the index vectors (and each row of pending.paths) by 1: strided views (a
+    # column of packed metadata) are copied
     return launch_recurrent(
         q,
         k,
@@ -147,16 +149,16 @@ def _verify_triton(
         g,
         beta,
         state=state,
-        state_slots=state_slots,
+        state_slots=state_slots.contiguous(),
         scratch=scratch,
-        scratch_rows=scratch_rows,
+        scratch_rows=None if scratch_rows is None else scratch_rows.contiguous(),
         parents=None if parents is None else parents.contiguous(),
         out_dtype=q.dtype,
         verify=not write_state,
         keep_inputs=keep_inputs if pending is None else pending.inputs,
-        input_rows=input_rows,
+        input_rows=None if input_rows is None else input_rows.contiguous(),
         branch_states_only=workspace,
-        pending=None if pending is None else (pending.rows, pending.paths),
+        pending=None if pending is None else (pending.rows.contiguous(), pending.paths.contiguous()),
     )
 
 

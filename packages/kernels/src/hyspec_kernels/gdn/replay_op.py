@@ -43,11 +43,12 @@ def _replay_triton(
         g.contiguous(),
         beta.contiguous(),
         state=state,
-        state_slots=state_slots,
-        rows=rows,
+        # the kernel steps through the index vectors by 1: strided views are copied
+        state_slots=state_slots.contiguous(),
+        rows=rows.contiguous(),
         paths=paths.contiguous(),
-        track_slots=track_slots,
-        track_steps=track_steps,
+        track_slots=None if track_slots is None else track_slots.contiguous(),
+        track_steps=None if track_steps is None else track_steps.contiguous(),
         tile_seqs=tile_seqs,
     )
 
