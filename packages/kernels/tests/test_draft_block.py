@@ -125,6 +125,10 @@ def test_reference_is_the_definition() -> None:
         ({"rows": torch.tensor([[0, 9], [2, 9]])[:, 0]}, "rows"),
         ({"output_tokens": torch.zeros(4, 2, dtype=torch.int64).t()}, "output_tokens"),
         ({"root_index": torch.zeros(2, 2, dtype=torch.int64)[:, 0]}, "root_index"),
+        # a tree's path node past the verified block (4 nodes), or missing before the accepted count
+        ({"paths": torch.tensor([[0, -1, -1, -1], [0, 1, 2, 4]])}, "paths"),
+        ({"paths": torch.tensor([[0, -1, -1, -1], [0, 1, -1, -1]])}, "paths"),
+        ({"paths": torch.tensor([[0, 2, -1, -1], [0, 1, 2, 3]])}, "paths"),  # row 0 accepted none
     ],
 )
 def test_bad_arguments_are_named(change: dict[str, object], name: str) -> None:

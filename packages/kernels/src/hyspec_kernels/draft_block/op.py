@@ -50,7 +50,7 @@ def draft_block_after_verify(
         width: W >= 2.
         backend: "auto" (Triton on CUDA, the torch path elsewhere), "reference", "torch" or "triton".
         check_values: the rule of the value checks (`value_checks`: they read the device): rows in range
-            and distinct, accepted counts in range.
+            and distinct, accepted counts in range, a tree's path nodes in the block.
     """
     block_tokens = check_tensor("block_tokens", block_tokens, ("N", "Dv"), dtypes=_I64)
     (n, dv), dev = block_tokens.shape, block_tokens.device
@@ -84,6 +84,8 @@ def draft_block_after_verify(
     if value_checks(dev, check_values) and n:
         nodes = min(dv if paths is None else int(paths.shape[1]), width - 1)
         _check_values(rows, num_accepted, int(root_features.shape[0]), nodes)
+        if paths is not None:
+            _check_paths(paths, num_accepted, dv)
     fn = implementation(
         backend,
         dev,
@@ -113,6 +115,19 @@ def _check_values(rows: torch.Tensor, num_accepted: torch.Tensor, num_rows: int,
         raise ValueError(f"rows: expected distinct rows in [0, {num_rows}), got {rows.tolist()}")
     if bool(((num_accepted < 0) | (num_accepted >= nodes)).any()):
         raise ValueError(f"num_accepted: expected values in [0, {nodes}), got {num_accepted.tolist()}")
+
+
+def _check_paths(paths: torch.Tensor, num_accepted: torch.Tensor, dv: int) -> None:
+    """A tree's accepted paths: nodes of the verified block ([0, Dv)) up to each row's accepted count, -1
+    after (a node past the block would be read out of bounds: raw memory on CUDA)."""
+    col = torch.arange(paths.shape[1], device=paths.device)[None, :]  # [1, P]
+    on = col <= num_accepted[:, None]  # [N, P]
+    ok = torch.where(on, (paths >= 0) & (paths < dv), paths == -1)
+    if not bool(ok.all()):
+        raise ValueError(
+            f"paths: expected block nodes in [0, {dv}) for the first num_accepted + 1 entries, -1 after; "
+            f"got {paths.tolist()} with num_accepted {num_accepted.tolist()}"
+        )
 
 
 def _triton() -> object:
