@@ -153,6 +153,81 @@ def test_constraints_that_do_not_compile_lose_nothing(so: StructuredOutputsParam
     assert o.outputs[0].token_ids == toy_greedy([3, 4], 5, ignore_eos=True)
 
 
+# schema keywords xgrammar compiles without enforcing (the output need not satisfy them), each with an output
+# its grammar would have allowed that the schema refuses
+IGNORED_KEYWORDS: list[tuple[str, dict[str, Any], str | None]] = [
+    ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
+    ("contains", {"type": "array", "items": {"type": "integer"}, "contains": {"const": 1}}, "[2]"),
+    ("not", {"type": "string", "not": {"const": "a"}}, '"a"'),
+    ("if", {"type": "string", "if": {"const": "a"}, "then": {"minLength": 2}}, '"a"'),
+    (
+        "dependentRequired",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "dependentRequired": {"a": ["b"]},
+        },
+        '{"a": 1}',
+    ),
+    ("allOf", {"allOf": [{"type": "integer"}, {"minimum": 3}]}, "1"),
+    # (a remote reference: xgrammar warns and allows any value; no document to validate against)
+    ("$ref", {"$ref": "https://example.com/schema.json"}, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("keyword", "schema", "invalid"), IGNORED_KEYWORDS, ids=[k[0] for k in IGNORED_KEYWORDS]
+)
+def test_schema_keywords_xgrammar_ignores_are_refused(
+    keyword: str, schema: dict[str, Any], invalid: str | None
+) -> None:
+    """A keyword the backend would compile away (its grammar allows `invalid`, which the schema refuses) is a
+    ValueError naming it, as vLLM's xgrammar backend refuses the features it lacks, not a constraint that
+    silently lets invalid JSON through; nested in a property or a $defs entry too. A property merely named
+    like one ("not") is no keyword."""
+    if invalid is not None:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(json.loads(invalid), schema)  # (the case is one: the schema refuses it)
+    llm = LLM.from_engine(toy_engine())
+    for so in (
+        StructuredOutputsParams(json=schema),
+        StructuredOutputsParams(json={"type": "object", "properties": {"p": schema}}),
+        StructuredOutputsParams(
+            json={"$defs": {"d": schema}, "type": "array", "items": {"$ref": "#/$defs/d"}}
+        ),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"structured_outputs\.json: .*{re.escape(keyword)}.*not supported"
+        ):
+            llm.generate([{"prompt_token_ids": [3, 4]}], SamplingParams(max_tokens=5, structured_outputs=so))
+    named = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"const": "not"}}}
+    (o,) = llm.generate(
+        [{"prompt_token_ids": [3, 4]}],
+        SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(json=named)),
+    )
+    assert o.outputs[0].finish_reason in ("stop", "length")  # served
+    llm.leak_check()
+    srv = ServerThread(toy_engine(), model_name="toy").start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+            chat = {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+            rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+            tool = {
+                "type": "function",
+                "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": schema}}},
+            }
+            for extra, param in (
+                ({"response_format": rf}, "response_format"),
+                ({"guided_json": schema}, "guided_json"),
+                ({"tools": [tool], "tool_choice": "required"}, "tools"),
+            ):
+                r = c.post("/v1/chat/completions", json={**chat, **extra})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+                assert keyword in r.json()["error"]["message"], r.text
+    finally:
+        srv.stop()
+
+
 def _nested_schema(depth: int) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "object"}
     for _ in range(depth):
@@ -428,6 +503,50 @@ def test_min_tokens_past_the_constraint_end_finishes_at_the_end(qwen_ckpt: Path,
     out = llm.generate([{"prompt_token_ids": [5, 9, 17]}, {"prompt_token_ids": [5, 9, 17]}], [bound, free])
     assert out[0].outputs[0].text in ("yes", "no") and out[0].outputs[0].finish_reason == "stop"
     assert len(out[1].outputs[0].token_ids) == 12
+    llm.leak_check()
+
+
+def test_min_tokens_holds_back_eos_where_the_constraint_could_go_on() -> None:
+    """A constraint that is complete but could go on ("a+" after one "a": more "a" or its end, EOS):
+    min_tokens holds EOS back while the constraint allows another token, as vLLM's min_tokens does under a
+    grammar (EOS was never held back under a constraint, so a request favouring EOS ended after one token
+    with min_tokens 4). The constraint's end still comes once min_tokens is reached."""
+    llm = LLM.from_engine(toy_engine(seqs=8))
+    a, eos = ord("a"), 256  # the toy's byte token for "a" and its EOS
+    for so in (StructuredOutputsParams(regex="a+"), StructuredOutputsParams(grammar='root ::= "a"+')):
+        params = SamplingParams(
+            max_tokens=10, temperature=0, min_tokens=4, logit_bias={eos: 100.0}, structured_outputs=so
+        )
+        (out,) = llm.generate([{"prompt_token_ids": [65, 66]}], params)
+        assert out.outputs[0].token_ids == [a] * 4 + [eos], so
+        assert out.outputs[0].text == "aaaa" and out.outputs[0].finish_reason == "stop"
+    llm.leak_check()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [None, {"method": "ngram", "num_speculative_tokens": 3}, {"method": "mtp", "num_speculative_tokens": 3}],
+    ids=["plain", "ngram", "mtp"],
+)
+def test_min_tokens_under_an_open_constraint_with_speculation(qwen_ckpt: Path, spec: Any) -> None:
+    """min_tokens holds EOS back under a constraint that could go on, at every verify node too: each output
+    has at least min_tokens tokens before its EOS, matches the regex, and a drafter changes nothing."""
+    prompts = [{"prompt_token_ids": [5 + i, 9, 17, 33, 5 + i, 9]} for i in range(3)]
+    llm = LLM(model=str(qwen_ckpt), max_num_seqs=4, speculative_config=spec)
+    eos = min(llm.engine.tokenizer.eos_token_ids)
+    so = StructuredOutputsParams(regex="[a-z]+")
+    params = SamplingParams(
+        max_tokens=20, temperature=0, min_tokens=6, logit_bias={eos: 100.0}, structured_outputs=so
+    )
+    got = llm.generate(prompts, params)
+    for o in got:
+        c = o.outputs[0]
+        assert len(c.token_ids) == 7 and c.token_ids[-1] == eos, c.token_ids
+        assert c.finish_reason == "stop"
+        _check(so, c.text)
+    if spec is not None:
+        want = LLM(model=str(qwen_ckpt), max_num_seqs=4).generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     llm.leak_check()
 
 

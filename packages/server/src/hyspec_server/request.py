@@ -188,11 +188,13 @@ class Request:
 
     @property
     def all_stop_token_ids(self) -> frozenset[int]:
-        """EOS (unless ignored) and the stop token ids: what `min_tokens` holds back. Not the tokens that end
-        a structured-output constraint: once the constraint is complete they are all it allows, so it ends
-        the request before `min_tokens` (holding them back too would leave no token to sample)."""
+        """EOS (unless ignored) and the stop token ids: what `min_tokens` holds back. The tokens that end a
+        structured-output constraint too (EOS, even with `ignore_eos`): a complete constraint that could go
+        on ("a+" after "a") continues until `min_tokens`, as vLLM's; one whose end is all it allows still
+        ends there, since a row the held-back tokens would leave with nothing keeps them (the penalties'
+        rule: the constraint wins)."""
         ids = self.eos_token_ids | self.params.stop_token_set
-        return ids - self.grammar.stop_token_ids if self.grammar is not None else ids
+        return ids | self.grammar.stop_token_ids if self.grammar is not None else ids
 
     @property
     def finished(self) -> bool:

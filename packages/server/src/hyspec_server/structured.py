@@ -65,6 +65,8 @@ class GrammarCompiler:
         no token can begin it."""
         compiler = self._xgr()
         kind, text = params.key
+        if kind == "json":
+            check_schema_supported(json.loads(text), "structured_outputs.json")
         try:
             if kind == "json":
                 compiled = compiler.compile_json_schema(text)
@@ -114,6 +116,51 @@ class GrammarCompiler:
         empty character class): its request would have nothing to sample."""
         if not bool(self._starts(compiled, torch.arange(self.vocab_size)).any()):
             raise ValueError(f"structured_outputs.{kind}: the constraint allows no token at its start")
+
+
+# keywords xgrammar (0.2.9) compiles away without a word: a grammar from a schema using them allows output the
+# schema refuses (an array with repeats under uniqueItems, anything under a remote $ref), so such a schema is
+# refused, as vLLM's xgrammar backend refuses the features it lacks, rather than silently not enforced
+_IGNORED = frozenset(
+    {"not", "if", "contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas"}
+    | {"dependencies", "$dynamicRef", "$recursiveRef"}
+)
+# keywords whose values are schemas, lists of schemas, or maps of names to schemas (walked for the above);
+# any other keyword's value is data or a name (a property named "not" is no keyword)
+_SUBSCHEMA = frozenset(
+    {"items", "additionalItems", "additionalProperties", "propertyNames", "unevaluatedItems"}
+    | {"unevaluatedProperties", "anyOf", "oneOf", "allOf", "prefixItems", "then", "else"}
+)
+_SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+
+
+def check_schema_supported(schema: Any, field: str) -> None:
+    """ValueError naming `field` and the keyword's place when `schema` uses a JSON-schema feature the
+    backend would ignore (`_IGNORED`, `uniqueItems: true`, an `allOf` of several schemas, of which xgrammar
+    keeps one, or a `$ref` outside the schema itself). Iterative: a deep schema is the compiler's to
+    refuse."""
+    todo: list[tuple[Any, str]] = [(schema, "")]
+    while todo:
+        node, at = todo.pop()
+        if isinstance(node, list):
+            todo += [(x, f"{at}[{i}]") for i, x in enumerate(node)]
+            continue
+        if not isinstance(node, dict):
+            continue
+        for k, v in node.items():
+            bad = k in _IGNORED
+            bad = bad or (k == "uniqueItems" and v is True)
+            bad = bad or (k == "allOf" and isinstance(v, list) and len(v) > 1)
+            bad = bad or (k == "$ref" and isinstance(v, str) and not v.startswith("#"))
+            if bad:
+                where = f" at {at.lstrip('.')}" if at else ""
+                raise ValueError(
+                    f"{field}: the keyword {k!r}{where} is not supported (xgrammar would not enforce it)"
+                )
+            if k in _SUBSCHEMA:
+                todo.append((v, f"{at}.{k}"))
+            elif k in _SUBSCHEMA_MAPS and isinstance(v, dict):
+                todo += [(s, f"{at}.{k}.{name}") for name, s in v.items()]
 
 
 def _tokenizer_info(xgr: Any, tokenizer: Tokenizer) -> Any:

@@ -237,8 +237,12 @@ def required_grammar(tools: list[dict[str, Any]], names: list[str], *, parallel:
     one or more with `parallel`)."""
     import xgrammar as xgr
 
+    from hyspec_server.structured import check_schema_supported, xgrammar_error
+
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     unique = list(dict.fromkeys(names))
+    for n in unique:  # a keyword the grammar would not enforce is refused, as in a response format
+        check_schema_supported(by_name[n].get("parameters"), f"tools: function {n!r}'s parameters")
     try:
         variants = [
             {
@@ -262,8 +266,6 @@ def required_grammar(tools: list[dict[str, Any]], names: list[str], *, parallel:
     except RecursionError as e:
         raise ValueError("tools: a function's parameters are nested too deeply") from e
     except RuntimeError as e:
-        from hyspec_server.structured import xgrammar_error
-
         raise ValueError(
             f"tools: a function's parameters are not a usable JSON schema: {xgrammar_error(e)}"
         ) from e
