@@ -176,6 +176,14 @@ def dim(name: str, t: torch.Tensor, axis: int, expected: int | None = None, what
     return size
 
 
+def check_unit_stride(tensors: dict[str, torch.Tensor], along: str = "its last dimension") -> None:
+    """Each tensor's last dimension has stride 1 (where it has more than one element): a Triton kernel that
+    steps along it by 1 would read or write the wrong elements of a strided view."""
+    for name, t in tensors.items():
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a unit stride along {along}, got strides {list(t.stride())}")
+
+
 def check_inner_contiguous(name: str, t: torch.Tensor, lead_dims: int) -> torch.Tensor:
     """Dims after the first `lead_dims` form one dense row-major block (the lead dims may have any stride).
 

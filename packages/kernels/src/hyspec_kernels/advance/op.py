@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hyspec_kernels._checks import Backend, check_tensor, implementation, value_checks
+from hyspec_kernels._checks import Backend, check_tensor, check_unit_stride, implementation, value_checks
 from hyspec_kernels.advance.reference import advance_one_token_reference, advance_verify_reference
 from hyspec_kernels.advance.torch_impl import advance_one_token_torch, advance_verify_torch
 
@@ -81,7 +81,9 @@ def advance_verify(
     vectors = {"positions": positions, "kv_slots": kv_slots, "prefix_lens": prefix_lens, "kv_lens": kv_lens}
     vectors.update(q_lens=q_lens, cu_seqlens_q=cu_seqlens_q, has_initial_state=has_initial_state)
     vectors.update(prefix=prefix, input_ids=input_ids, page_table=page_table)
-    _check_unit_strides(vectors)
+    # the kernels step through every vector, and along every page-table row, by 1; the vectors are written
+    # in place, so a strided view (a column of packed metadata) cannot be copied instead
+    check_unit_stride(vectors)
     if value_checks(dev, check_values):
         _check_values(prefix[: tokens.shape[0]], page_table[: tokens.shape[0]], d, page_size)
     fn = implementation(
@@ -105,14 +107,6 @@ def advance_verify(
         tokens=tokens,
         page_size=page_size,
     )
-
-
-def _check_unit_strides(tensors: dict[str, torch.Tensor]) -> None:
-    """The Triton kernels step through every vector, and along every page-table row, by 1; the vectors are
-    written in place, so a strided view (a column of packed metadata) cannot be copied instead."""
-    for name, t in tensors.items():
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"{name}: expected a unit stride along its last dimension, got {t.stride()}")
 
 
 def _check_values(prefix: torch.Tensor, page_table: torch.Tensor, d: int, page_size: int) -> None:
@@ -170,7 +164,9 @@ def advance_one_token(
         raise ValueError(f"page_size, page_table: expected >= 1 and pages, got {page_size}")
     vectors = {"positions": positions, "kv_slots": kv_slots, "prefix_lens": prefix_lens, "kv_lens": kv_lens}
     vectors.update(has_initial_state=has_initial_state, page_table=page_table)
-    _check_unit_strides(vectors)
+    # the kernels step through every vector, and along every page-table row, by 1; the vectors are written
+    # in place, so a strided view (a column of packed metadata) cannot be copied instead
+    check_unit_stride(vectors)
     if value_checks(dev, check_values) and n:
         live = kv_slots >= 0
         nxt = prefix_lens.long() + 1

@@ -21,6 +21,7 @@ from hyspec_kernels._checks import (
     check_cu_seqlens,
     check_index,
     check_tensor,
+    check_unit_stride,
     dim,
     implementation,
     value_checks,
@@ -48,18 +49,10 @@ def _check_caches(
     return k_cache, v_cache
 
 
-def _check_unit_stride(**tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(
-                f"{name}: expected unit stride along the head dim, got strides {list(t.stride())}"
-            )
-
-
 def _store_kv_triton(
     k: torch.Tensor, v: torch.Tensor, *, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor
 ) -> None:
-    _check_unit_stride(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
+    check_unit_stride({"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache}, "the head dim")
     # the kernel steps through the slots by 1: a strided view (a column of packed metadata) is copied
     store_kv_triton(k, v, k_cache=k_cache, v_cache=v_cache, kv_slots=kv_slots.contiguous())
 
@@ -78,7 +71,7 @@ def _paged_attention_triton(
     max_kv_len: int,
 ) -> torch.Tensor:
     """The Triton path with the launch bounds the wrapper read (the other paths derive them)."""
-    _check_unit_stride(q=q, k_cache=k_cache, v_cache=v_cache)
+    check_unit_stride({"q": q, "k_cache": k_cache, "v_cache": v_cache}, "the head dim")
     return paged_attention_triton(
         q,
         k_cache=k_cache,

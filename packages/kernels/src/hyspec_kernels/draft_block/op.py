@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hyspec_kernels._checks import Backend, check_tensor, implementation, value_checks
+from hyspec_kernels._checks import Backend, check_tensor, check_unit_stride, implementation, value_checks
 from hyspec_kernels.draft_block.reference import draft_block_after_verify_reference
 from hyspec_kernels.draft_block.torch_impl import draft_block_after_verify_torch
 
@@ -78,9 +78,7 @@ def draft_block_after_verify(
     last.update({"num_accepted": num_accepted, "rows": rows, "root_index": root_index})
     if paths is not None:
         last["paths"] = paths
-    for name, t in last.items():
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"{name}: expected a unit stride along its last dimension, got {t.stride()}")
+    check_unit_stride(last)
     if value_checks(dev, check_values) and n:
         nodes = min(dv if paths is None else int(paths.shape[1]), width - 1)
         _check_values(rows, num_accepted, int(root_features.shape[0]), nodes)
