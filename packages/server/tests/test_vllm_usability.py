@@ -770,3 +770,40 @@ def test_echo_without_generation_scores_the_prompt() -> None:
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     finally:
         srv.stop()
+
+
+def test_served_model_name_defaults_to_the_model_argument_as_given(
+    tiny_lfm2: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM: "If not specified, the model name will be the same as the --model argument", so a client that
+    sends the hub id or path it served (as it would to vLLM) is not answered 404."""
+    from hyspec_server import serve as serve_module
+    from hyspec_server.cli import main
+
+    names: list[str] = []
+    monkeypatch.setattr(
+        serve_module._Server,
+        "run",
+        lambda self, sockets=None: names.append(self.config.app.state.ctx.model_name),
+    )
+    assert main(["serve", str(tiny_lfm2), "--port", "0"]) == 0
+    assert main(["serve", str(tiny_lfm2), "--port", "0", "--served-model-name", "mine"]) == 0
+    assert names == [str(tiny_lfm2), "mine"]
+
+
+def test_chat_template_flag_naming_a_missing_file_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mistyped `--chat-template` path is refused (as vLLM's "looks like a file path" error), not served as
+    a template whose whole text is the path."""
+    from hyspec_server.cli import _template, main
+
+    missing = tmp_path / "tmpl.jinja"
+    with pytest.raises(ValueError, match="chat_template"):
+        _template(str(missing))
+    with pytest.raises(ValueError, match="chat_template"):
+        _template(str(tmp_path))  # a directory is no template file either
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert _template(inline) == inline
+    assert main(["serve", "/nonexistent", "--chat-template", str(missing)]) == 2
+    assert str(missing) in capsys.readouterr().err

@@ -153,11 +153,17 @@ def _version() -> str:
 
 
 def _template(arg: str | None) -> str | None:
-    """`--chat-template`: a file's text when the argument names a file, else the template itself."""
+    """`--chat-template`: a file's text when the argument names a file, else the template itself. An
+    argument with none of a template's characters is a path that is not there (a typo, a directory): a
+    ValueError, as vLLM's, not a template that renders the path as every prompt."""
     if arg is None:
         return None
     path = Path(arg).expanduser()
-    return path.read_text() if path.is_file() else arg
+    if path.is_file():
+        return path.read_text()
+    if not any(c in arg for c in "{}\n"):
+        raise ValueError(f"chat_template: {arg!r} looks like a file path, but there is no such file")
+    return arg
 
 
 def _check_extra(parser: argparse.ArgumentParser, extra: list[str]) -> None:

@@ -7,7 +7,6 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -22,7 +21,9 @@ from hyspec_server.engine import LLMEngine
 
 
 def model_name_of(args: EngineArgs) -> str:
-    return Path(args.model).name if args.model else "hyspec-default"
+    """The served model name when `--served-model-name` is not given: the model argument as given, as vLLM's
+    (a client sends the hub id or path the server was started with; its last part alone would be a 404)."""
+    return args.model if args.model else "hyspec-default"
 
 
 GRACEFUL_SHUTDOWN_S = 30
