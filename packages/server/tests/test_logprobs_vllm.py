@@ -443,6 +443,23 @@ def _hf(path: Path) -> HFTokenizer:
     return HFTokenizer(path)
 
 
+def test_hf_tokenizer_tells_a_configs_extra_eos_from_its_own(tiny_lfm2: Path, tmp_path: Path) -> None:
+    """EOS ids of generation_config.json beyond the tokenizer's own are the ones a request names as its stop
+    reason (vLLM's stop token ids); the tokenizer's own EOS is not among them."""
+    import shutil
+
+    shutil.copytree(tiny_lfm2, tmp_path / "m")
+    tok = _hf(tmp_path / "m")
+    own = tok.hf_tokenizer.eos_token_id  # the tokenizer's own EOS
+    before = set(tok.eos_token_ids)
+    assert tok.stop_eos_token_ids == frozenset(before - {own})
+    extra = max(before) + 1
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [own, extra]}))
+    both = _hf(tmp_path / "m")
+    assert own in both.eos_token_ids and extra in both.eos_token_ids
+    assert extra in both.stop_eos_token_ids and own not in both.stop_eos_token_ids
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_decode_stream_text_equals_a_full_decode(tiny_lfm2: Path, skip: bool) -> None:
     tok = _hf(tiny_lfm2)

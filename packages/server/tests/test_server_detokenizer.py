@@ -18,6 +18,10 @@ class WordTokenizer:
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset({5})
 
+    @property
+    def stop_eos_token_ids(self) -> frozenset[int]:
+        return frozenset()
+
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
 
@@ -81,6 +85,31 @@ def test_stop_string_across_tokens_cuts_text() -> None:
     r2.append_token(0, max_model_len=100, now=0.0)
     r2.append_token(1, max_model_len=100, now=0.0)
     assert r2.text == "abc"
+
+
+class _TwoEos(WordTokenizer):
+    """EOS 5 is the tokenizer's own; 4 (" ") comes from the checkpoint's generation config."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset({4, 5})
+
+    @property
+    def stop_eos_token_ids(self) -> frozenset[int]:
+        return frozenset({4})
+
+
+def test_a_config_eos_names_itself_as_the_stop_reason() -> None:
+    # vLLM moves a generation config's extra EOS ids into the stop token ids: a request one ends reports it
+    r = _req(SamplingParams(max_tokens=10), _TwoEos())
+    assert not r.append_token(0, max_model_len=100, now=0.0)
+    assert r.append_token(4, max_model_len=100, now=0.0)
+    assert r.finish_reason == "stop" and r.stop_reason == 4 and r.text == "ab"
+    own = _req(SamplingParams(max_tokens=10), _TwoEos())
+    assert own.append_token(5, max_model_len=100, now=0.0)
+    assert own.finish_reason == "stop" and own.stop_reason is None
+    ignored = _req(SamplingParams(max_tokens=10, ignore_eos=True), _TwoEos())
+    assert not ignored.append_token(4, max_model_len=100, now=0.0)  # ignore_eos: neither EOS stops
 
 
 def test_streaming_holds_back_possible_stop_prefix() -> None:

@@ -74,6 +74,8 @@ class Request:
     max_tokens: int
     # the token sequences of params.bad_words (`bad_words_token_ids`)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # the EOS ids a request names as its stop_reason when one ends it (`Tokenizer.stop_eos_token_ids`)
+    stop_eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -130,6 +132,7 @@ class Request:
             metrics=RequestMetrics(arrival_time=arrival_time),
             detok=IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens),
             eos_token_ids=frozenset() if params.ignore_eos else tokenizer.eos_token_ids,
+            stop_eos_token_ids=frozenset() if params.ignore_eos else tokenizer.stop_eos_token_ids,
             max_tokens=budget,
             bad_words_token_ids=bad_words_token_ids(params.bad_words or (), tokenizer),
             logprobs=[] if want_lp else None,
@@ -314,7 +317,10 @@ class Request:
                 if ends or token_id in stop_ids:
                     if p.include_stop_str_in_output:
                         new += push(token_id) + self.detok.flush()
-                    self._finish("stop", None if ends else token_id)
+                    # the tokenizer's own EOS and a constraint's end name no stop; a stop token id and an EOS
+                    # id of the checkpoint's configs name themselves (vLLM's stop_reason)
+                    named = not ends or token_id in self.stop_eos_token_ids
+                    self._finish("stop", token_id if named else None)
                     return True
                 if not stops:
                     new += push(token_id)

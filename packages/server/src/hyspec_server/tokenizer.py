@@ -112,6 +112,13 @@ class Tokenizer(Protocol):
     @property
     def eos_token_ids(self) -> frozenset[int]: ...
 
+    @property
+    def stop_eos_token_ids(self) -> frozenset[int]:
+        """The EOS ids beyond the tokenizer's own (a checkpoint's generation_config.json / config.json): as
+        vLLM's, they end a request as its stop token ids do, and a request one ends names it as its
+        `stop_reason` (the tokenizer's own EOS: None)."""
+        ...
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt; with `add_special_tokens` the tokenizer's own (BOS where it adds one), as
         vLLM encodes completions prompts. Rendered chat templates pass False: they hold theirs already."""
@@ -156,7 +163,8 @@ class HFTokenizer:
             self._tok: Any = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
         except OSError as e:
             raise ValueError(f"tokenizer: cannot load a tokenizer from {str(source)!r}: {e}") from None
-        eos = _eos_ids(self._tok.eos_token_id)
+        own = frozenset(_eos_ids(self._tok.eos_token_id))
+        eos = set(own)
         vocab: object = None
         for name in ("generation_config.json", "config.json"):
             path = self.model_dir / name
@@ -167,6 +175,7 @@ class HFTokenizer:
                 if name == "config.json":
                     vocab = cfg.get("vocab_size", cfg.get("text_config", {}).get("vocab_size"))
         self._eos = frozenset(eos)
+        self._stop_eos = frozenset(eos - own)
         # the model's embedding rows (may exceed the tokenizer's length); the HTTP server rejects token-id
         # prompts outside [0, vocab_size) instead of failing the whole batch's step
         self.vocab_size: int = vocab if isinstance(vocab, int) and vocab > 0 else len(self._tok)
@@ -174,6 +183,10 @@ class HFTokenizer:
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self._eos
+
+    @property
+    def stop_eos_token_ids(self) -> frozenset[int]:
+        return self._stop_eos
 
     @property
     def hf_tokenizer(self) -> Any:

@@ -87,6 +87,10 @@ class ByteTokenizer:
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset({TOY_EOS})
 
+    @property
+    def stop_eos_token_ids(self) -> frozenset[int]:
+        return frozenset()  # the tokenizer's own EOS only
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))  # bytes: no special tokens to add
 
