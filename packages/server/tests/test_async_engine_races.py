@@ -53,6 +53,17 @@ def test_aborts_racing_with_finishes(engine: AsyncEngine) -> None:
 
 
 def test_abort_during_prefill_frees_the_request(engine: AsyncEngine) -> None:
+    # steps of 20 ms: the prompt's 13 prefill chunks then outlast the polls below by far, also on a loaded
+    # machine (at the toy's own speed a poll delayed by other work found the whole prompt prefilled)
+    runner: Any = engine.engine.runner
+    execute = runner.execute
+
+    def slow(*args: Any, **kw: Any) -> Any:
+        time.sleep(0.02)
+        return execute(*args, **kw)
+
+    runner.execute = slow
+
     async def run() -> None:
         other = await engine.add([70, 71], greedy(20), "other")
         # a 200-token prompt takes many 16-token prefill chunks
