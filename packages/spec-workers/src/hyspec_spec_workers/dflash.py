@@ -45,6 +45,7 @@ from hyspec_spec_workers.config import Method, SpeculativeConfig
 from hyspec_spec_workers.draft_kv import DraftKV, DraftMemory
 from hyspec_spec_workers.draft_vocab import DraftVocab, draft_vocab_of, head_weight
 from hyspec_spec_workers.drafter import CommittedTokens, DraftBatch, DraftOutput
+from hyspec_spec_workers.eagle3 import draft_rope
 from hyspec_spec_workers.tree import VerifyTree
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
@@ -61,7 +62,7 @@ class DFlashConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: RopeConfig
     vocab_size: int
     block_size: int
     target_layer_ids: tuple[int, ...]
@@ -88,6 +89,7 @@ class DFlashConfig:
         dcfg = cfg.get("dflash_config") or {}
         hidden, heads = num("hidden_size", cfg), num("num_attention_heads", cfg)
         layers = num("num_hidden_layers", cfg)
+        head_dim = num("head_dim", cfg, hidden // max(heads, 1))
         ids = dcfg.get("target_layer_ids")
         if ids is None:
             # evenly spaced from layer 1 to L - 3 (the middle layer for a one-layer draft)
@@ -112,9 +114,11 @@ class DFlashConfig:
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=num("num_key_value_heads", cfg, heads),
-            head_dim=num("head_dim", cfg, hidden // max(heads, 1)),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 1e6)),
+            # scaled types (rope_scaling / rope_parameters) included: read as plain RoPE, a scaled draft
+            # rotated every position as another model's
+            rope=draft_rope(cfg, head_dim, default_theta=1e6),
             vocab_size=num("vocab_size", cfg),
             block_size=num("block_size", dcfg, cfg.get("block_size")),
             target_layer_ids=tuple(ids),
@@ -181,7 +185,7 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self._target = (target,)  # not a submodule: embedding and lm_head are the target's
-        self.rope = RopeConfig(head_dim=cfg.head_dim, rotary_dim=cfg.head_dim, theta=cfg.rope_theta)
+        self.rope = cfg.rope
 
     def _layers(self) -> list[DFlashLayer]:
         return [layer for layer in self.layers if isinstance(layer, DFlashLayer)]

@@ -6,7 +6,8 @@ one decoder layer `midlayer.*` with `input_layernorm` (on the token embedding), 
 feature), `self_attn.{q,k,v}_proj` reading the concatenation [embedding, feature] (2H wide), `o_proj`,
 `post_attention_layernorm` and a SwiGLU `mlp`; `norm.weight`; optionally `lm_head.weight` [V_draft, H] with
 `d2t` [V_draft] (draft id i is target id i + d2t[i]) and `embed_tokens.weight`. Without its own lm_head or
-embedding the draft uses the target's.
+embedding the draft uses the target's. `norm_before_residual` (vLLM's) makes the normed feature the layer's
+residual; `rope_scaling` / `rope_parameters` are applied as for a target.
 
 Step semantics: feature = fc(aux) for committed tokens; a chained step consumes the layer's pre-norm output
 (attention + MLP residual stream), as EAGLE-3 does; logits come from the normed output.
@@ -18,6 +19,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -53,11 +55,12 @@ class Eagle3Config:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: RopeConfig
     vocab_size: int
     draft_vocab_size: int
     aux_layer_ids: tuple[int, ...]
     target_hidden_size: int
+    norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
         if len(self.aux_layer_ids) != 3:
@@ -87,21 +90,41 @@ class Eagle3Config:
                 f"[0, {target_num_layers}), got {ids!r}"
             )
         vocab = _int(cfg, "vocab_size")
+        head_dim = _int(cfg, "head_dim", hidden // heads)
+        norm_before_residual = cfg.get("norm_before_residual", False)
+        if not isinstance(norm_before_residual, bool):
+            raise ValueError(
+                f"config.json norm_before_residual: expected a bool, got {norm_before_residual!r}"
+            )
         return Eagle3Config(
             hidden_size=hidden,
             intermediate_size=_int(cfg, "intermediate_size"),
             num_attention_heads=heads,
             num_key_value_heads=_int(cfg, "num_key_value_heads", heads),
-            head_dim=_int(cfg, "head_dim", hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(
-                cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4))
-            ),
+            # the draft's own RoPE, scaled types (rope_scaling / rope_parameters) included: read as plain
+            # RoPE, a scaled draft rotated every position as another model's
+            rope=draft_rope(cfg, head_dim, default_theta=1e4),
             vocab_size=vocab,
             draft_vocab_size=_int(cfg, "draft_vocab_size", vocab),
             aux_layer_ids=tuple(ids),
             target_hidden_size=_int(cfg, "target_hidden_size", hidden),
+            norm_before_residual=norm_before_residual,
         )
+
+
+def draft_rope(cfg: dict[str, Any], head_dim: int, *, default_theta: float) -> RopeConfig:
+    """The RoPE of a draft's config.json (`rope_theta` defaulting to `default_theta`; a scaled type through
+    `RopeConfig.from_hf`, as the target's: a type it cannot apply is a ValueError naming the field)."""
+    params = cfg.get("rope_parameters") or {}
+    theta = cfg.get(
+        "rope_theta", params.get("rope_theta", default_theta) if isinstance(params, dict) else default_theta
+    )
+    if isinstance(theta, bool) or not isinstance(theta, int | float):
+        raise ValueError(f"config.json rope_theta: expected a number, got {theta!r}")
+    view = SimpleNamespace(**{**cfg, "rope_theta": float(theta)})
+    return RopeConfig.from_hf(view, head_dim)
 
 
 class Eagle3Attention(nn.Module):
@@ -138,6 +161,9 @@ class Eagle3Layer(nn.Module):
         self.self_attn = Eagle3Attention(cfg)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = SwiGLU(h, cfg.intermediate_size)
+        # vLLM's `norm_before_residual` (the speculators format's default): the residual is the normed
+        # feature instead of the feature
+        self.norm_before_residual = cfg.norm_before_residual
 
     def forward(
         self,
@@ -147,8 +173,9 @@ class Eagle3Layer(nn.Module):
         batch: ForwardBatch,
         backend: HybridBackend,
     ) -> Tensor:
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(feat)], dim=-1)  # [T, 2H]
-        h = feat + self.self_attn(x, rope, batch, backend)
+        normed = self.hidden_norm(feat)
+        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)  # [T, 2H]
+        h = (normed if self.norm_before_residual else feat) + self.self_attn(x, rope, batch, backend)
         out: Tensor = h + self.mlp(self.post_attention_layernorm(h))
         return out
 
@@ -169,7 +196,7 @@ class Eagle3Draft(nn.Module):
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         # not a submodule: the target owns (and loaded) these
         self._target = (target,)
-        self.rope = RopeConfig(head_dim=cfg.head_dim, rotary_dim=cfg.head_dim, theta=cfg.rope_theta)
+        self.rope = cfg.rope
 
     def embed(self, ids: Tensor) -> Tensor:
         if self.embed_tokens is not None:
@@ -302,6 +329,17 @@ def load_eagle3_draft(path: str | Path, target: HybridCausalLM) -> Eagle3Draft:
         load_weights(
             draft, ckpt, sources=identity_sources(draft), ignore=lambda n: n == "t2d", progress=False
         )
+    if cfg.draft_vocab_size < vocab:
+        # draft id i proposes target id i + d2t[i]: one outside the vocabulary would fail only later, in the
+        # target's embedding of the verify block (a raw IndexError, a device assert on CUDA)
+        d2t = draft.get_buffer("d2t")
+        ids = torch.arange(cfg.draft_vocab_size, device=d2t.device) + d2t
+        bad = ((ids < 0) | (ids >= vocab)).nonzero().flatten()[:5].tolist()
+        if bad:
+            raise ValueError(
+                f"speculative_config.model: d2t maps draft ids {bad} to target ids outside [0, {vocab}) "
+                f"(draft id i is target id i + d2t[i])"
+            )
     draft.eval()
     draft.requires_grad_(False)
     return draft
@@ -315,6 +353,12 @@ def eagle3_drafter(
         if config.draft_vocab is None
         else draft_vocab_of(config, draft.head_weight, draft._target[0].config)
     )
+    if vocab is None and config.topk > draft.cfg.draft_vocab_size:
+        # a tree step takes the top-k of the draft's logits (torch.topk would fail at the first proposal)
+        raise ValueError(
+            f"speculative_config.topk: the EAGLE-3 draft proposes from {draft.cfg.draft_vocab_size} tokens "
+            f"(draft_vocab_size), fewer than topk {config.topk}"
+        )
     return HiddenStateDrafter(
         Eagle3DraftModel(draft, vocab=vocab),
         method="eagle3",
