@@ -82,7 +82,7 @@ def _setup(toy: Toy) -> tuple[HybridBackend, dict[str, int]]:
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of a tensor: NaN-poisoned entries compare equal to themselves."""
-    return t.detach().contiguous().view(torch.uint8)
+    return t.detach().reshape(-1).view(torch.uint8)  # flat: an empty strided view cannot change dtype
 
 
 def _snapshot(be: HybridBackend) -> dict[str, torch.Tensor]:

@@ -124,6 +124,32 @@ def test_commit_without_track_set_and_strided_pools(backend: str) -> None:
     assert torch.equal(state[:, untouched], before[:, untouched])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("width", [2, 4])
+def test_commit_from_transposed_scratch(backend: str, width: int) -> None:
+    """The pool's conv scratch: `[L, R, Dmax, C, W-1]` over channels-innermost memory (`[..., W-1, C]`), so
+    the scratch entry is a transposed matrix; W = 2 leaves a size-1 last dim. Every backend copies it into the
+    contiguous state as it reads, bit for bit, and touches no other slot."""
+    g, dev = torch.Generator().manual_seed(11 + width), device_for(backend)
+    L, S, R, dmax, ch = 2, 7, 3, 4, 37  # ch over no block size, so the copy's tail is masked
+    state = torch.randn(L, S, ch, width - 1, generator=g).bfloat16().to(dev)
+    scratch = torch.randn(L, R, dmax, width - 1, ch, generator=g).bfloat16().to(dev).transpose(-1, -2)
+    rows = torch.tensor([2, 0, 1], device=dev)
+    slots = torch.tensor([5, 1, -1], device=dev)
+    steps = torch.tensor([3, 1, 0], device=dev)
+    track_slots = torch.tensor([-1, 6, 2], device=dev)
+    track_steps = torch.tensor([0, 2, 3], device=dev)
+    before = state.clone()
+    commit_states(
+        pairs=[(state, scratch)], batch_rows=rows, state_slots=slots, steps=steps,
+        track_slots=track_slots, track_steps=track_steps, backend=backend,
+    )  # fmt: skip
+    want = before.clone()
+    for slot, row, step in ((5, 2, 3), (1, 0, 1), (6, 0, 2), (2, 1, 3)):
+        want[:, slot] = scratch[:, row, step]
+    assert torch.equal(_bits(state.cpu()), _bits(want.cpu()))
+
+
 def test_commit_large_slot_offset_uses_64_bit_math() -> None:
     """slot * slot_stride = 2**32 + 64 elements: int32 math would wrap to offset 64 and write there.
 

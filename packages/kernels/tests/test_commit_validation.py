@@ -89,6 +89,13 @@ def test_triton_path_needs_contiguous_entries() -> None:
         _call(pairs=[(state, torch.zeros(L, R, DMAX, 3, 5))], backend="triton")
 
 
+def test_triton_path_needs_scratch_entries_whose_leading_dims_merge() -> None:
+    # entry [5, 2, 3] of [2, 5, 3] memory: its first two dims are no single run of rows
+    scratch = torch.zeros(L, R, DMAX, 2, 5, 3).transpose(3, 4)
+    with pytest.raises(ValueError, match=re.escape("pairs[0][1] (scratch)")):
+        _call(pairs=[(torch.zeros(L, S, 5, 2, 3), scratch)], backend="triton")
+
+
 def test_empty_batch_and_no_pairs_are_no_ops() -> None:
     calls: list[Callable[[], None]] = [
         lambda: _call(

@@ -225,7 +225,15 @@ class Verify:
 TREE = [-1, 0, 0, 1, 2, 2]  # two branches from the root, each branching again
 
 
-def _verify_case(width: int, tree: bool, *, depth: int = 6, dmax: int = 8, with_bias: bool = True) -> Verify:
+def _verify_case(
+    width: int,
+    tree: bool,
+    *,
+    depth: int = 6,
+    dmax: int = 8,
+    with_bias: bool = True,
+    transposed_scratch: bool = False,
+) -> Verify:
     gen = torch.Generator().manual_seed(300 + width + 10 * tree)
     weight, bias = _weights(width, with_bias, gen)
     x = torch.randn(3, depth, C, generator=gen)
@@ -233,6 +241,8 @@ def _verify_case(width: int, tree: bool, *, depth: int = 6, dmax: int = 8, with_
     slots = torch.tensor([4, -1, 8], dtype=torch.int32)
     rows = torch.tensor([3, 0, -1], dtype=torch.int32)
     scratch = torch.full((4, dmax, C, width - 1), float("nan"))
+    if transposed_scratch:  # the pool's layout: channels innermost in memory
+        scratch = torch.full((4, dmax, width - 1, C), float("nan")).transpose(-1, -2)
     parents = None
     if tree:
         other = [-1, 0, 1, 0, 3, 4][:depth]  # a different shape per row: a chain and a fork
@@ -261,8 +271,9 @@ def _run_verify(
 
 @pytest.mark.parametrize("width", [2, 3, 4, 5])
 @pytest.mark.parametrize("tree", [False, True])
-def test_conv_verify_backends_match_reference(width: int, tree: bool) -> None:
-    case = _verify_case(width, tree, with_bias=tree)
+@pytest.mark.parametrize("transposed_scratch", [False, True])
+def test_conv_verify_backends_match_reference(width: int, tree: bool, transposed_scratch: bool) -> None:
+    case = _verify_case(width, tree, with_bias=tree, transposed_scratch=transposed_scratch)
     activation: Activation = "silu" if width % 2 else None
     y_ref, state_ref, scratch_ref = _run_verify(case, activation, "reference")
     assert torch.isfinite(y_ref).all()

@@ -11,6 +11,7 @@ never while a CUDA graph is being captured.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Sequence
 from typing import Literal, TypeVar, cast
@@ -199,6 +200,26 @@ def check_inner_contiguous(name: str, t: torch.Tensor, lead_dims: int) -> torch.
             )
         expected *= size
     return t
+
+
+def entry_matrix_strides(name: str, t: torch.Tensor, lead_dims: int) -> tuple[int, int]:
+    """(row, column) element strides of the dims after the first `lead_dims` read as a matrix: all but the
+    last merge into rows (one dense row-major run of them), the last is the columns, each with any stride.
+
+    A contiguous entry gives (last size, 1); a transposed one, a `[C, W]` view of `[W, C]` memory, (1, C).
+    """
+    if t.dim() <= lead_dims:
+        return 1, 1
+    col_stride = int(t.stride(-1))
+    # size-1 dims take no part: their index is always 0
+    rows = [(int(t.shape[a]), int(t.stride(a))) for a in range(lead_dims, t.dim() - 1) if t.shape[a] != 1]
+    for (_, outer), (size, inner) in itertools.pairwise(rows):
+        if outer != size * inner:
+            raise ValueError(
+                f"{name}: expected dims {lead_dims}.. of shape {list(t.shape)} but the last to merge into "
+                f"one run, got strides {list(t.stride())}"
+            )
+    return (rows[-1][1] if rows else 1), col_stride
 
 
 def check_unique_live(name: str, values: torch.Tensor, live: torch.Tensor) -> None:

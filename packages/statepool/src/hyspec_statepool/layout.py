@@ -1,7 +1,8 @@
 """Every tensor the pool allocates, as (name, shape, dtype): the one table that sizing and allocation read.
 
 Names: `kv.k`, `kv.v` `[Lkv, P, page_size, HKV, Dh]`; per group `g` of linear layers with one spec,
-`state.<g>.<name>` `[L, slots + 1, *E]` and `scratch.<g>.<name>` `[L, max_num_seqs + 1, Dmax, *E]`;
+`state.<g>.<name>` `[L, slots + 1, *E]` and `scratch.<g>.<name>` `[L, max_num_seqs + 1, Dmax, *E]` (the conv
+windows' scratch `[..., C, W-1]` stored channels-innermost, `TensorSpec.transposed`);
 `table.page_table` `[R, max_pages]`, `table.row_to_slot` `[R]` (int32; a position's KV slot follows from its
 page: `RequestTable.kv_slots`).
 
@@ -31,10 +32,19 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    # the last two dims swapped in memory (a transposed view of the allocation): conv windows' verify
+    # scratch, `[..., C, W-1]` over `[..., W-1, C]`, so a verify's per-tap stores are coalesced rows
+    transposed: bool = False
 
     @property
     def nbytes(self) -> int:
         return prod(self.shape) * self.dtype.itemsize
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        if not self.transposed:
+            return torch.empty(self.shape, dtype=self.dtype, device=device)
+        *lead, rows, cols = self.shape
+        return torch.empty((*lead, cols, rows), dtype=self.dtype, device=device).transpose(-1, -2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +115,10 @@ def scratch_tensors(
                     for n, e in _replay(g.spec)
                 ]
             else:
-                out.append(TensorSpec(f"scratch.{g.name}.{name}", (*lead, *shape), dtypes.for_state(name)))
+                full = f"scratch.{g.name}.{name}"
+                out.append(
+                    TensorSpec(full, (*lead, *shape), dtypes.for_state(name), transposed=name == "conv")
+                )
     return out
 
 

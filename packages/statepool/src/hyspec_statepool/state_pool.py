@@ -53,9 +53,7 @@ class RecurrentStatePool:
         self.groups = group_linear_layers(plan.specs)
         self.states = {t.name: torch.zeros(t.shape, dtype=t.dtype, device=device) for t in plan.state_tensors}
         # verify writes every step it uses before commit reads it, so scratch needs no zeroing
-        self.scratch = {
-            t.name: torch.empty(t.shape, dtype=t.dtype, device=device) for t in plan.scratch_tensors
-        }
+        self.scratch = {t.name: t.empty(device) for t in plan.scratch_tensors}
         self._where = {lid: (g, i) for g in self.groups for i, lid in enumerate(g.layer_ids)}
         # deferred commits (`hyspec_kernels.gdn.pending`), shared by every GDN layer: per slot, the input row
         # of its pending tokens (its request row's, in one half) and their block indices (-1: none)

@@ -242,8 +242,9 @@ def restore_pool(pool: HybridStatePool, snapshot: Mapping[str, Tensor]) -> None:
 
 
 def _bits(t: Tensor) -> Tensor:
-    # raw bytes: NaN-poisoned entries compare equal to themselves
-    return t.detach().contiguous().view(torch.uint8)
+    # raw bytes: NaN-poisoned entries compare equal to themselves. Flattened first: an empty view keeps any
+    # strides through `.contiguous()` (the pool's transposed conv scratch), which a dtype view refuses
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def changes_outside(

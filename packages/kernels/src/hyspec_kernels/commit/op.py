@@ -19,6 +19,7 @@ from hyspec_kernels._checks import (
     check_inner_contiguous,
     check_tensor,
     check_unique_live,
+    entry_matrix_strides,
     implementation,
 )
 from hyspec_kernels.commit.reference import StatePair, commit_states_reference
@@ -64,10 +65,11 @@ def _commit_states_triton(
     track_slots: torch.Tensor | None,
     track_steps: torch.Tensor | None,
 ) -> None:
-    """The Triton path, which reads each state's and scratch's inner block as one contiguous run."""
+    """The Triton path, which writes each state's inner block as one contiguous run and reads each scratch
+    entry as a matrix (leading dims merged, the last one, each with any stride)."""
     for k, (state, scratch) in enumerate(pairs):
         check_inner_contiguous(f"pairs[{k}][0] (state)", state, 2)
-        check_inner_contiguous(f"pairs[{k}][1] (scratch)", scratch, 3)
+        entry_matrix_strides(f"pairs[{k}][1] (scratch)", scratch, 3)
     # the kernel steps through the index vectors by 1: strided views (columns of packed metadata) are copied
     commit_states_triton(
         pairs=pairs,
@@ -96,7 +98,8 @@ def commit_states(
     Args:
         pairs: (state [L, S, *E], scratch [L, R, Dmax, *E]) with the same dtype and device; one pair per state
             kind (conv window, GDN recurrent state), each covering all L layers of that kind. `state` may have
-            any layer and slot strides; the Triton path needs contiguous entry dims.
+            any layer and slot strides; the Triton path needs contiguous entry dims in `state` and, in
+            `scratch`, leading entry dims that merge into one (the last may have any stride).
         batch_rows: [n] int, scratch row of each request, in [0, R) or -1.
         state_slots: [n] int, destination slot, in [0, S) or -1.
         steps: [n] int, step to commit, in [0, Dmax) or -1 (row skipped).

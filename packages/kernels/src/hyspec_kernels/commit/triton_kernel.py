@@ -2,8 +2,11 @@
 
 Grid: (index rows, layers, entry blocks). Program (i, l, b) copies entry elements [b * BLOCK, (b + 1) * BLOCK)
 of `scratch[l, rows[i], steps[i]]` to `state[l, slots[i]]`. Programs i >= n serve the track set with the same
-batch rows. A dead row (any index < 0, or out of range) masks every load and store, so it touches no memory.
-All offsets are 64-bit: `slot * slot_stride` overflows int32 in a pool of a few GB.
+batch rows. A state entry is one contiguous run; a scratch entry is read as a matrix of its leading dims by
+its last, each with its own stride (the pool keeps conv windows' scratch channels-innermost, a transposed
+entry, so the verify's stores coalesce). A dead row (any index < 0, or out of range) masks every load and
+store, so it touches no memory. All offsets are 64-bit: `slot * slot_stride` overflows int32 in a pool of a
+few GB.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import triton.language as tl
 
 from hyspec_kernels.commit.reference import StatePair
 
+from .._checks import entry_matrix_strides
 from ..jit import jit_varying
 from ..launch import pdl_args, wait_for_inputs
 
@@ -44,6 +48,9 @@ def _commit_kernel(  # type: ignore[no-untyped-def]
     scratch_layer_stride,
     scratch_row_stride,
     scratch_step_stride,
+    entry_cols,
+    scratch_row_elem_stride,
+    scratch_col_elem_stride,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -66,7 +73,8 @@ def _commit_kernel(  # type: ignore[no-untyped-def]
     mask = offs < tl.where(live, entry_numel, 0)
     src = scratch_ptr + layer * scratch_layer_stride + row * scratch_row_stride + step * scratch_step_stride
     dst = state_ptr + layer * state_layer_stride + slot * state_slot_stride
-    values = tl.load(src + offs, mask=mask)
+    src_offs = (offs // entry_cols) * scratch_row_elem_stride + (offs % entry_cols) * scratch_col_elem_stride
+    values = tl.load(src + src_offs, mask=mask)
     tl.store(dst + offs, values, mask=mask)
 
 
@@ -79,7 +87,8 @@ def commit_states_triton(
     track_slots: torch.Tensor | None = None,
     track_steps: torch.Tensor | None = None,
 ) -> None:
-    """Unvalidated launcher: entry dims of `state` and `scratch` must be contiguous (the wrapper checks)."""
+    """Unvalidated launcher: `state`'s entry dims must be contiguous, `scratch`'s leading entry dims must
+    merge into one (`entry_matrix_strides`; the wrapper checks)."""
     n = batch_rows.numel()
     if n == 0:
         return
@@ -91,6 +100,8 @@ def commit_states_triton(
         entry_numel = state[0, 0].numel() if state.shape[1] > 0 else 0
         if layers == 0 or entry_numel == 0:
             continue
+        cols = state.shape[-1] if state.dim() > 2 else 1
+        row_stride, col_stride = entry_matrix_strides("scratch", scratch, 3)
         grid = (2 * n if has_track else n, layers, triton.cdiv(entry_numel, _BLOCK))
         _commit_kernel[grid](
             state,
@@ -110,6 +121,9 @@ def commit_states_triton(
             scratch.stride(0),
             scratch.stride(1),
             scratch.stride(2),
+            cols,
+            row_stride,
+            col_stride,
             BLOCK=_BLOCK,
             **pdl_args(state.device),
         )
