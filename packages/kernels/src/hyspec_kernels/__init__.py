@@ -8,14 +8,16 @@ Ops: gated delta rule (`gdn_prefill`, `gdn_decode`, `gdn_verify`), causal depthw
 (`apply_rotary`) and a verify block's greedy walk with its stop / budget cut (`accept_walk`); a chain verify
 batch's metadata written for its rows' next prefixes (`advance_verify`) and a one-token batch one position on
 (`advance_one_token`); a drafter's next first block from a verify's outputs (`draft_block_after_verify`);
-verify trees' ancestor masks, depths and child / sibling links from their parents (`tree_grids`). The
-prefills also write states part-way through a sequence to spare slots (`StateSave`).
+verify trees' ancestor masks, depths and child / sibling links from their parents (`tree_grids`); each row's
+argmax, the greedy token (`argmax_rows`). The prefills also write states part-way through a sequence to spare
+slots (`StateSave`).
 `python -m hyspec_kernels.selfcheck` runs each against its reference.
 """
 
 from hyspec_kernels._checks import value_checks
 from hyspec_kernels.accept import AcceptResult, accept_walk
 from hyspec_kernels.advance import advance_one_token, advance_verify
+from hyspec_kernels.argmax import argmax_rows
 from hyspec_kernels.attention import paged_attention, store_kv
 from hyspec_kernels.commit import StatePair, commit_states
 from hyspec_kernels.conv import conv_decode, conv_prefill, conv_verify
@@ -41,6 +43,7 @@ __all__ = [
     "advance_one_token",
     "advance_verify",
     "apply_rotary",
+    "argmax_rows",
     "commit_states",
     "conv_decode",
     "conv_prefill",

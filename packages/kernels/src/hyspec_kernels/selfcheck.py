@@ -396,6 +396,17 @@ def build_cases(device: str) -> dict[str, Case]:
 
     cases["linear (one row, 37 x 67)"] = linear_case(1)
     cases["linear (5 rows, bias, strided rows)"] = linear_case(5)
+
+    logits = rnd(3, 2500)
+    logits[1, 2100] = logits[1, 7] = 50.0  # a tie across chunks: the first index
+    logits[2, 1500] = float("nan")  # NaN counts as largest
+
+    def argmax_case(be: Backend) -> Result:
+        from hyspec_kernels.argmax import argmax_rows
+
+        return {"index": argmax_rows(logits, backend=be)}
+
+    cases["argmax_rows (a tie across chunks, a NaN)"] = argmax_case
     return cases
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from hyspec_kernels.accept import accept_walk
+from hyspec_kernels.argmax import argmax_rows
 from hyspec_statepool.transfer import to_device
 
 from hyspec_spec_workers.drafter import CommittedTokens
@@ -101,7 +102,7 @@ def _choice(
     rows' keyed draw; an unseeded sampling row without drafts draws exactly as plain decoding does (so its
     output does not depend on whether other rows of the batch drafted)."""
     params = [r.params for r in requests]
-    choice = logits.argmax(dim=-1)  # [N, D]
+    choice = argmax_rows(logits)  # [N, D]
     keyed = [i for i, p in enumerate(params) if p.temperature > 0 and p.seed is not None]
     if keyed:
         choice[to_device(keyed, dtype=torch.int64, device=logits.device)] = _keyed_draws(
@@ -143,7 +144,7 @@ def _keyed_draws(
     depth = tree.depth[to_device(rows, dtype=torch.int64, device=dev)]  # [n, D]
     pos = (base[:, None] + depth).reshape(-1)  # [n * D]
     noise = keyed_exponential(seeds.repeat_interleave(d), pos, probs.shape[1])  # [n * D, V]
-    return torch.argmax(probs / noise, dim=-1).reshape(n, d)
+    return argmax_rows(probs / noise).reshape(n, d)
 
 
 def penalised(logits: torch.Tensor, tree: VerifyTree, requests: Sequence[SamplingRequest]) -> torch.Tensor:

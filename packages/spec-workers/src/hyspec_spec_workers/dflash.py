@@ -33,6 +33,7 @@ from hyspec_attn_backends import (
     HybridBackend,
     MixerLayer,
 )
+from hyspec_kernels.argmax import argmax_rows
 from hyspec_kernels.attention import store_kv
 from hyspec_models.layers import Linear, RMSNorm, RopeConfig, SwiGLU, apply_rope
 from hyspec_models.loader import SafetensorsCheckpoint, load_weights, materialize
@@ -420,7 +421,7 @@ class DFlashDrafter:
                 )
         finally:
             self.kv.release(ids)
-        drafts = logits.argmax(dim=-1)  # [N, S_run] indices into the draft's vocabulary
+        drafts = argmax_rows(logits)  # [N, S_run] indices into the draft's vocabulary
         if self.vocab is not None:
             drafts = self.vocab.to_target(drafts)
         tree = VerifyTree.chain(root.to(dev), drafts, torch.tensor(steps, device=dev))

@@ -32,6 +32,7 @@ from functools import partial
 
 import torch
 from hyspec_attn_backends import CudaGraphRunner, ForwardBatch, GraphCounts
+from hyspec_kernels.argmax import argmax_rows
 from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
@@ -237,7 +238,7 @@ class OneLayerChain:
         normed, out = self.model.run(batch, self.pairs.kv.backend, features=x, step=self.layer)
         rows = torch.arange(n, device=normed.device)
         at = self._root_index[:n]  # [N]
-        tok = self.model.to_target(self.model.logits(normed.view(n, e, -1)[rows, at]).argmax(dim=-1))  # [N]
+        tok = self.model.to_target(argmax_rows(self.model.logits(normed.view(n, e, -1)[rows, at])))  # [N]
         return tok, out.view(n, e, -1)[rows, at]
 
     def _chain_step(self, batch: ForwardBatch) -> tuple[Tensor]:
@@ -251,7 +252,7 @@ class OneLayerChain:
         backend = self.pairs.kv.backend
         normed, out = self.model.run(batch, backend, features=self.features_in[:n], step=self.layer)
         # [N] int64 target ids (greedy draft: top-1 child of the draft's vocabulary)
-        tok = self.model.to_target(self.model.logits(normed).argmax(dim=-1))
+        tok = self.model.to_target(argmax_rows(self.model.logits(normed)))
         batch.input_ids.copy_(tok)
         if self.chain_hidden:
             self.features_in[:n].copy_(out)

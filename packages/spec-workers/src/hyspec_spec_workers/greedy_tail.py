@@ -24,6 +24,7 @@ import torch
 from hyspec_attn_backends import ForwardBatch
 from hyspec_kernels import tree_grids
 from hyspec_kernels.accept import accept_walk
+from hyspec_kernels.argmax import argmax_rows
 from hyspec_statepool.transfer import to_device
 from torch import Tensor
 
@@ -103,7 +104,7 @@ class GreedyTail:
         (packed,) = inputs  # [rows, width] int64 on the device
         rows, d = packed.shape[0], batch.verify_len
         logits = self.compute_logits(outputs[0][: rows * d]).view(rows, d, -1)  # [rows, D, V]
-        choice = logits.argmax(dim=-1)  # [rows, D] int64
+        choice = argmax_rows(logits)  # [rows, D] int64
         if batch.tree_parents is None:
             col = torch.arange(d, device=packed.device)
             # a chain: node j's only child is j + 1 when that node is real (`VerifyTree.chain`)

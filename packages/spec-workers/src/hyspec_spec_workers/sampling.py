@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
+from hyspec_kernels.argmax import argmax_rows
 from hyspec_statepool.transfer import to_device
 
 from hyspec_spec_workers.penalties import PenaltyTensors, bad_word_bans
@@ -270,13 +271,13 @@ class Sampler:
         raw = logits
         if st.penalties is not None:
             logits = st.penalties.apply(logits)  # [N, V] fp32
-        greedy_ids = torch.argmax(logits, dim=-1)  # [N]
+        greedy_ids = argmax_rows(logits)  # [N]
         if st.all_greedy:
             token_ids = greedy_ids
         else:
             probs = filtered_probs(logits, st)
             noise = self._exponential(probs.shape, st.keys)
-            sampled = torch.argmax(probs / noise, dim=-1)
+            sampled = argmax_rows(probs / noise)
             token_ids = torch.where(st.temperature == 0, greedy_ids, sampled)
         if st.num_logprobs < 0:
             return SamplerOutput(token_ids=token_ids, logprobs=None, top_ids=None, top_logprobs=None)
@@ -298,7 +299,7 @@ class Sampler:
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must have shape [N, V], got {tuple(logits.shape)}")
-        token_ids = torch.argmax(logits, dim=-1)  # [N]
+        token_ids = argmax_rows(logits)  # [N]
         return SamplerOutput(token_ids=token_ids, logprobs=None, top_ids=None, top_logprobs=None)
 
     def _exponential(self, shape: torch.Size, keys: tuple[NoiseKey | None, ...]) -> torch.Tensor:  # [N, V]
