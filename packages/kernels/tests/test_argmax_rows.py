@@ -77,6 +77,24 @@ def test_batched_and_strided_inputs() -> None:
     assert empty.shape == (0,) and empty.dtype == torch.int64
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch", pytest.param("triton", marks=TRITON)])
+def test_float64_rows_are_compared_in_float64(backend: str) -> None:
+    """fp64 logits (which torch.argmax, and so the sampler before argmax_rows, took) keep their precision:
+    values one fp32 rounding apart and values past fp32's range are told apart, as torch.argmax tells them."""
+    x = torch.zeros(3, 40, dtype=torch.float64)
+    x[0, 5], x[0, 30] = 1.0, 1.0 + 1e-12  # equal in fp32: index 5 there, 30 in fp64
+    x[1, 3], x[1, 20] = 1e300, 1e301  # both +inf in fp32: index 3 there, 20 in fp64
+    x[2, 9], x[2, 33] = -1e-300, float("nan")
+    x = x.to(DEV)
+    want = torch.argmax(x.cpu(), dim=-1)
+    assert want.tolist() == [30, 20, 33]
+    if backend == "triton":
+        got = argmax_rows_triton(x, block=16, blocks_per_chunk=1)  # 3 chunks a row: the reduce pass too
+    else:
+        got = argmax_rows(x, backend=backend)  # type: ignore[arg-type]
+    assert got.dtype == torch.int64 and torch.equal(got.cpu(), want)
+
+
 @pytest.mark.parametrize(
     ("x", "match"),
     [

@@ -61,6 +61,17 @@ def test_greedy_fast_path_equals_the_sampler() -> None:
         sampler.greedy(logits[0])
 
 
+def test_greedy_takes_float64_logits() -> None:
+    """The sampler took any float dtype before its argmax went through `argmax_rows` (torch.argmax's answer,
+    fp64 compared in fp64): 1 + 1e-12 beats 1, which fp32 would round to a tie won by the first."""
+    logits = torch.zeros(2, 30, dtype=torch.float64)
+    logits[:, 4], logits[:, 17] = 1.0, 1.0 + 1e-12
+    logits[1, 25] = 1e300  # +inf in fp32
+    sampler = Sampler(CPU)
+    assert sampler.greedy(logits).token_ids.tolist() == [17, 25]
+    assert sampler(logits, _st(2, temperature=0.0)).token_ids.tolist() == [17, 25]
+
+
 def test_mixed_greedy_and_sampled_rows() -> None:
     logits = torch.randn(4, 30, generator=_gen(1))
     st = SamplingTensors.build(

@@ -18,6 +18,7 @@ from hyspec_attn_backends.batch import ForwardBatch
 from hyspec_attn_backends.batch_builder import static_max_q_len
 from hyspec_attn_backends.layers import AttentionLayer, GDNLayer, ShortConvLayer
 from hyspec_attn_backends.mode_kernels import mode_conv, mode_recurrence
+from hyspec_attn_backends.modes import ForwardMode
 
 
 def run_attention(
@@ -96,15 +97,21 @@ def run_gdn(
     )
     q, k, v = torch.split(x, [hk * dk, hk * dk, hv * dv], dim=-1)
     q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
-    g, beta = gdn_gating(A_log, a, b, dt_bias)  # [T, HV] fp32 each
     if st.recurrent is None:
         raise ValueError(f"layer {layer.layer_id}: the pool has no recurrent state")
+    raw_gates: tuple[Tensor, Tensor] | None = None
+    if batch.mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        # the recurrent kernel gates its tokens itself: a launch fewer per GDN layer and step
+        g, beta, raw_gates = a, b, (A_log, dt_bias)
+    else:
+        g, beta = gdn_gating(A_log, a, b, dt_bias)  # [T, HV] fp32 each
     return mode_recurrence(
         q,
         k,
         v,
         g,
         beta,
+        raw_gates=raw_gates,
         state=st.recurrent,
         replay=st.replay,
         pending=st.pending if defer else None,

@@ -86,9 +86,11 @@ def mode_recurrence(
     batch: ForwardBatch,
     check_indices: bool | None,
     pending: PendingTokens | None = None,
+    raw_gates: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """The gated delta rule of a GDN layer in the batch's mode. q/k [T, HK, K], v [T, HV, V], g/beta [T, HV]
-    fp32 -> o [T, HV, V]; `check_indices`: the backend's kernel-check setting.
+    fp32 -> o [T, HV, V]; `check_indices`: the backend's kernel-check setting. `raw_gates` (A_log, dt_bias),
+    decode and verify only: g / beta are the raw a / b, gated by the recurrent kernel itself.
 
     A verify keeps, per (batch row, step), the step's inputs (`replay`: the commit replays the accepted
     steps, `gdn_replay`), no state. With `pending` (deferred commits) each slot's pending tokens are applied
@@ -99,8 +101,9 @@ def mode_recurrence(
     if batch.mode is ForwardMode.DECODE:
         # slots come from the pool (checked at prepare time): no per-layer host read of the indices
         return gdn_decode(
-            q, k, v, g, beta, state=state, state_slots=slots, pending=pending, check_indices=False
-        )
+            q, k, v, g, beta, state=state, state_slots=slots, pending=pending, raw_gates=raw_gates,
+            check_indices=False,
+        )  # fmt: skip
     if batch.mode is ForwardMode.TARGET_VERIFY:
         n, d = batch.num_seqs, batch.verify_len
         if replay is None:
@@ -121,6 +124,7 @@ def mode_recurrence(
             keep_inputs=None if pending is not None else (replay.k, replay.v, replay.g, replay.beta),
             input_rows=None if pending is not None else batch.batch_rows.tensor,
             pending=pending,
+            raw_gates=raw_gates,
             check_indices=False,
         )
         return o.reshape(n * d, *v.shape[1:])

@@ -216,8 +216,8 @@ def entry_matrix_strides(name: str, t: torch.Tensor, lead_dims: int) -> tuple[in
     for (_, outer), (size, inner) in itertools.pairwise(rows):
         if outer != size * inner:
             raise ValueError(
-                f"{name}: expected dims {lead_dims}.. of shape {list(t.shape)} but the last to merge into "
-                f"one run, got strides {list(t.stride())}"
+                f"{name}: expected dims {lead_dims}.. of shape {list(t.shape)}, all but the last, to merge "
+                f"into one run, got strides {list(t.stride())}"
             )
     return (rows[-1][1] if rows else 1), col_stride
 

@@ -22,14 +22,18 @@ def _triton() -> ModuleType:
     return triton_kernel
 
 
+# torch.argmax takes fp64 too (the sampler's logits may be any float dtype): compared in fp64, not rounded
+_DTYPES = (*FLOAT_DTYPES, torch.float64)
+
+
 def argmax_rows(x: torch.Tensor, *, backend: Backend = "auto") -> torch.Tensor:
     """[..., V] float -> [...] int64, each row's first index of its largest value (NaN counts as largest)."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"x: expected a tensor, got {type(x).__name__}")
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x: expected shape [..., V] with V >= 1, got {list(x.shape)}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"x: expected a dtype in {[str(d) for d in FLOAT_DTYPES]}, got {x.dtype}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x: expected a dtype in {[str(d) for d in _DTYPES]}, got {x.dtype}")
     fn = implementation(
         backend,
         x.device,

@@ -47,7 +47,7 @@ def _better(v_new, i_new, v_old, i_old):  # type: ignore[no-untyped-def]
 @jit_varying("num_cols", "num_chunks", "blocks_per_chunk")
 def _argmax_chunks_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
-    val_ptr,  # [R, chunks] fp32
+    val_ptr,  # [R, chunks] fp32 (fp64 for fp64 rows): every value is compared in this dtype, exactly
     idx_ptr,  # [R, chunks] int32
     num_cols,
     num_chunks,
@@ -65,12 +65,13 @@ def _argmax_chunks_kernel(  # type: ignore[no-untyped-def]
     # equal value never replaces an earlier one); one reduction across lanes at the end. Reducing each block
     # across the program instead took 3 cross-warp reductions a block: 1.2 TB/s on an H200 at 128 rows
     lane = tl.arange(0, BLOCK)
-    acc_v = tl.full([BLOCK], -float("inf"), tl.float32)
+    acc_ty = val_ptr.dtype.element_ty
+    acc_v = tl.full([BLOCK], -float("inf"), acc_ty)
     acc_i = tl.full([BLOCK], BIG, tl.int32)
     for b in range(blocks_per_chunk):
         offs = (chunk * blocks_per_chunk + b) * BLOCK + lane
         valid = offs < num_cols
-        v = tl.load(base + offs, mask=valid, other=-float("inf")).to(tl.float32)
+        v = tl.load(base + offs, mask=valid, other=-float("inf")).to(acc_ty)
         take = valid & _better(v, offs, acc_v, acc_i)
         acc_v = tl.where(take, v, acc_v)
         acc_i = tl.where(take, offs, acc_i)
@@ -91,7 +92,7 @@ def _argmax_reduce_kernel(  # type: ignore[no-untyped-def]
 ):
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
-    best_v = tl.full([], -float("inf"), tl.float32)
+    best_v = tl.full([], -float("inf"), val_ptr.dtype.element_ty)
     best_i = tl.full([], BIG, tl.int32)
     for start in range(0, num_chunks, BLOCK_P):
         offs = start + tl.arange(0, BLOCK_P)
@@ -131,7 +132,9 @@ def argmax_rows_triton(
         return out.reshape(x.shape[:-1])
     per_chunk = blocks_per_chunk or _blocks_per_chunk(n, cols, x.device)
     chunks = triton.cdiv(cols, block * per_chunk)
-    vals = torch.empty(n, chunks, dtype=torch.float32, device=x.device)
+    # fp32 holds fp16 / bf16 / fp32 values exactly; fp64 ones only fp64 (rounded, distinct ones could tie)
+    val_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    vals = torch.empty(n, chunks, dtype=val_dtype, device=x.device)
     idxs = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
     _argmax_chunks_kernel[(n, chunks)](
         rows2, vals, idxs, cols, chunks, per_chunk, rows2.stride(0), BLOCK=block, BIG=_BIG,

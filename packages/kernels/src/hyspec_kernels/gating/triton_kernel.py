@@ -22,6 +22,22 @@ _PROD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _TILE_ELEMENTS = 4096
 
 
+@triton.jit  # type: ignore[untyped-decorator]
+def gate_values(a, b, a_log, dt_bias, THRESHOLD: tl.constexpr):  # type: ignore[no-untyped-def]
+    """(g, beta) from fp32 a, b, A_log, dt_bias (broadcast together): g = -exp(A_log) * softplus(a + dt_bias),
+    beta = sigmoid(b). The gating kernel and the GDN recurrent kernel (which gates decode and verify tokens
+    itself) both call it: one formula."""
+    pre = a + dt_bias
+    # softplus(p) = max(p, 0) + log1p(exp(-|p|)), with log1p(u) = log(1 + u) * u / ((1 + u) - 1): full
+    # relative precision for tiny u, where log(1 + u) alone rounds to 0.
+    u = tl.exp(-tl.abs(pre))
+    one_plus = 1.0 + u
+    tiny = one_plus == 1.0
+    log1p_u = tl.where(tiny, u, tl.log(one_plus) * (u / tl.where(tiny, 1.0, one_plus - 1.0)))
+    softplus = tl.where(pre > THRESHOLD, pre, tl.maximum(pre, 0.0) + log1p_u)
+    return -tl.exp(a_log) * softplus, tl.sigmoid(b)
+
+
 @jit_varying("num_tokens")
 def _gdn_gating_kernel(  # type: ignore[no-untyped-def]
     alog_ptr,
@@ -54,18 +70,10 @@ def _gdn_gating_kernel(  # type: ignore[no-untyped-def]
     a_log = tl.load(alog_ptr + offs_h * stride_alog, mask=h_mask, other=0.0).to(tl.float32)
     dt_bias = tl.load(dtb_ptr + offs_h * stride_dtb, mask=h_mask, other=0.0).to(tl.float32)
 
-    pre = a + dt_bias[None, :]
-    # softplus(p) = max(p, 0) + log1p(exp(-|p|)), with log1p(u) = log(1 + u) * u / ((1 + u) - 1): full
-    # relative precision for tiny u, where log(1 + u) alone rounds to 0.
-    u = tl.exp(-tl.abs(pre))
-    one_plus = 1.0 + u
-    tiny = one_plus == 1.0
-    log1p_u = tl.where(tiny, u, tl.log(one_plus) * (u / tl.where(tiny, 1.0, one_plus - 1.0)))
-    softplus = tl.where(pre > THRESHOLD, pre, tl.maximum(pre, 0.0) + log1p_u)
-    g = -tl.exp(a_log)[None, :] * softplus
+    g, beta = gate_values(a, b, a_log[None, :], dt_bias[None, :], THRESHOLD)
     out = rows * num_heads + offs_h[None, :]
     tl.store(g_ptr + out, g, mask=mask)
-    tl.store(beta_ptr + out, tl.sigmoid(b), mask=mask)
+    tl.store(beta_ptr + out, beta, mask=mask)
 
 
 @triton.jit  # type: ignore[untyped-decorator]

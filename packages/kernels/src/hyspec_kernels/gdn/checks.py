@@ -29,9 +29,10 @@ def check_distinct(name: str, t: torch.Tensor) -> None:
 
 
 def check_qkv(
-    q: object, k: object, v: object, g: object, beta: object, lead: tuple[str, ...]
+    q: object, k: object, v: object, g: object, beta: object, lead: tuple[str, ...], *, raw: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int, int]:
-    """Shapes [*lead, HK, K] for q and k, [*lead, HV, V] for v, [*lead, HV] fp32 for g and beta."""
+    """Shapes [*lead, HK, K] for q and k, [*lead, HV, V] for v, [*lead, HV] fp32 for g and beta (any float
+    dtype when `raw`: the ungated a and b)."""
     q = check_tensor("q", q, (*lead, "HK", "K"), dtypes=FLOAT_DTYPES)
     dev = q.device
     lead_sizes = tuple(q.shape[: len(lead)])
@@ -41,8 +42,9 @@ def check_qkv(
     num_v_heads, head_v = v.shape[-2], v.shape[-1]
     if num_k_heads == 0 or num_v_heads % num_k_heads != 0:
         raise ValueError(f"v: expected HV a multiple of HK = {num_k_heads}, got shape {list(v.shape)}")
-    g = check_tensor("g", g, (*lead_sizes, num_v_heads), dtypes=FP32, device=dev)
-    beta = check_tensor("beta", beta, (*lead_sizes, num_v_heads), dtypes=FP32, device=dev)
+    gate_dtypes = FLOAT_DTYPES if raw else FP32
+    g = check_tensor("g", g, (*lead_sizes, num_v_heads), dtypes=gate_dtypes, device=dev)
+    beta = check_tensor("beta", beta, (*lead_sizes, num_v_heads), dtypes=gate_dtypes, device=dev)
     return q, k, v, g, beta, num_k_heads, head_k, num_v_heads, head_v
 
 

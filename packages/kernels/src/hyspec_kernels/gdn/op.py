@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from .._checks import (
+    FLOAT_DTYPES,
     INDEX_DTYPES,
     Backend,
     check_index,
@@ -43,6 +44,31 @@ from .checks import (
 )
 from .pending import PendingTokens, apply_pending, check_pending, next_rows
 from .reference import CHUNK_SIZE
+
+# (A_log [HV], dt_bias [HV]): the gate parameters of decode / verify calls given the raw a and b
+RawGates = tuple[torch.Tensor, torch.Tensor]
+
+
+def _gates(
+    g: torch.Tensor, beta: torch.Tensor, raw_gates: RawGates | None, hv: int, backend: Backend
+) -> tuple[torch.Tensor, torch.Tensor, RawGates | None]:
+    """(g, beta, raw_gates) for the chosen path: the Triton kernel gates raw inputs itself; the reference
+    and torch paths get them gated first, by `gdn_gating` (the same formula)."""
+    if raw_gates is None:
+        return g, beta, None
+    if not isinstance(raw_gates, tuple | list) or len(raw_gates) != 2:
+        raise ValueError(f"raw_gates: expected (A_log [HV], dt_bias [HV]), got {type(raw_gates).__name__}")
+    dev = g.device
+    A_log = check_tensor("raw_gates[0] (A_log)", raw_gates[0], (hv,), dtypes=FLOAT_DTYPES, device=dev)
+    dt_bias = check_tensor("raw_gates[1] (dt_bias)", raw_gates[1], (hv,), dtypes=FLOAT_DTYPES, device=dev)
+    chosen = resolve_backend(backend, dev)
+    if chosen == "triton":
+        return g, beta, (A_log, dt_bias)
+    from ..gating import gdn_gating
+
+    a, b = g.reshape(-1, hv), beta.reshape(-1, hv)
+    flat_g, flat_beta = gdn_gating(A_log, a, b, dt_bias, backend=chosen)
+    return flat_g.reshape(g.shape), flat_beta.reshape(beta.shape), None
 
 
 class GDNPrefillOutput(NamedTuple):
@@ -97,6 +123,7 @@ def _decode_triton(
     state: torch.Tensor,
     state_slots: torch.Tensor,
     pending: PendingTokens | None = None,
+    raw_gates: RawGates | None = None,
 ) -> torch.Tensor:
     """Decode as a one-token verify block without scratch (the same recurrent kernel)."""
     one = (t.unsqueeze(1) for t in (q, k, v, g, beta))
@@ -109,6 +136,7 @@ def _decode_triton(
         parents=None,
         write_state=True,
         pending=pending,
+        raw_gates=raw_gates,
     )
     return o.squeeze(1)
 
@@ -130,6 +158,7 @@ def _verify_triton(
     input_rows: torch.Tensor | None = None,
     workspace: bool = False,
     pending: PendingTokens | None = None,
+    raw_gates: RawGates | None = None,
 ) -> torch.Tensor:
     """The recurrent kernel over [N, D] blocks: verify (the steps' states to scratch, or nothing without
     scratch), or with `write_state` decode (the final state written back). `workspace`: the scratch is a
@@ -159,6 +188,7 @@ def _verify_triton(
         input_rows=None if input_rows is None else input_rows.contiguous(),
         branch_states_only=workspace,
         pending=None if pending is None else (pending.rows.contiguous(), pending.paths.contiguous()),
+        raw_gates=raw_gates,
     )
 
 
@@ -294,6 +324,7 @@ def gdn_decode(
     state: torch.Tensor,
     state_slots: torch.Tensor,
     pending: PendingTokens | None = None,
+    raw_gates: RawGates | None = None,
     backend: Backend = "auto",
     check_indices: bool | None = None,
 ) -> torch.Tensor:
@@ -305,11 +336,15 @@ def gdn_decode(
             zero state, nothing read or written), distinct.
         pending: deferred commits (`pending.py`): each slot's pending tokens are applied before its token
             (the caller then clears `pending.paths` of these slots).
+        raw_gates: (A_log [HV], dt_bias [HV]): g and beta are the raw gate inputs a and b ([N, HV], any
+            float dtype, any token stride), gated as `gdn_gating` gates them (the Triton kernel does it
+            itself: no launch of its own).
 
     Returns:
         o: [N, HV, V] in q's dtype.
     """
-    q, k, v, g, beta, _hk, head_k, hv, head_v = check_qkv(q, k, v, g, beta, ("N",))
+    q, k, v, g, beta, _hk, head_k, hv, head_v = check_qkv(q, k, v, g, beta, ("N",), raw=raw_gates is not None)
+    g, beta, raw_gates = _gates(g, beta, raw_gates, hv, backend)
     dev, num_seqs = q.device, q.shape[0]
     state = check_state(state, hv, head_k, head_v, dev)
     if check_indices_now(check_indices, dev):
@@ -332,7 +367,7 @@ def gdn_decode(
         dev,
         reference=reference.reference_decode,
         torch_path=torch_impl.torch_decode,
-        triton=lambda: partial(_decode_triton, pending=pending),
+        triton=lambda: partial(_decode_triton, pending=pending, raw_gates=raw_gates),
     )
     o: torch.Tensor = fn(q, k, v, g, beta, state=state, state_slots=state_slots)
     return o.to(q.dtype)
@@ -353,6 +388,7 @@ def gdn_verify(
     keep_inputs: reference.Inputs | None = None,
     input_rows: torch.Tensor | None = None,
     pending: PendingTokens | None = None,
+    raw_gates: RawGates | None = None,
     backend: Backend = "auto",
     check_indices: bool | None = None,
 ) -> torch.Tensor:
@@ -378,11 +414,16 @@ def gdn_verify(
             pending tokens are applied first and the state reached is written back to the slot; the block's
             inputs go to the slot's next rows (`next_rows`) of `pending.inputs` (the caller then makes them
             the slot's pending tokens, or clears them).
+        raw_gates: (A_log [HV], dt_bias [HV]): g and beta are the raw gate inputs a and b, as in `gdn_decode`
+            (the inputs kept for the replay are the gated values either way).
 
     Returns:
         o: [N, D, HV, V] in q's dtype.
     """
-    q, k, v, g, beta, _hk, head_k, hv, head_v = check_qkv(q, k, v, g, beta, ("N", "D"))
+    q, k, v, g, beta, _hk, head_k, hv, head_v = check_qkv(
+        q, k, v, g, beta, ("N", "D"), raw=raw_gates is not None
+    )
+    g, beta, raw_gates = _gates(g, beta, raw_gates, hv, backend)
     dev, num_seqs, block = q.device, q.shape[0], q.shape[1]
     state = check_state(state, hv, head_k, head_v, dev)
     if (scratch is None) != (scratch_rows is None):
@@ -467,7 +508,9 @@ def gdn_verify(
         reference=reference.reference_verify,
         torch_path=torch_impl.torch_verify,
         # with a workspace, the Triton kernel writes to it only the states a later token restarts from
-        triton=lambda: partial(_verify_triton, workspace=workspace and not recompute, pending=pending),
+        triton=lambda: partial(
+            _verify_triton, workspace=workspace and not recompute, pending=pending, raw_gates=raw_gates
+        ),
     )
     o = fn(
         q,

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..gating.reference import SOFTPLUS_THRESHOLD
+from ..gating.triton_kernel import gate_values
 from ..jit import jit_varying
 from ..launch import pdl_args, wait_for_inputs
 from .checks import MAX_RECOMPUTE_NODES, token_rows
@@ -61,13 +63,27 @@ def _committed(p_state, m_slot, PENDING: tl.constexpr):  # type: ignore[no-untyp
     return tl.load(p_state, mask=m_slot, other=0.0).to(tl.float32)
 
 
+@triton.jit  # type: ignore[untyped-decorator]
+def _gates(  # type: ignore[no-untyped-def]
+    g_ptr, beta_ptr, t, s_gt, s_bt, i_hv, a_log, dt_bias, RAW_GATES: tl.constexpr, THRESHOLD: tl.constexpr
+):
+    """Token t's (g, beta) of value head i_hv, fp32: loaded, or gated from the raw a and b (RAW_GATES)."""
+    g = tl.load(g_ptr + t * s_gt + i_hv).to(tl.float32)
+    beta = tl.load(beta_ptr + t * s_bt + i_hv).to(tl.float32)
+    if RAW_GATES:
+        g, beta = gate_values(g, beta, a_log, dt_bias, THRESHOLD)
+    return g, beta
+
+
 @jit_varying("slots_ptr", "rows_ptr", "parents_ptr", "in_rows_ptr", "pend_rows_ptr", "pend_paths_ptr")
 def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     q_ptr,  # [N, D, HK, K]
     k_ptr,  # [N, D, HK, K]
     v_ptr,  # [N, D, HV, V]
-    g_ptr,  # [N, D, HV] fp32
-    beta_ptr,  # [N, D, HV] fp32
+    g_ptr,  # [N, D, HV] fp32; RAW_GATES: the raw gate input a (any float dtype)
+    beta_ptr,  # [N, D, HV] fp32; RAW_GATES: the raw gate input b
+    alog_ptr,  # [HV] (RAW_GATES only)
+    dtb_ptr,  # [HV] (RAW_GATES only)
     o_ptr,  # [N, D, HV, V]
     state_ptr,  # [S, HV, K, V]
     slots_ptr,  # [N]
@@ -92,6 +108,8 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     s_qt,  # token strides of q, k and v over the [N * D] tokens (each token's [H, K|V] is contiguous)
     s_kt,
     s_vt,
+    s_gt,  # token strides of g and beta (or a and b: column slices of one projection)
+    s_bt,
     HK: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -106,6 +124,8 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     BD: tl.constexpr,  # next power of two of num_steps (BRANCHES_ONLY)
     RECOMPUTE: tl.constexpr,  # a tree without scratch (D <= MAX_RECOMPUTE_NODES): restarts recompute
     PENDING: tl.constexpr,  # apply each slot's pending tokens (a deferred commit) before the block
+    RAW_GATES: tl.constexpr,  # g / beta are the raw a / b, gated here (`gate_values`): no launch of their own
+    THRESHOLD: tl.constexpr,  # softplus threshold (RAW_GATES)
     BP: tl.constexpr,
     PDL: tl.constexpr,  # next power of two of path_len (PENDING)
 ):
@@ -124,6 +144,12 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     # offset inside one [HV, K, V] block; slot, row and step parts are added in int64 below
     off_hkv = i_hv * K * V + o_k[:, None] * V + o_v[None, :]
 
+    if RAW_GATES:
+        a_log = tl.load(alog_ptr + i_hv).to(tl.float32)
+        dt_bias = tl.load(dtb_ptr + i_hv).to(tl.float32)
+    else:
+        a_log = 0.0
+        dt_bias = 0.0
     slot = tl.load(slots_ptr + i_n).to(tl.int64)
     # validity as a [BK, BV] block: the interpreter rejects a mask built from a scalar bool
     m_slot = m_kv & ((tl.zeros_like(o_k) + slot) >= 0)[:, None]
@@ -209,8 +235,7 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
     n_q = tl.load(q_ptr + t_n * s_qt + i_hk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     n_k = tl.load(k_ptr + t_n * s_kt + i_hk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     n_v = tl.load(v_ptr + t_n * s_vt + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-    n_g = tl.load(g_ptr + t_n * HV + i_hv).to(tl.float32)
-    n_beta = tl.load(beta_ptr + t_n * HV + i_hv).to(tl.float32)
+    n_g, n_beta = _gates(g_ptr, beta_ptr, t_n, s_gt, s_bt, i_hv, a_log, dt_bias, RAW_GATES, THRESHOLD)
     for j in range(num_steps):
         if RECOMPUTE:
             node_next = tl.sum(tl.where(b_rank == tl.minimum(j + 1, num_steps - 1), o_d, 0))
@@ -240,8 +265,9 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
                             p_va = v_ptr + t_a * s_vt + i_hv * V
                             a_k = tl.load(p_ka + o_k, mask=m_k, other=0.0).to(tl.float32)
                             a_v = tl.load(p_va + o_v, mask=m_v, other=0.0).to(tl.float32)
-                            a_g = tl.load(g_ptr + t_a * HV + i_hv).to(tl.float32)
-                            a_beta = tl.load(beta_ptr + t_a * HV + i_hv).to(tl.float32)
+                            a_g, a_beta = _gates(
+                                g_ptr, beta_ptr, t_a, s_gt, s_bt, i_hv, a_log, dt_bias, RAW_GATES, THRESHOLD
+                            )
                             b_s = _delta_step(b_s, _l2norm(a_k), a_v, a_g, a_beta)
                 else:
                     # the parent's post-state was stored by this program; make it visible to all its threads
@@ -252,8 +278,7 @@ def gdn_recurrent_fwd_kernel(  # type: ignore[no-untyped-def]
         n_q = tl.load(q_ptr + t_n * s_qt + i_hk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         n_k = tl.load(k_ptr + t_n * s_kt + i_hk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         n_v = tl.load(v_ptr + t_n * s_vt + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        n_g = tl.load(g_ptr + t_n * HV + i_hv).to(tl.float32)
-        n_beta = tl.load(beta_ptr + t_n * HV + i_hv).to(tl.float32)
+        n_g, n_beta = _gates(g_ptr, beta_ptr, t_n, s_gt, s_bt, i_hv, a_log, dt_bias, RAW_GATES, THRESHOLD)
         if STORE_INPUTS:
             # the token's inputs, for the commit's replay: every program its V tile, the first V tile's
             # programs the gates and (one per key head) the key
@@ -301,12 +326,17 @@ def default_tiles(num_seq_heads: int, head_v: int) -> tuple[int, int]:
     return min(bv, triton.next_power_of_2(head_v)), warps
 
 
+def _head_rows(x: torch.Tensor) -> torch.Tensor:
+    """[T, HV] with unit head stride (any token stride), copied only if it has none."""
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+
 def launch_recurrent(
     q: torch.Tensor,  # [N, D, HK, K]: a view of [N * D] tokens whose [HK, K] rows are contiguous, or copied
     k: torch.Tensor,  # [N, D, HK, K], likewise
     v: torch.Tensor,  # [N, D, HV, V], likewise
-    g: torch.Tensor,  # [N, D, HV] fp32
-    beta: torch.Tensor,  # [N, D, HV] fp32
+    g: torch.Tensor,  # [N, D, HV] fp32, or raw a (`raw_gates`)
+    beta: torch.Tensor,  # [N, D, HV] fp32, or raw b
     *,
     state: torch.Tensor,  # [S, HV, K, V], each slot contiguous
     state_slots: torch.Tensor,  # [N]
@@ -320,6 +350,7 @@ def launch_recurrent(
     input_rows: torch.Tensor | None = None,  # [N] rows of keep_inputs (-1: none)
     branch_states_only: bool = False,  # the scratch is a tree's workspace: only states read back are stored
     pending: tuple[torch.Tensor, torch.Tensor] | None = None,  # (rows [S], paths [S, P]) of keep_inputs
+    raw_gates: tuple[torch.Tensor, torch.Tensor] | None = None,  # (A_log, dt_bias) [HV]: g, beta are a, b
 ) -> torch.Tensor:
     """Runs decode (not `verify`: the final state written back) or verify (scratch or nothing written; a
     tree without scratch recomputes its branch states, D <= MAX_RECOMPUTE_NODES). Returns o [N, D, HV, V] in
@@ -331,7 +362,9 @@ def launch_recurrent(
         return o
     # the models' q, k and v are column slices of one projection: read in place through token strides
     qt, kt, vt = (token_rows(x.reshape(num_seqs * steps, *x.shape[2:])) for x in (q, k, v))
-    g, beta = g.contiguous(), beta.contiguous()
+    # g and beta (or the raw a and b: column slices of one projection) through their token strides
+    gt, bt = (_head_rows(x.reshape(num_seqs * steps, num_v_heads)) for x in (g, beta))
+    a_log, dt_bias = raw_gates if raw_gates is not None else (gt, bt)  # unused pointers without raw gates
     is_verify = scratch is not None if verify is None else verify
     store_steps = scratch is not None
     if parents is not None and scratch is None and steps > MAX_RECOMPUTE_NODES:
@@ -354,8 +387,10 @@ def launch_recurrent(
         qt,
         kt,
         vt,
-        g,
-        beta,
+        gt,
+        bt,
+        a_log.contiguous(),
+        dt_bias.contiguous(),
         o,
         state,
         state_slots,
@@ -380,6 +415,8 @@ def launch_recurrent(
         qt.stride(0),
         kt.stride(0),
         vt.stride(0),
+        gt.stride(0),
+        bt.stride(0),
         HK=num_k_heads,
         HV=num_v_heads,
         K=head_k,
@@ -396,6 +433,8 @@ def launch_recurrent(
         BD=triton.next_power_of_2(steps) if tree_order else 1,
         RECOMPUTE=parents is not None and scratch is None,
         PENDING=pending is not None,
+        RAW_GATES=raw_gates is not None,
+        THRESHOLD=SOFTPLUS_THRESHOLD,
         BP=triton.next_power_of_2(max(1, pending[1].shape[1])) if pending is not None else 1,
         num_warps=num_warps,
         **pdl_args(qt.device),
