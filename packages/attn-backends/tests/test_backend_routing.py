@@ -391,3 +391,24 @@ def test_start_chain_rejects_what_it_cannot_start_from() -> None:
     )
     with pytest.raises(ValueError, match="tree"):
         be.start_chain(tree, torch.zeros(1, dtype=torch.int64))
+
+
+def test_raw_gates_outside_decode_and_verify_are_refused() -> None:
+    """The chunked prefill reads gated g / beta: raw a / b handed to it would be taken for them."""
+    from hyspec_attn_backends.mode_kernels import mode_recurrence
+
+    layers = _layers()
+    pool = _pool(layers)
+    be = HybridBackend(pool, layers=layers, layer_types=TYPES)
+    rows = pool.alloc(["a"])
+    pool.ensure_kv_capacity(["a"], [3])
+    batch = be.prepare_extend(req_rows=rows, input_ids=torch.arange(3), q_lens=[3], prefix_lens=[0])
+    st = pool.layer_state(0)
+    assert st.recurrent is not None
+    q = torch.zeros(3, 1, 8)
+    v, ab = torch.zeros(3, 2, 8), torch.zeros(3, 2)
+    with pytest.raises(ValueError, match="raw_gates: decode and verify only"):
+        mode_recurrence(
+            q, q, v, ab, ab, state=st.recurrent, replay=st.replay, batch=batch, check_indices=None,
+            raw_gates=(torch.zeros(2), torch.zeros(2)),
+        )  # fmt: skip

@@ -129,3 +129,31 @@ def test_raw_gates_are_checked() -> None:
         gdn_decode(*args, state=_state(1), state_slots=torch.tensor(SLOTS), raw_gates=(a_log, dt_bias[:2]))
     with pytest.raises(ValueError, match="g: expected"):  # raw bf16 gates without raw_gates: refused
         gdn_decode(*args, state=_state(1), state_slots=torch.tensor(SLOTS))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("n", "d", "hv"), [(0, 2, HV), (3, 0, HV), (3, 2, 0)])
+def test_raw_gates_of_empty_calls(backend: str, n: int, d: int, hv: int) -> None:
+    """No sequences, an empty block or no value heads: the call does what the gated call does (nothing), on
+    every backend, instead of failing to flatten the raw gates."""
+    q, k = torch.randn(n, d, HK, DK), torch.randn(n, d, HK, DK)
+    v = torch.randn(n, d, hv, DV)
+    ba = torch.randn(n * d, 2 * hv + 1).bfloat16()
+    a, b = ba[:, 1 + hv :].reshape(n, d, hv), ba[:, 1 : 1 + hv].reshape(n, d, hv)
+    raw = (torch.randn(hv), torch.randn(hv))
+    slots = torch.arange(n)
+    state = torch.randn(max(n, 1), hv, DK, DV)
+    o = gdn_verify(
+        q, k, v, a, b, state=state, state_slots=slots, scratch=None, scratch_rows=None, raw_gates=raw,
+        backend=backend,  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert o.shape == (n, d, hv, DV)
+    if d:
+        want = state.clone()
+        o = gdn_decode(
+            q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], state=state, state_slots=slots, raw_gates=raw,
+            backend=backend,  # type: ignore[arg-type]
+        )  # fmt: skip
+        assert o.shape == (n, hv, DV)
+        if n == 0 or hv == 0:
+            assert torch.equal(state, want)

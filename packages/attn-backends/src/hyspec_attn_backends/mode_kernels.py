@@ -128,6 +128,9 @@ def mode_recurrence(
             check_indices=False,
         )
         return o.reshape(n * d, *v.shape[1:])
+    if raw_gates is not None:
+        # the chunked prefill reads gated g / beta: raw a / b would be taken for them
+        raise ValueError(f"raw_gates: decode and verify only, got a {batch.mode.name} batch")
     if pending is not None:
         # a prefill reads the committed state of rows that continue (a decode riding in a prompt step)
         apply_pending(pending, state, slots)

@@ -66,7 +66,8 @@ def _gates(
         return g, beta, (A_log, dt_bias)
     from ..gating import gdn_gating
 
-    a, b = g.reshape(-1, hv), beta.reshape(-1, hv)
+    # [T, HV] by merging the leading dims (not reshape(-1, hv): ambiguous for zero value heads)
+    a, b = g.flatten(0, -2), beta.flatten(0, -2)
     flat_g, flat_beta = gdn_gating(A_log, a, b, dt_bias, backend=chosen)
     return flat_g.reshape(g.shape), flat_beta.reshape(beta.shape), None
 
