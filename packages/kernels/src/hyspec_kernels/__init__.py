@@ -5,12 +5,12 @@ Ops: gated delta rule (`gdn_prefill`, `gdn_decode`, `gdn_verify`), causal depthw
 `conv_decode`, `conv_verify`), state commit after verify (`commit_states`), attention over a paged KV cache
 (`store_kv`, `paged_attention`), GDN gating (`gdn_gating`), norms (`gated_rmsnorm`, `rms_norm`,
 `add_rms_norm`), SwiGLU's product (`silu_and_mul`), projections over few rows (`linear`), rotary embedding
-(`apply_rotary`) and a verify block's greedy walk with its stop / budget cut (`accept_walk`); a chain verify
-batch's metadata written for its rows' next prefixes (`advance_verify`) and a one-token batch one position on
-(`advance_one_token`); a drafter's next first block from a verify's outputs (`draft_block_after_verify`);
-verify trees' ancestor masks, depths and child / sibling links from their parents (`tree_grids`); each row's
-argmax, the greedy token (`argmax_rows`). The prefills also write states part-way through a sequence to spare
-slots (`StateSave`).
+(`apply_rotary`; after a per-head norm, `norm_rotary`) and a verify block's greedy walk with its stop / budget
+cut (`accept_walk`); a chain verify batch's metadata written for its rows' next prefixes (`advance_verify`)
+and a one-token batch one position on (`advance_one_token`); a drafter's next first block from a verify's
+outputs (`draft_block_after_verify`); verify trees' ancestor masks, depths and child / sibling links from
+their parents (`tree_grids`); each row's argmax, the greedy token (`argmax_rows`). The prefills also write
+states part-way through a sequence to spare slots (`StateSave`).
 `python -m hyspec_kernels.selfcheck` runs each against its reference.
 """
 
@@ -25,7 +25,7 @@ from hyspec_kernels.draft_block import draft_block_after_verify
 from hyspec_kernels.gating import add_rms_norm, gated_rmsnorm, gdn_gating, rms_norm, silu_and_mul
 from hyspec_kernels.gdn import GDNPrefillOutput, gdn_decode, gdn_prefill, gdn_verify
 from hyspec_kernels.linear import MAX_SKINNY_ROWS, linear
-from hyspec_kernels.rope import apply_rotary
+from hyspec_kernels.rope import apply_rotary, norm_rotary
 from hyspec_kernels.saves import StateSave
 from hyspec_kernels.tree import TreeGrids, tree_grids
 
@@ -55,6 +55,7 @@ __all__ = [
     "gdn_prefill",
     "gdn_verify",
     "linear",
+    "norm_rotary",
     "paged_attention",
     "rms_norm",
     "silu_and_mul",

@@ -407,6 +407,18 @@ def build_cases(device: str) -> dict[str, Case]:
         return {"index": argmax_rows(logits, backend=be)}
 
     cases["argmax_rows (a tie across chunks, a NaN)"] = argmax_case
+
+    q_gate, qk_w = rnd(5, 3, 48), rnd(24, scale=0.2)
+    ang = torch.arange(5, device=device, dtype=torch.float32)[:, None] * rnd(4).abs()[None, :]
+    cos8, sin8 = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+
+    def norm_rotary_case(be: Backend) -> Result:
+        from hyspec_kernels.rope import norm_rotary
+
+        # a strided query (half of each head's projection row), Dh 24, partial rotary of 8
+        return {"y": norm_rotary(q_gate[..., :24], qk_w, cos8, sin8, eps=1e-6, offset=1.0, backend=be)}
+
+    cases["norm_rotary (strided heads, partial rotary)"] = norm_rotary_case
     return cases
 
 

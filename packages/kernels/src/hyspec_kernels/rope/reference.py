@@ -24,3 +24,12 @@ def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             b = (rotated * s).to(x.dtype).float()
             out[t, h, :rot] = (a + b).to(x.dtype)
     return out
+
+
+def norm_rotary_reference(
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, eps: float, offset: float
+) -> torch.Tensor:
+    """The per-head RMSNorm (`gating`'s reference), then the rotation of its output."""
+    from hyspec_kernels.gating.reference import rms_norm_reference
+
+    return apply_rotary_reference(rms_norm_reference(x, weight, eps, offset=offset), cos, sin)

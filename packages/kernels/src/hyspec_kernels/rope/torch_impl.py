@@ -12,3 +12,11 @@ def apply_rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)  # [T, H, R]
     out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
     return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
+
+
+def norm_rotary_torch(
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, eps: float, offset: float
+) -> torch.Tensor:
+    from hyspec_kernels.gating.torch_impl import rms_norm_torch
+
+    return apply_rotary_torch(rms_norm_torch(x, weight, eps, offset=offset), cos, sin)
