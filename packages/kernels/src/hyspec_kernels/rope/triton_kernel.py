@@ -16,6 +16,21 @@ from ..gating.triton_kernel import _PROD_CODES, _round
 from ..launch import pdl_args, wait_for_inputs
 
 
+@triton.jit
+def _rotate(  # type: ignore[no-untyped-def]
+    x, xp, cos_ptr, sin_ptr, t, stride_ct, stride_st, d, half, rotates, dt
+):
+    """Heads x [BH, BD] (fp32 values of dtype dt) rotated by token t's cos / sin, given each dim's partner
+    value xp (d + R/2 or d - R/2); dims from R on pass through. Returns dt."""
+    rotated = tl.where(d < half, -xp, xp)
+    c = tl.load(cos_ptr + t * stride_ct + d, mask=rotates, other=0.0).to(tl.float32)  # [1, BLOCK_D]
+    s = tl.load(sin_ptr + t * stride_st + d, mask=rotates, other=0.0).to(tl.float32)
+    # each product rounded to x's dtype, then the sum: the torch form's three roundings
+    a = (x * c).to(dt).to(tl.float32)
+    b = (rotated * s).to(dt).to(tl.float32)
+    return tl.where(rotates, (a + b).to(dt), x.to(dt))
+
+
 @triton.jit  # type: ignore[untyped-decorator]
 def _rotary_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
@@ -44,14 +59,8 @@ def _rotary_kernel(  # type: ignore[no-untyped-def]
     x = tl.load(base + d, mask=in_head, other=0.0)  # [BLOCK_H, BLOCK_D]
     partner = tl.where(d < half, d + half, d - half)
     xp = tl.load(base + partner, mask=in_head & rotates, other=0.0).to(tl.float32)
-    rotated = tl.where(d < half, -xp, xp)
-    c = tl.load(cos_ptr + t * stride_ct + d, mask=rotates, other=0.0).to(tl.float32)  # [1, BLOCK_D]
-    s = tl.load(sin_ptr + t * stride_st + d, mask=rotates, other=0.0).to(tl.float32)
     dt = o_ptr.dtype.element_ty
-    # each product rounded to x's dtype, then the sum: the torch form's three roundings
-    a = (x.to(tl.float32) * c).to(dt).to(tl.float32)
-    b = (rotated * s).to(dt).to(tl.float32)
-    out = tl.where(rotates, (a + b).to(dt), x)
+    out = _rotate(x.to(tl.float32), xp, cos_ptr, sin_ptr, t, stride_ct, stride_st, d, half, rotates, dt)
     tl.store(o_ptr + t * num_heads * head_dim + h * head_dim + d, out, mask=in_head)
 
 
@@ -126,13 +135,7 @@ def _norm_rotary_kernel(  # type: ignore[no-untyped-def]
     xp = tl.load(base + partner, mask=in_head & rotates, other=0.0).to(tl.float32)
     wp = tl.load(w_ptr + partner * stride_w, mask=in_d & rotates, other=0.0).to(tl.float32)
     xpn = _normed(xp, rstd, wp, offset, dt, ZERO_CENTRED, PROD)
-    rotated = tl.where(d < half, -xpn, xpn)
-    c = tl.load(cos_ptr + t * stride_ct + d, mask=rotates, other=0.0).to(tl.float32)  # [1, BLOCK_D]
-    s = tl.load(sin_ptr + t * stride_st + d, mask=rotates, other=0.0).to(tl.float32)
-    # each product rounded to x's dtype, then the sum: the torch form's three roundings
-    a = (xn * c).to(dt).to(tl.float32)
-    b = (rotated * s).to(dt).to(tl.float32)
-    out = tl.where(rotates, (a + b).to(dt), xn.to(dt))
+    out = _rotate(xn, xpn, cos_ptr, sin_ptr, t, stride_ct, stride_st, d, half, rotates, dt)
     tl.store(o_ptr + t * num_heads * head_dim + h * head_dim + d, out, mask=in_head)
 
 
