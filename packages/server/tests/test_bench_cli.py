@@ -214,6 +214,41 @@ def test_no_model_without_the_model_list(
     assert "/v1/models: HTTP 401: missing or wrong API key" in err
 
 
+def test_host_and_port_as_vllm(toy_server: ServerThread, tmp_path: Path) -> None:
+    # vLLM's --host / --port name the server when --base-url is not given
+    args = ["--host", toy_server.host, "--port", str(toy_server.port), "--num-prompts", "2"]
+    args += ["--random-input-len", "4", "--random-output-len", "4", "--model", "toy"]
+    flags = serve_flags(toy_server, tmp_path, *args)
+    i = flags.index("--base-url")
+    assert bench(flags[:i] + flags[i + 2 :]) == 0
+    res = result(tmp_path)
+    assert res["completed"] == 2 and res["url"] == toy_server.base_url + "/v1/completions"
+
+
+def test_bad_port_is_an_error_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench(["serve", "--model", "m", "--port", "70000"]) == 2
+    assert "--port" in capsys.readouterr().err
+
+
+def test_percentile_metrics_choose_the_reported_metrics(
+    toy_server: ServerThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--num-prompts", "2", "--random-input-len", "4", "--random-output-len", "4", "--ignore-eos"]
+    args += ["--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,95"]
+    assert bench(serve_flags(toy_server, tmp_path, *args)) == 0
+    res = result(tmp_path)
+    for m in ("ttft", "e2el"):
+        assert {f"mean_{m}_ms", f"median_{m}_ms", f"std_{m}_ms", f"p50_{m}_ms", f"p95_{m}_ms"} <= set(res)
+    assert not [k for k in res if k.endswith(("_tpot_ms", "_itl_ms"))]
+    out = capsys.readouterr().out
+    assert "P95 TTFT (ms):" in out and "P95 E2EL (ms):" in out and "TPOT" not in out and "ITL" not in out
+
+
+def test_bad_percentile_metrics_are_an_argument_error() -> None:
+    with pytest.raises(SystemExit):
+        parser().parse_args(["bench", "serve", "--percentile-metrics", "ttft,latency"])
+
+
 def test_poisson_arrivals_end_to_end(toy_server: ServerThread, tmp_path: Path) -> None:
     args = ["--num-prompts", "6", "--request-rate", "40", "--seed", "3", "--random-input-len", "4"]
     args += ["--random-output-len", "4", "--ignore-eos"]
@@ -288,6 +323,29 @@ def test_a_tokenizer_gives_exact_lengths() -> None:
     for conv in random_dataset(10, 30, 4, 0.3, lengths, seed=0) + code_dataset(5, 40, 4, 0.0, lengths, 0):
         turn = conv.turns[0]
         assert len(tok.encode(turn.text, add_special_tokens=False)) == turn.input_len
+
+
+def test_shared_prefix_with_a_tokenizer_gives_exact_lengths() -> None:
+    tok = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(
+        str(default_model_dir()), local_files_only=True
+    )
+    convs = shared_prefix_dataset(40, 20, 3, 10, 4, 0.3, Lengths(tok), seed=0)
+    ids = [tok.encode(c.turns[0].text, add_special_tokens=False) for c in convs]
+    # the suffix's first word is tokenized after the prefix's space, as the server sees the whole prompt
+    assert [len(x) for x in ids] == [c.turns[0].input_len for c in convs]
+    # and the groups' prefixes are whole token prefixes, what a prefix cache shares
+    assert len({tuple(x[:20]) for x in ids}) == 3
+
+
+def test_a_tokenizer_that_cannot_load_is_an_argument_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers")
+    for path in (tmp_path / "missing", tmp_path):  # no such directory; a directory with no tokenizer
+        argv = ["serve", "--model", "m", "--base-url", free_url(), "--tokenizer", str(path)]
+        assert bench([*argv, "--num-prompts", "1", "--disable-tqdm"]) == 2
+        err = capsys.readouterr().err
+        assert "error: --tokenizer: no tokenizer can be loaded from" in err and str(path) in err
 
 
 def test_code_prompts_come_from_hyspec_sources() -> None:

@@ -43,6 +43,7 @@ from hyspec_server.bench_datasets import (
 )
 from hyspec_server.bench_offline import bench_latency, bench_throughput
 from hyspec_server.bench_report import (
+    METRICS,
     SLO_METRICS,
     ServeRun,
     print_table,
@@ -53,7 +54,8 @@ from hyspec_server.bench_report import (
 )
 from hyspec_server.engine_flags import add_engine_flags
 
-DEFAULT_BASE_URL = "http://localhost:8000"
+DEFAULT_HOST = "localhost"
+DEFAULT_PORT = 8000
 
 
 # ----------------------------------------------------------------------------------------------- parser
@@ -104,7 +106,20 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
         default="openai",
         help="openai (or vllm): the completions API; openai-chat: the chat completions API (default openai)",
     )
-    s.add_argument("--base-url", default=DEFAULT_BASE_URL, help=f"the server (default {DEFAULT_BASE_URL})")
+    s.add_argument(
+        "--base-url",
+        default=None,
+        help="the server, e.g. http://localhost:8000 (default: http://HOST:PORT of --host and --port)",
+    )
+    s.add_argument(
+        "--host", default=DEFAULT_HOST, help=f"the server's host, without --base-url (default {DEFAULT_HOST})"
+    )
+    s.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"the server's port, without --base-url (default {DEFAULT_PORT})",
+    )
     s.add_argument(
         "--endpoint",
         default=None,
@@ -183,6 +198,12 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
         metavar="KEY:MS",
         help="SLOs for goodput, in ms, of ttft, tpot and e2el (e.g. ttft:500 tpot:50): the rate of "
         "requests meeting all of them",
+    )
+    o.add_argument(
+        "--percentile-metrics",
+        type=_metrics,
+        default=METRICS,
+        help=f"comma-separated metrics whose statistics are reported, of {','.join(METRICS)} (default all)",
     )
     o.add_argument(
         "--metric-percentiles",
@@ -270,6 +291,15 @@ def _slo(text: str) -> tuple[str, float]:
     return key, ms
 
 
+def _metrics(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(","))
+    if not names or not all(n in METRICS for n in names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected some of {','.join(METRICS)}, separated by commas"
+        )
+    return tuple(m for m in METRICS if m in names)
+
+
 def _percentiles(text: str) -> tuple[float, ...]:
     try:
         ps = tuple(float(x) for x in text.split(","))
@@ -317,8 +347,9 @@ def _bench_serve(ns: argparse.Namespace) -> int:
     _check_serve_args(ns)
     chat = ns.backend == "openai-chat"
     api_key = ns.api_key or os.environ.get("HYSPEC_API_KEY") or os.environ.get("OPENAI_API_KEY") or None
-    url = join_url(ns.base_url, ns.endpoint or ENDPOINTS[ns.backend])
-    model = ns.model or first_model(join_url(ns.base_url, "/v1/models"), api_key)
+    base_url = ns.base_url or _host_url(ns.host, ns.port)
+    url = join_url(base_url, ns.endpoint or ENDPOINTS[ns.backend])
+    model = ns.model or first_model(join_url(base_url, "/v1/models"), api_key)
     convs = _serve_dataset(ns)
     schedule = arrival_times(len(convs), ns.request_rate, ns.burstiness, ns.seed)
     client = Client(url, api_key, _request_fields(ns, model), chat)
@@ -328,9 +359,9 @@ def _bench_serve(ns: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     run = asyncio.run(_run(client, convs, schedule, ns.max_concurrency, ns.disable_tqdm))
-    result = summarize(run, dict(ns.goodput or []), ns.metric_percentiles)
+    result = summarize(run, dict(ns.goodput or []), ns.metric_percentiles, ns.percentile_metrics)
     result = {**run_info(ns, model, url), **result}
-    print_table(result, ns.metric_percentiles)
+    print_table(result, ns.metric_percentiles, ns.percentile_metrics)
     if ns.save_result:
         save(result, run, ns)
     return 0 if result["completed"] else 1
@@ -340,6 +371,8 @@ def _check_serve_args(ns: argparse.Namespace) -> None:
     for name in ("num_prompts", "random_input_len", "random_output_len", "num_groups", "num_turns"):
         if getattr(ns, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if ns.base_url is None and not 0 < ns.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
     if ns.shared_prefix_len < 0:
         raise ValueError("--shared-prefix-len must be >= 0")
     if not 0 <= ns.random_range_ratio < 1:
@@ -350,6 +383,10 @@ def _check_serve_args(ns: argparse.Namespace) -> None:
         raise ValueError("--request-rate and --burstiness must be > 0")
     if ns.dataset_name == "multi-turn" and ns.backend != "openai-chat":
         raise ValueError("the multi-turn dataset needs --backend openai-chat (it sends chat histories)")
+
+
+def _host_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _serve_dataset(ns: argparse.Namespace) -> list[Conversation]:

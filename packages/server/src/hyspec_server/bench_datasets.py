@@ -102,10 +102,16 @@ class Lengths:
 
 
 def load_tokenizer(path: str) -> Any:
-    """A transformers tokenizer from a local directory; nothing is downloaded."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    """A transformers tokenizer from a local directory; nothing is downloaded. ValueError naming
+    --tokenizer when there is none there (or no transformers to load it)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise ValueError(f"--tokenizer needs transformers ({e})") from e
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--tokenizer: no tokenizer can be loaded from {path!r} ({e})") from e
     # it only counts and cuts text: a whole source file may be longer than the model's context, no warning
     tok.model_max_length = sys.maxsize
     return tok
@@ -148,7 +154,10 @@ def shared_prefix_dataset(
     out = []
     for i in range(n):
         k = sample_len(rng, input_len, range_ratio)
-        text = prefixes[i % num_groups] + " " + lengths.words(rng, k)
+        # cut as a whole: a suffix tokenized on its own starts without its leading space, and its first word
+        # then splits into other tokens than after the prefix (the prefix's own tokens stay as they were)
+        suffix = " ".join(rng.choice(WORDS) for _ in range(k))
+        text = lengths.cut(prefixes[i % num_groups] + " " + suffix, prefix_len + k)
         out.append(_one(text, prefix_len + k, sample_len(rng, output_len, range_ratio)))
     rng.shuffle(out)
     return out

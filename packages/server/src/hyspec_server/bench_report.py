@@ -19,6 +19,8 @@ from typing import Any
 from hyspec_server.bench_client import BenchError, TurnResult
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
+METRICS = ("ttft", "tpot", "itl", "e2el")
+"""The latency metrics whose statistics can be reported (`--percentile-metrics`)."""
 
 
 @dataclass
@@ -41,8 +43,10 @@ def progress_bar(total: int) -> Any:
 # ---------------------------------------------------------------------------------------------- metrics
 
 
-def summarize(run: ServeRun, slos: dict[str, float], percentiles: Sequence[float]) -> dict[str, Any]:
-    """vLLM's result fields: counts, throughputs, goodput and each latency metric's statistics in ms."""
+def summarize(
+    run: ServeRun, slos: dict[str, float], percentiles: Sequence[float], metrics: Sequence[str] = METRICS
+) -> dict[str, Any]:
+    """vLLM's result fields: counts, throughputs, goodput and each of `metrics`' statistics in ms."""
     ok = [r for r in run.results if r.ok]
     dt = max(run.duration, 1e-9)
     out_tokens = sum(r.output_len for r in ok)
@@ -65,6 +69,8 @@ def summarize(run: ServeRun, slos: dict[str, float], percentiles: Sequence[float
         "peak_concurrent_requests": _peak_concurrency(run.results),
     }
     for name, values in _latency_series(ok).items():
+        if name not in metrics:
+            continue
         result.update(_stats(name, [v * 1000 for v in values], percentiles))
     return result
 
@@ -191,7 +197,7 @@ _SECTIONS = (
 )
 
 
-def print_table(res: dict[str, Any], percentiles: Sequence[float]) -> None:
+def print_table(res: dict[str, Any], percentiles: Sequence[float], metrics: Sequence[str] = METRICS) -> None:
     def row(label: str, value: Any) -> None:
         text = f"{value:.2f}" if isinstance(value, float) else str(value)
         print(f"{label:<40} {text:<10}")
@@ -212,6 +218,8 @@ def print_table(res: dict[str, Any], percentiles: Sequence[float]) -> None:
     row("Peak concurrent requests:", res["peak_concurrent_requests"])
     row("Total token throughput (tok/s):", res["total_token_throughput"])
     for key, title, short in _SECTIONS:
+        if key not in metrics:
+            continue
         print("{s:{c}^50}".format(s=title, c="-"))
         row(f"Mean {short} (ms):", res[f"mean_{key}_ms"])
         row(f"Median {short} (ms):", res[f"median_{key}_ms"])
