@@ -214,13 +214,15 @@ def paged_attention(
         "cu_seqlens_q", cu_seqlens_q, num_tokens, device=device, check_values=check_indices
     )
     dim("cu_seqlens_q", cu_seqlens_q, 0, num_seqs + 1, "N + 1, N = page_table rows")
-    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # [N]
     kv_lens = check_tensor("kv_lens", kv_lens, (num_seqs,), dtypes=INDEX_DTYPES, device=device)
     # under CUDA graph capture nothing may read device values: skip the value checks and launch for the
     # static upper bounds (T queries, a full page-table row of keys); the kernel masks by the real lengths
     graph = capturing(q)
     # value checks read the device: by default on the CPU only (on CUDA each is a sync)
     checks = value_checks(device, check_indices)
+    # only the checks and an eager launch's bounds read the query lengths: a graph (no checks) would replay
+    # their subtraction as one more kernel in every attention layer of every step
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1] if checks or not graph else cu_seqlens_q[:0]  # [N]
     if num_seqs and checks and bool(((kv_lens < q_lens) | (kv_lens > max_pages * page_size)).any()):
         raise ValueError(
             f"kv_lens: expected q_len <= kv_len <= max_pages * page_size = {max_pages * page_size}, "
