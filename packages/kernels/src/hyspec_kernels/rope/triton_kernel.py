@@ -16,70 +16,6 @@ from ..gating.triton_kernel import _PROD_CODES, _round
 from ..launch import pdl_args, wait_for_inputs
 
 
-@triton.jit
-def _rotate(  # type: ignore[no-untyped-def]
-    x, xp, cos_ptr, sin_ptr, t, stride_ct, stride_st, d, half, rotates, dt
-):
-    """Heads x [BH, BD] (fp32 values of dtype dt) rotated by token t's cos / sin, given each dim's partner
-    value xp (d + R/2 or d - R/2); dims from R on pass through. Returns dt."""
-    rotated = tl.where(d < half, -xp, xp)
-    c = tl.load(cos_ptr + t * stride_ct + d, mask=rotates, other=0.0).to(tl.float32)  # [1, BLOCK_D]
-    s = tl.load(sin_ptr + t * stride_st + d, mask=rotates, other=0.0).to(tl.float32)
-    # each product rounded to x's dtype, then the sum: the torch form's three roundings
-    a = (x * c).to(dt).to(tl.float32)
-    b = (rotated * s).to(dt).to(tl.float32)
-    return tl.where(rotates, (a + b).to(dt), x.to(dt))
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _rotary_kernel(  # type: ignore[no-untyped-def]
-    x_ptr,
-    cos_ptr,
-    sin_ptr,
-    o_ptr,
-    num_heads,
-    head_dim,
-    rot_dim,
-    stride_xt,
-    stride_xh,
-    stride_ct,
-    stride_st,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    wait_for_inputs(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
-    d = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
-    half = rot_dim // 2
-    in_head = (h < num_heads) & (d < head_dim)
-    rotates = d < rot_dim
-    base = x_ptr + t * stride_xt + h.to(tl.int64) * stride_xh
-    x = tl.load(base + d, mask=in_head, other=0.0)  # [BLOCK_H, BLOCK_D]
-    partner = tl.where(d < half, d + half, d - half)
-    xp = tl.load(base + partner, mask=in_head & rotates, other=0.0).to(tl.float32)
-    dt = o_ptr.dtype.element_ty
-    out = _rotate(x.to(tl.float32), xp, cos_ptr, sin_ptr, t, stride_ct, stride_st, d, half, rotates, dt)
-    tl.store(o_ptr + t * num_heads * head_dim + h * head_dim + d, out, mask=in_head)
-
-
-def apply_rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Unvalidated launcher: x [T, H, Dh] with unit stride in its last dim; cos / sin [T, R] likewise."""
-    num_tokens, num_heads, head_dim = x.shape
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    block_d = int(triton.next_power_of_2(head_dim))
-    block_h = max(1, min(int(triton.next_power_of_2(num_heads)), 4096 // block_d))
-    _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        x, cos, sin, out, num_heads, head_dim, cos.shape[-1],
-        x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-        BLOCK_H=block_h, BLOCK_D=block_d, **pdl_args(x.device),
-    )  # fmt: skip
-    return out
-
-
 @triton.jit  # type: ignore[untyped-decorator]
 def _normed(  # type: ignore[no-untyped-def]
     x, rstd, w, offset, dt, ZERO_CENTRED: tl.constexpr, PROD: tl.constexpr
@@ -95,9 +31,9 @@ def _normed(  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _norm_rotary_kernel(  # type: ignore[no-untyped-def]
+def _rotary_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
-    w_ptr,
+    w_ptr,  # [Dh] the norm's weight (NORM only)
     cos_ptr,
     sin_ptr,
     o_ptr,
@@ -111,6 +47,7 @@ def _norm_rotary_kernel(  # type: ignore[no-untyped-def]
     stride_w,
     stride_ct,
     stride_st,
+    NORM: tl.constexpr,  # each head RMS-normed first (`norm_rotary`)
     ZERO_CENTRED: tl.constexpr,
     PROD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -128,15 +65,52 @@ def _norm_rotary_kernel(  # type: ignore[no-untyped-def]
     dt = o_ptr.dtype.element_ty
     base = x_ptr + t * stride_xt + h.to(tl.int64) * stride_xh
     x = tl.load(base + d, mask=in_head, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D]
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / head_dim + eps)[:, None]  # [BLOCK_H, 1]
-    w = tl.load(w_ptr + d * stride_w, mask=in_d, other=0.0).to(tl.float32)
-    xn = _normed(x, rstd, w, offset, dt, ZERO_CENTRED, PROD)
     partner = tl.where(d < half, d + half, d - half)
     xp = tl.load(base + partner, mask=in_head & rotates, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner * stride_w, mask=in_d & rotates, other=0.0).to(tl.float32)
-    xpn = _normed(xp, rstd, wp, offset, dt, ZERO_CENTRED, PROD)
-    out = _rotate(xn, xpn, cos_ptr, sin_ptr, t, stride_ct, stride_st, d, half, rotates, dt)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / head_dim + eps)[:, None]  # [BLOCK_H, 1]
+        w = tl.load(w_ptr + d * stride_w, mask=in_d, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner * stride_w, mask=in_d & rotates, other=0.0).to(tl.float32)
+        x = _normed(x, rstd, w, offset, dt, ZERO_CENTRED, PROD)
+        xp = _normed(xp, rstd, wp, offset, dt, ZERO_CENTRED, PROD)
+    rotated = tl.where(d < half, -xp, xp)
+    c = tl.load(cos_ptr + t * stride_ct + d, mask=rotates, other=0.0).to(tl.float32)  # [1, BLOCK_D]
+    s = tl.load(sin_ptr + t * stride_st + d, mask=rotates, other=0.0).to(tl.float32)
+    # each product rounded to x's dtype, then the sum: the torch form's three roundings
+    a = (x * c).to(dt).to(tl.float32)
+    b = (rotated * s).to(dt).to(tl.float32)
+    out = tl.where(rotates, (a + b).to(dt), x.to(dt))
     tl.store(o_ptr + t * num_heads * head_dim + h * head_dim + d, out, mask=in_head)
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    offset: float,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = x.shape
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    block_d = int(triton.next_power_of_2(head_dim))
+    block_h = max(1, min(int(triton.next_power_of_2(num_heads)), 4096 // block_d))
+    w = cos if weight is None else weight  # any valid pointer; unused without NORM
+    _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        x, w, cos, sin, out, num_heads, head_dim, cos.shape[-1], eps, offset,
+        x.stride(0), x.stride(1), w.stride(0), cos.stride(0), sin.stride(0),
+        NORM=weight is not None, ZERO_CENTRED=offset != 0.0,
+        PROD=_PROD_CODES[torch.promote_types(w.dtype, x.dtype)], BLOCK_H=block_h, BLOCK_D=block_d,
+        **pdl_args(x.device),
+    )  # fmt: skip
+    return out
+
+
+def apply_rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Unvalidated launcher: x [T, H, Dh] with unit stride in its last dim; cos / sin [T, R] likewise."""
+    return _launch(x, None, cos, sin, 0.0, 0.0)
 
 
 def norm_rotary_triton(
@@ -149,16 +123,4 @@ def norm_rotary_triton(
     offset: float,
 ) -> torch.Tensor:
     """Unvalidated launcher: x [T, H, Dh] with unit stride in its last dim; cos / sin [T, R] likewise."""
-    num_tokens, num_heads, head_dim = x.shape
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    block_d = int(triton.next_power_of_2(head_dim))
-    block_h = max(1, min(int(triton.next_power_of_2(num_heads)), 4096 // block_d))
-    _norm_rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        x, weight, cos, sin, out, num_heads, head_dim, cos.shape[-1], eps, offset,
-        x.stride(0), x.stride(1), weight.stride(0), cos.stride(0), sin.stride(0),
-        ZERO_CENTRED=offset != 0.0, PROD=_PROD_CODES[torch.promote_types(weight.dtype, x.dtype)],
-        BLOCK_H=block_h, BLOCK_D=block_d, **pdl_args(x.device),
-    )  # fmt: skip
-    return out
+    return _launch(x, weight, cos, sin, eps, offset)
